@@ -1,0 +1,1 @@
+"""fp8scope FP8 training runtime."""

@@ -1,0 +1,92 @@
+"""Data passed between the ingest path and the detectors.
+
+The ingest path (monitor_server's API layer) decodes a telemetry batch into a `StepBatch` and hands it to
+a `DetectorEngine` (``monitor_server.detectors.engine``); the engine returns `Finding`s, which the API
+layer turns into alerts (one open alert per kind and tensor, updated rather than duplicated).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+#: Per-tensor statistics, in the order the training runtime records them.
+STAT_COLUMNS: tuple[str, ...] = ("amax", "scale", "overflow", "underflow", "nonfinite", "numel")
+
+#: Roles of a quantized tensor.
+ROLES: tuple[str, ...] = ("input", "weight", "grad_output")
+
+#: Alert kinds the detectors raise.
+ALERT_KINDS: tuple[str, ...] = (
+    "nonfinite",
+    "loss_spike",
+    "overflow_burst",
+    "underflow_excess",
+    "amax_divergence",
+    "scale_collapse",
+    "stalled",
+)
+
+SEVERITIES: tuple[str, ...] = ("info", "warning", "critical")
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """One quantized tensor of a run, as registered by the training job.
+
+    `name` is ``<module path>.<role>``; `layer` the module path; `format` ``"e4m3"`` or ``"e5m2"``.
+    Forward-then-backward order: the forward tensors (input, weight) in layer order, then the
+    grad_output tensors in reverse layer order (backward runs the layers last to first). Layer order
+    is the order in which layers first appear when tensors are sorted by `index`.
+    """
+
+    index: int
+    name: str
+    layer: str
+    role: str
+    format: str
+
+
+@dataclass
+class StepBatch:
+    """A run of consecutive telemetry steps, decoded.
+
+    Attributes:
+        steps: (S,) int64 step numbers, ascending.
+        scalars: name -> (S,) float64 (loss, lr, grad_norm, tokens_per_s, ...); NaN where a step lacks it.
+        stats: one of STAT_COLUMNS -> (S, T) float64 indexed by tensor index; NaN and ±inf are real values.
+    """
+
+    steps: np.ndarray
+    scalars: dict[str, np.ndarray] = field(default_factory=dict)
+    stats: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """Something a detector saw. The API layer stores it as an alert keyed by (run, kind, tensor_index).
+
+    `evidence` must be JSON-serialisable with non-finite floats spelled as the strings "NaN",
+    "Infinity" and "-Infinity" (see `encode_float`).
+    """
+
+    kind: str
+    step: int
+    severity: str
+    message: str
+    tensor_index: int | None = None
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+def encode_float(x: float) -> float | str:
+    """A float as JSON can carry it: finite values unchanged, NaN / ±inf as "NaN" / "Infinity" / "-Infinity"."""
+    x = float(x)
+    if x != x:
+        return "NaN"
+    if x == float("inf"):
+        return "Infinity"
+    if x == float("-inf"):
+        return "-Infinity"
+    return x
