@@ -57,11 +57,15 @@ class StepBatch:
         steps: (S,) int64 step numbers, ascending.
         scalars: name -> (S,) float64 (loss, lr, grad_norm, tokens_per_s, ...); NaN where a step lacks it.
         stats: one of STAT_COLUMNS -> (S, T) float64 indexed by tensor index; NaN and ±inf are real values.
+        present: optional, scalar name -> (S,) bool, True where the step carried that scalar. It tells a real
+            NaN (e.g. a NaN loss, reported as non-finite) from a missing value; without it a NaN scalar is
+            taken as missing.
     """
 
     steps: np.ndarray
     scalars: dict[str, np.ndarray] = field(default_factory=dict)
     stats: dict[str, np.ndarray] = field(default_factory=dict)
+    present: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,7 @@ class Finding:
 
 
 def encode_float(x: float) -> float | str:
-    """A float as JSON can carry it: finite values unchanged, NaN / ±inf as "NaN" / "Infinity" / "-Infinity"."""
+    """A float as JSON can carry it: finite unchanged, NaN / ±inf as "NaN" / "Infinity" / "-Infinity"."""
     x = float(x)
     if x != x:
         return "NaN"
@@ -90,3 +94,16 @@ def encode_float(x: float) -> float | str:
     if x == float("-inf"):
         return "-Infinity"
     return x
+
+
+def decode_float(x: float | int | str | None) -> float:
+    """Inverse of `encode_float`: "NaN" / "Infinity" / "-Infinity" back to floats; None becomes NaN."""
+    if x is None:
+        return float("nan")
+    if isinstance(x, str):
+        return {"NaN": float("nan"), "Infinity": float("inf"), "-Infinity": float("-inf")}[x]
+    return float(x)
+
+
+#: Largest finite value of each FP8 format (DESIGN.md: e5m2 is 57344, not 57334).
+FP8_MAX: dict[str, float] = {"e4m3": 448.0, "e5m2": 57344.0}

@@ -1,0 +1,15 @@
+"""Training-health detectors: pure, incremental, numpy-vectorised; the API layer stores their findings."""
+
+from .config import DetectorConfig
+from .engine import DetectorEngine, check_stalled
+from .types import ALERT_KINDS, Finding, StepBatch, TensorMeta
+
+__all__ = [
+    "ALERT_KINDS",
+    "DetectorConfig",
+    "DetectorEngine",
+    "Finding",
+    "StepBatch",
+    "TensorMeta",
+    "check_stalled",
+]

@@ -1,0 +1,223 @@
+"""Scaling-state detectors: amax divergence (growth delayed scaling cannot cover) and scale collapse."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .config import DetectorConfig
+from .episodes import advance
+from .state import decode_array, encode_array, encode_evidence
+from .tensors import Tail
+from .types import Finding, TensorMeta
+
+# log2 amax is kept in fixed point (2^-20 resolution) so that window sums are exact integer arithmetic:
+# the same steps give bit-identical means however the run was split into batches.
+FIXED_POINT = float(2**20)
+
+
+class AmaxDivergenceDetector:
+    """Rule: ``growth = log2(amax_s) - mean(log2 amax over the previous W steps)`` with
+    ``W = min(amax_history_len, divergence_window)`` per tensor (the recompute interval, usually 1, for
+    ``amax_compute_algo="most_recent"``; see `recipe.growth_window`). A step diverges when
+    ``growth > margin + divergence_log2`` and at least half the window holds finite amaxes; fires once per
+    episode after `divergence_consecutive` diverging steps, severity warning, critical when
+    ``growth > margin + 2 * divergence_log2``. A steady exponential rise of r (log2 per step) gives
+    growth of about ``r * (W + 1) / 2``.
+    """
+
+    def __init__(self, config: DetectorConfig, tensors: list[TensorMeta]) -> None:
+        self.config = config
+        self.tensors = tensors
+        n, w = len(tensors), config.divergence_window
+        # previous log2 amax per tensor, fixed point, oldest first; (T, W) so window sums run along rows
+        self.ring_q = np.zeros((n, w), dtype=np.int32)
+        self.ring_ok = np.zeros((n, w), dtype=bool)
+        self.run = np.zeros(n, dtype=np.int64)
+        self.fired = np.zeros(n, dtype=bool)
+        self.last_growth = np.full(n, np.nan)  # for layer health
+        self.tail = Tail(n)
+
+    def process(self, steps, amax, enabled, margin, window) -> list[Finding]:
+        cfg = self.config
+        s_len, n = amax.shape
+        w = cfg.divergence_window
+        self.tail.push(steps, amax)
+        with np.errstate(over="ignore"):  # beyond float32: inf, i.e. unusable, like the runtime's own value
+            amax32 = amax.astype(np.float32)  # the runtime's amax is float32; its log2 is ~2x cheaper
+        ok = np.isfinite(amax32) & (amax32 > 0)
+        log2_32 = np.log2(amax32, where=ok, out=np.zeros_like(amax32))  # 0 where unusable, so q is 0 there
+        q = (log2_32 * np.float32(FIXED_POINT)).astype(np.int32)  # exact scaling, then truncation; |q| < 2^28
+        log2_amax = log2_32.astype(np.float64)
+        log2_amax[~ok] = np.nan
+        ext_q = np.concatenate([self.ring_q, q.T], axis=1)  # (T, W + S)
+        ext_ok = np.concatenate([self.ring_ok, ok.T], axis=1)
+        cum_q = np.zeros((n, w + s_len + 1), dtype=np.int64)  # cum_q[:, p] = sum of ext_q[:, :p]
+        cum_n = np.zeros((n, w + s_len + 1), dtype=np.int64)
+        np.cumsum(ext_q, axis=1, dtype=np.int64, out=cum_q[:, 1:])
+        np.cumsum(ext_ok, axis=1, out=cum_n[:, 1:])
+        total = np.empty((n, s_len), dtype=np.int64)
+        count = np.empty((n, s_len), dtype=np.int64)
+        for u in np.unique(window):  # usually one window length for the whole model
+            rows = slice(None) if (window == u).all() else window == u
+            # step i's window is ext[:, w + i - u : w + i]
+            total[rows] = cum_q[rows, w : w + s_len] - cum_q[rows, w - u : w - u + s_len]
+            count[rows] = cum_n[rows, w : w + s_len] - cum_n[rows, w - u : w - u + s_len]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            mean = (total / (count * FIXED_POINT)).T  # (S, T)
+        growth = log2_amax - mean
+        valid = ok & (window <= 2 * count.T)  # at least half the window has finite amaxes
+        mask = enabled & valid & (growth > margin[None, :] + cfg.divergence_log2)
+        cols, run, (fire,) = advance(
+            mask, self.run, [self.fired], lambda run, c: [run >= cfg.divergence_consecutive]
+        )
+        self.ring_q = ext_q[:, -w:].copy()
+        self.ring_ok = ext_ok[:, -w:].copy()
+        has = valid.any(axis=0)
+        last_valid = s_len - 1 - np.argmax(valid[::-1], axis=0)
+        self.last_growth = np.where(has, growth[last_valid, np.arange(n)], self.last_growth)
+
+        findings = []
+        for s, j in zip(*np.nonzero(fire), strict=True):
+            t, r = cols[j], run[s, j]
+            step, name, m = int(steps[s]), self.tensors[t].name, margin[t]
+            critical = growth[s, t] > m + 2 * cfg.divergence_log2
+            findings.append(
+                Finding(
+                    kind="amax_divergence",
+                    step=step,
+                    tensor_index=int(t),
+                    severity="critical" if critical else "warning",
+                    message=(
+                        f"amax divergence in {name} at step {step}: amax {amax[s, t]:.4g} is "
+                        f"2^{growth[s, t]:.2f} "
+                        f"times the mean of the previous {window[t]} steps (2^{mean[s, t]:.2f}), beyond the "
+                        f"margin {m:g} + tolerance {cfg.divergence_log2:g}, for {r} steps"
+                    ),
+                    evidence=encode_evidence(
+                        {
+                            "amax": amax[s, t],
+                            "log2_amax": log2_amax[s, t],
+                            "window_mean_log2_amax": mean[s, t],
+                            "growth_log2": growth[s, t],
+                            "window": window[t],
+                            "margin": m,
+                            "tolerance_log2": cfg.divergence_log2,
+                            "consecutive_steps": r,
+                            "amax_tail": self.tail.get(s, t),
+                        }
+                    ),
+                )
+            )
+        return findings
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "ring_q": encode_array(self.ring_q),
+            "ring_ok": encode_array(self.ring_ok),
+            "run": encode_array(self.run),
+            "fired": encode_array(self.fired),
+            "last_growth": encode_array(self.last_growth),
+            "tail": self.tail.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        ring_q = decode_array(state["ring_q"], np.int32)
+        if ring_q.shape == self.ring_q.shape:  # a changed divergence_window restarts the window
+            self.ring_q = ring_q
+            self.ring_ok = decode_array(state["ring_ok"], bool)
+        self.run = decode_array(state["run"], np.int64)
+        self.fired = decode_array(state["fired"], bool)
+        self.last_growth = decode_array(state["last_growth"], np.float64)
+        self.tail.load_state_dict(state["tail"])
+
+
+class ScaleCollapseDetector:
+    """Rule: a step's scale has collapsed when ``max(log2 scale over the previous scale_window steps) -
+    log2(scale) > scale_drop_log2`` (warning: one amax spike in a ``"max"`` history pins a tiny scale for
+    amax_history_len steps, flushing everything else to zero), or when the scale is NaN/±inf, <= 0 or below
+    `scale_min` (critical). Fires once per episode, and once more if a warning episode turns critical.
+    """
+
+    def __init__(self, config: DetectorConfig, tensors: list[TensorMeta]) -> None:
+        self.config = config
+        self.tensors = tensors
+        n = len(tensors)
+        self.ring = np.full((config.scale_window, n), np.nan)  # previous scales, NaN where unusable
+        self.run = np.zeros(n, dtype=np.int64)
+        self.fired = np.zeros(n, dtype=bool)
+        self.fired_critical = np.zeros(n, dtype=bool)
+        self.tail = Tail(n)
+
+    def process(self, steps, scale, enabled) -> list[Finding]:
+        cfg = self.config
+        self.tail.push(steps, scale)
+        s_len = scale.shape[0]
+        usable = np.isfinite(scale) & (scale > 0)
+        scale_or_nan = np.where(usable, scale, np.nan)
+        ext = np.concatenate([self.ring, scale_or_nan])
+        ref = ext[:s_len].copy()
+        for j in range(1, cfg.scale_window):  # sliding max over the previous window; fmax skips NaN
+            np.fmax(ref, ext[j : j + s_len], out=ref)
+        dropped = scale_or_nan * 2.0**cfg.scale_drop_log2 < ref  # False where either is NaN
+        broken = ~usable | (scale < cfg.scale_min)
+        mask = enabled & (broken | dropped)
+        cols, _, (fire, escalate) = advance(
+            mask, self.run, [self.fired, self.fired_critical], lambda run, c: [mask[:, c], broken[:, c]]
+        )
+        self.ring = ext[-cfg.scale_window :].copy()
+
+        findings = []
+        for s, j in zip(*np.nonzero(fire | escalate), strict=True):
+            t = cols[j]
+            step, name = int(steps[s]), self.tensors[t].name
+            critical = bool(broken[s, t])
+            with np.errstate(divide="ignore", invalid="ignore"):
+                drop = float(np.log2(ref[s, t] / scale[s, t]))
+            if critical:
+                how = f"scale is {scale[s, t]:.4g} (non-finite, non-positive or below {cfg.scale_min:.3g})"
+            else:
+                how = (
+                    f"scale fell 2^{drop:.1f}x to {scale[s, t]:.4g} within {cfg.scale_window} steps "
+                    f"(more than 2^{cfg.scale_drop_log2:g})"
+                )
+            findings.append(
+                Finding(
+                    kind="scale_collapse",
+                    step=step,
+                    tensor_index=int(t),
+                    severity="critical" if critical else "warning",
+                    message=f"scale collapse in {name} at step {step}: {how}",
+                    evidence=encode_evidence(
+                        {
+                            "scale": scale[s, t],
+                            "window_max_scale": ref[s, t],
+                            "drop_log2": drop,
+                            "drop_threshold_log2": cfg.scale_drop_log2,
+                            "scale_min": cfg.scale_min,
+                            "window": cfg.scale_window,
+                            "scale_tail": self.tail.get(s, t),
+                        }
+                    ),
+                )
+            )
+        return findings
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "ring": encode_array(self.ring),
+            "run": encode_array(self.run),
+            "fired": encode_array(self.fired),
+            "fired_critical": encode_array(self.fired_critical),
+            "tail": self.tail.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        ring = decode_array(state["ring"], np.float64)
+        if ring.shape == self.ring.shape:
+            self.ring = ring
+        self.run = decode_array(state["run"], np.int64)
+        self.fired = decode_array(state["fired"], bool)
+        self.fired_critical = decode_array(state["fired_critical"], bool)
+        self.tail.load_state_dict(state["tail"])

@@ -1,0 +1,76 @@
+"""Detector thresholds: one validated, JSON-serialisable pydantic model with every default in one place."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class DetectorConfig(BaseModel):
+    """Thresholds of every detector. Defaults are deliberately conservative: an alert should mean something.
+
+    Loss spike (run-level): robust z-score of each new finite loss against the previous `loss_window` finite
+    losses, ``z = (loss - median) / max(1.4826 * MAD, loss_rel_floor * |median|, 1e-12)``; fires when
+    ``z >= loss_z_threshold`` once `loss_min_history` losses are in the window; critical when
+    ``z >= loss_z_critical``.
+
+    Overflow burst (per tensor): ``frac = overflow / numel``; a step is overflowing when
+    ``frac > overflow_frac``; fires (warning) after `overflow_consecutive` consecutive overflowing steps, or
+    at once (critical) on a jump ``frac >= overflow_jump_frac``.
+
+    Underflow excess (per tensor): ``frac = underflow / numel`` above `underflow_frac` (input, weight) or
+    `underflow_frac_grad` (grad_output, whose small values underflow routinely) for `underflow_consecutive`
+    consecutive steps; severity info.
+
+    Amax divergence (per tensor): ``growth = log2(amax) - mean(log2 amax over the previous W steps)`` with
+    ``W = min(amax_history_len, divergence_window)`` (the recompute interval, usually 1, for
+    ``amax_compute_algo="most_recent"``; `divergence_window` for current scaling); a step
+    diverges when ``growth > margin + divergence_log2``; fires after `divergence_consecutive` such steps;
+    critical when ``growth > margin + 2 * divergence_log2``.
+
+    Scale collapse (per tensor): ``log2(scale)`` more than `scale_drop_log2` below its maximum over the
+    previous `scale_window` steps (warning), or a scale that is non-finite, <= 0 or below `scale_min`
+    (critical).
+
+    Stalled (run-level): no telemetry for `stall_seconds` (warning; critical after 10x that).
+
+    Layer health: a layer saturates (warning, diverging) when a tensor's headroom
+    ``log2(FP8_MAX / (amax * scale))`` is below ``-saturation_log2``.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    loss_window: int = Field(50, ge=5, le=10_000)
+    loss_min_history: int = Field(20, ge=3)
+    loss_z_threshold: float = Field(6.0, gt=0)
+    loss_z_critical: float = Field(12.0, gt=0)
+    loss_rel_floor: float = Field(1e-3, ge=0)
+
+    overflow_frac: float = Field(1e-3, ge=0, lt=1)
+    overflow_consecutive: int = Field(3, ge=1)
+    overflow_jump_frac: float = Field(1e-2, gt=0, le=1)
+
+    underflow_frac: float = Field(0.05, ge=0, lt=1)
+    underflow_frac_grad: float = Field(0.25, ge=0, lt=1)
+    underflow_consecutive: int = Field(10, ge=1)
+
+    divergence_window: int = Field(32, ge=1, le=1024)
+    divergence_log2: float = Field(2.0, gt=0)
+    divergence_consecutive: int = Field(3, ge=1)
+
+    scale_window: int = Field(8, ge=1, le=256)
+    scale_drop_log2: float = Field(8.0, gt=0)
+    scale_min: float = Field(2.0**-40, gt=0)
+
+    saturation_log2: float = Field(0.5, ge=0)
+
+    stall_seconds: float = Field(120.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check_orders(self) -> DetectorConfig:
+        if self.loss_min_history > self.loss_window:
+            raise ValueError("loss_min_history must be <= loss_window")
+        if self.loss_z_critical < self.loss_z_threshold:
+            raise ValueError("loss_z_critical must be >= loss_z_threshold")
+        if self.overflow_jump_frac <= self.overflow_frac:
+            raise ValueError("overflow_jump_frac must be > overflow_frac")
+        return self

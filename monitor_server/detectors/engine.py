@@ -1,0 +1,340 @@
+"""The detector engine the ingest path calls: incremental, vectorised over tensors, with JSON-able state.
+
+Usage (API layer)::
+
+    engine = DetectorEngine(DetectorConfig(), tensors, recipe, state=saved_state_or_None)
+    findings = engine.process(batch) + engine.process_events(batch_events)
+    saved_state = engine.state_dict()          # json.dumps-able (~300 kB for 512 tensors); restores exactly
+    engine.set_recipe(recipe_in_force)         # after a recipe command was applied (see `recipe.py`)
+    layers = engine.layer_health(open_alerts)  # ranked worst first
+
+Conventions:
+
+- Steps already processed (``<= the last processed step``, e.g. a spool replay) are skipped by every
+  detector; a batch may mix old and new steps.
+- Persistent conditions fire once per *episode* (consecutive steps in which the condition holds), at the
+  step the detector's rule first holds, so an open alert is updated when the problem recurs, not every step.
+  Overflow bursts and scale collapses fire once more if an episode escalates from warning to critical.
+- Findings come out ordered by step; within a step: nonfinite (in forward-then-backward order), loss_spike,
+  scale_collapse, overflow_burst, amax_divergence, underflow_excess.
+- A NaN loss counts as non-finite only where ``batch.present["loss"]`` says the step carried a loss (types.py
+  documents NaN as "missing" otherwise); an infinite loss always counts.
+- Tensors of layers with FP8 turned off in the recipe are ignored by the tensor detectors.
+- Client events (`process_events`): ``loss_spike`` -> a loss_spike finding (warning), ``nonfinite`` -> a
+  nonfinite finding (critical; details may name ``tensor_index`` or ``tensor``), ``custom`` -> nothing unless
+  ``details["alert"] is True`` and ``details["kind"]`` is one of ALERT_KINDS (then that kind, with
+  ``details["severity"]`` / ``details["message"]`` if given). Malformed events are skipped, never raised.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from .amax import AmaxDivergenceDetector, ScaleCollapseDetector
+from .config import DetectorConfig
+from .health import TensorSnapshot, layer_health
+from .loss import LossSpikeDetector
+from .nonfinite import NonfiniteDetector
+from .recipe import merge_recipe, per_tensor, split_recipe
+from .stall import check_stalled
+from .state import decode_array, encode_array, encode_evidence
+from .tensors import OverflowBurstDetector, UnderflowExcessDetector
+from .types import ALERT_KINDS, FP8_MAX, SEVERITIES, Finding, StepBatch, TensorMeta
+
+__all__ = ["DetectorConfig", "DetectorEngine", "check_stalled"]
+
+log = logging.getLogger(__name__)
+STATE_VERSION = 1
+
+
+def _dense(tensors: list[TensorMeta]) -> list[TensorMeta]:
+    """Tensors by index, gaps filled with placeholders (layer "" so they belong to no layer)."""
+    n = max((t.index for t in tensors), default=-1) + 1
+    out: list[TensorMeta | None] = [None] * n
+    for t in tensors:
+        out[t.index] = t
+    return [
+        t or TensorMeta(index=i, name=f"tensor[{i}]", layer="", role="input", format="e4m3")
+        for i, t in enumerate(out)
+    ]
+
+
+class DetectorEngine:
+    """All detectors of one run. See the module docstring for the conventions and each detector's class
+    docstring (or `DetectorConfig`) for its rule and thresholds.
+
+    Args:
+        config: thresholds.
+        tensors: the run's registered tensors (stats columns are indexed by `TensorMeta.index`).
+        recipe: the run's scaling recipe (see `recipe.py`); None means the defaults (margin 0, history 1024).
+        state: a previous `state_dict()`; the recipe saved in it (with any `set_recipe` / `update_recipe`
+            changes) replaces `recipe`; call `set_recipe` afterwards if the caller's copy is the truth.
+    """
+
+    def __init__(
+        self,
+        config: DetectorConfig,
+        tensors: list[TensorMeta],
+        recipe: dict | None,
+        state: dict | None = None,
+    ) -> None:
+        self.config = config
+        self.tensors = _dense(tensors)
+        self.by_name = {t.name: t.index for t in tensors}
+        self.registered = np.zeros(len(self.tensors), dtype=bool)
+        self.registered[[t.index for t in tensors]] = True
+        n = len(self.tensors)
+        self.fp8_max = np.array([FP8_MAX.get(t.format, FP8_MAX["e4m3"]) for t in self.tensors])
+        self._base: dict[str, Any] = {}
+        self._overrides: dict[str, dict[str, Any]] = {}
+        self.set_recipe(recipe)
+        self.loss = LossSpikeDetector(config)
+        self.nonfinite = NonfiniteDetector(self.tensors)
+        self.overflow = OverflowBurstDetector(config, self.tensors)
+        self.underflow = UnderflowExcessDetector(config, self.tensors)
+        self.divergence = AmaxDivergenceDetector(config, self.tensors)
+        self.scale_collapse = ScaleCollapseDetector(config, self.tensors)
+        self.last_step: int | None = None
+        self.last_amax = np.full(n, np.nan)
+        self.last_scale = np.full(n, np.nan)
+        self.overflow_total = np.zeros(n)
+        self.underflow_total = np.zeros(n)
+        self.nonfinite_total = np.zeros(n)
+        if state is not None:
+            self.load_state_dict(state)
+
+    # ---- recipe -------------------------------------------------------------------------------------------
+    def set_recipe(self, recipe: dict | None) -> None:
+        """Replace the recipe in force with `recipe` (whole-model keys plus optional ``"overrides": {layer:
+        {...}}``, as the constructor takes it); None means the defaults. Pass the whole effective recipe."""
+        self._apply_recipe(*split_recipe(recipe))
+
+    def update_recipe(self, change: dict | None) -> None:
+        """Merge a partial change into the recipe in force: whole-model keys replace theirs, ``"overrides":
+        {layer: {...} | None}`` merges into (or with None removes) that layer's override; None resets."""
+        self._apply_recipe(*merge_recipe(self._base, self._overrides, change))
+
+    def _apply_recipe(self, base: dict[str, Any], overrides: dict[str, dict[str, Any]]) -> None:
+        self._base, self._overrides = base, overrides
+        self.margin, self.window, self.enabled = per_tensor(
+            self.tensors, self._base, self._overrides, self.config.divergence_window
+        )
+        self.enabled &= self.registered  # placeholders for unregistered indices are never watched
+
+    @property
+    def recipe(self) -> dict[str, Any]:
+        """The recipe in force: whole-model keys plus ``"overrides"``."""
+        return {**self._base, "overrides": {k: dict(v) for k, v in self._overrides.items()}}
+
+    # ---- processing ---------------------------------------------------------------------------------------
+    def process(self, batch: StepBatch) -> list[Finding]:
+        """Run every detector over the batch's new steps; returns findings ordered by step."""
+        steps = np.asarray(batch.steps, dtype=np.int64).reshape(-1)
+        if steps.size == 0:
+            return []
+        floor = np.iinfo(np.int64).min if self.last_step is None else self.last_step
+        seen = np.concatenate([[floor], np.maximum.accumulate(steps)[:-1]])
+        seen = np.maximum(seen, floor)
+        rows = np.flatnonzero(steps > seen)
+        if rows.size == 0:
+            return []
+        steps = steps[rows]
+        n = len(self.tensors)
+        cols = {name: self._column(batch, name, rows, n) for name in batch.stats}
+        amax, scale, numel = cols.get("amax"), cols.get("scale"), cols.get("numel")
+        overflow, underflow, nonfinite = cols.get("overflow"), cols.get("underflow"), cols.get("nonfinite")
+        enabled = self.enabled[None, :]
+        loss = self._scalar(batch, "loss", rows)
+
+        # nonfinite: counts > 0 or amax NaN/inf; the loss where the step carried one
+        counts = np.nan_to_num(nonfinite, nan=0.0) if nonfinite is not None else np.zeros((steps.size, n))
+        amax_bad = ~np.isfinite(amax) if amax is not None else np.zeros((steps.size, n), dtype=bool)
+        bad = enabled & ((counts > 0) | amax_bad)
+        present = batch.present.get("loss")
+        if loss is None:
+            loss_bad = np.zeros(steps.size, dtype=bool)
+        elif present is not None:
+            present = np.asarray(present, dtype=bool).reshape(-1)
+            if present.shape[0] != len(batch.steps):
+                raise ValueError(
+                    f"present['loss'] has {present.shape[0]} values for {len(batch.steps)} steps"
+                )
+            loss_bad = present[rows] & ~np.isfinite(loss)
+        else:
+            loss_bad = np.isinf(loss)
+        nan_cols = np.full((steps.size, n), np.nan)
+        loss_or_nan = loss if loss is not None else np.full(steps.size, np.nan)
+        findings = self.nonfinite.process(
+            steps,
+            bad,
+            loss_bad,
+            counts,
+            amax if amax is not None else nan_cols,
+            numel if numel is not None else nan_cols,
+            loss_or_nan,
+        )
+        if loss is not None:
+            findings += self.loss.process(steps, loss)
+        if scale is not None:
+            findings += self.scale_collapse.process(steps, scale, enabled)
+        if overflow is not None and numel is not None:
+            findings += self.overflow.process(steps, overflow, numel, enabled)
+        if amax is not None:
+            findings += self.divergence.process(steps, amax, enabled, self.margin, self.window)
+        if underflow is not None and numel is not None:
+            findings += self.underflow.process(steps, underflow, numel, enabled)
+
+        # running per-tensor summary for layer health
+        if amax is not None:
+            self.last_amax = amax[-1].copy()
+        if scale is not None:
+            self.last_scale = scale[-1].copy()
+        if overflow is not None:
+            self.overflow_total += np.nansum(overflow, axis=0)
+        if underflow is not None:
+            self.underflow_total += np.nansum(underflow, axis=0)
+        self.nonfinite_total += np.maximum(counts, amax_bad).sum(axis=0)
+        self.last_step = int(steps[-1])
+        findings.sort(key=lambda f: f.step)  # stable: keeps the per-step order documented above
+        return findings
+
+    @staticmethod
+    def _column(batch: StepBatch, name: str, rows: np.ndarray, n: int) -> np.ndarray:
+        col = np.asarray(batch.stats[name], dtype=np.float64)
+        if col.ndim != 2 or col.shape[0] != len(batch.steps) or col.shape[1] != n:
+            raise ValueError(
+                f"stats column {name!r} has shape {col.shape}, expected ({len(batch.steps)}, {n})"
+            )
+        return col[rows]
+
+    @staticmethod
+    def _scalar(batch: StepBatch, name: str, rows: np.ndarray) -> np.ndarray | None:
+        if name not in batch.scalars:
+            return None
+        col = np.asarray(batch.scalars[name], dtype=np.float64).reshape(-1)
+        if col.shape[0] != len(batch.steps):
+            raise ValueError(f"scalar {name!r} has {col.shape[0]} values for {len(batch.steps)} steps")
+        return col[rows]
+
+    def process_events(self, events: list[dict]) -> list[Finding]:
+        """Client-reported events as findings (see the module docstring for the mapping)."""
+        findings = []
+        for event in events:
+            try:
+                finding = self._event(event)
+            except (TypeError, ValueError, KeyError, AttributeError) as exc:
+                log.debug("skipping malformed event %r: %s", event, exc)
+                continue
+            if finding is not None:
+                findings.append(finding)
+        return findings
+
+    def _event(self, event: dict) -> Finding | None:
+        kind, step = event.get("kind"), int(event["step"])
+        details = event.get("details") or {}
+        if not isinstance(details, dict):
+            details = {"value": details}
+        severity = details.get("severity")
+        evidence = encode_evidence({"source": "client", "details": details})
+        if kind == "loss_spike":
+            loss = details.get("loss")
+            extra = f" (loss {loss})" if loss is not None else ""
+            return Finding(
+                kind="loss_spike",
+                step=step,
+                severity=severity if severity in SEVERITIES else "warning",
+                message=f"client reported a loss spike at step {step}{extra}",
+                evidence=evidence,
+            )
+        if kind == "nonfinite":
+            t = self._tensor_ref(details)
+            where = f" in {self.tensors[t].name}" if t is not None else ""
+            return Finding(
+                kind="nonfinite",
+                step=step,
+                severity="critical",
+                tensor_index=t,
+                message=f"client reported non-finite values{where} at step {step}",
+                evidence=evidence,
+            )
+        if kind == "custom" and details.get("alert") is True and details.get("kind") in ALERT_KINDS:
+            t = self._tensor_ref(details)
+            msg = details.get("message")
+            return Finding(
+                kind=details["kind"],
+                step=step,
+                tensor_index=t,
+                severity=severity if severity in SEVERITIES else "warning",
+                message=msg if isinstance(msg, str) else f"client alert at step {step}",
+                evidence=evidence,
+            )
+        return None
+
+    def _tensor_ref(self, details: dict) -> int | None:
+        t = details.get("tensor_index")
+        if isinstance(t, int) and not isinstance(t, bool) and 0 <= t < len(self.tensors):
+            return t
+        return self.by_name.get(details.get("tensor")) if isinstance(details.get("tensor"), str) else None
+
+    # ---- summaries ----------------------------------------------------------------------------------------
+    def layer_health(self, open_alerts: list[dict]) -> list[dict]:
+        """Per-layer health, worst first (see `health.layer_health`)."""
+        snap = TensorSnapshot(
+            last_amax=self.last_amax,
+            last_scale=self.last_scale,
+            fp8_max=self.fp8_max,
+            overflow_total=self.overflow_total,
+            underflow_total=self.underflow_total,
+            nonfinite_total=self.nonfinite_total,
+            growth_log2=self.divergence.last_growth,
+            margin=self.margin,
+            window=self.window,
+            divergence_log2=self.config.divergence_log2,
+            saturation_log2=self.config.saturation_log2,
+        )
+        return layer_health(self.tensors, snap, open_alerts)
+
+    # ---- state --------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state (non-finite floats as "NaN" / "Infinity" / "-Infinity")."""
+        return {
+            "version": STATE_VERSION,
+            "n_tensors": len(self.tensors),
+            "last_step": self.last_step,
+            "recipe": {"base": self._base, "overrides": self._overrides},
+            "summary": {
+                "last_amax": encode_array(self.last_amax),
+                "last_scale": encode_array(self.last_scale),
+                "overflow_total": encode_array(self.overflow_total),
+                "underflow_total": encode_array(self.underflow_total),
+                "nonfinite_total": encode_array(self.nonfinite_total),
+            },
+            "loss": self.loss.state_dict(),
+            "nonfinite": self.nonfinite.state_dict(),
+            "overflow": self.overflow.state_dict(),
+            "underflow": self.underflow.state_dict(),
+            "divergence": self.divergence.state_dict(),
+            "scale_collapse": self.scale_collapse.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a `state_dict()`; raises ValueError if it belongs to another tensor list or version."""
+        if state.get("version") != STATE_VERSION or state.get("n_tensors") != len(self.tensors):
+            raise ValueError(
+                f"detector state (version {state.get('version')}, {state.get('n_tensors')} tensors) "
+                f"does not match this engine (version {STATE_VERSION}, {len(self.tensors)} tensors)"
+            )
+        self.last_step = state["last_step"]
+        self._apply_recipe(dict(state["recipe"]["base"]), dict(state["recipe"]["overrides"]))
+        summary = state["summary"]
+        for name in ("last_amax", "last_scale", "overflow_total", "underflow_total", "nonfinite_total"):
+            setattr(self, name, decode_array(summary[name], np.float64))
+        self.loss.load_state_dict(state["loss"])
+        self.nonfinite.load_state_dict(state["nonfinite"])
+        self.overflow.load_state_dict(state["overflow"])
+        self.underflow.load_state_dict(state["underflow"])
+        self.divergence.load_state_dict(state["divergence"])
+        self.scale_collapse.load_state_dict(state["scale_collapse"])

@@ -1,0 +1,167 @@
+"""Per-layer health summary, ranked worst first, with the reasons a layer is flagged."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .types import Finding, TensorMeta, encode_float
+
+SEVERITY_RANK = {"ok": 0, "info": 1, "warning": 2, "critical": 3}
+SEVERITY_WEIGHT = {"info": 1.0, "warning": 10.0, "critical": 100.0}
+SATURATION_EPS = (
+    1e-3  # headroom exactly 0 (amax maps to the FP8 max) is delayed scaling with margin 0 at work
+)
+
+
+@dataclass
+class TensorSnapshot:
+    """Latest per-tensor values the engine keeps; all (T,) arrays indexed by tensor index."""
+
+    last_amax: np.ndarray
+    last_scale: np.ndarray
+    fp8_max: np.ndarray
+    overflow_total: np.ndarray
+    underflow_total: np.ndarray
+    nonfinite_total: np.ndarray
+    growth_log2: np.ndarray  # latest amax growth over the divergence window (NaN before it is known)
+    margin: np.ndarray
+    window: np.ndarray
+    divergence_log2: float
+    saturation_log2: float
+
+
+def headroom_log2(amax: np.ndarray, scale: np.ndarray, fp8_max: np.ndarray) -> np.ndarray:
+    """``log2(FP8_MAX / (amax * scale))``: <0 means the tensor saturates; +inf for amax 0; NaN if unknown."""
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        return np.log2(fp8_max / (amax * scale))
+
+
+def layer_health(
+    tensors: list[TensorMeta], snap: TensorSnapshot, open_alerts: list[dict]
+) -> list[dict[str, Any]]:
+    """Rank layers worst first.
+
+    A layer's reasons, each with a severity: an open alert on one of its tensors (the alert's severity);
+    non-finite values seen (critical); headroom below -saturation_log2, i.e. amax * scale well above the FP8
+    max (warning, diverging; a slightly negative headroom is info: delayed scaling with margin 0 clips a
+    few elements whenever amax reaches a new high); amax growth beyond margin + divergence_log2 over the
+    delayed-scaling window (warning, diverging). Any open alert also marks the layer diverging.
+    severity = the worst reason ("ok" if none); score = sum of reason weights (info 1,
+    warning 10, critical 100) plus a small term for the least headroom, so healthy layers rank by headroom.
+    Alerts without a tensor (loss_spike, stalled) belong to no layer and are ignored here.
+    """
+    head = headroom_log2(snap.last_amax, snap.last_scale, snap.fp8_max)
+    layers: dict[str, list[int]] = {}
+    for i, meta in enumerate(tensors):
+        if meta.layer:
+            layers.setdefault(meta.layer, []).append(i)
+    alerts_by_tensor: dict[int, list[dict]] = {}
+    for alert in open_alerts:
+        t = alert.get("tensor_index")
+        if isinstance(t, int) and 0 <= t < len(tensors):
+            alerts_by_tensor.setdefault(t, []).append(alert)
+
+    out = []
+    for order, (layer, idx) in enumerate(layers.items()):
+        reasons: list[tuple[str, str]] = []  # (severity, text)
+        diverging = False
+        for i in idx:
+            name = tensors[i].name
+            for a in alerts_by_tensor.get(i, []):
+                sev = a.get("severity") if a.get("severity") in SEVERITY_WEIGHT else "warning"
+                reasons.append(
+                    (
+                        sev,
+                        f"open {a.get('kind')} alert on {name} (steps {a.get('first_step')}-"
+                        f"{a.get('last_step')}, {a.get('count', 1)}x): {a.get('message', '')}",
+                    )
+                )
+                diverging = True
+            if snap.nonfinite_total[i] > 0:
+                reasons.append(
+                    ("critical", f"{name}: {snap.nonfinite_total[i]:.0f} non-finite values so far")
+                )
+            h = head[i]
+            if h < -snap.saturation_log2:
+                reasons.append(
+                    (
+                        "warning",
+                        f"{name} saturates: headroom 2^{h:.2f} (amax * scale above the FP8 "
+                        f"max {snap.fp8_max[i]:g})",
+                    )
+                )
+                diverging = True
+            elif h < -SATURATION_EPS:
+                reasons.append(("info", f"{name} saturates slightly: headroom 2^{h:.2f}"))
+            g, cover = snap.growth_log2[i], snap.margin[i] + snap.divergence_log2
+            if g > cover:
+                reasons.append(
+                    (
+                        "warning",
+                        f"amax of {name} grew 2^{g:.2f}x over the last {snap.window[i]} steps, "
+                        f"more than history and margin cover (2^{cover:g})",
+                    )
+                )
+                diverging = True
+        severity = max((sev for sev, _ in reasons), key=SEVERITY_RANK.__getitem__, default="ok")
+        finite_head = head[idx][np.isfinite(head[idx])]
+        least = float(finite_head.min()) if finite_head.size else 16.0
+        score = sum(SEVERITY_WEIGHT[sev] for sev, _ in reasons) + 0.001 * float(
+            np.clip(16.0 - least, 0.0, 32.0)
+        )
+        reasons.sort(key=lambda r: -SEVERITY_RANK[r[0]])
+        out.append(
+            {
+                "layer": layer,
+                "severity": severity,
+                "score": score,
+                "diverging": diverging,
+                "reasons": [text for _, text in reasons],
+                "tensors": [_tensor_entry(tensors[i], i, snap, head) for i in idx],
+                "_order": order,
+            }
+        )
+    out.sort(key=lambda d: (-d["score"], d["_order"]))
+    for d in out:
+        del d["_order"]
+    return out
+
+
+def _tensor_entry(meta: TensorMeta, i: int, snap: TensorSnapshot, head: np.ndarray) -> dict[str, Any]:
+    return {
+        "index": meta.index,
+        "name": meta.name,
+        "role": meta.role,
+        "last_amax": encode_float(snap.last_amax[i]),
+        "last_scale": encode_float(snap.last_scale[i]),
+        "headroom_log2": encode_float(head[i]),
+        "amax_growth_log2": encode_float(snap.growth_log2[i]),
+        "overflow_total": encode_float(snap.overflow_total[i]),
+        "underflow_total": encode_float(snap.underflow_total[i]),
+        "nonfinite_total": encode_float(snap.nonfinite_total[i]),
+    }
+
+
+def findings_as_open_alerts(findings: list[Finding]) -> list[dict]:
+    """Fold findings into open-alert dicts the way the API layer does (one per kind and tensor); for tests."""
+    alerts: dict[tuple[str, int | None], dict] = {}
+    for f in findings:
+        a = alerts.setdefault(
+            (f.kind, f.tensor_index),
+            {
+                "kind": f.kind,
+                "tensor_index": f.tensor_index,
+                "severity": f.severity,
+                "first_step": f.step,
+                "last_step": f.step,
+                "count": 0,
+                "message": f.message,
+            },
+        )
+        a["last_step"], a["count"] = max(a["last_step"], f.step), a["count"] + 1
+        if SEVERITY_RANK[f.severity] > SEVERITY_RANK[a["severity"]]:
+            a["severity"], a["message"] = f.severity, f.message
+    return list(alerts.values())

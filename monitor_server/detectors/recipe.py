@@ -1,0 +1,109 @@
+"""The run's scaling recipe as the detectors see it: per-tensor margin, growth window and FP8 on/off.
+
+A recipe is a plain dict with Transformer Engine's names. Keys read (others are ignored):
+
+- ``margin`` (default 0): scale = (FP8_MAX / amax) / 2**margin.
+- ``amax_history_len`` (default 1024), ``amax_compute_algo`` (``"max"`` default or ``"most_recent"``),
+  ``interval`` (default 1).
+- ``scaling`` (or ``type``, as `fp8_trainer.recipe` spells it, or ``scaling_mode``): ``"delayed"``
+  (default) or ``"current"``.
+- ``fp8_enabled`` (or ``fp8`` / ``enabled``): False turns the tensor detectors off for the tensors it covers.
+
+Per-layer overrides live under ``"overrides": {layer: {...}}`` and win over the whole-model keys for the
+tensors whose `TensorMeta.layer` matches. `split_recipe` takes a whole recipe (the one in force);
+`merge_recipe` applies a partial change key by key (an override of None removes that layer's override; a
+change of None resets to the defaults). Malformed values fall back to the default rather than raise: the
+API layer validates commands, the detectors must never fail on them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .types import TensorMeta
+
+DEFAULT_RECIPE: dict[str, Any] = {"margin": 0.0, "amax_history_len": 1024, "amax_compute_algo": "max"}
+
+
+def split_recipe(recipe: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """A whole recipe as (whole-model keys, per-layer overrides)."""
+    if not recipe:
+        return {}, {}
+    base = {k: v for k, v in recipe.items() if k != "overrides"}
+    overrides = {str(k): dict(v) for k, v in (recipe.get("overrides") or {}).items() if isinstance(v, dict)}
+    return base, overrides
+
+
+def merge_recipe(
+    base: dict[str, Any], overrides: dict[str, dict[str, Any]], update: dict[str, Any] | None
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """Apply a recipe update to (base, overrides) and return the new pair; None resets both."""
+    if update is None:
+        return {}, {}
+    base = dict(base)
+    overrides = {k: dict(v) for k, v in overrides.items()}
+    for key, value in update.items():
+        if key != "overrides":
+            base[key] = value
+    for layer, layer_update in (update.get("overrides") or {}).items():
+        if layer_update is None:
+            overrides.pop(str(layer), None)
+        elif isinstance(layer_update, dict):
+            overrides.setdefault(str(layer), {}).update(layer_update)
+    return base, overrides
+
+
+def _number(value: Any, default: float, lo: float) -> float:
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return default
+    return x if math.isfinite(x) and x >= lo else default
+
+
+def _effective(recipe: dict[str, Any]) -> tuple[float, int, int, bool]:
+    """(margin, history_len, interval, enabled), after defaults."""
+    margin = _number(recipe.get("margin"), 0.0, lo=-64.0)
+    history = int(_number(recipe.get("amax_history_len"), 1024, lo=1))
+    interval = int(_number(recipe.get("interval"), 1, lo=1))
+    enabled = recipe.get("fp8_enabled", recipe.get("fp8", recipe.get("enabled", True))) is not False
+    return margin, history, interval, enabled
+
+
+def growth_window(recipe: dict[str, Any], divergence_window: int) -> int:
+    """Steps whose amax the current scale was computed from, capped at `divergence_window`.
+
+    Delayed scaling with ``"max"``: the history length; with ``"most_recent"``: the recompute interval
+    (usually 1). Current scaling has no history, so the growth is judged over `divergence_window`.
+    """
+    _, history, interval, _ = _effective(recipe)
+    mode = str(recipe.get("scaling", recipe.get("type", recipe.get("scaling_mode", "delayed")))).lower()
+    if mode == "current":
+        return divergence_window
+    if str(recipe.get("amax_compute_algo", "max")) == "most_recent":
+        return min(interval, divergence_window)
+    return min(history, divergence_window)
+
+
+def per_tensor(
+    tensors: list[TensorMeta],
+    base: dict[str, Any],
+    overrides: dict[str, dict[str, Any]],
+    divergence_window: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(margin (T,) float64, growth window (T,) int64, enabled (T,) bool) for tensors ordered by index."""
+    n = len(tensors)
+    margin = np.zeros(n)
+    window = np.zeros(n, dtype=np.int64)
+    enabled = np.ones(n, dtype=bool)
+    resolved: dict[str, tuple[float, int, bool]] = {}
+    for i, meta in enumerate(tensors):
+        if meta.layer not in resolved:
+            recipe = {**DEFAULT_RECIPE, **base, **overrides.get(meta.layer, {})}
+            m, _, _, on = _effective(recipe)
+            resolved[meta.layer] = (m, growth_window(recipe, divergence_window), on)
+        margin[i], window[i], enabled[i] = resolved[meta.layer]
+    return margin, window, enabled

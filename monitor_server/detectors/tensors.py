@@ -1,0 +1,215 @@
+"""Count-based per-tensor detectors: overflow bursts (saturation) and excess underflow."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .config import DetectorConfig
+from .episodes import advance
+from .state import decode_array, encode_array, encode_evidence
+from .types import Finding, TensorMeta
+
+TAIL = 8  # evidence carries this many recent values of the series that fired
+
+
+def fraction(count: np.ndarray, numel: np.ndarray) -> np.ndarray:
+    """count / numel, 0 where either is missing or numel is not positive."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        frac = count / numel
+    return np.where((numel > 0) & np.isfinite(frac), frac, 0.0)
+
+
+def _f32(values: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):  # beyond float32 reads as inf in the tail; the evidence keeps float64
+        return values.astype(np.float32)
+
+
+class Tail:
+    """The last TAIL values of one series for every tensor, kept across batches so that a finding's
+    evidence tail does not depend on where the run was cut into batches. Values are kept as float32
+    (context for a human, and half the persisted state)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.steps = np.zeros(0, dtype=np.int64)
+        self.values = np.zeros((0, n), dtype=np.float32)
+        self._batch: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._ext: tuple[np.ndarray, np.ndarray] | None = None
+
+    def push(self, steps: np.ndarray, values: np.ndarray) -> None:
+        """Record a batch (by reference; the concatenation waits until a finding asks for its tail)."""
+        self._batch, self._ext = (self.steps, self.values, steps, values), None
+        if len(steps) >= TAIL:
+            self.steps, self.values = steps[-TAIL:].copy(), _f32(values[-TAIL:])
+        else:
+            self.steps = np.concatenate([self.steps, steps])[-TAIL:]
+            self.values = np.concatenate([self.values, _f32(values)])[-TAIL:]
+
+    def get(self, s: int, t: int) -> dict[str, np.ndarray]:
+        """Steps and values of tensor t up to row s of the last pushed batch."""
+        prev_steps, prev_values, steps, values = self._batch
+        if self._ext is None:
+            self._ext = (
+                np.concatenate([prev_steps, steps]),
+                np.concatenate([prev_values, _f32(values)]),
+            )
+        ext_steps, ext_values = self._ext
+        p = len(prev_steps) + s
+        lo = max(0, p - TAIL + 1)
+        return {"steps": ext_steps[lo : p + 1], "values": ext_values[lo : p + 1, t]}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": encode_array(self.steps), "values": encode_array(self.values)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps = decode_array(state["steps"], np.int64)
+        self.values = decode_array(state["values"], np.float32)
+
+
+class OverflowBurstDetector:
+    """Rule: ``frac = overflow / numel``; a step overflows when ``frac > overflow_frac``. Fires once per
+    episode of consecutive overflowing steps: severity warning when the episode reaches
+    `overflow_consecutive` steps, critical at once when ``frac >= overflow_jump_frac``; a warning episode that
+    later jumps fires once more, as critical.
+    """
+
+    def __init__(self, config: DetectorConfig, tensors: list[TensorMeta]) -> None:
+        self.config = config
+        self.tensors = tensors
+        n = len(tensors)
+        self.run = np.zeros(n, dtype=np.int64)
+        self.fired = np.zeros(n, dtype=bool)
+        self.fired_critical = np.zeros(n, dtype=bool)
+        self.tail = Tail(n)
+
+    def process(self, steps, overflow, numel, enabled) -> list[Finding]:
+        cfg = self.config
+        frac = fraction(overflow, numel)
+        self.tail.push(steps, frac)
+        mask = enabled & (frac > cfg.overflow_frac)
+        jump = frac >= cfg.overflow_jump_frac
+        cols, run, (fire, escalate) = advance(
+            mask,
+            self.run,
+            [self.fired, self.fired_critical],
+            lambda run, c: [(run >= cfg.overflow_consecutive) | jump[:, c], jump[:, c]],
+        )
+        findings = []
+        for s, j in zip(*np.nonzero(fire | escalate), strict=True):
+            t, r = cols[j], run[s, j]
+            step, name = int(steps[s]), self.tensors[t].name
+            critical = bool(jump[s, t])
+            how = (
+                f"{frac[s, t]:.3%} of elements saturated (jump above {cfg.overflow_jump_frac:.3%})"
+                if critical
+                else f"more than {cfg.overflow_frac:.3%} of elements saturated for "
+                f"{r} consecutive steps "
+                f"({frac[s, t]:.3%} now)"
+            )
+            findings.append(
+                Finding(
+                    kind="overflow_burst",
+                    step=step,
+                    tensor_index=int(t),
+                    severity="critical" if critical else "warning",
+                    message=f"overflow burst in {name} at step {step}: {how}",
+                    evidence=encode_evidence(
+                        {
+                            "overflow": overflow[s, t],
+                            "numel": numel[s, t],
+                            "fraction": frac[s, t],
+                            "consecutive_steps": r,
+                            "threshold": cfg.overflow_frac,
+                            "jump_threshold": cfg.overflow_jump_frac,
+                            "escalation": bool(escalate[s, j] and not fire[s, j]),
+                            "fraction_tail": self.tail.get(s, t),
+                        }
+                    ),
+                )
+            )
+        return findings
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "run": encode_array(self.run),
+            "fired": encode_array(self.fired),
+            "fired_critical": encode_array(self.fired_critical),
+            "tail": self.tail.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.run = decode_array(state["run"], np.int64)
+        self.fired = decode_array(state["fired"], bool)
+        self.fired_critical = decode_array(state["fired_critical"], bool)
+        self.tail.load_state_dict(state["tail"])
+
+
+class UnderflowExcessDetector:
+    """Rule: ``frac = underflow / numel``; fires (severity info) once per episode when ``frac`` stays above
+    `underflow_frac` (input, weight) or `underflow_frac_grad` (grad_output) for `underflow_consecutive`
+    consecutive steps. Gradients have many tiny values that flush to zero in normal training, hence the
+    separate, higher threshold for them.
+    """
+
+    def __init__(self, config: DetectorConfig, tensors: list[TensorMeta]) -> None:
+        self.config = config
+        self.tensors = tensors
+        self.threshold = np.array(
+            [
+                config.underflow_frac_grad if m.role == "grad_output" else config.underflow_frac
+                for m in tensors
+            ]
+        )
+        self.run = np.zeros(len(tensors), dtype=np.int64)
+        self.fired = np.zeros(len(tensors), dtype=bool)
+        self.tail = Tail(len(tensors))
+
+    def process(self, steps, underflow, numel, enabled) -> list[Finding]:
+        cfg = self.config
+        frac = fraction(underflow, numel)
+        self.tail.push(steps, frac)
+        mask = enabled & (frac > self.threshold)
+        cols, run, (fire,) = advance(
+            mask, self.run, [self.fired], lambda run, c: [run >= cfg.underflow_consecutive]
+        )
+        findings = []
+        for s, j in zip(*np.nonzero(fire), strict=True):
+            t, r = cols[j], run[s, j]
+            step, name = int(steps[s]), self.tensors[t].name
+            findings.append(
+                Finding(
+                    kind="underflow_excess",
+                    step=step,
+                    tensor_index=int(t),
+                    severity="info",
+                    message=(
+                        f"excess underflow in {name} at step {step}: {frac[s, t]:.2%} of elements flushed to "
+                        f"zero, above {self.threshold[t]:.2%} for {r} consecutive steps"
+                    ),
+                    evidence=encode_evidence(
+                        {
+                            "underflow": underflow[s, t],
+                            "numel": numel[s, t],
+                            "fraction": frac[s, t],
+                            "consecutive_steps": r,
+                            "threshold": self.threshold[t],
+                            "fraction_tail": self.tail.get(s, t),
+                        }
+                    ),
+                )
+            )
+        return findings
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "run": encode_array(self.run),
+            "fired": encode_array(self.fired),
+            "tail": self.tail.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.run = decode_array(state["run"], np.int64)
+        self.fired = decode_array(state["fired"], bool)
+        self.tail.load_state_dict(state["tail"])

@@ -1,0 +1,188 @@
+"""WebhookNotifier against a real local HTTP server: retries, dead URLs, a full queue."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from monitor_server.webhook import WebhookNotifier, slack_payload
+
+ALERT = {
+    "kind": "nonfinite",
+    "run_name": "gpt-small-fp8",
+    "tensor_name": "blocks.2.fc.grad_output",
+    "step": 1200,
+    "severity": "critical",
+    "message": "tensor blocks.2.fc.grad_output is non-finite at step 1200",
+}
+
+
+class Hook(ThreadingHTTPServer):
+    """Answers each POST with the next status of `statuses` (then 200), records the bodies it accepted."""
+
+    daemon_threads = True
+
+    def __init__(self, statuses: list[int]) -> None:
+        super().__init__(("127.0.0.1", 0), HookHandler)
+        self.statuses = list(statuses)
+        self.requests = 0
+        self.accepted: list[dict] = []
+        self.release = threading.Event()  # cleared: hold every request until set
+        self.release.set()
+        self.first_arrived = threading.Event()
+        self.lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}/hook"
+
+
+class HookHandler(BaseHTTPRequestHandler):
+    server: Hook
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        self.server.first_arrived.set()
+        self.server.release.wait(10)
+        with self.server.lock:
+            self.server.requests += 1
+            status = self.server.statuses.pop(0) if self.server.statuses else 200
+            if status == 200:
+                self.server.accepted.append(json.loads(body))
+        self.send_response(status)
+        if status == 429:
+            self.send_header("Retry-After", "0")
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"ok")
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def hook(request) -> Iterator[Hook]:
+    server = Hook(getattr(request, "param", []))
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    yield server
+    server.release.set()
+    server.shutdown()
+    server.server_close()
+
+
+def wait_for(predicate, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+@pytest.mark.parametrize("hook", [[500, 500]], indirect=True)
+def test_retries_server_errors_then_delivers_once(hook):
+    notifier = WebhookNotifier(hook.url, max_retries=5, backoff_s=0.01, timeout_s=2.0)
+    notifier.submit(ALERT)
+    notifier.close(timeout=5)
+    assert notifier.stats == {"sent": 1, "failed": 0, "dropped": 0, "queued": 0}
+    assert hook.requests == 3 and len(hook.accepted) == 1
+    body = hook.accepted[0]
+    assert set(body) == {"text", "blocks"}
+    for value in ("nonfinite", "gpt-small-fp8", "blocks.2.fc.grad_output", "1200", "critical"):
+        assert value in body["text"].lower()
+        assert value in json.dumps(body["blocks"])
+    assert ALERT["message"] in body["text"]
+    assert body["blocks"][0]["type"] == "header" and len(body["blocks"][0]["text"]["text"]) <= 150
+
+
+@pytest.mark.parametrize("hook", [[429, 503]], indirect=True)
+def test_rate_limit_is_retried(hook):
+    notifier = WebhookNotifier(hook.url, max_retries=3, backoff_s=0.01)
+    notifier.submit(ALERT)
+    notifier.close(timeout=5)
+    assert notifier.stats["sent"] == 1 and hook.requests == 3
+
+
+@pytest.mark.parametrize("hook", [[400]], indirect=True)
+def test_client_errors_are_not_retried(hook):
+    notifier = WebhookNotifier(hook.url, max_retries=5, backoff_s=0.01)
+    notifier.submit(ALERT)
+    notifier.close(timeout=5)
+    assert notifier.stats["failed"] == 1 and hook.requests == 1 and hook.accepted == []
+
+
+@pytest.mark.parametrize("hook", [[500] * 10], indirect=True)
+def test_gives_up_after_max_retries(hook, caplog):
+    notifier = WebhookNotifier(hook.url, max_retries=2, backoff_s=0.01)
+    notifier.submit(ALERT)
+    notifier.close(timeout=5)
+    assert notifier.stats["failed"] == 1 and hook.requests == 3
+    assert sum("gave up" in r.getMessage() for r in caplog.records) == 1
+
+
+def dead_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}/hook"  # nothing listens there any more
+
+
+def test_dead_url_never_blocks_submit_and_ends_failed():
+    notifier = WebhookNotifier(dead_url(), max_retries=3, backoff_s=0.01, timeout_s=1.0)
+    started = time.perf_counter()
+    for i in range(3):
+        notifier.submit({**ALERT, "step": i})
+    assert time.perf_counter() - started < 0.05
+    assert wait_for(lambda: notifier.stats["failed"] == 3)
+    notifier.close(timeout=2)
+    assert notifier.stats == {"sent": 0, "failed": 3, "dropped": 0, "queued": 0}
+
+
+def test_full_queue_drops_the_oldest(hook, caplog):
+    hook.release.clear()  # the webhook hangs on the first alert
+    notifier = WebhookNotifier(hook.url, max_retries=0, backoff_s=0.01, queue_size=2)
+    notifier.submit({**ALERT, "step": 1})
+    assert hook.first_arrived.wait(5)  # step 1 is in flight; the queue is empty
+    started = time.perf_counter()
+    for step in (2, 3, 4, 5):
+        notifier.submit({**ALERT, "step": step})
+    assert time.perf_counter() - started < 0.05
+    assert notifier.stats["dropped"] == 2 and notifier.stats["queued"] == 2
+    assert sum("dropping the oldest" in r.getMessage() for r in caplog.records) == 2
+    hook.release.set()
+    notifier.close(timeout=5)
+    steps = [re.search(r", step (\d+):", body["text"]).group(1) for body in hook.accepted]
+    assert steps == ["1", "4", "5"]
+    assert notifier.stats == {"sent": 3, "failed": 0, "dropped": 2, "queued": 0}
+
+
+def test_close_gives_up_on_a_hanging_webhook_and_counts_the_rest(hook):
+    hook.release.clear()
+    notifier = WebhookNotifier(hook.url, max_retries=0, timeout_s=1.0)
+    for step in range(3):
+        notifier.submit({**ALERT, "step": step})
+    assert hook.first_arrived.wait(5)
+    started = time.perf_counter()
+    notifier.close(timeout=0.2)
+    assert time.perf_counter() - started < 3.0
+    stats = notifier.stats
+    assert stats["dropped"] == 2 and stats["queued"] == 0
+    notifier.submit(ALERT)  # after close: dropped, not queued
+    assert notifier.stats["dropped"] == 3
+
+
+def test_slack_payload_for_a_run_level_alert():
+    alert = {"kind": "stalled", "run": 7, "last_step": 99, "severity": "warning",
+             "message": "no telemetry for 300 s", "url": "http://localhost:8000/runs/7"}  # fmt: skip
+    body = slack_payload(alert)
+    assert "tensor (run-level)" in body["text"] and "step 99" in body["text"]
+    assert body["blocks"][-1]["type"] == "context" and "runs/7" in json.dumps(body["blocks"][-1])
+    json.dumps(body, allow_nan=False)
