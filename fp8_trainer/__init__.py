@@ -1,1 +1,40 @@
-"""fp8scope FP8 training runtime."""
+"""fp8scope FP8 training runtime: FP8 Linear layers with per-tensor scaling and health statistics."""
+
+from fp8_kernels import STAT_COLUMNS
+
+from . import recipe
+from .autocast import fp8_autocast, is_fp8_enabled
+from .convert import (
+    convert_to_fp8,
+    end_step,
+    get_fp8_state,
+    get_layer_recipes,
+    ineligible_layers,
+    set_layer_recipe,
+    tensor_table,
+)
+from .linear import Linear
+from .recipe import CurrentScaling, DelayedScaling, Format
+from .state import TensorInfo
+from .stats import StatsReader, step_stats
+
+__all__ = [
+    "STAT_COLUMNS",
+    "CurrentScaling",
+    "DelayedScaling",
+    "Format",
+    "Linear",
+    "StatsReader",
+    "TensorInfo",
+    "convert_to_fp8",
+    "end_step",
+    "fp8_autocast",
+    "get_fp8_state",
+    "get_layer_recipes",
+    "ineligible_layers",
+    "is_fp8_enabled",
+    "recipe",
+    "set_layer_recipe",
+    "step_stats",
+    "tensor_table",
+]

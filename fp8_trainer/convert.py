@@ -1,0 +1,171 @@
+"""Model-level API: convert a model to FP8, look up its tensors, close steps, change recipes per layer."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from .linear import Linear
+from .recipe import Recipe
+from .state import FP8State, TensorInfo
+
+__all__ = [
+    "convert_to_fp8",
+    "end_step",
+    "get_fp8_state",
+    "get_layer_recipes",
+    "ineligible_layers",
+    "set_layer_recipe",
+    "tensor_table",
+]
+
+log = logging.getLogger(__name__)
+
+
+def _ineligible_reason(mod: nn.Linear) -> str | None:
+    if mod.in_features % 16 or mod.out_features % 16:
+        return f"in_features={mod.in_features}, out_features={mod.out_features}: not multiples of 16"
+    return None
+
+
+def convert_to_fp8(
+    model: nn.Module,
+    recipe: Recipe | None = None,
+    module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+) -> nn.Module:
+    """Swap every eligible ``nn.Linear`` of ``model`` for an FP8 ``Linear`` (in place; parameters are shared).
+
+    Eligible: both dimensions multiples of 16 and ``module_filter_fn(module, fqn)`` true (when given).
+    Others stay in high precision; those rejected for their shape are logged and listed by
+    ``ineligible_layers(model)``. FP8 ``Linear`` layers already in the model are registered too, so this
+    is also how a model built from ``fp8_trainer.Linear`` directly gets its tensor registry.
+
+    Returns:
+        ``model`` (or the new module if ``model`` itself was a converted ``nn.Linear``).
+    """
+    ineligible: dict[str, str] = {}
+
+    def swap(parent: nn.Module, prefix: str) -> None:
+        for child_name, child in list(parent.named_children()):
+            fqn = f"{prefix}.{child_name}" if prefix else child_name
+            if isinstance(child, nn.Linear) and not isinstance(child, Linear):
+                if module_filter_fn is not None and not module_filter_fn(child, fqn):
+                    continue
+                reason = _ineligible_reason(child)
+                if reason:
+                    ineligible[fqn] = reason
+                    continue
+                setattr(parent, child_name, Linear.from_linear(child))
+            else:
+                swap(child, fqn)
+
+    if isinstance(model, nn.Linear) and not isinstance(model, Linear):
+        if _ineligible_reason(model) is None and (module_filter_fn is None or module_filter_fn(model, "")):
+            model = Linear.from_linear(model)
+    else:
+        swap(model, "")
+    for fqn, reason in ineligible.items():
+        log.warning("convert_to_fp8: %s stays in high precision (%s)", fqn, reason)
+
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
+    device = next((p.device for p in model.parameters() if p.device.type != "meta"), None)
+    state = FP8State([name for name, _ in layers], recipe, device=device)
+    state.ineligible = ineligible
+    for k, (_, m) in enumerate(layers):
+        m._bind(state, k)
+    model._fp8_state = state
+    return model
+
+
+def get_fp8_state(model: nn.Module) -> FP8State:
+    """The ``FP8State`` of a converted model (registers its FP8 layers on first use if needed)."""
+    state = getattr(model, "_fp8_state", None)
+    if state is None:
+        if isinstance(model, Linear) and model._fp8_state is not None:
+            return model._fp8_state
+        convert_to_fp8(model, module_filter_fn=lambda m, n: False)
+        state = model._fp8_state
+    return state
+
+
+def tensor_table(model: nn.Module) -> list[TensorInfo]:
+    """Every quantized tensor of ``model`` with its stable index and name, in index order.
+
+    Layer k (the k-th FP8 Linear in ``model.named_modules()`` order) owns 3k (input), 3k+1 (weight) and
+    3k+2 (grad_output); rows of ``step_stats(model)`` follow this order.
+    """
+    return get_fp8_state(model).tensor_table()
+
+
+def ineligible_layers(model: nn.Module) -> dict[str, str]:
+    """``nn.Linear`` layers ``convert_to_fp8`` left in high precision because of their shape, with reasons."""
+    return dict(get_fp8_state(model).ineligible)
+
+
+def end_step(model: nn.Module) -> None:
+    """Close the step in progress now: its amaxes enter the history and the scales are updated.
+
+    Not needed in the usual loops (see ``fp8_autocast``); harmless when the step was closed already.
+    """
+    get_fp8_state(model).end_step()
+
+
+def _layer_arg(state: FP8State, layer_name: str | None) -> int | None:
+    if layer_name is None or layer_name == "model":
+        return None
+    if not isinstance(layer_name, str):
+        raise ValueError(f"layer_name: expected a string, got {layer_name!r}")
+    return state.layer_index(layer_name)
+
+
+def set_layer_recipe(
+    model: nn.Module,
+    layer_name: str | None = None,
+    *,
+    margin: int | float | None = None,
+    amax_history_len: int | None = None,
+    amax_compute_algo: str | None = None,
+    interval: int | None = None,
+    scaling: str | None = None,
+    fp8_enabled: bool | None = None,
+) -> dict[str, Any]:
+    """Override recipe settings of one FP8 layer (``layer_name`` = its module path) or of the whole model
+    (``None`` or ``"model"``). Call it between two optimizer steps; it applies from the next forward.
+
+    ``scaling`` is ``"delayed"`` or ``"current"``; ``fp8_enabled=False`` runs the layer in the input's
+    precision. A shorter ``amax_history_len`` keeps the newest entries. Layer settings win over
+    model-wide ones.
+
+    Returns:
+        The previous effective values of the settings given: passing them back rolls the change back.
+    Raises:
+        ValueError: unknown layer or invalid value (nothing is changed then).
+    """
+    state = get_fp8_state(model)
+    k = _layer_arg(state, layer_name)
+    changes = {
+        key: value
+        for key, value in dict(
+            margin=margin,
+            amax_history_len=amax_history_len,
+            amax_compute_algo=amax_compute_algo,
+            interval=interval,
+            scaling=scaling,
+            fp8_enabled=fp8_enabled,
+        ).items()
+        if value is not None
+    }
+    return state.apply_settings(k, changes)
+
+
+def get_layer_recipes(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """Effective recipe settings per FP8 layer (JSON-able), keyed by module path."""
+    state = get_fp8_state(model)
+    out = {}
+    for k, name in enumerate(state.layer_names):
+        s = state.layer_settings(k)
+        out[name] = {**s, "fp8_format": s["fp8_format"].value}
+    return out

@@ -1,0 +1,124 @@
+"""FP8 ``Linear``: a drop-in ``torch.nn.Linear`` whose three GEMMs run in FP8.
+
+How input, weight and grad_output map to the three GEMMs (``x`` flattened to ``(tokens, in_features)``):
+
+    forward   output      = q(input)       @ q(weight)^T    fprop, input and weight E4M3 (HYBRID)
+    backward  grad_input  = q(grad_output) @ q(weight)      dgrad, grad_output E5M2 (HYBRID)
+              grad_weight = q(grad_output)^T @ q(input)     wgrad
+              grad_bias   = grad_output.sum(0)              high precision
+
+Each tensor is quantized exactly once per use (the weight and input quantized in forward are saved for
+backward), and its statistics are recorded in the same call. Bias and output are in the input's dtype;
+the GEMMs accumulate in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .autocast import current_region
+from .distributed import resolve_amax_group
+from .gemm import fp8_mm, gemm_operand
+from .state import FP8State
+
+__all__ = ["Linear"]
+
+
+def _queue_end_of_backward(state: FP8State) -> None:
+    if not state.callback_queued and state.step_complete:
+        state.callback_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(state.on_backward_end)
+
+
+class _FP8LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, state: FP8State, k: int, record: bool):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        qx, sinv_x = state.quantize(3 * k, x2, record)
+        qw, sinv_w = state.quantize(3 * k + 1, weight, record)
+        ax, aw = gemm_operand(qx), gemm_operand(qw)
+        out = fp8_mm(ax, sinv_x, aw.t(), sinv_w, x.dtype, bias)
+        ctx.save_for_backward(ax, sinv_x, aw, sinv_w)
+        ctx.state, ctx.k, ctx.record = state, k, record
+        ctx.shape, ctx.x_dtype, ctx.w_dtype = shape, x.dtype, weight.dtype
+        ctx.has_bias = bias is not None
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        ax, sinv_x, aw, sinv_w = ctx.saved_tensors
+        state, k = ctx.state, ctx.k
+        g2 = grad_output.reshape(-1, grad_output.shape[-1])
+        qg, sinv_g = state.quantize(3 * k + 2, g2, ctx.record)
+        ag = gemm_operand(qg)
+        if ctx.record:
+            _queue_end_of_backward(state)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = fp8_mm(ag, sinv_g, aw, sinv_w, ctx.x_dtype).reshape(ctx.shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = fp8_mm(ag.t(), sinv_g, ax, sinv_x, ctx.w_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g2.sum(0)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+class Linear(nn.Linear):
+    """``torch.nn.Linear`` that runs in FP8 inside ``fp8_autocast``.
+
+    ``in_features`` and ``out_features`` must be multiples of 16 (FP8 GEMM constraint); the token
+    dimension may be anything. Outside ``fp8_autocast`` (or with FP8 turned off for this layer) it is a
+    plain ``F.linear`` in the input's precision. Build models with ``convert_to_fp8``, which registers the
+    layers' tensors with stable indices; a Linear used on its own gets a one-layer state at first use.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None):
+        if in_features % 16 or out_features % 16:
+            raise ValueError(
+                f"in_features/out_features: FP8 GEMMs need multiples of 16, got {in_features}x{out_features}"
+            )
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._fp8_state: FP8State | None = None
+        self._fp8_index = 0
+
+    @classmethod
+    def from_linear(cls, mod: nn.Linear) -> Linear:
+        """A ``Linear`` sharing ``mod``'s parameters (no copy)."""
+        with torch.device("meta"):
+            new = cls(mod.in_features, mod.out_features, bias=False)
+        new.weight = mod.weight
+        new.bias = mod.bias
+        return new
+
+    def _bind(self, state: FP8State, index: int) -> None:
+        self._fp8_state, self._fp8_index = state, index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        region = current_region()
+        if region is None or not region.enabled:
+            return F.linear(x, self.weight, self.bias)
+        state = self._fp8_state
+        if state is None:
+            state = FP8State([""], device=x.device)
+            self._bind(state, 0)
+        if state.device != x.device:
+            state.to(x.device)
+        if region.recipe is not None:
+            state.set_recipe(region.recipe)
+        k = self._fp8_index
+        if not state.enabled[k]:
+            return F.linear(x, self.weight, self.bias)
+        record = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+        if record:
+            if state.pending and state.step_complete and state.region_id != region.id:
+                state.end_step()  # the previous step had no backward: close it now
+            state.region_id = region.id
+            state.step_complete = region.step_boundary
+            state.pending = True
+            state.group = resolve_amax_group(region.group, state.reduce_amax)
+        return _FP8LinearFn.apply(x, self.weight, self.bias, state, k, record)

@@ -1,0 +1,257 @@
+"""The per-model scaling state: tensor registry, amax history, scales, the step statistics buffer.
+
+One ``FP8State`` belongs to one converted model and is shared by all its FP8 ``Linear`` layers. Layer ``k``
+(the k-th FP8 Linear in ``model.named_modules()`` order) owns tensor indices ``3k`` (input), ``3k+1``
+(weight) and ``3k+2`` (grad_output); these indices and the names ``<module path>.<role>`` never change.
+
+Device tensors (``n`` = number of quantized tensors):
+
+* ``amax_history`` ``(L, n)`` float32, newest entry in row 0; ``scale`` and ``scale_inv`` ``(n,)`` float32;
+* ``stats`` ``(n, 6)`` float64, the statistics of the step in progress (columns ``STAT_COLUMNS``);
+  ``last_stats`` the buffer of the last completed step. Each step gets a fresh buffer, so a
+  ``last_stats`` handed out earlier is a snapshot that later steps never overwrite;
+* per-tensor recipe settings (``fp8_max``, ``margin``, ``history_len``, ``interval``, algorithm,
+  enabled), rebuilt only when a recipe changes, never on the hot path.
+
+Step boundary (see ``end_step``): the statistics of a step are folded into the history once, by
+``end_step``. It runs automatically at the end of the backward pass of a forward made in an
+``fp8_autocast`` region with ``step_boundary=True`` (the default), or lazily at the next recorded forward
+of another region if no backward came; gradient-accumulation micro-batches use ``step_boundary=False``.
+
+Layers with FP8 turned off keep their rows: amax, counts and numel are zero, ``scale`` is the last scale,
+and neither their history nor their scale changes until FP8 is turned back on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from fp8_kernels import STAT_COLUMNS, quantize_with_stats, tensor_amax
+
+from .distributed import all_reduce_amax
+from .formats import ROLES
+from .recipe import CurrentScaling, DelayedScaling, Recipe, validate_setting
+from .scaling import current_scale, delayed_scaling_update
+
+__all__ = ["FP8State", "LAYER_SETTINGS", "TensorInfo"]
+
+#: Settings that ``set_layer_recipe`` can change per layer (or for the whole model).
+LAYER_SETTINGS = ("margin", "amax_history_len", "amax_compute_algo", "interval", "scaling", "fp8_enabled")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One quantized tensor: its stable index and name, owning layer, role and FP8 format."""
+
+    index: int
+    name: str
+    layer: str
+    role: str
+    format: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "name": self.name,
+            "layer": self.layer,
+            "role": self.role,
+            "format": self.format,
+        }
+
+
+def _base_settings(recipe: Recipe) -> dict[str, Any]:
+    d = DelayedScaling() if isinstance(recipe, CurrentScaling) else recipe
+    return {
+        "scaling": recipe.scaling,
+        "fp8_format": recipe.fp8_format,
+        "margin": d.margin,
+        "interval": d.interval,
+        "amax_history_len": d.amax_history_len,
+        "amax_compute_algo": d.amax_compute_algo,
+        "reduce_amax": getattr(recipe, "reduce_amax", True),
+        "fp8_enabled": True,
+    }
+
+
+class FP8State:
+    """Scaling state and statistics of every quantized tensor of one model."""
+
+    def __init__(self, layer_names: list[str], recipe: Recipe | None = None, device=None):
+        self.layer_names = list(layer_names)
+        self.n_layers = len(self.layer_names)
+        self.n_tensors = 3 * self.n_layers
+        self.recipe: Recipe = recipe if recipe is not None else DelayedScaling()
+        self.model_overrides: dict[str, Any] = {}
+        self.layer_overrides: list[dict[str, Any]] = [{} for _ in self.layer_names]
+        self.ineligible: dict[str, str] = {}
+        self.device = torch.device(device if device is not None else "cpu")
+        n = self.n_tensors
+        self.amax_history = torch.zeros(self._base()["amax_history_len"], n, device=self.device)
+        self.scale = torch.ones(n, device=self.device)
+        self.scale_inv = torch.ones(n, device=self.device)
+        self.step_t = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.last_stats: torch.Tensor | None = None
+        self.steps = 0  # completed steps (host-side bookkeeping, never read from a tensor)
+        self.pending = False  # statistics recorded since the last end_step
+        self.step_complete = False  # the pending forward belongs to a step_boundary=True region
+        self.region_id = -1
+        self.callback_queued = False
+        self.group = None
+        self._new_stats_buffer()
+        self._rebuild()
+
+    # ----- recipe and settings (host side; never on the hot path) -----
+    def _base(self) -> dict[str, Any]:
+        return {**_base_settings(self.recipe), **self.model_overrides}
+
+    def layer_settings(self, k: int) -> dict[str, Any]:
+        """Effective settings of layer ``k``: recipe, then model-wide overrides, then the layer's own."""
+        return {**self._base(), **self.layer_overrides[k]}
+
+    def layer_index(self, name: str) -> int:
+        try:
+            return self.layer_names.index(name)
+        except ValueError:
+            raise ValueError(f"layer_name: unknown FP8 layer {name!r}") from None
+
+    def set_recipe(self, recipe: Recipe) -> None:
+        """Make ``recipe`` the base recipe (layer overrides stay on top of it)."""
+        if recipe != self.recipe:
+            self.recipe = recipe
+            self._rebuild()
+
+    def apply_settings(self, layer: int | None, changes: dict[str, Any]) -> dict[str, Any]:
+        """Validate and apply ``changes`` to one layer (``None``: model-wide); return the previous values."""
+        clean = {}
+        for key, value in changes.items():
+            if key not in LAYER_SETTINGS:
+                raise ValueError(f"{key}: not a per-layer recipe setting; expected one of {LAYER_SETTINGS}")
+            clean[key] = validate_setting(key, value)
+        current = self._base() if layer is None else self.layer_settings(layer)
+        previous = {key: current[key] for key in clean}
+        target = self.model_overrides if layer is None else self.layer_overrides[layer]
+        target.update(clean)
+        self._rebuild()
+        return previous
+
+    def _rebuild(self) -> None:
+        """Recompute the per-tensor settings tensors; resize the history keeping the newest entries."""
+        fp8_max, margin, recent, hist, interval, enabled = [], [], [], [], [], []
+        self.dtypes, self.current, self.enabled = [], [], []
+        for k in range(self.n_layers):
+            s = self.layer_settings(k)
+            self.current.append(s["scaling"] == "current")
+            self.enabled.append(bool(s["fp8_enabled"]))
+            for role in ROLES:
+                fmt = s["fp8_format"].for_role(role)
+                self.dtypes.append(fmt.dtype)
+                fp8_max.append(fmt.max)
+                margin.append(float(s["margin"]))
+                recent.append(s["amax_compute_algo"] == "most_recent")
+                hist.append(s["amax_history_len"])
+                interval.append(s["interval"])
+                enabled.append(bool(s["fp8_enabled"]))
+        self.fp8_max_host = fp8_max
+        dev = self.device
+        self.fp8_max = torch.tensor(fp8_max, dtype=torch.float32, device=dev)
+        self.margin = torch.tensor(margin, dtype=torch.float32, device=dev)
+        self.most_recent = torch.tensor(recent, dtype=torch.bool, device=dev)
+        self.history_len = torch.tensor(hist, dtype=torch.int64, device=dev)
+        self.interval = torch.tensor(interval, dtype=torch.int64, device=dev)
+        self.enabled_t = torch.tensor(enabled, dtype=torch.bool, device=dev)
+        length = max(hist) if hist else 1
+        h = self.amax_history
+        if h.shape[0] < length:
+            h = torch.cat([h, h.new_zeros(length - h.shape[0], h.shape[1])])
+        elif h.shape[0] > length:
+            h = h[:length].clone()
+        rows = torch.arange(length, device=dev).unsqueeze(1)
+        self.amax_history = torch.where(rows < self.history_len, h, torch.zeros((), device=dev))
+        self.reduce_amax = any(self.layer_settings(k)["reduce_amax"] for k in range(self.n_layers))
+
+    def to(self, device) -> FP8State:
+        """Move every tensor to ``device`` (done automatically at the first forward on a new device)."""
+        device = torch.device(device)
+        for name in (
+            "amax_history",
+            "scale",
+            "scale_inv",
+            "step_t",
+            "stats",
+            "fp8_max",
+            "margin",
+            "most_recent",
+            "history_len",
+            "interval",
+            "enabled_t",
+        ):
+            setattr(self, name, getattr(self, name).to(device))
+        if self.last_stats is not None:
+            self.last_stats = self.last_stats.to(device)
+        self.device = device
+        return self
+
+    # ----- registry -----
+    def tensor_table(self) -> list[TensorInfo]:
+        out = []
+        for k, layer in enumerate(self.layer_names):
+            fmt = self.layer_settings(k)["fp8_format"]
+            for r, role in enumerate(ROLES):
+                name = f"{layer}.{role}" if layer else role
+                out.append(TensorInfo(3 * k + r, name, layer, role, fmt.for_role(role).name))
+        return out
+
+    # ----- hot path -----
+    def quantize(self, i: int, x: torch.Tensor, record: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantize tensor ``i``'s value ``x`` -> ``(q, scale_inv)``; stats go to row ``i`` if recording."""
+        stats = self.stats[i] if record else None
+        dtype = self.dtypes[i]
+        if self.current[i // 3]:
+            amax = tensor_amax(x)
+            scale = current_scale(amax, self.fp8_max[i])
+            q, _ = quantize_with_stats(x, scale, dtype, stats, amax=amax)
+            return q, torch.reciprocal(scale)
+        q, _ = quantize_with_stats(x, self.scale[i], dtype, stats)
+        return q, self.scale_inv[i]
+
+    def _new_stats_buffer(self) -> None:
+        self.stats = torch.zeros(self.n_tensors, len(STAT_COLUMNS), dtype=torch.float64, device=self.device)
+        self.stats[:, 1] = self.scale
+
+    def end_step(self) -> None:
+        """Close the step in progress: reduce amaxes, push them into the history, update the scales.
+
+        Does nothing when nothing was recorded since the last call. Never reads a tensor on the host.
+        """
+        if not self.pending:
+            return
+        self.pending = False
+        self.step_complete = False
+        stats = self.stats
+        amax = stats[:, 0].to(torch.float32)
+        if self.group is not None:
+            amax = all_reduce_amax(amax, self.group)
+        self.step_t = self.step_t + 1
+        self.amax_history, self.scale = delayed_scaling_update(
+            self.amax_history,
+            amax,
+            self.scale,
+            fp8_max=self.fp8_max,
+            margin=self.margin,
+            amax_compute_algo=self.most_recent,
+            history_len=self.history_len,
+            interval=self.interval,
+            step=self.step_t,
+            update=self.enabled_t,
+        )
+        self.scale_inv = torch.reciprocal(self.scale)
+        self.last_stats = stats
+        self.steps += 1
+        self._new_stats_buffer()
+
+    def on_backward_end(self) -> None:
+        self.callback_queued = False
+        if self.step_complete:
+            self.end_step()

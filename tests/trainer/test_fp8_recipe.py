@@ -1,0 +1,82 @@
+"""Recipes: validation with field-naming errors, JSON round trip, format per role."""
+
+import json
+
+import pytest
+
+from fp8_trainer import recipe
+from fp8_trainer.formats import E4M3, E5M2
+from fp8_trainer.recipe import CurrentScaling, DelayedScaling, Format, recipe_from_dict
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"margin": -1}, "margin"),
+        ({"margin": float("nan")}, "margin"),
+        ({"amax_history_len": 0}, "amax_history_len"),
+        ({"amax_history_len": 2.5}, "amax_history_len"),
+        ({"interval": 0}, "interval"),
+        ({"amax_compute_algo": "mean"}, "amax_compute_algo"),
+        ({"fp8_format": "E3M4"}, "fp8_format"),
+        ({"reduce_amax": "yes"}, "reduce_amax"),
+    ],
+)
+def test_delayed_validation_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        DelayedScaling(**kwargs)
+
+
+def test_defaults_and_frozen():
+    r = DelayedScaling()
+    assert (r.margin, r.interval, r.fp8_format, r.amax_history_len, r.amax_compute_algo, r.reduce_amax) == (
+        0,
+        1,
+        Format.HYBRID,
+        1024,
+        "max",
+        True,
+    )
+    with pytest.raises(AttributeError):
+        r.margin = 3
+    assert DelayedScaling(fp8_format="e4m3").fp8_format is Format.E4M3
+
+
+@pytest.mark.parametrize(
+    "r",
+    [
+        DelayedScaling(),
+        DelayedScaling(
+            margin=2,
+            interval=3,
+            fp8_format=Format.E4M3,
+            amax_history_len=16,
+            amax_compute_algo="most_recent",
+            reduce_amax=False,
+        ),
+        CurrentScaling(),
+        CurrentScaling(fp8_format=Format.E5M2),
+    ],
+)
+def test_json_round_trip(r):
+    d = json.loads(json.dumps(r.to_dict()))
+    assert recipe_from_dict(d) == r
+    assert type(r).from_dict(d) == r
+
+
+def test_from_dict_errors():
+    with pytest.raises(ValueError, match="^type:"):
+        recipe_from_dict({"type": "sometimes"})
+    with pytest.raises(ValueError, match="^bogus:"):
+        DelayedScaling.from_dict({"type": "delayed", "bogus": 1})
+    with pytest.raises(ValueError, match="^margin:"):
+        recipe_from_dict({"type": "delayed", "margin": -2})
+    with pytest.raises(ValueError, match="^type:"):
+        CurrentScaling.from_dict({"type": "delayed"})
+
+
+def test_format_per_role():
+    assert [Format.HYBRID.for_role(r) for r in ("input", "weight", "grad_output")] == [E4M3, E4M3, E5M2]
+    assert {Format.E4M3.for_role(r) for r in ("input", "grad_output")} == {E4M3}
+    assert E4M3.max == 448 and E5M2.max == 57344
+    assert recipe.Format is Format
