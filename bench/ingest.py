@@ -1,0 +1,379 @@
+"""Benchmark: telemetry ingest throughput over HTTP and heatmap latency, on SQLite and PostgreSQL.
+
+One value = one number for one tensor at one step. The stream is 512 tensors x 6 statistics x 50 steps per
+batch, posted to a real `fp8-monitor serve` (uvicorn subprocess) with the packed column encoding
+(base64 float32 amax/scale, float64 counts) and with plain JSON arrays. Heatmap latency is the median of
+several GET /heatmap?max_cols=1000 over a run of 512 tensors x 100,000 steps, filled through the same storage
+code as ingest (`monitor_server.ingest.store_batch`) in large batches.
+
+    .venv/bin/python bench/ingest.py [--batches 40] [--heatmap-steps 100000] [--skip-pg]
+
+Prints a table and writes bench/results/ingest.json. Goals on a 2-core machine: >= 1,000,000 values/s into
+SQLite, heatmap <= 150 ms median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import numpy as np
+import orjson
+from sqlalchemy import create_engine, make_url, text
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from monitor_server.core.db import Database  # noqa: E402
+from monitor_server.ingest import DecodedBatch, store_batch  # noqa: E402
+from monitor_server.rollups import FP8_MAX  # noqa: E402
+
+STATS = ("amax", "scale", "overflow", "underflow", "nonfinite", "numel")
+PG_URL = os.environ.get("FP8SCOPE_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+
+
+def tensors_for(n: int) -> list[dict]:
+    """n tensors as the runtime registers them: layer k owns 3k (input), 3k+1 (weight), 3k+2 (grad)."""
+    roles = (("input", "e4m3"), ("weight", "e4m3"), ("grad_output", "e5m2"))
+    return [
+        {
+            "index": i,
+            "name": f"layers.{i // 3}.{roles[i % 3][0]}",
+            "layer": f"layers.{i // 3}",
+            "role": roles[i % 3][0],
+            "format": roles[i % 3][1],
+        }
+        for i in range(n)
+    ]
+
+
+class StatStream:
+    """Plausible, slowly drifting statistics (quiet for the detectors, like a healthy run)."""
+
+    def __init__(self, T: int, seed: int = 0):
+        self.rng = np.random.default_rng(seed)
+        self.base = np.exp(self.rng.normal(0.0, 2.0, T))
+        self.scale = 2.0 ** np.floor(np.log2(448.0 / (self.base * 1.1)))
+        self.T = T
+
+    def steps(self, n: int) -> dict[str, np.ndarray]:
+        """Statistics of n steps, each (n, T)."""
+        amax = self.base * (1.0 + 0.01 * self.rng.random((n, self.T)))
+        return {
+            "amax": amax,
+            "scale": np.broadcast_to(self.scale, (n, self.T)).copy(),
+            "overflow": np.zeros((n, self.T)),
+            "underflow": self.rng.integers(0, 4, (n, self.T)).astype(np.float64),
+            "nonfinite": np.zeros((n, self.T)),
+            "numel": np.full((n, self.T), 1 << 20, dtype=np.float64),
+        }
+
+
+def _packed(values: np.ndarray, dtype: str) -> dict:
+    return {
+        "dtype": dtype,
+        "b64": base64.b64encode(values.astype("<f4" if dtype == "float32" else "<f8").tobytes()).decode(),
+    }
+
+
+def batch_bytes(key: str, first_step: int, stats: dict[str, np.ndarray], encoding: str) -> bytes:
+    """A telemetry body, already serialised (the client's cost is not what is measured)."""
+    steps = []
+    for i in range(len(stats["amax"])):
+        if encoding == "packed":
+            cols = {
+                n: _packed(stats[n][i], "float32" if n in ("amax", "scale") else "float64") for n in STATS
+            }
+        else:
+            cols = {n: stats[n][i].tolist() for n in STATS}
+        steps.append(
+            {
+                "step": first_step + i,
+                "scalars": {"loss": 2.5 - 1e-5 * (first_step + i), "lr": 3e-4},
+                "stats": cols,
+            }
+        )
+    return orjson.dumps({"idempotency_key": key, "steps": steps})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def server(db_url: str):
+    """`fp8-monitor serve` on a free port; yields its base URL."""
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "monitor_server.cli",
+        "serve",
+        "--db",
+        db_url,
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-2000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not start")
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@contextlib.contextmanager
+def pg_database():
+    """A fresh PostgreSQL database (dropped afterwards); yields its URL."""
+    base = make_url(PG_URL)
+    admin = create_engine(base.set(database="postgres"), isolation_level="AUTOCOMMIT")
+    name = f"fp8scope_bench_{uuid.uuid4().hex[:8]}"
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))  # generated name
+    try:
+        yield base.set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def create_run(url: str, T: int, name: str) -> int:
+    r = httpx.post(
+        f"{url}/api/v1/runs",
+        json={"name": name, "tensors": tensors_for(T), "recipe": {"margin": 0}},
+        timeout=30,
+    )
+    r.raise_for_status()
+    return r.json()["id"]
+
+
+def bench_ingest(url: str, encoding: str, T: int, S: int, batches: int, senders: int) -> dict:
+    """Post `batches` batches from `senders` threads; values/s over the whole wall time."""
+    run_id = create_run(url, T, f"bench-{encoding}")
+    stream = StatStream(T)
+    bodies = [batch_bytes(f"b{i}", i * S, stream.steps(S), encoding) for i in range(batches + 2)]
+    endpoint = f"{url}/api/v1/runs/{run_id}/telemetry"
+    headers = {"content-type": "application/json"}
+    with httpx.Client(timeout=60) as client:  # warm-up (engine, caches, connections)
+        for body in bodies[:2]:
+            client.post(endpoint, content=body, headers=headers).raise_for_status()
+    work = bodies[2:]
+    errors: list[str] = []
+    latencies: list[float] = []
+
+    def sender(part: list[bytes]) -> None:
+        with httpx.Client(timeout=120) as client:
+            for body in part:
+                t0 = time.perf_counter()
+                r = client.post(endpoint, content=body, headers=headers)
+                latencies.append(time.perf_counter() - t0)
+                if r.status_code != 200 or r.json()["stored_steps"] != S:
+                    errors.append(f"{r.status_code}: {r.text[:200]}")
+
+    threads = [threading.Thread(target=sender, args=(work[i::senders],)) for i in range(senders)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise RuntimeError(f"ingest errors: {errors[:3]}")
+    values = len(work) * S * T * len(STATS)
+    return {
+        "values": values,
+        "seconds": wall,
+        "values_per_s": values / wall,
+        "batch_bytes": len(work[0]),
+        "batch_latency_median_ms": 1000 * statistics.median(latencies),
+    }
+
+
+def fill_direct(db_url: str, run_id: int, T: int, total_steps: int, chunk: int = 2000) -> float:
+    """Store `total_steps` steps through `store_batch` (the ingest storage code), no HTTP; returns seconds."""
+    db = Database(db_url)
+    stream = StatStream(T, seed=1)
+    fp8_max = np.array([FP8_MAX[t["format"]] for t in tensors_for(T)])
+    t0 = time.perf_counter()
+    for first in range(0, total_steps, chunk):
+        n = min(chunk, total_steps - first)
+        stats = stream.steps(n)
+        # a few spikes and non-finite values, as a real run would have
+        stats["amax"][n // 2, (first // chunk) % T] *= 1e3
+        if first // chunk % 7 == 3:
+            stats["amax"][1, 5] = np.nan
+        batch = DecodedBatch(
+            idempotency_key=f"fill-{first}",
+            steps=np.arange(first, first + n, dtype=np.int64),
+            scalars=[{"loss": 2.0} for _ in range(n)],
+            stats=stats,
+        )
+        with db.run_lock(run_id), db.write() as session:
+            store_batch(session, run_id, batch, fp8_max)
+    seconds = time.perf_counter() - t0
+    db.dispose()
+    return seconds
+
+
+def bench_heatmap(url: str, db_url: str, T: int, total_steps: int, repeats: int = 9) -> dict:
+    """Fill a T x total_steps run and time heatmap requests at max_cols=1000."""
+    run_id = create_run(url, T, "bench-heatmap")
+    fill_s = fill_direct(db_url, run_id, T, total_steps)
+    out = {
+        "steps": total_steps,
+        "tensors": T,
+        "fill_seconds": fill_s,
+        "fill_values_per_s": total_steps * T * 6 / fill_s,
+    }
+    cases = {
+        "amax_full": {"metric": "amax", "max_cols": 1000},
+        "headroom_full": {"metric": "headroom", "max_cols": 1000},
+        "amax_last_5000": {"metric": "amax", "max_cols": 1000, "from": total_steps - 5000},
+    }
+    with httpx.Client(timeout=120) as client:
+        for name, params in cases.items():
+            times = []
+            for i in range(repeats + 1):
+                t0 = time.perf_counter()
+                r = client.get(f"{url}/api/v1/runs/{run_id}/heatmap", params=params)
+                dt = time.perf_counter() - t0
+                r.raise_for_status()
+                if i:  # first request warms caches
+                    times.append(dt)
+            body = r.json()
+            out[name] = {
+                "median_ms": 1000 * statistics.median(times),
+                "min_ms": 1000 * min(times),
+                "columns": len(body["bucket_start"]),
+                "bucket_width": body["bucket_width"],
+                "response_bytes": len(r.content),
+            }
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tensors", type=int, default=512)
+    parser.add_argument("--steps-per-batch", type=int, default=50)
+    parser.add_argument("--batches", type=int, default=40)
+    parser.add_argument("--senders", type=int, default=2, help="concurrent HTTP clients")
+    parser.add_argument("--heatmap-steps", type=int, default=100_000)
+    parser.add_argument("--skip-pg", action="store_true")
+    parser.add_argument("--backends", default="sqlite,postgresql", help="comma-separated: sqlite,postgresql")
+    parser.add_argument("--skip-heatmap", action="store_true")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "ingest.json")
+    args = parser.parse_args()
+
+    backends = [b for b in args.backends.split(",") if not (args.skip_pg and b == "postgresql")]
+    results: dict = {
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+        },
+        "params": vars(args) | {"out": str(args.out)},
+        "ingest": {},
+        "heatmap": {},
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        for backend in backends:
+            ctx = (
+                pg_database()
+                if backend == "postgresql"
+                else contextlib.nullcontext(f"sqlite:///{tmp}/bench.db")
+            )
+            with ctx as db_url, server(db_url) as url:
+                for encoding in ("packed", "json"):
+                    r = bench_ingest(
+                        url, encoding, args.tensors, args.steps_per_batch, args.batches, args.senders
+                    )
+                    results["ingest"][f"{backend}/{encoding}"] = r
+                    print(
+                        f"  ingest {backend:10s} {encoding:6s} {r['values_per_s']:>12,.0f} values/s",
+                        flush=True,
+                    )
+                if not args.skip_heatmap:
+                    r = bench_heatmap(url, db_url, args.tensors, args.heatmap_steps)
+                    results["heatmap"][backend] = r
+                    print(
+                        f"  heatmap {backend:10s} amax {r['amax_full']['median_ms']:.1f} ms median",
+                        flush=True,
+                    )
+
+    print()
+    print(
+        f"ingest: {args.tensors} tensors x 6 statistics x {args.steps_per_batch} steps per batch, "
+        f"{args.batches} batches, {args.senders} concurrent senders, over HTTP"
+    )
+    print(f"{'backend':<12}{'encoding':<10}{'values/s':>14}{'batch p50 ms':>14}{'batch MB':>10}")
+    for key, r in results["ingest"].items():
+        backend, encoding = key.split("/")
+        print(
+            f"{backend:<12}{encoding:<10}{r['values_per_s']:>14,.0f}{r['batch_latency_median_ms']:>14.1f}"
+            f"{r['batch_bytes'] / 1e6:>10.2f}"
+        )
+    if results["heatmap"]:
+        print()
+        print(f"heatmap: {args.tensors} tensors x {args.heatmap_steps:,} steps, max_cols=1000, median of 9")
+        print(
+            f"{'backend':<12}{'query':<18}{'median ms':>10}{'min ms':>9}{'columns':>9}{'width':>7}"
+            f"{'fill values/s':>15}"
+        )
+        for backend, r in results["heatmap"].items():
+            for name in ("amax_full", "headroom_full", "amax_last_5000"):
+                q = r[name]
+                print(
+                    f"{backend:<12}{name:<18}{q['median_ms']:>10.1f}{q['min_ms']:>9.1f}{q['columns']:>9}"
+                    f"{q['bucket_width']:>7}{r['fill_values_per_s']:>15,.0f}"
+                )
+    sqlite_ingest = results["ingest"].get("sqlite/packed", {}).get("values_per_s", 0)
+    sqlite_heatmap = results["heatmap"].get("sqlite", {}).get("amax_full", {}).get("median_ms")
+    results["goals"] = {
+        "sqlite_ingest_values_per_s>=1e6": sqlite_ingest >= 1e6,
+        "sqlite_heatmap_median_ms<=150": None if sqlite_heatmap is None else sqlite_heatmap <= 150,
+    }
+    print()
+    print("goals:", json.dumps(results["goals"]))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Dependencies shared by the routes: the app context, DB sessions and bearer-token scopes.
+
+Authentication: ``Authorization: Bearer <secret>``. With no tokens configured every request is allowed
+(as "anonymous"). A missing or unknown token is 401, a known token without the needed scope 403.
+Secrets are compared with `hmac.compare_digest` against every configured token.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Path, Request, status
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.orm import Session
+
+from monitor_server.context import AppContext
+
+bearer_scheme = HTTPBearer(auto_error=False, description="Bearer token with scopes ingest / read / control")
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: the token's name (or "anonymous" when auth is off) and its scopes."""
+
+    name: str
+    scopes: frozenset[str]
+
+
+def get_ctx(request: Request) -> AppContext:
+    """The app's context."""
+    return request.app.state.ctx
+
+
+CtxDep = Annotated[AppContext, Depends(get_ctx)]
+
+
+def get_session(ctx: CtxDep) -> Iterator[Session]:
+    """A read session for the duration of the request."""
+    with ctx.db.read_session() as session:
+        yield session
+
+
+SessionDep = Annotated[Session, Depends(get_session)]
+
+
+def authenticate(ctx: AppContext, credentials: HTTPAuthorizationCredentials | None) -> Principal:
+    """Resolve the caller from the Authorization header (401 when required and missing/unknown)."""
+    if not ctx.settings.auth_enabled:
+        return Principal("anonymous", frozenset({"ingest", "read", "control"}))
+    if credentials is None or credentials.scheme.lower() != "bearer" or not credentials.credentials:
+        raise HTTPException(
+            status.HTTP_401_UNAUTHORIZED, "missing bearer token", headers={"WWW-Authenticate": "Bearer"}
+        )
+    given = credentials.credentials.encode()
+    match = None
+    for token in ctx.settings.parsed_tokens:
+        # compare against every token so the time taken does not reveal which one matched
+        if hmac.compare_digest(given, token.secret.encode()):
+            match = token
+    if match is None:
+        raise HTTPException(
+            status.HTTP_401_UNAUTHORIZED, "unknown token", headers={"WWW-Authenticate": "Bearer"}
+        )
+    return Principal(match.name, match.scopes)
+
+
+def require_scope(*scopes: str) -> Callable[..., Principal]:
+    """A dependency admitting callers holding any of `scopes` (403 otherwise)."""
+
+    def dependency(
+        ctx: CtxDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)]
+    ) -> Principal:
+        principal = authenticate(ctx, credentials)
+        if not principal.scopes.intersection(scopes):
+            raise HTTPException(
+                status.HTTP_403_FORBIDDEN, f"token {principal.name!r} lacks the scope {' or '.join(scopes)!r}"
+            )
+        return principal
+
+    return dependency
+
+
+ReadDep = Annotated[Principal, Depends(require_scope("read"))]
+IngestDep = Annotated[Principal, Depends(require_scope("ingest"))]
+ControlDep = Annotated[Principal, Depends(require_scope("control"))]
+#: creating runs and setting their status: the training job (ingest) or an operator (control)
+RunWriteDep = Annotated[Principal, Depends(require_scope("ingest", "control"))]
+
+#: path parameters naming database rows (32-bit ids)
+RunId = Annotated[int, Path(ge=1, le=2**31 - 1, description="run id")]
+AlertId = Annotated[int, Path(ge=1, le=2**31 - 1, description="alert id")]

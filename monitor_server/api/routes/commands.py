@@ -1,0 +1,53 @@
+"""Recipe-change commands: queue (validated) and list with their audit trail."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, HTTPException, Query, status
+from sqlalchemy import select
+
+from monitor_server.api.deps import ControlDep, CtxDep, ReadDep, RunId, SessionDep
+from monitor_server.api.routes.runs import get_run_or_404
+from monitor_server.commands import CommandError, command_public, create_command
+from monitor_server.models import Command, Run
+from monitor_server.schemas import CommandCreate, CommandPublic
+from monitor_server.wire import iso_dates
+
+router = APIRouter(prefix="/runs", tags=["commands"])
+
+
+@router.post("/{run_id}/commands", status_code=status.HTTP_201_CREATED, response_model=CommandPublic)
+def post_command(run_id: RunId, body: CommandCreate, ctx: CtxDep, principal: ControlDep) -> dict[str, Any]:
+    """Queue a recipe change for the whole model or one layer, or a rollback of an applied command.
+
+    The training job receives it in its next telemetry response, applies it at a step boundary and acks it.
+    """
+    with ctx.db.write() as session:
+        run = session.execute(select(Run).where(Run.id == run_id).with_for_update()).scalar_one_or_none()
+        if run is None:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id} not found")
+        meta = ctx.run_meta.get(session, run_id)
+        layers = set(meta.layers) if meta else set()
+        try:
+            command = create_command(session, run, body, principal.name, layers)
+        except CommandError as exc:
+            raise HTTPException(exc.status, exc.message) from None
+        public = command_public(command)
+    ctx.broker.publish(run_id, "command", iso_dates(public))
+    return public
+
+
+@router.get("/{run_id}/commands", response_model=list[CommandPublic])
+def list_commands(
+    run_id: RunId,
+    session: SessionDep,
+    _principal: ReadDep,
+    state: Annotated[Literal["pending", "delivered", "applied", "rejected"] | None, Query()] = None,
+) -> list[dict[str, Any]]:
+    """The run's commands, newest first."""
+    get_run_or_404(session, run_id)
+    query = select(Command).where(Command.run_id == run_id).order_by(Command.id.desc())
+    if state is not None:
+        query = query.where(Command.state == state)
+    return [command_public(c) for c in session.execute(query).scalars()]

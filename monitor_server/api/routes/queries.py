@@ -1,0 +1,152 @@
+"""Read paths for the dashboard: tensors, scalar series, heatmaps and per-layer health."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Annotated, Any, Literal
+
+import orjson
+from fastapi import APIRouter, HTTPException, Query, Response, status
+from sqlalchemy import select
+
+from monitor_server.api.deps import CtxDep, ReadDep, RunId, SessionDep
+from monitor_server.api.routes.runs import get_run_or_404
+from monitor_server.detection import alert_public
+from monitor_server.models import Alert
+from monitor_server.rollups import HEATMAP_METRICS, read_heatmap
+from monitor_server.run_meta import RunMeta
+from monitor_server.schemas import HeatmapPublic, LayerHealth, SeriesPublic, TensorSpec
+from monitor_server.series import downsample_minmax, read_series
+from monitor_server.wire import iso_dates, jsonable, matrix_json
+
+router = APIRouter(prefix="/runs", tags=["queries"])
+
+FromQ = Annotated[
+    int | None, Query(alias="from", ge=0, le=2**62, description="first step (default: the run's first)")
+]
+ToQ = Annotated[
+    int | None, Query(alias="to", ge=0, le=2**62, description="last step (default: the run's last)")
+]
+
+
+def _meta(ctx: CtxDep, session: SessionDep, run_id: int) -> RunMeta:
+    get_run_or_404(session, run_id)
+    meta = ctx.run_meta.get(session, run_id)
+    if meta is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id} has no tensors")
+    return meta
+
+
+def _range(first: int | None, last: int | None, lo: int | None, hi: int | None) -> tuple[int, int] | None:
+    """The requested step range clipped to the stored one; None when nothing is stored or it is empty."""
+    if lo is not None and hi is not None and hi < lo:
+        raise HTTPException(422, f"to ({hi}) is before from ({lo})")
+    if first is None or last is None:
+        return None
+    lo = first if lo is None else max(lo, first)
+    hi = last if hi is None else min(hi, last)
+    return (lo, hi) if lo <= hi else None
+
+
+@router.get("/{run_id}/tensors", response_model=list[TensorSpec])
+def list_tensors(
+    run_id: RunId, ctx: CtxDep, session: SessionDep, _principal: ReadDep
+) -> list[dict[str, Any]]:
+    """The run's quantized tensors, by index."""
+    return [asdict(t) for t in _meta(ctx, session, run_id).tensors]
+
+
+@router.get("/{run_id}/series", response_model=SeriesPublic)
+def get_series(
+    run_id: RunId,
+    session: SessionDep,
+    _principal: ReadDep,
+    name: Annotated[
+        str, Query(min_length=1, max_length=200, description="scalar name, e.g. loss, lr, grad_norm")
+    ],
+    from_: FromQ = None,
+    to: ToQ = None,
+    max_points: Annotated[int, Query(ge=2, le=100_000)] = 2000,
+) -> Response:
+    """A scalar over steps, downsampled to at most `max_points` keeping each bucket's min and max point."""
+    run = get_run_or_404(session, run_id)
+    rng = _range(run.first_step, run.last_step, from_, to)
+    out: dict[str, Any] = {"name": name, "from": None, "to": None, "bucket_width": 1, "downsampled": False}
+    if rng is None:
+        out.update(steps=[], values=[])
+    else:
+        steps, values = read_series(session, run_id, name, *rng)
+        kept_steps, kept_values, width = downsample_minmax(steps, values, max_points)
+        out.update(
+            {
+                "from": rng[0],
+                "to": rng[1],
+                "bucket_width": width,
+                "downsampled": len(kept_steps) < len(steps),
+            },
+            steps=kept_steps.tolist(),
+            values=jsonable(kept_values.tolist()),
+        )
+    return Response(orjson.dumps(out), media_type="application/json")
+
+
+@router.get("/{run_id}/heatmap", response_model=HeatmapPublic)
+def get_heatmap(
+    run_id: RunId,
+    ctx: CtxDep,
+    session: SessionDep,
+    _principal: ReadDep,
+    metric: Literal["amax", "scale", "overflow", "underflow", "nonfinite", "headroom"] = "amax",
+    from_: FromQ = None,
+    to: ToQ = None,
+    max_cols: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+) -> Response:
+    """Tensors x step-buckets matrix of one metric; buckets keep the max (amax, scale), the min (headroom)
+    or the sum (counts), so no spike is averaged away. Bucket width is a multiple of a rollup block,
+    so there are at most `max_cols` columns.
+    """
+    meta = _meta(ctx, session, run_id)
+    run = get_run_or_404(session, run_id)
+    rng = _range(run.first_step, run.last_step, from_, to)
+    head = {
+        "metric": metric,
+        "aggregation": HEATMAP_METRICS[metric][1],
+        "tensors": [asdict(t) for t in meta.tensors],
+    }
+    if rng is None:
+        head.update(bucket_width=1, bucket_start=[], bucket_end=[], bucket_steps=[])
+        return Response(
+            orjson.dumps({**head, "values": [[] for _ in meta.tensors]}), media_type="application/json"
+        )
+    hm = read_heatmap(session, run_id, metric, rng[0], rng[1], max_cols, meta.fp8_max)
+    head.update(
+        bucket_width=hm["width"],
+        bucket_start=hm["starts"].tolist(),
+        bucket_end=hm["ends"].tolist(),
+        bucket_steps=hm["steps"].tolist(),
+    )
+    # splice the pre-rendered matrix into the JSON object (avoids building 10^5..10^6 Python floats)
+    head_json = orjson.dumps(head)
+    body = (
+        head_json[:-1]
+        + b',"values":'
+        + matrix_json(hm["values"], hm["empty"][None, :].repeat(meta.num_tensors, 0))
+        + b"}"
+    )
+    return Response(body, media_type="application/json")
+
+
+@router.get("/{run_id}/layers", response_model=list[LayerHealth])
+def get_layers(run_id: RunId, ctx: CtxDep, session: SessionDep, _principal: ReadDep) -> Response:
+    """Per-layer health ranked by severity, with the reasons a layer is flagged (detector engine)."""
+    meta = _meta(ctx, session, run_id)
+    alerts = session.execute(
+        select(Alert).where(Alert.run_id == run_id, Alert.state == "open").order_by(Alert.id)
+    ).scalars()
+    open_alerts = [jsonable(iso_dates(alert_public(a, meta))) for a in alerts]
+    ranked = ctx.detection.layer_health(session, run_id, open_alerts)
+    if ranked is None:
+        raise HTTPException(
+            status.HTTP_503_SERVICE_UNAVAILABLE, "detector engine not available on this server"
+        )
+    return Response(orjson.dumps(ranked), media_type="application/json")

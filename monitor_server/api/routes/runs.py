@@ -1,0 +1,120 @@
+"""Runs: create, list, show, set status."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, HTTPException, Query, status
+from sqlalchemy import func, insert, select
+from sqlalchemy.orm import Session
+
+from monitor_server.api.deps import CtxDep, ReadDep, RunId, RunWriteDep, SessionDep
+from monitor_server.commands import effective_recipe
+from monitor_server.models import Alert, Run, TensorRow, as_utc, utcnow
+from monitor_server.schemas import RunCreate, RunPublic, RunStatus, RunUpdate
+
+router = APIRouter(prefix="/runs", tags=["runs"])
+
+
+def run_public(run: Run, open_alerts: int) -> dict[str, Any]:
+    """A run as the API returns it."""
+    return {
+        "id": run.id,
+        "name": run.name,
+        "config": run.config,
+        "recipe": run.recipe,
+        "recipe_overrides": run.recipe_overrides,
+        "effective_recipe": effective_recipe(run),
+        "world_size": run.world_size,
+        "host": run.host,
+        "status": run.status,
+        "num_tensors": run.num_tensors,
+        "created_at": as_utc(run.created_at),
+        "updated_at": as_utc(run.updated_at),
+        "first_step": run.first_step,
+        "last_step": run.last_step,
+        "last_loss": run.last_loss,
+        "steps_stored": run.steps_stored,
+        "last_telemetry_at": as_utc(run.last_telemetry_at),
+        "open_alerts": open_alerts,
+    }
+
+
+def get_run_or_404(session: Session, run_id: int) -> Run:
+    """The run, or 404 naming it."""
+    run = session.get(Run, run_id)
+    if run is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id} not found")
+    return run
+
+
+def count_open_alerts(session: Session, run_id: int) -> int:
+    """Open alerts of one run."""
+    return session.scalar(select(func.count()).where(Alert.run_id == run_id, Alert.state == "open")) or 0
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=RunPublic)
+def create_run(body: RunCreate, ctx: CtxDep, _principal: RunWriteDep) -> dict[str, Any]:
+    """Register a run and its quantized tensors (dense indices 0..T-1)."""
+    now = utcnow()
+    with ctx.db.write() as session:
+        run = Run(
+            name=body.name,
+            config=body.config,
+            recipe=body.recipe,
+            recipe_overrides={"model": {}, "layers": {}},
+            world_size=body.world_size,
+            host=body.host,
+            status="running",
+            num_tensors=len(body.tensors),
+            created_at=now,
+            updated_at=now,
+            steps_stored=0,
+        )
+        session.add(run)
+        session.flush()
+        session.execute(
+            insert(TensorRow),
+            [{"run_id": run.id, **t.model_dump()} for t in sorted(body.tensors, key=lambda t: t.index)],
+        )
+        return run_public(run, 0)
+
+
+@router.get("", response_model=list[RunPublic])
+def list_runs(
+    session: SessionDep,
+    _principal: ReadDep,
+    status_: Annotated[RunStatus | None, Query(alias="status")] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> list[dict[str, Any]]:
+    """Runs, newest first, with status, last step, last loss and the number of open alerts."""
+    open_count = (
+        select(func.count())
+        .where(Alert.run_id == Run.id, Alert.state == "open")
+        .correlate(Run)
+        .scalar_subquery()
+    )
+    query = select(Run, open_count).order_by(Run.id.desc()).limit(limit)
+    if status_ is not None:
+        query = query.where(Run.status == status_)
+    return [run_public(run, n) for run, n in session.execute(query).all()]
+
+
+@router.get("/{run_id}", response_model=RunPublic)
+def get_run(run_id: RunId, session: SessionDep, _principal: ReadDep) -> dict[str, Any]:
+    """One run, including its effective recipe (base recipe + applied overrides)."""
+    run = get_run_or_404(session, run_id)
+    return run_public(run, count_open_alerts(session, run_id))
+
+
+@router.patch("/{run_id}", response_model=RunPublic)
+def update_run(run_id: RunId, body: RunUpdate, ctx: CtxDep, _principal: RunWriteDep) -> dict[str, Any]:
+    """Set a run's status (running, finished, crashed)."""
+    with ctx.db.write() as session:
+        run = get_run_or_404(session, run_id)
+        run.status = body.status
+        run.updated_at = utcnow()
+        session.flush()
+        result = run_public(run, count_open_alerts(session, run_id))
+    ctx.broker.publish(run_id, "run", {"id": run_id, "status": body.status})
+    return result

@@ -1,0 +1,116 @@
+"""The `fp8-monitor` command line: `serve` runs the monitor service.
+
+    fp8-monitor serve [--db URL] [--host 127.0.0.1] [--port 8000] [--token name:scopes:secret ...]
+
+Flags override ``FP8SCOPE_*`` environment variables. Without tokens the server only listens on loopback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from pydantic import ValidationError
+
+from monitor_server.core.config import Settings, is_loopback
+
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run the monitor service (HTTP API, dashboard data, SSE)")
+    p.add_argument(
+        "--db", dest="db_url", help="SQLAlchemy URL (default: sqlite:///fp8scope.db in the working directory)"
+    )
+    p.add_argument("--host", help="listen address (default 127.0.0.1; others need --token)")
+    p.add_argument("--port", type=int, help="listen port (default 8000)")
+    p.add_argument(
+        "--token",
+        dest="tokens",
+        action="append",
+        metavar="NAME:SCOPES:SECRET",
+        help="bearer token, scopes '+'-joined from ingest, read, control; repeatable",
+    )
+    p.add_argument("--webhook-url", help="Slack-compatible webhook that receives new alerts")
+    p.add_argument("--max-body-bytes", type=int, help="largest accepted request body (default 64 MiB)")
+    p.add_argument("--stall-seconds", type=float, help="no telemetry for this long -> 'stalled' alert")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def build_settings(args: argparse.Namespace) -> Settings:
+    """Settings from the environment, overridden by the flags that were given."""
+    overrides = {
+        key: getattr(args, key)
+        for key in ("db_url", "host", "port", "tokens", "webhook_url", "max_body_bytes", "stall_seconds")
+        if getattr(args, key, None) is not None
+    }
+    return Settings(**overrides)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run uvicorn with the app; returns the exit code."""
+    import uvicorn
+
+    from monitor_server.app import create_app
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        settings = build_settings(args)
+    except ValidationError as exc:
+        print(f"fp8-monitor: invalid configuration:\n{exc}", file=sys.stderr)
+        return 2
+    if not settings.auth_enabled and not is_loopback(settings.host):
+        print(
+            f"fp8-monitor: refusing to listen on {settings.host} without tokens; "
+            "add --token NAME:SCOPES:SECRET "
+            "(or FP8SCOPE_TOKENS) or listen on 127.0.0.1",
+            file=sys.stderr,
+        )
+        return 2
+    if not settings.auth_enabled:
+        logging.getLogger("fp8scope.monitor").warning(
+            "listening on loopback %s only (no tokens)", settings.host
+        )
+    app = create_app(settings)
+    broker = app.state.ctx.broker
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: object) -> None:
+            # end SSE streams first: uvicorn waits for open connections before the lifespan shutdown
+            broker.close_threadsafe()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=5,
+        proxy_headers=False,
+    )
+    Server(config).run()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `fp8-monitor` (subcommands: serve)."""
+    parser = argparse.ArgumentParser(prog="fp8-monitor", description="fp8scope monitor service")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `fp8-monitor`."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""Everything one app instance owns: settings, database, event broker, metrics, caches and detectors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import func, select
+
+from monitor_server.core.config import Settings
+from monitor_server.core.db import Database
+from monitor_server.detection import Detection
+from monitor_server.events import EventBroker
+from monitor_server.metrics import Metrics
+from monitor_server.models import Alert, Run
+from monitor_server.run_meta import RunMetaCache
+
+#: runs reported in /metrics gauges (newest first)
+METRICS_MAX_RUNS = 200
+
+
+@dataclass
+class AppContext:
+    """The state shared by the routes of one app (``app.state.ctx``)."""
+
+    settings: Settings
+    db: Database
+    broker: EventBroker
+    metrics: Metrics
+    run_meta: RunMetaCache
+    detection: Detection
+
+    @classmethod
+    def create(cls, settings: Settings) -> AppContext:
+        """Build the context (the database schema is migrated separately, at startup)."""
+        db = Database(settings.db_url)
+        broker = EventBroker()
+        run_meta = RunMetaCache()
+        ctx = cls(settings, db, broker, Metrics(), run_meta, Detection(settings, db, broker, run_meta))
+        ctx.metrics.attach_database(ctx.metrics_snapshot)
+        return ctx
+
+    def metrics_snapshot(self) -> tuple[dict[str, int], list[tuple[int, str, float | None, int | None]]]:
+        """Open alerts by kind and (id, name, last loss, last step) of recent runs, for /metrics."""
+        with self.db.read_session() as session:
+            alerts = dict(
+                session.execute(
+                    select(Alert.kind, func.count()).where(Alert.state == "open").group_by(Alert.kind)
+                ).all()
+            )
+            rows = session.execute(
+                select(Run.id, Run.name, Run.last_loss, Run.last_step)
+                .order_by(Run.id.desc())
+                .limit(METRICS_MAX_RUNS)
+            ).all()
+        runs = []
+        for run_id, name, loss, step in rows:
+            value = {"NaN": float("nan"), "Infinity": float("inf"), "-Infinity": float("-inf")}.get(
+                loss, loss
+            )
+            runs.append((run_id, name, value if isinstance(value, int | float) else None, step))
+        return alerts, runs

@@ -1,0 +1,108 @@
+"""Server settings (pydantic-settings): flags and ``FP8SCOPE_*`` environment variables.
+
+Tokens are given as ``name:scope1+scope2:secret`` entries, comma-separated in ``FP8SCOPE_TOKENS`` or one per
+``--token`` flag; scopes are ``ingest`` (training jobs), ``read`` (dashboard) and ``control`` (recipe pushes).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from pydantic import field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+SCOPES: tuple[str, ...] = ("ingest", "read", "control")
+DEFAULT_SQLITE_FILE = "fp8scope.db"
+
+
+@dataclass(frozen=True)
+class Token:
+    """One bearer token: who it is (`name`), what it may do (`scopes`) and the secret itself."""
+
+    name: str
+    scopes: frozenset[str]
+    secret: str
+
+
+def parse_token(spec: str) -> Token:
+    """Parse ``name:scope1+scope2:secret`` (the secret may itself contain ':')."""
+    parts = spec.strip().split(":", 2)
+    if len(parts) != 3 or not parts[0] or not parts[2]:
+        raise ValueError(f"token {parts[0] if parts else spec!r}: expected 'name:scope1+scope2:secret'")
+    name, scopes_text, secret = parts
+    scopes = frozenset(s.strip() for s in scopes_text.split("+") if s.strip())
+    unknown = scopes - set(SCOPES)
+    if not scopes or unknown:
+        raise ValueError(
+            f"token {name!r}: scopes must be a '+'-joined subset of {'+'.join(SCOPES)}, got {scopes_text!r}"
+        )
+    if len(secret) < 8:
+        raise ValueError(f"token {name!r}: secret must be at least 8 characters")
+    return Token(name=name, scopes=scopes, secret=secret)
+
+
+class Settings(BaseSettings):
+    """Everything the monitor service is configured with.
+
+    Attributes:
+        db_url: SQLAlchemy URL; ``sqlite:///path`` (default: ``fp8scope.db`` in the working directory)
+            or ``postgresql+psycopg://user@host/db``.
+        host, port: where `fp8-monitor serve` listens. Without tokens only loopback is allowed.
+        tokens: ``name:scopes:secret`` entries; empty = no authentication.
+        max_body_bytes: larger request bodies get 413.
+        webhook_url: Slack-compatible webhook that receives new alerts (empty = off).
+        stall_seconds: a running run with no telemetry for this long raises a ``stalled`` alert.
+        stall_check_seconds: how often the stall check runs.
+        detectors: passed through to the detector engine's ``DetectorConfig`` (thresholds).
+        sse_keepalive_seconds: interval of keep-alive comments on ``/stream``.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="FP8SCOPE_", extra="ignore")
+
+    db_url: str = f"sqlite:///{DEFAULT_SQLITE_FILE}"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    tokens: Annotated[list[str], NoDecode] = []
+    max_body_bytes: int = 64 * 1024 * 1024
+    webhook_url: str = ""
+    stall_seconds: float = 300.0
+    stall_check_seconds: float = 15.0
+    detectors: dict[str, Any] = {}
+    sse_keepalive_seconds: float = 15.0
+
+    @field_validator("tokens", mode="before")
+    @classmethod
+    def _split_tokens(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [t for t in value.split(",") if t.strip()]
+        return value
+
+    @field_validator("tokens")
+    @classmethod
+    def _check_tokens(cls, value: list[str]) -> list[str]:
+        names = [parse_token(t).name for t in value]
+        if len(set(names)) != len(names):
+            raise ValueError("token names must be unique")
+        return value
+
+    @property
+    def parsed_tokens(self) -> list[Token]:
+        """The configured tokens, parsed."""
+        return [parse_token(t) for t in self.tokens]
+
+    @property
+    def auth_enabled(self) -> bool:
+        """True when at least one token is configured."""
+        return bool(self.tokens)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is a loopback address (the only kind allowed without tokens)."""
+    return host in ("127.0.0.1", "::1", "localhost") or host.startswith("127.")
+
+
+def default_db_url() -> str:
+    """The embedded SQLite file in the current working directory."""
+    return f"sqlite:///{os.path.abspath(DEFAULT_SQLITE_FILE)}"

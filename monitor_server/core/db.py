@@ -1,0 +1,123 @@
+"""Engine, sessions and write serialisation for SQLite and PostgreSQL.
+
+SQLite: WAL journal, ``busy_timeout``, foreign keys, ``synchronous=NORMAL``; write transactions start with
+``BEGIN IMMEDIATE`` and are serialised by one in-process lock, so concurrent writers wait instead of seeing
+"database is locked". PostgreSQL: writers to one run are serialised by a per-run in-process lock plus a
+``SELECT ... FOR UPDATE`` on the run row (which also covers several server processes).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import orjson
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.orm import Session, sessionmaker
+
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+_BEGIN_IMMEDIATE = "BEGIN IMMEDIATE"
+_BEGIN = "BEGIN"
+
+
+def _json_dumps(value: object) -> str:
+    # orjson: fast, and it can never emit the NaN/Infinity tokens that PostgreSQL's json type rejects
+    return orjson.dumps(value).decode()
+
+
+def _json_loads(value: object) -> object:
+    # SQLite's JSON columns have NUMERIC affinity: a JSON number comes back already as int/float
+    return orjson.loads(value) if isinstance(value, str | bytes) else value
+
+
+def is_sqlite(url_or_engine: str | Engine) -> bool:
+    """True for a SQLite URL or engine."""
+    name = url_or_engine.dialect.name if isinstance(url_or_engine, Engine) else str(url_or_engine)
+    return name.startswith("sqlite")
+
+
+def make_engine(db_url: str) -> Engine:
+    """Create the engine for `db_url` with the pragmas / pool settings this service relies on."""
+    if is_sqlite(db_url):
+        engine = create_engine(
+            db_url,
+            json_serializer=_json_dumps,
+            json_deserializer=_json_loads,
+            connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000},
+            pool_size=16,
+            max_overflow=16,
+        )
+
+        @event.listens_for(engine, "connect")
+        def _on_connect(dbapi_connection, _record):  # noqa: ANN001
+            # take transaction control away from pysqlite so BEGIN IMMEDIATE can be issued (SQLAlchemy recipe)
+            dbapi_connection.isolation_level = None
+            cursor = dbapi_connection.cursor()
+            # 16 KiB pages hold several 4 KiB statistic blobs each (with 4 KiB pages every blob spills into an
+            # overflow page, doubling the I/O); only takes effect when the database file is created
+            cursor.execute("PRAGMA page_size=16384")
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA busy_timeout=30000")  # = SQLITE_BUSY_TIMEOUT_MS
+            cursor.execute("PRAGMA foreign_keys=ON")
+            cursor.execute("PRAGMA synchronous=NORMAL")
+            cursor.close()
+
+        @event.listens_for(engine, "begin")
+        def _on_begin(conn):  # noqa: ANN001
+            immediate = conn.get_execution_options().get("fp8scope_write", False)
+            conn.exec_driver_sql(_BEGIN_IMMEDIATE if immediate else _BEGIN)
+
+        return engine
+    return create_engine(
+        db_url,
+        json_serializer=_json_dumps,
+        json_deserializer=_json_loads,
+        pool_size=16,
+        max_overflow=16,
+        pool_pre_ping=True,
+    )
+
+
+class Database:
+    """The engine plus the session factories and the write locks of one app instance."""
+
+    def __init__(self, db_url: str):
+        self.url = db_url
+        self.engine = make_engine(db_url)
+        self.sqlite = is_sqlite(self.engine)
+        self._read = sessionmaker(self.engine, expire_on_commit=False)
+        self._write = sessionmaker(self.engine.execution_options(fp8scope_write=True), expire_on_commit=False)
+        self._global_lock = threading.Lock()
+        self._run_locks: dict[int, threading.Lock] = {}
+        self._run_locks_guard = threading.Lock()
+
+    def read_session(self) -> Session:
+        """A session for reads (and the occasional small write that needs no ordering)."""
+        return self._read()
+
+    def run_lock(self, run_id: int) -> threading.Lock:
+        """The in-process lock that orders ingest (and detector state) for one run."""
+        with self._run_locks_guard:
+            lock = self._run_locks.get(run_id)
+            if lock is None:
+                lock = self._run_locks[run_id] = threading.Lock()
+            return lock
+
+    @contextmanager
+    def write(self) -> Iterator[Session]:
+        """A write transaction, committed on success and rolled back on error.
+
+        SQLite has one writer at a time: the transaction is serialised by a process-wide lock and starts with
+        BEGIN IMMEDIATE so it never has to upgrade a read snapshot (which fails without waiting).
+        """
+        if self.sqlite:
+            with self._global_lock, self._write() as session, session.begin():
+                yield session
+        else:
+            with self._write() as session, session.begin():
+                yield session
+
+    def dispose(self) -> None:
+        """Close all pooled connections."""
+        self.engine.dispose()

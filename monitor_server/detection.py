@@ -1,0 +1,259 @@
+"""Wiring of the detector engine: engines per run, findings -> alerts, stall checks, webhook, SSE.
+
+The engine itself lives in `monitor_server.detectors.engine`; it is imported lazily so the service still
+stores and serves telemetry if it is missing. Engines are cached per run and rebuilt from the state
+persisted in `runs.detector_state` after a restart (or after a recipe change was applied).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from monitor_server import commands as command_ops
+from monitor_server.core.config import Settings
+from monitor_server.core.db import Database
+from monitor_server.detectors.types import SEVERITIES, Finding, StepBatch
+from monitor_server.events import EventBroker
+from monitor_server.models import Alert, Run, as_utc, utcnow
+from monitor_server.run_meta import RunMeta, RunMetaCache
+from monitor_server.wire import iso_dates, jsonable
+
+log = logging.getLogger("fp8scope.monitor")
+
+
+def alert_public(alert: Alert, meta: RunMeta | None) -> dict[str, Any]:
+    """An alert as the API returns it (tensor name and layer resolved from the run's tensors)."""
+    tensor = None
+    if meta is not None and alert.tensor_index is not None and 0 <= alert.tensor_index < meta.num_tensors:
+        tensor = meta.tensors[alert.tensor_index]
+    return {
+        "id": alert.id,
+        "run_id": alert.run_id,
+        "kind": alert.kind,
+        "tensor_index": alert.tensor_index,
+        "tensor_name": tensor.name if tensor else None,
+        "layer": tensor.layer if tensor else None,
+        "state": alert.state,
+        "severity": alert.severity,
+        "message": alert.message,
+        "first_step": alert.first_step,
+        "last_step": alert.last_step,
+        "count": alert.count,
+        "evidence": alert.evidence,
+        "created_at": as_utc(alert.created_at),
+        "updated_at": as_utc(alert.updated_at),
+        "acknowledged_at": as_utc(alert.acknowledged_at),
+        "acknowledged_by": alert.acknowledged_by,
+    }
+
+
+def _max_severity(a: str, b: str) -> str:
+    rank = {s: i for i, s in enumerate(SEVERITIES)}
+    return a if rank.get(a, 0) >= rank.get(b, 0) else b
+
+
+def store_findings(session: Session, run_id: int, findings: list[Finding]) -> list[tuple[Alert, bool]]:
+    """Fold findings into the open alerts of a run: one open alert per (kind, tensor), updated (last step,
+    count, evidence, message, severity = max) rather than duplicated.
+
+    Returns each touched alert and whether it is new. Evidence is stored as the engine encoded it.
+    """
+    groups: dict[tuple[str, int], list[Finding]] = {}
+    for finding in findings:
+        key = finding.tensor_index if finding.tensor_index is not None else -1
+        groups.setdefault((finding.kind, key), []).append(finding)
+    if not groups:
+        return []
+    kinds = sorted({kind for kind, _ in groups})
+    open_alerts = {
+        (a.kind, a.tensor_key): a
+        for a in session.scalars(
+            select(Alert).where(Alert.run_id == run_id, Alert.state == "open", Alert.kind.in_(kinds))
+        )
+    }
+    now = utcnow()
+    touched: list[tuple[Alert, bool]] = []
+    for (kind, key), group in groups.items():
+        alert = open_alerts.get((kind, key))
+        is_new = alert is None
+        if alert is None:
+            first = group[0]
+            alert = Alert(
+                run_id=run_id,
+                kind=kind,
+                tensor_index=first.tensor_index,
+                tensor_key=key,
+                state="open",
+                severity=first.severity,
+                message=first.message,
+                first_step=first.step,
+                last_step=first.step,
+                count=0,
+                evidence={},
+                created_at=now,
+            )
+            session.add(alert)
+        for finding in group:
+            alert.severity = _max_severity(alert.severity, finding.severity)
+            alert.last_step = max(alert.last_step, finding.step)
+        alert.count += len(group)
+        alert.evidence = dict(group[-1].evidence)
+        alert.message = group[-1].message
+        alert.updated_at = now
+        touched.append((alert, is_new))
+    session.flush()
+    return touched
+
+
+class Detection:
+    """Runs the detector engine for each run and turns its findings into alerts."""
+
+    def __init__(self, settings: Settings, db: Database, broker: EventBroker, run_meta: RunMetaCache):
+        self.settings = settings
+        self.db = db
+        self.broker = broker
+        self.run_meta = run_meta
+        self._engines: dict[int, Any] = {}
+        self._engines_lock = threading.Lock()
+        self._module: Any = None
+        self._module_missing = False
+        self.notifier: Any = None
+        if settings.webhook_url:
+            from monitor_server.webhook import WebhookNotifier
+
+            self.notifier = WebhookNotifier(settings.webhook_url)
+
+    # -- engine ----------------------------------------------------------------------------------------
+    def module(self) -> Any:
+        """The detector engine module, or None (logged once) when it is not installed."""
+        if self._module is None and not self._module_missing:
+            try:
+                from monitor_server.detectors import engine
+            except ImportError as exc:
+                self._module_missing = True
+                log.warning("detectors disabled: monitor_server.detectors.engine not importable (%s)", exc)
+                return None
+            self._module = engine
+        return self._module
+
+    def detector_config(self) -> Any:
+        """The engine's DetectorConfig built from the `detectors` setting."""
+        mod = self.module()
+        if mod is None:
+            return None
+        return mod.DetectorConfig(**{"stall_seconds": self.settings.stall_seconds, **self.settings.detectors})
+
+    def engine_for(self, session: Session, run_id: int) -> Any:
+        """The cached engine of a run, built from its persisted state when not cached."""
+        engine = self._engines.get(run_id)
+        if engine is not None:
+            return engine
+        mod = self.module()
+        meta = self.run_meta.get(session, run_id)
+        run = session.get(Run, run_id)
+        if mod is None or meta is None or run is None:
+            return None
+        effective = command_ops.effective_recipe(run)
+        recipe = {**effective["model"], "overrides": (run.recipe_overrides or {}).get("layers", {})}
+        state = run.detector_state
+        try:
+            engine = mod.DetectorEngine(self.detector_config(), list(meta.tensors), recipe, state)
+        except ValueError:
+            log.exception("run %s: persisted detector state unusable; starting afresh", run_id)
+            engine = mod.DetectorEngine(self.detector_config(), list(meta.tensors), recipe, None)
+        # the database's recipe (with every applied command) is the truth, also over a restored state
+        engine.set_recipe(recipe)
+        with self._engines_lock:
+            self._engines[run_id] = engine
+        return engine
+
+    def forget(self, run_id: int) -> None:
+        """Drop a cached engine (it is rebuilt from the persisted state on next use)."""
+        with self._engines_lock:
+            self._engines.pop(run_id, None)
+
+    # -- ingest hook ------------------------------------------------------------------------------------
+    def after_ingest(
+        self, run_id: int, batch: StepBatch, events: list[dict[str, Any]]
+    ) -> list[dict[str, Any]]:
+        """Run the engine on newly stored steps and client events; store, publish and notify alerts.
+
+        The caller holds the run's lock, so batches reach the engine in the order they were stored.
+        Returns the alerts created or updated.
+        """
+        if not len(batch.steps) and not events:
+            return []
+        with self.db.read_session() as session:
+            engine = self.engine_for(session, run_id)
+        if engine is None:
+            return []
+        findings: list[Finding] = []
+        if len(batch.steps):
+            findings.extend(engine.process(batch))
+        if events:
+            findings.extend(engine.process_events(events))
+        state = engine.state_dict()  # already JSON-able (non-finite floats as strings)
+        return self._store_findings(run_id, findings, state)
+
+    def _store_findings(
+        self, run_id: int, findings: list[Finding], state: dict | None
+    ) -> list[dict[str, Any]]:
+        with self.db.write() as session:
+            changed = store_findings(session, run_id, findings)
+            if state is not None:
+                session.execute(update(Run).where(Run.id == run_id).values(detector_state=state))
+            meta = self.run_meta.get(session, run_id)
+            out = [(alert_public(a, meta), new) for a, new in changed]
+            run_name = (
+                session.scalar(select(Run.name).where(Run.id == run_id)) if out and self.notifier else None
+            )
+        for public, new in out:
+            self.broker.publish(run_id, "alert", iso_dates(public))
+            if new and self.notifier is not None:
+                self.notifier.submit({**iso_dates(public), "run_name": run_name})
+        return [p for p, _ in out]
+
+    # -- periodic ---------------------------------------------------------------------------------------
+    def check_stalled_runs(self, now: datetime | None = None) -> int:
+        """Raise `stalled` alerts for running runs without recent telemetry; returns how many findings."""
+        mod = self.module()
+        if mod is None:
+            return 0
+        now = now or utcnow()
+        config = self.detector_config()
+        with self.db.read_session() as session:
+            runs = session.execute(
+                select(Run.id, Run.last_telemetry_at, Run.created_at, Run.last_step).where(
+                    Run.status == "running"
+                )
+            ).all()
+        count = 0
+        for run_id, last_at, created_at, last_step in runs:
+            finding = mod.check_stalled(as_utc(last_at or created_at), now, config, last_step=last_step)
+            if finding is None:
+                continue
+            with self.db.run_lock(run_id):
+                self._store_findings(run_id, [finding], None)
+            count += 1
+        return count
+
+    def layer_health(
+        self, session: Session, run_id: int, open_alerts: list[dict[str, Any]]
+    ) -> list[dict] | None:
+        """The engine's ranked per-layer health, or None when detectors are unavailable."""
+        with self.db.run_lock(run_id):
+            engine = self.engine_for(session, run_id)
+            if engine is None:
+                return None
+            return jsonable(engine.layer_health(open_alerts))
+
+    def close(self) -> None:
+        """Stop the webhook notifier."""
+        if self.notifier is not None:
+            self.notifier.close()

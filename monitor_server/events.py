@@ -1,0 +1,128 @@
+"""In-process publish/subscribe for the server-sent event stream.
+
+Publishers may be worker threads (ingest runs in the threadpool); delivery hops onto the event loop with
+`call_soon_threadsafe`. Each subscriber has a bounded queue: a subscriber that falls behind loses its oldest
+events rather than slowing ingest or growing memory without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+QUEUE_SIZE = 1000
+
+
+@dataclass(frozen=True)
+class Event:
+    """One server-sent event: its `event` name and JSON-able `data`."""
+
+    name: str
+    data: Any
+
+    def encode(self) -> bytes:
+        """The SSE wire form (``event:`` and ``data:`` lines and a blank line)."""
+        return b"event: " + self.name.encode() + b"\ndata: " + orjson.dumps(self.data) + b"\n\n"
+
+
+CLOSED = Event("__closed__", None)
+
+
+class Subscription:
+    """A subscriber's queue for one run; iterate with `get`."""
+
+    def __init__(self, broker: EventBroker, run_id: int):
+        self.run_id = run_id
+        self.queue: asyncio.Queue[Event] = asyncio.Queue(maxsize=QUEUE_SIZE)
+        self._broker = broker
+
+    def put(self, event: Event) -> None:
+        """Enqueue on the loop thread, dropping the oldest event when full."""
+        if self.queue.full():
+            with contextlib.suppress(asyncio.QueueEmpty):
+                self.queue.get_nowait()
+        self.queue.put_nowait(event)
+
+    async def get(self, timeout: float) -> Event | None:
+        """The next event, or None after `timeout` seconds without one."""
+        try:
+            return await asyncio.wait_for(self.queue.get(), timeout)
+        except TimeoutError:
+            return None
+
+    def close(self) -> None:
+        """Stop receiving events."""
+        self._broker.unsubscribe(self)
+
+
+class EventBroker:
+    """Fan-out of run events to SSE subscribers."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._subs: dict[int, set[Subscription]] = {}
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Remember the event loop that subscribers live on (called at startup)."""
+        self._loop = loop
+        self.closed = False
+
+    def has_subscribers(self, run_id: int) -> bool:
+        """Whether anyone listens to `run_id` (lets publishers skip building events)."""
+        return bool(self._subs.get(run_id))
+
+    def subscribe(self, run_id: int) -> Subscription:
+        """A new subscription to `run_id`'s events; call from the event loop."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        sub = Subscription(self, run_id)
+        with self._lock:
+            self._subs.setdefault(run_id, set()).add(sub)
+        if self.closed:
+            sub.put(CLOSED)
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        """Remove a subscription (idempotent)."""
+        with self._lock:
+            subs = self._subs.get(sub.run_id)
+            if subs is not None:
+                subs.discard(sub)
+                if not subs:
+                    del self._subs[sub.run_id]
+
+    def publish(self, run_id: int, name: str, data: Any) -> None:
+        """Send an event to `run_id`'s subscribers; safe to call from any thread."""
+        with self._lock:
+            subs = list(self._subs.get(run_id, ()))
+        if not subs or self._loop is None or self._loop.is_closed():
+            return
+        event = Event(name, data)
+        self._loop.call_soon_threadsafe(self._deliver, subs, event)
+
+    @staticmethod
+    def _deliver(subs: list[Subscription], event: Event) -> None:
+        for sub in subs:
+            sub.put(event)
+
+    def close(self) -> None:
+        """End every open stream (server shutdown); call on the loop thread or via `close_threadsafe`."""
+        self.closed = True
+        with self._lock:
+            subs = [s for group in self._subs.values() for s in group]
+        for sub in subs:
+            sub.put(CLOSED)
+
+    def close_threadsafe(self) -> None:
+        """`close` from any thread (e.g. a signal handler)."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.close)
+        else:
+            self.closed = True

@@ -1,0 +1,249 @@
+"""The telemetry hot path: decode a batch (orjson + numpy, no per-value Python work for packed columns)
+and store it in one transaction (steps, per-statistic blobs, rollups, acks, idempotency key).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+from sqlalchemy import insert, select
+from sqlalchemy.orm import Session
+
+from monitor_server import commands as command_ops
+from monitor_server.detectors.types import STAT_COLUMNS, StepBatch
+from monitor_server.models import Command, IngestBatch, Run, StepRow, StepStat, utcnow
+from monitor_server.rollups import step_stat_rows, update_rollups
+from monitor_server.schemas import MAX_ID
+from monitor_server.wire import WireError, decode_column, decode_float, encode_float
+
+_TOP_KEYS = {"idempotency_key", "steps", "events", "acks"}
+_STEP_KEYS = {"step", "scalars", "stats"}
+_EVENT_KINDS = ("loss_spike", "nonfinite", "custom")
+_STAT_SET = set(STAT_COLUMNS)
+
+
+@dataclass
+class DecodedBatch:
+    """A validated telemetry batch. Steps ascending; `stats[name]` is (S, T) float64."""
+
+    idempotency_key: str
+    steps: np.ndarray
+    scalars: list[dict[str, float]]
+    stats: dict[str, np.ndarray]
+    events: list[dict[str, Any]] = field(default_factory=list)
+    acks: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def num_values(self) -> int:
+        """Statistic values carried (steps x tensors x statistics)."""
+        return int(sum(m.size for m in self.stats.values()))
+
+
+@dataclass
+class StoreResult:
+    """What storing a batch did."""
+
+    duplicate: bool
+    new_steps: StepBatch
+    commands: list[Command]
+    changed_commands: list[Command]
+
+
+def _int(value: Any, where: str, minimum: int | None = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise WireError(f"{where}: expected an integer, got {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        raise WireError(f"{where}: must be >= {minimum}, got {value}")
+    if value >= 2**62:
+        raise WireError(f"{where}: too large")
+    return value
+
+
+def parse_json(body: bytes) -> Any:
+    """orjson-parse a request body; malformed JSON raises WireError naming the position."""
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise WireError(f"malformed JSON: {exc}") from None
+
+
+def decode_batch(payload: Any, num_tensors: int) -> DecodedBatch:
+    """Validate and decode a parsed telemetry body for a run with `num_tensors` tensors.
+
+    Raises:
+        WireError: with a message naming the offending field.
+    """
+    if not isinstance(payload, dict):
+        raise WireError("body: expected a JSON object")
+    unknown = set(payload) - _TOP_KEYS
+    if unknown:
+        raise WireError(f"body: unknown field(s) {sorted(unknown)}; expected {sorted(_TOP_KEYS)}")
+    key = payload.get("idempotency_key")
+    if not isinstance(key, str) or not 1 <= len(key) <= 200 or "\x00" in key:
+        raise WireError("idempotency_key: required, a string of 1..200 characters (no NUL)")
+    steps_in = payload.get("steps", [])
+    if not isinstance(steps_in, list):
+        raise WireError("steps: expected an array")
+    S, T = len(steps_in), num_tensors
+    steps = np.empty(S, dtype=np.int64)
+    stats = {name: np.empty((S, T), dtype=np.float64) for name in STAT_COLUMNS}
+    scalars: list[dict[str, float]] = []
+    for i, entry in enumerate(steps_in):
+        where = f"steps[{i}]"
+        if not isinstance(entry, dict):
+            raise WireError(f"{where}: expected an object")
+        extra = set(entry) - _STEP_KEYS
+        if extra:
+            raise WireError(f"{where}: unknown field(s) {sorted(extra)}")
+        steps[i] = _int(entry.get("step"), f"{where}.step")
+        sc = entry.get("scalars", {})
+        if not isinstance(sc, dict):
+            raise WireError(f"{where}.scalars: expected an object")
+        scalars.append({str(k): decode_float(v, f"{where}.scalars.{k}") for k, v in sc.items()})
+        st = entry.get("stats")
+        if not isinstance(st, dict):
+            raise WireError(f"{where}.stats: required, an object with columns {list(STAT_COLUMNS)}")
+        if st.keys() != _STAT_SET:
+            unknown_stats = sorted(set(st) - _STAT_SET)
+            missing = sorted(_STAT_SET - set(st))
+            raise WireError(
+                f"{where}.stats: "
+                + (
+                    f"unknown statistic(s) {unknown_stats}"
+                    if unknown_stats
+                    else f"missing statistic(s) {missing}"
+                )
+            )
+        for name in STAT_COLUMNS:
+            stats[name][i] = decode_column(st[name], T, f"{where}.stats.{name}")
+    if S and len(np.unique(steps)) != S:
+        raise WireError("steps: the same step number appears twice in one batch")
+    order = np.argsort(steps, kind="stable")
+    if S and np.any(order != np.arange(S)):
+        steps = steps[order]
+        stats = {name: m[order] for name, m in stats.items()}
+        scalars = [scalars[j] for j in order.tolist()]
+    events = _decode_events(payload.get("events", []))
+    acks = _decode_acks(payload.get("acks", []))
+    return DecodedBatch(key, steps, scalars, stats, events, acks)
+
+
+def _decode_events(events: Any) -> list[dict[str, Any]]:
+    if not isinstance(events, list):
+        raise WireError("events: expected an array")
+    out = []
+    for i, ev in enumerate(events):
+        where = f"events[{i}]"
+        if not isinstance(ev, dict) or set(ev) - {"kind", "step", "details"}:
+            raise WireError(f"{where}: expected an object with kind, step and details")
+        if ev.get("kind") not in _EVENT_KINDS:
+            raise WireError(f"{where}.kind: must be one of {list(_EVENT_KINDS)}")
+        details = ev.get("details", {})
+        if not isinstance(details, dict):
+            raise WireError(f"{where}.details: expected an object")
+        out.append({"kind": ev["kind"], "step": _int(ev.get("step"), f"{where}.step"), "details": details})
+    return out
+
+
+def _decode_acks(acks: Any) -> list[dict[str, Any]]:
+    if not isinstance(acks, list):
+        raise WireError("acks: expected an array")
+    out = []
+    for i, ack in enumerate(acks):
+        where = f"acks[{i}]"
+        if not isinstance(ack, dict):
+            raise WireError(f"{where}: expected an object")
+        cid = _int(ack.get("command_id"), f"{where}.command_id", minimum=1)
+        if cid > MAX_ID:
+            raise WireError(f"{where}.command_id: no such command")
+        state = ack.get("state")
+        if state == "applied":
+            if set(ack) - {"command_id", "state", "step"}:
+                raise WireError(f"{where}: an 'applied' ack has command_id, state and step")
+            out.append({"command_id": cid, "state": state, "step": _int(ack.get("step"), f"{where}.step")})
+        elif state == "rejected":
+            reason = ack.get("reason")
+            if not isinstance(reason, str) or set(ack) - {"command_id", "state", "reason"}:
+                raise WireError(f"{where}: a 'rejected' ack has command_id, state and reason (a string)")
+            out.append({"command_id": cid, "state": state, "reason": reason[:2000].replace("\x00", "")})
+        else:
+            raise WireError(f"{where}.state: must be 'applied' or 'rejected'")
+    return out
+
+
+class UnknownRun(LookupError):
+    """The run does not exist."""
+
+
+def store_batch(session: Session, run_id: int, batch: DecodedBatch, fp8_max: np.ndarray) -> StoreResult:
+    """Store a decoded batch inside the caller's write transaction.
+
+    Steps already stored for the run are skipped; a repeated idempotency key stores nothing. Pending
+    commands are returned and marked delivered.
+
+    Raises:
+        UnknownRun: no such run.
+        command_ops.CommandError: an ack names an unknown command.
+    """
+    run = session.execute(select(Run).where(Run.id == run_id).with_for_update()).scalar_one_or_none()
+    if run is None:
+        raise UnknownRun(run_id)
+    empty = StepBatch(steps=np.zeros(0, dtype=np.int64))
+    if session.get(IngestBatch, (run_id, batch.idempotency_key)) is not None:
+        return StoreResult(True, empty, command_ops.deliver_pending(session, run), [])
+    steps = batch.steps
+    keep = np.ones(len(steps), dtype=bool)
+    if len(steps) and run.last_step is not None and steps[0] <= run.last_step:
+        stored = set(
+            session.scalars(
+                select(StepRow.step).where(
+                    StepRow.run_id == run_id, StepRow.step.between(int(steps[0]), int(steps[-1]))
+                )
+            )
+        )
+        keep = np.fromiter((s not in stored for s in steps.tolist()), bool, len(steps))
+    new_steps = steps[keep]
+    new_stats = {name: m[keep] for name, m in batch.stats.items()} if not keep.all() else batch.stats
+    new_scalars = [sc for sc, k in zip(batch.scalars, keep.tolist(), strict=True) if k]
+    now = utcnow()
+    if len(new_steps):
+        step_rows = []
+        for s, sc in zip(new_steps.tolist(), new_scalars, strict=True):
+            loss = sc.get("loss")
+            finite_loss = loss if loss is not None and np.isfinite(loss) else None
+            encoded = {k: encode_float(v) for k, v in sc.items()}
+            step_rows.append({"run_id": run_id, "step": s, "loss": finite_loss, "scalars": encoded})
+        session.execute(insert(StepRow.__table__), step_rows)
+        session.execute(insert(StepStat.__table__), step_stat_rows(run_id, new_steps, new_stats))
+        update_rollups(session, run_id, new_steps, new_stats, fp8_max)
+        last = int(new_steps[-1])
+        if run.last_step is None or last >= run.last_step:
+            run.last_step = last
+            loss = new_scalars[-1].get("loss")
+            if loss is not None:
+                run.last_loss = encode_float(loss)
+        first = int(new_steps[0])
+        if run.first_step is None or first < run.first_step:
+            run.first_step = first
+        run.steps_stored += len(new_steps)
+    run.last_telemetry_at = now
+    run.updated_at = now
+    changed = command_ops.apply_acks(session, run, batch.acks)
+    session.add(
+        IngestBatch(run_id=run_id, idempotency_key=batch.idempotency_key, stored_steps=len(new_steps))
+    )
+    commands = command_ops.deliver_pending(session, run)
+    scalar_names = sorted({k for sc in new_scalars for k in sc})
+    new_batch = StepBatch(
+        steps=new_steps,
+        scalars={
+            name: np.array([sc.get(name, np.nan) for sc in new_scalars], dtype=np.float64)
+            for name in scalar_names
+        },
+        stats=new_stats,
+        present={name: np.array([name in sc for sc in new_scalars], dtype=bool) for name in scalar_names},
+    )
+    return StoreResult(False, new_batch, commands, changed)

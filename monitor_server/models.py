@@ -1,0 +1,191 @@
+"""SQLAlchemy 2 models: runs, their tensors, steps, statistics, rollups, alerts and commands.
+
+Statistics are stored as packed little-endian float64 vectors of length T (one per run, statistic and step),
+never one row per tensor per step; `Rollup` holds the same vectors aggregated over aligned blocks of steps.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    SmallInteger,
+    String,
+    Text,
+    text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+def utcnow() -> datetime:
+    """The current time, timezone-aware UTC."""
+    return datetime.now(UTC)
+
+
+def as_utc(value: datetime | None) -> datetime | None:
+    """SQLite hands back naive datetimes; they were written as UTC."""
+    if value is not None and value.tzinfo is None:
+        return value.replace(tzinfo=UTC)
+    return value
+
+
+class Base(DeclarativeBase):
+    """Declarative base of all tables."""
+
+
+def _run_fk() -> ForeignKey:
+    return ForeignKey("runs.id", ondelete="CASCADE")
+
+
+class Run(Base):
+    """One training run."""
+
+    __tablename__ = "runs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(200))
+    config: Mapped[dict[str, Any]] = mapped_column(JSON)
+    recipe: Mapped[dict[str, Any]] = mapped_column(JSON)
+    #: applied recipe changes: {"model": {key: value}, "layers": {layer: {key: value}}}
+    recipe_overrides: Mapped[dict[str, Any]] = mapped_column(JSON)
+    world_size: Mapped[int] = mapped_column(Integer, default=1)
+    host: Mapped[str] = mapped_column(String(200), default="")
+    status: Mapped[str] = mapped_column(String(16), default="running")
+    num_tensors: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    first_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    last_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    #: JSON so a NaN / inf loss survives SQLite (which stores a NaN REAL as NULL); wire-encoded
+    last_loss: Mapped[float | str | None] = mapped_column(JSON, nullable=True)
+    steps_stored: Mapped[int] = mapped_column(BigInteger, default=0)
+    last_telemetry_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    detector_state: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+
+
+class TensorRow(Base):
+    """A quantized tensor registered with a run (dense `index` 0..T-1)."""
+
+    __tablename__ = "tensors"
+
+    run_id: Mapped[int] = mapped_column(_run_fk(), primary_key=True)
+    index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(300))
+    layer: Mapped[str] = mapped_column(String(300))
+    role: Mapped[str] = mapped_column(String(16))
+    format: Mapped[str] = mapped_column(String(8))
+
+
+class StepRow(Base):
+    """One stored step of a run: its scalars (the loss also as a column, for fast series)."""
+
+    __tablename__ = "steps"
+
+    run_id: Mapped[int] = mapped_column(_run_fk(), primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    #: the finite loss, for fast series; NULL when absent or non-finite (then read `scalars`)
+    loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    #: JSON object; non-finite values spelled "NaN" / "Infinity" / "-Infinity"
+    scalars: Mapped[dict[str, Any]] = mapped_column(JSON)
+
+
+class StepStat(Base):
+    """One statistic of one step for all T tensors: packed little-endian float64, length T."""
+
+    __tablename__ = "step_stats"
+
+    run_id: Mapped[int] = mapped_column(_run_fk(), primary_key=True)
+    metric: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    values: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class Rollup(Base):
+    """A heatmap metric aggregated over the aligned block [block*level, (block+1)*level) of steps."""
+
+    __tablename__ = "rollups"
+
+    run_id: Mapped[int] = mapped_column(_run_fk(), primary_key=True)
+    level: Mapped[int] = mapped_column(Integer, primary_key=True)
+    metric: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
+    block: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    values: Mapped[bytes] = mapped_column(LargeBinary)
+    n_steps: Mapped[int] = mapped_column(Integer)
+
+
+class IngestBatch(Base):
+    """An idempotency key already seen for a run."""
+
+    __tablename__ = "ingest_batches"
+
+    run_id: Mapped[int] = mapped_column(_run_fk(), primary_key=True)
+    idempotency_key: Mapped[str] = mapped_column(String(200), primary_key=True)
+    stored_steps: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Alert(Base):
+    """A detector finding; at most one *open* alert per (run, kind, tensor)."""
+
+    __tablename__ = "alerts"
+    __table_args__ = (
+        Index(
+            "uq_alerts_open",
+            "run_id",
+            "kind",
+            "tensor_key",
+            unique=True,
+            sqlite_where=text("state = 'open'"),
+            postgresql_where=text("state = 'open'"),
+        ),
+        Index("ix_alerts_run_state", "run_id", "state"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = mapped_column(_run_fk())
+    kind: Mapped[str] = mapped_column(String(32))
+    tensor_index: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    #: tensor_index or -1 (NULLs never collide in a unique index)
+    tensor_key: Mapped[int] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(String(16), default="open")
+    severity: Mapped[str] = mapped_column(String(16))
+    message: Mapped[str] = mapped_column(Text)
+    first_step: Mapped[int] = mapped_column(BigInteger)
+    last_step: Mapped[int] = mapped_column(BigInteger)
+    count: Mapped[int] = mapped_column(Integer, default=1)
+    evidence: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    acknowledged_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    acknowledged_by: Mapped[str | None] = mapped_column(String(200), nullable=True)
+
+
+class Command(Base):
+    """A recipe change (or rollback) queued for a run's training job, with its audit trail."""
+
+    __tablename__ = "commands"
+    __table_args__ = (Index("ix_commands_run_state", "run_id", "state"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = mapped_column(_run_fk())
+    kind: Mapped[str] = mapped_column(String(16))
+    target: Mapped[str] = mapped_column(String(300))
+    changes: Mapped[dict[str, Any]] = mapped_column(JSON)
+    previous: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    rollback_of: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    state: Mapped[str] = mapped_column(String(16), default="pending")
+    applied_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_by: Mapped[str] = mapped_column(String(200))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    delivered_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    resolved_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)

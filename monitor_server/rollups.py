@@ -1,0 +1,280 @@
+"""Per-tensor statistics storage, block rollups and the heatmap read path.
+
+Storage: one `StepStat` row per (run, statistic, step) holding T float64 values, and one `Rollup` row per
+(run, level, heatmap metric, block) holding the block's aggregate over the aligned steps
+[block*level, (block+1)*level). Levels are 8, 64, 512 and 4096 steps.
+
+Aggregation never averages: amax and scale keep the bucket max, headroom the bucket min, overflow /
+underflow / nonfinite the bucket sum. NaN propagates through max, min and sum (a bucket holding a NaN shows
+NaN) and so does an infinity.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from sqlalchemy import and_, insert, select, update
+from sqlalchemy.orm import Session
+
+from monitor_server.detectors.types import STAT_COLUMNS
+from monitor_server.models import Rollup, StepStat
+
+#: the rollup block sizes, in steps (each divides the next)
+LEVELS: tuple[int, ...] = (8, 64, 512, 4096)
+
+#: largest finite value per FP8 format
+FP8_MAX: dict[str, float] = {"e4m3": 448.0, "e5m2": 57344.0}
+
+#: statistic name -> metric id of its `StepStat` rows
+STAT_IDS: dict[str, int] = {name: i for i, name in enumerate(STAT_COLUMNS)}
+HEADROOM_ID = 6
+
+#: heatmap metric -> (rollup metric id, how buckets aggregate)
+HEATMAP_METRICS: dict[str, tuple[int, str]] = {
+    "amax": (STAT_IDS["amax"], "max"),
+    "scale": (STAT_IDS["scale"], "max"),
+    "overflow": (STAT_IDS["overflow"], "sum"),
+    "underflow": (STAT_IDS["underflow"], "sum"),
+    "nonfinite": (STAT_IDS["nonfinite"], "sum"),
+    "headroom": (HEADROOM_ID, "min"),
+}
+
+_F8 = np.dtype("<f8")
+
+
+def pack(values: np.ndarray) -> bytes:
+    """A float vector as stored: little-endian float64 bytes."""
+    return np.ascontiguousarray(values, dtype=_F8).tobytes()
+
+
+def unpack(blob: bytes) -> np.ndarray:
+    """Inverse of `pack` (read-only view)."""
+    return np.frombuffer(blob, dtype=_F8)
+
+
+def headroom(amax: np.ndarray, scale: np.ndarray, fp8_max: np.ndarray) -> np.ndarray:
+    """log2(FP8_MAX / (amax * scale)) per tensor: how many binades the scaled amax sits below the format max.
+
+    amax*scale == 0 gives +inf (nothing to overflow); an infinite amax*scale gives -inf; NaN stays NaN.
+    """
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        return np.log2(fp8_max / (amax * scale))
+
+
+def _reduce(how: str):
+    return {"max": np.maximum, "min": np.minimum, "sum": np.add}[how]
+
+
+def combine(a: np.ndarray, b: np.ndarray, how: str) -> np.ndarray:
+    """Merge two aggregates of the same metric (NaN-propagating)."""
+    return _reduce(how)(a, b)
+
+
+def reduce_groups(values: np.ndarray, starts: np.ndarray, how: str) -> np.ndarray:
+    """Aggregate consecutive row groups of `values` (n, T) beginning at row indices `starts`."""
+    return _reduce(how).reduceat(values, starts, axis=0)
+
+
+def _group_starts(keys: np.ndarray) -> np.ndarray:
+    """Row indices where a non-decreasing key array changes value (always includes 0)."""
+    return np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
+
+
+def step_stat_rows(run_id: int, steps: np.ndarray, stats: dict[str, np.ndarray]) -> list[dict]:
+    """The `StepStat` rows (as insert parameters) for newly stored steps."""
+    rows = []
+    step_list = steps.tolist()
+    for name, metric in STAT_IDS.items():
+        matrix = np.ascontiguousarray(stats[name], dtype=_F8)
+        rows.extend(
+            {"run_id": run_id, "metric": metric, "step": s, "values": matrix[i].tobytes()}
+            for i, s in enumerate(step_list)
+        )
+    return rows
+
+
+def update_rollups(
+    session: Session, run_id: int, steps: np.ndarray, stats: dict[str, np.ndarray], fp8_max: np.ndarray
+) -> None:
+    """Fold newly stored steps (ascending, not stored before) into every rollup level.
+
+    Reads the touched blocks once per level, merges, and writes them back; the caller holds the run's
+    write lock, so the read-modify-write cannot race.
+    """
+    metrics: dict[int, tuple[np.ndarray, str]] = {
+        metric: (np.asarray(stats[name], dtype=np.float64), how)
+        for name, (metric, how) in HEATMAP_METRICS.items()
+        if metric != HEADROOM_ID
+    }
+    metrics[HEADROOM_ID] = (headroom(stats["amax"], stats["scale"], fp8_max), "min")
+    for level in LEVELS:
+        blocks = steps // level
+        starts = _group_starts(blocks)
+        block_ids = blocks[starts].tolist()
+        counts = np.diff(np.r_[starts, len(steps)]).tolist()
+        fresh = {metric: reduce_groups(values, starts, how) for metric, (values, how) in metrics.items()}
+        existing = {
+            (row.metric, row.block): row
+            for row in session.execute(
+                select(Rollup.metric, Rollup.block, Rollup.values, Rollup.n_steps).where(
+                    Rollup.run_id == run_id,
+                    Rollup.level == level,
+                    Rollup.block.between(block_ids[0], block_ids[-1]),
+                )
+            )
+        }
+        inserts, updates = [], []
+        for metric, agg in fresh.items():
+            how = metrics[metric][1]
+            for j, block in enumerate(block_ids):
+                old = existing.get((metric, block))
+                row = {"run_id": run_id, "level": level, "metric": metric, "block": block}
+                if old is None:
+                    row.update(values=pack(agg[j]), n_steps=counts[j])
+                    inserts.append(row)
+                else:
+                    row.update(
+                        values=pack(combine(unpack(old.values), agg[j], how)), n_steps=old.n_steps + counts[j]
+                    )
+                    updates.append(row)
+        if inserts:
+            session.execute(insert(Rollup), inserts)
+        if updates:
+            session.execute(update(Rollup), updates)
+
+
+@dataclass
+class HeatmapPlan:
+    """Bucket layout of a heatmap: `width` steps per bucket, aligned to its multiples, read at `level`."""
+
+    width: int
+    level: int
+    first_bucket: int
+    n_buckets: int
+
+
+def plan_heatmap(lo: int, hi: int, max_cols: int) -> HeatmapPlan:
+    """Choose the bucket width for steps [lo, hi] and at most `max_cols` columns.
+
+    The width is ceil(span / max_cols) rounded up to a multiple of the largest rollup level not above it,
+    so every bucket is made of whole rollup blocks (plus raw steps at the range's ends).
+    """
+    span = hi - lo + 1
+    want = max(1, math.ceil(span / max_cols))
+    level = max([lv for lv in LEVELS if lv <= want], default=1)
+    width = math.ceil(want / level) * level
+    while hi // width - lo // width + 1 > max_cols:
+        width += level
+    return HeatmapPlan(
+        width=width, level=level, first_bucket=lo // width, n_buckets=hi // width - lo // width + 1
+    )
+
+
+def cover(lo: int, hi: int, levels: list[int]) -> list[tuple[int, int, int]]:
+    """Split steps [lo, hi] into (level, first_block, last_block) pieces, coarsest first; level 1 = raw."""
+    if lo > hi:
+        return []
+    if not levels:
+        return [(1, lo, hi)]
+    level, rest = levels[0], levels[1:]
+    first = -(-lo // level)
+    last = (hi + 1) // level - 1
+    if first > last:
+        return cover(lo, hi, rest)
+    return [(level, first, last), *cover(lo, first * level - 1, rest), *cover((last + 1) * level, hi, rest)]
+
+
+def read_heatmap(
+    session: Session, run_id: int, metric: str, lo: int, hi: int, max_cols: int, fp8_max: np.ndarray
+) -> dict:
+    """Aggregate `metric` over steps [lo, hi] into at most `max_cols` aligned buckets.
+
+    Returns a dict with `width`, `starts`/`ends` (first and last step of each bucket, clipped to the range),
+    `steps` (number of stored steps per bucket), `values` (T, C) float64 and `empty` (C,) bool.
+    """
+    metric_id, how = HEATMAP_METRICS[metric]
+    plan = plan_heatmap(lo, hi, max_cols)
+    T = len(fp8_max)
+    starts_list: list[np.ndarray] = []
+    values_list: list[np.ndarray] = []
+    weights_list: list[np.ndarray] = []
+    usable = [lv for lv in reversed(LEVELS) if lv <= plan.level]
+    for level, first, last in cover(lo, hi, usable):
+        if level == 1:
+            steps, matrix = _read_raw(session, run_id, metric_id, first, last, fp8_max)
+            if len(steps):
+                starts_list.append(steps)
+                values_list.append(matrix)
+                weights_list.append(np.ones(len(steps), dtype=np.int64))
+            continue
+        rows = session.execute(
+            select(Rollup.block, Rollup.values, Rollup.n_steps)
+            .where(
+                Rollup.run_id == run_id,
+                Rollup.level == level,
+                Rollup.metric == metric_id,
+                Rollup.block.between(first, last),
+            )
+            .order_by(Rollup.block)
+        ).all()
+        if rows:
+            starts_list.append(np.fromiter((r.block for r in rows), np.int64, len(rows)) * level)
+            values_list.append(np.frombuffer(b"".join(r.values for r in rows), _F8).reshape(len(rows), T))
+            weights_list.append(np.fromiter((r.n_steps for r in rows), np.int64, len(rows)))
+    n = plan.n_buckets
+    out = np.zeros((n, T))
+    counts = np.zeros(n, dtype=np.int64)
+    if starts_list:
+        starts = np.concatenate(starts_list)
+        order = np.argsort(starts, kind="stable")
+        starts = starts[order]
+        values = np.concatenate(values_list)[order]
+        weights = np.concatenate(weights_list)[order]
+        buckets = starts // plan.width - plan.first_bucket
+        group = _group_starts(buckets)
+        out[buckets[group]] = reduce_groups(values, group, how)
+        counts[buckets[group]] = np.add.reduceat(weights, group)
+    bucket_ids = np.arange(plan.first_bucket, plan.first_bucket + n)
+    return {
+        "width": plan.width,
+        "starts": np.maximum(bucket_ids * plan.width, lo),
+        "ends": np.minimum((bucket_ids + 1) * plan.width - 1, hi),
+        "steps": counts,
+        "values": out.T,
+        "empty": counts == 0,
+    }
+
+
+def _read_raw(
+    session: Session, run_id: int, metric_id: int, lo: int, hi: int, fp8_max: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per-step values of one heatmap metric for steps [lo, hi] (headroom computed from amax and scale)."""
+    T = len(fp8_max)
+    if metric_id != HEADROOM_ID:
+        steps, matrices = read_step_stats(session, run_id, [metric_id], lo, hi, T)
+        return steps, matrices[metric_id]
+    amax_id, scale_id = STAT_IDS["amax"], STAT_IDS["scale"]
+    steps, m = read_step_stats(session, run_id, [amax_id, scale_id], lo, hi, T)
+    return steps, headroom(m[amax_id], m[scale_id], fp8_max)
+
+
+def read_step_stats(
+    session: Session, run_id: int, metric_ids: list[int], lo: int, hi: int, num_tensors: int
+) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+    """Raw per-step statistics for steps [lo, hi]: (steps (S,), metric id -> (S, T))."""
+    out: dict[int, np.ndarray] = {}
+    steps = np.zeros(0, dtype=np.int64)
+    for metric_id in metric_ids:
+        rows = session.execute(
+            select(StepStat.step, StepStat.values)
+            .where(
+                and_(StepStat.run_id == run_id, StepStat.metric == metric_id, StepStat.step.between(lo, hi))
+            )
+            .order_by(StepStat.step)
+        ).all()
+        steps = np.fromiter((r.step for r in rows), np.int64, len(rows))
+        blob = b"".join(r.values for r in rows)
+        out[metric_id] = np.frombuffer(blob, _F8).reshape(len(rows), num_tensors)
+    return steps, out

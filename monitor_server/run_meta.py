@@ -1,0 +1,63 @@
+"""Cached, immutable facts about a run: its tensors, their FP8 maxima and its layers."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from monitor_server.detectors.types import TensorMeta
+from monitor_server.models import TensorRow
+from monitor_server.rollups import FP8_MAX
+
+
+@dataclass(frozen=True)
+class RunMeta:
+    """A run's registered tensors (sorted by index), per-tensor FP8 max and layer names in layer order."""
+
+    run_id: int
+    tensors: tuple[TensorMeta, ...]
+    fp8_max: np.ndarray
+    layers: tuple[str, ...]
+
+    @property
+    def num_tensors(self) -> int:
+        """T, the number of tensors (and the length of every statistic column)."""
+        return len(self.tensors)
+
+
+def build_meta(run_id: int, tensors: list[TensorMeta]) -> RunMeta:
+    """RunMeta from a tensor list (any order)."""
+    ordered = tuple(sorted(tensors, key=lambda t: t.index))
+    layers = tuple(dict.fromkeys(t.layer for t in ordered))
+    fp8_max = np.array([FP8_MAX[t.format] for t in ordered], dtype=np.float64)
+    return RunMeta(run_id, ordered, fp8_max, layers)
+
+
+class RunMetaCache:
+    """Process-wide cache of `RunMeta` (tensors never change after a run is created)."""
+
+    def __init__(self) -> None:
+        self._cache: dict[int, RunMeta] = {}
+        self._lock = threading.Lock()
+
+    def get(self, session: Session, run_id: int) -> RunMeta | None:
+        """The run's meta, loading it once; None when the run has no tensors (i.e. does not exist)."""
+        meta = self._cache.get(run_id)
+        if meta is not None:
+            return meta
+        rows = session.execute(
+            select(TensorRow).where(TensorRow.run_id == run_id).order_by(TensorRow.index)
+        ).scalars()
+        tensors = [
+            TensorMeta(index=r.index, name=r.name, layer=r.layer, role=r.role, format=r.format) for r in rows
+        ]
+        if not tensors:
+            return None
+        meta = build_meta(run_id, tensors)
+        with self._lock:
+            self._cache[run_id] = meta
+        return meta

@@ -1,0 +1,77 @@
+"""Scalar series (loss, lr, ...) reads and min/max-preserving downsampling."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from sqlalchemy import case, select
+from sqlalchemy.orm import Session
+
+from monitor_server.models import StepRow
+from monitor_server.wire import NONFINITE_STRINGS
+
+
+def _value(raw: object) -> float | None:
+    if isinstance(raw, bool):
+        return None
+    if isinstance(raw, int | float):
+        return float(raw)
+    if isinstance(raw, str):
+        return NONFINITE_STRINGS.get(raw)
+    return None
+
+
+def read_series(session: Session, run_id: int, name: str, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, values) of scalar `name` for stored steps in [lo, hi]; steps lacking it are left out."""
+    if name == "loss":
+        # the finite loss has its own column; only rows without one need their JSON parsed
+        rows = session.execute(
+            select(StepRow.step, StepRow.loss, case((StepRow.loss.is_(None), StepRow.scalars), else_=None))
+            .where(StepRow.run_id == run_id, StepRow.step.between(lo, hi))
+            .order_by(StepRow.step)
+        ).all()
+        pairs = [(s, v if v is not None else _value((sc or {}).get("loss"))) for s, v, sc in rows]
+    else:
+        rows = session.execute(
+            select(StepRow.step, StepRow.scalars)
+            .where(StepRow.run_id == run_id, StepRow.step.between(lo, hi))
+            .order_by(StepRow.step)
+        ).all()
+        pairs = [(s, _value(sc.get(name))) for s, sc in rows]
+    pairs = [(s, v) for s, v in pairs if v is not None]
+    steps = np.fromiter((p[0] for p in pairs), np.int64, len(pairs))
+    values = np.fromiter((p[1] for p in pairs), np.float64, len(pairs))
+    return steps, values
+
+
+def downsample_minmax(
+    steps: np.ndarray, values: np.ndarray, max_points: int
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Keep at most `max_points` points: per step bucket its min and its max point, in step order.
+
+    A bucket holding a NaN keeps a NaN point instead of its min (NaN is never dropped). Returns
+    (steps, values, bucket width in steps; 1 when nothing was dropped).
+    """
+    n = len(steps)
+    if n <= max_points:
+        return steps, values, 1
+    n_buckets = max(1, max_points // 2)
+    lo = int(steps[0])
+    width = max(1, math.ceil((int(steps[-1]) - lo + 1) / n_buckets))
+    buckets = (steps - lo) // width
+    order = np.lexsort((values, buckets))  # NaN sorts last inside each bucket
+    sorted_b = buckets[order]
+    starts = np.flatnonzero(np.r_[True, sorted_b[1:] != sorted_b[:-1]])
+    ends = np.r_[starts[1:], n] - 1
+    nan_counts = np.add.reduceat(np.isnan(values[order]).astype(np.int64), starts)
+    keep = []
+    for s, e, k in zip(starts.tolist(), ends.tolist(), nan_counts.tolist(), strict=True):
+        if k == 0:
+            keep += [order[s], order[e]]
+        else:
+            keep.append(order[e - k + 1])  # a NaN point
+            if k < e - s + 1:
+                keep.append(order[e - k])  # the largest non-NaN point
+    idx = np.unique(np.array(keep, dtype=np.int64))
+    return steps[idx], values[idx], width

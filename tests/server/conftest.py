@@ -1,0 +1,103 @@
+"""Fixtures of the monitor-service tests: every DB-backed test runs on SQLite and on PostgreSQL.
+
+PostgreSQL: FP8SCOPE_TEST_PG_URL (default postgresql+psycopg://postgres@127.0.0.1:5432/test) names the
+server; a fresh database is created per test session through the `postgres` maintenance database and
+dropped at the end; each test gets its own schema in it. Unreachable server: the PostgreSQL variants skip,
+unless FP8SCOPE_REQUIRE_PG=1 (CI), which makes them fail.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import create_engine, make_url, text
+
+from monitor_server.app import create_app
+from monitor_server.core.config import Settings
+
+# make `tests.server.utils` importable however pytest is started (no __init__.py files under tests/)
+_ROOT = str(Path(__file__).resolve().parents[2])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+
+PG_URL = os.environ.get("FP8SCOPE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+REQUIRE_PG = os.environ.get("FP8SCOPE_REQUIRE_PG") == "1"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # starlette's TestClient warns that it would prefer httpx2; httpx is what the project depends on
+    config.addinivalue_line("filterwarnings", "ignore:.*starlette.testclient.*:UserWarning")
+
+
+@pytest.fixture(scope="session")
+def pg_database() -> Iterator[str]:
+    """URL of a fresh PostgreSQL database for this test session (dropped at the end)."""
+    base = make_url(PG_URL)
+    maintenance = create_engine(base.set(database="postgres"), isolation_level="AUTOCOMMIT")
+    name = f"fp8scope_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    try:
+        with maintenance.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))  # name is generated here, not user input
+    except Exception as exc:  # noqa: BLE001
+        maintenance.dispose()
+        message = f"PostgreSQL not reachable at {base.render_as_string(hide_password=True)}: {exc}"
+        if REQUIRE_PG:
+            pytest.fail(message + " (FP8SCOPE_REQUIRE_PG=1)")
+        pytest.skip(message)
+    try:
+        yield base.set(database=name).render_as_string(hide_password=False)
+    finally:
+        with maintenance.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        maintenance.dispose()
+
+
+def _pg_schema_url(database_url: str) -> str:
+    """A fresh schema in the session database, selected through the connection's search_path."""
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    engine = create_engine(database_url)
+    with engine.begin() as conn:
+        conn.execute(text(f'CREATE SCHEMA "{schema}"'))  # generated name
+    engine.dispose()
+    url = make_url(database_url).update_query_dict({"options": f"-csearch_path={schema}"})
+    return url.render_as_string(hide_password=False)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh, empty database on each backend."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'monitor.db'}"
+    return _pg_schema_url(request.getfixturevalue("pg_database"))
+
+
+@pytest.fixture
+def make_client(db_url: str) -> Iterator[Callable[..., Any]]:
+    """Factory of in-process clients (lifespan run) on `db_url`; keyword arguments become Settings fields."""
+    from fastapi.testclient import TestClient
+
+    clients: list[Any] = []
+
+    def factory(**settings: Any) -> Any:
+        app = create_app(Settings(db_url=db_url, **settings))
+        client = TestClient(app)
+        client.__enter__()
+        clients.append(client)
+        return client
+
+    yield factory
+    for client in clients:
+        client.__exit__(None, None, None)
+
+
+@pytest.fixture
+def client(make_client: Callable[..., Any]) -> Any:
+    """An in-process client without authentication."""
+    return make_client()

@@ -1,0 +1,137 @@
+"""Detector wiring: findings become alerts (one open per kind and tensor), ack, layers, stall, metrics.
+
+Runs with the real detector engine (monitor_server.detectors.engine).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import numpy as np
+
+from monitor_server.models import utcnow
+from tests.server.utils import API, batch_body, create_run
+
+
+def _quiet(S: int, T: int = 6) -> dict[str, np.ndarray]:
+    """Healthy statistics: steady amax, matching scale, no overflow / underflow / non-finite."""
+    amax = np.tile(np.linspace(0.5, 3.0, T), (S, 1))
+    return {
+        "amax": amax,
+        "scale": 2.0 ** np.floor(np.log2(448.0 / (amax * 1.1))),
+        "overflow": np.zeros((S, T)),
+        "underflow": np.zeros((S, T)),
+        "nonfinite": np.zeros((S, T)),
+        "numel": np.full((S, T), 4096.0),
+    }
+
+
+def _post(client, rid, key, first, stats, **extra):
+    steps = list(range(first, first + len(stats["amax"])))
+    r = client.post(
+        f"{API}/runs/{rid}/telemetry", json=batch_body(key, steps, stats, losses=[2.0] * len(steps), **extra)
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_nonfinite_alert_updated_not_duplicated_then_ack(client):
+    rid = create_run(client)["id"]  # 2 layers, T = 6
+    s = _quiet(10)
+    s["nonfinite"][5, 4] = 3  # layer 1 weight goes non-finite at step 5
+    s["amax"][5, 4] = np.nan
+    _post(client, rid, "a", 0, s)
+    alerts = client.get(f"{API}/runs/{rid}/alerts").json()
+    nonfinite = [a for a in alerts if a["kind"] == "nonfinite"]
+    assert len(nonfinite) == 1
+    a = nonfinite[0]
+    assert (
+        a["tensor_index"] == 4
+        and a["tensor_name"] == "blocks.1.mlp.fc.weight"
+        and a["layer"] == "blocks.1.mlp.fc"
+    )
+    assert a["first_step"] == 5 and a["state"] == "open" and a["severity"] == "critical" and a["evidence"]
+
+    s2 = _quiet(10)
+    s2["nonfinite"][5, 4] = 1  # a second episode at step 15
+    _post(client, rid, "b", 10, s2)
+    nonfinite = [x for x in client.get(f"{API}/runs/{rid}/alerts").json() if x["kind"] == "nonfinite"]
+    assert len(nonfinite) == 1 and nonfinite[0]["id"] == a["id"]
+    assert nonfinite[0]["count"] == 2 and nonfinite[0]["first_step"] == 5 and nonfinite[0]["last_step"] == 15
+
+    run = client.get(f"{API}/runs/{rid}").json()
+    assert run["open_alerts"] >= 1
+    text = client.get("/metrics").text
+    assert 'fp8scope_open_alerts{kind="nonfinite"} 1.0' in text
+
+    r = client.post(f"{API}/runs/{rid}/alerts/{a['id']}/ack")
+    assert (
+        r.status_code == 200
+        and r.json()["state"] == "acknowledged"
+        and r.json()["acknowledged_by"] == "anonymous"
+    )
+    assert client.get(f"{API}/runs/{rid}/alerts", params={"state": "open", "kind": "nonfinite"}).json() == []
+    assert client.post(f"{API}/runs/{rid}/alerts/999999/ack").status_code == 404
+
+    s3 = _quiet(10)
+    s3["nonfinite"][2, 4] = 1  # after the ack, a new episode opens a new alert
+    _post(client, rid, "c", 20, s3)
+    fresh = client.get(f"{API}/runs/{rid}/alerts", params={"state": "open", "kind": "nonfinite"}).json()
+    assert len(fresh) == 1 and fresh[0]["id"] != a["id"] and fresh[0]["first_step"] == 22
+
+    layers = client.get(f"{API}/runs/{rid}/layers").json()
+    assert layers[0]["layer"] == "blocks.1.mlp.fc"
+    assert {x["layer"] for x in layers} == {"blocks.0.mlp.fc", "blocks.1.mlp.fc"}
+
+
+def test_client_events_and_detector_state_persisted(client):
+    rid = create_run(client)["id"]
+    events = [{"kind": "loss_spike", "step": 3, "details": {"loss": 40.0, "z": 9.0}}]
+    _post(client, rid, "a", 0, _quiet(5), events=events)
+    kinds = [a["kind"] for a in client.get(f"{API}/runs/{rid}/alerts").json()]
+    assert "loss_spike" in kinds
+    from sqlalchemy import select
+
+    from monitor_server.models import Run
+
+    with client.app.state.ctx.db.read_session() as session:
+        state = session.scalar(select(Run.detector_state).where(Run.id == rid))
+    assert state and state["last_step"] == 4
+
+
+def test_stalled_run_alert(make_client):
+    client = make_client(stall_seconds=30, stall_check_seconds=3600)
+    rid = create_run(client)["id"]
+    _post(client, rid, "a", 0, _quiet(3))
+    detection = client.app.state.ctx.detection
+    assert detection.check_stalled_runs(now=utcnow()) == 0
+    assert detection.check_stalled_runs(now=utcnow() + timedelta(seconds=60)) == 1
+    assert detection.check_stalled_runs(now=utcnow() + timedelta(seconds=90)) == 1
+    stalled = [a for a in client.get(f"{API}/runs/{rid}/alerts").json() if a["kind"] == "stalled"]
+    assert len(stalled) == 1 and stalled[0]["tensor_index"] is None and stalled[0]["count"] == 2
+    client.patch(f"{API}/runs/{rid}", json={"status": "finished"})
+    assert detection.check_stalled_runs(now=utcnow() + timedelta(seconds=120)) == 0
+
+
+def test_new_alerts_go_to_the_webhook_once(client):
+    class Recorder:
+        def __init__(self):
+            self.sent = []
+
+        def submit(self, alert):
+            self.sent.append(alert)
+
+        def close(self):
+            pass
+
+    detection = client.app.state.ctx.detection
+    detection.notifier = Recorder()
+    rid = create_run(client)["id"]
+    s = _quiet(10)
+    s["nonfinite"][3, 1] = 1
+    s["nonfinite"][7, 1] = 1  # second episode: the open alert is updated, not re-sent
+    _post(client, rid, "a", 0, s)
+    sent = [a for a in detection.notifier.sent if a["kind"] == "nonfinite"]
+    assert len(sent) == 1
+    assert sent[0]["run_name"] == "test-run" and sent[0]["tensor_index"] == 1 and sent[0]["first_step"] == 3
+    assert isinstance(sent[0]["created_at"], str)

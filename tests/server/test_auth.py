@@ -1,0 +1,99 @@
+"""Bearer tokens and scopes: 401 without or with an unknown token, 403 without the scope."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from monitor_server.core.config import Settings, parse_token
+from tests.server.utils import API, batch_body, random_stats, run_body
+
+TOKENS = [
+    "trainer:ingest:trainer-secret-1",
+    "dash:read:dash-secret-1",
+    "ops:read+control:ops-secret-1",
+]
+
+
+def _h(secret: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {secret}"}
+
+
+def test_scopes(make_client):
+    client = make_client(tokens=TOKENS)
+    trainer, dash, ops = _h("trainer-secret-1"), _h("dash-secret-1"), _h("ops-secret-1")
+    assert client.get(f"{API}/runs").status_code == 401
+    r = client.get(f"{API}/runs", headers=_h("wrong-secret"))
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    assert client.get(f"{API}/runs", headers={"Authorization": "Basic dXNlcjpwdw=="}).status_code == 401
+
+    r = client.post(f"{API}/runs", json=run_body(1), headers=dash)
+    assert r.status_code == 403 and "lacks the scope" in r.json()["detail"]
+    r = client.post(f"{API}/runs", json=run_body(1), headers=trainer)
+    assert r.status_code == 201
+    rid = r.json()["id"]
+    stats = random_stats(np.random.default_rng(0), 2, 3)
+    assert (
+        client.post(
+            f"{API}/runs/{rid}/telemetry", json=batch_body("k", [0, 1], stats), headers=dash
+        ).status_code
+        == 403
+    )
+    assert (
+        client.post(
+            f"{API}/runs/{rid}/telemetry", json=batch_body("k", [0, 1], stats), headers=trainer
+        ).status_code
+        == 200
+    )
+    assert client.get(f"{API}/runs/{rid}", headers=trainer).status_code == 403
+    assert client.get(f"{API}/runs/{rid}", headers=dash).status_code == 200
+    assert client.get(f"{API}/runs/{rid}/heatmap", headers=dash).status_code == 200
+    assert client.get("/metrics", headers=dash).status_code == 200
+    assert client.get("/metrics").status_code == 401
+
+    change = {"target": "model", "changes": {"margin": 1}}
+    assert client.post(f"{API}/runs/{rid}/commands", json=change, headers=dash).status_code == 403
+    r = client.post(f"{API}/runs/{rid}/commands", json=change, headers=ops)
+    assert r.status_code == 201 and r.json()["created_by"] == "ops"
+    assert client.get("/healthz").status_code == 200  # liveness stays open
+    assert client.get("/openapi.json").status_code == 200
+
+
+def test_token_parsing():
+    t = parse_token("ci:ingest+read:s3cret:with:colons")
+    assert t.name == "ci" and t.scopes == {"ingest", "read"} and t.secret == "s3cret:with:colons"
+    for bad in ("nocolons", "x:admin:secret-123", "x::secret-123", "x:read:short"):
+        with pytest.raises(ValueError):
+            parse_token(bad)
+    with pytest.raises(ValidationError):
+        Settings(tokens=["a:read:secret-123", "a:ingest:secret-456"])
+    s = Settings(_env_file=None, tokens="a:read:secret-123,b:ingest:secret-456")  # type: ignore[call-arg]
+    assert [t.name for t in s.parsed_tokens] == ["a", "b"]
+
+
+def test_env_tokens(monkeypatch):
+    monkeypatch.setenv("FP8SCOPE_TOKENS", "a:read:secret-123,b:ingest+control:secret-456")
+    monkeypatch.setenv("FP8SCOPE_DETECTORS", '{"loss_z_threshold": 4.5}')
+    s = Settings()
+    assert [t.scopes for t in s.parsed_tokens] == [{"read"}, {"ingest", "control"}]
+    assert s.detectors == {"loss_z_threshold": 4.5}
+
+
+def test_serve_refuses_public_host_without_tokens(tmp_path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "monitor_server.cli",
+        "serve",
+        "--host",
+        "0.0.0.0",
+        "--db",
+        f"sqlite:///{tmp_path}/x.db",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "refusing to listen on 0.0.0.0 without tokens" in proc.stderr

@@ -1,0 +1,89 @@
+"""docker-compose.yml and Dockerfile: no docker engine runs here, so check what they would run.
+
+The compose file must wire PostgreSQL and the monitor service together, keep the data in a named volume,
+take the tokens from the environment, and run the real `fp8-monitor` CLI with flags it accepts.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from monitor_server.cli import build_parser, build_settings
+from monitor_server.core.config import parse_token
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def _expand(value: str) -> str:
+    """Expand ${VAR:-default} the way compose does when VAR is unset."""
+    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", value)
+
+
+def test_services_ports_and_volume(compose):
+    services = compose["services"]
+    assert {"postgres", "monitor"} <= set(services)
+    assert services["postgres"]["image"].startswith("postgres:")
+    assert "8000:8000" in services["monitor"]["ports"]
+    # the database lives in a named volume, declared at top level
+    mounts = [m.split(":")[0] for m in services["postgres"]["volumes"]]
+    assert mounts and all(m in compose["volumes"] for m in mounts)
+    assert services["postgres"]["volumes"][0].endswith(":/var/lib/postgresql/data")
+    # the monitor waits for a healthy database
+    assert services["monitor"]["depends_on"]["postgres"]["condition"] == "service_healthy"
+    assert "pg_isready" in " ".join(services["postgres"]["healthcheck"]["test"])
+
+
+def test_monitor_runs_the_real_cli_against_postgres(compose, monkeypatch):
+    monitor = compose["services"]["monitor"]
+    command = [_expand(str(part)) for part in monitor["command"]]
+    # the console script exists in the distribution
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert command[0] == "fp8-monitor" and scripts["fp8-monitor"] == "monitor_server.cli:main"
+    args = build_parser().parse_args(command[1:])
+    assert args.command == "serve"
+    monkeypatch.setenv("FP8SCOPE_TOKENS", "trainer:ingest:secret-one")
+    settings = build_settings(args)
+    assert settings.auth_enabled
+    assert settings.db_url.startswith("postgresql+psycopg://")
+    pg = compose["services"]["postgres"]["environment"]
+    assert f"@postgres:5432/{pg['POSTGRES_DB']}" in settings.db_url
+    assert f"//{pg['POSTGRES_USER']}:" in settings.db_url
+    assert settings.host == "0.0.0.0" and settings.port == 8000
+
+
+def test_tokens_come_from_the_environment(compose):
+    env = compose["services"]["monitor"]["environment"]
+    # required (":?"): the service refuses a non-loopback address without tokens
+    assert env["FP8SCOPE_TOKENS"].startswith("${FP8SCOPE_TOKENS:?")
+    example = re.search(r"e\.g\. ([^}]+)\}", env["FP8SCOPE_TOKENS"]).group(1)
+    assert [parse_token(t).name for t in example.split(",")] == ["trainer", "dashboard"]
+
+
+def test_dockerfile_copies_existing_paths_and_runs_the_cli():
+    text = (ROOT / "Dockerfile").read_text()
+    for src in re.findall(r"^COPY (\S+)", text, flags=re.M):
+        if not src.startswith("--"):
+            assert (ROOT / src).exists(), f"Dockerfile copies missing path {src}"
+    cmd = re.search(r'^CMD \[(.*)\]', text, flags=re.M).group(1)
+    argv = [part.strip().strip('"') for part in cmd.split(",")]
+    assert argv[0] == "fp8-monitor"
+    assert build_parser().parse_args(argv[1:]).command == "serve"
+
+
+def test_service_image_needs_no_torch():
+    """The image installs the dependencies minus torch: the service must not import it."""
+    code = "import sys, monitor_server.app, monitor_server.cli; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,178 @@
+"""Against a real `fp8-monitor serve` subprocess: concurrent writers, restart, server-sent events."""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.server.utils import API, batch_body, decode, random_stats, run_body, running_server
+
+pytestmark = pytest.mark.slow
+
+WRITERS = 16
+DURATION_S = 20.0
+STEPS_PER_BATCH = 5
+
+
+def test_sixteen_concurrent_writers_lose_nothing(db_url, tmp_path):
+    """16 writers post to the same run for 20 s (with retries of earlier batches): no 5xx, nothing lost."""
+    with running_server(db_url, log_path=tmp_path / "server.log") as srv:
+        rid = httpx.post(f"{srv.url}{API}/runs", json=run_body(4)).json()["id"]  # T = 12
+        T = 12
+        statuses: dict[int, int] = {}
+        sent_steps: list[set[int]] = [set() for _ in range(WRITERS)]
+        underflow_sum = [np.zeros(T) for _ in range(WRITERS)]
+        errors: list[str] = []
+        lock = threading.Lock()
+        deadline = time.monotonic() + DURATION_S
+
+        def writer(w: int) -> None:
+            rng = np.random.default_rng(w)
+            bodies = []
+            with httpx.Client(base_url=srv.url, timeout=60) as client:
+                k = 0
+                while time.monotonic() < deadline:
+                    # writer w owns steps [(k*WRITERS + w)*S, +S): interleaved with the other writers
+                    first = (k * WRITERS + w) * STEPS_PER_BATCH
+                    steps = list(range(first, first + STEPS_PER_BATCH))
+                    stats = random_stats(rng, STEPS_PER_BATCH, T)
+                    body = batch_body(f"w{w}-{k}", steps, stats, "float64" if k % 2 else "json")
+                    if random.random() < 0.1 and bodies:
+                        resend = random.choice(bodies)  # a client retry: must be a duplicate
+                        r = client.post(f"{API}/runs/{rid}/telemetry", json=resend)
+                        with lock:
+                            statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+                        if r.status_code != 200 or not r.json()["duplicate"]:
+                            errors.append(f"resend: {r.status_code} {r.text[:200]}")
+                    r = client.post(f"{API}/runs/{rid}/telemetry", json=body)
+                    with lock:
+                        statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+                    if r.status_code != 200 or r.json()["stored_steps"] != STEPS_PER_BATCH:
+                        errors.append(f"{r.status_code} {r.text[:200]}")
+                        return
+                    bodies.append(body)
+                    sent_steps[w].update(steps)
+                    underflow_sum[w] += stats["underflow"].sum(axis=0)
+                    k += 1
+
+        threads = [threading.Thread(target=writer, args=(w,)) for w in range(WRITERS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors[:5]
+        assert set(statuses) == {200}, statuses
+        expected_steps = set().union(*sent_steps)
+        assert len(expected_steps) > WRITERS * 5 * STEPS_PER_BATCH  # it really ran concurrently for a while
+        run = httpx.get(f"{srv.url}{API}/runs/{rid}").json()
+        assert run["steps_stored"] == len(expected_steps)
+        assert run["last_step"] == max(expected_steps)
+        # the rollups saw every step exactly once: one bucket summing the whole run
+        hm = httpx.get(
+            f"{srv.url}{API}/runs/{rid}/heatmap", params={"metric": "underflow", "max_cols": 1}
+        ).json()
+        assert sum(hm["bucket_steps"]) == len(expected_steps)
+        np.testing.assert_allclose(decode([row[0] for row in hm["values"]]), sum(underflow_sum))
+        assert "database is locked" not in srv.log_text()
+
+
+def test_restart_keeps_data(db_url, tmp_path):
+    """Kill -9 the server, start a new one on the same database: runs, steps, commands, keys survive."""
+    stats = random_stats(np.random.default_rng(5), 20, 6)
+    with running_server(db_url, log_path=tmp_path / "a.log") as srv:
+        rid = httpx.post(f"{srv.url}{API}/runs", json=run_body(2)).json()["id"]
+        body = batch_body("before", range(20), stats, "float64", losses=np.linspace(3, 2, 20))
+        assert httpx.post(f"{srv.url}{API}/runs/{rid}/telemetry", json=body).json()["stored_steps"] == 20
+        cmd = httpx.post(f"{srv.url}{API}/runs/{rid}/commands", json={"changes": {"margin": 3}}).json()
+        delivered = httpx.post(f"{srv.url}{API}/runs/{rid}/telemetry", json=batch_body("deliver", [], stats))
+        assert [c["id"] for c in delivered.json()["commands"]] == [cmd["id"]]
+        heatmap_before = httpx.get(f"{srv.url}{API}/runs/{rid}/heatmap", params={"max_cols": 7}).json()
+        srv.stop(signal.SIGKILL)
+    with running_server(db_url, log_path=tmp_path / "b.log") as srv:
+        run = httpx.get(f"{srv.url}{API}/runs/{rid}").json()
+        assert run["steps_stored"] == 20 and run["last_step"] == 19 and run["last_loss"] == 2.0
+        assert (
+            httpx.get(f"{srv.url}{API}/runs/{rid}/heatmap", params={"max_cols": 7}).json() == heatmap_before
+        )
+        again = httpx.post(f"{srv.url}{API}/runs/{rid}/telemetry", json=body).json()
+        assert again["duplicate"] and again["stored_steps"] == 0
+        ack = batch_body(
+            "after",
+            [20],
+            {k: v[:1] for k, v in stats.items()},
+            acks=[{"command_id": cmd["id"], "state": "applied", "step": 20}],
+        )
+        assert httpx.post(f"{srv.url}{API}/runs/{rid}/telemetry", json=ack).json()["stored_steps"] == 1
+        run = httpx.get(f"{srv.url}{API}/runs/{rid}").json()
+        assert run["effective_recipe"]["model"]["margin"] == 3 and run["steps_stored"] == 21
+
+
+def _read_events(lines, want: str, timeout: float) -> tuple[list[tuple[str, str]], list[str]]:
+    """Read SSE lines until an event named `want` arrives; returns (events, comments)."""
+    events, comments, name = [], [], None
+    deadline = time.monotonic() + timeout
+    for line in lines:
+        if line.startswith(":"):
+            comments.append(line)
+        elif line.startswith("event: "):
+            name = line[len("event: ") :]
+        elif line.startswith("data: ") and name:
+            events.append((name, line[len("data: ") :]))
+            if name == want:
+                break
+        if time.monotonic() > deadline:
+            break
+    return events, comments
+
+
+def test_sse_step_event_keepalive_and_clean_shutdown(tmp_path):
+    db_url = f"sqlite:///{tmp_path / 'sse.db'}"
+    env = {"FP8SCOPE_SSE_KEEPALIVE_SECONDS": "0.3"}
+    with running_server(db_url, log_path=tmp_path / "sse.log", env=env) as server:
+        rid = httpx.post(f"{server.url}{API}/runs", json=run_body(1)).json()["id"]
+        stats = random_stats(np.random.default_rng(0), 1, 3)
+        stats["amax"][0, 2] = 123.0
+        with httpx.stream("GET", f"{server.url}{API}/runs/{rid}/stream", timeout=10) as resp:
+            assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+            lines = resp.iter_lines()
+            time.sleep(0.8)  # long enough for keep-alives
+            body = batch_body("s", [41], stats, losses=[1.5])
+            assert httpx.post(f"{server.url}{API}/runs/{rid}/telemetry", json=body).status_code == 200
+            events, comments = _read_events(lines, "step", timeout=10)
+            assert any("keep-alive" in c for c in comments)
+            step = [e for e in events if e[0] == "step"]
+            assert step and '"step":41' in step[0][1] and '"max_amax":123.0' in step[0][1]
+            assert '"loss":1.5' in step[0][1]
+            # a command shows up as a `command` event
+            httpx.post(f"{server.url}{API}/runs/{rid}/commands", json={"changes": {"margin": 1}})
+            events, _ = _read_events(lines, "command", timeout=10)
+            assert any(name == "command" and '"state":"pending"' in data for name, data in events)
+
+            # shutdown with the stream still open: the server ends it and exits promptly
+            t0 = time.monotonic()
+            ended = threading.Event()
+
+            def drain() -> None:
+                try:
+                    for _ in lines:
+                        pass
+                except httpx.HTTPError:
+                    pass
+                ended.set()
+
+            reader = threading.Thread(target=drain, daemon=True)
+            reader.start()
+            code = server.stop(signal.SIGTERM, timeout=15)
+            assert code in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after a graceful shutdown
+            assert ended.wait(5)
+            assert time.monotonic() - t0 < 10
+
+
+def test_sse_unknown_run_404(client):
+    assert client.get(f"{API}/runs/987654/stream").status_code == 404

@@ -1,0 +1,197 @@
+"""Factories and helpers for the monitor-service tests: runs, telemetry batches, COL encodings, servers."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+STATS = ("amax", "scale", "overflow", "underflow", "nonfinite", "numel")
+API = "/api/v1"
+
+
+def make_tensors(n_layers: int) -> list[dict[str, Any]]:
+    """Tensors as the training runtime registers them: layer k -> indices 3k (input), 3k+1 (weight), 3k+2."""
+    tensors = []
+    for k in range(n_layers):
+        layer = f"blocks.{k}.mlp.fc"
+        for j, (role, fmt) in enumerate((("input", "e4m3"), ("weight", "e4m3"), ("grad_output", "e5m2"))):
+            tensors.append(
+                {"index": 3 * k + j, "name": f"{layer}.{role}", "layer": layer, "role": role, "format": fmt}
+            )
+    return tensors
+
+
+def run_body(n_layers: int = 2, name: str = "test-run", **extra: Any) -> dict[str, Any]:
+    """A POST /runs body."""
+    return {
+        "name": name,
+        "config": {"model": "gpt-tiny", "lr": 3e-4},
+        "recipe": {"format": "HYBRID", "margin": 0, "amax_history_len": 16, "amax_compute_algo": "max"},
+        "world_size": 1,
+        "host": "test-host",
+        "tensors": make_tensors(n_layers),
+        **extra,
+    }
+
+
+def create_run(client: Any, n_layers: int = 2, headers: dict | None = None, **extra: Any) -> dict[str, Any]:
+    """Create a run and return its JSON."""
+    r = client.post(f"{API}/runs", json=run_body(n_layers, **extra), headers=headers or {})
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def wire(x: float) -> float | str:
+    """A float in the wire encoding."""
+    if math.isnan(x):
+        return "NaN"
+    if math.isinf(x):
+        return "Infinity" if x > 0 else "-Infinity"
+    return float(x)
+
+
+def col(values: np.ndarray, encoding: str = "json") -> Any:
+    """One statistic column in the requested encoding: json, float32 or float64 (packed)."""
+    values = np.asarray(values, dtype=np.float64)
+    if encoding == "json":
+        return [wire(v) for v in values.tolist()]
+    dtype = {"float32": "<f4", "float64": "<f8"}[encoding]
+    return {"dtype": encoding, "b64": base64.b64encode(values.astype(dtype).tobytes()).decode()}
+
+
+def random_stats(rng: np.random.Generator, steps: int, tensors: int) -> dict[str, np.ndarray]:
+    """Plausible statistics, (steps, tensors) each: amax log-normal, scale a power of two, small counts."""
+    amax = np.exp(rng.normal(0.0, 2.0, size=(steps, tensors)))
+    scale = 2.0 ** np.floor(np.log2(448.0 / amax))
+    return {
+        "amax": amax,
+        "scale": scale,
+        "overflow": rng.poisson(0.3, size=(steps, tensors)).astype(np.float64),
+        "underflow": rng.poisson(3.0, size=(steps, tensors)).astype(np.float64),
+        "nonfinite": np.zeros((steps, tensors)),
+        "numel": np.full((steps, tensors), 4096.0),
+    }
+
+
+def batch_body(
+    key: str,
+    steps: list[int] | np.ndarray,
+    stats: dict[str, np.ndarray],
+    encoding: str = "json",
+    losses: list[float] | np.ndarray | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """A telemetry body for `steps` with rows of `stats` in order."""
+    out = []
+    for i, step in enumerate(list(steps)):
+        scalars = {"lr": 3e-4}
+        if losses is not None:
+            scalars["loss"] = wire(float(losses[i]))
+        out.append(
+            {"step": int(step), "scalars": scalars, "stats": {n: col(stats[n][i], encoding) for n in STATS}}
+        )
+    return {"idempotency_key": key, "steps": out, **extra}
+
+
+def decode(values: list) -> np.ndarray:
+    """Wire floats (with null for 'no data') back to float64, null -> NaN."""
+    table = {"NaN": np.nan, "Infinity": np.inf, "-Infinity": -np.inf, None: np.nan}
+    return np.array([table[v] if isinstance(v, str) or v is None else v for v in values], dtype=np.float64)
+
+
+def free_port() -> int:
+    """An unused TCP port on loopback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`fp8-monitor serve` in a subprocess on a free port."""
+
+    def __init__(self, db_url: str, *args: str, log_path: Path | None = None, env: dict | None = None):
+        self.db_url = db_url
+        self.extra_env = env or {}
+        self.args = args
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 30.0) -> ServerProcess:
+        """Start and wait for /healthz."""
+        cmd = [
+            sys.executable,
+            "-m",
+            "monitor_server.cli",
+            "serve",
+            "--db",
+            self.db_url,
+            "--port",
+            str(self.port),
+        ]
+        cmd += ["--log-level", "warning", *self.args]
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env}
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; log: {self.log_text()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/healthz", timeout=1.0).status_code == 200:
+                    return self
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"server did not come up in {timeout}s; log: {self.log_text()}")
+
+    def log_text(self) -> str:
+        """The server's captured output (when a log path was given)."""
+        return (
+            self.log_path.read_text(errors="replace")[-4000:]
+            if self.log_path and self.log_path.exists()
+            else ""
+        )
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int | None:
+        """Signal the server and wait for it to exit; returns its exit code."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+            raise
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def running_server(
+    db_url: str, *args: str, log_path: Path | None = None, env: dict | None = None
+) -> Iterator[ServerProcess]:
+    """Context manager form of `ServerProcess`."""
+    server = ServerProcess(db_url, *args, log_path=log_path, env=env).start()
+    try:
+        yield server
+    finally:
+        server.stop()
