@@ -1,8 +1,7 @@
 """Wiring of the detector engine: engines per run, findings -> alerts, stall checks, webhook, SSE.
 
-The engine itself lives in `monitor_server.detectors.engine`; it is imported lazily so the service still
-stores and serves telemetry if it is missing. Engines are cached per run and rebuilt from the state
-persisted in `runs.detector_state` after a restart (or after a recipe change was applied).
+The engine itself lives in `monitor_server.detectors.engine`. Engines are cached per run and rebuilt from
+the state persisted in `runs.detector_state` after a restart (or after a recipe change was applied).
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from sqlalchemy.orm import Session
 from monitor_server import commands as command_ops
 from monitor_server.core.config import Settings
 from monitor_server.core.db import Database
+from monitor_server.detectors.engine import DetectorConfig, DetectorEngine, check_stalled
 from monitor_server.detectors.types import SEVERITIES, Finding, StepBatch
 from monitor_server.events import EventBroker
 from monitor_server.models import Alert, Run, as_utc, utcnow
@@ -121,8 +121,6 @@ class Detection:
         self.run_meta = run_meta
         self._engines: dict[int, Any] = {}
         self._engines_lock = threading.Lock()
-        self._module: Any = None
-        self._module_missing = False
         self.notifier: Any = None
         if settings.webhook_url:
             from monitor_server.webhook import WebhookNotifier
@@ -130,43 +128,27 @@ class Detection:
             self.notifier = WebhookNotifier(settings.webhook_url)
 
     # -- engine ----------------------------------------------------------------------------------------
-    def module(self) -> Any:
-        """The detector engine module, or None (logged once) when it is not installed."""
-        if self._module is None and not self._module_missing:
-            try:
-                from monitor_server.detectors import engine
-            except ImportError as exc:
-                self._module_missing = True
-                log.warning("detectors disabled: monitor_server.detectors.engine not importable (%s)", exc)
-                return None
-            self._module = engine
-        return self._module
-
-    def detector_config(self) -> Any:
+    def detector_config(self) -> DetectorConfig:
         """The engine's DetectorConfig built from the `detectors` setting."""
-        mod = self.module()
-        if mod is None:
-            return None
-        return mod.DetectorConfig(**{"stall_seconds": self.settings.stall_seconds, **self.settings.detectors})
+        return DetectorConfig(**{"stall_seconds": self.settings.stall_seconds, **self.settings.detectors})
 
-    def engine_for(self, session: Session, run_id: int) -> Any:
-        """The cached engine of a run, built from its persisted state when not cached."""
+    def engine_for(self, session: Session, run_id: int) -> DetectorEngine | None:
+        """The cached engine of a run, built from its persisted state when not cached; None for no run."""
         engine = self._engines.get(run_id)
         if engine is not None:
             return engine
-        mod = self.module()
         meta = self.run_meta.get(session, run_id)
         run = session.get(Run, run_id)
-        if mod is None or meta is None or run is None:
+        if meta is None or run is None:
             return None
         effective = command_ops.effective_recipe(run)
         recipe = {**effective["model"], "overrides": (run.recipe_overrides or {}).get("layers", {})}
         state = run.detector_state
         try:
-            engine = mod.DetectorEngine(self.detector_config(), list(meta.tensors), recipe, state)
+            engine = DetectorEngine(self.detector_config(), list(meta.tensors), recipe, state)
         except ValueError:
             log.exception("run %s: persisted detector state unusable; starting afresh", run_id)
-            engine = mod.DetectorEngine(self.detector_config(), list(meta.tensors), recipe, None)
+            engine = DetectorEngine(self.detector_config(), list(meta.tensors), recipe, None)
         # the database's recipe (with every applied command) is the truth, also over a restored state
         engine.set_recipe(recipe)
         with self._engines_lock:
@@ -221,22 +203,35 @@ class Detection:
 
     # -- periodic ---------------------------------------------------------------------------------------
     def check_stalled_runs(self, now: datetime | None = None) -> int:
-        """Raise `stalled` alerts for running runs without recent telemetry; returns how many findings."""
-        mod = self.module()
-        if mod is None:
-            return 0
+        """Raise `stalled` alerts for running runs without recent telemetry; returns how many findings.
+
+        A stall already alerted (same last step, same or higher severity) is not counted again on every
+        check: the alert's count says how many separate stalls (or escalations) were seen.
+        """
         now = now or utcnow()
         config = self.detector_config()
+        rank = {s: i for i, s in enumerate(SEVERITIES)}
         with self.db.read_session() as session:
             runs = session.execute(
                 select(Run.id, Run.last_telemetry_at, Run.created_at, Run.last_step).where(
                     Run.status == "running"
                 )
             ).all()
+            alerted = {
+                run_id: (last_step, severity)
+                for run_id, last_step, severity in session.execute(
+                    select(Alert.run_id, Alert.last_step, Alert.severity).where(
+                        Alert.kind == "stalled", Alert.state == "open"
+                    )
+                )
+            }
         count = 0
         for run_id, last_at, created_at, last_step in runs:
-            finding = mod.check_stalled(as_utc(last_at or created_at), now, config, last_step=last_step)
+            finding = check_stalled(as_utc(last_at or created_at), now, config, last_step=last_step)
             if finding is None:
+                continue
+            seen = alerted.get(run_id)
+            if seen is not None and seen[0] == finding.step and rank[seen[1]] >= rank[finding.severity]:
                 continue
             with self.db.run_lock(run_id):
                 self._store_findings(run_id, [finding], None)
@@ -246,7 +241,7 @@ class Detection:
     def layer_health(
         self, session: Session, run_id: int, open_alerts: list[dict[str, Any]]
     ) -> list[dict] | None:
-        """The engine's ranked per-layer health, or None when detectors are unavailable."""
+        """The engine's ranked per-layer health, or None when the run has no tensors."""
         with self.db.run_lock(run_id):
             engine = self.engine_for(session, run_id)
             if engine is None:

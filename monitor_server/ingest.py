@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 from monitor_server import commands as command_ops
 from monitor_server.detectors.types import STAT_COLUMNS, StepBatch
-from monitor_server.models import Command, IngestBatch, Run, StepRow, StepStat, utcnow
+from monitor_server.models import Command, EventRow, IngestBatch, Run, StepRow, StepStat, utcnow
 from monitor_server.rollups import step_stat_rows, update_rollups
 from monitor_server.schemas import MAX_ID
 from monitor_server.wire import WireError, decode_column, decode_float, encode_float
@@ -181,7 +181,8 @@ class UnknownRun(LookupError):
 def store_batch(session: Session, run_id: int, batch: DecodedBatch, fp8_max: np.ndarray) -> StoreResult:
     """Store a decoded batch inside the caller's write transaction.
 
-    Steps already stored for the run are skipped; a repeated idempotency key stores nothing. Pending
+    Steps already stored for the run are skipped; client events are stored as sent; a repeated
+    idempotency key stores nothing. Pending
     commands are returned and marked delivered.
 
     Raises:
@@ -229,6 +230,11 @@ def store_batch(session: Session, run_id: int, batch: DecodedBatch, fp8_max: np.
         if run.first_step is None or first < run.first_step:
             run.first_step = first
         run.steps_stored += len(new_steps)
+    if batch.events:
+        session.execute(
+            insert(EventRow.__table__),
+            [{"run_id": run_id, "created_at": now, **ev} for ev in batch.events],
+        )
     run.last_telemetry_at = now
     run.updated_at = now
     changed = command_ops.apply_acks(session, run, batch.acks)

@@ -133,6 +133,21 @@ class IngestBatch(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
+class EventRow(Base):
+    """A client-reported event (loss spike, non-finite values, custom; flight-recorder context in
+    `details`), stored as sent so a post-mortem can read it back."""
+
+    __tablename__ = "events"
+    __table_args__ = (Index("ix_events_run_step", "run_id", "step"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = mapped_column(_run_fk())
+    kind: Mapped[str] = mapped_column(String(16))
+    step: Mapped[int] = mapped_column(BigInteger)
+    details: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
 class Alert(Base):
     """A detector finding; at most one *open* alert per (run, kind, tensor)."""
 

@@ -146,6 +146,17 @@ class EventIn(BaseModel):
     details: dict[str, Any] = Field(default_factory=dict)
 
 
+class EventPublic(BaseModel):
+    """A stored client event."""
+
+    id: int
+    run_id: int
+    kind: Literal["loss_spike", "nonfinite", "custom"]
+    step: int
+    details: dict[str, Any]
+    created_at: datetime
+
+
 class AckIn(BaseModel):
     """Acknowledgement of a command: applied (with the step) or rejected (with the reason)."""
 

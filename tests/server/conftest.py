@@ -70,6 +70,12 @@ def _pg_schema_url(database_url: str) -> str:
     return url.render_as_string(hide_password=False)
 
 
+@pytest.fixture(scope="session")
+def new_pg_schema(pg_database: str) -> Callable[[], str]:
+    """Factory of fresh schemas in the session's PostgreSQL database (for module-scoped servers)."""
+    return lambda: _pg_schema_url(pg_database)
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A fresh, empty database on each backend."""

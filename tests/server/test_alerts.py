@@ -106,9 +106,15 @@ def test_stalled_run_alert(make_client):
     detection = client.app.state.ctx.detection
     assert detection.check_stalled_runs(now=utcnow()) == 0
     assert detection.check_stalled_runs(now=utcnow() + timedelta(seconds=60)) == 1
-    assert detection.check_stalled_runs(now=utcnow() + timedelta(seconds=90)) == 1
+    # the same stall, seen again by the next check, is not counted twice
+    assert detection.check_stalled_runs(now=utcnow() + timedelta(seconds=90)) == 0
     stalled = [a for a in client.get(f"{API}/runs/{rid}/alerts").json() if a["kind"] == "stalled"]
-    assert len(stalled) == 1 and stalled[0]["tensor_index"] is None and stalled[0]["count"] == 2
+    assert len(stalled) == 1 and stalled[0]["tensor_index"] is None and stalled[0]["count"] == 1
+    assert stalled[0]["severity"] == "warning" and stalled[0]["last_step"] == 2
+    # ten times the threshold escalates the same alert to critical
+    assert detection.check_stalled_runs(now=utcnow() + timedelta(seconds=301)) == 1
+    stalled = [a for a in client.get(f"{API}/runs/{rid}/alerts").json() if a["kind"] == "stalled"]
+    assert len(stalled) == 1 and stalled[0]["count"] == 2 and stalled[0]["severity"] == "critical"
     client.patch(f"{API}/runs/{rid}", json={"status": "finished"})
     assert detection.check_stalled_runs(now=utcnow() + timedelta(seconds=120)) == 0
 

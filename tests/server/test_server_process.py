@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import signal
 import threading
@@ -142,13 +143,16 @@ def test_sse_step_event_keepalive_and_clean_shutdown(tmp_path):
             assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
             lines = resp.iter_lines()
             time.sleep(0.8)  # long enough for keep-alives
-            body = batch_body("s", [41], stats, losses=[1.5])
+            spike = {"kind": "loss_spike", "step": 41, "details": {"z": 9.5}}
+            body = batch_body("s", [41], stats, losses=[1.5], events=[spike])
             assert httpx.post(f"{server.url}{API}/runs/{rid}/telemetry", json=body).status_code == 200
-            events, comments = _read_events(lines, "step", timeout=10)
+            events, comments = _read_events(lines, "event", timeout=10)
             assert any("keep-alive" in c for c in comments)
             step = [e for e in events if e[0] == "step"]
             assert step and '"step":41' in step[0][1] and '"max_amax":123.0' in step[0][1]
             assert '"loss":1.5' in step[0][1]
+            # the client event follows its step on the stream
+            assert [json.loads(d) for n, d in events if n == "event"] == [spike]
             # a command shows up as a `command` event
             httpx.post(f"{server.url}{API}/runs/{rid}/commands", json={"changes": {"margin": 1}})
             events, _ = _read_events(lines, "command", timeout=10)

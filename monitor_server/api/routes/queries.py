@@ -1,4 +1,4 @@
-"""Read paths for the dashboard: tensors, scalar series, heatmaps and per-layer health."""
+"""Read paths for the dashboard: tensors, scalar series, heatmaps, client events and per-layer health."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from sqlalchemy import select
 from monitor_server.api.deps import CtxDep, ReadDep, RunId, SessionDep
 from monitor_server.api.routes.runs import get_run_or_404
 from monitor_server.detection import alert_public
-from monitor_server.models import Alert
+from monitor_server.models import Alert, EventRow, as_utc
 from monitor_server.rollups import HEATMAP_METRICS, read_heatmap
 from monitor_server.run_meta import RunMeta
-from monitor_server.schemas import HeatmapPublic, LayerHealth, SeriesPublic, TensorSpec
+from monitor_server.schemas import EventPublic, HeatmapPublic, LayerHealth, SeriesPublic, TensorSpec
 from monitor_server.series import downsample_minmax, read_series
 from monitor_server.wire import iso_dates, jsonable, matrix_json
 
@@ -136,6 +136,46 @@ def get_heatmap(
     return Response(body, media_type="application/json")
 
 
+@router.get("/{run_id}/events", response_model=list[EventPublic])
+def list_events(
+    run_id: RunId,
+    session: SessionDep,
+    _principal: ReadDep,
+    kind: Literal["loss_spike", "nonfinite", "custom"] | None = None,
+    from_: FromQ = None,
+    to: ToQ = None,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+) -> Response:
+    """Client-reported events (with their flight-recorder details) in step order, optionally of one kind
+    and within a step range; at most `limit`, the earliest first."""
+    get_run_or_404(session, run_id)
+    if from_ is not None and to is not None and to < from_:
+        raise HTTPException(422, f"to ({to}) is before from ({from_})")
+    query = select(EventRow).where(EventRow.run_id == run_id)
+    if kind is not None:
+        query = query.where(EventRow.kind == kind)
+    if from_ is not None:
+        query = query.where(EventRow.step >= from_)
+    if to is not None:
+        query = query.where(EventRow.step <= to)
+    rows = session.execute(query.order_by(EventRow.step, EventRow.id).limit(limit)).scalars()
+    return Response(orjson.dumps([event_public(e) for e in rows]), media_type="application/json")
+
+
+def event_public(event: EventRow) -> dict[str, Any]:
+    """An event as the API returns it (and the stream publishes it)."""
+    return iso_dates(
+        {
+            "id": event.id,
+            "run_id": event.run_id,
+            "kind": event.kind,
+            "step": event.step,
+            "details": event.details,
+            "created_at": as_utc(event.created_at),
+        }
+    )
+
+
 @router.get("/{run_id}/layers", response_model=list[LayerHealth])
 def get_layers(run_id: RunId, ctx: CtxDep, session: SessionDep, _principal: ReadDep) -> Response:
     """Per-layer health ranked by severity, with the reasons a layer is flagged (detector engine)."""
@@ -146,7 +186,5 @@ def get_layers(run_id: RunId, ctx: CtxDep, session: SessionDep, _principal: Read
     open_alerts = [jsonable(iso_dates(alert_public(a, meta))) for a in alerts]
     ranked = ctx.detection.layer_health(session, run_id, open_alerts)
     if ranked is None:
-        raise HTTPException(
-            status.HTTP_503_SERVICE_UNAVAILABLE, "detector engine not available on this server"
-        )
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id} not found")
     return Response(orjson.dumps(ranked), media_type="application/json")

@@ -91,6 +91,9 @@ def ingest(ctx: AppContext, run_id: RunId, body: bytes) -> dict[str, Any]:
                 ctx.broker.publish(run_id, "step", summary)
             for command in delivered + changed:
                 ctx.broker.publish(run_id, "command", iso_dates(command))
+            if not result.duplicate:
+                for event in batch.events:
+                    ctx.broker.publish(run_id, "event", event)
         if any(c["state"] == "applied" for c in changed):
             ctx.detection.forget(run_id)  # rebuilt with the new recipe
         if not result.duplicate:

@@ -92,6 +92,20 @@ def upgrade() -> None:
         batch_op.create_index("ix_commands_run_state", ["run_id", "state"], unique=False)
 
     op.create_table(
+        "events",
+        sa.Column("id", sa.Integer(), autoincrement=True, nullable=False),
+        sa.Column("run_id", sa.Integer(), nullable=False),
+        sa.Column("kind", sa.String(length=16), nullable=False),
+        sa.Column("step", sa.BigInteger(), nullable=False),
+        sa.Column("details", sa.JSON(), nullable=False),
+        sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+        sa.ForeignKeyConstraint(["run_id"], ["runs.id"], ondelete="CASCADE"),
+        sa.PrimaryKeyConstraint("id"),
+    )
+    with op.batch_alter_table("events", schema=None) as batch_op:
+        batch_op.create_index("ix_events_run_step", ["run_id", "step"], unique=False)
+
+    op.create_table(
         "ingest_batches",
         sa.Column("run_id", sa.Integer(), nullable=False),
         sa.Column("idempotency_key", sa.String(length=200), nullable=False),
@@ -155,6 +169,10 @@ def downgrade() -> None:
     op.drop_table("step_stats")
     op.drop_table("rollups")
     op.drop_table("ingest_batches")
+    with op.batch_alter_table("events", schema=None) as batch_op:
+        batch_op.drop_index("ix_events_run_step")
+
+    op.drop_table("events")
     with op.batch_alter_table("commands", schema=None) as batch_op:
         batch_op.drop_index("ix_commands_run_state")
 
