@@ -31,6 +31,13 @@ def _ineligible_reason(mod: nn.Linear) -> str | None:
     return None
 
 
+def _check_not_pending(module: nn.Module, state_dict, prefix: str, *args) -> None:
+    """``load_state_dict`` pre-hook of a converted model: refuse before any parameter is overwritten."""
+    state = getattr(module, "_fp8_state", None)
+    if state is not None and state.n_layers:
+        state.check_not_pending(state.layer_names[0] or "<root>")
+
+
 def convert_to_fp8(
     model: nn.Module,
     recipe: Recipe | None = None,
@@ -41,7 +48,9 @@ def convert_to_fp8(
     Eligible: both dimensions multiples of 16 and ``module_filter_fn(module, fqn)`` true (when given).
     Others stay in high precision; those rejected for their shape are logged and listed by
     ``ineligible_layers(model)``. FP8 ``Linear`` layers already in the model are registered too, so this
-    is also how a model built from ``fp8_trainer.Linear`` directly gets its tensor registry.
+    is also how a model built from ``fp8_trainer.Linear`` directly gets its tensor registry. Converting
+    starts a fresh scaling state: convert first, then ``load_state_dict`` a checkpoint (each FP8 layer
+    restores its slice of the state from its ``_extra_state`` entry).
 
     Returns:
         ``model`` (or the new module if ``model`` itself was a converted ``nn.Linear``).
@@ -77,6 +86,9 @@ def convert_to_fp8(
     for k, (_, m) in enumerate(layers):
         m._bind(state, k)
     model._fp8_state = state
+    if not getattr(model, "_fp8_load_check", False):
+        model.register_load_state_dict_pre_hook(_check_not_pending)
+        model._fp8_load_check = True
     return model
 
 

@@ -10,9 +10,15 @@ How input, weight and grad_output map to the three GEMMs (``x`` flattened to ``(
 Each tensor is quantized exactly once per use (the weight and input quantized in forward are saved for
 backward), and its statistics are recorded in the same call. Bias and output are in the input's dtype;
 the GEMMs accumulate in float32.
+
+Checkpoints: each layer's slice of the model's scaling state (amax histories, scales, recipe overrides, step
+counter) is its module extra state, so ``model.state_dict()`` / ``load_state_dict`` carry it (see
+``FP8State.layer_extra_state``).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -95,6 +101,27 @@ class Linear(nn.Linear):
 
     def _bind(self, state: FP8State, index: int) -> None:
         self._fp8_state, self._fp8_index = state, index
+
+    def _state(self) -> FP8State:
+        """The bound state; a Linear used on its own gets a one-layer state, as at its first FP8 forward."""
+        if self._fp8_state is None:
+            device = self.weight.device if self.weight.device.type != "meta" else None
+            self._bind(FP8State([""], device=device), 0)
+        return self._fp8_state
+
+    def get_extra_state(self) -> dict[str, Any]:
+        """This layer's slice of the FP8 scaling state, saved under ``<module path>._extra_state``."""
+        return self._state().layer_extra_state(self._fp8_index)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        # check before the weights are copied in place: a pending backward still needs the old ones
+        if self._fp8_state is not None:
+            self._fp8_state.check_not_pending(prefix[:-1] or "<root>")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def set_extra_state(self, state: Any) -> None:
+        """Restore the slice saved by ``get_extra_state`` (call ``convert_to_fp8`` before loading)."""
+        self._state().load_layer_extra_state(self._fp8_index, state)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):

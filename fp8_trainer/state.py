@@ -20,6 +20,11 @@ of another region if no backward came; gradient-accumulation micro-batches use `
 
 Layers with FP8 turned off keep their rows: amax, counts and numel are zero, ``scale`` is the last scale,
 and neither their history nor their scale changes until FP8 is turned back on.
+
+Checkpoints (see ``layer_extra_state``): every FP8 ``Linear`` saves its slice of this state as its module
+extra state (``<module path>._extra_state`` in ``model.state_dict()``), as Transformer Engine does. The step
+counter that phases ``interval`` is per model; every layer's slice carries a copy of it and of the
+model-wide overrides, so loading any layer restores them.
 """
 
 from __future__ import annotations
@@ -35,10 +40,13 @@ from .formats import ROLES
 from .recipe import CurrentScaling, DelayedScaling, Recipe, validate_setting
 from .scaling import current_scale, delayed_scaling_update
 
-__all__ = ["FP8State", "LAYER_SETTINGS", "TensorInfo"]
+__all__ = ["EXTRA_STATE_VERSION", "FP8State", "LAYER_SETTINGS", "TensorInfo"]
 
 #: Settings that ``set_layer_recipe`` can change per layer (or for the whole model).
 LAYER_SETTINGS = ("margin", "amax_history_len", "amax_compute_algo", "interval", "scaling", "fp8_enabled")
+
+#: Version of the per-layer checkpoint format written by ``FP8State.layer_extra_state``.
+EXTRA_STATE_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -255,3 +263,97 @@ class FP8State:
         self.callback_queued = False
         if self.step_complete:
             self.end_step()
+
+    # ----- checkpoint (host side; copies to the CPU, never on the hot path) -----
+    def layer_extra_state(self, k: int) -> dict[str, Any]:
+        """Layer ``k``'s slice of the scaling state, tensors and plain values only (``weights_only``-safe).
+
+        ``amax_history`` holds the layer's effective rows only (``(history_len, 3)``, newest first, columns
+        input / weight / grad_output). A step still pending (between forward and backward, or between
+        micro-batches) is not included: the slice is the state after the last completed step.
+        """
+        cols = slice(3 * k, 3 * k + 3)
+        length = self.layer_settings(k)["amax_history_len"]
+        return {
+            "version": EXTRA_STATE_VERSION,
+            "layer": self.layer_names[k],
+            "amax_history": self.amax_history[:length, cols].detach().to("cpu", copy=True),
+            "scale": self.scale[cols].detach().to("cpu", copy=True),
+            "scale_inv": self.scale_inv[cols].detach().to("cpu", copy=True),
+            "layer_overrides": dict(self.layer_overrides[k]),
+            "model_overrides": dict(self.model_overrides),
+            "step": self.steps,
+        }
+
+    def load_layer_extra_state(self, k: int, extra: dict[str, Any]) -> None:
+        """Restore layer ``k``'s slice saved by ``layer_extra_state``: overrides, history, scales, step.
+
+        A saved history of another length than the layer's effective ``amax_history_len`` keeps its newest
+        entries and is padded with zeros (as ``set_layer_recipe`` does when the length changes).
+
+        Raises:
+            RuntimeError: a step is pending (loading between forward and backward is not supported).
+            ValueError: the slice is malformed (naming the layer); nothing is changed then.
+        """
+        name = self.layer_names[k] or "<root>"
+        self.check_not_pending(name)
+        if not isinstance(extra, dict) or extra.get("version") != EXTRA_STATE_VERSION:
+            version = extra.get("version") if isinstance(extra, dict) else type(extra).__name__
+            raise ValueError(
+                f"{name}._extra_state: expected FP8 extra state version {EXTRA_STATE_VERSION}, "
+                f"got {version!r}"
+            )
+        try:
+            layer_overrides = self._clean_overrides(extra["layer_overrides"])
+            model_overrides = self._clean_overrides(extra["model_overrides"])
+            history = torch.as_tensor(extra["amax_history"], dtype=torch.float32)
+            scale = torch.as_tensor(extra["scale"], dtype=torch.float32)
+            scale_inv = torch.as_tensor(extra["scale_inv"], dtype=torch.float32)
+            step = extra["step"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{name}._extra_state: malformed FP8 extra state ({e})") from None
+        if history.dim() != 2 or history.shape[1] != 3 or scale.shape != (3,) or scale_inv.shape != (3,):
+            raise ValueError(
+                f"{name}._extra_state: expected amax_history (L, 3), scale (3,), scale_inv (3,); got "
+                f"{tuple(history.shape)}, {tuple(scale.shape)}, {tuple(scale_inv.shape)}"
+            )
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"{name}._extra_state: step must be an integer >= 0, got {step!r}")
+
+        self.layer_overrides[k] = layer_overrides
+        self.model_overrides = model_overrides
+        self._rebuild()  # effective history lengths first: the saved history is fitted to them
+        cols = slice(3 * k, 3 * k + 3)
+        length = self.layer_settings(k)["amax_history_len"]
+        n = min(length, history.shape[0])
+        # new tensors, not in-place writes: earlier graphs may still hold views of the old scales
+        amax_history = self.amax_history.clone()
+        amax_history[:, cols] = 0
+        amax_history[:n, cols] = history[:n].to(self.device)
+        new_scale, new_scale_inv = self.scale.clone(), self.scale_inv.clone()
+        new_scale[cols] = scale.to(self.device)
+        new_scale_inv[cols] = scale_inv.to(self.device)
+        self.amax_history, self.scale, self.scale_inv = amax_history, new_scale, new_scale_inv
+        self.steps = step
+        self.step_t = torch.full((), step, dtype=torch.int64, device=self.device)
+        self._new_stats_buffer()  # its scale column must show the restored scales
+
+    def check_not_pending(self, where: str) -> None:
+        """Raise if a step is pending: loading a checkpoint then is not supported."""
+        if self.pending:
+            raise RuntimeError(
+                f"load_state_dict: FP8 layer {where!r}: a step is pending (a recorded forward without its "
+                "backward, or an unfinished gradient accumulation); finish the step or call "
+                "fp8_trainer.end_step(model) before loading"
+            )
+
+    @staticmethod
+    def _clean_overrides(overrides: Any) -> dict[str, Any]:
+        if not isinstance(overrides, dict):
+            raise TypeError(f"overrides must be a dict, got {type(overrides).__name__}")
+        clean = {}
+        for key, value in overrides.items():
+            if key not in LAYER_SETTINGS:
+                raise ValueError(f"{key!r} is not a per-layer recipe setting")
+            clean[key] = validate_setting(key, value)
+        return clean
