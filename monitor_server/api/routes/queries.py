@@ -37,10 +37,15 @@ def _meta(ctx: CtxDep, session: SessionDep, run_id: int) -> RunMeta:
     return meta
 
 
-def _range(first: int | None, last: int | None, lo: int | None, hi: int | None) -> tuple[int, int] | None:
-    """The requested step range clipped to the stored one; None when nothing is stored or it is empty."""
+def _check_order(lo: int | None, hi: int | None) -> None:
+    """422 when the requested `to` step comes before `from`."""
     if lo is not None and hi is not None and hi < lo:
         raise HTTPException(422, f"to ({hi}) is before from ({lo})")
+
+
+def _range(first: int | None, last: int | None, lo: int | None, hi: int | None) -> tuple[int, int] | None:
+    """The requested step range clipped to the stored one; None when nothing is stored or it is empty."""
+    _check_order(lo, hi)
     if first is None or last is None:
         return None
     lo = first if lo is None else max(lo, first)
@@ -149,8 +154,7 @@ def list_events(
     """Client-reported events (with their flight-recorder details) in step order, optionally of one kind
     and within a step range; at most `limit`, the earliest first."""
     get_run_or_404(session, run_id)
-    if from_ is not None and to is not None and to < from_:
-        raise HTTPException(422, f"to ({to}) is before from ({from_})")
+    _check_order(from_, to)
     query = select(EventRow).where(EventRow.run_id == run_id)
     if kind is not None:
         query = query.where(EventRow.kind == kind)
