@@ -9,7 +9,6 @@ takes to decode (the ingest's own per-batch CPU work before any database write),
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import sys
 import time
@@ -18,35 +17,14 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "server"))
-
-from detector_runs import healthy_run  # noqa: E402  (synthetic runs shared with the detector tests)
+sys.path.insert(0, str(ROOT))
 
 from monitor_server.detectors.engine import DetectorConfig, DetectorEngine  # noqa: E402
-from monitor_server.detectors.types import STAT_COLUMNS  # noqa: E402
 from monitor_server.ingest import decode_batch, parse_json  # noqa: E402
+from tests.server.detector_runs import healthy_run  # noqa: E402  (the detector tests' synthetic runs)
+from tests.server.utils import batch_body  # noqa: E402  (the wire encodings the tests use)
 
 STEPS = 50
-
-
-def _wire_body(batch, encoding: str) -> bytes:
-    """The same steps as a telemetry body (packed float64 columns, or JSON arrays)."""
-    steps = []
-    for i, step in enumerate(batch.steps.tolist()):
-        stats = {}
-        for name in STAT_COLUMNS:
-            row = batch.stats[name][i]
-            if encoding == "packed":
-                stats[name] = {
-                    "dtype": "float64",
-                    "b64": base64.b64encode(row.astype("<f8").tobytes()).decode(),
-                }
-            else:
-                stats[name] = [
-                    v if np.isfinite(v) else ("NaN" if v != v else "Infinity") for v in row.tolist()
-                ]
-        steps.append({"step": step, "scalars": {"loss": float(batch.scalars["loss"][i])}, "stats": stats})
-    return json.dumps({"idempotency_key": "bench", "steps": steps}).encode()
 
 
 def _timed(fn, reps: int) -> list[float]:
@@ -86,14 +64,13 @@ def main() -> None:
     worst = (time.perf_counter() - t0) * 1e3
 
     rows = [("detectors: healthy batch", healthy), ("detectors: state_dict + json.dumps", persist)]
-    for encoding in ("packed", "json"):
-        body = _wire_body(batches[1], encoding)
-        rows.append(
-            (
-                f"ingest decode ({encoding}, {len(body) / 1e6:.2f} MB)",
-                _timed(lambda b=body: decode_batch(parse_json(b), T), 9),
-            )
-        )
+    first = batches[1]
+    for encoding in ("float64", "json"):
+        body = json.dumps(
+            batch_body("bench", first.steps, dict(first.stats), encoding, losses=first.scalars["loss"])
+        ).encode()
+        decode = lambda b=body: decode_batch(parse_json(b), T)  # noqa: E731
+        rows.append((f"ingest decode ({encoding}, {len(body) / 1e6:.2f} MB)", _timed(decode, 9)))
     print(f"per batch of {STEPS} steps x {T} tensors, median over {args.batches} batches (decode: 9 reps)")
     print(f"{'what':44s} {'median ms':>10s} {'p90 ms':>8s}")
     result = {"steps_per_batch": STEPS, "tensors": T}
