@@ -15,25 +15,20 @@ SQLite, heatmap <= 150 ms median.
 from __future__ import annotations
 
 import argparse
-import base64
 import contextlib
 import json
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import httpx
 import numpy as np
 import orjson
-from sqlalchemy import create_engine, make_url, text
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -41,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 from monitor_server.core.db import Database  # noqa: E402
 from monitor_server.ingest import DecodedBatch, store_batch  # noqa: E402
 from monitor_server.rollups import FP8_MAX  # noqa: E402
+from tests.server.utils import col, fresh_pg_database, running_server  # noqa: E402  (shared with the tests)
 
 STATS = ("amax", "scale", "overflow", "underflow", "nonfinite", "numel")
 PG_URL = os.environ.get("FP8SCOPE_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
@@ -83,21 +79,12 @@ class StatStream:
         }
 
 
-def _packed(values: np.ndarray, dtype: str) -> dict:
-    return {
-        "dtype": dtype,
-        "b64": base64.b64encode(values.astype("<f4" if dtype == "float32" else "<f8").tobytes()).decode(),
-    }
-
-
 def batch_bytes(key: str, first_step: int, stats: dict[str, np.ndarray], encoding: str) -> bytes:
     """A telemetry body, already serialised (the client's cost is not what is measured)."""
     steps = []
     for i in range(len(stats["amax"])):
         if encoding == "packed":
-            cols = {
-                n: _packed(stats[n][i], "float32" if n in ("amax", "scale") else "float64") for n in STATS
-            }
+            cols = {n: col(stats[n][i], "float32" if n in ("amax", "scale") else "float64") for n in STATS}
         else:
             cols = {n: stats[n][i].tolist() for n in STATS}
         steps.append(
@@ -108,66 +95,6 @@ def batch_bytes(key: str, first_step: int, stats: dict[str, np.ndarray], encodin
             }
         )
     return orjson.dumps({"idempotency_key": key, "steps": steps})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def server(db_url: str):
-    """`fp8-monitor serve` on a free port; yields its base URL."""
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "monitor_server.cli",
-        "serve",
-        "--db",
-        db_url,
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-    ]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError("server did not start")
-            time.sleep(0.1)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-@contextlib.contextmanager
-def pg_database():
-    """A fresh PostgreSQL database (dropped afterwards); yields its URL."""
-    base = make_url(PG_URL)
-    admin = create_engine(base.set(database="postgres"), isolation_level="AUTOCOMMIT")
-    name = f"fp8scope_bench_{uuid.uuid4().hex[:8]}"
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))  # generated name
-    try:
-        yield base.set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
 
 
 def create_run(url: str, T: int, name: str) -> int:
@@ -313,11 +240,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for backend in backends:
             ctx = (
-                pg_database()
+                fresh_pg_database(PG_URL, "fp8scope_bench")
                 if backend == "postgresql"
                 else contextlib.nullcontext(f"sqlite:///{tmp}/bench.db")
             )
-            with ctx as db_url, server(db_url) as url:
+            with ctx as db_url, running_server(db_url) as srv:
+                url = srv.url
                 for encoding in ("packed", "json"):
                     r = bench_ingest(
                         url, encoding, args.tensors, args.steps_per_batch, args.batches, args.senders

@@ -26,6 +26,7 @@ _ROOT = str(Path(__file__).resolve().parents[2])
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
+from tests.server.utils import fresh_pg_database  # noqa: E402
 
 PG_URL = os.environ.get("FP8SCOPE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REQUIRE_PG = os.environ.get("FP8SCOPE_REQUIRE_PG") == "1"
@@ -39,24 +40,19 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture(scope="session")
 def pg_database() -> Iterator[str]:
     """URL of a fresh PostgreSQL database for this test session (dropped at the end)."""
-    base = make_url(PG_URL)
-    maintenance = create_engine(base.set(database="postgres"), isolation_level="AUTOCOMMIT")
-    name = f"fp8scope_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    database = fresh_pg_database(PG_URL, "fp8scope_test")
     try:
-        with maintenance.connect() as conn:
-            conn.execute(text(f'CREATE DATABASE "{name}"'))  # name is generated here, not user input
+        url = database.__enter__()
     except Exception as exc:  # noqa: BLE001
-        maintenance.dispose()
-        message = f"PostgreSQL not reachable at {base.render_as_string(hide_password=True)}: {exc}"
+        where = make_url(PG_URL).render_as_string(hide_password=True)
+        message = f"PostgreSQL not reachable at {where}: {exc}"
         if REQUIRE_PG:
             pytest.fail(message + " (FP8SCOPE_REQUIRE_PG=1)")
         pytest.skip(message)
     try:
-        yield base.set(database=name).render_as_string(hide_password=False)
+        yield url
     finally:
-        with maintenance.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        maintenance.dispose()
+        database.__exit__(None, None, None)
 
 
 def _pg_schema_url(database_url: str) -> str:

@@ -11,12 +11,14 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
+from sqlalchemy import create_engine, make_url, text
 
 STATS = ("amax", "scale", "overflow", "underflow", "nonfinite", "numel")
 API = "/api/v1"
@@ -195,3 +197,24 @@ def running_server(
         yield server
     finally:
         server.stop()
+
+
+@contextlib.contextmanager
+def fresh_pg_database(server_url: str, prefix: str) -> Iterator[str]:
+    """A new, uniquely named database on the PostgreSQL server of `server_url`, created through its
+    `postgres` maintenance database and dropped on exit; yields the new database's URL."""
+    base = make_url(server_url)
+    maintenance = create_engine(base.set(database="postgres"), isolation_level="AUTOCOMMIT")
+    name = f"{prefix}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    try:
+        with maintenance.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))  # name is generated here, not user input
+    except Exception:
+        maintenance.dispose()
+        raise
+    try:
+        yield base.set(database=name).render_as_string(hide_password=False)
+    finally:
+        with maintenance.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        maintenance.dispose()
