@@ -13,7 +13,8 @@ from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
 
 from monitor_server import commands as command_ops
-from monitor_server.detectors.types import STAT_COLUMNS, StepBatch
+from monitor_server.detectors.ranks import parse_rank_amax
+from monitor_server.detectors.types import EVENT_KINDS, STAT_COLUMNS, StepBatch
 from monitor_server.models import Command, EventRow, IngestBatch, Run, StepRow, StepStat, utcnow
 from monitor_server.rollups import step_stat_rows, update_rollups
 from monitor_server.schemas import MAX_ID
@@ -21,7 +22,6 @@ from monitor_server.wire import WireError, decode_column, decode_float, encode_f
 
 _TOP_KEYS = {"idempotency_key", "steps", "events", "acks"}
 _STEP_KEYS = {"step", "scalars", "stats"}
-_EVENT_KINDS = ("loss_spike", "nonfinite", "custom")
 _STAT_SET = set(STAT_COLUMNS)
 
 
@@ -126,12 +126,12 @@ def decode_batch(payload: Any, num_tensors: int) -> DecodedBatch:
         steps = steps[order]
         stats = {name: m[order] for name, m in stats.items()}
         scalars = [scalars[j] for j in order.tolist()]
-    events = _decode_events(payload.get("events", []))
+    events = _decode_events(payload.get("events", []), T)
     acks = _decode_acks(payload.get("acks", []))
     return DecodedBatch(key, steps, scalars, stats, events, acks)
 
 
-def _decode_events(events: Any) -> list[dict[str, Any]]:
+def _decode_events(events: Any, num_tensors: int) -> list[dict[str, Any]]:
     if not isinstance(events, list):
         raise WireError("events: expected an array")
     out = []
@@ -139,11 +139,16 @@ def _decode_events(events: Any) -> list[dict[str, Any]]:
         where = f"events[{i}]"
         if not isinstance(ev, dict) or set(ev) - {"kind", "step", "details"}:
             raise WireError(f"{where}: expected an object with kind, step and details")
-        if ev.get("kind") not in _EVENT_KINDS:
-            raise WireError(f"{where}.kind: must be one of {list(_EVENT_KINDS)}")
+        if ev.get("kind") not in EVENT_KINDS:
+            raise WireError(f"{where}.kind: must be one of {list(EVENT_KINDS)}")
         details = ev.get("details", {})
         if not isinstance(details, dict):
             raise WireError(f"{where}.details: expected an object")
+        if ev["kind"] == "rank_amax":
+            try:
+                parse_rank_amax(details, num_tensors)
+            except (ValueError, KeyError) as exc:
+                raise WireError(f"{where}.details: {exc}") from None
         out.append({"kind": ev["kind"], "step": _int(ev.get("step"), f"{where}.step"), "details": details})
     return out
 

@@ -35,6 +35,8 @@ JsonObject = Annotated[dict[str, Any], AfterValidator(_storable_json)]
 RunStatus = Literal["running", "finished", "crashed"]
 Role = Literal["input", "weight", "grad_output"]
 Fp8Format = Literal["e4m3", "e5m2"]
+# keep in step with monitor_server.detectors.types.EVENT_KINDS (a test checks)
+EventKind = Literal["loss_spike", "nonfinite", "rank_amax", "custom"]
 
 
 class TensorSpec(BaseModel):
@@ -60,6 +62,8 @@ class RunCreate(BaseModel):
     world_size: StrictInt = Field(default=1, ge=1, le=MAX_ID)
     host: Text = Field(default="", max_length=200)
     tensors: list[TensorSpec] = Field(min_length=1, max_length=65536)
+    #: optional idempotency key of the registration: a run already created with it is returned (200)
+    client_key: Text | None = Field(default=None, min_length=1, max_length=100)
 
     @model_validator(mode="after")
     def _dense_indices(self) -> RunCreate:
@@ -141,7 +145,7 @@ class EventIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["loss_spike", "nonfinite", "custom"]
+    kind: EventKind
     step: StrictInt = Field(ge=0)
     details: dict[str, Any] = Field(default_factory=dict)
 
@@ -151,7 +155,7 @@ class EventPublic(BaseModel):
 
     id: int
     run_id: int
-    kind: Literal["loss_spike", "nonfinite", "custom"]
+    kind: EventKind
     step: int
     details: dict[str, Any]
     created_at: datetime

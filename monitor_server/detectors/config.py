@@ -31,6 +31,9 @@ class DetectorConfig(BaseModel):
     previous `scale_window` steps (warning), or a scale that is non-finite, <= 0 or below `scale_min`
     (critical).
 
+    Rank divergence (per tensor, from the client's sampled per-rank amaxes): one rank's log2 amax more than
+    `rank_divergence_log2` from the median of the other ranks' (warning; critical beyond twice that).
+
     Stalled (run-level): no telemetry for `stall_seconds` (warning; critical after 10x that).
 
     Layer health: a layer saturates (warning, diverging) when a tensor's headroom
@@ -64,6 +67,8 @@ class DetectorConfig(BaseModel):
     saturation_log2: float = Field(0.5, ge=0)
 
     stall_seconds: float = Field(120.0, gt=0)
+
+    rank_divergence_log2: float = Field(2.0, gt=0)
 
     @model_validator(mode="after")
     def _check_orders(self) -> DetectorConfig:

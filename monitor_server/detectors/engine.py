@@ -23,7 +23,9 @@ Conventions:
 - Client events (`process_events`): ``loss_spike`` -> a loss_spike finding (warning), ``nonfinite`` -> a
   nonfinite finding (critical; details may name ``tensor_index`` or ``tensor``), ``custom`` -> nothing unless
   ``details["alert"] is True`` and ``details["kind"]`` is one of ALERT_KINDS (then that kind, with
-  ``details["severity"]`` / ``details["message"]`` if given). Malformed events are skipped, never raised.
+  ``details["severity"]`` / ``details["message"]`` if given), ``rank_amax`` -> a rank_divergence finding per
+  tensor on which one data-parallel rank's amax disagrees with the others' (``ranks.py``). Malformed events
+  are skipped, never raised.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from .config import DetectorConfig
 from .health import TensorSnapshot, layer_health
 from .loss import LossSpikeDetector
 from .nonfinite import NonfiniteDetector
+from .ranks import parse_rank_amax, rank_divergence
 from .recipe import merge_recipe, per_tensor, split_recipe
 from .stall import check_stalled
 from .state import decode_array, encode_array, encode_evidence
@@ -228,11 +231,13 @@ class DetectorEngine:
             except (TypeError, ValueError, KeyError, AttributeError) as exc:
                 log.debug("skipping malformed event %r: %s", event, exc)
                 continue
-            if finding is not None:
+            if isinstance(finding, list):
+                findings.extend(finding)
+            elif finding is not None:
                 findings.append(finding)
         return findings
 
-    def _event(self, event: dict) -> Finding | None:
+    def _event(self, event: dict) -> Finding | list[Finding] | None:
         kind, step = event.get("kind"), int(event["step"])
         details = event.get("details") or {}
         if not isinstance(details, dict):
@@ -260,6 +265,9 @@ class DetectorEngine:
                 message=f"client reported non-finite values{where} at step {step}",
                 evidence=evidence,
             )
+        if kind == "rank_amax":
+            amax = parse_rank_amax(details, len(self.tensors))
+            return rank_divergence(amax, self.tensors, step, self.config.rank_divergence_log2, ~self.enabled)
         if kind == "custom" and details.get("alert") is True and details.get("kind") in ALERT_KINDS:
             t = self._tensor_ref(details)
             msg = details.get("message")

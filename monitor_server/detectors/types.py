@@ -27,7 +27,11 @@ ALERT_KINDS: tuple[str, ...] = (
     "amax_divergence",
     "scale_collapse",
     "stalled",
+    "rank_divergence",
 )
+
+#: Kinds of client-reported events (telemetry ``events[].kind``).
+EVENT_KINDS: tuple[str, ...] = ("loss_spike", "nonfinite", "rank_amax", "custom")
 
 SEVERITIES: tuple[str, ...] = ("info", "warning", "critical")
 

@@ -40,7 +40,8 @@ def full(findings):
 
 def test_faulty_run_triggers_every_tensor_and_loss_detector():
     found = run_engine(faulty_run())
-    assert {f.kind for f in found} == set(ALERT_KINDS) - {"stalled"}
+    # stalled comes from the clock, rank_divergence from rank_amax events (test_detectors_ranks.py)
+    assert {f.kind for f in found} == set(ALERT_KINDS) - {"stalled", "rank_divergence"}
     assert all(f.kind in ALERT_KINDS and f.severity in ("info", "warning", "critical") for f in found)
     assert [f.step for f in found] == sorted(f.step for f in found)
     json.dumps([f.evidence for f in found], allow_nan=False)  # evidence is strict JSON

@@ -15,7 +15,14 @@ from monitor_server.detection import alert_public
 from monitor_server.models import Alert, EventRow, as_utc
 from monitor_server.rollups import HEATMAP_METRICS, read_heatmap
 from monitor_server.run_meta import RunMeta
-from monitor_server.schemas import EventPublic, HeatmapPublic, LayerHealth, SeriesPublic, TensorSpec
+from monitor_server.schemas import (
+    EventKind,
+    EventPublic,
+    HeatmapPublic,
+    LayerHealth,
+    SeriesPublic,
+    TensorSpec,
+)
 from monitor_server.series import downsample_minmax, read_series
 from monitor_server.wire import iso_dates, jsonable, matrix_json
 
@@ -146,7 +153,7 @@ def list_events(
     run_id: RunId,
     session: SessionDep,
     _principal: ReadDep,
-    kind: Literal["loss_spike", "nonfinite", "custom"] | None = None,
+    kind: EventKind | None = None,
     from_: FromQ = None,
     to: ToQ = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
