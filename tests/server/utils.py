@@ -122,13 +122,20 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`fp8-monitor serve` in a subprocess on a free port."""
+    """`fp8-monitor serve` in a subprocess on a free port (or `port`, e.g. to restart a killed server)."""
 
-    def __init__(self, db_url: str, *args: str, log_path: Path | None = None, env: dict | None = None):
+    def __init__(
+        self,
+        db_url: str,
+        *args: str,
+        log_path: Path | None = None,
+        env: dict | None = None,
+        port: int | None = None,
+    ):
         self.db_url = db_url
         self.extra_env = env or {}
         self.args = args
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None

@@ -1,0 +1,126 @@
+"""Benchmark: what the telemetry client costs a training step.
+
+The same FP8 run (tiny GPT, delayed scaling, statistics for every tensor at every step) in three modes, in
+one process, interleaved in blocks so that drift of the machine hits every mode alike:
+
+* ``off``  - no monitor;
+* ``on``   - a `fp8_trainer.Monitor` streaming to a real `fp8-monitor serve` on this machine (SQLite);
+* ``dead`` - a Monitor pointed at an address where nothing listens (it spools to a temporary folder).
+
+Each mode trains its own copy of the model (same seed). A pause after each block lets background sending
+finish outside the timed region of the next block, so the comparison charges each mode for its own work.
+
+    .venv/bin/python bench/overhead.py [--rounds 8] [--block 15] [--batch-size 16] [--seq-len 64]
+
+Prints median step times and the ratios on/off and dead/off; writes bench/results/overhead.json.
+Goal: both ratios <= 1.02 on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from fp8_trainer import convert_to_fp8, tensor_table  # noqa: E402
+from fp8_trainer.data import ByteCorpus  # noqa: E402
+from fp8_trainer.model import GPT, PRESETS, fp8_filter  # noqa: E402
+from fp8_trainer.monitor import Monitor  # noqa: E402
+from fp8_trainer.recipe import DelayedScaling  # noqa: E402
+from tests.server.utils import free_port, running_server  # noqa: E402
+
+MODES = ("off", "on", "dead")
+
+
+class Job:
+    """One mode's model, optimizer, data stream and (optional) monitor."""
+
+    def __init__(self, mode: str, url: str | None, spool_dir: Path, args: argparse.Namespace):
+        torch.manual_seed(0)
+        self.recipe = DelayedScaling()
+        self.model = GPT(PRESETS["tiny"])
+        convert_to_fp8(self.model, recipe=self.recipe, module_filter_fn=fp8_filter)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.corpus = ByteCorpus(seed=0)
+        self.args = args
+        self.step_no = 0
+        self.monitor = None
+        if url is not None:
+            self.monitor = Monitor(url, f"overhead-{mode}", self.model, self.recipe,
+                                   spool_path=spool_dir / f"{mode}.jsonl")  # fmt: skip
+
+    def step(self) -> float:
+        t0 = time.perf_counter()
+        x, y = self.corpus.batch("train", self.args.batch_size, self.args.seq_len)
+        _, loss = self.model(x, y)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step_no += 1
+        if self.monitor is not None:
+            self.monitor.step(self.step_no, loss=loss.detach(), lr=1e-3, grad_norm=grad_norm)
+        return time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--block", type=int, default=15, help="steps per mode per round")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps per mode first")
+    p.add_argument("--pause", type=float, default=1.0, help="seconds between blocks (untimed)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=64)
+    args = p.parse_args()
+
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    with tempfile.TemporaryDirectory() as tmp, running_server(f"sqlite:///{tmp}/bench.db") as server:
+        spool = Path(tmp)
+        urls = {"off": None, "on": server.url, "dead": f"http://127.0.0.1:{free_port()}"}
+        jobs = {m: Job(m, urls[m], spool, args) for m in MODES}
+        for job in jobs.values():
+            for _ in range(args.warmup):
+                job.step()
+        time.sleep(args.pause)
+        for r in range(args.rounds):
+            order = MODES if r % 2 == 0 else MODES[::-1]
+            for m in order:
+                times[m] += [jobs[m].step() for _ in range(args.block)]
+                time.sleep(args.pause)
+        for job in jobs.values():
+            if job.monitor is not None:
+                job.monitor.close()
+        n_tensors = len(tensor_table(jobs["off"].model))
+
+    med = {m: statistics.median(v) for m, v in times.items()}
+    mean = {m: statistics.fmean(v) for m, v in times.items()}
+    rows = [(m, med[m] * 1e3, mean[m] * 1e3, mean[m] / mean["off"], len(times[m])) for m in MODES]
+    print(f"tiny GPT, batch {args.batch_size} x {args.seq_len}, torch threads {torch.get_num_threads()}, "
+          f"{args.rounds} rounds x {args.block} steps per mode, {n_tensors} tensors monitored")  # fmt: skip
+    print(f"{'mode':<6} {'median ms':>10} {'mean ms':>10} {'mean/off':>9} {'steps':>6}")
+    for m, a, b, ratio, n in rows:
+        print(f"{m:<6} {a:10.2f} {b:10.2f} {ratio:9.3f} {n:6d}")
+    print(f"goal: on/off and dead/off <= 1.02 -> on {mean['on'] / mean['off']:.3f}, "
+          f"dead {mean['dead'] / mean['off']:.3f}")  # fmt: skip
+    out = ROOT / "bench" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "overhead.json").write_text(json.dumps({
+        "machine": platform.platform(), "torch_threads": torch.get_num_threads(), "args": vars(args),
+        "tensors": n_tensors, "median_ms": {m: med[m] * 1e3 for m in MODES},
+        "mean_ms": {m: mean[m] * 1e3 for m in MODES},
+        "ratio_mean": {m: mean[m] / mean["off"] for m in MODES}, "step_times_s": times,
+    }, indent=1))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
