@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from fp8_kernels import STAT_COLUMNS, quantize_with_stats, tensor_amax
+from fp8_kernels import STAT_COLUMNS, fused_scale_update, quantize_with_stats, tensor_amax
 
 from .distributed import all_reduce_amax
 from .formats import ROLES
@@ -242,19 +242,34 @@ class FP8State:
         if self.group is not None:
             amax = all_reduce_amax(amax, self.group)
         self.step_t = self.step_t + 1
-        self.amax_history, self.scale = delayed_scaling_update(
-            self.amax_history,
-            amax,
-            self.scale,
-            fp8_max=self.fp8_max,
-            margin=self.margin,
-            amax_compute_algo=self.most_recent,
-            history_len=self.history_len,
-            interval=self.interval,
-            step=self.step_t,
-            update=self.enabled_t,
-        )
-        self.scale_inv = torch.reciprocal(self.scale)
+        fused = fused_scale_update(self.device)  # one launch for all tensors (Triton on CUDA)
+        if fused is not None:
+            self.amax_history, self.scale, self.scale_inv = fused(
+                self.amax_history,
+                amax,
+                self.scale,
+                fp8_max=self.fp8_max,
+                margin=self.margin,
+                most_recent=self.most_recent,
+                history_len=self.history_len,
+                interval=self.interval,
+                step=self.step_t,
+                enabled=self.enabled_t,
+            )
+        else:
+            self.amax_history, self.scale = delayed_scaling_update(
+                self.amax_history,
+                amax,
+                self.scale,
+                fp8_max=self.fp8_max,
+                margin=self.margin,
+                amax_compute_algo=self.most_recent,
+                history_len=self.history_len,
+                interval=self.interval,
+                step=self.step_t,
+                update=self.enabled_t,
+            )
+            self.scale_inv = torch.reciprocal(self.scale)
         self.last_stats = stats
         self.steps += 1
         self._new_stats_buffer()

@@ -1,22 +1,49 @@
-"""fp8_kernels: quantize-and-record-statistics ops (PyTorch references; Triton kernels plug in here)."""
+"""fp8_kernels: quantize-and-record-statistics ops, PyTorch references and Triton kernels behind one dispatch.
 
-from .dispatch import quantize_with_stats, register, tensor_amax
-from .histogram import EXP_MAX, EXP_MIN, HIST_BINS, histogram_to_dict
-from .histogram import exponent_histogram_reference as exponent_histogram
-from .quantize import STAT_COLUMNS, dequantize, fp8_max, quantize_with_stats_reference, underflow_threshold
+Importing this package never imports triton: the Triton kernels register themselves for CUDA tensors at
+the first CUDA call (see ``dispatch``).
+"""
+
+from .dispatch import (
+    exponent_histogram,
+    fused_scale_update,
+    quantize_with_stats,
+    quantize_with_stats_transposed,
+    reference_kernels,
+    register,
+    tensor_amax,
+    triton_available,
+    use_reference,
+)
+from .histogram import EXP_MAX, EXP_MIN, HIST_BINS, exponent_histogram_reference, histogram_to_dict
+from .quantize import (
+    STAT_COLUMNS,
+    dequantize,
+    fp8_max,
+    quantize_with_stats_reference,
+    tensor_amax_reference,
+    underflow_threshold,
+)
 
 __all__ = [
     "EXP_MAX",
     "EXP_MIN",
     "HIST_BINS",
-    "exponent_histogram",
-    "histogram_to_dict",
     "STAT_COLUMNS",
     "dequantize",
+    "exponent_histogram",
+    "exponent_histogram_reference",
     "fp8_max",
+    "fused_scale_update",
+    "histogram_to_dict",
     "quantize_with_stats",
     "quantize_with_stats_reference",
+    "quantize_with_stats_transposed",
+    "reference_kernels",
     "register",
     "tensor_amax",
+    "tensor_amax_reference",
+    "triton_available",
     "underflow_threshold",
+    "use_reference",
 ]

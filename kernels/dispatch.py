@@ -1,32 +1,129 @@
-"""The one dispatch point for quantize-and-record-statistics.
+"""The one dispatch point for quantize-and-record-statistics, amax, exponent histograms and the scale update.
 
-``quantize_with_stats`` and ``tensor_amax`` choose an implementation by device type. The CPU (and, until
-the Triton kernels of a later issue register themselves with ``register``, every device) uses the
-pure-PyTorch reference in ``fp8_kernels.quantize``. A registered implementation must follow the reference's
-contract exactly (same signature, same statistics row, same bits).
+Each op chooses an implementation by the device type of its tensors. CUDA tensors use the Triton kernels
+(``triton_*.py``) when triton is installed and the GPU has FP8 support (sm_89+); they register themselves
+here at the first CUDA call, so importing ``fp8_kernels`` never imports triton. Everything else uses the
+pure-PyTorch references. ``use_reference(True)`` (or ``with reference_kernels():``) forces the references
+everywhere, to compare against them or to debug on a GPU. Tensors beyond ``KERNEL_MAX_NUMEL`` elements
+(the kernels' int32 offsets) use the references too.
+
+A registered implementation must follow the reference's contract exactly (same signature, same statistics
+row, same bits). The scale update's reference is ``fp8_trainer.scaling.delayed_scaling_update``, which
+this package does not import: ``fused_scale_update`` returns ``None`` where the caller should use it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
-from .quantize import quantize_with_stats_reference, tensor_amax_reference
+from .histogram import exponent_histogram_reference
+from .quantize import KERNEL_MAX_NUMEL, quantize_with_stats_reference, tensor_amax_reference
 
-__all__ = ["quantize_with_stats", "register", "tensor_amax"]
+__all__ = [
+    "exponent_histogram",
+    "fused_scale_update",
+    "quantize_with_stats",
+    "quantize_with_stats_transposed",
+    "reference_kernels",
+    "register",
+    "tensor_amax",
+    "triton_available",
+    "use_reference",
+]
 
-_QUANTIZE: dict[str, Callable] = {}
-_AMAX: dict[str, Callable] = {}
+_TABLES: dict[str, dict[str, Callable]] = {
+    "quantize": {},
+    "quantize_transposed": {},
+    "amax": {},
+    "histogram": {},
+    "scale_update": {},
+}
+_force_reference = False
 
 
-def register(device_type: str, *, quantize: Callable | None = None, amax: Callable | None = None) -> None:
+def register(
+    device_type: str,
+    *,
+    quantize: Callable | None = None,
+    quantize_transposed: Callable | None = None,
+    amax: Callable | None = None,
+    histogram: Callable | None = None,
+    scale_update: Callable | None = None,
+) -> None:
     """Route ``device_type`` (e.g. ``"cuda"``) to other implementations; ``None`` restores the reference."""
-    for table, fn in ((_QUANTIZE, quantize), (_AMAX, amax)):
+    given = {
+        "quantize": quantize,
+        "quantize_transposed": quantize_transposed,
+        "amax": amax,
+        "histogram": histogram,
+        "scale_update": scale_update,
+    }
+    for op, fn in given.items():
         if fn is None:
-            table.pop(device_type, None)
+            _TABLES[op].pop(device_type, None)
         else:
-            table[device_type] = fn
+            _TABLES[op][device_type] = fn
+
+
+def use_reference(enabled: bool = True) -> bool:
+    """Force the PyTorch references on every device (``True``) or restore dispatch; returns the old value."""
+    global _force_reference
+    previous, _force_reference = _force_reference, bool(enabled)
+    return previous
+
+
+@contextmanager
+def reference_kernels() -> Iterator[None]:
+    """``with reference_kernels():`` runs the block on the PyTorch references."""
+    previous = use_reference(True)
+    try:
+        yield
+    finally:
+        use_reference(previous)
+
+
+def triton_available() -> bool:
+    """True where triton imports (the kernels can run, compiled on a GPU or under TRITON_INTERPRET=1)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _register_triton_for_cuda() -> bool:
+    """Register the Triton kernels for CUDA once, if triton is installed and the GPU supports FP8."""
+    fp8_gpu = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+    if not (fp8_gpu and triton_available()):
+        return False
+    from .triton_current import tensor_amax_triton
+    from .triton_histogram import exponent_histogram_triton
+    from .triton_quantize import quantize_with_stats_transposed_triton, quantize_with_stats_triton
+    from .triton_scale_update import scale_update_triton
+
+    impls = {
+        "quantize": quantize_with_stats_triton,
+        "quantize_transposed": quantize_with_stats_transposed_triton,
+        "amax": tensor_amax_triton,
+        "histogram": exponent_histogram_triton,
+        "scale_update": scale_update_triton,
+    }
+    for op, fn in impls.items():
+        _TABLES[op].setdefault("cuda", fn)  # an explicit register() made earlier wins
+    return True
+
+
+def _lookup(op: str, device_type: str, numel: int = 0) -> Callable | None:
+    if _force_reference or numel > KERNEL_MAX_NUMEL:
+        return None
+    if device_type == "cuda":
+        _register_triton_for_cuda()
+    return _TABLES[op].get(device_type)
 
 
 def quantize_with_stats(
@@ -38,10 +135,42 @@ def quantize_with_stats(
     amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` to ``fp8_dtype`` with ``scale`` and record its statistics (``fp8_kernels.quantize``)."""
-    fn = _QUANTIZE.get(x.device.type, quantize_with_stats_reference)
+    fn = _lookup("quantize", x.device.type, x.numel()) or quantize_with_stats_reference
     return fn(x, scale, fp8_dtype, stats, amax=amax)
 
 
+def quantize_with_stats_transposed(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    stats: torch.Tensor | None = None,
+    *,
+    amax: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As ``quantize_with_stats`` for a 2-D ``x``, also returning ``q.t().contiguous()``: ``(q, qt, row)``.
+
+    The Triton kernel writes both layouts in the same pass over ``x``; the reference transposes ``q``.
+    """
+    fn = _lookup("quantize_transposed", x.device.type, x.numel())
+    if fn is not None:
+        return fn(x, scale, fp8_dtype, stats, amax=amax)
+    if x.dim() != 2:
+        raise ValueError(f"x: the transposed output needs a 2-D tensor, got shape {tuple(x.shape)}")
+    q, row = quantize_with_stats(x, scale, fp8_dtype, stats, amax=amax)
+    return q, q.t().contiguous(), row
+
+
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
-    """``max |x|`` as float32 0-dim tensor, NaN propagating."""
-    return _AMAX.get(x.device.type, tensor_amax_reference)(x)
+    """``max |x|`` as float32 0-dim tensor, NaN propagating (0 for an empty tensor)."""
+    return (_lookup("amax", x.device.type, x.numel()) or tensor_amax_reference)(x)
+
+
+def exponent_histogram(x: torch.Tensor) -> torch.Tensor:
+    """Counts per power of two of ``x`` (layout: ``fp8_kernels.histogram``), int64 on ``x``'s device."""
+    return (_lookup("histogram", x.device.type, x.numel()) or exponent_histogram_reference)(x)
+
+
+def fused_scale_update(device: torch.device | str) -> Callable | None:
+    """The one-launch scale update of all tensors for ``device``, or ``None`` where the caller should run
+    the reference (``fp8_trainer.scaling.delayed_scaling_update``). Signature: ``triton_scale_update``."""
+    return _lookup("scale_update", torch.device(device).type)

@@ -1,6 +1,7 @@
 """Quantize to FP8 and record statistics in the same function: the pure-PyTorch reference.
 
-This is the CPU path and the specification the Triton kernels (a later issue) are tested against.
+This is the CPU path and the specification the Triton kernels (``triton_quantize``, ``triton_current``) are
+tested against.
 
 Numerics (DESIGN.md, "FP8 facts"):
 
@@ -23,6 +24,8 @@ Statistics, one float64 row ``(amax, scale, overflow, underflow, nonfinite, nume
 * ``nonfinite``: NaN and Inf elements of ``x``.
 * ``numel``: elements quantized.
 
+An empty ``x`` gives an empty ``q`` and the row ``(0, scale, 0, 0, 0, 0)``.
+
 When a ``stats`` row is passed, the call accumulates into it in place (amax: max, NaN propagating;
 counts and numel: sum; scale: overwritten), which is how micro-batches of one step add up.
 """
@@ -32,6 +35,7 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "KERNEL_MAX_NUMEL",
     "STAT_COLUMNS",
     "dequantize",
     "fp8_max",
@@ -42,6 +46,9 @@ __all__ = [
 
 #: Column order of every statistics row / table.
 STAT_COLUMNS = ("amax", "scale", "overflow", "underflow", "nonfinite", "numel")
+
+#: Largest element count the Triton kernels address (int32 offsets); larger tensors use the references.
+KERNEL_MAX_NUMEL = 2**31 - 2**24
 
 
 def fp8_max(fp8_dtype: torch.dtype) -> float:
@@ -57,6 +64,8 @@ def underflow_threshold(fp8_dtype: torch.dtype) -> float:
 
 def tensor_amax_reference(x: torch.Tensor) -> torch.Tensor:
     """``max |x|`` as a float32 0-dim tensor; NaN propagates. One pass (``aminmax``), no ``abs`` copy."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)  # the neutral element of the max
     mn, mx = torch.aminmax(x)
     return torch.maximum(-mn, mx).to(torch.float32)
 
@@ -106,7 +115,8 @@ def quantize_with_stats_reference(
     xf = x if x.dtype == torch.float32 else x.to(torch.float32)
     ax = xf.abs()
     if amax is None:
-        amax = torch.amax(ax)  # NaN propagates
+        # NaN propagates; an empty tensor has amax 0, the neutral element of the max
+        amax = torch.amax(ax) if ax.numel() else ax.new_zeros(())
     # Counts from cheap count_nonzero passes (a bool .sum() is several times slower on the CPU), combined
     # into (overflow, underflow, nonfinite, numel) by one small matrix-vector product below.
     n_inf = torch.count_nonzero(ax == float("inf"))

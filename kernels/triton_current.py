@@ -1,0 +1,63 @@
+"""Current (just-in-time) scaling in Triton: an amax pass, then the fused quantize pass.
+
+The scale of current scaling depends on the amax of the very tensor being quantized, so it cannot be known
+before a full pass over it: pass 1 reduces ``max |x|`` into a 0-dim float32 on the device; pass 2 is the
+fused quantize kernel of ``triton_quantize``, which derives ``scale = FP8_MAX / amax`` itself (clamped to
+the float32 maximum, 1 for a zero or non-finite amax, as ``fp8_trainer.scaling.current_scale``) and records
+the same statistics as delayed scaling. Nothing is read on the host in between.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_launch import as_kernel_input, block_1d, grid_cap, load_f32
+from .triton_quantize import MAX_NUMEL, launch_quantize
+
+__all__ = ["quantize_current_triton", "tensor_amax_triton"]
+
+
+@triton.jit(do_not_specialize=["n"])
+def _amax_kernel(x_ptr, out_ptr, n, IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    """``out = max(out, max |x|)`` over the bit patterns (NaN-propagating on every backend)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(pid * BLOCK, n, nprog * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = load_f32(x_ptr, offs, offs < n, IS_BF16)
+        acc = tl.maximum(acc, tl.abs(x).to(tl.int32, bitcast=True))
+    tl.atomic_max(out_ptr.to(tl.pointer_type(tl.int32)), tl.max(acc, axis=0))
+
+
+def tensor_amax_triton(x: torch.Tensor) -> torch.Tensor:
+    """Triton twin of ``tensor_amax_reference``: ``max |x|`` as a float32 0-dim tensor, NaN propagating."""
+    if x.numel() > MAX_NUMEL:
+        raise ValueError(f"x: {x.numel()} elements exceed the Triton kernel's limit of {MAX_NUMEL}")
+    xc, is_bf16 = as_kernel_input(x)
+    out = torch.zeros((), dtype=torch.float32, device=x.device)
+    n = xc.numel()
+    block, warps = block_1d(x.device)
+    grid = (max(1, min(triton.cdiv(n, block), grid_cap(x.device))),)
+    _amax_kernel[grid](xc, out, n, IS_BF16=is_bf16, BLOCK=block, num_warps=warps)
+    return out
+
+
+def quantize_current_triton(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    stats: torch.Tensor | None = None,
+    *,
+    precast: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Current scaling in two passes: ``(q, scale, stats_row)``; ``scale`` is a float32 0-dim tensor.
+
+    ``precast`` as in ``triton_quantize.launch_quantize`` (the clamped scaled values, for tests).
+    """
+    amax = tensor_amax_triton(x)
+    q, _, row, scale = launch_quantize(
+        x, None, fp8_dtype, stats, amax=amax, scale_from_amax=True, precast=precast
+    )
+    return q, scale, row

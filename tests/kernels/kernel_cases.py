@@ -1,0 +1,470 @@
+"""Triton kernel cases against their PyTorch references, shared by the CPU and GPU test files.
+
+Each case is a function of the device. On the CPU the kernels run under ``TRITON_INTERPRET=1``, which must
+be set before triton is imported and holds for the whole process, so ``test_triton_interpreter.py`` runs
+this module as a script in a subprocess (``python kernel_cases.py --json OUT``) and turns each case's
+result into one parametrised test. ``test_kernels_gpu.py`` runs the same cases compiled on CUDA.
+
+What is compared, exactly (no tolerances): amax, scale, counts and numel of the statistics row; the
+pre-cast values ``clamp(x * scale)``; histograms; histories and scales of the scale update. The FP8 bits are
+compared against PyTorch's cast of the pre-cast values on a GPU only: Triton 3.9's interpreter rounds some
+float8 casts wrongly (DESIGN.md, "Known traps"). The transposed output is compared with the transpose of
+the kernel's own ``q`` everywhere (the same cast, so its rounding cannot matter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from fp8_kernels import (
+    exponent_histogram_reference,
+    quantize_with_stats_reference,
+    tensor_amax_reference,
+)
+
+NAN, INF = float("nan"), float("inf")
+FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SHAPES = {"1": (1,), "17": (17,), "127x129": (127, 129), "4097": (4097,), "empty": (0,), "0x7": (0, 7)}
+SCALE = 3.7  # not a power of two: products round
+
+#: name -> (function of the device, device types it runs on)
+CASES: dict[str, tuple[Callable[[torch.device], None], tuple[str, ...]]] = {}
+
+
+def case(name: str, devices: tuple[str, ...] = ("cpu", "cuda")):
+    def deco(fn):
+        CASES[name] = (fn, devices)
+        return fn
+
+    return deco
+
+
+def case_names(device_type: str) -> list[str]:
+    return [name for name, (_, devices) in CASES.items() if device_type in devices]
+
+
+# ----- inputs -----
+def make_input(shape: tuple[int, ...], dtype: torch.dtype, fp8: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Values over many decades plus every special: zeros, NaN, +-Inf, beyond the FP8 range, and values
+    whose scaled result lands in the FP8 subnormal range or below half its smallest subnormal."""
+    n = math.prod(shape)
+    g = torch.Generator().manual_seed(seed)
+    fi = torch.finfo(fp8)
+    min_sub = float(fi.smallest_normal) * float(fi.eps)
+    x = torch.randn(n, generator=g) * torch.logspace(-12, 8, max(n, 1))[:n]
+    specials = [
+        3 * min_sub / SCALE,  # scaled: an FP8 subnormal
+        0.0, -0.0, NAN, INF, -INF,
+        2 * float(fi.max) / SCALE, -1e6, 3e38,  # saturate
+        0.4 * min_sub / SCALE, -0.5 * min_sub / SCALE,  # underflow to zero (the second is the exact tie)
+        float(torch.finfo(dtype).tiny) / 4,  # a subnormal of the input dtype itself
+    ]  # fmt: skip
+    k = min(n, len(specials))
+    x[:k] = torch.tensor(specials[:k])
+    return x.to(dtype).reshape(shape)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """Exact equality, NaN equal to NaN, with the first differing positions in the message."""
+    a, b = a.detach().cpu(), b.detach().cpu()
+    assert a.shape == b.shape and a.dtype == b.dtype, (
+        f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    )
+    same = (a == b) | (torch.isnan(a) & torch.isnan(b)) if a.is_floating_point() else a == b
+    if not bool(same.all()):
+        idx = (~same).flatten().nonzero().flatten()[:5].tolist()
+        fa, fb = a.flatten(), b.flatten()
+        raise AssertionError(
+            f"{what}: {int((~same).sum())} of {a.numel()} differ; first at flat {idx}: "
+            f"kernel {[fa[i].item() for i in idx]} vs reference {[fb[i].item() for i in idx]}"
+        )
+
+
+def _same_bits(q: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    _same(q.view(torch.uint8), ref.view(torch.uint8), what)
+
+
+def _expected_precast(x: torch.Tensor, scale: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
+    fmax = float(torch.finfo(fp8).max)
+    return (x.to(torch.float32) * scale).clamp(-fmax, fmax)
+
+
+# ----- fused quantize + statistics (delayed scaling) -----
+def _quantize_case(dtype_name: str, fmt: str, shape_name: str, transpose: bool):
+    def run(device: torch.device) -> None:
+        from fp8_kernels.triton_quantize import launch_quantize
+
+        dtype, fp8, shape = DTYPES[dtype_name], FP8[fmt], SHAPES[shape_name]
+        x = make_input(shape, dtype, fp8).to(device)
+        x2 = make_input(shape, dtype, fp8, seed=1).to(device) * 0.5
+        scale = torch.tensor(SCALE, device=device)
+        # two micro-batches accumulating into row 1 of a step buffer (rows 0 and 2 must stay untouched)
+        buf = torch.zeros(3, 6, dtype=torch.float64, device=device)
+        ref = torch.zeros(6, dtype=torch.float64, device=device)
+        for xi in (x, x2):
+            pre = torch.empty(shape, dtype=torch.float32, device=device)
+            q, qt, _, _ = launch_quantize(xi, scale, fp8, buf[1], precast=pre, transpose=transpose)
+            q_ref, _ = quantize_with_stats_reference(xi, scale, fp8, ref)
+            expected = _expected_precast(xi, scale, fp8)
+            _same(pre, expected, "pre-cast values")
+            assert q.dtype == fp8 and q.shape == xi.shape
+            if transpose:
+                _same_bits(qt, q.t().contiguous(), "transposed output vs q.t()")
+            if device.type == "cuda":
+                _same_bits(q, expected.to(fp8), "FP8 bits vs torch cast of the pre-cast values")
+                _same_bits(q, q_ref, "FP8 bits vs reference")
+        _same(buf[1], ref, "statistics row after two micro-batches")
+        _same(buf[0], torch.zeros_like(buf[0]), "neighbouring row 0")
+        _same(buf[2], torch.zeros_like(buf[2]), "neighbouring row 2")
+
+    return run
+
+
+for _d in DTYPES:
+    for _f in FP8:
+        for _s in SHAPES:
+            case(f"quantize-{_d}-{_f}-{_s}")(_quantize_case(_d, _f, _s, False))
+            if len(SHAPES[_s]) == 2:
+                case(f"quantize_transposed-{_d}-{_f}-{_s}")(_quantize_case(_d, _f, _s, True))
+
+
+def _boundary_case(dtype_name: str, fmt: str):
+    def run(device: torch.device) -> None:
+        from fp8_kernels.triton_quantize import launch_quantize
+
+        dtype, fp8 = DTYPES[dtype_name], FP8[fmt]
+        fi = torch.finfo(fp8)
+        fmax, half = float(fi.max), float(fi.smallest_normal) * float(fi.eps) / 2
+        above_max = torch.nextafter(torch.tensor(fmax, dtype=dtype), torch.tensor(float("inf"), dtype=dtype))
+        # scale 2 (a power of two: every product exact), so x = (the scaled value wanted) / 2
+        scaled = [half, -half, half * (1 + 2**-5), fmax, -fmax, float(above_max), 2 * half, 0.0]
+        x = (torch.tensor(scaled, dtype=torch.float64) / 2).to(dtype).to(device)
+        assert (x.double() * 2).tolist() == scaled, "the inputs are not exact in this dtype"
+        scale = torch.tensor(2.0, device=device)
+        pre = torch.empty(x.shape, dtype=torch.float32, device=device)
+        q, _, row, _ = launch_quantize(x, scale, fp8, None, precast=pre)
+        _, row_ref = quantize_with_stats_reference(x, scale, fp8)
+        _same(row, row_ref, "statistics row")
+        # from the definitions: the exact ties at half the smallest subnormal underflow (round to even: 0),
+        # just above them does not; max itself is no overflow, the next value up is
+        assert row[2:].tolist() == [1, 2, 0, len(scaled)], row.tolist()
+        _same(pre, _expected_precast(x, scale, fp8), "pre-cast values")
+        if device.type == "cuda":
+            assert q.float()[:3].tolist() == [0.0, -0.0, 2 * half] and q.float()[5].item() == fmax
+
+    return run
+
+
+for _d in DTYPES:
+    for _f in FP8:
+        case(f"quantize-boundaries-{_d}-{_f}")(_boundary_case(_d, _f))
+
+
+@case("quantize-fresh-row-and-large-scale")
+def _fresh_row(device: torch.device) -> None:
+    from fp8_kernels.triton_quantize import quantize_with_stats_triton
+
+    # no stats row given: a fresh one; a scale so large that finite products overflow to Inf (overflow)
+    x = torch.tensor([2.0, -2.0, 0.0, 1e-30, NAN], device=device)
+    scale = torch.tensor(torch.finfo(torch.float32).max, device=device)
+    for fp8 in FP8.values():
+        _, row = quantize_with_stats_triton(x, scale, fp8)
+        _, row_ref = quantize_with_stats_reference(x, scale, fp8)
+        _same(row, row_ref, "statistics row")
+        assert row[2:].tolist() == [3, 0, 1, 5]
+
+
+@case("quantize-rejects-bad-operands")
+def _bad_operands(device: torch.device) -> None:
+    from fp8_kernels.triton_quantize import quantize_with_stats_transposed_triton, quantize_with_stats_triton
+
+    x, s = torch.ones(4, device=device), torch.tensor(1.0, device=device)
+    bad = [
+        (lambda: quantize_with_stats_triton(x, s, torch.float16), "fp8_dtype"),
+        (lambda: quantize_with_stats_triton(x.int(), s, torch.float8_e4m3fn), "x:"),
+        (lambda: quantize_with_stats_triton(x, s, torch.float8_e4m3fn, torch.zeros(6, device=device)),
+         "stats"),
+        (lambda: quantize_with_stats_transposed_triton(x, s, torch.float8_e4m3fn), "2-D"),
+    ]
+    for fn, word in bad:
+        try:
+            fn()
+        except ValueError as e:
+            assert word in str(e), f"message {e!r} does not name {word!r}"
+        else:
+            raise AssertionError(f"no ValueError for a bad {word}")
+
+
+# ----- current scaling: amax pass + quantize pass -----
+def _current_case(dtype_name: str, fmt: str, shape_name: str, fill: str):
+    def run(device: torch.device) -> None:
+        from fp8_kernels.triton_current import quantize_current_triton, tensor_amax_triton
+
+        from fp8_trainer.scaling import current_scale
+
+        dtype, fp8, shape = DTYPES[dtype_name], FP8[fmt], SHAPES[shape_name]
+        x = make_input(shape, dtype, fp8).to(device)
+        if fill == "finite":
+            x = torch.nan_to_num(x, nan=0.0, posinf=7.0, neginf=-7.0)
+        elif fill == "zeros":
+            x = torch.zeros_like(x)
+        elif fill == "tiny":
+            x = torch.full_like(x, 1e-40 if dtype != torch.float16 else 6e-8)
+        _same(tensor_amax_triton(x), tensor_amax_reference(x), "amax")
+        amax = tensor_amax_reference(x)
+        scale_ref = current_scale(amax, float(torch.finfo(fp8).max))
+        _, row_ref = quantize_with_stats_reference(x, scale_ref, fp8, amax=amax)
+        pre = torch.empty(shape, dtype=torch.float32, device=device)
+        q, scale, row = quantize_current_triton(x, fp8, precast=pre)
+        _same(scale, scale_ref, "current scale")
+        _same(row, row_ref, "statistics row")
+        _same(pre, _expected_precast(x, scale_ref, fp8), "pre-cast values")
+        if device.type == "cuda":
+            _same_bits(q, pre.to(fp8), "FP8 bits vs torch cast of the pre-cast values")
+
+    return run
+
+
+for _d in DTYPES:
+    for _s in ("17", "127x129", "4097", "empty"):
+        case(f"current-{_d}-e4m3-{_s}-finite")(_current_case(_d, "e4m3", _s, "finite"))
+    case(f"current-{_d}-e5m2-4097-nonfinite")(_current_case(_d, "e5m2", "4097", "nonfinite"))
+    case(f"current-{_d}-e4m3-17-zeros")(_current_case(_d, "e4m3", "17", "zeros"))
+    case(f"current-{_d}-e5m2-17-tiny")(_current_case(_d, "e5m2", "17", "tiny"))
+
+
+# ----- exponent histogram -----
+def _histogram_case(dtype_name: str, shape_name: str):
+    def run(device: torch.device) -> None:
+        from fp8_kernels.triton_histogram import exponent_histogram_triton
+
+        dtype, shape = DTYPES[dtype_name], SHAPES[shape_name]
+        n = math.prod(shape)
+        g = torch.Generator().manual_seed(2)
+        # every float32 exponent from the smallest subnormal to the largest finite
+        decades = torch.logspace(-46, 38.5, max(n, 1), dtype=torch.float64)[:n]
+        x = torch.randn(n, generator=g, dtype=torch.float64) * decades
+        specials = [0.0, -0.0, NAN, INF, -INF, 2.0**-149, -(2.0**-140), 2.0**127, 1.0, -0.75]
+        k = min(n, len(specials))
+        x[:k] = torch.tensor(specials[:k], dtype=torch.float64)
+        x = x.to(dtype).reshape(shape).to(device)
+        counts = exponent_histogram_triton(x)
+        _same(counts, exponent_histogram_reference(x), "histogram")
+        assert int(counts.sum()) == n
+
+    return run
+
+
+for _d in DTYPES:
+    for _s in SHAPES:
+        case(f"histogram-{_d}-{_s}")(_histogram_case(_d, _s))
+
+
+# ----- fused scale update -----
+def _settings(device: torch.device):
+    """Ten tensors, each with other settings, the first five E4M3 and the rest E5M2."""
+    t = dict(device=device)
+    return dict(
+        fp8_max=torch.tensor([448.0] * 5 + [57344.0] * 5, **t),
+        margin=torch.tensor([0, 1, 0.5, 2, 0, 0, 0, 3, 0, 1.0], **t),
+        most_recent=torch.tensor([0, 1, 0, 1, 0, 0, 1, 0, 1, 0], dtype=torch.bool, **t),
+        history_len=torch.tensor([7, 3, 7, 1, 5, 7, 2, 7, 4, 6], **t),
+        interval=torch.tensor([1, 1, 2, 1, 3, 1, 1, 2, 1, 1], **t),
+        enabled=torch.tensor([1, 1, 1, 1, 1, 1, 1, 1, 0, 1], dtype=torch.bool, **t),
+    )
+
+
+@case("scale_update-ten-tensors-six-steps")
+def _scale_update(device: torch.device) -> None:
+    from fp8_kernels.triton_scale_update import scale_update_triton
+
+    from fp8_trainer.scaling import delayed_scaling_update
+
+    s = _settings(device)
+    g = torch.Generator().manual_seed(3)
+    hist = (torch.rand(7, 10, generator=g) * 10).to(device)
+    scale = (torch.rand(10, generator=g) + 0.5).to(device)
+    # per step: zero, NaN, Inf, a tiny amax (448 / 1e-42 overflows: clamped), ordinary values
+    amaxes = [
+        [1.0, 0.0, 2.0, NAN, 3.0, INF, 1e-42, 5.0, 6.0, 7.0],
+        [2.0, 4.0, NAN, 1.0, 0.0, 2.0, 3.0, 1e-30, 6.0, 0.5],
+        [0.5, INF, 8.0, 9.0, 1.5, 0.0, 4.0, 2.0, 1.0, NAN],
+        [3.0, 1.0, 1.0, 2.0, 2.5, 1.0, 0.0, 7.0, 2.0, 3.0],
+        [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0],
+        [9.0, 0.25, 1.0, 1e-38, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0],
+    ]
+    hist_ref, scale_ref, scale0 = hist.clone(), scale.clone(), scale.clone()
+    for step, values in enumerate(amaxes, start=1):
+        # the amax column of a float64 step statistics buffer, strided, as end_step passes it
+        stats = torch.zeros(10, 6, dtype=torch.float64, device=device)
+        stats[:, 0] = torch.tensor(values, dtype=torch.float64)
+        step_t = torch.tensor(step, device=device)
+        hist, scale, scale_inv = scale_update_triton(hist, stats[:, 0], scale, step=step_t, **s)
+        hist_ref, scale_ref = delayed_scaling_update(
+            hist_ref, stats[:, 0].to(torch.float32), scale_ref, fp8_max=s["fp8_max"], margin=s["margin"],
+            amax_compute_algo=s["most_recent"], history_len=s["history_len"], interval=s["interval"],
+            step=step_t, update=s["enabled"],
+        )  # fmt: skip
+        _same(hist, hist_ref, f"history after step {step}")
+        _same(scale, scale_ref, f"scale after step {step}")
+        _same(scale_inv, torch.reciprocal(scale_ref), f"scale_inv after step {step}")
+        if step == 1:  # the grid does reach the edge cases
+            assert scale[6].item() == torch.finfo(torch.float32).max  # tiny amax: clamped
+            assert scale[1].item() == scale0[1].item() and scale[3].item() == scale0[3].item()  # zero, NaN
+            assert scale[8].item() == scale0[8].item() and scale[0].item() != scale0[0].item()
+
+
+@case("scale_update-long-history")
+def _scale_update_long(device: torch.device) -> None:
+    from fp8_kernels.triton_scale_update import scale_update_triton
+
+    from fp8_trainer.scaling import delayed_scaling_update
+
+    n, length = 37, 67  # several row chunks and column blocks, neither a multiple of the block
+    g = torch.Generator().manual_seed(4)
+    hist = (torch.rand(length, n, generator=g) * 100).to(device)
+    amax = (torch.rand(n, generator=g) * 1000).to(device)
+    scale = torch.ones(n, device=device)
+    kw = dict(
+        fp8_max=torch.full((n,), 448.0, device=device),
+        margin=torch.zeros(n, device=device),
+        history_len=torch.randint(1, length + 1, (n,), generator=g).to(device),
+        interval=torch.ones(n, dtype=torch.int64, device=device),
+    )
+    recent = (torch.arange(n) % 4 == 0).to(device)
+    enabled = torch.ones(n, dtype=torch.bool, device=device)
+    step = torch.tensor(1, device=device)
+    h, s, _ = scale_update_triton(hist, amax, scale, most_recent=recent, step=step, enabled=enabled, **kw)
+    h_ref, s_ref = delayed_scaling_update(
+        hist, amax, scale, amax_compute_algo=recent, step=step, update=enabled, **kw
+    )
+    _same(h, h_ref, "history")
+    _same(s, s_ref, "scale")
+
+
+# ----- the kernels inside FP8 training (interpreter: registered for the CPU) -----
+@case("fp8_linear-training-step-uses-kernels", devices=("cpu",))
+def _training_step(device: torch.device) -> None:
+    import fp8_kernels
+    from fp8_kernels.triton_current import tensor_amax_triton
+    from fp8_kernels.triton_histogram import exponent_histogram_triton
+    from fp8_kernels.triton_quantize import quantize_with_stats_transposed_triton, quantize_with_stats_triton
+    from fp8_kernels.triton_scale_update import scale_update_triton
+    from torch import nn
+
+    import fp8_trainer
+    from fp8_trainer.convert import get_fp8_state
+    from fp8_trainer.scaling import delayed_scaling_update
+
+    calls: list[str] = []
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    fp8_kernels.register(
+        "cpu",
+        quantize=counted("quantize", quantize_with_stats_triton),
+        quantize_transposed=quantize_with_stats_transposed_triton,
+        amax=tensor_amax_triton,
+        histogram=exponent_histogram_triton,
+        scale_update=counted("scale_update", scale_update_triton),
+    )
+    try:
+        torch.manual_seed(0)
+        model = fp8_trainer.convert_to_fp8(nn.Sequential(nn.Linear(32, 16), nn.GELU(), nn.Linear(16, 16)))
+        state = get_fp8_state(model)
+        x = torch.randn(9, 32)
+        hist0, scale0 = state.amax_history.clone(), state.scale.clone()
+        with fp8_trainer.fp8_autocast():
+            loss = model(x).square().mean()
+        loss.backward()
+        assert calls.count("quantize") == 6 and calls.count("scale_update") == 1, calls
+        stats = fp8_trainer.step_stats(model)
+        # input and weight of the first layer: rows equal to the reference on the same tensors
+        _, row_x = quantize_with_stats_reference(x, scale0[0], torch.float8_e4m3fn)
+        _, row_w = quantize_with_stats_reference(model[0].weight.detach(), scale0[1], torch.float8_e4m3fn)
+        _same(stats[0], row_x, "input statistics")
+        _same(stats[1], row_w, "weight statistics")
+        h_ref, s_ref = delayed_scaling_update(
+            hist0, stats[:, 0].to(torch.float32), scale0, fp8_max=state.fp8_max, margin=state.margin,
+            amax_compute_algo=state.most_recent, history_len=state.history_len, interval=state.interval,
+            step=1, update=state.enabled_t,
+        )  # fmt: skip
+        _same(state.amax_history, h_ref, "history after the step")
+        _same(state.scale, s_ref, "scales after the step")
+        with fp8_kernels.reference_kernels():
+            fp8_kernels.quantize_with_stats(x, scale0[0], torch.float8_e4m3fn)
+        assert calls.count("quantize") == 6, "use_reference did not bypass the registered kernel"
+    finally:
+        fp8_kernels.register("cpu")
+
+
+@case("bench_kernels-smoke", devices=("cpu",))
+def _bench_smoke(device: torch.device) -> None:
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "kernels.py"
+    spec = importlib.util.spec_from_file_location("bench_kernels", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "kernels.json"
+        assert mod.main(["--smoke", "--out", str(out)]) == 0
+        data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert [r["numel"] for r in rows] == [2**10, 2**12]
+    for r in rows:
+        assert all(r["stats_match_eager"].values()), r["stats_match_eager"]
+        for impl in ("triton", "eager", "compile", "triton+T"):
+            assert r[impl]["ms"] > 0 and r[impl]["fraction_of_copy"] > 0, r
+    assert data["meta"]["copy_gbps"] > 0
+
+
+# ----- runner -----
+def run_all(device: torch.device, names: list[str]) -> dict[str, dict]:
+    results = {}
+    for name in names:
+        t0 = time.perf_counter()
+        try:
+            CASES[name][0](device)
+            error = None
+        except Exception:
+            error = traceback.format_exc(limit=6)
+        results[name] = {"error": error, "seconds": round(time.perf_counter() - t0, 3)}
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="run the kernel cases under the Triton interpreter")
+    p.add_argument("--json", required=True, help="where to write {case: {error, seconds}}")
+    p.add_argument("--only", default="", help="comma-separated case names (default: all CPU cases)")
+    a = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        print("kernel_cases.py: set TRITON_INTERPRET=1 (Triton kernels run on the CPU only interpreted)",
+              file=sys.stderr)
+        return 2
+    names = a.only.split(",") if a.only else case_names("cpu")
+    results = run_all(torch.device("cpu"), names)
+    Path(a.json).write_text(json.dumps(results, indent=1))
+    failed = [n for n, r in results.items() if r["error"]]
+    print(f"{len(results) - len(failed)} passed, {len(failed)} failed: {failed}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

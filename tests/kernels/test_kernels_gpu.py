@@ -1,0 +1,116 @@
+"""The Triton kernels compiled on a CUDA GPU: the interpreter's cases plus the FP8 bits, dispatch, and a
+training step with statistics that never synchronises with the host. Skips without an sm_89+ GPU."""
+
+import copy
+
+import fp8_kernels
+import kernel_cases
+import pytest
+import torch
+from torch import nn
+
+import fp8_trainer
+from fp8_trainer.convert import get_fp8_state
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not (
+            torch.cuda.is_available()
+            and torch.cuda.get_device_capability() >= (8, 9)
+            and fp8_kernels.triton_available()
+        ),
+        reason="needs a CUDA GPU with FP8 support (sm_89+) and triton",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", kernel_cases.case_names("cuda"))
+def test_kernel_case_compiled(case):
+    # on CUDA the cases also compare the FP8 bits with torch's cast of the pre-cast values
+    kernel_cases.CASES[case][0](torch.device("cuda"))
+
+
+def test_cuda_tensors_dispatch_to_triton():
+    from fp8_kernels.dispatch import _TABLES
+    from fp8_kernels.triton_quantize import quantize_with_stats_triton
+
+    x = torch.randn(300, 77, device="cuda") * 100
+    s = torch.tensor(2.5, device="cuda")
+    q, row = fp8_kernels.quantize_with_stats(x, s, torch.float8_e4m3fn)
+    assert _TABLES["quantize"]["cuda"] is quantize_with_stats_triton
+    assert fp8_kernels.fused_scale_update("cuda") is not None
+    with fp8_kernels.reference_kernels():
+        assert fp8_kernels.fused_scale_update("cuda") is None
+        q_ref, row_ref = fp8_kernels.quantize_with_stats(x, s, torch.float8_e4m3fn)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(row, row_ref)
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    mlp = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)).cuda()
+    return fp8_trainer.convert_to_fp8(mlp)
+
+
+def _train(model: nn.Module, steps: int, x: torch.Tensor) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        with fp8_trainer.fp8_autocast():
+            loss = model(x).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def test_training_with_kernels_equals_references_bitwise():
+    x = torch.randn(193, 256, device="cuda")
+    kern, ref = _model(), _model()
+    _train(kern, 3, x)
+    with fp8_kernels.reference_kernels():
+        _train(ref, 3, x)
+    sk, sr = get_fp8_state(kern), get_fp8_state(ref)
+    assert torch.equal(sk.last_stats.nan_to_num(-1), sr.last_stats.nan_to_num(-1))
+    assert torch.equal(sk.amax_history, sr.amax_history)
+    assert torch.equal(sk.scale, sr.scale) and torch.equal(sk.scale_inv, sr.scale_inv)
+    for pk, pr in zip(kern.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(pk, pr)
+
+
+def test_training_step_with_statistics_does_not_synchronise():
+    model = _model()
+    x = torch.randn(128, 256, device="cuda")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+
+    def step():
+        with fp8_trainer.fp8_autocast():
+            loss = model(x).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(2):  # compile the kernels, warm the allocator
+        step()
+    torch.cuda.synchronize()
+    steps_before = get_fp8_state(model).steps
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    state = get_fp8_state(model)
+    assert state.steps == steps_before + 2
+    stats = fp8_trainer.step_stats(model)
+    assert stats.device.type == "cuda" and bool((stats[:, 5] > 0).all())
+
+
+def test_fp8_linear_forward_matches_emulation_with_kernels():
+    # FP8 GEMMs on the device with Triton-quantized operands vs the CPU emulation with the references
+    model = _model(1)
+    cpu = copy.deepcopy(model).cpu()
+    x = torch.randn(64, 256, device="cuda")
+    with fp8_trainer.fp8_autocast():
+        y = model(x)
+        yc = cpu(x.cpu())
+    torch.testing.assert_close(y.cpu(), yc, rtol=1e-5, atol=1e-5 * yc.abs().max().item())

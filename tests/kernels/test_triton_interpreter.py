@@ -1,0 +1,74 @@
+"""Every Triton kernel under TRITON_INTERPRET=1 against its PyTorch reference (the cases: kernel_cases.py).
+
+The interpreter is chosen when triton is imported and holds for the whole process, so the cases run in one
+subprocess with the variable set; this process (and any GPU test in it) keeps the compiled path. Each case
+is one parametrised test here, failing with the case's own traceback.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import kernel_cases
+import pytest
+from fp8_kernels import triton_available
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not triton_available(), reason="triton is not installed (pip install '.[dev]')"),
+]
+
+RUNNER = Path(kernel_cases.__file__)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("interp") / "results.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(RUNNER), "--json", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if proc.returncode != 0 or not out.exists():
+        pytest.fail(
+            f"interpreter runner failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("case", kernel_cases.case_names("cpu"))
+def test_kernel_case_interpreted(case, results):
+    assert case in results, f"{case}: not run by the interpreter runner"
+    error = results[case]["error"]
+    if error:
+        pytest.fail(f"{case} (interpreted):\n{error}", pytrace=False)
+
+
+def test_runner_ran_exactly_the_cases(results):
+    assert sorted(results) == sorted(kernel_cases.case_names("cpu"))
+    assert len(results) > 80
+
+
+def test_interpreter_did_not_leak_into_this_process():
+    assert os.environ.get("TRITON_INTERPRET") != "1"
+    if "triton" in sys.modules:
+        from triton import knobs
+
+        assert not knobs.runtime.interpret
+
+
+def test_runner_refuses_to_run_compiled(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, str(RUNNER), "--json", str(tmp_path / "r.json"), "--only", "quantize-fp32-e4m3-17"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "TRITON_INTERPRET=1" in proc.stderr
