@@ -7,13 +7,13 @@ them all; the ``lm_head`` is usually kept in high precision (see ``fp8_filter``)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPT", "GPTConfig", "PRESETS", "fp8_filter"]
+__all__ = ["GPT", "GPTConfig", "PRESETS", "fp8_filter", "preset_config"]
 
 
 @dataclass(frozen=True)
@@ -27,12 +27,21 @@ class GPTConfig:
     bias: bool = True
 
 
+#: Model shapes by name (GPT-2 / GPT-3 sizes; the parameter counts are those of a GPT-2 vocabulary). The
+#: vocabulary of a preset is only a default: a run takes the one of its data (``preset_config``).
 PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(block_size=128, n_layer=4, n_head=4, n_embd=128),  # CPU-trainable in minutes
-    "124m": GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
-    "350m": GPTConfig(vocab_size=50304, block_size=1024, n_layer=24, n_head=16, n_embd=1024),
-    "1.3b": GPTConfig(vocab_size=50304, block_size=2048, n_layer=24, n_head=32, n_embd=2048),
+    "124m": GPTConfig(block_size=1024, n_layer=12, n_head=12, n_embd=768),
+    "350m": GPTConfig(block_size=1024, n_layer=24, n_head=16, n_embd=1024),
+    "1.3b": GPTConfig(block_size=2048, n_layer=24, n_head=32, n_embd=2048),
 }
+
+
+def preset_config(name: str, vocab_size: int) -> GPTConfig:
+    """The preset ``name`` with the vocabulary of the data it trains on."""
+    if name not in PRESETS:
+        raise ValueError(f"preset: unknown preset {name!r}; expected one of {sorted(PRESETS)}")
+    return replace(PRESETS[name], vocab_size=vocab_size)
 
 
 def fp8_filter(module: nn.Module, fqn: str) -> bool:

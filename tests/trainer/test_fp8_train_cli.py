@@ -1,8 +1,12 @@
 """fp8-train: a short run prints losses and the FP8 health table; bad flag combinations are errors."""
 
+import fcntl
 import os
+import pty
+import struct
 import subprocess
 import sys
+import termios
 
 import pytest
 
@@ -55,6 +59,16 @@ def test_short_run_prints_loss_and_health_table():
         (["--steps", "0"], "--steps must be >= 1"),
         (["--seq-len", "4096"], "exceeds preset tiny's block size"),
         (["--recipe", "delayed", "--amax-history-len", "0"], "amax_history_len: must be an integer >= 1"),
+        (["--token", "t0k"], "--token needs --monitor-url"),
+        (["--run-name", "r1"], "--run-name needs --monitor-url"),
+        (["--monitor-url", "127.0.0.1:8000"], "expected http://HOST:PORT"),
+        (["--save-interval", "10"], "--save-interval needs --save PATH"),
+        (["--min-lr", "0.1"], "--min-lr must be between 0 and --lr 0.001"),
+        (["--warmup-steps", "300"], "--warmup-steps must be between 0 and --steps 200"),
+        (["--inject", "overflow:blocks.1.mlp.fc1@5"], "unknown layer 'blocks.1.mlp.fc1'; the FP8 layers are"),
+        (["--inject", "nan:blocks.4.mlp.fc@5"], "unknown layer 'blocks.4.mlp.fc'"),
+        (["--inject", "lr-spike@201"], "step 201 is beyond --steps 200"),
+        (["--inject", "spike@20"], "expected overflow:LAYER@STEP[xFACTOR], nan:LAYER@STEP"),
     ],
 )
 def test_bad_flags_are_errors(args, message, capsys):
@@ -62,3 +76,33 @@ def test_bad_flags_are_errors(args, message, capsys):
         cli.main(args)
     assert e.value.code == 2  # argparse's usage error
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_progress_bar_on_a_terminal():
+    """On a TTY the bar (stderr) shows loss, tokens/s and alerts and replaces the periodic log lines."""
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 200, 0, 0))  # a 200-column terminal
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = ["--steps", "12", "--batch-size", "2", "--seq-len", "16", "--log-interval", "2"]
+    args += ["--eval-interval", "6"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fp8_trainer.cli", *args], stdout=subprocess.PIPE, stderr=follower, env=env
+    )
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    out = proc.stdout.read().decode()
+    assert proc.wait(timeout=60) == 0
+    os.close(leader)
+    bar = b"".join(chunks).decode(errors="replace")
+    assert "12/12" in bar and "loss=" in bar and "tok/s=" in bar and "alerts=0" in bar
+    assert "step     6  val loss" in out and "FP8 health after step 12" in out  # still printed
+    assert "step     2  loss" not in out  # the bar replaces the periodic lines

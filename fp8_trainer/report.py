@@ -1,0 +1,46 @@
+"""Human-readable FP8 health: the per-layer table printed at the end of a run and a one-line summary."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .convert import tensor_table
+
+__all__ = ["fp8_summary", "health_table"]
+
+
+def fp8_summary(stats: torch.Tensor) -> str:
+    """One line over all tensors of a step: the largest amax and the summed counts."""
+    s = stats.to("cpu", torch.float64)
+    return (
+        f"fp8: max amax {s[:, 0].max():.3g}, overflow {int(s[:, 2].sum())}, "
+        f"underflow {int(s[:, 3].sum())}, nonfinite {int(s[:, 4].sum())}"
+    )
+
+
+def health_table(model: nn.Module, stats: torch.Tensor) -> str:
+    """Per-layer FP8 health: amax and scale per role, counts summed over roles, worst tensor flagged."""
+    table = tensor_table(model)
+    s = stats.to("cpu", torch.float64)
+    lines = [
+        f"{'layer':<22} {'in amax':>9} {'in scale':>9} {'w amax':>9} {'w scale':>9} {'go amax':>9} "
+        f"{'go scale':>9} {'overflow':>9} {'underflow':>9} {'nonfinite':>9}"
+    ]
+    worst, worst_key = None, (0.0, 0.0, 0.0)
+    for i in range(0, len(table), 3):
+        rows = s[i : i + 3]
+        cells = " ".join(f"{rows[r, 0]:9.3g} {rows[r, 1]:9.3g}" for r in range(3))
+        ovf, unf, nf = (int(rows[:, c].sum()) for c in (2, 3, 4))
+        lines.append(f"{table[i].layer:<22} {cells} {ovf:9d} {unf:9d} {nf:9d}")
+        for r in range(3):
+            numel = max(float(rows[r, 5]), 1.0)
+            key = (float(rows[r, 4]), float(rows[r, 2]) / numel, float(rows[r, 3]) / numel)
+            if key > worst_key:
+                worst, worst_key = table[i + r].name, key
+    if worst is None:
+        lines.append("all tensors healthy: no overflow, underflow or non-finite values")
+    else:
+        nf, ovf, unf = worst_key
+        lines.append(f"worst: {worst} (nonfinite {int(nf)}, overflow {ovf:.2%}, underflow {unf:.2%})")
+    return "\n".join(lines)

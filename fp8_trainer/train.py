@@ -1,0 +1,379 @@
+"""The ``fp8-train`` loop, nanoGPT-style: per step accumulate, clip, step, log, evaluate, checkpoint.
+
+``train(args)`` runs what the ``fp8-train`` flags describe (``cli.prepare`` builds and checks them) and can
+be called in-process (benchmarks, tests). Data parallel when launched by ``torchrun``: every rank draws its
+own data, DDP averages the gradients, and the FP8 layers all-reduce their amaxes (MAX) once per step, so
+every rank keeps identical weights and scales. Only rank 0 prints and saves; every rank runs the monitor
+client, which reports from rank 0.
+
+Nothing in the step reads a device value on the host except at log, eval and checkpoint steps; the
+progress bar shows the loss of the step before (copied asynchronously), and the monitor gets tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from tqdm import tqdm
+
+from .autocast import fp8_autocast
+from .checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+from .convert import convert_to_fp8
+from .data import Corpus, load_corpus
+from .inject import Injector, parse_injection
+from .model import GPT, fp8_filter, preset_config
+from .recipe import CurrentScaling, DelayedScaling, Format
+from .report import fp8_summary, health_table
+from .schedule import lr_at
+from .stats import StatsReader
+
+__all__ = ["Prepared", "TrainResult", "dist_env", "make_recipe", "run_config", "train"]
+
+
+@dataclass
+class Prepared:
+    """What ``cli.prepare`` loaded while checking the flags, handed on so it is not loaded twice."""
+
+    corpus: Corpus | None = None
+    checkpoint: dict[str, Any] | None = None
+
+
+@dataclass
+class TrainResult:
+    """The outcome of ``train`` on this rank."""
+
+    losses: list[float]  # training loss of every step this run made (this rank's data)
+    val_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, loss); rank 0 only
+    model: nn.Module | None = None  # the trained model, unwrapped from DDP
+    step: int = 0  # optimizer steps completed, counting those of a resumed checkpoint
+
+
+def dist_env() -> tuple[int, int, int]:
+    """``(rank, world_size, local_rank)`` as set by ``torchrun`` (``(0, 1, 0)`` otherwise)."""
+    env = os.environ
+    return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
+
+
+def make_recipe(a: argparse.Namespace):
+    """The FP8 recipe the flags describe (``None`` for fp32 / bf16)."""
+    fmt = Format.parse(a.fp8_format or "hybrid")
+    if a.recipe == "delayed":
+        return DelayedScaling(
+            fp8_format=fmt,
+            margin=a.margin if a.margin is not None else 0,
+            amax_history_len=a.amax_history_len if a.amax_history_len is not None else 16,
+            amax_compute_algo=a.amax_compute_algo or "max",
+            interval=a.interval if a.interval is not None else 1,
+        )
+    if a.recipe == "current":
+        return CurrentScaling(fp8_format=fmt)
+    return None
+
+
+def run_config(a: argparse.Namespace, vocab_size: int) -> dict[str, Any]:
+    """The flags as JSON-able data (for checkpoints and the monitor), without the secret token."""
+    cfg = {k: v for k, v in vars(a).items() if k != "token"}
+    return {**cfg, "vocab_size": vocab_size}
+
+
+def warmup_steps(a: argparse.Namespace) -> int:
+    """``--warmup-steps``, by default a tenth of the run up to 100 steps."""
+    return a.warmup_steps if a.warmup_steps is not None else min(100, a.steps // 10)
+
+
+class _Lagged:
+    """A device scalar read on the host one step late, so showing it never stalls the GPU."""
+
+    def __init__(self):
+        self._pending: tuple[torch.Tensor, Any] | None = None
+
+    def push(self, t: torch.Tensor) -> float | None:
+        previous = self._pending
+        if t.device.type == "cuda":
+            host = torch.empty((), dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._pending = (host, event)
+        else:
+            self._pending = (t, None)
+        if previous is None:
+            return None
+        if previous[1] is not None:
+            previous[1].synchronize()  # recorded a step ago: complete already
+        return previous[0].item()
+
+
+def _terminal_width() -> int:
+    try:
+        return os.get_terminal_size(sys.stderr.fileno()).columns
+    except (OSError, ValueError):
+        return 0
+
+
+class _NoMonitor:
+    """Stands in for ``fp8_trainer.Monitor`` when no ``--monitor-url`` is given."""
+
+    open_alerts = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def step(self, step: int, **scalars) -> None:
+        pass
+
+    def event(self, kind: str, step: int, **details) -> None:
+        pass
+
+
+def _make_monitor(a, model, recipe, config, rank: int, world: int):
+    if not a.monitor_url:
+        return _NoMonitor()
+    from .monitor import Monitor  # imported only when monitoring: it pulls in the HTTP client
+
+    run_name = a.run_name or f"{a.preset}-{a.recipe}-{datetime.now(UTC):%Y%m%d-%H%M%S}"
+    if world > 1:  # every rank must name the same run: rank 0's clock decides
+        names = [run_name]
+        dist.broadcast_object_list(names, src=0)
+        run_name = names[0]
+    config = {**config, "run_name": run_name}
+    return Monitor(a.monitor_url, run_name, model, recipe, token=a.token, config=config)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches, a: argparse.Namespace, recipe, device) -> float:
+    """Mean loss over the fixed validation batches (FP8 forwards under no_grad record no statistics)."""
+    model.eval()
+    losses = []
+    for x, y in batches:
+        x, y = x.to(device), y.to(device)
+        with fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe), _bf16(a, device):
+            losses.append(model(x, y)[1].float())
+    model.train()
+    return torch.stack(losses).mean().item()
+
+
+def _bf16(a: argparse.Namespace, device: torch.device):
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.recipe == "bf16")
+
+
+def train(a: argparse.Namespace, prepared: Prepared | None = None, *, on_step=None, out=print) -> TrainResult:
+    """Run the training the flags describe.
+
+    Args:
+        a: flags from ``cli.prepare`` (or ``cli.build_parser().parse_args`` for trusted input).
+        prepared: corpus and checkpoint already loaded by ``cli.prepare`` (loaded here when missing).
+        on_step: called as ``on_step(step, model, info)`` after every optimizer step on every rank, with
+            ``info`` = ``{"loss": tensor, "lr": float, "grad_norm": tensor}`` (for tests and benchmarks).
+        out: where rank 0's report lines go.
+    """
+    prepared = prepared or Prepared()
+    rank, world, local_rank = dist_env()
+    own_group = world > 1 and not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("nccl" if a.device == "cuda" else "gloo")
+    device = torch.device(f"cuda:{local_rank}" if a.device == "cuda" else a.device)  # one GPU per rank
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    try:
+        return _train(a, prepared, rank, world, device, on_step, out)
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+
+
+def _build(a, prepared: Prepared, rank: int, device):
+    """Data, model (converted to FP8 by the recipe), optimizer; restored from the checkpoint if resuming.
+
+    Returns ``(corpus, model, optimizer, start_step, saved_streams)``.
+    """
+    torch.manual_seed(a.seed)  # the same initial weights on every rank
+    corpus = prepared.corpus or load_corpus(a.data, seed=a.seed, rank=rank)
+    recipe = make_recipe(a)
+    model = GPT(preset_config(a.preset, corpus.vocab_size)).to(device)
+    if recipe is not None:
+        convert_to_fp8(model, recipe=recipe, module_filter_fn=fp8_filter)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    ckpt = prepared.checkpoint
+    if ckpt is None and a.resume:
+        ckpt = load_checkpoint(a.resume)
+    if ckpt is None:
+        return corpus, model, opt, 0, None
+    model.load_state_dict(ckpt["model"])  # FP8 scaling state included (each layer's _extra_state)
+    opt.load_state_dict(ckpt["optimizer"])
+    torch.set_rng_state(ckpt["rng"]["torch"])
+    if "cuda" in ckpt["rng"] and device.type == "cuda":
+        torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
+    streams = ckpt["rng"]["data"]
+    if rank < len(streams):
+        corpus.generator.set_state(streams[rank])
+    prepared.checkpoint = None  # model and optimizer hold copies now: free the memory
+    return corpus, model, opt, ckpt["step"], len(streams)
+
+
+def step_lr(a: argparse.Namespace, step: int) -> float:
+    """The scheduled learning rate of optimizer step ``step`` (before any injected spike)."""
+    return lr_at(
+        step,
+        lr=a.lr,
+        min_lr=a.min_lr,
+        warmup_steps=warmup_steps(a),
+        total_steps=a.steps,
+        schedule=a.lr_schedule,
+    )
+
+
+def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -> TrainResult:
+    # ----- setup: data, model, optimizer, checkpoint, progress bar, monitor -----
+    corpus, model, opt, start, saved_streams = _build(a, prepared, rank, device)
+    recipe = make_recipe(a)
+    net = (
+        nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+        if world > 1
+        else model
+    )
+    config = run_config(a, corpus.vocab_size)
+    injector = Injector(model, [parse_injection(s) for s in a.inject or ()])
+    val_batches = corpus.val_batches(a.eval_iters, a.batch_size, a.seq_len) if a.eval_interval else []
+    reader = StatsReader(model) if recipe is not None else None
+    tokens_per_step = a.batch_size * a.seq_len * a.grad_accum * world
+    lead = rank == 0
+
+    show_bar = lead and a.progress and sys.stderr.isatty()
+    width = _terminal_width() if show_bar else 0
+    bar = tqdm(
+        total=a.steps, initial=start, unit="step", file=sys.stderr, disable=not show_bar,
+        # a terminal that reports no size (some ptys) would hide the bar: assume 100 x 24 there
+        dynamic_ncols=width > 0, ncols=None if width > 0 else 100, nrows=None if width > 0 else 24,
+    )  # fmt: skip
+
+    def say(line: str) -> None:
+        if lead and bar.disable:
+            out(line)
+        elif lead:
+            tqdm.write(line, file=sys.stdout)
+
+    n_params = sum(p.numel() for p in model.parameters())
+    say(
+        f"fp8-train: preset {a.preset}, recipe {a.recipe}"
+        + (f" {recipe.to_dict()}" if recipe is not None else "")
+        + f", {n_params / 1e6:.2f}M parameters, vocabulary {corpus.vocab_size}, device {device}"
+        + (f", {world} ranks" if world > 1 else "")
+        + (f", resuming after step {start}" if start else "")
+    )
+    if saved_streams is not None and saved_streams < world:
+        say(f"note: the checkpoint has data streams for {saved_streams} ranks; ranks beyond start fresh")
+    result = TrainResult(losses=[], model=model, step=start)
+    losses: list[torch.Tensor] = []
+    lagged, smooth_tps = _Lagged(), None
+    with _make_monitor(a, model, recipe, config, rank, world) as monitor:
+        t_start = t_last = time.perf_counter()
+        for step in range(start + 1, a.steps + 1):
+            # ----- learning rate and this step's injected faults -----
+            lr = step_lr(a, step) * injector.lr_factor(step)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            for inj in injector.begin(step):
+                say(f"inject: step {step}: {inj.describe()}")
+                monitor.event("injection", step, **inj.details())
+
+            # ----- forward / backward over the micro-batches; the FP8 step closes after the last -----
+            step_loss = torch.zeros((), device=device)
+            for micro in range(a.grad_accum):
+                x, y = corpus.batch("train", a.batch_size, a.seq_len)  # (B, T) each
+                if device.type == "cuda":  # pinned host memory: the copy overlaps the previous kernels
+                    x = x.pin_memory().to(device, non_blocking=True)
+                    y = y.pin_memory().to(device, non_blocking=True)
+                last = micro == a.grad_accum - 1
+                no_sync = net.no_sync() if world > 1 and not last else nullcontext()  # all-reduce grads once
+                with no_sync:
+                    fp8 = fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe, step_boundary=last)
+                    with fp8, _bf16(a, device):
+                        _, loss = net(x, y)
+                    (loss / a.grad_accum).backward()
+                step_loss += loss.detach() / a.grad_accum
+            injector.end(step)
+
+            # ----- clip, step -----
+            max_norm = a.grad_clip if a.grad_clip > 0 else math.inf  # inf: only measure the norm
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            now = time.perf_counter()
+            tokens_per_s = tokens_per_step / max(now - t_last, 1e-9)  # this step's (host clock)
+            t_last = now
+            monitor.step(step, loss=step_loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tokens_per_s)
+            losses.append(step_loss)
+            result.step = step
+            if on_step is not None:
+                on_step(step, model, {"loss": step_loss, "lr": lr, "grad_norm": grad_norm})
+
+            # ----- log -----
+            if not bar.disable:
+                shown = lagged.push(step_loss)
+                smooth_tps = tokens_per_s if smooth_tps is None else 0.9 * smooth_tps + 0.1 * tokens_per_s
+                postfix = {"tok/s": f"{smooth_tps:,.0f}", "alerts": monitor.open_alerts}
+                if shown is not None:
+                    postfix = {"loss": f"{shown:.4f}", **postfix}
+                bar.set_postfix(postfix, refresh=False)
+                bar.update()
+            elif lead and (step % a.log_interval == 0 or step == a.steps):
+                elapsed = now - t_start  # averages since the start: steady numbers
+                line = f"step {step:5d}  loss {step_loss.item():.4f}  lr {lr:.3g}"
+                line += f"  {elapsed / (step - start) * 1e3:.0f} ms/step"
+                line += f"  {tokens_per_step * (step - start) / elapsed:,.0f} tok/s"
+                if a.monitor_url:
+                    line += f"  alerts {monitor.open_alerts}"
+                say(line)
+                if reader is not None and step != a.steps:
+                    got = reader.read_now()
+                    if got is not None:
+                        say("           " + fp8_summary(got[1]))
+
+            # ----- evaluate, checkpoint -----
+            if a.eval_interval and (step % a.eval_interval == 0 or step == a.steps) and lead:
+                val = evaluate(model, val_batches, a, recipe, device)
+                result.val_losses.append((step, val))
+                say(f"step {step:5d}  val loss {val:.4f}")
+                monitor.event("eval", step, val_loss=val)
+            if a.save and ((a.save_interval and step % a.save_interval == 0) or step == a.steps):
+                _save(a, model, opt, step, config, corpus, world, lead, say)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        bar.close()
+
+    if reader is not None and lead:
+        got = reader.read_now()
+        if got is not None:
+            say(f"FP8 health after step {got[0]} (per layer; counts summed over input, weight, grad_output):")
+            say(health_table(model, got[1]))
+    result.losses = [v.item() for v in losses]
+    if not all(math.isfinite(v) for v in result.losses):
+        say("warning: non-finite training loss")
+    return result
+
+
+def _save(a, model, opt, step: int, config, corpus: Corpus, world: int, lead: bool, say) -> None:
+    """Rank 0 writes the checkpoint, with every rank's data-stream state (gathered: a collective)."""
+    states = [corpus.generator.get_state()]
+    if world > 1:
+        states = [None] * world
+        dist.all_gather_object(states, corpus.generator.get_state())
+    if lead:
+        path = checkpoint_path(a.save, step)
+        save_checkpoint(path, model=model, optimizer=opt, step=step, config=config, data_rng=states)
+        say(f"step {step:5d}  saved {path}")
