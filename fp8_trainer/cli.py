@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", metavar="PATH", help="checkpoint file; '{step}' in it keeps one per save")
     g.add_argument("--save-interval", type=int, default=0, help="steps between checkpoints (0: at the end)")
     g.add_argument("--resume", metavar="PATH", help="continue the run saved in this checkpoint")
+    g.add_argument("--stats-dump", metavar="FILE.npz",
+                   help="write every step's FP8 statistics and loss to FILE (numpy .npz: steps, "
+                        "stats (steps x tensors x 6), loss, names); copies them synchronously")  # fmt: skip
 
     g = p.add_argument_group("monitoring and fault injection")
     g.add_argument("--monitor-url", help="fp8-monitor address, e.g. http://127.0.0.1:8000")
@@ -107,6 +110,8 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> Prepared:
         p.error("--grad-clip must be >= 0")
 
     fp8 = a.recipe in ("delayed", "current")
+    if a.stats_dump and not fp8:
+        p.error(f"--stats-dump needs an FP8 recipe (delayed or current), not --recipe {a.recipe}")
     if not fp8 and a.fp8_format is not None:
         p.error(f"--fp8-format needs an FP8 recipe (delayed or current), not --recipe {a.recipe}")
     given = [n for n in DELAYED_ONLY if getattr(a, n) is not None]

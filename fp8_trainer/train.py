@@ -36,7 +36,7 @@ from .model import GPT, fp8_filter, preset_config
 from .recipe import CurrentScaling, DelayedScaling, Format
 from .report import fp8_summary, health_table
 from .schedule import lr_at
-from .stats import StatsReader
+from .stats import StatsReader, step_stats
 
 __all__ = ["Prepared", "TrainResult", "dist_env", "make_recipe", "run_config", "train"]
 
@@ -279,6 +279,7 @@ def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -
         say(f"note: the checkpoint has data streams for {saved_streams} ranks; ranks beyond start fresh")
     result = TrainResult(losses=[], model=model, step=start)
     losses: list[torch.Tensor] = []
+    dumped: list[torch.Tensor] = []  # --stats-dump: every step's statistics, copied synchronously
     lagged, smooth_tps = _Lagged(), None
     with _make_monitor(a, model, recipe, config, rank, world) as monitor:
         t_start = t_last = time.perf_counter()
@@ -318,6 +319,8 @@ def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -
             t_last = now
             monitor.step(step, loss=step_loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tokens_per_s)
             losses.append(step_loss)
+            if a.stats_dump and lead:
+                dumped.append(step_stats(model).to("cpu", copy=True))
             result.step = step
             if on_step is not None:
                 on_step(step, model, {"loss": step_loss, "lr": lr, "grad_norm": grad_norm})
@@ -362,6 +365,9 @@ def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -
             say(f"FP8 health after step {got[0]} (per layer; counts summed over input, weight, grad_output):")
             say(health_table(model, got[1]))
     result.losses = [v.item() for v in losses]
+    if a.stats_dump and lead:
+        _dump_stats(a.stats_dump, model, start, dumped, result.losses)
+        say(f"statistics of {len(dumped)} steps written to {a.stats_dump}")
     if not all(math.isfinite(v) for v in result.losses):
         say("warning: non-finite training loss")
     return result
@@ -377,3 +383,18 @@ def _save(a, model, opt, step: int, config, corpus: Corpus, world: int, lead: bo
         path = checkpoint_path(a.save, step)
         save_checkpoint(path, model=model, optimizer=opt, step=step, config=config, data_rng=states)
         say(f"step {step:5d}  saved {path}")
+
+
+def _dump_stats(path: str, model: nn.Module, start: int, stats: list[torch.Tensor], losses: list[float]):
+    """``--stats-dump``: the run's per-step statistics as arrays, for comparing with what a monitor stored."""
+    import numpy as np
+
+    from .convert import tensor_table
+
+    np.savez(
+        path,
+        steps=np.arange(start + 1, start + 1 + len(stats), dtype=np.int64),
+        stats=torch.stack(stats).numpy(),  # (steps, tensors, 6) in STAT_COLUMNS order
+        loss=np.asarray(losses, dtype=np.float64),
+        names=np.asarray([t.name for t in tensor_table(model)]),
+    )

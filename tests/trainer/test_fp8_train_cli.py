@@ -69,6 +69,7 @@ def test_short_run_prints_loss_and_health_table():
         (["--inject", "nan:blocks.4.mlp.fc@5"], "unknown layer 'blocks.4.mlp.fc'"),
         (["--inject", "lr-spike@201"], "step 201 is beyond --steps 200"),
         (["--inject", "spike@20"], "expected overflow:LAYER@STEP[xFACTOR], nan:LAYER@STEP"),
+        (["--recipe", "bf16", "--stats-dump", "s.npz"], "--stats-dump needs an FP8 recipe"),
     ],
 )
 def test_bad_flags_are_errors(args, message, capsys):
