@@ -4,6 +4,13 @@ The emulated GEMM multiplies the FP8 values (exact in float32) in float32 and ap
 scales to the product once: ``(qa @ qb) * (scale_inv_a * scale_inv_b)``, which is what a scaled FP8 GEMM with
 float32 accumulation computes. ``torch._scaled_mm`` exists on the CPU too, but is thousands of times slower
 than this, so it is never used there.
+
+Layouts: on the GPUs this targets (sm_89, sm_90), ``torch._scaled_mm(a, b)`` accepts only a row-major ``a``
+and a column-major ``b`` (cuBLASLt's "TN" FP8 GEMM); any other layout is an error, not a strided view, so
+an operand in the wrong layout costs a transposing copy (a full read and write of the FP8 tensor). The
+forward GEMM gets both layouts for free; the backward GEMMs want the transposes of the saved operands,
+which the FP8 ``Linear`` has the quantize pass write alongside ``q`` (see ``linear.py``), so that ``fp8_mm``
+finds every operand already in its layout and copies nothing.
 """
 
 from __future__ import annotations
@@ -37,13 +44,16 @@ def gemm_operand(q: torch.Tensor) -> torch.Tensor:
     return q if uses_scaled_mm(q.device) else q.to(torch.float32)
 
 
-def _pad_to_16(t: torch.Tensor, dim: int) -> torch.Tensor:
-    pad = (-t.shape[dim]) % 16
-    if pad == 0:
-        return t
-    widths = [0, 0, 0, 0]
-    widths[(1 - dim) * 2 + 1] = pad
-    return F.pad(t.to(torch.float32), widths).to(t.dtype)
+def _scaled_mm_operand(t: torch.Tensor, column_major: bool) -> torch.Tensor:
+    """``t`` zero-padded to multiples of 16 in both dims, in the layout ``_scaled_mm`` wants; returned as
+    is when it needs neither padding nor a layout change (zeros add nothing to the product)."""
+    if column_major:
+        return _scaled_mm_operand(t.t(), False).t()
+    pad_rows, pad_cols = (-t.shape[0]) % 16, (-t.shape[1]) % 16
+    if pad_rows == 0 and pad_cols == 0:
+        return t.contiguous()
+    # the padded copy is written row-major directly, whatever the layout of t: one copy, not two
+    return F.pad(t.to(torch.float32), (0, pad_cols, 0, pad_rows)).to(t.dtype).contiguous()
 
 
 def fp8_mm(
@@ -78,12 +88,10 @@ def fp8_mm(
             out = torch.mm(a, b) if bias32 is None else torch.addmm(bias32, a, b)
         return out if out_dtype == torch.float32 else out.to(out_dtype)
     # _scaled_mm wants a row-major, b column-major, every dimension a multiple of 16. The weight dims are
-    # (checked at conversion); the token dim may not be, so it is zero-padded (zeros add nothing).
-    m, k = a.shape
-    a = _pad_to_16(_pad_to_16(a, 0), 1).contiguous()
-    b = _pad_to_16(_pad_to_16(b, 0), 1)
-    if not b.t().is_contiguous():
-        b = b.t().contiguous().t()
+    # (checked at conversion); the token dim may not be, so it is zero-padded.
+    m = a.shape[0]
+    a = _scaled_mm_operand(a, column_major=False)
+    b = _scaled_mm_operand(b, column_major=True)
     out = torch._scaled_mm(
         a, b, scale_a=scale_inv_a.float(), scale_b=scale_inv_b.float(), out_dtype=out_dtype
     )

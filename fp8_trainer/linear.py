@@ -11,6 +11,14 @@ Each tensor is quantized exactly once per use (the weight and input quantized in
 backward), and its statistics are recorded in the same call. Bias and output are in the input's dtype;
 the GEMMs accumulate in float32.
 
+Operand layouts (real FP8 GEMMs, ``gemm.py``): ``torch._scaled_mm`` takes a row-major first and a
+column-major second operand. fprop gets both from ``q(input)`` and ``q(weight)`` as they are, but dgrad
+needs ``q(weight)`` and wgrad ``q(input)`` and ``q(grad_output)`` in the other layout, i.e. their transposes
+stored contiguously. Where a Triton kernel is registered, the quantize pass writes that transpose beside
+``q`` (one extra write instead of a later read-and-write copy), and forward saves only the transposes it
+will need; elsewhere the GEMM wrapper copies as before. The CPU emulation has no layout constraint and
+never asks for transposes.
+
 Checkpoints: each layer's slice of the model's scaling state (amax histories, scales, recipe overrides, step
 counter) is its module extra state, so ``model.state_dict()`` / ``load_state_dict`` carry it (see
 ``FP8State.layer_extra_state``).
@@ -22,11 +30,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from fp8_kernels import has_kernel
 from torch import nn
 
 from .autocast import current_region
 from .distributed import resolve_amax_group
-from .gemm import fp8_mm, gemm_operand
+from .gemm import fp8_mm, gemm_operand, uses_scaled_mm
 from .state import FP8State
 
 __all__ = ["Linear"]
@@ -38,16 +47,38 @@ def _queue_end_of_backward(state: FP8State) -> None:
         torch.autograd.Variable._execution_engine.queue_callback(state.on_backward_end)
 
 
+def fused_transposes(state: FP8State, k: int, device: torch.device) -> bool:
+    """Whether layer ``k``'s quantize calls on ``device`` write the transposed FP8 tensors the backward GEMMs
+    need (real FP8 GEMMs, a kernel registered for this layer's scaling mode; see the module docstring)."""
+    if not uses_scaled_mm(device):
+        return False
+    return has_kernel("current_transposed" if state.current[k] else "quantize_transposed", device.type)
+
+
+def _quantize(state: FP8State, i: int, t: torch.Tensor, record: bool, transpose: bool):
+    """``(q, qt or None, scale_inv)``: tensor ``i`` quantized, with its transpose (same pass) if asked."""
+    if transpose:
+        return state.quantize_transposed(i, t, record)
+    q, scale_inv = state.quantize(i, t, record)
+    return q, None, scale_inv
+
+
 class _FP8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, state: FP8State, k: int, record: bool):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        qx, sinv_x = state.quantize(3 * k, x2, record)
-        qw, sinv_w = state.quantize(3 * k + 1, weight, record)
+        fused_t = record and fused_transposes(state, k, x.device)
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        qx, qxt, sinv_x = _quantize(state, 3 * k, x2, record, fused_t and need_wgrad)
+        qw, qwt, sinv_w = _quantize(state, 3 * k + 1, weight, record, fused_t and need_dgrad)
         ax, aw = gemm_operand(qx), gemm_operand(qw)
         out = fp8_mm(ax, sinv_x, aw.t(), sinv_w, x.dtype, bias)
-        ctx.save_for_backward(ax, sinv_x, aw, sinv_w)
+        # saved: the wgrad operand (tokens, in) and the dgrad operand (out, in), column-major views of the
+        # transposes where the quantize pass wrote them
+        bx = ax if qxt is None else gemm_operand(qxt).t()
+        bw = aw if qwt is None else gemm_operand(qwt).t()
+        ctx.save_for_backward(bx, sinv_x, bw, sinv_w)
         ctx.state, ctx.k, ctx.record = state, k, record
         ctx.shape, ctx.x_dtype, ctx.w_dtype = shape, x.dtype, weight.dtype
         ctx.has_bias = bias is not None
@@ -55,18 +86,21 @@ class _FP8LinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        ax, sinv_x, aw, sinv_w = ctx.saved_tensors
+        bx, sinv_x, bw, sinv_w = ctx.saved_tensors
         state, k = ctx.state, ctx.k
         g2 = grad_output.reshape(-1, grad_output.shape[-1])
-        qg, sinv_g = state.quantize(3 * k + 2, g2, ctx.record)
+        fused_t = ctx.needs_input_grad[1] and fused_transposes(state, k, g2.device)
+        qg, qgt, sinv_g = _quantize(state, 3 * k + 2, g2, ctx.record, fused_t)
         ag = gemm_operand(qg)
         if ctx.record:
             _queue_end_of_backward(state)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = fp8_mm(ag, sinv_g, aw, sinv_w, ctx.x_dtype).reshape(ctx.shape)
+            grad_x = fp8_mm(ag, sinv_g, bw, sinv_w, ctx.x_dtype).reshape(ctx.shape)
         if ctx.needs_input_grad[1]:
-            grad_w = fp8_mm(ag.t(), sinv_g, ax, sinv_x, ctx.w_dtype)
+            # (out, tokens) row-major: the transpose written by the quantize pass, if any
+            agt = ag.t() if qgt is None else gemm_operand(qgt)
+            grad_w = fp8_mm(agt, sinv_g, bx, sinv_x, ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.sum(0)
         return grad_x, grad_w, grad_b, None, None, None

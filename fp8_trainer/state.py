@@ -33,12 +33,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from fp8_kernels import STAT_COLUMNS, fused_scale_update, quantize_with_stats, tensor_amax
+from fp8_kernels import (
+    STAT_COLUMNS,
+    fused_scale_update,
+    quantize_current,
+    quantize_current_transposed,
+    quantize_with_stats,
+    quantize_with_stats_transposed,
+)
 
 from .distributed import all_reduce_amax
 from .formats import ROLES
 from .recipe import CurrentScaling, DelayedScaling, Recipe, validate_setting
-from .scaling import current_scale, delayed_scaling_update
+from .scaling import delayed_scaling_update
 
 __all__ = ["EXTRA_STATE_VERSION", "FP8State", "LAYER_SETTINGS", "TensorInfo"]
 
@@ -215,14 +222,24 @@ class FP8State:
     def quantize(self, i: int, x: torch.Tensor, record: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantize tensor ``i``'s value ``x`` -> ``(q, scale_inv)``; stats go to row ``i`` if recording."""
         stats = self.stats[i] if record else None
-        dtype = self.dtypes[i]
         if self.current[i // 3]:
-            amax = tensor_amax(x)
-            scale = current_scale(amax, self.fp8_max[i])
-            q, _ = quantize_with_stats(x, scale, dtype, stats, amax=amax)
+            # one dispatch entry: amax pass, scale and quantize pass (fused Triton kernels on CUDA)
+            q, scale, _ = quantize_current(x, self.dtypes[i], stats)
             return q, torch.reciprocal(scale)
-        q, _ = quantize_with_stats(x, self.scale[i], dtype, stats)
+        q, _ = quantize_with_stats(x, self.scale[i], self.dtypes[i], stats)
         return q, self.scale_inv[i]
+
+    def quantize_transposed(
+        self, i: int, x: torch.Tensor, record: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """As ``quantize`` for a 2-D ``x``, also returning ``q.t().contiguous()`` (written by the same pass
+        where a kernel is registered): ``(q, qt, scale_inv)``."""
+        stats = self.stats[i] if record else None
+        if self.current[i // 3]:
+            q, qt, scale, _ = quantize_current_transposed(x, self.dtypes[i], stats)
+            return q, qt, torch.reciprocal(scale)
+        q, qt, _ = quantize_with_stats_transposed(x, self.scale[i], self.dtypes[i], stats)
+        return q, qt, self.scale_inv[i]
 
     def _new_stats_buffer(self) -> None:
         self.stats = torch.zeros(self.n_tensors, len(STAT_COLUMNS), dtype=torch.float64, device=self.device)

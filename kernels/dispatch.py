@@ -1,4 +1,5 @@
-"""The one dispatch point for quantize-and-record-statistics, amax, exponent histograms and the scale update.
+"""The one dispatch point for quantize-and-record-statistics (delayed and current scaling), amax, exponent
+histograms and the scale update.
 
 Each op chooses an implementation by the device type of its tensors. CUDA tensors use the Triton kernels
 (``triton_*.py``) when triton is installed and the GPU has FP8 support (sm_89+); they register themselves
@@ -21,11 +22,19 @@ from contextlib import contextmanager
 import torch
 
 from .histogram import exponent_histogram_reference
-from .quantize import KERNEL_MAX_NUMEL, quantize_with_stats_reference, tensor_amax_reference
+from .quantize import (
+    KERNEL_MAX_NUMEL,
+    quantize_current_reference,
+    quantize_with_stats_reference,
+    tensor_amax_reference,
+)
 
 __all__ = [
     "exponent_histogram",
     "fused_scale_update",
+    "has_kernel",
+    "quantize_current",
+    "quantize_current_transposed",
     "quantize_with_stats",
     "quantize_with_stats_transposed",
     "reference_kernels",
@@ -38,6 +47,8 @@ __all__ = [
 _TABLES: dict[str, dict[str, Callable]] = {
     "quantize": {},
     "quantize_transposed": {},
+    "current": {},
+    "current_transposed": {},
     "amax": {},
     "histogram": {},
     "scale_update": {},
@@ -50,6 +61,8 @@ def register(
     *,
     quantize: Callable | None = None,
     quantize_transposed: Callable | None = None,
+    current: Callable | None = None,
+    current_transposed: Callable | None = None,
     amax: Callable | None = None,
     histogram: Callable | None = None,
     scale_update: Callable | None = None,
@@ -58,6 +71,8 @@ def register(
     given = {
         "quantize": quantize,
         "quantize_transposed": quantize_transposed,
+        "current": current,
+        "current_transposed": current_transposed,
         "amax": amax,
         "histogram": histogram,
         "scale_update": scale_update,
@@ -101,7 +116,11 @@ def _register_triton_for_cuda() -> bool:
     fp8_gpu = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
     if not (fp8_gpu and triton_available()):
         return False
-    from .triton_current import tensor_amax_triton
+    from .triton_current import (
+        quantize_current_transposed_triton,
+        quantize_current_triton,
+        tensor_amax_triton,
+    )
     from .triton_histogram import exponent_histogram_triton
     from .triton_quantize import quantize_with_stats_transposed_triton, quantize_with_stats_triton
     from .triton_scale_update import scale_update_triton
@@ -109,6 +128,8 @@ def _register_triton_for_cuda() -> bool:
     impls = {
         "quantize": quantize_with_stats_triton,
         "quantize_transposed": quantize_with_stats_transposed_triton,
+        "current": quantize_current_triton,
+        "current_transposed": quantize_current_transposed_triton,
         "amax": tensor_amax_triton,
         "histogram": exponent_histogram_triton,
         "scale_update": scale_update_triton,
@@ -158,6 +179,44 @@ def quantize_with_stats_transposed(
         raise ValueError(f"x: the transposed output needs a 2-D tensor, got shape {tuple(x.shape)}")
     q, row = quantize_with_stats(x, scale, fp8_dtype, stats, amax=amax)
     return q, q.t().contiguous(), row
+
+
+def quantize_current(
+    x: torch.Tensor, fp8_dtype: torch.dtype, stats: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Current scaling: quantize ``x`` with ``FP8_MAX / max |x|`` and record its statistics, one call for the
+    amax pass, the scale and the quantize pass: ``(q, scale, stats_row)`` (``quantize_current_reference``).
+
+    On CUDA the Triton kernels derive the scale on the device between their two passes; on the CPU it is
+    the reference's torch ops. Either way nothing is read on the host.
+    """
+    fn = _lookup("current", x.device.type, x.numel()) or quantize_current_reference
+    return fn(x, fp8_dtype, stats)
+
+
+def quantize_current_transposed(
+    x: torch.Tensor, fp8_dtype: torch.dtype, stats: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As ``quantize_current`` for a 2-D ``x``, also returning ``qt = q.t().contiguous()``:
+    ``(q, qt, scale, row)``.
+
+    The Triton kernel writes both layouts in its quantize pass; the reference transposes ``q``.
+    """
+    fn = _lookup("current_transposed", x.device.type, x.numel())
+    if fn is not None:
+        return fn(x, fp8_dtype, stats)
+    if x.dim() != 2:
+        raise ValueError(f"x: the transposed output needs a 2-D tensor, got shape {tuple(x.shape)}")
+    q, scale, row = quantize_current(x, fp8_dtype, stats)
+    return q, q.t().contiguous(), scale, row
+
+
+def has_kernel(op: str, device_type: str) -> bool:
+    """True where ``op`` (a ``register`` keyword, e.g. ``"quantize_transposed"``) runs another implementation
+    than the PyTorch reference on ``device_type`` (and the reference switch is off)."""
+    if op not in _TABLES:
+        raise ValueError(f"op: unknown kernel op {op!r}; expected one of {sorted(_TABLES)}")
+    return _lookup(op, device_type) is not None
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:

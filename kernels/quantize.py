@@ -37,8 +37,10 @@ import torch
 __all__ = [
     "KERNEL_MAX_NUMEL",
     "STAT_COLUMNS",
+    "current_scale_reference",
     "dequantize",
     "fp8_max",
+    "quantize_current_reference",
     "quantize_with_stats_reference",
     "tensor_amax_reference",
     "underflow_threshold",
@@ -144,6 +146,27 @@ def quantize_with_stats_reference(
     stats[1].copy_(scale)
     stats[2:].add_(counts)
     return q, stats
+
+
+def current_scale_reference(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """Current scaling's scale: ``FP8_MAX / amax`` in float32, clamped to the float32 maximum (tiny amax),
+    1 for a zero or non-finite amax. Bit for bit ``fp8_trainer.scaling.current_scale``, which this package
+    does not import."""
+    amax = amax.to(torch.float32)
+    # a tensor divided by a tensor: ``python_float / tensor`` would multiply by a reciprocal (two roundings)
+    scale = torch.clamp(torch.full_like(amax, fp8_max(fp8_dtype)) / amax, max=torch.finfo(torch.float32).max)
+    return torch.where(torch.isfinite(amax) & (amax > 0), scale, torch.ones_like(amax))
+
+
+def quantize_current_reference(
+    x: torch.Tensor, fp8_dtype: torch.dtype, stats: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Current scaling: ``max |x|``, the scale from it, then ``quantize_with_stats_reference`` with that
+    scale. Returns ``(q, scale, stats_row)``, ``scale`` a float32 0-dim tensor; no host read."""
+    amax = tensor_amax_reference(x)
+    scale = current_scale_reference(amax, fp8_dtype)
+    q, row = quantize_with_stats_reference(x, scale, fp8_dtype, stats, amax=amax)
+    return q, scale, row
 
 
 def accumulate_stats(stats: torch.Tensor, row: torch.Tensor) -> None:

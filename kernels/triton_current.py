@@ -4,7 +4,8 @@ The scale of current scaling depends on the amax of the very tensor being quanti
 before a full pass over it: pass 1 reduces ``max |x|`` into a 0-dim float32 on the device; pass 2 is the
 fused quantize kernel of ``triton_quantize``, which derives ``scale = FP8_MAX / amax`` itself (clamped to
 the float32 maximum, 1 for a zero or non-finite amax, as ``fp8_trainer.scaling.current_scale``) and records
-the same statistics as delayed scaling. Nothing is read on the host in between.
+the same statistics as delayed scaling. Nothing is read on the host in between. The transposed variant
+writes ``q.t().contiguous()`` in the same quantize pass, as ``triton_quantize`` does for delayed scaling.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import triton.language as tl
 from .triton_launch import as_kernel_input, block_1d, grid_cap, load_f32
 from .triton_quantize import MAX_NUMEL, launch_quantize
 
-__all__ = ["quantize_current_triton", "tensor_amax_triton"]
+__all__ = ["quantize_current_transposed_triton", "quantize_current_triton", "tensor_amax_triton"]
 
 
 @triton.jit(do_not_specialize=["n"])
@@ -61,3 +62,21 @@ def quantize_current_triton(
         x, None, fp8_dtype, stats, amax=amax, scale_from_amax=True, precast=precast
     )
     return q, scale, row
+
+
+def quantize_current_transposed_triton(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    stats: torch.Tensor | None = None,
+    *,
+    precast: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As ``quantize_current_triton`` for a 2-D ``x``, the quantize pass also writing the transposed FP8
+    tensor: ``(q, qt, scale, stats_row)`` with ``qt == q.t().contiguous()``."""
+    if x.dim() != 2:  # before the amax pass: nothing launched for a bad operand
+        raise ValueError(f"x: the transposed output needs a 2-D tensor, got shape {tuple(x.shape)}")
+    amax = tensor_amax_triton(x)
+    q, qt, row, scale = launch_quantize(
+        x, None, fp8_dtype, stats, amax=amax, scale_from_amax=True, precast=precast, transpose=True
+    )
+    return q, qt, scale, row

@@ -3,7 +3,8 @@
 Each case is a function of the device. On the CPU the kernels run under ``TRITON_INTERPRET=1``, which must
 be set before triton is imported and holds for the whole process, so ``test_triton_interpreter.py`` runs
 this module as a script in a subprocess (``python kernel_cases.py --json OUT``) and turns each case's
-result into one parametrised test. ``test_kernels_gpu.py`` runs the same cases compiled on CUDA.
+result into one parametrised test. ``test_kernels_gpu.py`` runs the same cases compiled on CUDA. The cases
+of the kernels inside the FP8 ``Linear`` live in ``linear_cases.py`` and are registered here.
 
 What is compared, exactly (no tolerances): amax, scale, counts and numel of the statistics row; the
 pre-cast values ``clamp(x * scale)``; histograms; histories and scales of the scale update. The FP8 bits are
@@ -25,7 +26,10 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+import linear_cases
 import torch
+from exact_checks import same as _same
+from exact_checks import same_bits as _same_bits
 from fp8_kernels import (
     exponent_histogram_reference,
     quantize_with_stats_reference,
@@ -73,26 +77,6 @@ def make_input(shape: tuple[int, ...], dtype: torch.dtype, fp8: torch.dtype, see
     k = min(n, len(specials))
     x[:k] = torch.tensor(specials[:k])
     return x.to(dtype).reshape(shape)
-
-
-def _same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    """Exact equality, NaN equal to NaN, with the first differing positions in the message."""
-    a, b = a.detach().cpu(), b.detach().cpu()
-    assert a.shape == b.shape and a.dtype == b.dtype, (
-        f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
-    )
-    same = (a == b) | (torch.isnan(a) & torch.isnan(b)) if a.is_floating_point() else a == b
-    if not bool(same.all()):
-        idx = (~same).flatten().nonzero().flatten()[:5].tolist()
-        fa, fb = a.flatten(), b.flatten()
-        raise AssertionError(
-            f"{what}: {int((~same).sum())} of {a.numel()} differ; first at flat {idx}: "
-            f"kernel {[fa[i].item() for i in idx]} vs reference {[fb[i].item() for i in idx]}"
-        )
-
-
-def _same_bits(q: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    _same(q.view(torch.uint8), ref.view(torch.uint8), what)
 
 
 def _expected_precast(x: torch.Tensor, scale: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
@@ -207,9 +191,14 @@ def _bad_operands(device: torch.device) -> None:
 
 
 # ----- current scaling: amax pass + quantize pass -----
-def _current_case(dtype_name: str, fmt: str, shape_name: str, fill: str):
+def _current_case(dtype_name: str, fmt: str, shape_name: str, fill: str, transpose: bool = False):
     def run(device: torch.device) -> None:
-        from fp8_kernels.triton_current import quantize_current_triton, tensor_amax_triton
+        from fp8_kernels import quantize_current_reference
+        from fp8_kernels.triton_current import (
+            quantize_current_transposed_triton,
+            quantize_current_triton,
+            tensor_amax_triton,
+        )
 
         from fp8_trainer.scaling import current_scale
 
@@ -225,10 +214,27 @@ def _current_case(dtype_name: str, fmt: str, shape_name: str, fill: str):
         amax = tensor_amax_reference(x)
         scale_ref = current_scale(amax, float(torch.finfo(fp8).max))
         _, row_ref = quantize_with_stats_reference(x, scale_ref, fp8, amax=amax)
+        # the dispatch's reference (the CPU path of FP8State) is the same torch ops
+        _, scale_disp, row_disp = quantize_current_reference(x, fp8)
+        _same(scale_disp, scale_ref, "current scale of quantize_current_reference")
+        _same(row_disp, row_ref, "statistics row of quantize_current_reference")
         pre = torch.empty(shape, dtype=torch.float32, device=device)
-        q, scale, row = quantize_current_triton(x, fp8, precast=pre)
+        if transpose:
+            # into row 1 of a step buffer, on top of earlier statistics, as a layer's micro-batch does
+            buf = torch.zeros(3, 6, dtype=torch.float64, device=device)
+            buf[1] = torch.tensor([2.5, 9.0, 1, 2, 3, 40], dtype=torch.float64)
+            expected_row = buf[1].clone()
+            quantize_with_stats_reference(x, scale_ref, fp8, expected_row, amax=amax)
+            q, qt, scale, row = quantize_current_transposed_triton(x, fp8, buf[1], precast=pre)
+            assert row.data_ptr() == buf[1].data_ptr()
+            _same(buf[1], expected_row, "accumulated statistics row")
+            _same(buf[0] + buf[2], torch.zeros_like(buf[0]), "neighbouring rows")
+            assert qt.is_contiguous() and qt.shape == (shape[1], shape[0])
+            _same_bits(qt, q.t().contiguous(), "transposed output vs q.t()")
+        else:
+            q, scale, row = quantize_current_triton(x, fp8, precast=pre)
+            _same(row, row_ref, "statistics row")
         _same(scale, scale_ref, "current scale")
-        _same(row, row_ref, "statistics row")
         _same(pre, _expected_precast(x, scale_ref, fp8), "pre-cast values")
         if device.type == "cuda":
             _same_bits(q, pre.to(fp8), "FP8 bits vs torch cast of the pre-cast values")
@@ -242,6 +248,14 @@ for _d in DTYPES:
     case(f"current-{_d}-e5m2-4097-nonfinite")(_current_case(_d, "e5m2", "4097", "nonfinite"))
     case(f"current-{_d}-e4m3-17-zeros")(_current_case(_d, "e4m3", "17", "zeros"))
     case(f"current-{_d}-e5m2-17-tiny")(_current_case(_d, "e5m2", "17", "tiny"))
+for _d, _f, _s, _fill in [
+    ("fp32", "e4m3", "127x129", "finite"),
+    ("bf16", "e4m3", "127x129", "finite"),
+    ("fp16", "e4m3", "127x129", "finite"),
+    ("fp32", "e5m2", "127x129", "nonfinite"),
+    ("bf16", "e4m3", "0x7", "finite"),
+]:
+    case(f"current_transposed-{_d}-{_f}-{_s}-{_fill}")(_current_case(_d, _f, _s, _fill, transpose=True))
 
 
 # ----- exponent histogram -----
@@ -412,6 +426,11 @@ def _training_step(device: torch.device) -> None:
         assert calls.count("quantize") == 6, "use_reference did not bypass the registered kernel"
     finally:
         fp8_kernels.register("cpu")
+
+
+# ----- the kernels inside the FP8 Linear: current scaling, fused transposes (linear_cases.py) -----
+for _name, (_fn, _devices) in linear_cases.CASES.items():
+    case(_name, _devices)(_fn)
 
 
 @case("bench_kernels-smoke", devices=("cpu",))

@@ -1,4 +1,5 @@
-"""fp8_kernels dispatch: references on the CPU, the reference switch, no triton import, empty tensors."""
+"""fp8_kernels dispatch: references on the CPU, the reference switch, no triton import, empty tensors,
+current scaling as one entry."""
 
 import subprocess
 import sys
@@ -10,13 +11,19 @@ from fp8_kernels import (
     exponent_histogram,
     exponent_histogram_reference,
     fused_scale_update,
+    has_kernel,
+    quantize_current,
+    quantize_current_transposed,
     quantize_with_stats,
     quantize_with_stats_reference,
     quantize_with_stats_transposed,
     reference_kernels,
     tensor_amax,
+    tensor_amax_reference,
     use_reference,
 )
+
+from fp8_trainer.scaling import current_scale
 
 
 def test_import_needs_no_triton():
@@ -104,3 +111,65 @@ def test_empty_tensor_statistics():
     stats = torch.tensor([2.5, 1.0, 1, 2, 3, 9], dtype=torch.float64)
     quantize_with_stats(torch.empty(0), torch.tensor(4.0), torch.float8_e4m3fn, stats)
     assert stats.tolist() == [2.5, 4.0, 1, 2, 3, 9]  # an empty micro-batch adds nothing
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_current_scaling_reference_is_the_torch_ops_it_replaces(fp8):
+    # the CPU path of FP8State before current scaling had its own entry: amax, current_scale, quantize
+    g = torch.Generator().manual_seed(0)
+    inputs = [
+        torch.randn(33, 17, generator=g) * torch.logspace(-30, 30, 17),
+        torch.randn(64, generator=g).to(torch.bfloat16) * 1e-3,
+        torch.tensor([1e-42, -3e-41]),  # FP8_MAX / amax overflows: clamped to the float32 maximum
+        torch.zeros(5),  # zero amax: scale 1
+        torch.tensor([1.0, float("nan"), 3.0]),  # non-finite amax: scale 1
+        torch.tensor([float("inf"), -2.0]),
+        torch.empty(0, 3),
+    ]
+    for x in inputs:
+        amax = tensor_amax_reference(x)
+        scale_before = current_scale(amax, torch.tensor(torch.finfo(fp8).max))
+        stats, stats_before = torch.ones(6, dtype=torch.float64), torch.ones(6, dtype=torch.float64)
+        q_before, _ = quantize_with_stats_reference(x, scale_before, fp8, stats_before, amax=amax)
+        q, scale, row = quantize_current(x, fp8, stats)
+        assert row is stats and _same(stats, stats_before), (x, stats, stats_before)
+        assert scale.dtype == torch.float32 and torch.equal(scale, scale_before)
+        assert torch.equal(q.view(torch.uint8), q_before.view(torch.uint8))
+        if x.dim() == 2:
+            q2, qt, scale_t, row_t = quantize_current_transposed(x, fp8)
+            assert qt.is_contiguous()
+            assert torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8))
+            assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(scale_t, scale)
+            assert _same(row_t, quantize_current(x, fp8)[2])
+    with pytest.raises(ValueError, match="2-D"):
+        quantize_current_transposed(torch.ones(4), fp8)
+
+
+def test_current_scaling_dispatch_and_switch():
+    calls = []
+
+    def current(x, fp8_dtype, stats=None):
+        calls.append("current")
+        return fp8_kernels.quantize_current_reference(x, fp8_dtype, stats)
+
+    assert not has_kernel("current", "cpu") and not has_kernel("current_transposed", "cpu")
+    fp8_kernels.register("cpu", current=current)
+    try:
+        assert has_kernel("current", "cpu") and not has_kernel("current_transposed", "cpu")
+        x = torch.randn(6, 4)
+        quantize_current(x, torch.float8_e4m3fn)
+        quantize_current_transposed(x, torch.float8_e4m3fn)  # no transposed kernel: the entry, then q.t()
+        assert calls == ["current", "current"]
+        with reference_kernels():
+            assert not has_kernel("current", "cpu")
+            quantize_current(x, torch.float8_e4m3fn)
+        assert calls == ["current", "current"]
+    finally:
+        fp8_kernels.register("cpu")
+    assert not has_kernel("current", "cpu")
+    with pytest.raises(ValueError, match="unknown kernel op"):
+        has_kernel("transpose", "cpu")

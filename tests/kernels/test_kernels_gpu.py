@@ -1,5 +1,7 @@
-"""The Triton kernels compiled on a CUDA GPU: the interpreter's cases plus the FP8 bits, dispatch, and a
-training step with statistics that never synchronises with the host. Skips without an sm_89+ GPU."""
+"""The Triton kernels compiled on a CUDA GPU: the interpreter's cases plus the FP8 bits, dispatch, training
+(delayed and current scaling, backward GEMMs fed by the fused transposes) equal to the references bit for
+bit, and a training step with statistics that never synchronises with the host. Skips without an sm_89+
+GPU."""
 
 import copy
 
@@ -11,6 +13,9 @@ from torch import nn
 
 import fp8_trainer
 from fp8_trainer.convert import get_fp8_state
+from fp8_trainer.linear import fused_transposes
+
+RECIPES = {"delayed": fp8_trainer.DelayedScaling(), "current": fp8_trainer.CurrentScaling()}
 
 pytestmark = [
     pytest.mark.gpu,
@@ -53,22 +58,27 @@ def _model(seed: int = 0) -> nn.Module:
     return fp8_trainer.convert_to_fp8(mlp)
 
 
-def _train(model: nn.Module, steps: int, x: torch.Tensor) -> None:
+def _train(model: nn.Module, steps: int, x: torch.Tensor, recipe=None) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     for _ in range(steps):
-        with fp8_trainer.fp8_autocast():
+        with fp8_trainer.fp8_autocast(fp8_recipe=recipe):
             loss = model(x).float().square().mean()
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
 
-def test_training_with_kernels_equals_references_bitwise():
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_training_with_kernels_equals_references_bitwise(recipe):
+    # kernels: one fused call per quantized tensor, backward GEMMs fed by the transposes it wrote;
+    # references: torch ops, and the GEMM wrapper's transposing copies
     x = torch.randn(193, 256, device="cuda")
     kern, ref = _model(), _model()
-    _train(kern, 3, x)
+    _train(kern, 3, x, RECIPES[recipe])
     with fp8_kernels.reference_kernels():
-        _train(ref, 3, x)
+        assert not fused_transposes(get_fp8_state(ref), 0, x.device)
+        _train(ref, 3, x, RECIPES[recipe])
+    assert fused_transposes(get_fp8_state(kern), 0, x.device)
     sk, sr = get_fp8_state(kern), get_fp8_state(ref)
     assert torch.equal(sk.last_stats.nan_to_num(-1), sr.last_stats.nan_to_num(-1))
     assert torch.equal(sk.amax_history, sr.amax_history)
@@ -77,13 +87,14 @@ def test_training_with_kernels_equals_references_bitwise():
         assert torch.equal(pk, pr)
 
 
-def test_training_step_with_statistics_does_not_synchronise():
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_training_step_with_statistics_does_not_synchronise(recipe):
     model = _model()
     x = torch.randn(128, 256, device="cuda")
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
 
     def step():
-        with fp8_trainer.fp8_autocast():
+        with fp8_trainer.fp8_autocast(fp8_recipe=RECIPES[recipe]):
             loss = model(x).float().square().mean()
         loss.backward()
         opt.step()
@@ -114,3 +125,20 @@ def test_fp8_linear_forward_matches_emulation_with_kernels():
         y = model(x)
         yc = cpu(x.cpu())
     torch.testing.assert_close(y.cpu(), yc, rtol=1e-5, atol=1e-5 * yc.abs().max().item())
+
+
+def test_current_scaling_is_one_fused_call_per_tensor():
+    from fp8_kernels.dispatch import _TABLES
+    from fp8_kernels.triton_current import quantize_current_transposed_triton, quantize_current_triton
+
+    x = torch.randn(300, 77, device="cuda") * 100
+    q, scale, row = fp8_kernels.quantize_current(x, torch.float8_e5m2)
+    assert _TABLES["current"]["cuda"] is quantize_current_triton
+    assert _TABLES["current_transposed"]["cuda"] is quantize_current_transposed_triton
+    _, qt, scale_t, row_t = fp8_kernels.quantize_current_transposed(x, torch.float8_e5m2)
+    with fp8_kernels.reference_kernels():
+        q_ref, scale_ref, row_ref = fp8_kernels.quantize_current(x, torch.float8_e5m2)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(qt.view(torch.uint8), q_ref.t().contiguous().view(torch.uint8))
+    assert torch.equal(scale, scale_ref) and torch.equal(scale_t, scale_ref)
+    assert torch.equal(row, row_ref) and torch.equal(row_t, row_ref)
