@@ -8,6 +8,7 @@ RUN python -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))
 COPY fp8_trainer fp8_trainer
 COPY kernels kernels
 COPY monitor_server monitor_server
+COPY web web
 RUN pip install --no-cache-dir --no-deps . && useradd --create-home fp8scope
 USER fp8scope
 EXPOSE 8000

@@ -6,6 +6,7 @@ from setuptools import find_packages, setup
 setup(
     packages=find_packages(include=["fp8_trainer*", "monitor_server*"])
     + ["monitor_server.migrations.versions"]  # Alembic's folder of revisions has no __init__.py
+    + ["monitor_server.web_assets", "monitor_server.web_assets.js"]  # the dashboard's files, from web/
     + ["fp8_kernels"]
     + [f"fp8_kernels.{p}" for p in find_packages("kernels")],
 )

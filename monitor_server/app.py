@@ -15,11 +15,12 @@ from fastapi.openapi.utils import get_openapi
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from monitor_server.api.routes import alerts, commands, health, queries, runs, stream, telemetry
+from monitor_server.api.routes import alerts, commands, dashboard, health, queries, runs, stream, telemetry
 from monitor_server.context import AppContext
 from monitor_server.core.config import Settings
 from monitor_server.migrations import upgrade_to_head
 from monitor_server.schemas import TelemetryBatch
+from monitor_server.web import mount_dashboard
 
 log = logging.getLogger("fp8scope.monitor")
 API_PREFIX = "/api/v1"
@@ -120,8 +121,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.ctx = ctx
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.include_router(health.router)
-    for module in (runs, telemetry, queries, alerts, commands, stream):
+    for module in (runs, telemetry, queries, alerts, commands, stream, dashboard):
         app.include_router(module.router, prefix=API_PREFIX)
+    mount_dashboard(app)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

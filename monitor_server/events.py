@@ -16,6 +16,8 @@ from typing import Any
 import orjson
 
 QUEUE_SIZE = 1000
+#: subscription key receiving every run's events (the dashboard's runs list); its events carry `run_id`
+ALL_RUNS = 0
 
 
 @dataclass(frozen=True)
@@ -76,10 +78,10 @@ class EventBroker:
 
     def has_subscribers(self, run_id: int) -> bool:
         """Whether anyone listens to `run_id` (lets publishers skip building events)."""
-        return bool(self._subs.get(run_id))
+        return bool(self._subs.get(run_id) or self._subs.get(ALL_RUNS))
 
     def subscribe(self, run_id: int) -> Subscription:
-        """A new subscription to `run_id`'s events; call from the event loop."""
+        """A new subscription to `run_id`'s events (`ALL_RUNS`: every run's); call from the event loop."""
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         sub = Subscription(self, run_id)
@@ -102,10 +104,13 @@ class EventBroker:
         """Send an event to `run_id`'s subscribers; safe to call from any thread."""
         with self._lock:
             subs = list(self._subs.get(run_id, ()))
-        if not subs or self._loop is None or self._loop.is_closed():
+            everyone = list(self._subs.get(ALL_RUNS, ()))
+        if not (subs or everyone) or self._loop is None or self._loop.is_closed():
             return
-        event = Event(name, data)
-        self._loop.call_soon_threadsafe(self._deliver, subs, event)
+        if subs:
+            self._loop.call_soon_threadsafe(self._deliver, subs, Event(name, data))
+        if everyone and isinstance(data, dict):
+            self._loop.call_soon_threadsafe(self._deliver, everyone, Event(name, {**data, "run_id": run_id}))
 
     @staticmethod
     def _deliver(subs: list[Subscription], event: Event) -> None:

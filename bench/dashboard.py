@@ -1,0 +1,305 @@
+"""Benchmark: the dashboard's run page for a run of 512 tensors x 20,000 steps, in headless Chromium.
+
+The run is ingested over HTTP (packed columns) into a fresh SQLite `fp8-monitor serve`. Then:
+
+- time to a fully drawn run page: from navigation start (`performance.now()` = 0) until both the heatmap and
+  the loss curves have fired plotly's `afterplot` with their data loaded; cold (fresh browser context, empty
+  cache) and warm (reload; plotly.js from the cache), with a breakdown from the Resource Timing API;
+- the delay from a step POSTed to the API to its appearance on the open page (the page stamps `Date.now()`
+  when the step's number is shown; the benchmark stamps `time.time()` just before the POST; same machine).
+
+    .venv/bin/python bench/dashboard.py [--tensors 512] [--steps 20000] [--repeats 3] [--live 10]
+
+Prints a table, writes bench/results/dashboard.json and a screenshot bench/results/dashboard.png.
+Goals: drawn page <= 1.5 s, step to page <= 2 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import orjson
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.ingest import StatStream, tensors_for  # noqa: E402  (the ingest benchmark's run shape)
+from tests.server.utils import batch_body, running_server  # noqa: E402  (the tests' wire encoders)
+from tests.web.browser import CHROMIUM, CHROMIUM_ARGS, VIEWPORT  # noqa: E402  (as the browser tests)
+
+API = "/api/v1"
+GOAL_DRAWN_S = 1.5
+GOAL_LIVE_S = 2.0
+
+
+def ingest(url: str, T: int, steps: int, chunk: int, senders: int) -> tuple[int, float]:
+    """Create the run and post `steps` steps in batches of `chunk` (float32-packed columns)."""
+    r = httpx.post(
+        f"{url}{API}/runs",
+        json={"name": f"bench-dashboard-{T}x{steps}", "tensors": tensors_for(T), "host": "bench"},
+        timeout=30,
+    )
+    r.raise_for_status()
+    run_id = r.json()["id"]
+    stream = StatStream(T, seed=3)
+    rng = np.random.default_rng(4)
+    bodies = []
+    for first in range(0, steps, chunk):
+        n = min(chunk, steps - first)
+        stats = stream.steps(n)
+        stats["amax"][n // 2, rng.integers(T)] *= 300.0  # an occasional spike, as a real run has
+        if first == steps // 2:
+            stats["amax"][3, 7] = np.nan
+            stats["nonfinite"][3, 7] = 12
+        loss = 3.0 * np.exp(-np.arange(first, first + n) / steps) + 0.05 * rng.random(n)
+        body = batch_body(f"fill-{first}", range(first, first + n), stats, encoding="float32", losses=loss)
+        for s in body["steps"]:
+            s["scalars"]["grad_norm"] = 1.0
+        bodies.append(orjson.dumps(body))
+    errors: list[str] = []
+
+    def send(part: list[bytes]) -> None:
+        with httpx.Client(timeout=300) as client:
+            for content in part:
+                resp = client.post(
+                    f"{url}{API}/runs/{run_id}/telemetry",
+                    content=content,
+                    headers={"content-type": "application/json"},
+                )
+                if resp.status_code != 200:
+                    errors.append(resp.text[:200])
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=send, args=(bodies[i::senders],)) for i in range(senders)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"ingest failed: {errors[:2]}")
+    return run_id, time.perf_counter() - t0
+
+
+PAGE_TIMINGS = """() => {
+    const d = window.fp8scope.drawn;
+    const marks = window.fp8scope.marks || {};
+    const res = performance.getEntriesByType('resource');
+    const find = (part) => res.filter(r => r.name.includes(part)).map(r => ({
+        start: r.startTime, end: r.responseEnd, bytes: r.decodedBodySize, url: r.name}));
+    return {drawn: Math.max(d.heatmap, d.curves), heatmap: d.heatmap, curves: d.curves,
+            plotly: find('plotly.min.js'), heatmap_req: find('/heatmap/packed'),
+            series: find('/series/multi'),
+            query: window.fp8scope.heatmapQuery, plotly_ready: marks['plotly-ready'],
+            heatmap_data: marks['heatmap-data'], curves_data: marks['curves-data']};
+}"""
+
+
+def time_page(browser, url: str, run_id: int, repeats: int) -> dict:
+    """Cold loads (each in a fresh context) and warm reloads of the run page."""
+    cold, warm = [], []
+    for _ in range(repeats):
+        context = browser.new_context(viewport=VIEWPORT)
+        page = context.new_page()
+        page.goto(f"{url}/#/runs/{run_id}")
+        page.wait_for_function(
+            "() => window.fp8scope.drawn.heatmap && window.fp8scope.drawn.curves", timeout=60_000
+        )
+        cold.append(page.evaluate(PAGE_TIMINGS))
+        for _ in range(2):
+            page.reload()
+            page.wait_for_function(
+                "() => window.fp8scope.drawn.heatmap && window.fp8scope.drawn.curves", timeout=60_000
+            )
+            warm.append(page.evaluate(PAGE_TIMINGS))
+        context.close()
+    return {"cold": cold, "warm": warm}
+
+
+def live_delay(browser, url: str, run_id: int, T: int, first_step: int, n: int, shot: Path) -> list[float]:
+    """Seconds from just before a step's POST to the page showing it, for `n` steps one at a time."""
+    context = browser.new_context(viewport=VIEWPORT)
+    page = context.new_page()
+    page.on("console", lambda m: print("  page:", m.text) if m.type == "error" else None)
+    page.goto(f"{url}/#/runs/{run_id}")
+    page.wait_for_function(
+        "() => window.fp8scope.drawn.heatmap && window.fp8scope.drawn.curves", timeout=60_000
+    )
+    page.wait_for_function(f"() => (window.fp8scope.streams || []).includes('/runs/{run_id}/stream')")
+    stream = StatStream(T, seed=3)  # the run's own distribution: live steps as quiet as the rest
+    delays = []
+    with httpx.Client(timeout=30) as client:
+        for i in range(n):
+            step = first_step + i
+            body = orjson.dumps(
+                batch_body(f"live-{step}", [step], stream.steps(1), encoding="float32", losses=[1.0])
+            )
+            posted = time.time()
+            client.post(
+                f"{url}{API}/runs/{run_id}/telemetry",
+                content=body,
+                headers={"content-type": "application/json"},
+            ).raise_for_status()
+            # poll from here: the page stamps the moment itself, so the polling period does not matter
+            seen = None
+            deadline = time.monotonic() + 10
+            while seen is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+                shown = page.evaluate("document.getElementById('run-last-step').textContent") == str(step)
+                seen = page.evaluate(f"window.fp8scope.stepSeen['{run_id}:{step}']") if shown else None
+            if seen is None:
+                raise RuntimeError(f"step {step} did not appear on the page within 10 s")
+            delays.append(seen / 1000.0 - posted)
+            time.sleep(0.3)
+    page.wait_for_timeout(8000)  # let the (throttled) live heatmap refresh include the new steps
+    shot.parent.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(shot), full_page=True)
+    context.close()
+    return delays
+
+
+def server_requests(url: str, run_id: int, query: dict, repeats: int = 5) -> dict:
+    """The page's first requests timed alone from Python (median ms, bytes): the heatmap as packed binary
+    (what the page uses) and as JSON, and the three scalar series in one request."""
+    params = {k: v for k, v in query.items() if v is not None}
+    cases = {
+        "heatmap_packed": (f"/runs/{run_id}/heatmap/packed", params),
+        "heatmap_json": (f"/runs/{run_id}/heatmap", params),
+        "series_multi": (
+            f"/runs/{run_id}/series/multi",
+            {"name": ["loss", "lr", "grad_norm"], "max_points": 2000},
+        ),
+    }
+    out = {}
+    with httpx.Client(timeout=60) as client:
+        for name, (path, p) in cases.items():
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                r = client.get(f"{url}{API}{path}", params=p)
+                times.append(time.perf_counter() - t0)
+                r.raise_for_status()
+            out[name] = {"median_ms": 1000 * statistics.median(times), "bytes": len(r.content)}
+    hm = httpx.get(f"{url}{API}/runs/{run_id}/heatmap", params=params, timeout=60).json()
+    out["columns"] = len(hm["bucket_start"])
+    out["bucket_width"] = hm["bucket_width"]
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tensors", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=20_000)
+    parser.add_argument("--chunk", type=int, default=250, help="steps per telemetry batch")
+    parser.add_argument("--senders", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="cold page loads (each followed by 2 warm)")
+    parser.add_argument("--live", type=int, default=10, help="steps posted one by one for the live delay")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "dashboard.json")
+    args = parser.parse_args()
+    if not Path(CHROMIUM).exists():
+        print(f"{CHROMIUM} is missing (apt-get install chromium)", file=sys.stderr)
+        return 2
+    from playwright.sync_api import sync_playwright
+
+    with tempfile.TemporaryDirectory() as tmp, running_server(f"sqlite:///{tmp}/dash.db") as srv:
+        print(f"ingesting {args.tensors} tensors x {args.steps:,} steps ...", flush=True)
+        run_id, ingest_s = ingest(srv.url, args.tensors, args.steps, args.chunk, args.senders)
+        print(f"  {ingest_s:.1f} s ({args.tensors * args.steps * 6 / ingest_s:,.0f} values/s)", flush=True)
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            loads = time_page(browser, srv.url, run_id, args.repeats)
+            shot = args.out.with_suffix(".png")
+            delays = live_delay(browser, srv.url, run_id, args.tensors, args.steps, args.live, shot)
+            browser.close()
+        alone = server_requests(srv.url, run_id, loads["cold"][0]["query"])
+
+    def summary(samples: list[dict]) -> dict:
+        pick = lambda key: statistics.median(s[key] for s in samples) / 1000.0  # noqa: E731
+        plotly_end = [s["plotly"][0]["end"] for s in samples if s["plotly"]]
+        hm = [s["heatmap_req"][0] for s in samples if s["heatmap_req"]]
+        return {
+            "plotly_js_executed_s": pick("plotly_ready"),
+            "heatmap_data_s": pick("heatmap_data"),
+            "curves_data_s": pick("curves_data"),
+            "drawn_s": pick("drawn"),
+            "heatmap_drawn_s": pick("heatmap"),
+            "curves_drawn_s": pick("curves"),
+            "plotly_js_loaded_s": statistics.median(plotly_end) / 1000.0 if plotly_end else None,
+            "heatmap_request_s": statistics.median(h["end"] - h["start"] for h in hm) / 1000.0
+            if hm
+            else None,
+            "heatmap_response_end_s": statistics.median(h["end"] for h in hm) / 1000.0 if hm else None,
+            "samples_s": [s["drawn"] / 1000.0 for s in samples],
+        }
+
+    results = {
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            # other work on the machine slows both the server and the browser: report it with the numbers
+            "load_average_1min_at_end": os.getloadavg()[0],
+        },
+        "params": vars(args) | {"out": str(args.out)},
+        "ingest_seconds": ingest_s,
+        "page_cold": summary(loads["cold"]),
+        "page_warm": summary(loads["warm"]),
+        "heatmap_query": loads["cold"][0]["query"],
+        "requests_alone": alone,
+        "live_delay_s": {"median": statistics.median(delays), "max": max(delays), "samples": delays},
+    }
+    results["goals"] = {
+        f"drawn_cold_s<={GOAL_DRAWN_S}": results["page_cold"]["drawn_s"] <= GOAL_DRAWN_S,
+        f"drawn_warm_s<={GOAL_DRAWN_S}": results["page_warm"]["drawn_s"] <= GOAL_DRAWN_S,
+        f"live_max_s<={GOAL_LIVE_S}": max(delays) <= GOAL_LIVE_S,
+    }
+    c, w = results["page_cold"], results["page_warm"]
+    print()
+    print(
+        f"run page, {args.tensors} tensors x {args.steps:,} steps, headless Chromium, "
+        "medians (s from navigation)"
+    )
+    print(f"{'':<34}{'cold':>8}{'warm':>8}")
+    for label, key in (
+        ("plotly.js downloaded", "plotly_js_loaded_s"),
+        ("plotly.js executed", "plotly_js_executed_s"),
+        ("heatmap response complete", "heatmap_response_end_s"),
+        ("  of which the request itself", "heatmap_request_s"),
+        ("heatmap data unpacked", "heatmap_data_s"),
+        ("curves data parsed", "curves_data_s"),
+        ("curves drawn", "curves_drawn_s"),
+        ("heatmap drawn", "heatmap_drawn_s"),
+        ("fully drawn (goal <= 1.5)", "drawn_s"),
+    ):
+        fmt = lambda v: f"{v:8.3f}" if v is not None else f"{'-':>8}"  # noqa: E731
+        print(f"{label:<34}{fmt(c[key])}{fmt(w[key])}")
+    q, a = results["heatmap_query"], results["requests_alone"]
+    print(f"heatmap: max_cols={q['max_cols']} -> {a['columns']} columns of {a['bucket_width']} steps")
+    for name in ("heatmap_packed", "heatmap_json", "series_multi"):
+        print(f"  {name:<16} alone: {a[name]['median_ms']:6.0f} ms, {a[name]['bytes'] / 1e6:6.2f} MB")
+    d = results["live_delay_s"]
+    print(f"step POSTed -> shown on the page: median {d['median']:.3f} s, max {d['max']:.3f} s (goal <= 2)")
+    print(f"load average (1 min) at the end: {results['machine']['load_average_1min_at_end']:.1f}")
+    print("goals:", json.dumps(results["goals"]))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    print(
+        f"wrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out} and {shot.name}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

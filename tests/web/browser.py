@@ -1,0 +1,39 @@
+"""How the browser tests and bench/dashboard.py start Chromium (Debian's build, headless, quiet), and what
+the tests wait for on a page."""
+
+from __future__ import annotations
+
+from typing import Any
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+#: a laptop screen
+VIEWPORT = {"width": 1366, "height": 860}
+
+
+def wait_drawn(page: Any, *kinds: str, timeout: float = 15_000) -> None:
+    """Wait until the page reports the plots `kinds` drawn (plotly afterplot with data loaded)."""
+    page.wait_for_function(
+        "kinds => kinds.every(k => window.fp8scope && window.fp8scope.drawn[k] !== undefined)",
+        arg=list(kinds),
+        timeout=timeout,
+    )
+
+
+def wait_stream(page: Any, path: str, timeout: float = 10_000) -> None:
+    """Wait until the page's event stream at `path` (e.g. "/runs/3/stream") is connected."""
+    page.wait_for_function("p => (window.fp8scope.streams || []).includes(p)", arg=path, timeout=timeout)
+
+
+def no_page_errors(page: Any) -> None:
+    """Assert the page raised nothing (console errors for failed fetches of a 401 excepted by callers)."""
+    assert not page.probe.errors, page.probe.errors
+    assert not page.evaluate("window.fp8scope.errors"), page.evaluate("window.fp8scope.errors")

@@ -1,0 +1,145 @@
+"""The run page's heatmap: rows per tensor grouped by layer, buckets as the API plans them, NaN cells in
+their own colour, zoom refetching finer buckets, collapsing and filtering; and the curves."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.server.utils import API
+from tests.web.browser import no_page_errors, wait_drawn
+from tests.web.dashboard_data import create_run, post_steps, smooth_stats
+
+pytestmark = pytest.mark.slow  # a real browser and server: several seconds each
+
+N_LAYERS = 4
+STEPS = 3000
+NAN_STEP, NAN_TENSOR = 1234, 4  # blocks.1.mlp.fc.weight
+SATURATED_STEP = 2000
+
+
+def heatmap_state(page) -> dict:
+    """The drawn heatmap: the colour matrix, its grid, and the marker traces of non-finite cells."""
+    return page.evaluate(
+        """() => {
+        const gd = document.getElementById('heatmap');
+        const [main, ...rest] = gd.data;
+        const markers = {};
+        for (const t of rest.filter(t => t.type === 'scatter'))
+            markers[t.name] = {colour: t.marker.color, cells: t.customdata || []};
+        return {rows: main.z.length, cols: main.z[0].length, x0: main.x0, dx: main.dx, z: main.z,
+                ticktext: gd.layout.yaxis.ticktext, markers, colorscale: gd._fullData[0].colorscale,
+                info: document.getElementById('heatmap-info').textContent};
+    }"""
+    )
+
+
+def test_heatmap_tensors_buckets_nan_zoom(server, page):
+    run = create_run(server.url, "heatmap-run", N_LAYERS)
+    stats = smooth_stats(STEPS, 3 * N_LAYERS)
+    stats["amax"][NAN_STEP, NAN_TENSOR] = np.nan
+    stats["nonfinite"][NAN_STEP, NAN_TENSOR] = 3
+    stats["amax"][SATURATED_STEP, 0] *= 1000.0  # amax * scale far above 448: headroom < 0
+    for first in range(0, STEPS, 1000):
+        part = {k: v[first : first + 1000] for k, v in stats.items()}
+        post_steps(server.url, run["id"], f"b{first}", first, part)
+
+    page.goto(f"{server.url}/#/runs/{run['id']}")
+    wait_drawn(page, "heatmap", "curves")
+    state = heatmap_state(page)
+    # one row per tensor, grouped by layer with input, weight, grad_output inside each
+    assert state["rows"] == 3 * N_LAYERS
+    assert state["ticktext"][:3] == [
+        "blocks.0.mlp.fc.input",
+        "blocks.0.mlp.fc.weight",
+        "blocks.0.mlp.fc.grad_output",
+    ]
+    # the columns are the server's buckets for the plot's width
+    # at most one column per pixel of the drawn cells
+    query = page.evaluate("window.fp8scope.heatmapQuery")
+    width = page.evaluate("() => Number(document.querySelector('#heatmap .nsewdrag').getAttribute('width'))")
+    assert query["metric"] == "amax" and 0.9 * width <= query["max_cols"] <= width
+    api = httpx.get(
+        f"{server.url}{API}/runs/{run['id']}/heatmap", params={"max_cols": query["max_cols"]}
+    ).json()
+    assert state["cols"] == len(api["bucket_start"]) and state["cols"] > 100
+    width = api["bucket_width"]
+    assert state["dx"] == width and state["x0"] == api["bucket_start"][0] + width / 2
+    # the NaN cell: no colour from the scale, a marker of its own colour (in the legend) instead, only there
+    col = next(
+        i
+        for i, (s, e) in enumerate(zip(api["bucket_start"], api["bucket_end"], strict=True))
+        if s <= NAN_STEP <= e
+    )
+    row = state["ticktext"].index("blocks.1.mlp.fc.weight")
+    assert state["markers"]["NaN"]["cells"] == [[row, col]]
+    assert state["markers"]["+Inf"]["cells"] == [] and state["markers"]["-Inf"]["cells"] == []
+    assert state["z"][row][col] is None
+    assert sum(v is None for line in state["z"] for v in line) == 1
+    nan_colour = state["markers"]["NaN"]["colour"]
+    assert (
+        nan_colour not in {c for _, c in state["colorscale"]}
+        and len({m["colour"] for m in state["markers"].values()}) == 3
+    )
+    legend = page.eval_on_selector_all("#heatmap .legendtext", "ts => ts.map(t => t.textContent)")
+    assert legend == ["NaN", "+Inf", "-Inf"]
+    assert "NaN present" in state["info"]
+
+    # zoom on the steps around the NaN: the page asks for that range and gets finer buckets
+    wide_width = api["bucket_width"]
+    assert wide_width > 1
+    page.evaluate(
+        "([a, b]) => Plotly.relayout(document.getElementById('heatmap'),"
+        " {'xaxis.range[0]': a, 'xaxis.range[1]': b})",
+        [NAN_STEP - 100, NAN_STEP + 100],
+    )
+    page.wait_for_function(
+        "() => document.getElementById('heatmap-info').textContent.includes('buckets of 1 step ')"
+    )
+    zoomed = heatmap_state(page)
+    assert zoomed["x0"] == NAN_STEP - 100 + 0.5 and zoomed["dx"] == 1 and zoomed["cols"] == 200
+    assert zoomed["markers"]["NaN"]["cells"] == [[row, 100]]
+
+    # 500-tensor usability: filter by name, collapse layers into one row each (NaN propagates)
+    page.fill("#heatmap-search", "blocks.2.")
+    page.wait_for_function("() => document.getElementById('heatmap').data[0].z.length === 3")
+    page.fill("#heatmap-search", "")
+    page.click("#heatmap-collapse")
+    page.wait_for_function(f"() => document.getElementById('heatmap').data[0].z.length === {N_LAYERS}")
+    collapsed = heatmap_state(page)
+    assert collapsed["markers"]["NaN"]["cells"] == [[1, 100]]
+
+    # headroom: the saturated cell gets its own marker colour, the NaN stays NaN
+    page.click("#heatmap-expand")
+    page.click("#heatmap-reset")
+    page.select_option("#heatmap-metric", "headroom")
+    page.wait_for_function(
+        "() => document.getElementById('heatmap').data.some(t => t.name === 'saturated (headroom ≤ 0)')"
+    )
+    head = heatmap_state(page)
+    sat_col = SATURATED_STEP // head["dx"] - (head["x0"] - head["dx"] / 2) // head["dx"]
+    assert head["markers"]["saturated (headroom ≤ 0)"]["cells"] == [[0, sat_col]]
+    assert head["markers"]["NaN"]["cells"] == [[row, col]]
+    assert len({m["colour"] for m in head["markers"].values()}) == 4
+
+    # a layer's drill-down: amax, scale, overflow and underflow lines of its three tensors
+    page.click("#layers-table tr:has(td.name:text-is('blocks.1.mlp.fc'))")
+    page.wait_for_selector("#drilldown-plot .main-svg")
+    lines = page.evaluate(
+        "document.getElementById('drilldown-plot').data.filter(t => t.mode === 'lines').map(t => t.yaxis)"
+    )
+    assert sorted(lines) == sorted(["y", "y2", "y3", "y4"] * 3)
+    no_page_errors(page)
+
+
+def test_run_without_steps_and_unknown_run(server, page):
+    run = create_run(server.url, "no-steps-yet", 2)
+    page.goto(f"{server.url}/#/runs/{run['id']}")
+    wait_drawn(page, "heatmap", "curves")
+    assert page.text_content("#run-last-step") == "–"
+    assert page.text_content("#heatmap-info").startswith("6 rows × 0 buckets")
+    no_page_errors(page)
+    page.goto(f"{server.url}/#/runs/987654")
+    page.wait_for_selector("#app p.error")
+    assert "run 987654 not found" in page.text_content("#app p.error")

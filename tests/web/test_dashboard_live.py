@@ -1,0 +1,85 @@
+"""Live updates without a reload (steps on the run page and the runs list), and alerts with acknowledge."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.server.utils import API
+from tests.web.browser import no_page_errors, wait_drawn, wait_stream
+from tests.web.dashboard_data import create_run, post_steps, smooth_stats
+
+pytestmark = pytest.mark.slow  # a real browser and server: several seconds each
+
+
+def test_step_posted_appears_without_reload(server, page):
+    run = create_run(server.url, "live-run", 2)
+    post_steps(server.url, run["id"], "first", 0, smooth_stats(50, 6))
+    page.goto(f"{server.url}/#/runs/{run['id']}")
+    wait_drawn(page, "heatmap", "curves")
+    wait_stream(page, f"/runs/{run['id']}/stream")
+    page.evaluate("window.__sameDocument = true")
+
+    posted = time.time()
+    post_steps(server.url, run["id"], "live", 50, smooth_stats(1, 6, seed=1), losses=np.array([1.25]))
+    page.wait_for_function(
+        "() => document.getElementById('run-last-step').textContent === '50'", timeout=2000
+    )
+    seen_ms = page.evaluate(f"window.fp8scope.stepSeen['{run['id']}:50']")
+    assert seen_ms / 1000 - posted < 2.0
+    assert page.evaluate("window.__sameDocument") is True  # no reload happened
+    assert page.text_content("#run-last-loss") == "1.25"
+    # the loss curve got the new point appended
+    page.wait_for_function(
+        "() => { const x = document.getElementById('curves').data[0].x; return x[x.length - 1] === 50; }"
+    )
+    assert page.evaluate("document.getElementById('curves').data[0].y.at(-1)") == 1.25
+    no_page_errors(page)
+
+
+def test_runs_list_is_live(server, page):
+    page.goto(f"{server.url}/#/")
+    page.wait_for_selector("#runs-table")
+    wait_stream(page, "/stream")
+    page.evaluate("window.__sameDocument = true")
+    run = create_run(server.url, "appears-live", 1)
+    row = f"#runs-table tr[data-run-id='{run['id']}']"
+    page.wait_for_selector(row, timeout=2500)
+    post_steps(server.url, run["id"], "k", 0, smooth_stats(7, 3), losses=np.linspace(3, 2.5, 7))
+    page.wait_for_function(
+        "sel => document.querySelector(sel + ' td.step').textContent === '6'", arg=row, timeout=2000
+    )
+    assert page.text_content(f"{row} td.loss") == "2.5"
+    # newest first
+    assert page.get_attribute("#runs-table tbody tr:first-child", "data-run-id") == str(run["id"])
+    page.wait_for_selector(f"{row} td.spark svg polyline")
+    assert page.evaluate("window.__sameDocument") is True
+    no_page_errors(page)
+
+
+def test_alert_appears_and_is_acknowledged(server, page):
+    run = create_run(server.url, "alert-run", 2)
+    post_steps(server.url, run["id"], "quiet", 0, smooth_stats(40, 6))
+    page.goto(f"{server.url}/#/runs/{run['id']}")
+    wait_drawn(page, "heatmap", "curves")
+    wait_stream(page, f"/runs/{run['id']}/stream")
+    assert page.text_content("#alerts-list") == "No alerts."
+
+    bad = smooth_stats(1, 6, seed=2)
+    bad["amax"][0, 3] = np.inf
+    bad["nonfinite"][0, 3] = 5
+    post_steps(server.url, run["id"], "bad", 40, bad)
+    item = page.wait_for_selector("#alerts-list li.alert[data-state='open']", timeout=2000)
+    assert "nonfinite" in item.text_content() and "blocks.1.mlp.fc.input" in item.text_content()
+    alert_id = item.get_attribute("data-alert-id")
+
+    page.click(f"#alerts-list li[data-alert-id='{alert_id}'] button.ack")
+    page.wait_for_selector(f"#alerts-list li[data-alert-id='{alert_id}'][data-state='acknowledged']")
+    stored = httpx.get(f"{server.url}{API}/runs/{run['id']}/alerts").json()
+    acked = next(a for a in stored if str(a["id"]) == alert_id)
+    assert acked["state"] == "acknowledged" and acked["acknowledged_by"] == "anonymous"
+    assert page.is_disabled(f"#alerts-list li[data-alert-id='{alert_id}'] button.ack")
+    no_page_errors(page)

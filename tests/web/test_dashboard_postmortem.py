@@ -1,0 +1,87 @@
+"""Post-mortem of a crashed run: the first non-finite (step, tensor) highlighted, a timeline before each loss
+spike (from the flight recorder when the event carries one, else from the stored series), and the
+comparison of two runs (loss overlay, log2 amax difference)."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.server.utils import API
+from tests.web.browser import no_page_errors, wait_drawn
+from tests.web.dashboard_data import create_run, post_steps, smooth_stats
+
+pytestmark = pytest.mark.slow  # a real browser and server: several seconds each
+
+STEPS = 200
+FIRST_BAD = (150, 7)  # blocks.2.mlp.fc.weight
+LATER_BAD = (160, 1)
+
+
+def test_postmortem_and_comparison(server, page):
+    run = create_run(server.url, "crashed-run", 3)
+    twin = create_run(server.url, "twin-run", 3)
+    stats = smooth_stats(STEPS, 9, seed=5)
+    twin_stats = {k: v.copy() for k, v in stats.items()}
+    twin_stats["amax"] *= 2.0  # every amax one binade higher in the twin
+    for step, t in (FIRST_BAD, LATER_BAD):
+        stats["amax"][step, t] = np.nan
+        stats["nonfinite"][step, t] = 4
+    flight = [{"step": s, "loss": 2.0 + (s == 100) * 5.0, "grad_norm": 1.0} for s in range(85, 101)]
+    events = [
+        {
+            "kind": "loss_spike",
+            "step": 100,
+            "details": {"last_steps": flight, "histograms": {"blocks.0.mlp.fc.weight": [0, 3, 9]}},
+        },
+        {"kind": "loss_spike", "step": 180, "details": {}},
+    ]
+    losses = np.full(STEPS, 2.0)
+    post_steps(server.url, run["id"], "a", 0, stats, losses=losses, events=events)
+    post_steps(server.url, twin["id"], "a", 0, twin_stats, losses=losses + 0.5)
+    assert httpx.patch(f"{server.url}{API}/runs/{run['id']}", json={"status": "crashed"}).status_code == 200
+
+    page.goto(f"{server.url}/#/runs/{run['id']}")
+    wait_drawn(page, "heatmap", "curves")
+    # the first non-finite value, named, and outlined on the heatmap
+    page.wait_for_selector("#first-nonfinite")
+    assert page.text_content("#first-nonfinite .name") == "blocks.2.mlp.fc.weight"
+    assert "at step 150" in page.text_content("#first-nonfinite")
+    assert "crashed" in page.text_content("#postmortem")
+    page.click("#show-first-nonfinite")
+    page.wait_for_function(
+        "() => document.getElementById('heatmap-info').textContent.includes('buckets of 1 step ')"
+    )
+    shape = page.evaluate("document.getElementById('heatmap').layout.shapes[0]")
+    ticks = page.evaluate("document.getElementById('heatmap').layout.yaxis.ticktext")
+    assert shape["x0"] == 150 and shape["x1"] == 151
+    assert ticks[round(shape["y0"] + 0.5)] == "blocks.2.mlp.fc.weight"
+
+    # a timeline per spike: the flight recorder's 16 steps, and the stored series where there is none
+    page.wait_for_selector("#postmortem .timeline[data-step='100'][data-points]")
+    page.wait_for_selector("#postmortem .timeline[data-step='180'][data-points]")
+    assert page.get_attribute("#postmortem .timeline[data-step='100']", "data-points") == "16"
+    assert "flight recorder" in page.text_content("#postmortem .timeline[data-step='100']")
+    assert page.get_attribute("#postmortem .timeline[data-step='180']", "data-points") == str(180 - 116 + 1)
+    assert "stored series" in page.text_content("#postmortem .timeline[data-step='180']")
+    # spike markers on the loss curve
+    spikes = page.evaluate("document.getElementById('curves').data.find(t => t.name === 'loss spike').x")
+    assert sorted(spikes) == [100, 180]
+
+    # comparison: loss overlay and the amax difference (twin is 2x everywhere -> -1 binade)
+    page.goto(f"{server.url}/#/compare?a={run['id']}&b={twin['id']}")
+    page.wait_for_function("() => window.fp8scope.drawn.compare !== undefined")
+    losses_drawn = page.evaluate("document.getElementById('compare-loss').data.map(t => t.y[0])")
+    assert losses_drawn == [2.0, 2.5]
+    diff = page.evaluate(
+        "(() => { const d = document.getElementById('compare-diff').data;"
+        " return {z: d[0].z, s: d[1].z, x0: d[0].x0, dx: d[0].dx}; })()"
+    )
+    assert len(diff["z"]) == 9 and len(diff["z"][0]) == STEPS and (diff["x0"], diff["dx"]) == (0.5, 1)
+    finite = [v for row in diff["z"] for v in row if v is not None]
+    assert len(finite) == 9 * STEPS - 2 and all(abs(v + 1.0) < 1e-9 for v in finite)
+    flagged = sorted((r, c) for r, row in enumerate(diff["s"]) for c, v in enumerate(row) if v == 1)
+    # rows in layer order (input, weight, grad_output): tensor 7 is row 7, tensor 1 is row 1
+    assert flagged == [(1, 160), (7, 150)]
+    no_page_errors(page)

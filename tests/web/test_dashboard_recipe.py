@@ -1,0 +1,108 @@
+"""The recipe editor: a change made in the page reaches GET /runs/{id}/commands with the right content, its
+state follows the training job's delivery and acknowledgement live, and applied changes can be rolled back."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.server.utils import API
+from tests.web.browser import no_page_errors, wait_drawn, wait_stream
+from tests.web.dashboard_data import create_run, post_steps, smooth_stats
+
+pytestmark = pytest.mark.slow  # a real browser and server: several seconds each
+
+#: true when the audit trail's row of command `id` is in `state`
+STATE_IS = (
+    "([id, state]) => document.querySelector(`#commands-table tr[data-command-id='${id}']`)"
+    ".dataset.state === state"
+)
+
+
+def state_cell(page, command_id: int) -> str:
+    return page.text_content(f"#commands-table tr[data-command-id='{command_id}'] td.command-state")
+
+
+def test_recipe_change_round_trip(server, page):
+    run = create_run(server.url, "recipe-run", 2)
+    rid = run["id"]
+    post_steps(server.url, rid, "a", 0, smooth_stats(60, 6))
+    page.goto(f"{server.url}/#/runs/{rid}")
+    wait_drawn(page, "heatmap", "curves")
+    wait_stream(page, f"/runs/{rid}/stream")
+
+    page.select_option("#recipe-target", "blocks.1.mlp.fc")
+    page.fill("#recipe-margin", "2")
+    page.select_option("#recipe-fp8", "off")
+    page.select_option("#recipe-algo", "most_recent")
+    page.click("#recipe-submit")
+    page.wait_for_selector("#commands-table tr[data-command-id]")
+    commands = httpx.get(f"{server.url}{API}/runs/{rid}/commands").json()
+    assert len(commands) == 1
+    cmd = commands[0]
+    assert cmd["kind"] == "recipe_change" and cmd["target"] == "blocks.1.mlp.fc"
+    assert cmd["changes"] == {"margin": 2, "fp8_enabled": False, "amax_compute_algo": "most_recent"}
+    assert cmd["state"] == "pending" and state_cell(page, cmd["id"]) == "pending"
+
+    # the training job's next batch delivers it ...
+    reply = post_steps(server.url, rid, "b", 60, smooth_stats(1, 6))
+    assert [c["id"] for c in reply["commands"]] == [cmd["id"]]
+    page.wait_for_function(
+        STATE_IS,
+        arg=[cmd["id"], "delivered"],
+        timeout=2000,
+    )
+    # ... and a later one acknowledges it as applied at step 61
+    post_steps(
+        server.url,
+        rid,
+        "c",
+        61,
+        smooth_stats(1, 6),
+        acks=[{"command_id": cmd["id"], "state": "applied", "step": 61}],
+    )
+    page.wait_for_function(
+        STATE_IS,
+        arg=[cmd["id"], "applied"],
+        timeout=2000,
+    )
+    assert state_cell(page, cmd["id"]) == "applied at step 61"
+    # the recipe in force now lists the layer override
+    page.wait_for_selector("#recipe-effective tr[data-target='blocks.1.mlp.fc']")
+    cells = page.eval_on_selector_all(
+        "#recipe-effective tr[data-target='blocks.1.mlp.fc'] td", "tds => tds.map(td => td.textContent)"
+    )
+    assert cells == ["blocks.1.mlp.fc", "2", "16", "most_recent", "1", "delayed", "off"]
+
+    # roll it back from the audit trail
+    page.click(f"#commands-table tr[data-command-id='{cmd['id']}'] button.rollback")
+    page.wait_for_function(
+        "() => document.querySelectorAll('#commands-table tr[data-command-id]').length === 2"
+    )
+    latest = httpx.get(f"{server.url}{API}/runs/{rid}/commands").json()[0]
+    assert latest["kind"] == "rollback" and latest["rollback_of"] == cmd["id"]
+    assert latest["changes"] == {"margin": 0, "fp8_enabled": True, "amax_compute_algo": "max"}
+
+    # a rejection shows with its reason
+    post_steps(server.url, rid, "d", 62, smooth_stats(1, 6))
+    post_steps(
+        server.url,
+        rid,
+        "e",
+        63,
+        smooth_stats(1, 6),
+        acks=[{"command_id": latest["id"], "state": "rejected", "reason": "layer is frozen"}],
+    )
+    page.wait_for_function(
+        STATE_IS,
+        arg=[latest["id"], "rejected"],
+        timeout=2000,
+    )
+    assert state_cell(page, latest["id"]) == "rejected: layer is frozen"
+
+    # a bad value is refused in the page with a message naming the field, nothing is sent
+    page.fill("#recipe-interval", "0")
+    page.click("#recipe-submit")
+    assert "interval" in page.text_content("#recipe-error")
+    assert len(httpx.get(f"{server.url}{API}/runs/{rid}/commands").json()) == 2
+    no_page_errors(page)

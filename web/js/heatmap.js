@@ -1,0 +1,421 @@
+// The tensors x steps heatmap of one metric (GET /runs/{id}/heatmap): rows grouped by layer (input, weight,
+// grad_output inside each) or by role, layers collapsible into one row (the bucket aggregate of their
+// tensors), a name filter, non-finite cells drawn by an overlay trace in their own colours, hover details
+// in a tooltip, and x zoom that refetches the visible step range at the resolution the plot can show.
+
+import { apiBinary, qs } from "./api.js";
+import { el, fmt, mark, plotly, plotlyText } from "./dom.js";
+
+export const METRICS = {
+  amax: { label: "amax (log2)", agg: "max", colorscale: "Viridis", colorbar: "log2 amax" },
+  scale: { label: "scale (log2)", agg: "max", colorscale: "Cividis", colorbar: "log2 scale" },
+  overflow: { label: "overflow (count)", agg: "sum", colorscale: "Reds", colorbar: "log10(1+count)" },
+  underflow: { label: "underflow (count)", agg: "sum", colorscale: "Blues", colorbar: "log10(1+count)" },
+  nonfinite: { label: "non-finite (count)", agg: "sum", colorscale: "Purples", colorbar: "log10(1+count)" },
+  headroom: { label: "headroom log2(FP8_MAX/(amax·scale))", agg: "min", colorscale: "YlGnBu", colorbar: "headroom (binades)" },
+};
+export const ROLE_ORDER = { input: 0, weight: 1, grad_output: 2 };
+/** overlay categories: code -> [legend name, colour] */
+export const SPECIAL = {
+  1: ["NaN", "#ff00ff"],
+  2: ["+Inf", "#111111"],
+  3: ["-Inf", "#00bcd4"],
+  4: ["saturated (headroom ≤ 0)", "#ff7f00"],
+};
+const HOVER_METRICS = ["amax", "scale", "overflow", "underflow", "nonfinite"];
+const MARGIN = { l: 230, r: 20, t: 10, b: 40 };
+const COLORBAR_PX = 90; // the colour bar sits right of the cells
+const MAX_MARKERS = 20000; // beyond this many non-finite cells, an overlay heatmap draws them
+
+/** Fetch `GET /runs/{id}/heatmap/packed` and unpack it: the JSON header's fields plus T, C, `vals`
+ * (Float64Array, row-major, NaN/Inf native) and `emptyCol` (1 where a bucket holds no stored step). */
+export async function fetchHeatmap(runId, params) {
+  const buffer = await apiBinary(`/runs/${runId}/heatmap/packed${qs(params)}`);
+  const n = new DataView(buffer).getUint32(0, true);
+  const head = JSON.parse(new TextDecoder().decode(new Uint8Array(buffer, 4, n)));
+  const offset = 4 + n + ((8 - ((4 + n) % 8)) % 8);
+  const T = head.rows;
+  const C = head.cols;
+  const vals = new Float64Array(buffer, offset, T * C);
+  const emptyCol = Uint8Array.from(head.bucket_steps, (k) => (k === 0 ? 1 : 0));
+  return { ...head, T, C, vals, emptyCol };
+}
+
+/** Aggregate cells the way the server's buckets do (NaN propagates). */
+function aggregate(how, values) {
+  let out = how === "sum" ? 0 : how === "max" ? -Infinity : Infinity;
+  for (const v of values) {
+    if (Number.isNaN(v)) return NaN;
+    if (how === "sum") out += v;
+    else if (how === "max") out = Math.max(out, v);
+    else out = Math.min(out, v);
+  }
+  return out;
+}
+
+/** (colour value or null, overlay code or null) of a raw cell value for `metric`. */
+export function cellColour(metric, v, isEmpty) {
+  if (isEmpty) return [null, null];
+  if (Number.isNaN(v)) return [null, 1];
+  if (v === Infinity) return [null, 2];
+  if (v === -Infinity) return [null, 3];
+  if (metric === "amax" || metric === "scale") return [v > 0 ? Math.log2(v) : null, null];
+  if (metric === "headroom") return v <= 0 ? [v, 4] : [v, null];
+  return [Math.log10(1 + Math.max(0, v)), null];
+}
+
+export class Heatmap {
+  /** `opts`: {runId, onDrawn(kind), title}. Call `load()` to fetch and draw. */
+  constructor(container, opts) {
+    this.runId = opts.runId;
+    this.onDrawn = opts.onDrawn || (() => {});
+    this.metric = "amax";
+    this.groupBy = "layer";
+    this.filter = "";
+    this.collapsed = new Set();
+    this.range = null; // [from, to] when zoomed
+    this.data = null;
+    this.companions = new Map(); // metric -> parsed heatmap with the same bucket layout
+    this.marker = null; // {step, tensorIndex, label}
+    this.rows = [];
+    this.build(container);
+  }
+
+  build(container) {
+    const metricSelect = el("select", { id: "heatmap-metric", "aria-label": "metric" },
+      ...Object.entries(METRICS).map(([k, m]) => el("option", { value: k }, m.label)));
+    metricSelect.addEventListener("change", () => {
+      this.metric = metricSelect.value;
+      this.load();
+    });
+    const groupSelect = el("select", { id: "heatmap-group", "aria-label": "group by" },
+      el("option", { value: "layer" }, "group by layer"), el("option", { value: "role" }, "group by role"));
+    groupSelect.addEventListener("change", () => {
+      this.groupBy = groupSelect.value;
+      this.render();
+    });
+    const search = el("input", { id: "heatmap-search", type: "search", placeholder: "filter tensors by name", size: 28 });
+    let timer = null;
+    search.addEventListener("input", () => {
+      clearTimeout(timer);
+      timer = setTimeout(() => {
+        this.filter = search.value.trim().toLowerCase();
+        this.render();
+      }, 150);
+    });
+    const collapseAll = el("button", { type: "button", class: "small", id: "heatmap-collapse" }, "Collapse layers");
+    collapseAll.addEventListener("click", () => {
+      if (!this.data) return;
+      for (const t of this.data.tensors) this.collapsed.add(t.layer);
+      this.render();
+    });
+    const expandAll = el("button", { type: "button", class: "small", id: "heatmap-expand" }, "Expand layers");
+    expandAll.addEventListener("click", () => {
+      this.collapsed.clear();
+      this.render();
+    });
+    const reset = el("button", { type: "button", class: "small", id: "heatmap-reset" }, "Full range");
+    reset.addEventListener("click", () => {
+      this.range = null;
+      this.load();
+    });
+    this.info = el("span", { class: "muted", id: "heatmap-info" });
+    this.plot = el("div", { id: "heatmap", class: "heatmap-plot" });
+    this.scroller = el("div", { class: "heatmap-scroll" }, this.plot);
+    container.append(
+      el("div", { class: "controls" }, metricSelect, groupSelect, search, collapseAll, expandAll, reset, this.info),
+      el("p", { class: "hint muted" }, "Drag across steps to zoom (finer buckets are fetched); click a row to collapse or expand its layer."),
+      this.scroller,
+    );
+    this.tooltip = document.getElementById("tooltip");
+  }
+
+  /** Width in pixels of the plotting area, which is also the number of columns worth asking for. */
+  plotWidth() {
+    return Math.max(100, (this.scroller.clientWidth || 900) - MARGIN.l - MARGIN.r - COLORBAR_PX);
+  }
+
+  async fetch(metric) {
+    const [from, to] = this.range || [null, null];
+    const query = { metric, from, to, max_cols: Math.round(this.plotWidth()) };
+    if (metric === this.metric) window.fp8scope.heatmapQuery = query;
+    return fetchHeatmap(this.runId, query);
+  }
+
+  /** Fetch the current metric for the current range and draw it. */
+  async load() {
+    const seq = (this.seq = (this.seq || 0) + 1);
+    this.info.textContent = "loading…";
+    const data = await this.fetch(this.metric);
+    mark("heatmap-data");
+    if (seq !== this.seq || this.dead) return; // a newer request superseded this one
+    this.data = data;
+    this.companions = new Map([[this.metric, data]]);
+    await this.render();
+  }
+
+  /** The displayed rows: tensors (or collapsed layers) after grouping and filtering. */
+  computeRows() {
+    const d = this.data;
+    const match = (t) => !this.filter || t.name.toLowerCase().includes(this.filter) || t.layer.toLowerCase().includes(this.filter);
+    const layerOrder = new Map();
+    for (const t of d.tensors) if (!layerOrder.has(t.layer)) layerOrder.set(t.layer, layerOrder.size);
+    const tensors = d.tensors.filter(match);
+    const rows = [];
+    if (this.groupBy === "role") {
+      tensors.sort((a, b) => (ROLE_ORDER[a.role] - ROLE_ORDER[b.role]) || (layerOrder.get(a.layer) - layerOrder.get(b.layer)) || (a.index - b.index));
+      for (const t of tensors) rows.push({ kind: "tensor", indices: [t.index], label: t.name, layer: t.layer, tensor: t });
+      return rows;
+    }
+    const byLayer = new Map();
+    for (const t of tensors) {
+      if (!byLayer.has(t.layer)) byLayer.set(t.layer, []);
+      byLayer.get(t.layer).push(t);
+    }
+    const layers = [...byLayer.keys()].sort((a, b) => layerOrder.get(a) - layerOrder.get(b));
+    for (const layer of layers) {
+      const ts = byLayer.get(layer).sort((a, b) => (ROLE_ORDER[a.role] - ROLE_ORDER[b.role]) || (a.index - b.index));
+      if (this.collapsed.has(layer)) {
+        rows.push({ kind: "layer", indices: ts.map((t) => t.index), label: `▸ ${layer} (${ts.length})`, layer });
+      } else {
+        for (const t of ts) rows.push({ kind: "tensor", indices: [t.index], label: t.name, layer, tensor: t });
+      }
+    }
+    return rows;
+  }
+
+  /** Raw value of `row` at column c in parsed heatmap `d` (aggregated over a collapsed layer). */
+  rowValue(d, row, c, metric) {
+    const C = d.C;
+    if (d.emptyCol[c]) return [NaN, true];
+    if (row.indices.length === 1) return [d.vals[row.indices[0] * C + c], false];
+    return [aggregate(METRICS[metric].agg, row.indices.map((t) => d.vals[t * C + c])), false];
+  }
+
+  async render() {
+    const d = this.data;
+    if (!d) return;
+    const Plotly = await plotly();
+    const rows = (this.rows = this.computeRows());
+    const R = rows.length;
+    const C = d.C;
+    const z = new Array(R);
+    const specials = new Map(Object.keys(SPECIAL).map((code) => [Number(code), []])); // code -> [[r, c]]
+    let nSpecial = 0;
+    const logScale = this.metric === "amax" || this.metric === "scale";
+    for (let r = 0; r < R; r++) {
+      const zr = new Array(C);
+      const single = rows[r].indices.length === 1 ? rows[r].indices[0] * C : -1;
+      for (let c = 0; c < C; c++) {
+        let v;
+        if (d.emptyCol[c]) {
+          zr[c] = null;
+          continue;
+        }
+        if (single >= 0) v = d.vals[single + c];
+        else v = this.rowValue(d, rows[r], c, this.metric)[0];
+        // the common case inline (finite positive amax/scale); everything else through cellColour
+        if (logScale && v > 0 && v < Infinity) {
+          zr[c] = Math.log2(v);
+          continue;
+        }
+        const [colour, code] = cellColour(this.metric, v, false);
+        zr[c] = colour;
+        if (code !== null) {
+          specials.get(code).push([r, c]);
+          nSpecial++;
+        }
+      }
+      z[r] = zr;
+    }
+    // buckets are aligned to multiples of the width: a regular grid, which plotly draws an order of magnitude
+    // faster than bricks of irregular widths (the clipped first and last buckets are drawn full width)
+    const w = d.bucket_width;
+    const firstBucket = C ? Math.floor(d.bucket_start[0] / w) : 0;
+    const x0 = firstBucket * w;
+    const centre = (c) => x0 + (c + 0.5) * w;
+    const rowH = R > 0 ? Math.max(3, Math.min(18, Math.floor(640 / R))) : 18;
+    const height = Math.max(160, R * rowH + MARGIN.t + MARGIN.b);
+    const every = Math.max(1, Math.ceil(11 / rowH)); // keep tick labels at least 11 px apart
+    const tickvals = [];
+    const ticktext = [];
+    rows.forEach((row, i) => {
+      if (i % every === 0) {
+        tickvals.push(i);
+        ticktext.push(plotlyText(row.label.length > 34 ? `…${row.label.slice(-33)}` : row.label));
+      }
+    });
+    const m = METRICS[this.metric];
+    const traces = [
+      {
+        type: "heatmap", name: "values", x0: x0 + w / 2, dx: w, y0: 0, dy: 1, z, colorscale: m.colorscale, hoverinfo: "none",
+        colorbar: { title: { text: m.colorbar, side: "right" }, thickness: 12, len: Math.min(1, 400 / height), y: 1, yanchor: "top" },
+        zsmooth: false,
+      },
+    ];
+    // non-finite (and saturated) cells: few, so one square marker each, drawn above the colours and listed
+    // in the legend; a pathological run with very many falls back to a second (regular) heatmap
+    const codes = Object.keys(SPECIAL).map(Number).filter((code) => code !== 4 || this.metric === "headroom");
+    if (nSpecial > MAX_MARKERS) {
+      const special = z.map(() => new Array(C).fill(null));
+      for (const [code, cells] of specials) for (const [r, c] of cells) special[r][c] = code;
+      const scale = [];
+      codes.forEach((code, i) => scale.push([i / codes.length, SPECIAL[code][1]], [(i + 1) / codes.length, SPECIAL[code][1]]));
+      traces.push({
+        type: "heatmap", name: "non-finite", x0: x0 + w / 2, dx: w, y0: 0, dy: 1, z: special.map((row) => row.map((v) => (v === null ? null : codes.indexOf(v) + 1))),
+        colorscale: scale, zmin: 0.5, zmax: codes.length + 0.5, showscale: false, hoverinfo: "none", zsmooth: false,
+      });
+    }
+    const size = Math.max(6, Math.min(14, rowH + 2));
+    for (const code of codes) {
+      const cells = nSpecial > MAX_MARKERS ? [] : specials.get(code);
+      traces.push({
+        type: "scatter", mode: "markers", name: SPECIAL[code][0], showlegend: true, hoverinfo: "none", cliponaxis: true,
+        x: cells.length ? cells.map(([, c]) => centre(c)) : [null], y: cells.length ? cells.map(([r]) => r) : [null],
+        customdata: cells, marker: { symbol: "square", size, color: SPECIAL[code][1], line: { width: 0 } },
+      });
+    }
+    const shapes = [];
+    const annotations = [];
+    if (this.marker && C) {
+      const r = rows.findIndex((row) => row.indices.includes(this.marker.tensorIndex));
+      const c = Math.floor(this.marker.step / w) - firstBucket;
+      if (r >= 0 && c >= 0 && c < C) {
+        shapes.push({ type: "rect", x0: x0 + c * w, x1: x0 + (c + 1) * w, y0: r - 0.5, y1: r + 0.5, line: { color: "#000", width: 3 } });
+        annotations.push({ x: centre(c), y: r, text: plotlyText(this.marker.label), showarrow: true, arrowhead: 2, ax: 60, ay: -30, bgcolor: "#fff", bordercolor: "#000" });
+      }
+    }
+    const layout = {
+      height,
+      margin: MARGIN,
+      xaxis: { title: { text: "step" }, range: this.range ? [this.range[0], this.range[1] + 1] : undefined, autorange: !this.range, zeroline: false },
+      yaxis: { tickvals, ticktext, range: [R - 0.5, -0.5], fixedrange: true, zeroline: false, tickfont: { size: Math.min(11, Math.max(7, rowH)) } },
+      legend: { orientation: "h", x: 0, y: 1, yanchor: "bottom" },
+      dragmode: "zoom",
+      shapes,
+      annotations,
+    };
+    const present = new Set([...specials].filter(([, cells]) => cells.length).map(([code]) => code));
+    this.info.textContent = `${R} rows × ${C} buckets of ${w} step${w === 1 ? "" : "s"}` +
+      (present.has(1) ? " · NaN present" : "") + (present.has(2) || present.has(3) ? " · Inf present" : "");
+    if (this.dead) return;
+    mark("heatmap-traces");
+    if (!this.plotted) {
+      this.inflight = Plotly.newPlot(this.plot, traces, layout, { displaylogo: false, responsive: true, modeBarButtonsToRemove: ["lasso2d", "select2d"] });
+      await this.inflight;
+      this.plotted = true;
+      this.bindEvents();
+    } else {
+      this.inflight = Plotly.react(this.plot, traces, layout, { displaylogo: false, responsive: true });
+      await this.inflight;
+    }
+  }
+
+  /** Stop drawing (the page is being left); resolves once no plotly call is in flight. */
+  async close() {
+    this.dead = true;
+    this.seq = (this.seq || 0) + 1;
+    await Promise.allSettled([this.inflight]);
+  }
+
+  bindEvents() {
+    const gd = this.plot;
+    gd.on("plotly_afterplot", () => {
+      if (this.data) this.onDrawn("heatmap");
+    });
+    this.onDrawn("heatmap");
+    gd.on("plotly_relayout", (ev) => {
+      if (this.ignoreRelayout) return;
+      if (ev["xaxis.autorange"]) {
+        if (this.range) {
+          this.range = null;
+          this.load();
+        }
+        return;
+      }
+      const r0 = ev["xaxis.range[0]"] ?? (ev["xaxis.range"] || [])[0];
+      const r1 = ev["xaxis.range[1]"] ?? (ev["xaxis.range"] || [])[1];
+      if (r0 === undefined || r1 === undefined) return;
+      const from = Math.max(0, Math.floor(r0));
+      const to = Math.max(from, Math.ceil(r1) - 1);
+      this.range = [from, to];
+      this.load();
+    });
+    gd.on("plotly_hover", (ev) => this.hover(ev));
+    gd.on("plotly_unhover", () => {
+      this.tooltip.hidden = true;
+    });
+    gd.on("plotly_click", (ev) => {
+      const pt = ev.points && ev.points[0];
+      if (!pt || this.groupBy !== "layer") return;
+      const row = this.rows[Array.isArray(pt.customdata) ? pt.customdata[0] : Math.round(pt.y)];
+      if (!row) return;
+      if (this.collapsed.has(row.layer)) this.collapsed.delete(row.layer);
+      else this.collapsed.add(row.layer);
+      this.render();
+    });
+  }
+
+  /** Load the hover companions (scale and counts) for the current bucket layout, once per layout. */
+  async companion(metric) {
+    if (this.companions.has(metric)) return this.companions.get(metric);
+    const d = this.data;
+    const promise = this.fetch(metric).then((c) => (c.C === d.C && c.bucket_start[0] === d.bucket_start[0] ? c : null));
+    this.companions.set(metric, promise);
+    const c = await promise;
+    this.companions.set(metric, c);
+    return c;
+  }
+
+  hover(ev) {
+    const pt = ev.points && ev.points[0];
+    const d = this.data;
+    if (!pt || !d) return;
+    const cell = Array.isArray(pt.customdata) ? pt.customdata : pt.pointNumber;
+    if (!Array.isArray(cell)) return;
+    const [r, c] = cell;
+    const row = this.rows[r];
+    if (!row || c < 0 || c >= d.C) return;
+    const show = () => {
+      const lines = [];
+      if (row.kind === "tensor") lines.push([row.tensor.name, `${row.tensor.role} · ${row.tensor.format} · #${row.tensor.index}`]);
+      else lines.push([row.layer, `${row.indices.length} tensors (collapsed; bucket ${METRICS[this.metric].agg})`]);
+      lines.push(["steps", `${d.bucket_start[c]}–${d.bucket_end[c]} (${d.bucket_steps[c]} stored)`]);
+      const [v, isEmpty] = this.rowValue(d, row, c, this.metric);
+      lines.push([this.metric, isEmpty ? "no data" : fmt(v)]);
+      for (const metric of HOVER_METRICS) {
+        if (metric === this.metric) continue;
+        const comp = this.companions.get(metric);
+        if (comp === undefined || comp instanceof Promise) {
+          lines.push([metric, "…"]);
+          if (comp === undefined) this.companion(metric).then(() => { if (this.hovering === key) show(); });
+        } else if (comp) {
+          const [cv, ce] = this.rowValue(comp, row, c, metric);
+          lines.push([metric, ce ? "no data" : fmt(cv)]);
+        }
+      }
+      this.tooltip.replaceChildren(...lines.map(([k, v], i) => el("div", { class: i === 0 ? "tt-head" : "" }, el("b", {}, k), " ", v)));
+      this.tooltip.hidden = false;
+    };
+    const key = `${r}:${c}`;
+    this.hovering = key;
+    const e = ev.event;
+    if (e) {
+      this.tooltip.style.left = `${Math.min(window.innerWidth - 320, e.clientX + 14)}px`;
+      this.tooltip.style.top = `${e.clientY + 14}px`;
+    }
+    show();
+  }
+
+  /** Outline the cell of (step, tensor) with a label (the first non-finite value). */
+  setMarker(marker) {
+    this.marker = marker;
+    if (this.data) this.render();
+  }
+
+  /** Zoom to steps [from, to] (refetching them at finer resolution). */
+  zoomTo(from, to) {
+    this.range = [Math.max(0, from), to];
+    return this.load();
+  }
+}

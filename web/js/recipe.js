@@ -1,0 +1,192 @@
+// The recipe editor: the run's effective recipe (model and per-layer overrides), a form that sends a
+// change as a command (POST /runs/{id}/commands), and the audit trail of every command with its live
+// state (pending -> delivered -> applied at step N, or rejected with the reason) and a rollback action.
+
+import { api, auth } from "./api.js";
+import { badge, el, replace } from "./dom.js";
+
+const FIELDS = ["margin", "amax_history_len", "amax_compute_algo", "interval", "scaling", "fp8_enabled"];
+const STATE_KIND = { pending: "info", delivered: "info", applied: "ok", rejected: "bad" };
+
+function show(value) {
+  if (value === true) return "on";
+  if (value === false) return "off";
+  return value === undefined || value === null ? "–" : String(value);
+}
+
+function changesText(changes) {
+  if (!changes) return "–";
+  return Object.entries(changes).map(([k, v]) => `${k} = ${show(v)}`).join(", ");
+}
+
+/** The state of a command as one line: "applied at step 120", "rejected: reason", ... */
+export function stateText(c) {
+  if (c.state === "applied") return `applied at step ${c.applied_step}`;
+  if (c.state === "rejected") return `rejected: ${c.reason || "no reason given"}`;
+  return c.state;
+}
+
+export class RecipeEditor {
+  constructor(container, runId) {
+    this.runId = runId;
+    this.commands = new Map();
+    this.layers = [];
+    this.effective = el("div", { id: "recipe-effective" });
+    this.note = el("p", { class: "muted readonly-note", id: "recipe-readonly" });
+    this.error = el("p", { class: "error", id: "recipe-error" });
+    this.trail = el("tbody");
+    this.form = this.buildForm();
+    container.append(
+      el("div", { class: "two-col" },
+        el("div", {}, el("h3", {}, "In force"), this.effective),
+        el("div", {}, el("h3", {}, "Change"), this.note, this.form, this.error)),
+      el("h3", {}, "Audit trail"),
+      el("table", { id: "commands-table", class: "commands" },
+        el("thead", {}, el("tr", {}, ...["#", "created", "by", "target", "change", "replaced", "state", ""].map((h) => el("th", {}, h)))),
+        this.trail),
+    );
+  }
+
+  buildForm() {
+    this.inputs = {
+      target: el("select", { id: "recipe-target", name: "target" }),
+      margin: el("input", { id: "recipe-margin", name: "margin", type: "number", min: 0, step: 1, placeholder: "unchanged" }),
+      amax_history_len: el("input", { id: "recipe-history", name: "amax_history_len", type: "number", min: 1, step: 1, placeholder: "unchanged" }),
+      amax_compute_algo: el("select", { id: "recipe-algo", name: "amax_compute_algo" },
+        el("option", { value: "" }, "unchanged"), el("option", { value: "max" }, "max"), el("option", { value: "most_recent" }, "most_recent")),
+      interval: el("input", { id: "recipe-interval", name: "interval", type: "number", min: 1, step: 1, placeholder: "unchanged" }),
+      scaling: el("select", { id: "recipe-scaling", name: "scaling" },
+        el("option", { value: "" }, "unchanged"), el("option", { value: "delayed" }, "delayed"), el("option", { value: "current" }, "current")),
+      fp8_enabled: el("select", { id: "recipe-fp8", name: "fp8_enabled" },
+        el("option", { value: "" }, "unchanged"), el("option", { value: "on" }, "FP8 on"), el("option", { value: "off" }, "FP8 off")),
+    };
+    this.submit = el("button", { type: "submit", id: "recipe-submit" }, "Send change");
+    const label = (text, input) => el("label", {}, el("span", {}, text), input);
+    const form = el("form", { class: "recipe-form", id: "recipe-form", novalidate: true },
+      label("target", this.inputs.target),
+      label("margin", this.inputs.margin),
+      label("amax history length", this.inputs.amax_history_len),
+      label("amax algorithm", this.inputs.amax_compute_algo),
+      label("interval", this.inputs.interval),
+      label("scaling", this.inputs.scaling),
+      label("FP8", this.inputs.fp8_enabled),
+      this.submit);
+    form.addEventListener("submit", (ev) => {
+      ev.preventDefault();
+      this.send();
+    });
+    return form;
+  }
+
+  /** The changes the form asks for, or throws with a message naming the bad field. */
+  changes() {
+    const out = {};
+    for (const key of ["margin", "amax_history_len", "interval"]) {
+      const raw = this.inputs[key].value.trim();
+      if (raw === "") continue;
+      const n = Number(raw);
+      const min = key === "margin" ? 0 : 1;
+      if (!Number.isInteger(n) || n < min) throw new Error(`${key} must be an integer ≥ ${min}`);
+      out[key] = n;
+    }
+    for (const key of ["amax_compute_algo", "scaling"]) if (this.inputs[key].value) out[key] = this.inputs[key].value;
+    if (this.inputs.fp8_enabled.value) out.fp8_enabled = this.inputs.fp8_enabled.value === "on";
+    if (!Object.keys(out).length) throw new Error("change at least one field");
+    return out;
+  }
+
+  async send() {
+    this.error.textContent = "";
+    let changes;
+    try {
+      changes = this.changes();
+    } catch (err) {
+      this.error.textContent = err.message;
+      return;
+    }
+    this.submit.disabled = true;
+    try {
+      const command = await api(`/runs/${this.runId}/commands`, { method: "POST", body: { target: this.inputs.target.value, changes } });
+      this.upsert(command);
+      this.form.reset();
+    } catch (err) {
+      this.error.textContent = `The server refused the change: ${err.detail || err.message}`;
+    } finally {
+      this.fill();
+    }
+  }
+
+  async rollback(command) {
+    this.error.textContent = "";
+    try {
+      this.upsert(await api(`/runs/${this.runId}/commands`, { method: "POST", body: { rollback: command.id } }));
+    } catch (err) {
+      this.error.textContent = `Rollback refused: ${err.detail || err.message}`;
+    }
+  }
+
+  async load(run) {
+    const [commands, tensors] = await Promise.all([
+      api(`/runs/${this.runId}/commands`),
+      this.layers.length ? null : api(`/runs/${this.runId}/tensors`),
+    ]);
+    if (tensors) this.layers = [...new Set(tensors.map((t) => t.layer))];
+    this.commands = new Map(commands.map((c) => [c.id, c]));
+    this.setRun(run);
+  }
+
+  setRun(run) {
+    this.run = run;
+    this.fill();
+  }
+
+  upsert(command) {
+    const old = this.commands.get(command.id);
+    // stream events may arrive out of order with the POST answer: never step a state back
+    const rank = { pending: 0, delivered: 1, applied: 2, rejected: 2 };
+    if (!old || rank[command.state] >= rank[old.state]) this.commands.set(command.id, command);
+    this.fill();
+  }
+
+  fill() {
+    if (!this.run) return;
+    const eff = this.run.effective_recipe || { model: {}, layers: {} };
+    const rows = [["model", eff.model], ...Object.entries(eff.layers || {})];
+    replace(
+      this.effective,
+      el("table", { class: "recipe" },
+        el("thead", {}, el("tr", {}, el("th", {}, "target"), ...FIELDS.map((f) => el("th", {}, f.replace(/_/g, " "))))),
+        el("tbody", {}, rows.map(([target, values]) =>
+          el("tr", { dataset: { target } }, el("td", { class: "name" }, target), ...FIELDS.map((f) => el("td", {}, show(values[f]))))))),
+    );
+    const selected = this.inputs.target.value;
+    replace(this.inputs.target, el("option", { value: "model" }, "whole model"), this.layers.map((l) => el("option", { value: l }, l)));
+    if (selected) this.inputs.target.value = selected;
+    const reason = auth.readOnlyReason();
+    this.note.textContent = reason ? `Changes are disabled (${reason}).` : "";
+    for (const input of [...Object.values(this.inputs), this.submit]) {
+      input.disabled = Boolean(reason);
+      input.title = reason || "";
+    }
+    const commands = [...this.commands.values()].sort((a, b) => b.id - a.id);
+    if (!commands.length) {
+      replace(this.trail, el("tr", {}, el("td", { colspan: 8, class: "muted" }, "No changes yet.")));
+      return;
+    }
+    replace(this.trail, commands.map((c) => {
+      const back = c.state === "applied"
+        ? el("button", { type: "button", class: "small rollback", disabled: Boolean(reason), title: reason || `undo command ${c.id}` }, "Roll back")
+        : null;
+      if (back) back.addEventListener("click", () => this.rollback(c));
+      return el("tr", { dataset: { commandId: c.id, state: c.state } },
+        el("td", {}, String(c.id)),
+        el("td", { class: "muted" }, new Date(c.created_at).toLocaleTimeString()),
+        el("td", {}, c.created_by),
+        el("td", { class: "name" }, c.target),
+        el("td", {}, c.kind === "rollback" ? `rollback of #${c.rollback_of}: ` : "", changesText(c.changes)),
+        el("td", { class: "muted" }, changesText(c.previous)),
+        el("td", { class: "command-state" }, badge(stateText(c), STATE_KIND[c.state] || "")),
+        el("td", {}, back));
+    }));
+  }
+}

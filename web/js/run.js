@@ -1,0 +1,490 @@
+// The run page: header, loss / lr / grad-norm curves with spike and alert markers, the heatmap, the
+// diverging-layers table with a drill-down, alerts with acknowledge, the recipe editor and the post-mortem,
+// all kept live by the run's event stream.
+
+import { api, auth, num, subscribe } from "./api.js";
+import { badge, el, fmt, mark, panel, plotly, plotlyText, replace, throttle } from "./dom.js";
+import { Heatmap, fetchHeatmap } from "./heatmap.js";
+import { PostMortem } from "./postmortem.js";
+import { RecipeEditor } from "./recipe.js";
+
+const SEVERITY_KIND = { critical: "bad", warning: "warn", info: "info", ok: "ok" };
+
+function stepSeen(runId, step) {
+  const key = `${runId}:${step}`;
+  if (!(key in window.fp8scope.stepSeen)) window.fp8scope.stepSeen[key] = Date.now();
+}
+
+/** An explicit axis range for a constant series (plotly would centre it in [v - 1, v + 1], which for a
+ * learning rate of 3e-4 hides it); undefined (autorange) otherwise. */
+function constantRange(values) {
+  const finite = values.filter(Number.isFinite);
+  if (!finite.length) return undefined;
+  const lo = Math.min(...finite);
+  const hi = Math.max(...finite);
+  if (lo !== hi) return undefined;
+  return lo === 0 ? [-1, 1] : [Math.min(0, 2 * lo), Math.max(0, 2 * lo)];
+}
+
+/** Loss, lr and grad-norm curves; live loss points are appended; markers for spikes and alerts. */
+class Curves {
+  constructor(container, runId, onDrawn) {
+    this.runId = runId;
+    this.onDrawn = onDrawn;
+    this.plot = el("div", { id: "curves", class: "curves-plot" });
+    container.append(this.plot);
+    this.loss = { steps: [], values: [] };
+    this.markers = [];
+  }
+
+  async load() {
+    // one request, one pass over the steps on the server, for the three scalars
+    const { series } = await api(`/runs/${this.runId}/series/multi?name=loss&name=lr&name=grad_norm&max_points=2000`);
+    mark("curves-data");
+    const take = (name) => ({ steps: series[name].steps, values: series[name].values.map(num) });
+    this.loss = take("loss");
+    this.lr = take("lr");
+    this.grad = take("grad_norm");
+    await this.draw();
+  }
+
+  /** Loss near `step` (for placing a marker on the curve). */
+  lossAt(step) {
+    const { steps, values } = this.loss;
+    let best = null;
+    let dist = Infinity;
+    for (let i = 0; i < steps.length; i++) {
+      const d = Math.abs(steps[i] - step);
+      if (d < dist && Number.isFinite(values[i])) {
+        dist = d;
+        best = values[i];
+      }
+    }
+    return best;
+  }
+
+  setMarkers(alerts, events) {
+    const spikes = new Map();
+    for (const e of events) if (e.kind === "loss_spike") spikes.set(e.step, `loss spike (client) at step ${e.step}`);
+    for (const a of alerts) if (a.kind === "loss_spike") spikes.set(a.first_step, a.message);
+    const others = alerts.filter((a) => a.kind !== "loss_spike");
+    this.markers = { spikes: [...spikes.entries()], others };
+    if (this.drawn) this.draw();
+  }
+
+  async draw() {
+    const Plotly = await plotly();
+    const clean = (v) => (Number.isFinite(v) ? v : null);
+    const nonfinite = this.loss.steps.filter((_, i) => !Number.isFinite(this.loss.values[i]));
+    const spikes = (this.markers.spikes || []).map(([step, text]) => ({ step, text, y: this.lossAt(step) }));
+    const others = (this.markers.others || []).map((a) => ({ a, y: this.lossAt(a.first_step) }));
+    const traces = [
+      { type: "scatter", mode: "lines", name: "loss", x: this.loss.steps, y: this.loss.values.map(clean), line: { color: "#1f77b4", width: 1.5 } },
+      { type: "scatter", mode: "lines", name: "grad norm", x: this.grad.steps, y: this.grad.values.map(clean), yaxis: "y2", line: { color: "#2ca02c", width: 1 } },
+      { type: "scatter", mode: "lines", name: "lr", x: this.lr.steps, y: this.lr.values.map(clean), yaxis: "y3", line: { color: "#9467bd", width: 1, dash: "dot" } },
+      {
+        type: "scatter", mode: "markers", name: "loss spike", x: spikes.map((s) => s.step), y: spikes.map((s) => s.y),
+        text: spikes.map((s) => plotlyText(s.text)), hovertemplate: "%{text}<extra></extra>",
+        marker: { symbol: "x", size: 11, color: "#d62728", line: { width: 2 } },
+      },
+      {
+        type: "scatter", mode: "markers", name: "alerts", x: others.map((o) => o.a.first_step), y: others.map((o) => o.y),
+        text: others.map((o) => plotlyText(`${o.a.kind}: ${o.a.message}`)), hovertemplate: "%{text}<extra></extra>",
+        marker: { symbol: "triangle-down", size: 10, color: "#ff7f0e" },
+      },
+    ];
+    const shapes = nonfinite.map((s) => ({ type: "line", x0: s, x1: s, yref: "paper", y0: 0.4, y1: 1, line: { color: "#ff00ff", width: 1, dash: "dash" } }));
+    const layout = {
+      height: 340,
+      margin: { l: 60, r: 60, t: 10, b: 40 },
+      xaxis: { title: { text: "step" }, anchor: "y2" },
+      yaxis: { title: { text: "loss" }, domain: [0.4, 1] },
+      yaxis2: { title: { text: "grad norm" }, domain: [0, 0.32] },
+      yaxis3: { title: { text: "lr" }, overlaying: "y2", side: "right", showgrid: false, range: constantRange(this.lr.values), exponentformat: "e" },
+      legend: { orientation: "h", y: 1.08 },
+      shapes,
+    };
+    if (this.dead) return;
+    if (!this.drawn) {
+      this.inflight = Plotly.newPlot(this.plot, traces, layout, { displaylogo: false, responsive: true });
+      await this.inflight;
+      this.drawn = true;
+      this.plot.on("plotly_afterplot", () => this.onDrawn("curves"));
+      this.onDrawn("curves");
+    } else {
+      this.inflight = Plotly.react(this.plot, traces, layout, { displaylogo: false, responsive: true });
+      await this.inflight;
+    }
+  }
+
+  async close() {
+    this.dead = true;
+    await Promise.allSettled([this.inflight]);
+  }
+
+  /** Append live steps' losses (from the stream). */
+  appendLoss(points) {
+    if (!this.drawn || this.dead || !points.length) return;
+    for (const p of points) {
+      this.loss.steps.push(p.step);
+      this.loss.values.push(p.loss);
+    }
+    window.Plotly.extendTraces(this.plot, { x: [points.map((p) => p.step)], y: [points.map((p) => (Number.isFinite(p.loss) ? p.loss : null))] }, [0]);
+  }
+}
+
+/** The diverging-layers table; clicking a layer opens its drill-down. */
+class Layers {
+  constructor(container, runId, onPick) {
+    this.runId = runId;
+    this.onPick = onPick;
+    this.showAll = false;
+    this.body = el("tbody");
+    this.more = el("button", { type: "button", class: "small", hidden: true }, "Show all layers");
+    this.more.addEventListener("click", () => {
+      this.showAll = !this.showAll;
+      this.fill();
+    });
+    container.append(
+      el("table", { id: "layers-table", class: "layers" }, el("thead", {}, el("tr", {}, el("th", {}, "Layer"), el("th", {}, "Severity"), el("th", {}, "Reasons"))), this.body),
+      this.more,
+    );
+  }
+
+  async load() {
+    try {
+      this.layers = await api(`/runs/${this.runId}/layers`);
+    } catch (err) {
+      this.layers = [];
+      console.warn("layers", err);
+    }
+    this.fill();
+  }
+
+  fill() {
+    const layers = this.layers || [];
+    const shown = this.showAll ? layers : layers.slice(0, 25);
+    this.more.hidden = layers.length <= 25;
+    this.more.textContent = this.showAll ? "Show the 25 worst" : `Show all ${layers.length} layers`;
+    replace(
+      this.body,
+      shown.map((l) =>
+        el(
+          "tr",
+          { class: "clickable", onclick: () => this.onPick(l.layer), title: "open the drill-down" },
+          el("td", { class: "name" }, l.layer),
+          el("td", {}, badge(l.severity, SEVERITY_KIND[l.severity] || "")),
+          el("td", {}, reasonsList(l.reasons || [])),
+        ),
+      ),
+    );
+  }
+}
+
+/** A layer's reasons: the first three, the rest folded (a layer can collect dozens). */
+function reasonsList(reasons) {
+  if (!reasons.length) return el("span", { class: "muted" }, "healthy");
+  const shown = el("ul", { class: "reasons" }, reasons.slice(0, 3).map((r) => el("li", {}, r)));
+  if (reasons.length <= 3) return shown;
+  const rest = el("details", { onclick: (ev) => ev.stopPropagation() }, el("summary", {}, `${reasons.length - 3} more`),
+    el("ul", { class: "reasons" }, reasons.slice(3).map((r) => el("li", {}, r))));
+  return [shown, rest];
+}
+
+/** amax, scale, overflow and underflow lines of one layer's tensors. */
+async function drillDown(container, runId, layer, tensors) {
+  const mine = tensors.filter((t) => t.layer === layer);
+  replace(container, el("h3", {}, "Layer ", el("span", { class: "name" }, layer)), el("p", { class: "muted" }, "loading…"));
+  const metrics = ["amax", "scale", "overflow", "underflow"];
+  const maps = await Promise.all(metrics.map((metric) => fetchHeatmap(runId, { metric, max_cols: 600 })));
+  const plot = el("div", { id: "drilldown-plot" });
+  replace(container, el("h3", {}, "Layer ", el("span", { class: "name" }, layer)), plot);
+  const traces = [];
+  const colours = ["#1f77b4", "#ff7f0e", "#2ca02c"];
+  maps.forEach((hm, k) => {
+    const x = hm.bucket_start;
+    mine.forEach((t, j) => {
+      const raw = Array.from(hm.vals.subarray(t.index * hm.C, (t.index + 1) * hm.C), (v, c) => (hm.emptyCol[c] ? null : v));
+      traces.push({
+        type: "scatter", mode: "lines", x, y: raw.map((v) => (Number.isFinite(v) ? v : null)), xaxis: "x", yaxis: `y${k + 1}`,
+        name: plotlyText(t.role), legendgroup: t.role, showlegend: k === 0, line: { color: colours[j % 3], width: 1.2 },
+        hovertemplate: `${plotlyText(t.name)}<br>${metrics[k]} %{y}<br>step %{x}<extra></extra>`,
+      });
+      const bad = raw.map((v, i) => (v !== null && !Number.isFinite(v) ? i : -1)).filter((i) => i >= 0);
+      if (bad.length) {
+        traces.push({
+          type: "scatter", mode: "markers", x: bad.map((i) => x[i]), y: bad.map(() => null), yaxis: `y${k + 1}`, showlegend: false,
+          marker: { color: "#ff00ff", symbol: "x" }, name: "non-finite",
+        });
+      }
+    });
+  });
+  const layout = {
+    height: 520,
+    margin: { l: 60, r: 20, t: 20, b: 40 },
+    grid: { rows: 4, columns: 1, shared_xaxes: true },
+    xaxis: { title: { text: "step (bucket start)" } },
+    legend: { orientation: "h", y: 1.05 },
+  };
+  metrics.forEach((m, k) => {
+    const lo = 1 - (k + 1) * 0.25 + 0.03;
+    layout[`yaxis${k === 0 ? "" : k + 1}`] = { title: { text: m }, type: m === "amax" || m === "scale" ? "log" : "linear", domain: [lo, lo + 0.19] };
+  });
+  await (await plotly()).newPlot(plot, traces, layout, { displaylogo: false, responsive: true });
+}
+
+/** The alerts panel with acknowledge. */
+class Alerts {
+  constructor(container, runId, onChange) {
+    this.runId = runId;
+    this.onChange = onChange;
+    this.alerts = new Map();
+    this.list = el("ul", { id: "alerts-list", class: "alerts" });
+    this.note = el("p", { class: "muted readonly-note", id: "alerts-readonly" });
+    container.append(this.note, this.list);
+  }
+
+  async load() {
+    const alerts = await api(`/runs/${this.runId}/alerts?limit=500`);
+    this.alerts = new Map(alerts.map((a) => [a.id, a]));
+    this.fill();
+  }
+
+  upsert(alert) {
+    this.alerts.set(alert.id, alert);
+    this.fill();
+  }
+
+  all() {
+    return [...this.alerts.values()];
+  }
+
+  fill() {
+    const reason = auth.readOnlyReason();
+    this.note.textContent = reason ? `Acknowledging is disabled (${reason}).` : "";
+    const alerts = this.all().sort((a, b) => (a.state === b.state ? b.id - a.id : a.state === "open" ? -1 : 1));
+    if (!alerts.length) {
+      replace(this.list, el("li", { class: "muted" }, "No alerts."));
+    } else {
+      replace(this.list, alerts.map((a) => this.item(a, reason)));
+    }
+    this.onChange(alerts);
+  }
+
+  item(a, reason) {
+    const ack = el("button", { type: "button", class: "small ack", disabled: a.state !== "open" || Boolean(reason), title: reason || "acknowledge this alert" }, a.state === "open" ? "Acknowledge" : "Acknowledged");
+    ack.addEventListener("click", async () => {
+      ack.disabled = true;
+      try {
+        this.upsert(await api(`/runs/${this.runId}/alerts/${a.id}/ack`, { method: "POST" }));
+      } catch (err) {
+        ack.disabled = false;
+        ack.title = err.message;
+      }
+    });
+    const where = a.tensor_name ? el("span", { class: "name" }, a.tensor_name) : el("span", { class: "muted" }, "run");
+    return el(
+      "li",
+      { class: `alert ${a.state}`, dataset: { alertId: a.id, state: a.state } },
+      el("div", { class: "alert-head" }, badge(a.severity, SEVERITY_KIND[a.severity] || ""), el("b", {}, a.kind), " · ", where,
+        el("span", { class: "muted" }, ` · steps ${a.first_step}–${a.last_step} · ${a.count}×`), el("span", { class: "spacer" }), ack),
+      el("div", { class: "alert-msg" }, a.message),
+      a.state === "acknowledged" ? el("div", { class: "muted" }, `acknowledged by ${a.acknowledged_by || "?"}`) : null,
+    );
+  }
+}
+
+export async function mountRun(container, { runId }) {
+  const runRequest = api(`/runs/${runId}`); // in flight while the page is laid out
+  const drawnAt = {};
+  const onDrawn = (kind) => {
+    if (!(kind in drawnAt) && dataLoaded[kind]) {
+      drawnAt[kind] = performance.now();
+      window.fp8scope.drawn[kind] = drawnAt[kind];
+    }
+  };
+  const dataLoaded = {};
+  const header = el("div", { class: "run-head" });
+  const postPanel = panel("Post-mortem");
+  postPanel.id = "postmortem";
+  const curvesPanel = panel("Loss, grad norm and learning rate");
+  const heatPanel = panel("Per-tensor heatmap");
+  const layersPanel = panel("Diverging layers");
+  const drillPanel = el("section", { class: "panel", id: "drilldown", hidden: true });
+  const alertsPanel = panel("Alerts");
+  const recipePanel = panel("Recipe");
+  recipePanel.id = "recipe";
+  replace(
+    container,
+    header,
+    postPanel,
+    curvesPanel,
+    heatPanel,
+    el("div", { class: "two-col" }, layersPanel, alertsPanel),
+    drillPanel,
+    recipePanel,
+  );
+
+  const state = { run: null };
+  function renderHeader() {
+    const r = state.run;
+    replace(
+      header,
+      el("h1", { id: "run-name" }, r.name),
+      statusBadge(r.status),
+      el("dl", { class: "facts" },
+        el("dt", {}, "last step"), el("dd", { id: "run-last-step" }, r.last_step === null ? "–" : String(r.last_step)),
+        el("dt", {}, "last loss"), el("dd", { id: "run-last-loss" }, fmt(num(r.last_loss))),
+        el("dt", {}, "steps stored"), el("dd", {}, String(r.steps_stored)),
+        el("dt", {}, "tensors"), el("dd", {}, String(r.num_tensors)),
+        el("dt", {}, "host"), el("dd", {}, r.host || "–"),
+        el("dt", {}, "open alerts"), el("dd", { id: "run-open-alerts" }, String(r.open_alerts))),
+      el("a", { href: `#/compare?a=${r.id}`, class: "small" }, "Compare with another run…"),
+    );
+  }
+  const curves = new Curves(curvesPanel, runId, onDrawn);
+  const heatmap = new Heatmap(heatPanel, { runId, onDrawn });
+  const drillTensors = { list: null };
+  const layers = new Layers(layersPanel, runId, async (layer) => {
+    drillPanel.hidden = false;
+    try {
+      if (!drillTensors.list) drillTensors.list = await api(`/runs/${runId}/tensors`);
+      await drillDown(drillPanel, runId, layer, drillTensors.list);
+      drillPanel.scrollIntoView({ behavior: "smooth", block: "start" });
+    } catch (err) {
+      replace(drillPanel, el("p", { class: "error" }, `drill-down failed: ${err.message}`));
+    }
+  });
+  let events = [];
+  const post = new PostMortem(postPanel, runId, heatmap);
+  const alerts = new Alerts(alertsPanel, runId, (list) => {
+    curves.setMarkers(list, events);
+    post.update(state.run, list, events);
+  });
+  const recipe = new RecipeEditor(recipePanel, runId);
+
+  const loadEvents = async () => {
+    try {
+      events = await api(`/runs/${runId}/events?limit=1000`);
+    } catch (err) {
+      console.warn("events", err);
+    }
+  };
+  const refreshRun = throttle(async () => {
+    state.run = await api(`/runs/${runId}`);
+    if (state.run.last_step !== null) stepSeen(runId, state.run.last_step);
+    renderHeader();
+    recipe.setRun(state.run);
+  }, 1000);
+  // live steps redraw the heatmap every few seconds; a big one (500 tensors x 1000 buckets takes the
+  // browser most of a second to draw) less often, so the page stays responsive during a run
+  const refreshHeatmap = throttle(() => {
+    if (!heatmap.range) heatmap.load().catch((err) => console.warn("heatmap", err));
+  }, () => Math.max(3000, heatmap.data ? (heatmap.data.T * heatmap.data.C) / 60 : 0));
+  const refreshLayers = throttle(() => layers.load(), 4000);
+
+  const onAuth = () => {
+    alerts.fill();
+    recipe.fill();
+  };
+  auth.listeners.add(onAuth);
+  // first paint: heatmap and curves in parallel with the panels
+  const heatLoad = heatmap.load().then(() => {
+    dataLoaded.heatmap = true;
+    onDrawn("heatmap");
+  });
+  const curvesLoad = curves.load().then(() => {
+    dataLoaded.curves = true;
+    onDrawn("curves");
+  });
+  // when the run itself cannot be read (e.g. 401) these fail too; that failure is reported once, below
+  heatLoad.catch(() => {});
+  curvesLoad.catch(() => {});
+  let run;
+  try {
+    run = state.run = await runRequest;
+  } catch (err) {
+    auth.listeners.delete(onAuth);
+    heatmap.close();
+    curves.close();
+    throw err;
+  }
+  renderHeader();
+  // the panels' requests go out once the plots have their data: they would compete with those for the
+  // server's time and delay the first full paint
+  await Promise.all([heatLoad, curvesLoad]);
+  await Promise.all([
+    Promise.all([loadEvents(), post.loadNonfinite()]).then(() => alerts.load()),
+    layers.load(),
+    recipe.load(run),
+  ]);
+
+  let opens = 0;
+  const pendingLoss = [];
+  const flushLoss = throttle(() => {
+    curves.appendLoss(pendingLoss.splice(0));
+  }, 250);
+  const stream = subscribe(
+    `/runs/${runId}/stream`,
+    {
+      step(d) {
+        const r = state.run;
+        if (r.last_step === null || d.step > r.last_step) {
+          r.last_step = d.step;
+          r.last_loss = d.loss;
+          r.steps_stored += 1;
+          document.getElementById("run-last-step").textContent = String(d.step);
+          document.getElementById("run-last-loss").textContent = fmt(num(d.loss));
+        }
+        stepSeen(runId, d.step);
+        if (d.loss !== null && d.loss !== undefined) pendingLoss.push({ step: d.step, loss: num(d.loss) });
+        flushLoss();
+        refreshHeatmap();
+        refreshLayers();
+      },
+      alert(a) {
+        alerts.upsert(a);
+        refreshLayers();
+        refreshRun();
+      },
+      command(c) {
+        recipe.upsert(c);
+        if (c.state === "applied") refreshRun();
+      },
+      event(e) {
+        events.push({ ...e, id: `live-${events.length}` });
+        post.update(state.run, alerts.all(), events);
+        curves.setMarkers(alerts.all(), events);
+      },
+      run(d) {
+        state.run.status = d.status;
+        renderHeader();
+        post.update(state.run, alerts.all(), events);
+      },
+    },
+    {
+      onopen: () => {
+        refreshRun(); // steps stored between the first fetch and the connection
+        if (opens++) {
+          // reconnected: catch up on what the stream missed meanwhile
+          alerts.load();
+          recipe.load(state.run);
+          refreshHeatmap();
+        }
+      },
+    },
+  );
+  return {
+    destroy() {
+      stream.close();
+      auth.listeners.delete(onAuth);
+      const plots = [...container.querySelectorAll(".js-plotly-plot")];
+      // purge (dropping plotly's resize listeners) only once no redraw is half way
+      Promise.allSettled([heatmap.close(), curves.close()]).then(() => plots.forEach((gd) => window.Plotly.purge(gd)));
+    },
+  };
+}
+
+function statusBadge(status) {
+  return badge(status, { running: "info", finished: "ok", crashed: "bad" }[status] || "");
+}
