@@ -14,6 +14,7 @@ from .convert import (
     tensor_table,
 )
 from .linear import Linear
+from .monitor import Monitor
 from .recipe import CurrentScaling, DelayedScaling, Format
 from .state import TensorInfo
 from .stats import StatsReader, step_stats
@@ -24,6 +25,7 @@ __all__ = [
     "DelayedScaling",
     "Format",
     "Linear",
+    "Monitor",
     "StatsReader",
     "TensorInfo",
     "convert_to_fp8",

@@ -1,6 +1,7 @@
-"""The `fp8-monitor` command line: `serve` runs the monitor service.
+"""The `fp8-monitor` command line: `serve` runs the monitor service, `upload` replays a client's spool.
 
     fp8-monitor serve [--db URL] [--host 127.0.0.1] [--port 8000] [--token name:scopes:secret ...]
+    fp8-monitor upload SPOOL [--url http://127.0.0.1:8000] [--token SECRET]
 
 Flags override ``FP8SCOPE_*`` environment variables. Without tokens the server only listens on loopback.
 """
@@ -35,6 +36,42 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-body-bytes", type=int, help="largest accepted request body (default 64 MiB)")
     p.add_argument("--stall-seconds", type=float, help="no telemetry for this long -> 'stalled' alert")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _upload_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "upload",
+        help="send a training job's spool file (telemetry it could not deliver) to the service",
+        description="Replay a spool written by fp8_trainer.Monitor while the service was unreachable. "
+        "Safe to repeat: nothing is stored twice.",
+    )
+    p.add_argument("spool", help="the spool file (.jsonl) the job named")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="service root (default %(default)s)")
+    p.add_argument("--token", help="bearer token with the ingest scope (default: $FP8SCOPE_TOKEN)")
+
+
+def upload(args: argparse.Namespace) -> int:
+    """Replay a spool; prints what was stored; exit code 1 if anything was refused, 2 on errors."""
+    import os
+
+    import httpx
+
+    from monitor_server.upload import upload_spool
+
+    token = args.token or os.environ.get("FP8SCOPE_TOKEN")
+    try:
+        result = upload_spool(args.spool, args.url, token)
+    except (OSError, ValueError, RuntimeError, httpx.HTTPError) as exc:
+        print(f"fp8-monitor upload: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"run {result.run_id} ({'created' if result.created else 'existing'}): {result.batches} batches, "
+        f"{result.stored_steps} new steps stored, {result.duplicate_batches} already delivered"
+        + (f", status {result.status}" if result.status else "")
+    )
+    for line in result.rejected:
+        print(f"refused: {line}", file=sys.stderr)
+    return 1 if result.rejected else 0
 
 
 def build_settings(args: argparse.Namespace) -> Settings:
@@ -95,10 +132,11 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of `fp8-monitor` (subcommands: serve)."""
+    """The argument parser of `fp8-monitor` (subcommands: serve, upload)."""
     parser = argparse.ArgumentParser(prog="fp8-monitor", description="fp8scope monitor service")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
+    _upload_parser(sub)
     return parser
 
 
@@ -108,6 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "upload":
+        return upload(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

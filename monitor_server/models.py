@@ -50,6 +50,7 @@ class Run(Base):
     """One training run."""
 
     __tablename__ = "runs"
+    __table_args__ = (Index("uq_runs_client_key", "client_key", unique=True),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     name: Mapped[str] = mapped_column(String(200))
@@ -70,6 +71,8 @@ class Run(Base):
     steps_stored: Mapped[int] = mapped_column(BigInteger, default=0)
     last_telemetry_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     detector_state: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    #: the client's key for idempotent registration (a retried or replayed POST /runs finds this run)
+    client_key: Mapped[str | None] = mapped_column(String(100), nullable=True)
 
 
 class TensorRow(Base):

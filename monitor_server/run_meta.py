@@ -10,7 +10,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from monitor_server.detectors.types import TensorMeta
-from monitor_server.models import TensorRow
+from monitor_server.models import Run, TensorRow
 from monitor_server.rollups import FP8_MAX
 
 
@@ -45,7 +45,8 @@ class RunMetaCache:
         self._lock = threading.Lock()
 
     def get(self, session: Session, run_id: int) -> RunMeta | None:
-        """The run's meta, loading it once; None when the run has no tensors (i.e. does not exist)."""
+        """The run's meta, loading it once; None when the run does not exist. A run without FP8 (a
+        baseline) has no tensors: its columns are empty and only its scalars are stored."""
         meta = self._cache.get(run_id)
         if meta is not None:
             return meta
@@ -55,7 +56,7 @@ class RunMetaCache:
         tensors = [
             TensorMeta(index=r.index, name=r.name, layer=r.layer, role=r.role, format=r.format) for r in rows
         ]
-        if not tensors:
+        if not tensors and session.get(Run, run_id) is None:
             return None
         meta = build_meta(run_id, tensors)
         with self._lock:

@@ -61,7 +61,7 @@ class RunCreate(BaseModel):
     recipe: JsonObject = Field(default_factory=dict)
     world_size: StrictInt = Field(default=1, ge=1, le=MAX_ID)
     host: Text = Field(default="", max_length=200)
-    tensors: list[TensorSpec] = Field(min_length=1, max_length=65536)
+    tensors: list[TensorSpec] = Field(default_factory=list, max_length=65536)
     #: optional idempotency key of the registration: a run already created with it is returned (200)
     client_key: Text | None = Field(default=None, min_length=1, max_length=100)
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Query, status
+from fastapi import APIRouter, HTTPException, Query, Response, status
 from sqlalchemy import func, insert, select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from monitor_server.api.deps import CtxDep, ReadDep, RunId, RunWriteDep, SessionDep
 from monitor_server.commands import effective_recipe
+from monitor_server.context import AppContext
 from monitor_server.models import Alert, Run, TensorRow, as_utc, utcnow
 from monitor_server.schemas import RunCreate, RunPublic, RunStatus, RunUpdate
 
@@ -53,31 +55,78 @@ def count_open_alerts(session: Session, run_id: int) -> int:
     return session.scalar(select(func.count()).where(Alert.run_id == run_id, Alert.state == "open")) or 0
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, response_model=RunPublic)
-def create_run(body: RunCreate, ctx: CtxDep, _principal: RunWriteDep) -> dict[str, Any]:
-    """Register a run and its quantized tensors (dense indices 0..T-1)."""
+def _by_index(t: Any) -> int:
+    return t.index
+
+
+def _existing_run(ctx: AppContext, body: RunCreate) -> dict[str, Any] | None:
+    """The run registered earlier with `body.client_key`, or None; 409 if it has other tensors."""
+    if body.client_key is None:
+        return None
+    with ctx.db.read_session() as session:
+        run = session.scalar(select(Run).where(Run.client_key == body.client_key))
+        if run is None:
+            return None
+        if run.num_tensors != len(body.tensors):
+            raise HTTPException(
+                status.HTTP_409_CONFLICT,
+                f"client_key: run {run.id} was registered with this key and {run.num_tensors} tensors, "
+                f"not {len(body.tensors)}",
+            )
+        return run_public(run, count_open_alerts(session, run.id))
+
+
+@router.post(
+    "",
+    status_code=status.HTTP_201_CREATED,
+    response_model=RunPublic,
+    responses={
+        200: {"model": RunPublic, "description": "a run with this client_key exists: returned as is"},
+        409: {"description": "client_key already used for a run with another number of tensors"},
+    },
+)
+def create_run(body: RunCreate, ctx: CtxDep, _principal: RunWriteDep, response: Response) -> dict[str, Any]:
+    """Register a run and its quantized tensors (dense indices 0..T-1).
+
+    With a `client_key`, registering is idempotent: a retried or replayed registration gets the run
+    created first with that key (200) instead of a second run.
+    """
+    existing = _existing_run(ctx, body)
+    if existing is not None:
+        response.status_code = status.HTTP_200_OK
+        return existing
     now = utcnow()
-    with ctx.db.write() as session:
-        run = Run(
-            name=body.name,
-            config=body.config,
-            recipe=body.recipe,
-            recipe_overrides={"model": {}, "layers": {}},
-            world_size=body.world_size,
-            host=body.host,
-            status="running",
-            num_tensors=len(body.tensors),
-            created_at=now,
-            updated_at=now,
-            steps_stored=0,
-        )
-        session.add(run)
-        session.flush()
-        session.execute(
-            insert(TensorRow),
-            [{"run_id": run.id, **t.model_dump()} for t in sorted(body.tensors, key=lambda t: t.index)],
-        )
-        return run_public(run, 0)
+    try:
+        with ctx.db.write() as session:
+            run = Run(
+                name=body.name,
+                config=body.config,
+                recipe=body.recipe,
+                recipe_overrides={"model": {}, "layers": {}},
+                world_size=body.world_size,
+                host=body.host,
+                status="running",
+                num_tensors=len(body.tensors),
+                created_at=now,
+                updated_at=now,
+                steps_stored=0,
+                client_key=body.client_key,
+            )
+            session.add(run)
+            session.flush()
+            if body.tensors:  # a run without FP8 (a bf16 / fp32 baseline) registers none
+                session.execute(
+                    insert(TensorRow),
+                    [{"run_id": run.id, **t.model_dump()} for t in sorted(body.tensors, key=_by_index)],
+                )
+            return run_public(run, 0)
+    except IntegrityError:
+        # a concurrent registration with the same client_key won the race
+        existing = _existing_run(ctx, body)
+        if existing is None:
+            raise
+        response.status_code = status.HTTP_200_OK
+        return existing
 
 
 @router.get("", response_model=list[RunPublic])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import zlib
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,23 @@ def _step_summaries(batch: Any) -> list[dict[str, Any]]:
         }
         for i, s in enumerate(batch.steps.tolist())
     ]
+
+
+def gunzip_body(body: bytes, max_bytes: int) -> bytes:
+    """Decompress a `Content-Encoding: gzip` body, refusing more than `max_bytes` decompressed (413)."""
+    d = zlib.decompressobj(wbits=31)
+    try:
+        out = d.decompress(body, max_bytes + 1)
+    except zlib.error as exc:
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, f"malformed gzip body: {exc}") from None
+    if len(out) > max_bytes or d.unconsumed_tail:
+        raise HTTPException(
+            413,
+            f"decompressed request body exceeds the limit of {max_bytes} bytes",
+        )
+    if not d.eof:
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, "malformed gzip body: truncated")
+    return out
 
 
 def ingest(ctx: AppContext, run_id: RunId, body: bytes) -> dict[str, Any]:
@@ -108,15 +126,26 @@ def ingest(ctx: AppContext, run_id: RunId, body: bytes) -> dict[str, Any]:
     "/{run_id}/telemetry",
     response_model=TelemetryResult,
     openapi_extra=TELEMETRY_BODY,
-    responses={400: {"description": "malformed JSON"}, 413: {"description": "body too large"}},
+    responses={
+        400: {"description": "malformed JSON or gzip"},
+        413: {"description": "body too large"},
+        415: {"description": "unsupported Content-Encoding"},
+    },
 )
 async def post_telemetry(run_id: RunId, request: Request, ctx: CtxDep, _principal: IngestDep) -> Response:
     """Store a batch of steps (statistics as columns), client events and command acks.
 
-    Returns how many steps were newly stored, whether the idempotency key was seen before, and the
-    run's pending commands (which become delivered).
+    The body may be gzip-compressed (`Content-Encoding: gzip`). Returns how many steps were newly stored,
+    whether the idempotency key was seen before, and the run's pending commands (which become delivered).
     """
     body = await request.body()
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding == "gzip":
+        body = gunzip_body(body, ctx.settings.max_body_bytes)
+    elif encoding != "identity":
+        raise HTTPException(
+            status.HTTP_415_UNSUPPORTED_MEDIA_TYPE, f"Content-Encoding {encoding!r}: expected gzip or none"
+        )
     result = await run_in_threadpool(ingest, ctx, run_id, body)
     result["commands"] = [jsonable(iso_dates(c)) for c in result["commands"]]
     return Response(dumps(result), media_type="application/json")

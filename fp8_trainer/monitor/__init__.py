@@ -1,0 +1,5 @@
+"""The fp8scope telemetry client: ``Monitor`` streams a run's FP8 health to the monitor service."""
+
+from .client import Monitor
+
+__all__ = ["Monitor"]

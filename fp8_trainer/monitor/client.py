@@ -1,0 +1,484 @@
+"""``Monitor``: stream a training run's FP8 health into the fp8scope monitor service.
+
+A plain loop (``recipe`` is what the model was converted with; ``None`` for a bf16/fp32 baseline)::
+
+    import torch
+    from fp8_trainer import DelayedScaling, Monitor, convert_to_fp8, fp8_autocast
+    from fp8_trainer.data import ByteCorpus
+    from fp8_trainer.model import GPT, PRESETS, fp8_filter
+
+    corpus, recipe = ByteCorpus(), DelayedScaling(amax_history_len=16)
+    model = convert_to_fp8(GPT(PRESETS["tiny"]), recipe=recipe, module_filter_fn=fp8_filter)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with Monitor("http://127.0.0.1:8000", "tiny-fp8", model, recipe, config={"lr": 1e-3}) as monitor:
+        for step in range(1, 201):
+            x, y = corpus.batch("train", 16, 64)
+            with fp8_autocast(fp8_recipe=recipe):
+                _, loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            monitor.step(step, loss=loss.detach(), lr=1e-3)  # right after opt.step(); applies commands
+
+Statistics of every quantized tensor at every step are read one step late (no host sync in the step that
+produced them), batched and sent from a background thread. A dead service costs nothing: telemetry goes
+to a spool file (``fp8-monitor upload PATH`` sends it later) and training goes on. Client-side loss-spike
+and non-finite detection sends events at once with a flight recorder (see ``detect.py``); recipe commands
+from the dashboard are applied at the next ``step()`` and acknowledged (see ``control.py``). In a
+torch.distributed job every rank constructs the Monitor alike and rank 0 reports (see ``ranks.py``).
+
+Flight-recorder histograms: a weight's exponent histogram is taken at once (the weight after the step in
+which the event was seen); for an ``input`` or ``grad_output`` tensor a one-shot hook on its layer
+captures the tensor at the next forward (input) or backward (gradient of the layer's output, i.e. the
+grad_output before quantization) and sends its histogram as a follow-up ``custom`` event
+``{"histogram_for": kind, "event_step", "tensor", "captured": "next forward"|"next backward",
+"histogram"}``: keeping a copy of every activation just in case would cost memory on every step.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import socket
+import time
+import uuid
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from fp8_kernels import exponent_histogram, histogram_to_dict
+from torch import nn
+
+from ..convert import get_fp8_state
+from ..stats import StatsReader
+from .control import CommandInbox, apply_commands
+from .detect import DetectConfig, Detector, FlightRecorder, amax_movers
+from .ranks import RankSync, reduce_rank_stats
+from .sender import Sender, SenderConfig, StepRecord, wire_float
+from .spool import SpoolWriter
+
+__all__ = ["Monitor"]
+
+log = logging.getLogger("fp8scope.monitor")
+_SENDER_KEYS = {f.name for f in fields(SenderConfig)} - {"extra_headers"}
+_DETECT_KEYS = {f.name for f in fields(DetectConfig)}
+
+
+def _parse_tuning(tuning: dict[str, Any]) -> tuple[SenderConfig, DetectConfig, int]:
+    """Split and validate the ``**tuning`` keywords (ValueError naming a bad one)."""
+    known = _SENDER_KEYS | _DETECT_KEYS | {"rank_sample_interval"}
+    unknown = sorted(set(tuning) - known)
+    if unknown:
+        raise ValueError(f"{unknown[0]}: unknown Monitor tuning option; expected one of {sorted(known)}")
+    ints = {
+        "max_batch_steps",
+        "max_buffered_steps",
+        "loss_window",
+        "loss_min_history",
+        "flight_steps",
+        "max_involved",
+        "rank_sample_interval",
+    }
+    for key, value in tuning.items():
+        if key == "gzip":
+            if not isinstance(value, bool):
+                raise ValueError(f"gzip: must be a bool, got {value!r}")
+        elif key == "retry_delays":
+            if not isinstance(value, (tuple, list)) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in value
+            ):
+                raise ValueError(f"retry_delays: must be a sequence of numbers >= 0, got {value!r}")
+            tuning[key] = tuple(float(v) for v in value)
+        elif key in ints:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{key}: must be an integer >= 1, got {value!r}")
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{key}: must be a number > 0, got {value!r}")
+    sender = SenderConfig(**{k: v for k, v in tuning.items() if k in _SENDER_KEYS})
+    detect = DetectConfig(**{k: v for k, v in tuning.items() if k in _DETECT_KEYS})
+    return sender, detect, int(tuning.get("rank_sample_interval", 50))
+
+
+def _recipe_dict(recipe) -> dict[str, Any]:
+    if recipe is None:
+        return {}
+    # the service's effective recipe needs the scaling mode spelled out (its default is "delayed")
+    return {**recipe.to_dict(), "scaling": recipe.scaling}
+
+
+class Monitor:
+    """Telemetry client of one training run; see the module docstring for a complete loop.
+
+    Args:
+        url: the service root, e.g. ``"http://127.0.0.1:8000"``.
+        run_name: the run's name in the dashboard.
+        model: the model (converted with ``convert_to_fp8`` unless ``recipe`` is None).
+        recipe: the ``DelayedScaling`` / ``CurrentScaling`` the model was converted with, or None for a
+            run without FP8 (then only scalars are sent).
+        token: bearer token with the ``ingest`` scope (when the service has tokens).
+        config: JSON-able dict stored with the run.
+        spool_path: where to spool when the service is unreachable (default
+            ``./fp8scope-spool/<run_name>-<time>.jsonl``; only created when needed).
+        **tuning: ``flush_interval`` (0.5 s), ``max_batch_steps`` (64), ``max_buffered_steps`` (4096),
+            ``retry_delays`` ((0.2, 0.5, 1.0) s), ``probe_interval`` (1 s), ``http_timeout`` (5 s),
+            ``alerts_refresh`` (3 s), ``gzip`` (True), ``close_timeout`` (15 s), ``loss_window`` (50),
+            ``loss_min_history`` (20), ``loss_z_threshold`` (6), ``loss_rel_floor`` (0.001),
+            ``flight_steps`` (64), ``max_involved`` (8), ``rank_sample_interval`` (50).
+
+    Raises:
+        ValueError: a model without FP8 layers while ``recipe`` is not None, a URL that is not
+            ``http(s)://host[:port]``, or a bad tuning value.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        run_name: str,
+        model: nn.Module,
+        recipe=None,
+        *,
+        token: str | None = None,
+        config: dict[str, Any] | None = None,
+        spool_path: str | Path | None = None,
+        **tuning: Any,
+    ):
+        sender_cfg, detect_cfg, self.rank_sample_interval = _parse_tuning(dict(tuning))
+        if not isinstance(url, str) or not re.match(r"https?://[^/\s]+", url):
+            raise ValueError(f"url: expected the service root like 'http://127.0.0.1:8000', got {url!r}")
+        self.model = model
+        self.recipe = recipe
+        self._logged: set[str] = set()
+        self._closed = False
+        if recipe is not None:
+            state = get_fp8_state(model)
+            if state.n_layers == 0:
+                raise ValueError(
+                    "model: no FP8 layers; convert it with fp8_trainer.convert_to_fp8 first "
+                    "(or pass recipe=None for a run without FP8)"
+                )
+            self.tensors = [t.to_dict() for t in state.tensor_table()]
+        else:
+            self.tensors = []
+        self.n_tensors = len(self.tensors)
+        self._names = [t["name"] for t in self.tensors]
+        self._modules = dict(model.named_modules())
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.world_size = dist.get_world_size() if distributed else 1
+        self.rank = dist.get_rank() if distributed else 0
+        self._ranks = RankSync(self.n_tensors) if distributed else None
+        self._reader = StatsReader(model) if recipe is not None and not distributed else None
+        self._prev: tuple[int, Any] | None = None  # (step, scalars) waiting for its statistics
+        self._scalars_by_step: dict[int, Any] = {}
+        self._announced: list[list[dict[str, Any]]] = []
+        self.inbox = CommandInbox()
+        forward = [t["index"] for t in self.tensors if t["role"] != "grad_output"]
+        backward = [t["index"] for t in reversed(self.tensors) if t["role"] == "grad_output"]
+        self.detector = Detector(detect_cfg, forward + backward)
+        self.recorder = FlightRecorder(detect_cfg.flight_steps)
+        self.detect_cfg = detect_cfg
+        self.sender: Sender | None = None
+        if self.rank == 0:
+            client_key = uuid.uuid4().hex
+            run_body = {
+                "name": run_name,
+                "config": dict(config or {}),
+                "recipe": _recipe_dict(recipe),
+                "world_size": self.world_size,
+                "host": socket.gethostname()[:200],
+                "tensors": self.tensors,
+            }
+            if spool_path is None:
+                safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", run_name)[:80] or "run"
+                spool_path = (
+                    Path("fp8scope-spool") / f"{safe}-{time.strftime('%Y%m%d-%H%M%S')}-{client_key[:6]}.jsonl"
+                )
+            spool = SpoolWriter(spool_path, run_body, client_key)
+            self.sender = Sender(url, token, run_body, client_key, spool, sender_cfg, self.inbox.add)
+            self.sender.start()
+
+    # ----- public state -----
+    @property
+    def run_id(self) -> int | None:
+        """The run's id on the service; None until registered (or while spooling from the start)."""
+        return self.sender.run_id if self.sender else None
+
+    @property
+    def open_alerts(self) -> int:
+        """Open alerts of the run as last seen (refreshed every few seconds; 0 if unknown)."""
+        return self.sender.open_alerts if self.sender else 0
+
+    @property
+    def spooling(self) -> bool:
+        """True while telemetry goes to the spool file instead of the service."""
+        return bool(self.sender and self.sender.spooling)
+
+    @property
+    def spool_path(self) -> Path | None:
+        return self.sender.spool.path if self.sender else None
+
+    # ----- the training-loop API -----
+    def step(self, step: int, loss=None, lr=None, **scalars: Any) -> None:
+        """Report optimizer step ``step`` (1-based, just completed) and apply pending recipe commands.
+
+        ``loss`` and other scalars may be 0-dim tensors: they are read one step late, like the FP8
+        statistics. Never raises because of the monitor.
+        """
+        if self._closed:
+            self._log_once("closed", "fp8scope monitor: step() after close() is ignored")
+            return
+        try:
+            values = {"loss": loss, "lr": lr, **scalars}
+            holder = _capture({k: v for k, v in values.items() if v is not None})
+            if self._ranks is None:
+                self._step_single(int(step), holder)
+            else:
+                self._step_multi(int(step), holder)
+        except Exception:  # the monitor must never take training down
+            self._log_once(
+                "step-error", "fp8scope monitor: step() failed; telemetry may be incomplete", exc=True
+            )
+
+    def event(self, kind: str, step: int, **details: Any) -> None:
+        """Send an event at once: ``"loss_spike"`` or ``"nonfinite"`` as such, anything else as a ``custom``
+        event with ``details["name"] = kind`` (e.g. ``monitor.event("checkpoint", step, path=...)``)."""
+        if self.sender is None or self._closed:
+            return
+        kind = str(kind)
+        if kind not in ("loss_spike", "nonfinite"):
+            details = {"name": kind, **details}
+            kind = "custom"
+        self.sender.put_event({"kind": kind, "step": int(step), "details": details})
+
+    def close(self, status: str = "finished") -> None:
+        """Report the last step, flush (within ``close_timeout``), set the run's status, stop the thread."""
+        if self._closed:
+            return
+        try:
+            if self._ranks is None:
+                if self._prev is not None:
+                    step, holder = self._prev
+                    got = self._reader.read_now() if self._reader is not None else None
+                    self._emit(step, got[1] if got is not None else None, holder)
+                    self._prev = None
+            else:
+                for s, block in self._ranks.flush():
+                    self._handle_block(s, block, closing=True)
+        except Exception:
+            self._log_once("close-error", "fp8scope monitor: reading the last step failed", exc=True)
+        self._closed = True
+        if self.sender is not None:
+            leftover = [c for batch in self._announced for c in batch] + self.inbox.take()
+            for c in leftover:
+                self.sender.put_ack(
+                    {
+                        "command_id": c.get("id"),
+                        "state": "rejected",
+                        "reason": f"the run ended ({status}) before the next step boundary",
+                    }
+                )
+            self.sender.finish(status)
+            self.sender.join(self.sender.cfg.close_timeout + 10)
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self.close("crashed" if exc_type is not None else "finished")
+        return False
+
+    # ----- internals -----
+    def _log_once(self, kind: str, msg: str, *args: Any, exc: bool = False) -> None:
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.warning(msg, *args, exc_info=exc)
+
+    def _step_single(self, step: int, holder) -> None:
+        commands = self.inbox.take()
+        if commands:
+            for ack in self._apply(commands, step):
+                self.sender.put_ack(ack)
+        if self._reader is None:
+            prev, self._prev = self._prev, (step, holder)
+            if prev is not None:
+                self._emit(prev[0], None, prev[1])
+            return
+        got = self._reader.poll()
+        if got is None and self._prev is not None:
+            self._log_once(
+                "no-fp8-step",
+                "fp8scope monitor: no FP8 step completed before step(%s); such steps are not reported",
+                step,
+            )
+            return
+        prev, self._prev = self._prev, (step, holder)
+        if prev is not None and got is not None:
+            self._emit(prev[0], got[1], prev[1])
+
+    def _step_multi(self, step: int, holder) -> None:
+        n_commands = 0
+        if self.rank == 0:
+            self._scalars_by_step[step] = holder
+            new = self.inbox.take()
+            if new:
+                self._announced.append(new)
+                n_commands = len(new)
+        stats = get_fp8_state(self.model).last_stats if self.recipe is not None else None
+        device = stats.device if stats is not None else "cpu"
+        for s, block in self._ranks.step(step, stats, n_commands, device):
+            self._handle_block(s, block, closing=False, now=step)
+
+    def _handle_block(self, s: int, block: np.ndarray, closing: bool, now: int | None = None) -> None:
+        T = self.n_tensors
+        header = block[0, T]
+        if self.rank == 0:
+            holder = self._scalars_by_step.pop(s, None)
+            if header[0] or self.recipe is None:
+                self._emit(s, reduce_rank_stats(block[:, :T]) if T else None, holder)
+                if T and s % self.rank_sample_interval == 0:
+                    self.sender.put_event(
+                        {
+                            "kind": "rank_amax",
+                            "step": s,
+                            "details": {
+                                "world_size": self.world_size,
+                                "amax": [
+                                    [wire_float(float(v)) for v in block[r, :T, 0]]
+                                    for r in range(block.shape[0])
+                                ],
+                            },
+                        }
+                    )
+        if header[1] and not closing:
+            # every rank sees this header at the same call: all enter the broadcast together
+            commands = self._ranks.broadcast_commands(self._announced.pop(0) if self.rank == 0 else None)
+            acks = self._apply(commands, now)
+            if self.sender is not None:
+                for ack in acks:
+                    self.sender.put_ack(ack)
+
+    def _apply(self, commands: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
+        if self.recipe is None:
+            reason = "this run has no FP8 layers (Monitor recipe=None): recipe changes do not apply"
+            return [{"command_id": c.get("id"), "state": "rejected", "reason": reason} for c in commands]
+        return apply_commands(self.model, commands, step)
+
+    def _emit(self, step: int, stats, holder) -> None:
+        """One step's host data -> detection, flight recorder, the sender queue (rank 0 only)."""
+        if stats is None:
+            arr = np.zeros((self.n_tensors, 6))
+        elif isinstance(stats, np.ndarray):
+            arr = stats
+        else:
+            arr = stats.numpy()
+        rec = StepRecord(step, arr, _read(holder, self._log_once))
+        events = self.detector.check(rec)
+        movers = None
+        if any(kind == "loss_spike" for kind, _, _ in events):  # against the history before this step
+            movers = amax_movers(self.recorder, rec, min(3, self.detect_cfg.max_involved))
+        self.recorder.push(rec)
+        events_out = []
+        for kind, details, involved in events:
+            if kind == "loss_spike":
+                involved = movers
+            if "tensor_index" in details:
+                details["tensor"] = self._names[details["tensor_index"]]
+            details = {
+                **details,
+                "tensors": [self._names[i] for i in involved],
+                "last_steps": self.recorder.last_steps(),
+                "flight_recorder": self.recorder.dump(self._names, involved),
+                "histograms": self._histograms(kind, step, involved),
+            }
+            events_out.append({"kind": kind, "step": step, "details": details})
+        # the step first: the service then sees its statistics no later than the events about it
+        self.sender.put_step(rec)
+        for event in events_out:
+            self.sender.put_event(event)
+
+    def _histograms(self, kind: str, step: int, involved: list[int]) -> dict[str, Any]:
+        """Exponent histograms of the involved weights now; one-shot hooks for inputs and gradients."""
+        out = {}
+        for i in involved:
+            info = self.tensors[i]
+            module = self._modules.get(info["layer"])
+            if module is None:
+                continue
+            try:
+                if info["role"] == "weight":
+                    out[info["name"]] = histogram_to_dict(exponent_histogram(module.weight))
+                else:
+                    self._capture_once(module, kind, step, info)
+            except Exception:
+                self._log_once("histogram", "fp8scope monitor: exponent histogram failed", exc=True)
+        return out
+
+    def _capture_once(self, module: nn.Module, kind: str, step: int, info: dict[str, Any]) -> None:
+        sender = self.sender
+
+        def send(x: torch.Tensor, captured: str) -> None:
+            details = {
+                "histogram_for": kind,
+                "event_step": step,
+                "tensor": info["name"],
+                "captured": captured,
+                "histogram": histogram_to_dict(exponent_histogram(x)),
+            }
+            sender.put_event({"kind": "custom", "step": step, "details": details})
+
+        if info["role"] == "input":
+
+            def pre_hook(m, args):
+                handle.remove()
+                if args and isinstance(args[0], torch.Tensor):
+                    send(args[0], "next forward")
+
+            handle = module.register_forward_pre_hook(pre_hook)
+        else:
+
+            def fwd_hook(m, args, output):
+                handle.remove()
+                if isinstance(output, torch.Tensor) and output.requires_grad:
+
+                    def grad_hook(g):
+                        send(g, "next backward")
+
+                    output.register_hook(grad_hook)
+
+            handle = module.register_forward_hook(fwd_hook)
+
+
+def _capture(values: dict[str, Any]):
+    """Scalars of this step without a host sync: device tensors start a pinned copy read next step."""
+    if not values:
+        return None
+    dev = [k for k, v in values.items() if isinstance(v, torch.Tensor) and v.device.type != "cpu"]
+    if not dev:
+        return ({k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in values.items()}, None)
+    rest = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in values.items() if k not in dev}
+    stacked = torch.stack([values[k].detach().reshape(()).to(torch.float64) for k in dev])
+    host = torch.empty(stacked.shape, dtype=torch.float64, pin_memory=True)
+    host.copy_(stacked, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return (rest, (dev, host, event))
+
+
+def _read(holder, log_once) -> dict[str, float]:
+    """The floats of a ``_capture`` holder (a step later: the device copy is complete by then)."""
+    if holder is None:
+        return {}
+    rest, dev = holder
+    out = {}
+    for k, v in rest.items():
+        try:
+            out[str(k)] = float(v)
+        except (TypeError, ValueError, RuntimeError):
+            log_once(f"scalar-{k}", "fp8scope monitor: scalar %r is not a number (%r); it is left out", k, v)
+    if dev is not None:
+        names, host, event = dev
+        event.synchronize()
+        out.update(zip(names, host.tolist(), strict=True))
+    return out

@@ -1,0 +1,64 @@
+"""Applying recipe commands from the service at a step boundary, and acknowledging them.
+
+Commands arrive in telemetry responses on the sender thread and wait in ``CommandInbox``; ``Monitor.step``
+applies them in the training thread through ``set_layer_recipe(model, target, **changes)``, between two
+optimizer steps. A rollback is applied the same way: its ``changes`` are the values it restores.
+
+The ack's ``step`` is the first optimizer step that runs under the new settings: commands applied in the
+``monitor.step(S)`` call (right after optimizer step S) take effect from step ``S + 1``. A command that
+``set_layer_recipe`` refuses (unknown layer, invalid value) is acked ``rejected`` with its message.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from torch import nn
+
+from ..convert import set_layer_recipe
+
+__all__ = ["CommandInbox", "apply_commands"]
+
+
+class CommandInbox:
+    """Commands delivered to the sender thread, waiting for the next step boundary (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: list[dict[str, Any]] = []
+        self._seen: set[int] = set()
+
+    def add(self, commands: list[dict[str, Any]]) -> None:
+        with self._lock:
+            for c in commands:
+                if c.get("id") not in self._seen:  # a duplicate-batch answer may repeat one
+                    self._seen.add(c.get("id"))
+                    self._items.append(c)
+
+    def take(self) -> list[dict[str, Any]]:
+        if not self._items:  # unlocked peek: the common case costs nothing
+            return []
+        with self._lock:
+            items, self._items = self._items, []
+        return items
+
+
+def apply_commands(model: nn.Module, commands: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
+    """Apply ``commands`` in order after optimizer step ``step``; returns their acks."""
+    acks = []
+    for c in commands:
+        cid = c.get("id")
+        target = c.get("target") or "model"
+        changes = c.get("changes")
+        try:
+            if not isinstance(changes, dict) or not changes:
+                raise ValueError(f"changes: expected a non-empty object, got {changes!r}")
+            set_layer_recipe(model, None if target == "model" else target, **changes)
+        except TypeError as exc:  # an unknown setting name reaches set_layer_recipe as a keyword
+            acks.append({"command_id": cid, "state": "rejected", "reason": f"changes: {exc}"})
+        except ValueError as exc:
+            acks.append({"command_id": cid, "state": "rejected", "reason": str(exc)})
+        else:
+            acks.append({"command_id": cid, "state": "applied", "step": step + 1})
+    return acks

@@ -1,0 +1,182 @@
+"""Client-side detection (loss spikes, non-finite loss or statistics) and the flight recorder.
+
+The detectors run on host data one step late (what ``Monitor.step`` already has), so they cost a few
+microseconds per step and never touch the device. When one fires, the event carries the flight recorder:
+the last ``flight_steps`` steps of every statistic and scalar at full resolution, so a post-mortem has the
+run-up even if the job dies right after.
+
+Loss spike: the server's rule (``monitor_server.detectors.loss``): robust z-score of the new finite loss
+against the previous ``loss_window`` finite losses, ``z = (loss - median) / max(1.4826 * MAD,
+loss_rel_floor * |median|, 1e-12)``, firing when ``z >= loss_z_threshold`` with at least
+``loss_min_history`` losses in the window, once per run of consecutive spiking steps.
+
+Non-finite: a NaN/inf loss, or a tensor whose ``nonfinite`` count is > 0 or whose amax is not finite;
+fires when the set of such tensors grows (or the loss turns non-finite), not on every step of a NaN run.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .sender import STATS, StepRecord, wire_float
+
+MAD_TO_SIGMA = 1.4826
+
+
+@dataclass
+class DetectConfig:
+    # the service's defaults (monitor_server.detectors.config), so both sides agree on what a spike is
+    loss_window: int = 50
+    loss_min_history: int = 20
+    loss_z_threshold: float = 6.0
+    loss_rel_floor: float = 1e-3
+    flight_steps: int = 64
+    max_involved: int = 8
+
+
+def pack_matrix(m: np.ndarray) -> dict[str, Any]:
+    """A (rows, cols) float64 matrix, little-endian row-major, base64 (NaN/inf native)."""
+    m = np.ascontiguousarray(m, dtype="<f8")
+    return {"dtype": "float64", "shape": list(m.shape), "b64": base64.b64encode(m.tobytes()).decode("ascii")}
+
+
+class FlightRecorder:
+    """The last K steps of statistics and scalars, kept on the host."""
+
+    def __init__(self, k: int):
+        self.records: deque[StepRecord] = deque(maxlen=k)
+
+    def push(self, rec: StepRecord) -> None:
+        self.records.append(rec)
+
+    def last_steps(self) -> list[dict[str, Any]]:
+        """Per recorded step, readable at a glance: its scalars, the max amax over tensors and the summed
+        overflow / underflow / nonfinite counts."""
+        out = []
+        for r in self.records:
+            row: dict[str, Any] = {"step": r.step, **{k: wire_float(float(v)) for k, v in r.scalars.items()}}
+            if r.stats.size:
+                row["max_amax"] = wire_float(float(np.max(r.stats[:, 0])))
+                for j, name in ((2, "overflow"), (3, "underflow"), (4, "nonfinite")):
+                    row[name] = wire_float(float(np.sum(r.stats[:, j])))
+            out.append(row)
+        return out
+
+    def dump(self, tensor_names: list[str], involved: list[int]) -> dict[str, Any]:
+        """``{"steps", "scalars": {name: [K]}, "stats": {stat: packed (K, T)}, "tensors": [...]}``;
+        ``tensors`` repeats the involved tensors' series as plain JSON for quick reading."""
+        recs = list(self.records)
+        if not recs:
+            return {"steps": [], "scalars": {}, "stats": {}, "tensors": []}
+        stack = np.stack([r.stats for r in recs])  # (K, T, 6)
+        names = sorted({k for r in recs for k in r.scalars})
+        out = {
+            "steps": [r.step for r in recs],
+            "scalars": {n: [wire_float(float(r.scalars.get(n, np.nan))) for r in recs] for n in names},
+            "stats": {s: pack_matrix(stack[:, :, j]) for j, s in enumerate(STATS)},
+            "tensors": [
+                {
+                    "index": i,
+                    "name": tensor_names[i] if i < len(tensor_names) else str(i),
+                    **{s: [wire_float(float(v)) for v in stack[:, i, j]] for j, s in enumerate(STATS)},
+                }
+                for i in involved
+            ],
+        }
+        return out
+
+
+class Detector:
+    """Loss-spike and non-finite detection over host records (see the module docstring)."""
+
+    def __init__(self, cfg: DetectConfig, order: list[int] | None = None):
+        self.cfg = cfg
+        # forward-then-backward order of the tensors (inputs and weights by layer, then gradients in reverse
+        # layer order): the order in which a non-finite value spreads, so its first entry is the culprit
+        self.rank = {t: r for r, t in enumerate(order or [])}
+        self.losses: deque[float] = deque(maxlen=cfg.loss_window)
+        self.spiking = False
+        self.loss_nonfinite = False
+        self.bad_tensors: set[int] = set()
+
+    def check(self, rec: StepRecord) -> list[tuple[str, dict[str, Any], list[int]]]:
+        """Events for this step: ``(kind, details, involved tensor indices)``."""
+        out = []
+        if rec.stats.size:
+            self._check_stats(rec, out)
+        loss = rec.scalars.get("loss")
+        if loss is not None:
+            loss = float(loss)
+            if not math.isfinite(loss):
+                if not self.loss_nonfinite:
+                    out.append(("nonfinite", {"what": "loss", "loss": wire_float(loss)}, []))
+                self.loss_nonfinite = True
+            else:
+                self.loss_nonfinite = False
+                spike = self._spike(loss)
+                if spike is not None:
+                    out.append(("loss_spike", spike, []))  # the monitor adds the amax movers
+        return out
+
+    def _check_stats(self, rec: StepRecord, out: list) -> None:
+        amax, nonfinite = rec.stats[:, 0], rec.stats[:, 4]
+        if not self.bad_tensors and nonfinite.max() <= 0 and np.isfinite(amax.sum()):
+            return  # the common case, checked in two vector operations
+        bad = set(np.flatnonzero((nonfinite > 0) | ~np.isfinite(amax)).tolist())
+        new = sorted(bad - self.bad_tensors, key=lambda t: (self.rank.get(t, t), t))
+        self.bad_tensors = bad
+        if new:
+            details = {
+                "what": "statistics",
+                "tensor_index": new[0],  # the service's detectors attach the alert to this tensor
+                "tensor_indices": new,
+                "nonfinite_counts": [wire_float(float(nonfinite[i])) for i in new],
+            }
+            out.append(("nonfinite", details, new[: self.cfg.max_involved]))
+
+    def _spike(self, loss: float) -> dict[str, Any] | None:
+        # plain Python on a short list: a few microseconds, several times cheaper than numpy at this size
+        cfg = self.cfg
+        window = list(self.losses)
+        self.losses.append(loss)
+        if len(window) < cfg.loss_min_history:
+            self.spiking = False
+            return None
+        med = statistics.median(window)
+        mad = statistics.median([abs(v - med) for v in window])
+        sigma = max(MAD_TO_SIGMA * mad, cfg.loss_rel_floor * abs(med), 1e-12)
+        z = (loss - med) / sigma
+        spike = z >= cfg.loss_z_threshold
+        fire = spike and not self.spiking
+        self.spiking = spike
+        if not fire:
+            return None
+        return {
+            "loss": loss,
+            "median": med,
+            "mad": mad,
+            "z": z,
+            "threshold": cfg.loss_z_threshold,
+            "window_len": len(window),
+        }
+
+
+def amax_movers(recorder: FlightRecorder, rec: StepRecord, n: int) -> list[int]:
+    """The ``n`` tensors whose log2 amax moved most from their median over the recorded steps."""
+    if not recorder.records or not rec.stats.size:
+        return []
+    hist = np.stack([r.stats[:, 0] for r in recorder.records])  # (K, T)
+    amax = rec.stats[:, 0]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        move = np.abs(np.log2(amax) - np.log2(np.median(hist, axis=0)))
+    move = np.where(np.isnan(amax) | np.isposinf(amax), np.inf, move)
+    move = np.nan_to_num(move, nan=0.0, posinf=np.inf)  # 0 -> 0 (an FP8-off layer) is no move
+    order = np.argsort(-move, kind="stable")
+    return [int(i) for i in order[:n] if move[i] > 0]

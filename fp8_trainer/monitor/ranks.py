@@ -1,0 +1,102 @@
+"""Multi-rank telemetry: one asynchronous all_gather per step, reduced statistics, command broadcast.
+
+Every rank calls ``RankSync.step`` once per optimizer step (inside ``Monitor.step``). It launches one
+``all_gather`` (``async_op=True``) of a ``(T + 1, 6)`` float64 buffer: rows ``0..T-1`` are this rank's
+``step_stats`` (its own amaxes), row ``T`` a header ``[has_stats, commands_announced, 0, 0, 0, 0]``. The
+gather is waited for at the next call, a step later, when it has long completed, so nothing waits on the
+other ranks; on a GPU the result then takes one more step to reach the host through a pinned copy.
+
+From the gathered ``(W, T + 1, 6)`` block rank 0 reports the *reduced* statistics (amax: max over ranks,
+NaN wins; scale: rank 0's, which all ranks share after the amax reduction; overflow, underflow, nonfinite
+and numel: summed) and, every ``rank_sample_interval`` steps, the per-rank amaxes as a ``rank_amax``
+event.
+
+Commands (only rank 0 hears from the service) ride on the same collective: rank 0 writes how many it
+announces into the header; every rank reads that header at the same ``Monitor.step`` call, and only then
+do they all enter one ``broadcast_object_list`` carrying the commands, and apply them at that call. So the
+extra collective runs only when there is something to apply, and every rank changes its recipe between
+the same two optimizer steps.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+__all__ = ["RankSync", "reduce_rank_stats"]
+
+
+def reduce_rank_stats(block: np.ndarray) -> np.ndarray:
+    """``(W, T, 6)`` per-rank stats -> ``(T, 6)``: amax max (NaN wins), rank 0's scale, counts summed."""
+    out = np.empty(block.shape[1:], dtype=np.float64)
+    out[:, 0] = np.max(block[:, :, 0], axis=0)  # np.max propagates NaN
+    out[:, 1] = block[0, :, 1]
+    out[:, 2:] = np.sum(block[:, :, 2:], axis=0)
+    return out
+
+
+class RankSync:
+    """The per-step gather pipeline of one rank (see the module docstring)."""
+
+    def __init__(self, n_tensors: int, group=None):
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.n_tensors = n_tensors
+        self._inflight: deque = deque()  # (step, work, gathered list)
+        self._host: deque = deque()  # (step, pinned host tensor, cuda event)
+
+    def step(
+        self, step: int, stats: torch.Tensor | None, n_commands: int, device
+    ) -> list[tuple[int, np.ndarray]]:
+        """Collect the gathers that are ready (older steps), then launch this step's gather.
+
+        Returns ``[(step, block (W, T + 1, 6))]`` for the steps whose data reached the host now.
+        """
+        ready = self._collect()
+        T = self.n_tensors
+        buf = torch.zeros(T + 1, 6, dtype=torch.float64, device=device)
+        if stats is not None:
+            buf[:T] = stats
+            buf[T, 0] = 1.0
+        buf[T, 1] = float(n_commands)
+        gathered = [torch.empty_like(buf) for _ in range(self.world)]
+        work = dist.all_gather(gathered, buf, group=self.group, async_op=True)
+        self._inflight.append((step, work, gathered))
+        return ready
+
+    def _collect(self) -> list[tuple[int, np.ndarray]]:
+        ready = []
+        while self._host:
+            s, host, event = self._host.popleft()
+            event.synchronize()  # recorded a step ago: complete
+            ready.append((s, host.numpy()))
+        while self._inflight:
+            s, work, gathered = self._inflight.popleft()
+            work.wait()
+            block = torch.stack(gathered)
+            if block.device.type == "cuda":
+                host = torch.empty(block.shape, dtype=block.dtype, pin_memory=True)
+                host.copy_(block, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                self._host.append((s, host, event))
+            else:
+                ready.append((s, block.numpy()))
+        return ready
+
+    def flush(self) -> list[tuple[int, np.ndarray]]:
+        """Everything still in flight, synchronously (at close)."""
+        ready = self._collect()
+        return ready + self._collect()
+
+    def broadcast_commands(self, commands: list | None) -> list:
+        """Rank 0's ``commands`` on every rank (one ``broadcast_object_list``)."""
+        obj = [commands if self.rank == 0 else None]
+        dist.broadcast_object_list(
+            obj, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group
+        )
+        return obj[0] or []

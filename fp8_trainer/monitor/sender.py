@@ -1,0 +1,409 @@
+"""The monitor's background thread: batching, encoding, compression, retries, spooling, commands in.
+
+The training thread only puts host data on a queue (``StepRecord``, events, acks). This thread turns them
+into telemetry bodies (packed base64 columns, gzip), posts them in order with the same idempotency key on
+every retry, and never lets a slow or dead service reach the training loop:
+
+* a batch that still fails after the retries (connection error, timeout, 5xx) goes to the spool, and so
+  does every later batch while the service is away; the service is probed every ``probe_interval`` s and,
+  once back, the spooled batches are sent first (in order), then live sending resumes;
+* steps waiting to be sent are capped (``max_buffered_steps``): beyond the cap the oldest batches go to
+  the spool and are sent from there once the backlog is gone (steps arriving while one post is in flight
+  wait in the queue; ``http_timeout`` bounds that wait);
+* a batch the service refuses (4xx) is spooled too and logged once, so nothing is lost silently.
+
+No torch import here: the data arrives as numpy arrays and floats.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import logging
+import math
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+import orjson
+
+from .spool import API, SpoolWriter
+
+log = logging.getLogger("fp8scope.monitor")
+STATS = ("amax", "scale", "overflow", "underflow", "nonfinite", "numel")
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step: ``stats`` (T, 6) float64 in ``STATS`` order, scalars as floats."""
+
+    step: int
+    stats: np.ndarray
+    scalars: dict[str, float]
+
+
+@dataclass
+class Outgoing:
+    """A telemetry body ready to post (kept as a dict until sent or spooled)."""
+
+    body: dict[str, Any]
+    n_steps: int
+    urgent: bool = False
+
+
+@dataclass
+class SenderConfig:
+    flush_interval: float = 0.5
+    max_batch_steps: int = 64
+    max_buffered_steps: int = 4096
+    retry_delays: tuple[float, ...] = (0.2, 0.5, 1.0)
+    probe_interval: float = 1.0
+    http_timeout: float = 5.0
+    alerts_refresh: float = 3.0
+    gzip: bool = True
+    close_timeout: float = 15.0
+    extra_headers: dict[str, str] = field(default_factory=dict)
+
+
+def wire_float(x: float) -> float | str:
+    """A float in the wire encoding (NaN / infinities as strings)."""
+    if math.isnan(x):
+        return "NaN"
+    if math.isinf(x):
+        return "Infinity" if x > 0 else "-Infinity"
+    return x
+
+
+def pack_column(values: np.ndarray) -> dict[str, str]:
+    """A packed column: float32 when that is exact for every value, float64 otherwise."""
+    v = np.ascontiguousarray(values, dtype="<f8")
+    f32 = v.astype("<f4")
+    with np.errstate(invalid="ignore"):
+        exact = np.array_equal(f32.astype("<f8"), v, equal_nan=True)
+    data, dtype = (f32, "float32") if exact else (v, "float64")
+    return {"dtype": dtype, "b64": base64.b64encode(data.tobytes()).decode("ascii")}
+
+
+def step_body(rec: StepRecord) -> dict[str, Any]:
+    return {
+        "step": rec.step,
+        "scalars": {k: wire_float(float(v)) for k, v in rec.scalars.items()},
+        "stats": {name: pack_column(rec.stats[:, j]) for j, name in enumerate(STATS)},
+    }
+
+
+class Sender(threading.Thread):
+    """Posts telemetry for one run; see the module docstring."""
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None,
+        run_body: dict[str, Any],
+        client_key: str,
+        spool: SpoolWriter,
+        config: SenderConfig,
+        on_commands,
+    ):
+        super().__init__(name="fp8scope-monitor", daemon=True)
+        self.base = url.rstrip("/") + API
+        self.run_body = {**run_body, "client_key": client_key}
+        self.client_key = client_key
+        self.spool = spool
+        self.cfg = config
+        self.on_commands = on_commands
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        headers = {"Content-Type": "application/json", **config.extra_headers}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        self.http = httpx.Client(headers=headers, timeout=config.http_timeout)
+        self.run_id: int | None = None
+        self.open_alerts = 0
+        self.spooling = False
+        self.spooled: deque[int] = deque()  # offsets of spooled batches not yet delivered
+        self.spool_must_stay = False  # a refused batch or the status lives only in the spool
+        self.final_status: str | None = None
+        self._steps: list[StepRecord] = []
+        self._events: list[dict[str, Any]] = []
+        self._acks: list[dict[str, Any]] = []
+        self._first_at = 0.0
+        self._outbox: deque[Outgoing] = deque()
+        self._seq = 0
+        self._next_probe = 0.0
+        self._next_alerts = 0.0
+        self._stop_at: float | None = None
+        self._logged: set[str] = set()
+        self._refused = False  # the service refused the registration: no point in probing again
+        self.failed = False
+        self.stats = {"posted": 0, "spooled": 0, "drained": 0, "failed_posts": 0}
+
+    # ----- called from the training thread -----
+    def put_step(self, rec: StepRecord) -> None:
+        if not self.failed:  # a dead thread would let the queue grow without bound
+            self.inbox.put(("step", rec))
+
+    def put_event(self, event: dict[str, Any]) -> None:
+        if not self.failed:
+            self.inbox.put(("event", event))
+
+    def put_ack(self, ack: dict[str, Any]) -> None:
+        if not self.failed:
+            self.inbox.put(("ack", ack))
+
+    def finish(self, status: str) -> None:
+        self.inbox.put(("finish", status))
+
+    # ----- helpers -----
+    def log_once(self, kind: str, msg: str, *args: Any, level: int = logging.WARNING) -> None:
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.log(level, msg, *args)
+
+    def _post(self, path: str, body: dict[str, Any], compress: bool = False) -> httpx.Response:
+        content = orjson.dumps(body)
+        headers = {}
+        if compress and self.cfg.gzip and len(content) > 1024:  # the service gunzips telemetry only
+            content = gzip.compress(content, compresslevel=1)
+            headers["Content-Encoding"] = "gzip"
+        return self.http.post(self.base + path, content=content, headers=headers)
+
+    def _register(self) -> bool:
+        try:
+            r = self._post("/runs", self.run_body)
+        except httpx.HTTPError as exc:
+            self._note_failure(f"registering the run: {exc!r}")
+            return False
+        if r.status_code in (200, 201):
+            self.run_id = r.json()["id"]
+            log.info("fp8scope monitor: run %s registered at %s", self.run_id, self.base)
+            return True
+        if r.status_code >= 500:
+            self._note_failure(f"registering the run: HTTP {r.status_code}")
+            return False
+        # a 4xx will not get better by retrying: keep everything in the spool for a later upload
+        self.log_once(
+            "register-4xx",
+            "fp8scope monitor: the service refused the run (HTTP %s: %s); spooling everything",
+            r.status_code,
+            r.text[:300],
+        )
+        self.spool_must_stay = True
+        self._refused = True
+        self._start_spooling()
+        return False
+
+    def _note_failure(self, what: str) -> None:
+        self.stats["failed_posts"] += 1
+        self.log_once("unreachable-" + what.split(":")[0], "fp8scope monitor: %s", what, level=logging.INFO)
+
+    def _start_spooling(self) -> None:
+        if not self.spooling:
+            self.spooling = True
+            log.warning(
+                "fp8scope monitor: service at %s unreachable; spooling telemetry to %s "
+                "(sent when the service is back, or later with: fp8-monitor upload %s)",
+                self.base[: -len(API)],
+                self.spool.path,
+                self.spool.path,
+            )
+        self._next_probe = math.inf if self._refused else time.monotonic() + self.cfg.probe_interval
+
+    def _spool(self, out: Outgoing) -> None:
+        self.spooled.append(self.spool.write_batch(out.body))
+        self.stats["spooled"] += 1
+
+    def _send(self, body: dict[str, Any], retries: bool) -> str:
+        """Post one batch: 'ok', 'down' (connection / 5xx after retries) or 'refused' (4xx)."""
+        delays = (*self.cfg.retry_delays, None) if retries else (None,)
+        for delay in delays:
+            if self._stop_at is not None and time.monotonic() > self._stop_at:
+                return "down"
+            try:
+                r = self._post(f"/runs/{self.run_id}/telemetry", body, compress=True)
+                if r.status_code == 200:
+                    self.stats["posted"] += 1
+                    commands = r.json().get("commands") or []
+                    if commands:
+                        self.on_commands(commands)
+                    return "ok"
+                if r.status_code < 500:
+                    self.log_once(
+                        f"refused-{r.status_code}",
+                        "fp8scope monitor: the service refused a batch (HTTP %s: %s); it stays in spool %s",
+                        r.status_code,
+                        r.text[:300],
+                        self.spool.path,
+                    )
+                    return "refused"
+                self._note_failure(f"telemetry: HTTP {r.status_code}")
+            except httpx.HTTPError as exc:
+                self._note_failure(f"telemetry: {exc!r}")
+            if delay is not None:
+                time.sleep(delay)
+        return "down"
+
+    def _drain_spool(self) -> bool:
+        """Send the spooled batches in order; False when the service went away again."""
+        while self.spooled:
+            body = self.spool.read_batch(self.spooled[0])
+            result = self._send(body, retries=False)
+            if result == "down":
+                return False
+            if result == "refused":
+                self.spool_must_stay = True
+            else:
+                self.stats["drained"] += 1
+            self.spooled.popleft()
+        return True
+
+    def _make_batch(self, urgent: bool) -> None:
+        steps, self._steps = self._steps, []
+        body: dict[str, Any] = {"idempotency_key": f"{self.client_key}-{self._seq:07d}"}
+        self._seq += 1
+        if steps:
+            body["steps"] = [step_body(rec) for rec in steps]
+        if self._events:
+            body["events"], self._events = self._events, []
+        if self._acks:
+            body["acks"], self._acks = self._acks, []
+        self._outbox.append(Outgoing(body, len(steps), urgent))
+
+    def _take(self, timeout: float) -> bool:
+        """Move queued items into the pending lists; True when an event or ack asks for an early batch."""
+        urgent = False
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                wait = max(0.0, deadline - time.monotonic())
+                kind, item = self.inbox.get(timeout=wait) if wait > 0 else self.inbox.get_nowait()
+            except queue.Empty:
+                return urgent
+            if kind == "step":
+                if not self._steps:
+                    self._first_at = time.monotonic()
+                self._steps.append(item)
+                if len(self._steps) >= self.cfg.max_batch_steps:
+                    self._make_batch(False)
+            elif kind == "event":
+                self._events.append(item)
+                urgent = True
+            elif kind == "ack":
+                self._acks.append(item)
+                urgent = True
+            elif kind == "finish":
+                self.final_status = item
+                self._stop_at = time.monotonic() + self.cfg.close_timeout
+                return True
+            deadline = min(deadline, time.monotonic())  # got something: drain the rest without waiting
+
+    # ----- the loop -----
+    def run(self) -> None:
+        try:
+            self._loop()
+        except Exception:  # a bug here must not take the training job down; say so once
+            self.failed = True
+            log.exception("fp8scope monitor: sender thread failed; telemetry stops here")
+        finally:
+            self.http.close()
+
+    def _loop(self) -> None:
+        while True:
+            busy = self._steps or self.spooling or self._outbox
+            # idle (e.g. during an evaluation): wake rarely; a queued item wakes the thread at once anyway
+            urgent = self._take(self.cfg.flush_interval / 2 if busy else min(1.0, self.cfg.alerts_refresh))
+            finishing = self.final_status is not None
+            age = time.monotonic() - self._first_at
+            if self._events or self._acks or (self._steps and (finishing or age >= self.cfg.flush_interval)):
+                self._make_batch(urgent)
+            self._deliver()
+            if finishing:
+                self._finish()
+                return
+            self._refresh_alerts()
+
+    def _deliver(self) -> None:
+        now = time.monotonic()
+        if self.spooling and now >= self._next_probe:
+            if self.run_id is not None or self._register():
+                if self._drain_spool():
+                    self.spooling = False
+                    log.warning("fp8scope monitor: service back at %s; spooled telemetry sent", self.base)
+                else:
+                    self._start_spooling()
+            else:
+                self._start_spooling()
+        elif self.run_id is None and not self.spooling and not self._register():
+            self._start_spooling()
+        # the memory cap: batches that piled up (a slow service) beyond it wait in the spool instead
+        waiting = sum(out.n_steps for out in self._outbox)
+        while len(self._outbox) > 1 and waiting > self.cfg.max_buffered_steps:
+            out = self._outbox.popleft()
+            waiting -= out.n_steps
+            self._spool(out)
+            self.log_once(
+                "cap",
+                "fp8scope monitor: more than %s steps waiting; the oldest go to the spool %s",
+                self.cfg.max_buffered_steps,
+                self.spool.path,
+            )
+        if not self.spooling and self.spooled and not self._drain_spool():
+            self._start_spooling()
+        while self._outbox:
+            if self.spooling:
+                self._spool(self._outbox.popleft())
+                continue
+            out = self._outbox[0]
+            result = self._send(out.body, retries=True)
+            if result == "down":
+                self._start_spooling()
+                continue
+            if result == "refused":
+                self.spool_must_stay = True
+                self._spool(out)
+            self._outbox.popleft()
+
+    def _refresh_alerts(self) -> None:
+        now = time.monotonic()
+        if self.run_id is None or self.spooling or now < self._next_alerts:
+            return
+        self._next_alerts = now + self.cfg.alerts_refresh
+        try:
+            r = self.http.get(f"{self.base}/runs/{self.run_id}", timeout=min(self.cfg.http_timeout, 2.0))
+            if r.status_code == 200:
+                self.open_alerts = int(r.json().get("open_alerts") or 0)
+        except httpx.HTTPError:
+            pass  # the next telemetry post notices an outage
+
+    def _finish(self) -> None:
+        """Final status: PATCH it, or keep it in the spool; close or delete the spool."""
+        status = self.final_status
+        if (
+            self.spooling
+            and time.monotonic() < self._stop_at
+            and (self.run_id is not None or self._register())
+            and self._drain_spool()  # one last try to deliver what was spooled during this run
+        ):
+            self.spooling = False
+        patched = False
+        if not self.spooling and self.run_id is not None:
+            try:
+                r = self.http.patch(f"{self.base}/runs/{self.run_id}", json={"status": status})
+                patched = r.status_code == 200
+            except httpx.HTTPError:
+                pass
+        if not patched:
+            self.spool.write_status(status)
+        keep = bool(self.spooled) or self.spool_must_stay or not patched
+        if self.spool.created:
+            self.spool.close(delete=not keep)
+            if keep:
+                log.warning(
+                    "fp8scope monitor: telemetry left in %s; send it with: fp8-monitor upload %s",
+                    self.spool.path,
+                    self.spool.path,
+                )

@@ -1,0 +1,87 @@
+"""The local spool: what the monitor could not deliver, in a file that ``fp8-monitor upload`` replays.
+
+The format (JSON lines, appended and flushed one record at a time) and the replay live in the torch-free
+``monitor_server.upload``, so the service's command line can read spools without importing torch:
+
+* ``{"type": "run", "version": 1, "client_key": K, "body": {...}}`` first: the ``POST /runs`` body.
+  ``client_key`` makes registering idempotent, so a run the service saw before the outage is found again;
+* ``{"type": "batch", "body": {...}}``: a telemetry body exactly as it would have been posted, with its
+  ``idempotency_key`` (the service stores a key once, so replaying a batch delivered before is harmless);
+* ``{"type": "status", "status": "finished" | "crashed"}``: the run's final status.
+
+Replaying the whole file in order is therefore always correct: uploading a spool twice, or one whose
+batches were partly delivered already, stores every step exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from monitor_server.upload import API, SPOOL_VERSION, read_spool, upload_spool
+
+__all__ = ["API", "SPOOL_VERSION", "SpoolWriter", "read_spool", "upload_spool"]
+
+
+class SpoolWriter:
+    """Appends records to one spool file, created (with its run record) on the first write."""
+
+    def __init__(self, path: str | os.PathLike, run_body: dict[str, Any], client_key: str):
+        self.path = Path(path)
+        self._run_body = run_body
+        self._client_key = client_key
+        self._file = None
+        self._lock = threading.Lock()
+        self.batches_written = 0
+        self.status_written = False
+
+    @property
+    def created(self) -> bool:
+        return self._file is not None
+
+    def _open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "ab")  # noqa: SIM115 (kept open for the run)
+        self._write(
+            {"type": "run", "version": SPOOL_VERSION, "client_key": self._client_key, "body": self._run_body}
+        )
+
+    def _write(self, record: dict[str, Any]) -> int:
+        line = orjson.dumps(record) + b"\n"
+        offset = self._file.tell()
+        self._file.write(line)
+        self._file.flush()
+        return offset
+
+    def write_batch(self, body: dict[str, Any]) -> int:
+        """Append a telemetry body; returns the offset of its line (for reading it back)."""
+        with self._lock:
+            if self._file is None:
+                self._open()
+            self.batches_written += 1
+            return self._write({"type": "batch", "body": body})
+
+    def write_status(self, status: str) -> None:
+        with self._lock:
+            if self._file is None:
+                self._open()
+            self._write({"type": "status", "status": status})
+            self.status_written = True
+
+    def read_batch(self, offset: int) -> dict[str, Any]:
+        """The telemetry body written at ``offset``."""
+        with open(self.path, "rb") as f:
+            f.seek(offset)
+            return orjson.loads(f.readline())["body"]
+
+    def close(self, delete: bool = False) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+                if delete:
+                    self.path.unlink(missing_ok=True)

@@ -1,0 +1,202 @@
+"""Monitor in a plain training loop against a real `fp8-monitor serve`: every step's statistics stored as
+the job computed them, baselines without FP8, client-side events with the flight recorder, bad arguments."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from monitor_utils import FAST, assert_stored_equal, get, running_server, tiny_model, train, wait_until
+
+from fp8_trainer import Monitor, fp8_autocast, tensor_table
+from fp8_trainer.model import GPT, GPTConfig
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    db = tmp_path_factory.mktemp("monitor") / "monitor.db"
+    with running_server(f"sqlite:///{db}") as srv:
+        yield srv
+
+
+def test_plain_loop_stores_every_step_as_computed(server, tmp_path):
+    model, recipe = tiny_model()
+    spool = tmp_path / "spool.jsonl"
+    with Monitor(server.url, "plain", model, recipe, config={"lr": 1e-3}, spool_path=spool, **FAST) as mon:
+        seen = train(model, recipe, mon, 12)
+        mon.event("checkpoint", 12, path="ckpt-12.pt")
+    assert mon.run_id is not None and not mon.spooling
+    assert_stored_equal(server.url, mon.run_id, seen)
+    run = get(server.url, f"/runs/{mon.run_id}")
+    assert run["status"] == "finished" and run["config"] == {"lr": 1e-3}
+    assert run["effective_recipe"]["model"]["amax_history_len"] == 4
+    assert run["effective_recipe"]["model"]["scaling"] == "delayed"
+    tensors = get(server.url, f"/runs/{mon.run_id}/tensors")
+    assert [(t["index"], t["name"], t["role"], t["format"]) for t in tensors] == [
+        (t.index, t.name, t.role, t.format) for t in tensor_table(model)
+    ]
+    assert not spool.exists()  # nothing had to be spooled
+    events = get(server.url, f"/runs/{mon.run_id}/events")
+    assert [(e["kind"], e["step"], e["details"]) for e in events] == [
+        ("custom", 12, {"name": "checkpoint", "path": "ckpt-12.pt"})
+    ]
+
+
+def test_exception_in_loop_marks_run_crashed(server, tmp_path):
+    model, recipe = tiny_model()
+    mon = Monitor(server.url, "crash", model, recipe, spool_path=tmp_path / "s.jsonl", **FAST)
+    with pytest.raises(RuntimeError, match="boom"), mon:
+        seen = train(model, recipe, mon, 3)
+        raise RuntimeError("boom")
+    assert get(server.url, f"/runs/{mon.run_id}")["status"] == "crashed"
+    assert_stored_equal(server.url, mon.run_id, seen)  # the last step is flushed on the way out
+
+
+def test_baseline_without_fp8_sends_scalars(server, tmp_path):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, n_layer=1, n_head=4, n_embd=64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = {}
+    with Monitor(server.url, "bf16-baseline", model, None, spool_path=tmp_path / "s.jsonl", **FAST) as mon:
+        for step in range(1, 6):
+            x = torch.randint(0, 256, (2, 16))
+            _, loss = model(x, x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[step] = loss.item()
+            mon.step(step, loss=loss.detach(), tokens_per_s=1000.0 * step)
+    run = get(server.url, f"/runs/{mon.run_id}")
+    assert run["num_tensors"] == 0 and run["steps_stored"] == 5
+    series = get(server.url, f"/runs/{mon.run_id}/series", name="loss")
+    assert series["values"] == [losses[s] for s in range(1, 6)]
+    tps = get(server.url, f"/runs/{mon.run_id}/series", name="tokens_per_s")
+    assert tps["values"] == [1000.0 * s for s in range(1, 6)]
+
+
+def test_programmer_errors_raise_value_error(tmp_path):
+    model = GPT(GPTConfig(block_size=32, n_layer=1, n_head=4, n_embd=64))
+    with pytest.raises(ValueError, match="no FP8 layers"):
+        Monitor("http://127.0.0.1:9", "x", model, object(), spool_path=tmp_path / "a.jsonl")
+    fp8_model, recipe = tiny_model()
+    with pytest.raises(ValueError, match="flush_interval"):
+        Monitor("http://127.0.0.1:9", "x", fp8_model, recipe, flush_interval=0)
+    with pytest.raises(ValueError, match="unknown Monitor tuning option"):
+        Monitor("http://127.0.0.1:9", "x", fp8_model, recipe, flush_intervall=1.0)
+    with pytest.raises(ValueError, match="url"):
+        Monitor("127.0.0.1:8000", "x", fp8_model, recipe)
+    with pytest.raises(ValueError, match="max_batch_steps"):
+        Monitor("http://127.0.0.1:9", "x", fp8_model, recipe, max_batch_steps=2.5)
+
+
+def test_bad_scalars_never_reach_the_loop(server, tmp_path, caplog):
+    model, recipe = tiny_model()
+
+    class Monitored:  # passes a loss that is not a number at steps 3 and 4
+        def step(self, step, loss, lr):
+            mon.step(step, loss=object() if step in (3, 4) else loss, lr=lr, note="n/a" if step == 5 else 1.0)
+
+    with caplog.at_level(logging.WARNING, logger="fp8scope.monitor"):
+        with Monitor(server.url, "odd", model, recipe, spool_path=tmp_path / "s.jsonl", **FAST) as mon:
+            seen = train(model, recipe, Monitored(), 6)
+        mon.step(7)  # after close: ignored
+    run = get(server.url, f"/runs/{mon.run_id}")
+    assert run["steps_stored"] == 6 and run["last_step"] == 6
+    series = get(server.url, f"/runs/{mon.run_id}/series", name="loss")
+    assert series["steps"] == [1, 2, 5, 6]
+    assert series["values"] == [seen[s][0] for s in (1, 2, 5, 6)]
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("'loss' is not a number" in m for m in messages) == 1  # once, not per step
+    assert sum("'note' is not a number" in m for m in messages) == 1
+    assert any("after close" in m for m in messages)
+
+
+def _events(url, run_id, kind):
+    return get(url, f"/runs/{run_id}/events", kind=kind)
+
+
+def test_loss_spike_event_with_flight_recorder(server, tmp_path):
+    model, recipe = tiny_model()
+    spike_at = 22  # the first step with 20 losses before it
+    with Monitor(
+        server.url, "spiky", model, recipe, spool_path=tmp_path / "s.jsonl", flight_steps=16, **FAST
+    ) as mon:
+        gen = torch.Generator().manual_seed(0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for step in range(1, 25):
+            x = torch.randint(0, 256, (2, 16), generator=gen)
+            with fp8_autocast(fp8_recipe=recipe):
+                _, loss = model(x, x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            reported = loss.detach() * (20.0 if step == spike_at else 1.0)
+            mon.step(step, loss=reported)
+    events = _events(server.url, mon.run_id, "loss_spike")
+    assert [e["step"] for e in events] == [spike_at]
+    d = events[0]["details"]
+    assert d["z"] >= d["threshold"] == 6.0
+    fr = d["flight_recorder"]
+    assert fr["steps"] == list(range(spike_at - 15, spike_at + 1))
+    assert fr["scalars"]["loss"][-1] == pytest.approx(d["loss"])
+    assert [row["step"] for row in d["last_steps"]] == fr["steps"]
+    assert d["last_steps"][-1]["loss"] == pytest.approx(d["loss"])
+    assert fr["stats"]["amax"]["shape"] == [16, len(tensor_table(model))]
+    assert len(d["tensors"]) == 3 and len(fr["tensors"]) == 3
+    # the server's own detector agrees on the step
+    alerts = get(server.url, f"/runs/{mon.run_id}/alerts", kind="loss_spike")
+    assert [a["first_step"] for a in alerts] == [spike_at]
+
+
+def test_nonfinite_event_names_the_tensor_and_histograms_it(server, tmp_path):
+    model, recipe = tiny_model()
+    layer = "blocks.0.mlp.fc"
+    poisoned = 6
+
+    def poison(step):
+        if step == poisoned - 1:  # the weight used in step `poisoned`
+            with torch.no_grad():
+                dict(model.named_modules())[layer].weight[0, 0] = float("nan")
+
+    spool = tmp_path / "s.jsonl"
+    with Monitor(server.url, "nan", model, recipe, spool_path=spool, alerts_refresh=0.1, **FAST) as mon:
+        assert mon.open_alerts == 0
+        seen = train(model, recipe, mon, 9, hook=poison)
+        assert wait_until(lambda: mon.open_alerts > 0)  # the job sees the service's alerts (progress bar)
+    events = _events(server.url, mon.run_id, "nonfinite")
+    stat_events = [e for e in events if e["details"]["what"] == "statistics"]
+    assert stat_events[0]["step"] == poisoned
+    d = stat_events[0]["details"]
+    names = [t.name for t in tensor_table(model)]
+    first_bad = [i for i in range(len(names)) if seen[poisoned][1][i, 4] > 0]
+    assert sorted(d["tensor_indices"]) == first_bad
+    # named first: the poisoned weight, which is where the NaN enters in forward-then-backward order
+    assert d["tensor"] == f"{layer}.weight" and names[d["tensor_index"]] == d["tensor"]
+    assert f"{layer}.weight" in d["tensors"]
+    assert d["histograms"][f"{layer}.weight"]["nonfinite"] >= 1
+    # the service's alert is on that tensor too
+    alerts = get(server.url, f"/runs/{mon.run_id}/alerts", kind="nonfinite")
+    first = min(alerts, key=lambda a: (a["first_step"], a["id"]))
+    assert (first["first_step"], first["tensor_name"]) == (poisoned, f"{layer}.weight")
+    assert d["flight_recorder"]["steps"][-1] == poisoned
+    loss_events = [e for e in events if e["details"]["what"] == "loss"]
+    assert [e["step"] for e in loss_events] == [poisoned]
+    # inputs / gradients involved are histogrammed by one-shot hooks at the next step
+    follow = [
+        e
+        for e in _events(server.url, mon.run_id, "custom")
+        if e["details"].get("histogram_for") == "nonfinite" and e["details"]["event_step"] == poisoned
+    ]
+    captured = {e["details"]["tensor"] for e in follow}
+    involved = {names[i] for i in d["tensor_indices"][:8] if not names[i].endswith(".weight")}
+    assert captured == involved
+    assert all(
+        sum(e["details"]["histogram"]["exponents"].values())
+        + e["details"]["histogram"]["zeros"]
+        + e["details"]["histogram"]["nonfinite"]
+        > 0
+        for e in follow
+    )
+    np.testing.assert_equal(len(follow), len(involved))

@@ -1,0 +1,120 @@
+"""Monitor in a 2-process data-parallel job (gloo): rank 0 reports the reduced statistics, per-rank amaxes
+are sampled as rank_amax events, and a command reaches every rank at the same step."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from monitor_utils import API, FAST, decode, free_port, get, running_server, tiny_model, wait_until
+
+from fp8_trainer import Monitor, fp8_autocast, get_layer_recipes, step_stats
+
+WORLD = 2
+LAYER = "blocks.0.mlp.fc"
+SAMPLE = 4
+
+
+def worker(rank: int, port: int, url: str, spool_dir: str, out) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        model, recipe = tiny_model()  # the same weights on both ranks
+        mon = Monitor(
+            url,
+            "ddp",
+            model,
+            recipe,
+            spool_path=f"{spool_dir}/r{rank}.jsonl",
+            rank_sample_interval=SAMPLE,
+            **FAST,
+        )
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        gen = torch.Generator().manual_seed(100 + rank)  # different data per rank
+        stats, margins, extra = {}, {}, 0
+        for step in range(1, 300):
+            margins[step] = get_layer_recipes(model)[LAYER]["margin"]
+            x = torch.randint(0, 256, (2 + rank, 16), generator=gen)
+            with fp8_autocast(fp8_recipe=recipe):
+                _, loss = model(x, x)
+            (loss * (1 + 3 * rank)).backward()
+            opt.step()
+            opt.zero_grad()
+            stats[step] = step_stats(model).clone().numpy()
+            mon.step(step, loss=loss.detach())
+            # rank 0 decides for both when to stop: a few steps after the command took effect
+            if get_layer_recipes(model)[LAYER]["margin"] == 2:
+                extra += 1
+            go = torch.tensor([int(step < SAMPLE * 2 or extra < 3)])
+            dist.broadcast(go, src=0)
+            if not go.item():
+                break
+            time.sleep(0.03)
+        mon.close()
+        out[rank] = {"stats": stats, "margins": margins, "run_id": mon.run_id}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_report_reduced_stats_rank_amax_and_apply_commands_together(tmp_path):
+    with running_server(f"sqlite:///{tmp_path / 'm.db'}") as server:
+        manager = mp.Manager()
+        out = manager.dict()
+        ctx = mp.start_processes(
+            worker,
+            args=(free_port(), server.url, str(tmp_path), out),
+            nprocs=WORLD,
+            join=False,
+            start_method="spawn",
+        )
+        assert wait_until(lambda: get(server.url, "/runs"), timeout=60)
+        run_id = get(server.url, "/runs")[0]["id"]
+        posted = httpx.post(
+            f"{server.url}{API}/runs/{run_id}/commands", json={"target": LAYER, "changes": {"margin": 2}}
+        )
+        assert posted.status_code == 201, posted.text
+        while not ctx.join(timeout=60):
+            pass
+        res = {rank: out[rank] for rank in range(WORLD)}
+        assert res[0]["run_id"] == run_id and res[1]["run_id"] is None  # only rank 0 talks HTTP
+
+        # the command took effect at the same step on both ranks, and was acked with that step
+        assert res[0]["margins"] == res[1]["margins"]
+        applied_at = min(s for s, m in res[0]["margins"].items() if m == 2)
+        cmd = get(server.url, f"/runs/{run_id}/commands")[0]
+        assert cmd["state"] == "applied" and cmd["applied_step"] == applied_at
+
+        steps = sorted(res[0]["stats"])
+        run = get(server.url, f"/runs/{run_id}")
+        assert run["world_size"] == WORLD and run["steps_stored"] == len(steps)
+        per_rank = np.stack(
+            [np.stack([res[r]["stats"][s] for s in steps]) for r in range(WORLD)]
+        )  # (W, S, T, 6)
+        assert not np.array_equal(per_rank[0, :, :, 0], per_rank[1, :, :, 0])  # the ranks saw different data
+        expected = {
+            "amax": per_rank[..., 0].max(axis=0),
+            "scale": per_rank[0, ..., 1],
+            "overflow": per_rank[..., 2].sum(axis=0),
+            "underflow": per_rank[..., 3].sum(axis=0),
+            "nonfinite": per_rank[..., 4].sum(axis=0),
+        }
+        np.testing.assert_array_equal(per_rank[0, ..., 1], per_rank[1, ..., 1])  # one shared scale
+        for metric, want in expected.items():
+            h = get(server.url, f"/runs/{run_id}/heatmap", metric=metric, max_cols=1000)
+            assert h["bucket_start"] == steps
+            got = np.array([decode(row) for row in h["values"]]).T  # (S, T)
+            np.testing.assert_array_equal(got, want, err_msg=metric)
+
+        events = get(server.url, f"/runs/{run_id}/events", kind="rank_amax")
+        assert [e["step"] for e in events] == [s for s in steps if s % SAMPLE == 0]
+        for e in events:
+            assert e["details"]["world_size"] == WORLD
+            i = steps.index(e["step"])
+            np.testing.assert_array_equal(
+                np.array(e["details"]["amax"], dtype=np.float64), per_rank[:, i, :, 0]
+            )

@@ -1,0 +1,118 @@
+"""Spooling: a dead service costs the job nothing, `fp8-monitor upload` completes the run exactly once, and a
+service killed (SIGKILL) and restarted mid-run ends with every step stored exactly once."""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+import httpx
+import orjson
+import pytest
+from monitor_utils import (
+    API,
+    FAST,
+    assert_stored_equal,
+    free_port,
+    get,
+    running_server,
+    tiny_model,
+    train,
+    wait_until,
+)
+
+from fp8_trainer import Monitor
+from fp8_trainer.monitor.spool import read_spool
+from monitor_server import cli
+from tests.server.utils import ServerProcess
+
+
+def upload(spool, url, capsys) -> tuple[int, str, str]:
+    """`fp8-monitor upload SPOOL --url URL` (the console entry point, in process)."""
+    code = cli.main(["upload", str(spool), "--url", url])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_unreachable_service_spools_and_upload_completes_the_run_once(tmp_path, caplog, capsys):
+    dead = f"http://127.0.0.1:{free_port()}"
+    spool = tmp_path / "spool" / "run.jsonl"
+    model, recipe = tiny_model()
+    mon = Monitor(dead, "offline", model, recipe, spool_path=spool, **FAST)
+    with caplog.at_level(logging.WARNING, logger="fp8scope.monitor"), mon:
+        seen = train(model, recipe, mon, 10)
+        assert mon.spooling and mon.run_id is None
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("spooling telemetry to" in m for m in messages) == 1  # said once
+    assert any(f"fp8-monitor upload {spool}" in m for m in messages)  # the hint at close
+
+    contents = read_spool(spool)
+    assert contents.run["name"] == "offline" and contents.status == "finished"
+    assert sorted(s["step"] for b in contents.batches for s in b.get("steps", [])) == list(range(1, 11))
+
+    with spool.open("ab") as f:
+        f.write(b'{"type": "batch", "body": {"idem')  # a job killed while writing its last line
+    assert read_spool(spool).torn_lines == 1
+    with running_server(f"sqlite:///{tmp_path / 'm.db'}") as server:
+        code, out, err = upload(spool, server.url, capsys)
+        assert code == 0, err
+        assert "10 new steps stored" in out
+        runs = get(server.url, "/runs")
+        assert len(runs) == 1 and runs[0]["status"] == "finished"
+        assert_stored_equal(server.url, runs[0]["id"], seen)
+        code, out, err = upload(spool, server.url, capsys)  # a second upload stores nothing
+        assert code == 0, err
+        assert "0 new steps stored" in out and "existing" in out
+        assert len(get(server.url, "/runs")) == 1
+        assert_stored_equal(server.url, runs[0]["id"], seen)
+
+
+def test_upload_refuses_what_is_not_a_spool(tmp_path, capsys):
+    bad = tmp_path / "x.jsonl"
+    bad.write_bytes(b'{"type": "batch", "body": {}}\n')
+    code, _, err = upload(bad, f"http://127.0.0.1:{free_port()}", capsys)
+    assert code == 2 and "not an fp8scope spool" in err
+
+
+@pytest.mark.slow
+def test_service_killed_mid_run_and_at_the_end_every_step_stored_once(tmp_path, capsys):
+    server = ServerProcess(f"sqlite:///{tmp_path / 'm.db'}").start()
+    spool = tmp_path / "run.jsonl"
+    try:
+        model, recipe = tiny_model()
+        mon = Monitor(server.url, "killed", model, recipe, spool_path=spool, **FAST)
+        seen = train(model, recipe, mon, 4)
+        assert wait_until(lambda: mon.run_id is not None)
+        run_id = mon.run_id
+        # 1. killed mid-run and restarted: the client spools, notices the service is back, drains
+        server.stop(signal.SIGKILL)
+        seen.update(train(model, recipe, mon, 3, start=5))
+        assert wait_until(lambda: mon.spooling)
+        seen.update(train(model, recipe, mon, 2, start=8))
+        server.start()  # same port, same database
+        assert wait_until(lambda: not mon.spooling)
+        assert mon.sender.stats["drained"] >= 1
+        seen.update(train(model, recipe, mon, 3, start=10))
+        assert wait_until(lambda: get(server.url, f"/runs/{run_id}")["steps_stored"] >= 11)
+        assert_stored_equal(server.url, run_id, {s: v for s, v in seen.items() if s <= 11})
+        # 2. killed again until after the job ended: the rest stays in the spool
+        server.stop(signal.SIGKILL)
+        seen.update(train(model, recipe, mon, 4, start=13))
+        mon.close()
+        contents = read_spool(spool)
+        assert contents.status == "finished"
+        spooled = sorted(st["step"] for b in contents.batches for st in b.get("steps", []))
+        assert spooled[-1] == 16 and set(range(13, 17)) <= set(spooled)
+        # 3. part of the spool delivered by hand first: the upload still stores nothing twice
+        server.start()
+        for body in contents.batches[: len(contents.batches) // 2]:
+            r = httpx.post(f"{server.url}{API}/runs/{run_id}/telemetry", content=orjson.dumps(body))
+            assert r.status_code == 200
+        code, out, err = upload(spool, server.url, capsys)
+        assert code == 0, err
+        assert f"run {run_id} (existing)" in out
+        assert len(get(server.url, "/runs")) == 1
+        assert_stored_equal(server.url, run_id, seen)
+        assert get(server.url, f"/runs/{run_id}")["status"] == "finished"
+    finally:
+        server.stop()
