@@ -32,7 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fp8_trainer import convert_to_fp8, tensor_table  # noqa: E402
+from fp8_trainer import convert_to_fp8, fp8_autocast, tensor_table  # noqa: E402
 from fp8_trainer.data import ByteCorpus  # noqa: E402
 from fp8_trainer.model import GPT, PRESETS, fp8_filter  # noqa: E402
 from fp8_trainer.monitor import Monitor  # noqa: E402
@@ -62,8 +62,9 @@ class Job:
     def step(self) -> float:
         t0 = time.perf_counter()
         x, y = self.corpus.batch("train", self.args.batch_size, self.args.seq_len)
-        _, loss = self.model(x, y)
-        loss.backward()
+        with fp8_autocast(fp8_recipe=self.recipe):
+            _, loss = self.model(x, y)
+        loss.backward()  # the FP8 step (history, scales, statistics) closes when backward ends
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)

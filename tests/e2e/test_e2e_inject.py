@@ -34,14 +34,18 @@ def test_nan_in_an_activation_is_a_nonfinite_alert_on_that_tensor_and_step(serve
 
 def test_saturating_weight_and_lr_spike_alert_on_the_layer_and_the_step(server, api, train):
     train("--steps", "40", "--monitor-url", server.url, "--run-name", "e2e-faults",
-          "--inject", "overflow:blocks.2.attn.proj@10", "--inject", "lr-spike@30")  # fmt: skip
+          "--inject", "overflow:blocks.2.attn.proj@10", "--inject", "lr-spike@30x1000")  # fmt: skip
     run = run_by_name(api, "e2e-faults")
     overflow = _alerts(api, run["id"], "overflow_burst")
-    assert [(a["tensor_name"], a["first_step"]) for a in overflow][:1] == [("blocks.2.attn.proj.weight", 10)]
-    assert {a["layer"] for a in overflow} == {"blocks.2.attn.proj"}
-    layers = api.get(f"/runs/{run['id']}/layers").json()
-    assert layers[0]["layer"] == "blocks.2.attn.proj" and layers[0]["severity"] != "ok"
+    # before the lr spike (which may saturate others later), overflow starts at the injected step with the
+    # saturated weight; the layers downstream of it may saturate in the same step, none upstream
+    early = sorted((a["first_step"], a["tensor_name"]) for a in overflow if a["first_step"] < 30)
+    assert (10, "blocks.2.attn.proj.weight") in early and min(early)[0] == 10, early
+    assert all(int(name.split(".")[1]) >= 2 for _, name in early), early
+    layers = {x["layer"]: x for x in api.get(f"/runs/{run['id']}/layers").json()}
+    assert layers["blocks.2.attn.proj"]["severity"] != "ok"
 
     spikes = _alerts(api, run["id"], "loss_spike")
-    # lr x100 in optimizer step 30: the loss measured in step 31 jumps
+    # lr x1000 in optimizer step 30: the loss measured in step 31 jumps (x100 is within the noise of
+    # batches this small)
     assert spikes and min(a["first_step"] for a in spikes) == 31, spikes
