@@ -122,7 +122,7 @@ class Monitor:
         config: JSON-able dict stored with the run.
         spool_path: where to spool when the service is unreachable (default
             ``./fp8scope-spool/<run_name>-<time>.jsonl``; only created when needed).
-        **tuning: ``flush_interval`` (0.5 s), ``max_batch_steps`` (64), ``max_buffered_steps`` (4096),
+        **tuning: ``flush_interval`` (1 s), ``max_batch_steps`` (64), ``max_buffered_steps`` (4096),
             ``retry_delays`` ((0.2, 0.5, 1.0) s), ``probe_interval`` (1 s), ``http_timeout`` (5 s),
             ``alerts_refresh`` (3 s), ``gzip`` (True), ``close_timeout`` (15 s), ``loss_window`` (50),
             ``loss_min_history`` (20), ``loss_z_threshold`` (6), ``loss_rel_floor`` (0.001),

@@ -58,7 +58,7 @@ class Outgoing:
 
 @dataclass
 class SenderConfig:
-    flush_interval: float = 0.5
+    flush_interval: float = 1.0  # seconds; each batch has a fixed cost on the service (one transaction)
     max_batch_steps: int = 64
     max_buffered_steps: int = 4096
     retry_delays: tuple[float, ...] = (0.2, 0.5, 1.0)
