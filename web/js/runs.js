@@ -191,7 +191,7 @@ export async function mountRuns(container) {
         refreshOne(d.run_id);
       },
       run(d) {
-        if (!rows.has(d.run_id) || d.status === "created") reload();
+        if (!rows.has(d.run_id) || d.created) reload();
         else refreshOne(d.run_id);
       },
     },

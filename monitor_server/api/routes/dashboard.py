@@ -15,16 +15,15 @@ import orjson
 from fastapi import APIRouter, Depends, HTTPException, Query, Response, status
 from fastapi.responses import StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials
-from sqlalchemy import Text, func, select, type_coerce
-from starlette.concurrency import run_in_threadpool
+from sqlalchemy import Text, select, type_coerce
 
 from monitor_server.api.deps import CtxDep, ReadDep, RunId, SessionDep, authenticate, bearer_scheme
 from monitor_server.api.routes.queries import FromQ, ToQ
 from monitor_server.api.routes.runs import get_run_or_404
 from monitor_server.context import AppContext
 from monitor_server.core.config import SCOPES
-from monitor_server.events import ALL_RUNS, CLOSED, Event, Subscription
-from monitor_server.models import Run, StepRow
+from monitor_server.events import ALL_RUNS, CLOSED, Subscription
+from monitor_server.models import StepRow
 from monitor_server.rollups import HEATMAP_METRICS, read_heatmap
 from monitor_server.series import downsample_minmax
 from monitor_server.wire import NONFINITE_STRINGS, jsonable
@@ -33,8 +32,6 @@ router = APIRouter(tags=["dashboard"])
 
 #: events of the all-runs stream (what a runs list shows); command and client events stay per run
 GLOBAL_EVENTS = frozenset({"step", "alert", "run"})
-#: how often the all-runs stream looks for newly registered runs (creation publishes no event)
-NEW_RUN_POLL_S = 1.0
 
 
 @router.get("/whoami")
@@ -51,34 +48,20 @@ def whoami(
     }
 
 
-def _max_run_id(ctx: AppContext) -> int:
-    with ctx.db.read_session() as session:
-        return session.scalar(select(func.max(Run.id))) or 0
-
-
 async def _all_runs_events(ctx: AppContext, sub: Subscription) -> AsyncIterator[bytes]:
-    """SSE frames of every run's step/alert/run events, plus `run` {"status": "created"} for new runs."""
+    """SSE frames of every run's step/alert/run events (a new run: `run` with `"created": true`)."""
     keepalive = ctx.settings.sse_keepalive_seconds
     try:
         yield b": connected\nretry: 2000\n\n"
-        seen = await run_in_threadpool(_max_run_id, ctx)
         loop = asyncio.get_running_loop()
-        next_poll = loop.time() + NEW_RUN_POLL_S
         quiet_since = loop.time()
         while True:
-            event = await sub.get(max(0.05, next_poll - loop.time()))
+            event = await sub.get(max(0.05, keepalive - (loop.time() - quiet_since)))
             if event is CLOSED:
                 return
             if event is not None and event.name in GLOBAL_EVENTS:
                 quiet_since = loop.time()
                 yield event.encode()
-            if loop.time() >= next_poll:
-                next_poll = loop.time() + NEW_RUN_POLL_S
-                newest = await run_in_threadpool(_max_run_id, ctx)
-                for run_id in range(seen + 1, newest + 1):
-                    quiet_since = loop.time()
-                    yield Event("run", {"id": run_id, "run_id": run_id, "status": "created"}).encode()
-                seen = max(seen, newest)
             if loop.time() - quiet_since >= keepalive:
                 quiet_since = loop.time()
                 yield b": keep-alive\n\n"
@@ -93,7 +76,7 @@ async def _all_runs_events(ctx: AppContext, sub: Subscription) -> AsyncIterator[
 )
 async def stream_all(ctx: CtxDep, _principal: ReadDep) -> StreamingResponse:
     """Live events of all runs for the runs list: `step`, `alert` and `run` (each with `run_id`); a newly
-    registered run is announced as a `run` event with status "created" within about a second."""
+    registered run is announced at once as a `run` event with `"created": true`."""
     sub = ctx.broker.subscribe(ALL_RUNS)
     return StreamingResponse(
         _all_runs_events(ctx, sub),

@@ -119,7 +119,7 @@ def create_run(body: RunCreate, ctx: CtxDep, _principal: RunWriteDep, response: 
                     insert(TensorRow),
                     [{"run_id": run.id, **t.model_dump()} for t in sorted(body.tensors, key=_by_index)],
                 )
-            return run_public(run, 0)
+            created = run_public(run, 0)
     except IntegrityError:
         # a concurrent registration with the same client_key won the race
         existing = _existing_run(ctx, body)
@@ -127,6 +127,10 @@ def create_run(body: RunCreate, ctx: CtxDep, _principal: RunWriteDep, response: 
             raise
         response.status_code = status.HTTP_200_OK
         return existing
+    # after the commit: the runs list (all-runs stream) shows a new run before its first step arrives
+    announce = {"id": created["id"], "status": created["status"], "created": True}
+    ctx.broker.publish(created["id"], "run", announce)
+    return created
 
 
 @router.get("", response_model=list[RunPublic])
