@@ -1,8 +1,25 @@
-# The monitor service image. The service needs no PyTorch, so the image installs the distribution's
+# Two images. The last stage (the default target) is the monitor service; `trainer` is an example FP8
+# training job for docker-compose.yml.
+
+# An example training job: the CPU build of PyTorch and the whole distribution (fp8-train).
+FROM python:3.11-slim AS trainer
+WORKDIR /app
+COPY pyproject.toml setup.py README.md ./
+COPY fp8_trainer fp8_trainer
+COPY kernels kernels
+COPY monitor_server monitor_server
+COPY web web
+RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
+    && pip install --no-cache-dir . && useradd --create-home fp8scope
+USER fp8scope
+WORKDIR /home/fp8scope
+CMD ["fp8-train", "--preset", "tiny", "--steps", "1000", "--no-progress"]
+
+# The monitor service. The service needs no PyTorch, so the image installs the distribution's
 # dependencies minus torch, then the package itself without dependency resolution.
 FROM python:3.11-slim AS monitor
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 RUN python -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print('\n'.join(d for d in deps if not d.startswith('torch')))" > /tmp/requirements.txt \
     && pip install --no-cache-dir -r /tmp/requirements.txt
 COPY fp8_trainer fp8_trainer

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from fp8_trainer.cli import prepare
 from monitor_server.cli import build_parser, build_settings
 from monitor_server.core.config import parse_token
 
@@ -71,15 +72,49 @@ def test_tokens_come_from_the_environment(compose):
     assert [parse_token(t).name for t in example.split(",")] == ["trainer", "dashboard"]
 
 
-def test_dockerfile_copies_existing_paths_and_runs_the_cli():
+def _stages() -> dict[str, str]:
+    """Dockerfile stages by name, in order, each with its text."""
     text = (ROOT / "Dockerfile").read_text()
-    for src in re.findall(r"^COPY (\S+)", text, flags=re.M):
-        if not src.startswith("--"):
-            assert (ROOT / src).exists(), f"Dockerfile copies missing path {src}"
-    cmd = re.search(r'^CMD \[(.*)\]', text, flags=re.M).group(1)
-    argv = [part.strip().strip('"') for part in cmd.split(",")]
+    parts = re.split(r"^FROM \S+ AS (\S+)\n", text, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
+
+
+def _cmd(stage: str) -> list[str]:
+    cmd = re.search(r"^CMD \[(.*)\]", stage, flags=re.M).group(1)
+    return [part.strip().strip('"') for part in cmd.split(",")]
+
+
+def test_dockerfile_copies_existing_paths_and_runs_the_clis(compose):
+    stages = _stages()
+    assert list(stages)[-1] == "monitor"  # `docker build .` builds the service
+    for name, stage in stages.items():
+        for src in re.findall(r"^COPY (\S+)", stage, flags=re.M):
+            if not src.startswith("--"):
+                assert (ROOT / src).exists(), f"Dockerfile stage {name} copies missing path {src}"
+    argv = _cmd(stages["monitor"])
     assert argv[0] == "fp8-monitor"
     assert build_parser().parse_args(argv[1:]).command == "serve"
+    argv = _cmd(stages["trainer"])
+    assert argv[0] == "fp8-train"
+    prepare(argv[1:])  # exits 2 on a flag fp8-train rejects
+    assert "torch==" in stages["trainer"] and "whl/cpu" in stages["trainer"]  # the CPU build, pinned
+    for service in compose["services"].values():
+        if "build" in service:
+            assert service["build"]["target"] in stages
+
+
+def test_example_trainer_streams_into_the_monitor_with_valid_flags(compose):
+    trainer, monitor = compose["services"]["trainer"], compose["services"]["monitor"]
+    assert trainer["depends_on"]["monitor"]["condition"] == "service_healthy"
+    command = [str(part) for part in trainer["command"]]
+    token = command[command.index("--token") + 1]
+    assert token.startswith("${FP8SCOPE_TRAINER_TOKEN:?")  # a secret from the environment, never a default
+    command[command.index("--token") + 1] = "secret-from-env"
+    assert command[0] == "fp8-train"
+    args, _ = prepare(command[1:])  # the real parser and checks: flags, injected layer names, URL
+    port = monitor["ports"][0].split(":")[-1]
+    assert args.monitor_url == f"http://monitor:{port}" and args.recipe in ("delayed", "current")
+    assert args.inject and args.steps >= 100
 
 
 def test_service_image_needs_no_torch():
