@@ -12,12 +12,7 @@ RECIPE = DelayedScaling(amax_history_len=4, interval=2)
 N, M = 3, 4  # resume after an odd step: the interval counter must be restored to update on the right steps
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def build(recipe=RECIPE):

@@ -17,13 +17,6 @@ def corpus_bytes():
     return stdlib_corpus(max_bytes=2**20)
 
 
-@pytest.fixture
-def one_thread():
-    """Small ops on a shared 2-core machine: one thread is several times faster than two contending ones."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def train(recipe, data: bytes) -> list[float]:

@@ -14,12 +14,7 @@ BASE += ["--warmup-steps", "2", "--eval-interval", "2", "--eval-iters", "2"]
 FLAGS = [*BASE, "--recipe", "delayed", "--interval", "2", "--amax-history-len", "4"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def run(*extra: str):

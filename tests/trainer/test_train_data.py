@@ -9,13 +9,7 @@ from fp8_trainer.data import ByteCorpus, DataError, load_corpus
 from fp8_trainer.model import GPT, PRESETS, preset_config
 from fp8_trainer.train import train
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def write_bin(path, ids):

@@ -12,12 +12,7 @@ FLAGS += ["--lr-schedule", "constant", "--warmup-steps", "0"]
 OVERFLOW, NAN = "blocks.1.mlp.fc", "blocks.2.attn.qkv"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def run(steps: int, *extra: str):

@@ -1,0 +1,18 @@
+"""Shared fixtures of the runtime tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Small ops on a shared 2-core machine: one thread is several times faster than two contending ones.
+    Use with ``pytestmark = pytest.mark.usefixtures("one_thread")`` or as a test argument."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
