@@ -145,18 +145,26 @@ def apply_acks(session: Session, run: Run, acks: list[dict[str, Any]]) -> list[C
     return changed
 
 
-def deliver_pending(session: Session, run: Run) -> list[Command]:
-    """The run's pending commands, oldest first, now marked delivered."""
-    pending = list(
+def deliver_pending(session: Session, run: Run) -> tuple[list[Command], list[Command]]:
+    """The run's unacknowledged commands, oldest first, and those of them that were pending until now.
+
+    Pending commands become delivered. Commands delivered before but not yet acknowledged are sent again:
+    a response lost on the way (a server killed after its commit, a client timeout) must not lose a
+    command, and the client applies each command id once.
+    """
+    unacked = list(
         session.scalars(
-            select(Command).where(Command.run_id == run.id, Command.state == "pending").order_by(Command.id)
+            select(Command)
+            .where(Command.run_id == run.id, Command.state.in_(("pending", "delivered")))
+            .order_by(Command.id)
         )
     )
     now = utcnow()
-    for command in pending:
+    fresh = [c for c in unacked if c.state == "pending"]
+    for command in fresh:
         command.state = "delivered"
         command.delivered_at = now
-    return pending
+    return unacked, fresh
 
 
 def command_public(command: Command) -> dict[str, Any]:

@@ -48,8 +48,8 @@ class StoreResult:
 
     duplicate: bool
     new_steps: StepBatch
-    commands: list[Command]
-    changed_commands: list[Command]
+    commands: list[Command]  # every unacknowledged command, for the response
+    changed_commands: list[Command]  # commands whose state this batch changed (delivered, acked)
 
 
 def _int(value: Any, where: str, minimum: int | None = 0) -> int:
@@ -199,7 +199,8 @@ def store_batch(session: Session, run_id: int, batch: DecodedBatch, fp8_max: np.
         raise UnknownRun(run_id)
     empty = StepBatch(steps=np.zeros(0, dtype=np.int64))
     if session.get(IngestBatch, (run_id, batch.idempotency_key)) is not None:
-        return StoreResult(True, empty, command_ops.deliver_pending(session, run), [])
+        commands, fresh = command_ops.deliver_pending(session, run)
+        return StoreResult(True, empty, commands, fresh)
     steps = batch.steps
     keep = np.ones(len(steps), dtype=bool)
     if len(steps) and run.last_step is not None and steps[0] <= run.last_step:
@@ -246,7 +247,8 @@ def store_batch(session: Session, run_id: int, batch: DecodedBatch, fp8_max: np.
     session.add(
         IngestBatch(run_id=run_id, idempotency_key=batch.idempotency_key, stored_steps=len(new_steps))
     )
-    commands = command_ops.deliver_pending(session, run)
+    commands, fresh = command_ops.deliver_pending(session, run)
+    changed = changed + fresh
     scalar_names = sorted({k for sc in new_scalars for k in sc})
     new_batch = StepBatch(
         steps=new_steps,

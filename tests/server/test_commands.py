@@ -31,11 +31,15 @@ def test_lifecycle_recipe_follows_and_rollback(client):
 
     delivered = _telemetry(client, rid, "t1", [0, 1])["commands"]
     assert [c["id"] for c in delivered] == [cmd["id"]] and delivered[0]["state"] == "delivered"
-    assert _telemetry(client, rid, "t2", [2])["commands"] == []  # delivered once
+    # not acknowledged yet: sent again (a lost response must not lose it), still delivered
+    again = _telemetry(client, rid, "t2", [2])["commands"]
+    assert [c["id"] for c in again] == [cmd["id"]]
+    assert again[0]["delivered_at"] == delivered[0]["delivered_at"]
     listed = client.get(f"{API}/runs/{rid}/commands").json()
     assert listed[0]["state"] == "delivered" and listed[0]["delivered_at"]
 
     _telemetry(client, rid, "t3", [3], acks=[{"command_id": cmd["id"], "state": "applied", "step": 3}])
+    assert _telemetry(client, rid, "t3b", [30])["commands"] == []  # acknowledged: no longer sent
     applied = client.get(f"{API}/runs/{rid}/commands").json()[0]
     assert applied["state"] == "applied" and applied["applied_step"] == 3 and applied["resolved_at"]
     assert applied["previous"] == {"margin": 0, "amax_history_len": 16}

@@ -107,7 +107,7 @@ def ingest(ctx: AppContext, run_id: RunId, body: bytes) -> dict[str, Any]:
         if ctx.broker.has_subscribers(run_id):
             for summary in _step_summaries(result.new_steps):
                 ctx.broker.publish(run_id, "step", summary)
-            for command in delivered + changed:
+            for command in changed:
                 ctx.broker.publish(run_id, "command", iso_dates(command))
             if not result.duplicate:
                 for event in batch.events:
@@ -136,7 +136,8 @@ async def post_telemetry(run_id: RunId, request: Request, ctx: CtxDep, _principa
     """Store a batch of steps (statistics as columns), client events and command acks.
 
     The body may be gzip-compressed (`Content-Encoding: gzip`). Returns how many steps were newly stored,
-    whether the idempotency key was seen before, and the run's pending commands (which become delivered).
+    whether the idempotency key was seen before, and the run's unacknowledged commands (pending ones become
+    delivered; delivered ones are sent again until acknowledged).
     """
     body = await request.body()
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
