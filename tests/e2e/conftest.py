@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -20,14 +18,9 @@ _ROOT = Path(__file__).resolve().parents[2]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
+from e2e_utils import API, train_cmd  # noqa: E402
+
 from tests.server.utils import ServerProcess  # noqa: E402
-
-API = "/api/v1"
-FAST = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--eval-interval", "0", "--no-progress"]
-
-
-def train_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "fp8_trainer.cli", *FAST, *args]
 
 
 @pytest.fixture
@@ -57,19 +50,3 @@ def train(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
         return proc
 
     return run
-
-
-def run_by_name(api: httpx.Client, name: str) -> dict[str, Any]:
-    runs = [r for r in api.get("/runs").json() if r["name"] == name]
-    assert len(runs) == 1, f"expected one run named {name}, got {runs}"
-    return runs[0]
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 60.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = predicate()
-        if got:
-            return got
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

@@ -8,7 +8,7 @@ import subprocess
 
 import numpy as np
 import pytest
-from conftest import run_by_name, train_cmd, wait_for
+from e2e_utils import run_by_name, train_cmd, wait_for
 
 pytestmark = pytest.mark.slow
 

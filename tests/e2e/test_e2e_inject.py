@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import run_by_name
+from e2e_utils import run_by_name
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from conftest import run_by_name, train_cmd, wait_for
+from e2e_utils import run_by_name, train_cmd, wait_for
 
 from tests.server.utils import ServerProcess, free_port
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import run_by_name
+from e2e_utils import run_by_name
 
 from fp8_trainer.stats import STAT_COLUMNS
 
