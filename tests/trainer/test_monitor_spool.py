@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 
 import httpx
 import orjson
@@ -112,6 +113,44 @@ def test_service_killed_mid_run_and_at_the_end_every_step_stored_once(tmp_path, 
         assert code == 0, err
         assert f"run {run_id} (existing)" in out
         assert len(get(server.url, "/runs")) == 1
+        assert_stored_equal(server.url, run_id, seen)  # the capped steps came back from the spool, once
+        assert get(server.url, f"/runs/{run_id}")["status"] == "finished"
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_stalled_service_caps_buffered_steps_and_loses_nothing(tmp_path, caplog):
+    """A service that accepts connections but does not answer (the real server paused with SIGSTOP):
+    steps beyond `max_buffered_steps` wait in the spool, the loop never blocks on the service, and once it
+    answers again every step is stored exactly once."""
+    server = ServerProcess(f"sqlite:///{tmp_path / 'm.db'}").start()
+    spool = tmp_path / "run.jsonl"
+    model, recipe = tiny_model()
+    tuning = {**FAST, "http_timeout": 1.0, "max_buffered_steps": 4, "max_batch_steps": 2}
+    step_seconds = []
+    try:
+        with caplog.at_level(logging.WARNING, logger="fp8scope.monitor"):
+            with Monitor(server.url, "stalled", model, recipe, spool_path=spool, **tuning) as mon:
+                seen = train(model, recipe, mon, 5)
+                assert wait_until(lambda: get(server.url, "/runs")[0]["steps_stored"] >= 3)
+                server.proc.send_signal(signal.SIGSTOP)
+                try:
+                    t0 = time.perf_counter()
+
+                    def timed(step):
+                        step_seconds.append(time.perf_counter() - t0)
+
+                    seen |= train(model, recipe, mon, 40, start=6, hook=timed)
+                    time.sleep(2.5)  # the post in flight times out; later batches pile up behind it
+                finally:
+                    server.proc.send_signal(signal.SIGCONT)
+                seen |= train(model, recipe, mon, 5, start=46)
+            run_id = mon.run_id
+        messages = " ".join(r.getMessage() for r in caplog.records)
+        assert "more than 4 steps waiting; the oldest go to the spool" in messages, messages
+        # the training thread never waited on the paused service: 40 steps took far less than a timeout each
+        assert step_seconds[-1] < 40 * 1.0 / 2, step_seconds[-1]
         assert_stored_equal(server.url, run_id, seen)
         assert get(server.url, f"/runs/{run_id}")["status"] == "finished"
     finally:
