@@ -90,6 +90,15 @@ def _base_settings(recipe: Recipe) -> dict[str, Any]:
     }
 
 
+def _scale_update_reference(amax_history, amax, scale, *, most_recent, enabled, **recipe):
+    """``delayed_scaling_update`` with the fused kernel's signature and result ``(history, scale, scale_inv)``
+    (``fp8_kernels.fused_scale_update``), so ``end_step`` makes one call whichever runs."""
+    history, new_scale = delayed_scaling_update(
+        amax_history, amax, scale, amax_compute_algo=most_recent, update=enabled, **recipe
+    )
+    return history, new_scale, torch.reciprocal(new_scale)
+
+
 class FP8State:
     """Scaling state and statistics of every quantized tensor of one model."""
 
@@ -259,34 +268,20 @@ class FP8State:
         if self.group is not None:
             amax = all_reduce_amax(amax, self.group)
         self.step_t = self.step_t + 1
-        fused = fused_scale_update(self.device)  # one launch for all tensors (Triton on CUDA)
-        if fused is not None:
-            self.amax_history, self.scale, self.scale_inv = fused(
-                self.amax_history,
-                amax,
-                self.scale,
-                fp8_max=self.fp8_max,
-                margin=self.margin,
-                most_recent=self.most_recent,
-                history_len=self.history_len,
-                interval=self.interval,
-                step=self.step_t,
-                enabled=self.enabled_t,
-            )
-        else:
-            self.amax_history, self.scale = delayed_scaling_update(
-                self.amax_history,
-                amax,
-                self.scale,
-                fp8_max=self.fp8_max,
-                margin=self.margin,
-                amax_compute_algo=self.most_recent,
-                history_len=self.history_len,
-                interval=self.interval,
-                step=self.step_t,
-                update=self.enabled_t,
-            )
-            self.scale_inv = torch.reciprocal(self.scale)
+        # one launch for all tensors where a kernel is registered (Triton on CUDA), the reference elsewhere
+        update = fused_scale_update(self.device) or _scale_update_reference
+        self.amax_history, self.scale, self.scale_inv = update(
+            self.amax_history,
+            amax,
+            self.scale,
+            fp8_max=self.fp8_max,
+            margin=self.margin,
+            most_recent=self.most_recent,
+            history_len=self.history_len,
+            interval=self.interval,
+            step=self.step_t,
+            enabled=self.enabled_t,
+        )
         self.last_stats = stats
         self.steps += 1
         self._new_stats_buffer()

@@ -199,7 +199,7 @@ def train(a: argparse.Namespace, prepared: Prepared | None = None, *, on_step=No
 def _build(a, prepared: Prepared, rank: int, device):
     """Data, model (converted to FP8 by the recipe), optimizer; restored from the checkpoint if resuming.
 
-    Returns ``(corpus, model, optimizer, start_step, saved_streams)``.
+    Returns ``(corpus, recipe, model, optimizer, start_step, saved_streams)``.
     """
     torch.manual_seed(a.seed)  # the same initial weights on every rank
     corpus = prepared.corpus or load_corpus(a.data, seed=a.seed, rank=rank)
@@ -212,7 +212,7 @@ def _build(a, prepared: Prepared, rank: int, device):
     if ckpt is None and a.resume:
         ckpt = load_checkpoint(a.resume)
     if ckpt is None:
-        return corpus, model, opt, 0, None
+        return corpus, recipe, model, opt, 0, None
     model.load_state_dict(ckpt["model"])  # FP8 scaling state included (each layer's _extra_state)
     opt.load_state_dict(ckpt["optimizer"])
     torch.set_rng_state(ckpt["rng"]["torch"])
@@ -222,7 +222,7 @@ def _build(a, prepared: Prepared, rank: int, device):
     if rank < len(streams):
         corpus.generator.set_state(streams[rank])
     prepared.checkpoint = None  # model and optimizer hold copies now: free the memory
-    return corpus, model, opt, ckpt["step"], len(streams)
+    return corpus, recipe, model, opt, ckpt["step"], len(streams)
 
 
 def step_lr(a: argparse.Namespace, step: int) -> float:
@@ -239,8 +239,7 @@ def step_lr(a: argparse.Namespace, step: int) -> float:
 
 def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -> TrainResult:
     # ----- setup: data, model, optimizer, checkpoint, progress bar, monitor -----
-    corpus, model, opt, start, saved_streams = _build(a, prepared, rank, device)
-    recipe = make_recipe(a)
+    corpus, recipe, model, opt, start, saved_streams = _build(a, prepared, rank, device)
     net = (
         nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
         if world > 1
