@@ -246,11 +246,15 @@ class Monitor:
         event with ``details["name"] = kind`` (e.g. ``monitor.event("checkpoint", step, path=...)``)."""
         if self.sender is None or self._closed:
             return
-        kind = str(kind)
-        if kind not in ("loss_spike", "nonfinite"):
-            details = {"name": kind, **details}
-            kind = "custom"
-        self.sender.put_event({"kind": kind, "step": int(step), "details": details})
+        try:
+            kind = str(kind)
+            if kind not in ("loss_spike", "nonfinite"):
+                details = {"name": kind, **details}
+                kind = "custom"
+            # made JSON-safe here, on the caller's thread: a Path or numpy value must not reach the sender
+            self.sender.put_event({"kind": kind, "step": int(step), "details": _json_safe(details)})
+        except Exception:  # the monitor must never take training down
+            self._log_once("event-error", "fp8scope monitor: event() failed; the event is left out", exc=True)
 
     def close(self, status: str = "finished") -> None:
         """Report the last step, flush (within ``close_timeout``), set the run's status, stop the thread."""
@@ -326,31 +330,20 @@ class Monitor:
                 self._announced.append(new)
                 n_commands = len(new)
         stats = get_fp8_state(self.model).last_stats if self.recipe is not None else None
-        device = stats.device if stats is not None else "cpu"
+        if stats is not None:
+            device = stats.device
+        else:  # a bf16/fp32 baseline: the gather still needs the backend's device (NCCL: the GPU)
+            device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
         for s, block in self._ranks.step(step, stats, n_commands, device):
             self._handle_block(s, block, closing=False, now=step)
 
     def _handle_block(self, s: int, block: np.ndarray, closing: bool, now: int | None = None) -> None:
-        T = self.n_tensors
-        header = block[0, T]
+        header = block[0, self.n_tensors]
         if self.rank == 0:
-            holder = self._scalars_by_step.pop(s, None)
-            if header[0] or self.recipe is None:
-                self._emit(s, reduce_rank_stats(block[:, :T]) if T else None, holder)
-                if T and s % self.rank_sample_interval == 0:
-                    self.sender.put_event(
-                        {
-                            "kind": "rank_amax",
-                            "step": s,
-                            "details": {
-                                "world_size": self.world_size,
-                                "amax": [
-                                    [wire_float(float(v)) for v in block[r, :T, 0]]
-                                    for r in range(block.shape[0])
-                                ],
-                            },
-                        }
-                    )
+            try:
+                self._report_block(s, block, header)
+            except Exception:  # never skip the broadcast below: the other ranks would wait in it forever
+                self._log_once("report-error", "fp8scope monitor: reporting a step failed", exc=True)
         if header[1] and not closing:
             # every rank sees this header at the same call: all enter the broadcast together
             commands = self._ranks.broadcast_commands(self._announced.pop(0) if self.rank == 0 else None)
@@ -358,6 +351,19 @@ class Monitor:
             if self.sender is not None:
                 for ack in acks:
                     self.sender.put_ack(ack)
+
+    def _report_block(self, s: int, block: np.ndarray, header: np.ndarray) -> None:
+        """Rank 0: step ``s``'s reduced statistics to the sender, and every rank's amaxes now and then."""
+        T = self.n_tensors
+        holder = self._scalars_by_step.pop(s, None)
+        if not (header[0] or self.recipe is None):
+            return
+        self._emit(s, reduce_rank_stats(block[:, :T]) if T else None, holder)
+        if T and s % self.rank_sample_interval == 0:
+            amax = [[wire_float(float(v)) for v in block[r, :T, 0]] for r in range(block.shape[0])]
+            self.sender.put_event(
+                {"kind": "rank_amax", "step": s, "details": {"world_size": self.world_size, "amax": amax}}
+            )
 
     def _apply(self, commands: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
         if self.recipe is None:
@@ -419,18 +425,23 @@ class Monitor:
         sender = self.sender
 
         def send(x: torch.Tensor, captured: str) -> None:
-            details = {
-                "histogram_for": kind,
-                "event_step": step,
-                "tensor": info["name"],
-                "captured": captured,
-                "histogram": histogram_to_dict(exponent_histogram(x)),
-            }
-            sender.put_event({"kind": "custom", "step": step, "details": details})
+            try:  # runs inside the user's forward / backward: never raise there
+                details = {
+                    "histogram_for": kind,
+                    "event_step": step,
+                    "tensor": info["name"],
+                    "captured": captured,
+                    "histogram": histogram_to_dict(exponent_histogram(x)),
+                }
+                sender.put_event({"kind": "custom", "step": step, "details": details})
+            except Exception:
+                self._log_once("histogram", "fp8scope monitor: exponent histogram failed", exc=True)
 
         if info["role"] == "input":
 
             def pre_hook(m, args):
+                if not torch.is_grad_enabled():  # an evaluation forward: wait for the next training one
+                    return
                 handle.remove()
                 if args and isinstance(args[0], torch.Tensor):
                     send(args[0], "next forward")
@@ -439,6 +450,8 @@ class Monitor:
         else:
 
             def fwd_hook(m, args, output):
+                if not torch.is_grad_enabled():  # an evaluation forward has no backward
+                    return
                 handle.remove()
                 if isinstance(output, torch.Tensor) and output.requires_grad:
 
@@ -482,3 +495,19 @@ def _read(holder, log_once) -> dict[str, float]:
         event.synchronize()
         out.update(zip(names, host.tolist(), strict=True))
     return out
+
+
+def _json_safe(value: Any) -> Any:
+    """Event details as JSON can carry them: non-finite floats as the wire strings, numpy scalars as
+    Python numbers, anything else unknown (a Path, an object) as its ``str``."""
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        return wire_float(float(value))
+    return str(value)

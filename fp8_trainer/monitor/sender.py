@@ -165,7 +165,8 @@ class Sender(threading.Thread):
             log.log(level, msg, *args)
 
     def _post(self, path: str, body: dict[str, Any], compress: bool = False) -> httpx.Response:
-        content = orjson.dumps(body)
+        # default=str: an unexpected object in a body becomes text instead of killing this thread
+        content = orjson.dumps(body, default=str, option=orjson.OPT_SERIALIZE_NUMPY)
         headers = {}
         if compress and self.cfg.gzip and len(content) > 1024:  # the service gunzips telemetry only
             content = gzip.compress(content, compresslevel=1)

@@ -51,7 +51,7 @@ class SpoolWriter:
         )
 
     def _write(self, record: dict[str, Any]) -> int:
-        line = orjson.dumps(record) + b"\n"
+        line = orjson.dumps(record, default=str, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
         offset = self._file.tell()
         self._file.write(line)
         self._file.flush()

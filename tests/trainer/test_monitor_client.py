@@ -44,6 +44,23 @@ def test_plain_loop_stores_every_step_as_computed(server, tmp_path):
     ]
 
 
+def test_event_details_of_any_type_never_stop_telemetry(server, tmp_path):
+    """Values JSON cannot carry as they are (a Path, numpy scalars, NaN) are sent in the wire form or as
+    text, and the steps after the event are still stored."""
+    model, recipe = tiny_model()
+    with Monitor(server.url, "odd-details", model, recipe, **FAST) as mon:
+        seen = train(model, recipe, mon, 4)
+        mon.event("checkpoint", 4, path=tmp_path / "ck.pt", loss=np.float32("nan"), n=np.int64(7),
+                  scales=(np.float64(2.0), float("inf")))  # fmt: skip
+        seen |= train(model, recipe, mon, 4, start=5)
+    assert_stored_equal(server.url, mon.run_id, seen)
+    events = get(server.url, f"/runs/{mon.run_id}/events")
+    path = str(tmp_path / "ck.pt")
+    assert [e["details"] for e in events] == [
+        {"name": "checkpoint", "path": path, "loss": "NaN", "n": 7, "scales": [2.0, "Infinity"]}
+    ]
+
+
 def test_exception_in_loop_marks_run_crashed(server, tmp_path):
     model, recipe = tiny_model()
     mon = Monitor(server.url, "crash", model, recipe, spool_path=tmp_path / "s.jsonl", **FAST)
