@@ -277,7 +277,7 @@ def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -
     if saved_streams is not None and saved_streams < world:
         say(f"note: the checkpoint has data streams for {saved_streams} ranks; ranks beyond start fresh")
     result = TrainResult(losses=[], model=model, step=start)
-    losses: list[torch.Tensor] = []
+    losses = torch.zeros(a.steps - start, device=device)  # one slot per step: no allocation per step
     dumped: list[torch.Tensor] = []  # --stats-dump: every step's statistics, copied synchronously
     lagged, smooth_tps = _Lagged(), None
     with _make_monitor(a, model, recipe, config, rank, world) as monitor:
@@ -317,7 +317,7 @@ def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -
             tokens_per_s = tokens_per_step / max(now - t_last, 1e-9)  # this step's (host clock)
             t_last = now
             monitor.step(step, loss=step_loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tokens_per_s)
-            losses.append(step_loss)
+            losses[step - start - 1] = step_loss
             if a.stats_dump and lead:
                 dumped.append(step_stats(model).to("cpu", copy=True))
             result.step = step
@@ -363,7 +363,7 @@ def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -
         if got is not None:
             say(f"FP8 health after step {got[0]} (per layer; counts summed over input, weight, grad_output):")
             say(health_table(model, got[1]))
-    result.losses = [v.item() for v in losses]
+    result.losses = losses[: result.step - start].tolist()  # one host copy, at the end
     if a.stats_dump and lead:
         _dump_stats(a.stats_dump, model, start, dumped, result.losses)
         say(f"statistics of {len(dumped)} steps written to {a.stats_dump}")
