@@ -18,6 +18,8 @@ import orjson
 QUEUE_SIZE = 1000
 #: subscription key receiving every run's events (the dashboard's runs list); its events carry `run_id`
 ALL_RUNS = 0
+#: the events `ALL_RUNS` subscribers get (what a runs list shows); command and client events stay per run
+ALL_RUNS_EVENTS = frozenset({"step", "alert", "run"})
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,7 @@ class EventBroker:
             return
         if subs:
             self._loop.call_soon_threadsafe(self._deliver, subs, Event(name, data))
-        if everyone and isinstance(data, dict):
+        if everyone and name in ALL_RUNS_EVENTS and isinstance(data, dict):
             self._loop.call_soon_threadsafe(self._deliver, everyone, Event(name, {**data, "run_id": run_id}))
 
     @staticmethod

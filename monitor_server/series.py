@@ -12,7 +12,8 @@ from monitor_server.models import StepRow
 from monitor_server.wire import NONFINITE_STRINGS
 
 
-def _value(raw: object) -> float | None:
+def scalar_value(raw: object) -> float | None:
+    """A stored scalar as a float: numbers, and the wire's non-finite strings; None for anything else."""
     if isinstance(raw, bool):
         return None
     if isinstance(raw, int | float):
@@ -31,14 +32,14 @@ def read_series(session: Session, run_id: int, name: str, lo: int, hi: int) -> t
             .where(StepRow.run_id == run_id, StepRow.step.between(lo, hi))
             .order_by(StepRow.step)
         ).all()
-        pairs = [(s, v if v is not None else _value((sc or {}).get("loss"))) for s, v, sc in rows]
+        pairs = [(s, v if v is not None else scalar_value((sc or {}).get("loss"))) for s, v, sc in rows]
     else:
         rows = session.execute(
             select(StepRow.step, StepRow.scalars)
             .where(StepRow.run_id == run_id, StepRow.step.between(lo, hi))
             .order_by(StepRow.step)
         ).all()
-        pairs = [(s, _value(sc.get(name))) for s, sc in rows]
+        pairs = [(s, scalar_value(sc.get(name))) for s, sc in rows]
     pairs = [(s, v) for s, v in pairs if v is not None]
     steps = np.fromiter((p[0] for p in pairs), np.int64, len(pairs))
     values = np.fromiter((p[1] for p in pairs), np.float64, len(pairs))

@@ -15,6 +15,7 @@ naming the worst rank (with two ranks both deviate equally: the one above is nam
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -58,35 +59,38 @@ def rank_divergence(
         skip: optional (T,) bool, tensors to ignore (layers with FP8 turned off).
     """
     world, n = amax.shape
-    findings = []
+    finite = np.isfinite(amax)
     with np.errstate(divide="ignore", invalid="ignore"):
         log_a = np.log2(np.abs(amax))
-    for t in range(n):
-        if skip is not None and skip[t]:
-            continue
-        col, logs = amax[:, t], log_a[:, t]
-        finite = np.isfinite(col)
-        if finite.all() and not (col > 0).any():
-            continue  # all zero: nothing quantized
-        worst_rank, worst_dev, severity = None, 0.0, None
+    # the median of the other ranks' finite log2 amaxes (zeros and non-finite ones left out), all (rank,
+    # tensor) pairs at once: this runs inside the ingest of the batch carrying the event
+    ref = np.where(np.isfinite(log_a), log_a, np.nan)
+    median_others = np.empty_like(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns: no reference, no finding
         for r in range(world):
-            others = np.delete(logs, r)
-            others_finite = np.delete(finite, r)
-            if not finite[r]:
-                if others_finite.any():
-                    worst_rank, worst_dev, severity = r, float("inf"), "critical"
-                    break
-                continue
-            ref = others[np.isfinite(others)]
-            if ref.size == 0:
-                continue
-            dev = float(logs[r] - np.median(ref))
-            # ties (two ranks: both sides deviate equally) go to the rank above: its amax rescales everyone
-            if abs(dev) > threshold_log2 and (abs(dev), dev) > (abs(worst_dev), worst_dev):
-                worst_rank, worst_dev = r, dev
-                severity = "critical" if abs(dev) > 2 * threshold_log2 else "warning"
-        if worst_rank is None:
-            continue
+            median_others[r] = np.nanmedian(np.delete(ref, r, axis=0), axis=0)
+    with np.errstate(invalid="ignore"):
+        dev_all = np.where(finite, log_a - median_others, np.nan)
+        over = np.abs(dev_all) > threshold_log2
+    nonfinite_vs_finite = (~finite).any(axis=0) & finite.any(axis=0)
+    quantized = ~(finite.all(axis=0) & ~(amax > 0).any(axis=0))  # all zero: nothing quantized
+    candidates = quantized & (over.any(axis=0) | nonfinite_vs_finite)
+    if skip is not None:
+        candidates &= ~skip
+    findings = []
+    for t in np.flatnonzero(candidates).tolist():
+        col = amax[:, t]
+        if nonfinite_vs_finite[t]:
+            worst_rank, worst_dev, severity = int(np.flatnonzero(~finite[:, t])[0]), float("inf"), "critical"
+        else:
+            worst_rank, worst_dev = None, 0.0
+            for r in np.flatnonzero(over[:, t]).tolist():
+                dev = float(dev_all[r, t])
+                # ties (two ranks: both sides deviate equally) go to the rank above: it rescales everyone
+                if (abs(dev), dev) > (abs(worst_dev), worst_dev):
+                    worst_rank, worst_dev = r, dev
+            severity = "critical" if abs(worst_dev) > 2 * threshold_log2 else "warning"
         name = tensors[t].name if t < len(tensors) else f"tensor[{t}]"
         if np.isfinite(worst_dev):
             ratio = f"{2.0**worst_dev:.3g}x the other ranks' median"

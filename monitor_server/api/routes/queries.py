@@ -44,20 +44,47 @@ def _meta(ctx: CtxDep, session: SessionDep, run_id: int) -> RunMeta:
     return meta
 
 
-def _check_order(lo: int | None, hi: int | None) -> None:
+def check_order(lo: int | None, hi: int | None) -> None:
     """422 when the requested `to` step comes before `from`."""
     if lo is not None and hi is not None and hi < lo:
         raise HTTPException(422, f"to ({hi}) is before from ({lo})")
 
 
-def _range(first: int | None, last: int | None, lo: int | None, hi: int | None) -> tuple[int, int] | None:
+def step_range(first: int | None, last: int | None, lo: int | None, hi: int | None) -> tuple[int, int] | None:
     """The requested step range clipped to the stored one; None when nothing is stored or it is empty."""
-    _check_order(lo, hi)
+    check_order(lo, hi)
     if first is None or last is None:
         return None
     lo = first if lo is None else max(lo, first)
     hi = last if hi is None else min(hi, last)
     return (lo, hi) if lo <= hi else None
+
+
+def heatmap_buckets(
+    ctx: CtxDep, session: SessionDep, run_id: int, metric: str, lo: int | None, hi: int | None, max_cols: int
+) -> tuple[RunMeta, dict[str, Any], dict[str, Any] | None]:
+    """What the JSON and the packed heatmap share: the run's meta, the answer's fields other than the values
+    (`metric, aggregation, tensors, bucket_width, bucket_start, bucket_end, bucket_steps`) and the buckets
+    of `read_heatmap`, None when the clipped step range is empty (then the bucket fields are empty)."""
+    meta = _meta(ctx, session, run_id)
+    run = get_run_or_404(session, run_id)
+    rng = step_range(run.first_step, run.last_step, lo, hi)
+    head: dict[str, Any] = {
+        "metric": metric,
+        "aggregation": HEATMAP_METRICS[metric][1],
+        "tensors": [asdict(t) for t in meta.tensors],
+    }
+    if rng is None:
+        head.update(bucket_width=1, bucket_start=[], bucket_end=[], bucket_steps=[])
+        return meta, head, None
+    hm = read_heatmap(session, run_id, metric, rng[0], rng[1], max_cols, meta.fp8_max)
+    head.update(
+        bucket_width=hm["width"],
+        bucket_start=hm["starts"].tolist(),
+        bucket_end=hm["ends"].tolist(),
+        bucket_steps=hm["steps"].tolist(),
+    )
+    return meta, head, hm
 
 
 @router.get("/{run_id}/tensors", response_model=list[TensorSpec])
@@ -82,7 +109,7 @@ def get_series(
 ) -> Response:
     """A scalar over steps, downsampled to at most `max_points` keeping each bucket's min and max point."""
     run = get_run_or_404(session, run_id)
-    rng = _range(run.first_step, run.last_step, from_, to)
+    rng = step_range(run.first_step, run.last_step, from_, to)
     out: dict[str, Any] = {"name": name, "from": None, "to": None, "bucket_width": 1, "downsampled": False}
     if rng is None:
         out.update(steps=[], values=[])
@@ -117,26 +144,11 @@ def get_heatmap(
     or the sum (counts), so no spike is averaged away. Bucket width is a multiple of a rollup block,
     so there are at most `max_cols` columns.
     """
-    meta = _meta(ctx, session, run_id)
-    run = get_run_or_404(session, run_id)
-    rng = _range(run.first_step, run.last_step, from_, to)
-    head = {
-        "metric": metric,
-        "aggregation": HEATMAP_METRICS[metric][1],
-        "tensors": [asdict(t) for t in meta.tensors],
-    }
-    if rng is None:
-        head.update(bucket_width=1, bucket_start=[], bucket_end=[], bucket_steps=[])
+    meta, head, hm = heatmap_buckets(ctx, session, run_id, metric, from_, to, max_cols)
+    if hm is None:
         return Response(
             orjson.dumps({**head, "values": [[] for _ in meta.tensors]}), media_type="application/json"
         )
-    hm = read_heatmap(session, run_id, metric, rng[0], rng[1], max_cols, meta.fp8_max)
-    head.update(
-        bucket_width=hm["width"],
-        bucket_start=hm["starts"].tolist(),
-        bucket_end=hm["ends"].tolist(),
-        bucket_steps=hm["steps"].tolist(),
-    )
     # splice the pre-rendered matrix into the JSON object (avoids building 10^5..10^6 Python floats)
     head_json = orjson.dumps(head)
     body = (
@@ -161,7 +173,7 @@ def list_events(
     """Client-reported events (with their flight-recorder details) in step order, optionally of one kind
     and within a step range; at most `limit`, the earliest first."""
     get_run_or_404(session, run_id)
-    _check_order(from_, to)
+    check_order(from_, to)
     query = select(EventRow).where(EventRow.run_id == run_id)
     if kind is not None:
         query = query.where(EventRow.kind == kind)

@@ -15,7 +15,7 @@ from monitor_server.events import CLOSED, Subscription
 router = APIRouter(prefix="/runs", tags=["stream"])
 
 
-async def _events(sub: Subscription, keepalive_s: float) -> AsyncIterator[bytes]:
+async def stream_events(sub: Subscription, keepalive_s: float) -> AsyncIterator[bytes]:
     """Yield SSE frames until the broker closes (shutdown); the response cancels us on disconnect."""
     try:
         yield b": connected\nretry: 2000\n\n"
@@ -46,7 +46,7 @@ async def stream(run_id: RunId, ctx: CtxDep, _principal: ReadDep) -> StreamingRe
     await run_in_threadpool(check)
     sub = ctx.broker.subscribe(run_id)
     return StreamingResponse(
-        _events(sub, ctx.settings.sse_keepalive_seconds),
+        stream_events(sub, ctx.settings.sse_keepalive_seconds),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )

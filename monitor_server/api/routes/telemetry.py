@@ -142,7 +142,8 @@ async def post_telemetry(run_id: RunId, request: Request, ctx: CtxDep, _principa
     body = await request.body()
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding == "gzip":
-        body = gunzip_body(body, ctx.settings.max_body_bytes)
+        # up to max_body_bytes of inflating: off the event loop, like the decoding
+        body = await run_in_threadpool(gunzip_body, body, ctx.settings.max_body_bytes)
     elif encoding != "identity":
         raise HTTPException(
             status.HTTP_415_UNSUPPORTED_MEDIA_TYPE, f"Content-Encoding {encoding!r}: expected gzip or none"
