@@ -32,13 +32,15 @@ def parse_rank_amax(details: dict[str, Any], n_tensors: int) -> np.ndarray:
     if not isinstance(rows, list) or len(rows) < 2:
         raise ValueError("rank_amax: 'amax' must be a list of at least two per-rank lists")
     world = details.get("world_size", len(rows))
-    if world != len(rows):
+    if isinstance(world, bool) or not isinstance(world, int) or world != len(rows):
         raise ValueError(f"rank_amax: world_size {world} but {len(rows)} rows")
     out = np.empty((len(rows), n_tensors), dtype=np.float64)
     for r, row in enumerate(rows):
         if not isinstance(row, list) or len(row) != n_tensors:
             raise ValueError(f"rank_amax: row {r} must hold {n_tensors} values")
         try:
+            if any(isinstance(v, bool) or not isinstance(v, int | float | str) for v in row):
+                raise TypeError  # null and booleans are no amax (the lenient decode_float would take them)
             out[r] = [decode_float(v) for v in row]
         except (KeyError, TypeError):
             raise ValueError(f"rank_amax: row {r} holds a value that is not a number") from None

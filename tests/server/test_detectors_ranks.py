@@ -57,6 +57,9 @@ def test_parse_rank_amax_rejects_malformed_details():
         ({"world_size": 3, "amax": [[1, 2], [1, 2]]}, "world_size 3"),
         ({"amax": [[1, 2], [1]]}, "row 1"),
         ({"amax": [[1, 2], [1, "big"]]}, "not a number"),
+        ({"amax": [[1, 2], [1, None]]}, "not a number"),
+        ({"amax": [[1, True], [1, 2]]}, "row 0 holds a value that is not a number"),
+        ({"world_size": 2.0, "amax": [[1, 2], [1, 2]]}, "world_size 2.0"),
     ]:
         with pytest.raises(ValueError, match=words):
             parse_rank_amax(details, 2)

@@ -38,6 +38,10 @@ def test_gzip_telemetry_is_stored_like_plain(client):
     np.testing.assert_array_equal(np.array(amax, dtype=np.float64), stats["amax"].T)
     bad = client.post(url, content=body[:-9], headers=headers)
     assert bad.status_code == 400 and "gzip" in bad.json()["detail"]
+    # a second gzip member (another batch) glued on would be silently dropped: refused instead
+    glued = body + gzip.compress(b'{"idempotency_key": "gz-2"}')
+    trailing = client.post(url, content=glued, headers=headers)
+    assert trailing.status_code == 400 and "data after the gzip stream" in trailing.json()["detail"]
     other = client.post(url, content=body, headers={**headers, "Content-Encoding": "br"})
     assert other.status_code == 415
 

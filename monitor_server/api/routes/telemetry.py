@@ -63,6 +63,8 @@ def gunzip_body(body: bytes, max_bytes: int) -> bytes:
         )
     if not d.eof:
         raise HTTPException(status.HTTP_400_BAD_REQUEST, "malformed gzip body: truncated")
+    if d.unused_data:
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, "malformed gzip body: data after the gzip stream")
     return out
 
 
