@@ -56,25 +56,40 @@ def read_spool(path: str | os.PathLike) -> SpoolContents:
         if not line.strip():
             continue
         try:
-            records.append((i, orjson.loads(line)))
+            record = orjson.loads(line)
         except orjson.JSONDecodeError:
-            if i >= len(lines) - 1:  # the job died while writing its last line
+            record = None
+        if not isinstance(record, dict):
+            # a job that died while writing leaves one torn line: at the end, or before a later session's
+            if i >= len(lines) - 1 or lines[i].startswith(b'{"type":"run"'):
                 torn += 1
                 continue
-            raise ValueError(f"{path}:{i}: not a JSON line") from None
+            raise ValueError(f"{path}:{i}: not a JSON object line") from None
+        records.append((i, record))
     if not records or records[0][1].get("type") != "run":
         raise ValueError(f"{path}: not an fp8scope spool (the first record must be the run registration)")
     first = records[0][1]
     if first.get("version") != SPOOL_VERSION:
         raise ValueError(f"{path}:1: spool version {first.get('version')!r}, expected {SPOOL_VERSION}")
+    if not isinstance(first.get("client_key"), str) or not isinstance(first.get("body"), dict):
+        raise ValueError(f"{path}:{records[0][0]}: the run record lacks its client_key or body")
     out = SpoolContents(client_key=first["client_key"], run=first["body"], torn_lines=torn)
     for i, rec in records[1:]:
         kind = rec.get("type") if isinstance(rec, dict) else None
-        if kind == "batch":
+        if kind == "batch" and isinstance(rec.get("body"), dict):
             out.batches.append(rec["body"])
-        elif kind == "status":
+        elif kind == "status" and rec.get("status") in ("finished", "crashed", "running"):
             out.status = rec["status"]
-        elif kind != "run":  # a second writer session appends its own copy of the run record
+        elif kind in ("batch", "status"):
+            field_name = "body" if kind == "batch" else "status"
+            raise ValueError(f"{path}:{i}: a {kind} record without a valid {field_name}")
+        elif kind == "run":  # a second writer session of the same run appends its own copy of the record
+            if rec.get("client_key") != out.client_key:
+                raise ValueError(
+                    f"{path}:{i}: a second run (another client_key) was appended to this spool; "
+                    "split the file at this line and upload each part"
+                )
+        else:
             raise ValueError(f"{path}:{i}: unknown record type {kind!r}")
     return out
 

@@ -46,6 +46,8 @@ class SpoolWriter:
     def _open(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "ab")  # noqa: SIM115 (kept open for the run)
+        if self._file.tell() and not self.path.read_bytes().endswith(b"\n"):
+            self._file.write(b"\n")  # an earlier job died mid-line: our records start on a line of their own
         self._write(
             {"type": "run", "version": SPOOL_VERSION, "client_key": self._client_key, "body": self._run_body}
         )

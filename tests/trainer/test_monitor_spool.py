@@ -23,7 +23,7 @@ from monitor_utils import (
 )
 
 from fp8_trainer import Monitor
-from fp8_trainer.monitor.spool import read_spool
+from fp8_trainer.monitor.spool import SpoolWriter, read_spool
 from monitor_server import cli
 from tests.server.utils import ServerProcess
 
@@ -70,9 +70,42 @@ def test_unreachable_service_spools_and_upload_completes_the_run_once(tmp_path, 
 
 def test_upload_refuses_what_is_not_a_spool(tmp_path, capsys):
     bad = tmp_path / "x.jsonl"
-    bad.write_bytes(b'{"type": "batch", "body": {}}\n')
-    code, _, err = upload(bad, f"http://127.0.0.1:{free_port()}", capsys)
-    assert code == 2 and "not an fp8scope spool" in err
+    dead = f"http://127.0.0.1:{free_port()}"
+    run = b'{"type": "run", "version": 1, "client_key": "k", "body": {}}\n'
+    for content, words in [
+        (b'{"type": "batch", "body": {}}\n', "not an fp8scope spool"),
+        (b'[1, 2]\n{"type": "run"}\n', "not a JSON object line"),
+        (b'{"type": "run", "version": 1, "body": {}}\n', "lacks its client_key or body"),
+        (run + b'{"type": "batch"}\n', "a batch record without a valid body"),
+        (run + run.replace(b'"k"', b'"other"'), "a second run"),
+    ]:
+        bad.write_bytes(content)
+        code, _, err = upload(bad, dead, capsys)
+        assert code == 2 and words in err, (content, err)
+
+
+def test_a_job_appending_after_a_torn_line_leaves_an_uploadable_spool(tmp_path, capsys):
+    """A writer killed mid-line, then another writer of the same run appending to the same file: the
+    appended records start on a line of their own, and the spool still uploads, once."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    spool = tmp_path / "run.jsonl"
+    model, recipe = tiny_model()
+    with Monitor(dead, "torn", model, recipe, spool_path=spool, **FAST) as mon:
+        seen = train(model, recipe, mon, 3)
+    first = read_spool(spool)
+    with spool.open("ab") as f:
+        f.write(b'{"type": "batch", "body": {"idem')  # the kill, mid-line
+    writer = SpoolWriter(spool, first.run, first.client_key)
+    writer.write_status("crashed")
+    writer.close()
+    again = read_spool(spool)
+    assert again.torn_lines == 1 and again.status == "crashed" and len(again.batches) == len(first.batches)
+    with running_server(f"sqlite:///{tmp_path / 'm.db'}") as server:
+        code, out, err = upload(spool, server.url, capsys)
+        assert code == 0, err
+        run = get(server.url, "/runs")[0]
+        assert run["status"] == "crashed"
+        assert_stored_equal(server.url, run["id"], seen)
 
 
 @pytest.mark.slow
