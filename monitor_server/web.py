@@ -63,6 +63,9 @@ class _StaticFiles(StaticFiles):
 
     async def get_response(self, path, scope):  # type: ignore[no-untyped-def]
         response = await super().get_response(path, scope)
+        if response.media_type == "text/html" or path.endswith(".html"):
+            for key, value in PAGE_HEADERS.items():  # the page under /static/ too: the same policy as `/`
+                response.headers[key] = value
         response.headers.setdefault("Cache-Control", "no-cache")
         response.headers.setdefault("X-Content-Type-Options", "nosniff")
         return response

@@ -46,6 +46,8 @@ def test_page_static_files_and_plotly(make_client):
     csp = page.headers["content-security-policy"]
     assert "script-src 'self'" in csp and "unsafe-eval" not in csp and "object-src 'none'" in csp
     assert '<script type="module" src="/static/js/app.js">' in page.text
+    # the same page reached as a static file carries the same policy
+    assert client.get("/static/index.html").headers["content-security-policy"] == csp
     # every module the page is made of is served, as JavaScript
     for path in sorted((web_root() / "js").glob("*.js")):
         r = client.get(f"/static/js/{path.name}")
