@@ -26,9 +26,12 @@ def resolve_amax_group(fp8_group, reduce_amax: bool):
 def all_reduce_amax(amax: torch.Tensor, group) -> torch.Tensor:
     """Max of ``amax`` (all tensors of the step, one vector) over ``group`` in a single collective.
 
-    NaN is sent as +Inf first: a MAX reduction's NaN handling differs between backends, and either value
-    makes the scale update keep the previous scale.
+    NaN is sent as +Inf first (a MAX reduction's NaN handling differs between backends; the kernels' amaxes
+    ignore NaN elements, so a NaN amax only comes from outside them); +Inf stays +Inf. Either way the
+    reduced amax is non-finite and the scale update keeps the previous scale. (``nan_to_num`` would map
+    +Inf to the float32 maximum without ``posinf``: a finite amax of 3.4e38 that collapses the scale.)
     """
-    out = torch.nan_to_num(amax.to(torch.float32), nan=float("inf"))
+    inf = float("inf")
+    out = torch.nan_to_num(amax.to(torch.float32), nan=inf, posinf=inf, neginf=-inf)
     dist.all_reduce(out, op=dist.ReduceOp.MAX, group=None if group is _DEFAULT else group)
     return out

@@ -5,12 +5,26 @@ scales to the product once: ``(qa @ qb) * (scale_inv_a * scale_inv_b)``, which i
 float32 accumulation computes. ``torch._scaled_mm`` exists on the CPU too, but is thousands of times slower
 than this, so it is never used there.
 
-Layouts: on the GPUs this targets (sm_89, sm_90), ``torch._scaled_mm(a, b)`` accepts only a row-major ``a``
-and a column-major ``b`` (cuBLASLt's "TN" FP8 GEMM); any other layout is an error, not a strided view, so
-an operand in the wrong layout costs a transposing copy (a full read and write of the FP8 tensor). The
-forward GEMM gets both layouts for free; the backward GEMMs want the transposes of the saved operands,
+cuBLASLt's rules for a tensorwise-scaled FP8 GEMM (``torch._scaled_mm`` on sm_89 / sm_90), checked on the host
+before every call by ``check_scaled_mm_args`` so that breaking one fails with a message, and fails on the CPU
+in the tests that run this path there, instead of ``CUBLAS_STATUS_NOT_SUPPORTED`` on a GPU:
+
+* ``a`` row-major ``(M, K)``, ``b`` column-major ``(K, N)`` (the "TN" layout); any other layout is an error,
+  not a strided view, so an operand in the wrong layout costs a transposing copy;
+* K and N multiples of 16; M may be anything (fprop and dgrad never pad; wgrad, whose K is the token count,
+  zero-pads K where it is not a multiple of 16);
+* FP8 operands, not both E5M2; 0-dim float32 scales whose pointers, like the operands', are 16-byte aligned
+  (``fp8_kernels.aligned_scales`` keeps a model's scales that way);
+* output bfloat16, float16 or float32 (no float64: that is computed in float32 and cast); a bias only with a
+  bfloat16 / float16 output of its own dtype.
+
+The forward GEMM gets both layouts for free; the backward GEMMs want the transposes of the saved operands,
 which the FP8 ``Linear`` has the quantize pass write alongside ``q`` (see ``linear.py``), so that ``fp8_mm``
 finds every operand already in its layout and copies nothing.
+
+Accumulation: fprop uses cuBLASLt's fast accumulation (``use_fast_accum=True``), dgrad and wgrad the split
+(more precise) accumulator, as Transformer Engine does (``_2X_ACC_FPROP = False``, ``_2X_ACC_DGRAD`` and
+``_2X_ACC_WGRAD = True``): the gradients sum over many more products.
 """
 
 from __future__ import annotations
@@ -18,9 +32,12 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
+from fp8_kernels import SCALE_ALIGN_BYTES
 
-__all__ = ["fp8_mm", "gemm_operand", "uses_scaled_mm"]
+__all__ = ["check_scaled_mm_args", "fp8_mm", "gemm_operand", "uses_scaled_mm"]
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @functools.cache
@@ -44,16 +61,87 @@ def gemm_operand(q: torch.Tensor) -> torch.Tensor:
     return q if uses_scaled_mm(q.device) else q.to(torch.float32)
 
 
-def _scaled_mm_operand(t: torch.Tensor, column_major: bool) -> torch.Tensor:
-    """``t`` zero-padded to multiples of 16 in both dims, in the layout ``_scaled_mm`` wants; returned as
-    is when it needs neither padding nor a layout change (zeros add nothing to the product)."""
-    if column_major:
-        return _scaled_mm_operand(t.t(), False).t()
-    pad_rows, pad_cols = (-t.shape[0]) % 16, (-t.shape[1]) % 16
-    if pad_rows == 0 and pad_cols == 0:
-        return t.contiguous()
-    # the padded copy is written row-major directly, whatever the layout of t: one copy, not two
-    return F.pad(t.to(torch.float32), (0, pad_cols, 0, pad_rows)).to(t.dtype).contiguous()
+def check_scaled_mm_args(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+) -> None:
+    """Raise ``ValueError`` naming the argument where ``torch._scaled_mm(a, b, ...)`` breaks a cuBLASLt rule
+    for a tensorwise FP8 GEMM (see the module docstring). Host metadata only: nothing is read on a device."""
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"a, b: expected (M, K) @ (K, N), got {tuple(a.shape)} @ {tuple(b.shape)}")
+    for name, t in (("a", a), ("b", b)):
+        if t.dtype not in _FP8:
+            raise ValueError(f"{name}: expected an FP8 tensor (e4m3fn or e5m2), got {t.dtype}")
+    if a.dtype == b.dtype == torch.float8_e5m2:
+        raise ValueError("a, b: cuBLASLt has no E5M2 x E5M2 FP8 GEMM")
+    m, k = a.shape
+    n = b.shape[1]
+    if a.stride(1) != 1 or a.stride(0) < max(1, k):
+        raise ValueError(f"a: expected row-major (M, K), got strides {a.stride()} for shape {tuple(a.shape)}")
+    if b.stride(0) != 1 or b.stride(1) < max(1, k):
+        raise ValueError(
+            f"b: expected column-major (K, N) (a transposed row-major tensor), got strides {b.stride()} "
+            f"for shape {tuple(b.shape)}"
+        )
+    if k % 16 or n % 16:
+        raise ValueError(f"a, b: K ({k}) and N ({n}) must be multiples of 16; M ({m}) may be anything")
+    for name, t in (("a", a), ("b", b), ("scale_a", scale_a), ("scale_b", scale_b)):
+        if t.data_ptr() % SCALE_ALIGN_BYTES:
+            raise ValueError(
+                f"{name}: data pointer at byte offset {t.data_ptr() % SCALE_ALIGN_BYTES} from a 16-byte "
+                "boundary; cuBLASLt needs 16-byte alignment (keep scales in fp8_kernels.aligned_scales)"
+            )
+    for name, t in (("a", a), ("b", b)):
+        if max(t.stride()) % 16:
+            raise ValueError(f"{name}: leading dimension {max(t.stride())} is not a multiple of 16 bytes")
+    for name, s in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if s.dtype != torch.float32 or s.numel() != 1:
+            raise ValueError(f"{name}: expected a float32 scalar tensor, got {s.dtype} {tuple(s.shape)}")
+        if s.device != a.device:
+            raise ValueError(f"{name}: on {s.device}, expected {a.device}")
+    if b.device != a.device:
+        raise ValueError(f"b: on {b.device}, expected {a.device}")
+    if out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"out_dtype: expected one of {_OUT_DTYPES}, got {out_dtype}")
+    if bias is not None:
+        if out_dtype == torch.float32:
+            raise ValueError("bias: not supported with a float32 output")
+        if bias.dtype != out_dtype or bias.shape != (n,):
+            raise ValueError(f"bias: expected {out_dtype} ({n},), got {bias.dtype} {tuple(bias.shape)}")
+
+
+def _pad_k(t: torch.Tensor, kp: int) -> torch.Tensor:
+    """Row-major ``t`` ``(R, K)`` zero-padded to ``(R, kp)`` in its own dtype (zeros add nothing)."""
+    out = t.new_zeros((t.shape[0], kp))
+    out[:, : t.shape[1]] = t
+    return out
+
+
+def _scaled_mm(a, scale_inv_a, b, scale_inv_b, out_dtype, bias, fast_accum: bool) -> torch.Tensor:
+    """``torch._scaled_mm`` after the argument check, K padded where it is not a multiple of 16 (wgrad)."""
+    k = a.shape[1]
+    if k % 16:
+        kp = k + (-k) % 16
+        a = _pad_k(a.contiguous(), kp)
+        b = _pad_k(b.t().contiguous(), kp).t()
+    else:
+        a = a if a.stride(1) == 1 else a.contiguous()
+        b = b if b.stride(0) == 1 else b.t().contiguous().t()
+    gemm_dtype = out_dtype if out_dtype in _OUT_DTYPES else torch.float32
+    # the bias is added in the GEMM's epilogue where cuBLASLt takes one (a bfloat16 / float16 output)
+    mm_bias = None if bias is None or gemm_dtype == torch.float32 else bias.to(gemm_dtype)
+    check_scaled_mm_args(a, b, scale_inv_a, scale_inv_b, gemm_dtype, mm_bias)
+    out = torch._scaled_mm(
+        a, b, scale_a=scale_inv_a, scale_b=scale_inv_b, bias=mm_bias, out_dtype=gemm_dtype,
+        use_fast_accum=fast_accum,
+    )  # fmt: skip
+    if bias is not None and mm_bias is None:
+        out = out + bias.to(out.dtype)
+    return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
 def fp8_mm(
@@ -63,37 +151,31 @@ def fp8_mm(
     scale_inv_b: torch.Tensor,
     out_dtype: torch.dtype,
     bias: torch.Tensor | None = None,
+    *,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """``(a * scale_inv_a) @ (b * scale_inv_b) [+ bias]`` for 2-D GEMM operands (from ``gemm_operand``).
 
-    Accumulates in float32; the result is in ``out_dtype``.
+    The result is in ``out_dtype``. ``fast_accum`` selects cuBLASLt's fast FP8 accumulation on a GPU (fprop);
+    the emulation always accumulates in float32.
     """
     if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
         a, b = a.to(torch.float32), b.to(torch.float32)  # no E5M2 x E5M2 FP8 GEMM: emulate that one
-    if a.dtype == torch.float32:
-        # Apply scale_inv_a * scale_inv_b where it costs least: to the smallest of a, b and the output
-        # (the weight, usually), and fold the bias into the GEMM.
-        s = scale_inv_a * scale_inv_b
-        m, n = a.shape[0], b.shape[1]
-        smallest = min(a.numel(), b.numel(), m * n)
-        bias32 = None if bias is None else bias.to(torch.float32)
-        if smallest == m * n:
-            out = torch.mm(a, b)
-            out = out.mul_(s) if bias32 is None else torch.addcmul(bias32, out, s)
+    if a.dtype != torch.float32:
+        return _scaled_mm(a, scale_inv_a, b, scale_inv_b, out_dtype, bias, fast_accum)
+    # Apply scale_inv_a * scale_inv_b where it costs least: to the smallest of a, b and the output
+    # (the weight, usually), and fold the bias into the GEMM.
+    s = scale_inv_a * scale_inv_b
+    m, n = a.shape[0], b.shape[1]
+    smallest = min(a.numel(), b.numel(), m * n)
+    bias32 = None if bias is None else bias.to(torch.float32)
+    if smallest == m * n:
+        out = torch.mm(a, b)
+        out = out.mul_(s) if bias32 is None else torch.addcmul(bias32, out, s)
+    else:
+        if smallest == b.numel():
+            b = b * s
         else:
-            if smallest == b.numel():
-                b = b * s
-            else:
-                a = a * s
-            out = torch.mm(a, b) if bias32 is None else torch.addmm(bias32, a, b)
-        return out if out_dtype == torch.float32 else out.to(out_dtype)
-    # _scaled_mm wants a row-major, b column-major, every dimension a multiple of 16. The weight dims are
-    # (checked at conversion); the token dim may not be, so it is zero-padded.
-    m = a.shape[0]
-    a = _scaled_mm_operand(a, column_major=False)
-    b = _scaled_mm_operand(b, column_major=True)
-    out = torch._scaled_mm(
-        a, b, scale_a=scale_inv_a.float(), scale_b=scale_inv_b.float(), out_dtype=out_dtype
-    )
-    out = out[:m] if out.shape[0] != m else out
-    return out if bias is None else out + bias.to(out_dtype)
+            a = a * s
+        out = torch.mm(a, b) if bias32 is None else torch.addmm(bias32, a, b)
+    return out if out_dtype == torch.float32 else out.to(out_dtype)

@@ -73,7 +73,7 @@ class _FP8LinearFn(torch.autograd.Function):
         qx, qxt, sinv_x = _quantize(state, 3 * k, x2, record, fused_t and need_wgrad)
         qw, qwt, sinv_w = _quantize(state, 3 * k + 1, weight, record, fused_t and need_dgrad)
         ax, aw = gemm_operand(qx), gemm_operand(qw)
-        out = fp8_mm(ax, sinv_x, aw.t(), sinv_w, x.dtype, bias)
+        out = fp8_mm(ax, sinv_x, aw.t(), sinv_w, x.dtype, bias, fast_accum=True)  # fprop: as TE does
         # saved: the wgrad operand (tokens, in) and the dgrad operand (out, in), column-major views of the
         # transposes where the quantize pass wrote them
         bx = ax if qxt is None else gemm_operand(qxt).t()

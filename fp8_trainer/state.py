@@ -6,7 +6,9 @@ One ``FP8State`` belongs to one converted model and is shared by all its FP8 ``L
 
 Device tensors (``n`` = number of quantized tensors):
 
-* ``amax_history`` ``(L, n)`` float32, newest entry in row 0; ``scale`` and ``scale_inv`` ``(n,)`` float32;
+* ``amax_history`` ``(L, n)`` float32, newest entry in row 0; ``scale`` and ``scale_inv`` ``(n,)`` float32
+  in the ``fp8_kernels.aligned_scales`` layout (stride 4: every tensor's scale on a 16-byte boundary, so a
+  0-dim view ``scale_inv[i]`` can go to ``torch._scaled_mm`` as it is, which cuBLASLt requires);
 * ``stats`` ``(n, 6)`` float64, the statistics of the step in progress (columns ``STAT_COLUMNS``);
   ``last_stats`` the buffer of the last completed step. Each step gets a fresh buffer, so a
   ``last_stats`` handed out earlier is a snapshot that later steps never overwrite;
@@ -35,6 +37,8 @@ from typing import Any
 import torch
 from fp8_kernels import (
     STAT_COLUMNS,
+    aligned_scales,
+    as_aligned_scales,
     fused_scale_update,
     quantize_current,
     quantize_current_transposed,
@@ -113,8 +117,8 @@ class FP8State:
         self.device = torch.device(device if device is not None else "cpu")
         n = self.n_tensors
         self.amax_history = torch.zeros(self._base()["amax_history_len"], n, device=self.device)
-        self.scale = torch.ones(n, device=self.device)
-        self.scale_inv = torch.ones(n, device=self.device)
+        self.scale = aligned_scales(n, self.device).fill_(1.0)
+        self.scale_inv = aligned_scales(n, self.device).fill_(1.0)
         self.step_t = torch.zeros((), dtype=torch.int64, device=self.device)
         self.last_stats: torch.Tensor | None = None
         self.steps = 0  # completed steps (host-side bookkeeping, never read from a tensor)
@@ -198,10 +202,10 @@ class FP8State:
     def to(self, device) -> FP8State:
         """Move every tensor to ``device`` (done automatically at the first forward on a new device)."""
         device = torch.device(device)
+        self.scale = aligned_scales(self.scale, device)  # .to() would drop the aligned layout
+        self.scale_inv = aligned_scales(self.scale_inv, device)
         for name in (
             "amax_history",
-            "scale",
-            "scale_inv",
             "step_t",
             "stats",
             "fp8_max",
@@ -270,7 +274,7 @@ class FP8State:
         self.step_t = self.step_t + 1
         # one launch for all tensors where a kernel is registered (Triton on CUDA), the reference elsewhere
         update = fused_scale_update(self.device) or _scale_update_reference
-        self.amax_history, self.scale, self.scale_inv = update(
+        self.amax_history, scale, scale_inv = update(
             self.amax_history,
             amax,
             self.scale,
@@ -282,6 +286,7 @@ class FP8State:
             step=self.step_t,
             enabled=self.enabled_t,
         )
+        self.scale, self.scale_inv = as_aligned_scales(scale), as_aligned_scales(scale_inv)
         self.last_stats = stats
         self.steps += 1
         self._new_stats_buffer()
@@ -357,9 +362,10 @@ class FP8State:
         amax_history = self.amax_history.clone()
         amax_history[:, cols] = 0
         amax_history[:n, cols] = history[:n].to(self.device)
-        new_scale, new_scale_inv = self.scale.clone(), self.scale_inv.clone()
+        new_scale = aligned_scales(self.scale)
         new_scale[cols] = scale.to(self.device)
-        new_scale_inv[cols] = scale_inv.to(self.device)
+        # derived, not loaded: a stored scale_inv that disagreed with scale would scale every output wrongly
+        new_scale_inv = aligned_scales(torch.reciprocal(new_scale))
         self.amax_history, self.scale, self.scale_inv = amax_history, new_scale, new_scale_inv
         self.steps = step
         self.step_t = torch.full((), step, dtype=torch.int64, device=self.device)

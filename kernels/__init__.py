@@ -19,7 +19,7 @@ from .dispatch import (
     use_reference,
 )
 from .histogram import EXP_MAX, EXP_MIN, HIST_BINS, exponent_histogram_reference, histogram_to_dict
-from .layout import SCALE_ALIGN_BYTES, SCALE_STRIDE, aligned_scales, is_aligned_scale
+from .layout import SCALE_ALIGN_BYTES, SCALE_STRIDE, aligned_scales, as_aligned_scales, is_aligned_scale
 from .quantize import (
     STAT_COLUMNS,
     current_scale_reference,
@@ -35,6 +35,7 @@ __all__ = [
     "SCALE_ALIGN_BYTES",
     "SCALE_STRIDE",
     "aligned_scales",
+    "as_aligned_scales",
     "is_aligned_scale",
     "EXP_MAX",
     "EXP_MIN",

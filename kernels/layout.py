@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["SCALE_ALIGN_BYTES", "SCALE_STRIDE", "aligned_scales", "is_aligned_scale"]
+__all__ = ["SCALE_ALIGN_BYTES", "SCALE_STRIDE", "aligned_scales", "as_aligned_scales", "is_aligned_scale"]
 
 #: Alignment cuBLASLt requires of every scale pointer.
 SCALE_ALIGN_BYTES = 16
@@ -44,3 +44,11 @@ def aligned_scales(values: torch.Tensor | int, device=None) -> torch.Tensor:
 def is_aligned_scale(t: torch.Tensor) -> bool:
     """True where ``t``'s data pointer is 16-byte aligned (what cuBLASLt needs of a scale)."""
     return t.data_ptr() % SCALE_ALIGN_BYTES == 0
+
+
+def as_aligned_scales(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself where it already has the ``aligned_scales`` layout, else an aligned copy."""
+    strided = t.dim() == 1 and (t.numel() <= 1 or t.stride(0) == SCALE_STRIDE)
+    if strided and t.dtype == torch.float32 and is_aligned_scale(t):
+        return t
+    return aligned_scales(t.to(torch.float32))

@@ -66,3 +66,35 @@ def test_two_ranks_reduce_amax_in_one_collective():
         assert torch.equal(scales[0], expected)
     for r in range(WORLD):
         assert out[r][1] == [(6,), (6,)]  # one all_reduce of all 6 amaxes per step
+
+
+def nonfinite_worker(rank: int, port: int, out: dict) -> None:
+    from fp8_trainer.distributed import all_reduce_amax
+    from fp8_trainer.scaling import delayed_scaling_update
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        inf, nan = float("inf"), float("nan")
+        mine = torch.tensor([inf, nan, 2.0, 1.0]) if rank == 0 else torch.tensor([1.0, 1.0, 1.0, -inf])
+        reduced = all_reduce_amax(mine, None)
+        # what the scale update makes of it: history 4 with a finite past, previous scale 7
+        history = torch.full((4, 4), 2.0)
+        _, scale = delayed_scaling_update(history, reduced, torch.full((4,), 7.0), fp8_max=448.0)
+        out[rank] = (reduced, scale)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_nonfinite_amaxes_survive_the_reduction_and_keep_the_scale():
+    # +Inf must stay +Inf (nan_to_num's default posinf would make it 3.4e38, a finite amax that collapses
+    # the scale to 448 / 3.4e38 and sits in the max window for amax_history_len steps)
+    manager = mp.Manager()
+    out = manager.dict()
+    mp.spawn(nonfinite_worker, args=(free_port(), out), nprocs=WORLD, join=True)
+    for r in range(WORLD):
+        reduced, scale = out[r]
+        assert reduced[0] == float("inf") and reduced[1] == float("inf"), reduced
+        assert reduced[2] == 2.0 and reduced[3] == 1.0, reduced
+        assert scale[0] == 7.0 and scale[1] == 7.0, scale  # a non-finite amax keeps the previous scale
+        assert scale[2] == 448.0 / 2.0, scale

@@ -159,3 +159,21 @@ def test_malformed_extra_state_names_layer():
     sd["blocks.1.mlp.fc2._extra_state"] = {**sd["blocks.1.mlp.fc2._extra_state"], "scale": torch.ones(4)}
     with pytest.raises(ValueError, match=r"blocks\.1\.mlp\.fc2\._extra_state"):
         model.load_state_dict(sd)
+
+
+def test_scale_inv_is_derived_from_scale_on_load():
+    # a checkpoint whose scale_inv disagrees with its scale (edited, or written by another tool) must not
+    # scale every output by the disagreement: scale_inv = 1 / scale after loading, whatever was stored
+    model, opt = build()
+    train(model, opt, range(N))
+    sd = model.state_dict()
+    key = next(k for k in sd if k.endswith("_extra_state"))
+    sd[key] = {**sd[key], "scale_inv": sd[key]["scale_inv"] * 4}
+    loaded, _ = build()
+    loaded.load_state_dict(sd)
+    state, want = fp8_trainer.get_fp8_state(loaded), fp8_trainer.get_fp8_state(model)
+    assert torch.equal(state.scale, want.scale)
+    assert torch.equal(state.scale_inv, torch.reciprocal(want.scale))
+    x, y = batch(N)
+    with torch.no_grad(), fp8_autocast():
+        assert torch.equal(loaded(x, y)[1], model(x, y)[1])
