@@ -13,6 +13,7 @@ from fp8_kernels import STAT_COLUMNS
 from torch import nn
 
 from .convert import get_fp8_state
+from .hostcopy import HostCopy
 
 __all__ = ["STAT_COLUMNS", "StatsReader", "step_stats"]
 
@@ -34,7 +35,7 @@ class StatsReader:
     def __init__(self, model: nn.Module):
         self._state = get_fp8_state(model)
         self._started_step = 0
-        self._inflight: tuple[int, torch.Tensor, object] | None = None
+        self._inflight: tuple[int, HostCopy] | None = None
 
     def poll(self) -> tuple[int, torch.Tensor] | None:
         """Start copying the newest completed step; return ``(step, host_stats)`` of the previous copy.
@@ -46,22 +47,12 @@ class StatsReader:
         if state.last_stats is None or state.steps == self._started_step:
             return None
         previous = self._inflight
-        src = state.last_stats
-        if src.device.type == "cuda":
-            host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
-            host.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        else:
-            host, event = src.clone(), None
-        self._inflight = (state.steps, host, event)
+        self._inflight = (state.steps, HostCopy(state.last_stats))
         self._started_step = state.steps
         if previous is None:
             return None
-        step, data, ev = previous
-        if ev is not None:
-            ev.synchronize()  # recorded a step ago: already complete, returns at once
-        return step, data
+        step, copy = previous
+        return step, copy.wait()  # started a step ago: already complete, returns at once
 
     def read_now(self) -> tuple[int, torch.Tensor] | None:
         """The newest completed step, copied synchronously (for the end of a run, not the training loop)."""

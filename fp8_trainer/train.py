@@ -31,6 +31,7 @@ from .autocast import fp8_autocast
 from .checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from .convert import convert_to_fp8
 from .data import Corpus, load_corpus
+from .hostcopy import HostCopy
 from .inject import Injector, parse_injection
 from .model import GPT, fp8_filter, preset_config
 from .recipe import CurrentScaling, DelayedScaling, Format
@@ -96,23 +97,11 @@ class _Lagged:
     """A device scalar read on the host one step late, so showing it never stalls the GPU."""
 
     def __init__(self):
-        self._pending: tuple[torch.Tensor, Any] | None = None
+        self._pending: HostCopy | None = None
 
     def push(self, t: torch.Tensor) -> float | None:
-        previous = self._pending
-        if t.device.type == "cuda":
-            host = torch.empty((), dtype=t.dtype, pin_memory=True)
-            host.copy_(t, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._pending = (host, event)
-        else:
-            self._pending = (t, None)
-        if previous is None:
-            return None
-        if previous[1] is not None:
-            previous[1].synchronize()  # recorded a step ago: complete already
-        return previous[0].item()
+        previous, self._pending = self._pending, HostCopy(t)
+        return None if previous is None else previous.wait().item()  # started a step ago: complete
 
 
 def _terminal_width() -> int:

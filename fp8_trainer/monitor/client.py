@@ -53,6 +53,7 @@ from fp8_kernels import exponent_histogram, histogram_to_dict
 from torch import nn
 
 from ..convert import get_fp8_state
+from ..hostcopy import HostCopy
 from ..stats import StatsReader
 from .control import CommandInbox, apply_commands
 from .detect import DetectConfig, Detector, FlightRecorder, amax_movers
@@ -472,11 +473,7 @@ def _capture(values: dict[str, Any]):
         return ({k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in values.items()}, None)
     rest = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in values.items() if k not in dev}
     stacked = torch.stack([values[k].detach().reshape(()).to(torch.float64) for k in dev])
-    host = torch.empty(stacked.shape, dtype=torch.float64, pin_memory=True)
-    host.copy_(stacked, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
-    return (rest, (dev, host, event))
+    return (rest, (dev, HostCopy(stacked)))
 
 
 def _read(holder, log_once) -> dict[str, float]:
@@ -491,9 +488,8 @@ def _read(holder, log_once) -> dict[str, float]:
         except (TypeError, ValueError, RuntimeError):
             log_once(f"scalar-{k}", "fp8scope monitor: scalar %r is not a number (%r); it is left out", k, v)
     if dev is not None:
-        names, host, event = dev
-        event.synchronize()
-        out.update(zip(names, host.tolist(), strict=True))
+        names, copy = dev
+        out.update(zip(names, copy.wait().tolist(), strict=True))
     return out
 
 

@@ -26,6 +26,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..hostcopy import HostCopy
+
 __all__ = ["RankSync", "reduce_rank_stats"]
 
 
@@ -47,7 +49,7 @@ class RankSync:
         self.rank = dist.get_rank(group)
         self.n_tensors = n_tensors
         self._inflight: deque = deque()  # (step, work, gathered list)
-        self._host: deque = deque()  # (step, pinned host tensor, cuda event)
+        self._host: deque = deque()  # (step, HostCopy)
 
     def step(
         self, step: int, stats: torch.Tensor | None, n_commands: int, device
@@ -71,19 +73,14 @@ class RankSync:
     def _collect(self) -> list[tuple[int, np.ndarray]]:
         ready = []
         while self._host:
-            s, host, event = self._host.popleft()
-            event.synchronize()  # recorded a step ago: complete
-            ready.append((s, host.numpy()))
+            s, copy = self._host.popleft()
+            ready.append((s, copy.wait().numpy()))  # started a step ago: complete
         while self._inflight:
             s, work, gathered = self._inflight.popleft()
             work.wait()
             block = torch.stack(gathered)
             if block.device.type == "cuda":
-                host = torch.empty(block.shape, dtype=block.dtype, pin_memory=True)
-                host.copy_(block, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
-                self._host.append((s, host, event))
+                self._host.append((s, HostCopy(block)))
             else:
                 ready.append((s, block.numpy()))
         return ready
