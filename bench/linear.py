@@ -1,14 +1,27 @@
-"""Forward+backward time of fp8_trainer.Linear (with statistics) vs nn.Linear vs torchao's Float8Linear.
+"""Forward+backward throughput of fp8_trainer.Linear (with statistics) vs nn.Linear vs torchao's Float8Linear.
 
-On the CPU torchao runs in its emulate mode and fp8scope in its emulated GEMM, in float32; on an sm_89+ GPU
-both use real FP8 GEMMs (and fp8scope its Triton quantize kernels) on bfloat16 layers, for large shapes by
-default: 4096 x 4096 x 4096 and an LLM MLP projection (8192 tokens, 4096 -> 14336). Goals there: fp8scope
->= 1.3x faster than bf16 nn.Linear and at least on par with torchao. Repetitions are interleaved
-(A, B, C, A, B, C, ...) so that load changes on the machine hit all three alike; the table shows medians and
-the ratios measured in this run, and the JSON goes to bench/results/linear.json.
+Shapes are ``MxKxN`` = tokens x in_features x out_features: ``x`` is ``(M, K)``, the weight ``(N, K)``, the
+output ``(M, N)``. On an sm_89+ GPU every layer is bfloat16 and both FP8 layers use real FP8 GEMMs (fp8scope
+also its Triton quantize kernels), on the default CUDA shapes 4096 x 4096 x 4096 and an LLM MLP projection
+(8192 tokens, 4096 -> 14336); torchao's Float8Linear (tensorwise recipe) is compiled with torch.compile
+where that works, as torchao intends it to run. On the CPU everything is float32, fp8scope runs its emulated
+GEMMs and torchao its emulate mode, uncompiled. fp8scope runs delayed scaling (its default) and current
+scaling; each call is one training step of that layer (statistics recorded, scales updated).
 
-    python bench/linear.py [--device cpu|cuda] [--reps 15] [--shapes 1024x1024x1024,...]
+Goals (CUDA, 8192x4096x14336): fp8scope delayed >= 1.3x faster than bf16 nn.Linear, and at least on par
+with compiled torchao.
+
+How it times: one sample is N back-to-back calls (forward, then backward with a fresh gradient each time)
+between one pair of CUDA events, divided by N; no host synchronisation inside a sample, so this is
+throughput as in a training loop, not the latency of one synchronised call. N makes a sample last about
+20 ms. Inputs and output gradients rotate over several buffers (together at least 4x the L2 cache).
+Samples are interleaved across implementations (A, B, C, A, B, C, ...) so that drift of the machine hits all
+alike; the table shows medians and the ratios measured in this run. The JSON goes to
+bench/results/linear.json.
+
+    python bench/linear.py [--device cpu|cuda] [--reps 10] [--shapes 1024x1024x1024,...]
     python bench/linear.py --device cuda   # GPU shapes, bfloat16
+    python bench/linear.py --smoke         # one tiny shape on the CPU: exercises the script only
 """
 
 from __future__ import annotations
@@ -16,6 +29,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import platform
 import statistics
 import time
@@ -28,103 +42,231 @@ import fp8_trainer
 
 DEFAULT_SHAPES = "256x256x256,1024x512x512,2048x768x768,4096x1024x1024,1023x768x3072,4096x4096x1024"
 CUDA_SHAPES = "4096x4096x4096,8192x4096x14336"
+SMOKE_SHAPES = "64x32x48"
+GOAL_SHAPE = "8192x4096x14336"
+SAMPLE_MS = 20.0
+RECIPES = {"fp8scope": fp8_trainer.DelayedScaling(), "fp8scope current": fp8_trainer.CurrentScaling()}
 
 
-def make_torchao(ref: nn.Linear, emulate: bool):
-    try:
-        from torchao.float8 import Float8LinearConfig
-        from torchao.float8.float8_linear import Float8Linear
-    except ImportError:
-        return None
-    return Float8Linear.from_float(copy.deepcopy(ref), config=Float8LinearConfig(emulate=emulate))
-
-
-def timer(device: torch.device):
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter()
+        torch.cuda.synchronize(device)
 
 
-def bench_shape(m: int, k: int, n: int, device: torch.device, reps: int, warmup: int = 2) -> dict:
+def ms_per_call(fn, n_calls: int, device: torch.device) -> float:
+    """Milliseconds per call of ``n_calls`` back-to-back ``fn(i)`` between one pair of CUDA events (the wall
+    clock on the CPU)."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(n_calls):
+            fn(i)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / n_calls
+    t0 = time.perf_counter()
+    for i in range(n_calls):
+        fn(i)
+    return (time.perf_counter() - t0) * 1e3 / n_calls
+
+
+def make_torchao(ref: nn.Linear, device: torch.device) -> tuple[nn.Module | None, str]:
+    """torchao's Float8Linear (tensorwise) on a copy of ``ref``: ``(module, how)``, or ``(None, why not)``."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except Exception as e:  # ImportError, or a torchao built for another torch
+        return None, f"not importable ({type(e).__name__}: {e})"
+    emulate = device.type != "cuda"
+    if emulate:
+        config = Float8LinearConfig(emulate=True)
+    else:
+        config = Float8LinearConfig.from_recipe_name("tensorwise")
+    mod = convert_to_float8_training(nn.Sequential(copy.deepcopy(ref)), config=config)
+    return mod, "emulate" if emulate else "tensorwise"
+
+
+def bench_shape(m: int, k: int, n: int, device, reps: int, smoke: bool, use_torchao: bool) -> dict:
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     ref = nn.Linear(k, n).to(device=device, dtype=dtype)
-    fp8 = fp8_trainer.convert_to_fp8(copy.deepcopy(ref))
-    ao = make_torchao(ref, emulate=device.type != "cuda")
-    x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=True)
-    g = torch.randn(m, n, device=device, dtype=dtype)
+    layers: dict[str, nn.Module] = {"nn.Linear": ref}
+    for name in RECIPES:
+        layers[name] = fp8_trainer.convert_to_fp8(copy.deepcopy(ref))
+    torchao_how = "not requested"
+    if use_torchao:
+        ao, torchao_how = make_torchao(ref, device)
+        if ao is not None:
+            layers["torchao"] = ao
 
-    def run_nn():
-        ref(x).backward(g)
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 0
+    per_buf = (m * k + m * n) * (2 if device.type == "cuda" else 4)
+    n_bufs = 2 if smoke else max(2, min(16, math.ceil(4 * l2 / per_buf)))
+    xs = [torch.randn(m, k, device=device, dtype=dtype).requires_grad_(True) for _ in range(n_bufs)]
+    gs = [torch.randn(m, n, device=device, dtype=dtype) for _ in range(n_bufs)]
 
-    def run_fp8():
-        with fp8_trainer.fp8_autocast():
-            y = fp8(x)
-        y.backward(g)
+    def runner(name: str, layer: nn.Module):
+        recipe = RECIPES.get(name)
+        params = list(layer.parameters())
 
-    def run_ao():
-        ao(x).backward(g)
+        def run(i: int) -> torch.Tensor:
+            x, g = xs[i % n_bufs], gs[i % n_bufs]
+            x.grad = None  # grads are replaced, not accumulated: the same work in every call
+            for p in params:
+                p.grad = None
+            if recipe is not None:
+                with fp8_trainer.fp8_autocast(fp8_recipe=recipe):
+                    y = layer(x)
+            else:
+                y = layer(x)
+            y.backward(g)
+            return y
 
-    runs = {"nn.Linear": run_nn, "fp8scope": run_fp8}
-    if ao is not None:
-        runs["torchao"] = run_ao
-    times = {name: [] for name in runs}
-    for i in range(warmup + reps):
-        for name, fn in runs.items():
-            t0 = timer(device)
-            fn()
-            t1 = timer(device)
-            if i >= warmup:
-                times[name].append((t1 - t0) * 1e3)
-    assert fp8_trainer.step_stats(fp8) is not None  # statistics really were recorded
+        return run
+
+    runs = {name: runner(name, layer) for name, layer in layers.items()}
+    if "torchao" in runs and device.type == "cuda":
+        compiled = torch.compile(layers["torchao"])
+        try:
+            runner("torchao", compiled)(0)
+            runs["torchao"] = runner("torchao", compiled)
+            torchao_how += ", compiled"
+        except Exception as e:  # torch.compile unavailable here: eager torchao, and say so
+            torchao_how += f", eager (torch.compile failed: {type(e).__name__})"
+
+    # what each computes: the relative error of its output against the bf16 / float32 nn.Linear
+    outs = {name: run(0).detach().float() for name, run in runs.items()}
+    base = outs["nn.Linear"]
+    rel_err = {name: float((o - base).norm() / base.norm()) for name, o in outs.items()}
+    del outs, base
+
+    counts = {}
+    for name, run in runs.items():  # warm-up (kernels compiled, allocator warm), then N for ~SAMPLE_MS
+        if smoke:
+            counts[name] = 2
+            continue
+        for i in range(3):
+            run(i)
+        sync(device)
+        t0 = time.perf_counter()
+        for i in range(3):
+            run(i)
+        sync(device)
+        est = (time.perf_counter() - t0) * 1e3 / 3
+        counts[name] = int(min(200, max(n_bufs, math.ceil(SAMPLE_MS / max(est, 1e-3)))))
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(reps):
+        for name, run in runs.items():
+            times[name].append(ms_per_call(run, counts[name], device))
+    for name in RECIPES:  # statistics really were recorded
+        assert fp8_trainer.step_stats(layers[name]) is not None, name
     med = {name: statistics.median(v) for name, v in times.items()}
-    row = {"shape": f"{m}x{k}x{n}", "median_ms": med}
-    row["fp8scope/nn"] = med["fp8scope"] / med["nn.Linear"]
+    flops = 6 * m * k * n  # forward, dgrad, wgrad
+    row = {
+        "shape": f"{m}x{k}x{n}",
+        "median_ms": med,
+        "spread_ms": {name: [min(v), max(v)] for name, v in times.items()},
+        "calls_per_sample": counts,
+        "input_buffers": n_bufs,
+        "tflops": {name: flops / (ms * 1e-3) / 1e12 for name, ms in med.items()},
+        "rel_err_vs_nn": rel_err,
+        "torchao": torchao_how,
+        "speedup_vs_nn": {name: med["nn.Linear"] / ms for name, ms in med.items()},
+    }
+    row["fp8scope/nn"] = med["fp8scope"] / med["nn.Linear"]  # time ratios (< 1: fp8scope faster)
     if "torchao" in med:
         row["fp8scope/torchao"] = med["fp8scope"] / med["torchao"]
         row["torchao/nn"] = med["torchao"] / med["nn.Linear"]
     return row
 
 
+def goal(value: float, target: float, what: str) -> dict:
+    return {"met": bool(value >= target), "value": value, "target": target, "what": what}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--reps", type=int, default=10, help="timed samples per implementation and shape")
     p.add_argument("--shapes", default=None, help="comma-separated MxKxN (tokens x in x out)")
+    p.add_argument("--no-torchao", action="store_true", help="leave torchao's Float8Linear out")
+    p.add_argument("--smoke", action="store_true", help="one tiny shape on the CPU, 2 samples of 2 calls")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "linear.json"))
     a = p.parse_args(argv)
-    device = torch.device(a.device)
-    shapes = a.shapes or (CUDA_SHAPES if device.type == "cuda" else DEFAULT_SHAPES)
-    rows = []
-    header = (
-        f"{'shape (MxKxN)':<18} {'nn.Linear ms':>12} {'torchao ms':>11} {'fp8scope ms':>12} "
-        f"{'fp8scope/torchao':>17} {'fp8scope/nn':>12}"
+    device = torch.device("cpu" if a.smoke else a.device)
+    reps = 2 if a.smoke else a.reps
+    default = SMOKE_SHAPES if a.smoke else CUDA_SHAPES if device.type == "cuda" else DEFAULT_SHAPES
+    shapes = a.shapes or default
+    print(
+        f"forward+backward, device {device}"
+        + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
+        + f", {'bfloat16' if device.type == 'cuda' else 'float32'}, {torch.get_num_threads()} threads, "
+        f"median of {reps} samples of back-to-back calls" + (" (smoke: not a measurement)" if a.smoke else "")
     )
-    print(f"forward+backward, device {device}, {torch.get_num_threads()} threads, median of {a.reps}")
-    print(header)
+    print(
+        f"{'shape (MxKxN)':<18} {'nn.Linear ms':>12} {'fp8scope ms':>11} {'current ms':>10} "
+        f"{'torchao ms':>10} {'x nn':>6} {'cur x nn':>8} {'ao x nn':>7} {'x torchao':>9} {'fp8 TFLOP/s':>11}"
+    )
+    rows = []
     for spec in shapes.split(","):
         m, k, n = (int(v) for v in spec.lower().split("x"))
-        row = bench_shape(m, k, n, device, a.reps)
+        row = bench_shape(m, k, n, device, reps, a.smoke, not a.no_torchao)
         rows.append(row)
-        med = row["median_ms"]
-        ao = f"{med['torchao']:11.2f}" if "torchao" in med else f"{'n/a':>11}"
-        ratio = f"{row['fp8scope/torchao']:17.2f}" if "fp8scope/torchao" in row else f"{'n/a':>17}"
+        med, sp = row["median_ms"], row["speedup_vs_nn"]
+        ao = f"{med['torchao']:10.3f}" if "torchao" in med else f"{'n/a':>10}"
+        ao_x = f"{sp['torchao']:7.2f}" if "torchao" in sp else f"{'n/a':>7}"
+        vs_ao = f"{1 / row['fp8scope/torchao']:9.2f}" if "fp8scope/torchao" in row else f"{'n/a':>9}"
         print(
-            f"{row['shape']:<18} {med['nn.Linear']:12.2f} {ao} {med['fp8scope']:12.2f} {ratio} "
-            f"{row['fp8scope/nn']:12.2f}",
+            f"{row['shape']:<18} {med['nn.Linear']:12.3f} {med['fp8scope']:11.3f} "
+            f"{med['fp8scope current']:10.3f} {ao} {sp['fp8scope']:6.2f} {sp['fp8scope current']:8.2f} "
+            f"{ao_x} {vs_ao} "
+            f"{row['tflops']['fp8scope']:11.1f}",
             flush=True,
         )
+    print("torchao: " + "; ".join(f"{r['shape']} {r['torchao']}" for r in rows))
+    errs = []
+    for r in rows:
+        fp8_errs = {k: v for k, v in r["rel_err_vs_nn"].items() if k != "nn.Linear"}
+        errs.append(f"{r['shape']} " + ", ".join(f"{k} {v:.2e}" for k, v in fp8_errs.items()))
+    print("output error vs nn.Linear (normwise): " + "; ".join(errs))
+    goals = {}
+    at = next((r for r in rows if r["shape"] == GOAL_SHAPE), None)
+    if device.type == "cuda" and at is not None:
+        goals["fp8scope_1.3x_bf16"] = goal(
+            at["speedup_vs_nn"]["fp8scope"], 1.3, f"{GOAL_SHAPE}: nn.Linear time / fp8scope time"
+        )
+        if "fp8scope/torchao" in at:
+            goals["fp8scope_vs_torchao"] = goal(
+                1 / at["fp8scope/torchao"], 1.0, f"{GOAL_SHAPE}: torchao time / fp8scope time"
+            )
+        print(f"goals at {GOAL_SHAPE}:")
+        for key, g in goals.items():
+            verdict = "met" if g["met"] else "NOT met"
+            print(f"  {key:<22} {g['value']:6.2f} (target >= {g['target']:g}): {verdict}")
+    else:
+        print(f"goals: measured on CUDA at {GOAL_SHAPE} only; not assessed in this run")
+    last = at or rows[-1]
+    summary = f"{last['shape']}: fp8scope x{last['speedup_vs_nn']['fp8scope']:.2f} vs nn.Linear"
+    summary += f", current x{last['speedup_vs_nn']['fp8scope current']:.2f}"
+    if "fp8scope/torchao" in last:
+        summary += f", x{1 / last['fp8scope/torchao']:.2f} vs torchao ({last['torchao']})"
+    else:
+        summary += f", torchao n/a ({last['torchao']})"
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "platform": platform.platform(),
-        "reps": a.reps,
+        "reps": reps,
+        "smoke": a.smoke,
         "dtype": "bfloat16" if device.type == "cuda" else "float32",
+        "shape_order": "MxKxN = tokens x in_features x out_features",
+        "timing": "median over samples of N back-to-back forward+backward calls between one CUDA event pair, "
+        "divided by N; inputs and gradients rotated over buffers totalling >= 4x L2",
     }
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    out.write_text(json.dumps({"meta": meta, "goals": goals, "summary": summary, "rows": rows}, indent=2))
     print(f"wrote {out}")
     return 0
 
