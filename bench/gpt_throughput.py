@@ -1,0 +1,247 @@
+"""Training throughput (tokens/s) of the GPT "124m" preset: fp8scope delayed and current scaling against a
+bf16 autocast baseline and torchao's tensorwise FP8 recipe, measured side by side in one run.
+
+Every configuration trains its own copy of the same model (same seed) the way ``fp8-train`` does
+(``fp8_trainer/train.py``): float32 master weights, AdamW (betas 0.9 / 0.95), gradient clipping at 1.0,
+``zero_grad(set_to_none=True)``, one optimizer step per batch. All run under ``torch.autocast`` to bfloat16,
+so attention, LayerNorm and the tied ``lm_head`` run in bf16 everywhere and the configurations differ only
+in their block Linears:
+
+* ``bf16``: ``nn.Linear`` under autocast (the ``--recipe bf16`` baseline);
+* ``fp8scope delayed`` / ``fp8scope current``: ``convert_to_fp8(model, recipe, fp8_filter)`` and
+  ``fp8_autocast``, with statistics on: every tensor's statistics are recorded in each step and read one
+  step late through ``StatsReader.poll()``, as the monitor client does;
+* ``torchao``: ``torchao.float8.convert_to_float8_training`` with the ``tensorwise`` recipe (the same
+  layers: everything but ``lm_head``), compiled with torch.compile where that works (where torchao imports).
+
+The batch is random token ids already on the device (the data loader is not what is measured), rotating
+over a few batches. Each configuration first runs ``--warmup`` steps (compilation, autotuning, allocator),
+then ``--steps`` steps timed with one synchronisation before and one after (host clock; CUDA events give
+the same within a few microseconds); rounds alternate over the configurations and the table shows the
+median over rounds. Goals (CUDA): fp8scope delayed >= 1.3x the tokens/s of bf16, and >= torchao.
+
+    python bench/gpt_throughput.py [--preset 124m] [--batch-size 16] [--seq-len 1024] [--warmup 5]
+        [--steps 20] [--rounds 2] [--configs bf16,delayed,current,torchao]
+    python bench/gpt_throughput.py --smoke   # tiny preset, 2 steps on the CPU: exercises the script only
+
+The JSON goes to bench/results/gpt_throughput.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from fp8_trainer import CurrentScaling, DelayedScaling, StatsReader, convert_to_fp8, fp8_autocast
+from fp8_trainer.model import GPT, fp8_filter, preset_config
+
+CONFIGS = ("bf16", "delayed", "current", "torchao")
+GPT2_VOCAB = 50304  # GPT-2's 50257 padded to a multiple of 64
+
+
+class Job:
+    """One configuration: model, optimizer, the step, and what it measured."""
+
+    def __init__(self, config: str, args: argparse.Namespace, device: torch.device, vocab: int):
+        torch.manual_seed(0)
+        self.config, self.args, self.device = config, args, device
+        self.model = GPT(preset_config(args.preset, vocab)).to(device)
+        self.recipe = None
+        self.reader = None
+        self.note = ""
+        forward = self.model
+        if config in ("delayed", "current"):
+            self.recipe = DelayedScaling() if config == "delayed" else CurrentScaling()
+            convert_to_fp8(self.model, recipe=self.recipe, module_filter_fn=fp8_filter)
+            self.reader = StatsReader(self.model)
+        elif config == "torchao":
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+            if device.type == "cuda":
+                ao_config = Float8LinearConfig.from_recipe_name("tensorwise")
+            else:
+                ao_config = Float8LinearConfig(emulate=True)
+            # by name: lm_head is tied to wte, and torchao converts any nn.Linear unless told not to
+            convert_to_float8_training(
+                self.model, config=ao_config, module_filter_fn=lambda m, fqn: fqn != "lm_head"
+            )
+            self.note = "tensorwise" if device.type == "cuda" else "emulate"
+            if device.type == "cuda" and not args.no_compile:
+                forward = torch.compile(self.model)
+                self.note += ", compiled"
+        self.forward = forward
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0)
+        self.losses: list[torch.Tensor] = []
+        self.tokens_per_s: list[float] = []
+        self.step_ms: list[float] = []
+        self.polled = 0
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        fp8 = fp8_autocast(fp8_recipe=self.recipe) if self.recipe is not None else nullcontext()
+        with fp8, torch.autocast(self.device.type, dtype=torch.bfloat16):
+            _, loss = self.forward(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if self.reader is not None and self.reader.poll() is not None:  # the statistics, one step late
+            self.polled += 1
+        self.losses.append(loss.detach())
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_steps(job: Job, batches: list[tuple[torch.Tensor, torch.Tensor]], n: int, start: int) -> float:
+    """Seconds for ``n`` steps, synchronised only before and after."""
+    sync(job.device)
+    t0 = time.perf_counter()
+    for i in range(n):
+        x, y = batches[(start + i) % len(batches)]
+        job.step(x, y)
+    sync(job.device)
+    return time.perf_counter() - t0
+
+
+def goal(value: float, target: float, what: str) -> dict:
+    return {"met": bool(value >= target), "value": value, "target": target, "what": what}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="124m")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps per configuration (compilation etc.)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per configuration and round")
+    p.add_argument("--rounds", type=int, default=2, help="timed rounds, alternating over the configurations")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {CONFIGS}")
+    p.add_argument("--no-compile", action="store_true", help="run torchao uncompiled")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--smoke", action="store_true", help="tiny preset, 2 steps, on the CPU")
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "gpt_throughput.json"))
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.preset, a.batch_size, a.seq_len, a.warmup, a.steps, a.rounds = "tiny", 2, 32, 1, 2, 1
+        a.device = "cpu"
+    device = torch.device(a.device)
+    configs = [c.strip() for c in a.configs.split(",") if c.strip()]
+    bad = [c for c in configs if c not in CONFIGS]
+    if bad:
+        p.error(f"--configs: unknown {bad}; expected a subset of {CONFIGS}")
+    vocab = 256 if a.smoke else GPT2_VOCAB
+
+    jobs: dict[str, Job] = {}
+    skipped: dict[str, str] = {}
+    for config in configs:
+        try:
+            jobs[config] = Job(config, a, device, vocab)
+        except ImportError as e:
+            skipped[config] = f"not importable ({e})"
+    g = torch.Generator(device="cpu").manual_seed(0)
+    batches = []
+    for _ in range(4):
+        ids = torch.randint(0, vocab, (a.batch_size, a.seq_len + 1), generator=g).to(device)
+        batches.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))  # (B, T) each
+    tokens = a.batch_size * a.seq_len
+
+    for config, job in list(jobs.items()):  # warm-up; a compile that fails leaves torchao uncompiled
+        try:
+            run_steps(job, batches, a.warmup, 0)
+        except Exception as e:
+            if config != "torchao" or job.forward is job.model:
+                raise
+            job.forward = job.model
+            job.note = job.note.replace("compiled", f"eager (torch.compile failed: {type(e).__name__})")
+            run_steps(job, batches, a.warmup, 0)
+    for r in range(a.rounds):
+        for job in jobs.values():
+            seconds = run_steps(job, batches, a.steps, r * a.steps)
+            job.tokens_per_s.append(a.steps * tokens / seconds)
+            job.step_ms.append(seconds * 1e3 / a.steps)
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    n_params = sum(p.numel() for p in next(iter(jobs.values())).model.parameters()) if jobs else 0
+    print(
+        f"GPT {a.preset} ({n_params / 1e6:.1f}M parameters), batch {a.batch_size} x {a.seq_len} tokens, "
+        f"{name}, bf16 autocast; {a.warmup} warm-up + {a.steps} timed steps x {a.rounds} rounds"
+        + (" (smoke: not a measurement)" if a.smoke else "")
+    )
+    base = statistics.median(jobs["bf16"].tokens_per_s) if "bf16" in jobs else None
+    print(f"{'config':<18} {'tokens/s':>12} {'step ms':>9} {'x bf16':>7} {'final loss':>10}  notes")
+    results = {}
+    for config, job in jobs.items():
+        tps = statistics.median(job.tokens_per_s)
+        final = float(job.losses[-1]) if job.losses else float("nan")
+        note = job.note or ("statistics read one step late" if job.reader is not None else "")
+        results[config] = {
+            "tokens_per_s": tps,
+            "tokens_per_s_rounds": job.tokens_per_s,
+            "step_ms": statistics.median(job.step_ms),
+            "x_bf16": tps / base if base else None,
+            "final_loss": final,
+            "stats_polled": job.polled,
+            "note": note,
+        }
+        ratio = f"{tps / base:7.2f}" if base else f"{'n/a':>7}"
+        label = config if config in ("bf16", "torchao") else f"fp8scope {config}"
+        print(f"{label:<18} {tps:12,.0f} {results[config]['step_ms']:9.2f} {ratio} {final:10.4f}  {note}")
+    for config, why in skipped.items():
+        print(f"{config:<18} {'n/a':>12}  {why}")
+
+    goals = {}
+    if device.type == "cuda" and "delayed" in results:
+        if base:
+            goals["delayed_1.3x_bf16"] = goal(results["delayed"]["x_bf16"], 1.3, "tokens/s vs bf16 autocast")
+        if "torchao" in results:
+            goals["delayed_vs_torchao"] = goal(
+                results["delayed"]["tokens_per_s"] / results["torchao"]["tokens_per_s"], 1.0,
+                f"tokens/s vs torchao ({results['torchao']['note']})",
+            )  # fmt: skip
+        print("goals:")
+        for key, gl in goals.items():
+            verdict = "met" if gl["met"] else "NOT met"
+            print(f"  {key:<20} {gl['value']:6.2f} (target >= {gl['target']:g}): {verdict}")
+    else:
+        print("goals: assessed on CUDA only")
+    finite = all(v["final_loss"] == v["final_loss"] for v in results.values())
+    parts = [f"{c} {v['tokens_per_s']:,.0f} tok/s" + (f" (x{v['x_bf16']:.2f})" if v["x_bf16"] else "")
+             for c, v in results.items()]  # fmt: skip
+    summary = f"{a.preset} b{a.batch_size}x{a.seq_len}: " + ", ".join(parts)
+    summary += "".join(f", {c} n/a" for c in skipped) + ("" if finite else "; NON-FINITE LOSS")
+    meta = {
+        "device": name,
+        "device_type": device.type,
+        "smoke": a.smoke,
+        "torch": torch.__version__,
+        "preset": a.preset,
+        "parameters": n_params,
+        "batch_size": a.batch_size,
+        "seq_len": a.seq_len,
+        "warmup": a.warmup,
+        "steps": a.steps,
+        "rounds": a.rounds,
+        "vocab_size": vocab,
+        "skipped": skipped,
+        "timing": "tokens / seconds of N steps with a device synchronisation only before and after; "
+        "median over rounds that alternate over the configurations",
+    }
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    data = {"meta": meta, "goals": goals, "summary": summary, "results": results}
+    out.write_text(json.dumps(data, indent=2))
+    print(f"wrote {out}")
+    return 0 if finite else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
