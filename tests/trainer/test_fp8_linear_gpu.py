@@ -61,6 +61,7 @@ def gemm_rtol(k: int, fast_accum: bool) -> float:
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out = out.detach().double()
     assert bool(torch.isfinite(out).all()), "non-finite GEMM output"
+    ref = ref.detach()
     return float((out - ref).norm() / ref.norm())
 
 
