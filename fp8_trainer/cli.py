@@ -16,7 +16,7 @@ import torch
 from .checkpoint import CheckpointError, check_compatible, load_checkpoint
 from .data import DataError, load_corpus
 from .inject import check_injections, parse_injection
-from .model import GPT, PRESETS, fp8_filter
+from .model import CHECKPOINT_MODES, GPT, PRESETS, fp8_filter
 from .recipe import AMAX_COMPUTE_ALGOS
 from .report import health_table
 from .schedule import LR_SCHEDULES
@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default 64)")
     g.add_argument("--seed", type=int, default=0, help="weights, data order; a run is repeatable")
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    g.add_argument("--activation-checkpointing", choices=CHECKPOINT_MODES, default="none",
+                   help="recompute each block in backward (torch.utils.checkpoint); the FP8 layers recompute "
+                        "in FP8 with the original scales (default none)")  # fmt: skip
 
     g = p.add_argument_group("FP8 recipe")
     g.add_argument("--recipe", choices=("delayed", "current", "bf16", "fp32"), default="delayed",

@@ -19,6 +19,16 @@ stored contiguously. Where a Triton kernel is registered, the quantize pass writ
 will need; elsewhere the GEMM wrapper copies as before. The CPU emulation has no layout constraint and
 never asks for transposes.
 
+Activation checkpointing (``torch.utils.checkpoint``, both ``use_reentrant`` modes): the recompute runs
+inside backward, where no ``fp8_autocast`` region is active (and, on a GPU, on an autograd worker thread). A
+forward that runs while the autograd engine executes a backward is such a recompute: it runs under the region
+of the layer's last forward, so in FP8 with the same recipe and, the step not being closed yet, the same
+scales, bit for bit the original forward. Its statistics count once per step: a recompute records the
+input and weight only when the original forward did not (reentrant mode runs that one under ``no_grad``);
+grad_output is recorded by whichever backward runs. In reentrant mode the gradient of the checkpointed
+region is a nested backward pass; the end-of-step callback is queued from the recompute, on the outer pass,
+so that the step closes when the whole backward ends.
+
 Checkpoints: each layer's slice of the model's scaling state (amax histories, scales, recipe overrides, step
 counter) is its module extra state, so ``model.state_dict()`` / ``load_state_dict`` carry it (see
 ``FP8State.layer_extra_state``).
@@ -47,6 +57,11 @@ def _queue_end_of_backward(state: FP8State) -> None:
         torch.autograd.Variable._execution_engine.queue_callback(state.on_backward_end)
 
 
+def _in_backward() -> bool:
+    """True while the autograd engine executes a backward pass (in this thread)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def fused_transposes(state: FP8State, k: int, device: torch.device) -> bool:
     """Whether layer ``k``'s quantize calls on ``device`` write the transposed FP8 tensors the backward GEMMs
     need (real FP8 GEMMs, a kernel registered for this layer's scaling mode; see the module docstring)."""
@@ -68,7 +83,8 @@ class _FP8LinearFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, state: FP8State, k: int, record: bool):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        fused_t = record and fused_transposes(state, k, x.device)
+        # not tied to record: a checkpoint's recompute must save the operands its original forward saved
+        fused_t = torch.is_grad_enabled() and fused_transposes(state, k, x.device)
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         qx, qxt, sinv_x = _quantize(state, 3 * k, x2, record, fused_t and need_wgrad)
         qw, qwt, sinv_w = _quantize(state, 3 * k + 1, weight, record, fused_t and need_dgrad)
@@ -160,10 +176,12 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        region = current_region()
+        state = self._fp8_state
+        recompute = state is not None and _in_backward()
+        # a forward inside backward is activation checkpointing's recompute: the original forward's region
+        region = state.last_region if recompute else current_region()
         if region is None or not region.enabled:
             return F.linear(x, self.weight, self.bias)
-        state = self._fp8_state
         if state is None:
             state = FP8State([""], device=x.device)
             self._bind(state, 0)
@@ -171,10 +189,13 @@ class Linear(nn.Linear):
             state.to(x.device)
         if region.recipe is not None:
             state.set_recipe(region.recipe)
+        state.last_region = region
         k = self._fp8_index
         if not state.enabled[k]:
             return F.linear(x, self.weight, self.bias)
         record = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+        if recompute:
+            record = record and (region.id, k) not in state.forward_recorded  # count a forward once
         if record:
             if state.pending and state.step_complete and state.region_id != region.id:
                 state.end_step()  # the previous step had no backward: close it now
@@ -182,4 +203,7 @@ class Linear(nn.Linear):
             state.step_complete = region.step_boundary
             state.pending = True
             state.group = resolve_amax_group(region.group, state.reduce_amax)
+            state.forward_recorded.add((region.id, k))
+            if recompute:  # queued on the outer backward, not on a reentrant checkpoint's nested one
+                _queue_end_of_backward(state)
         return _FP8LinearFn.apply(x, self.weight, self.bias, state, k, record)

@@ -11,9 +11,10 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
-__all__ = ["GPT", "GPTConfig", "PRESETS", "fp8_filter", "preset_config"]
+__all__ = ["CHECKPOINT_MODES", "GPT", "GPTConfig", "PRESETS", "fp8_filter", "preset_config"]
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,16 @@ class GPTConfig:
     n_embd: int = 128
     dropout: float = 0.0
     bias: bool = True
+    # activation checkpointing of each block in training: "none", "reentrant" or "non-reentrant"
+    # (torch.utils.checkpoint's use_reentrant=True / False); the FP8 Linears recompute in FP8
+    checkpoint: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.checkpoint not in CHECKPOINT_MODES:
+            raise ValueError(f"checkpoint: expected one of {CHECKPOINT_MODES}, got {self.checkpoint!r}")
+
+
+CHECKPOINT_MODES = ("none", "reentrant", "non-reentrant")
 
 
 #: Model shapes by name (GPT-2 / GPT-3 sizes; the parameter counts are those of a GPT-2 vocabulary). The
@@ -122,7 +133,12 @@ class GPT(nn.Module):
         pos = torch.arange(T, device=idx.device)
         x = self.wte(idx) + self.wpe(pos)  # (B, T, C)
         for block in self.blocks:
-            x = block(x)
+            if self.cfg.checkpoint == "none" or not (self.training and torch.is_grad_enabled()):
+                x = block(x)
+            else:
+                x = torch.utils.checkpoint.checkpoint(
+                    block, x, use_reentrant=self.cfg.checkpoint == "reentrant"
+                )
         logits = self.lm_head(self.ln_f(x))  # (B, T, vocab)
         if targets is None:
             return logits

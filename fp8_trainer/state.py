@@ -125,6 +125,8 @@ class FP8State:
         self.pending = False  # statistics recorded since the last end_step
         self.step_complete = False  # the pending forward belongs to a step_boundary=True region
         self.region_id = -1
+        self.last_region = None  # the fp8_autocast region of the last FP8 forward (for checkpoint recomputes)
+        self.forward_recorded: set[tuple[int, int]] = set()  # (region id, layer) recorded in this step
         self.callback_queued = False
         self.group = None
         self._new_stats_buffer()
@@ -267,6 +269,7 @@ class FP8State:
             return
         self.pending = False
         self.step_complete = False
+        self.forward_recorded.clear()
         stats = self.stats
         amax = stats[:, 0].to(torch.float32)
         if self.group is not None:

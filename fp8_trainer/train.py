@@ -18,7 +18,7 @@ import os
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -193,7 +193,8 @@ def _build(a, prepared: Prepared, rank: int, device):
     torch.manual_seed(a.seed)  # the same initial weights on every rank
     corpus = prepared.corpus or load_corpus(a.data, seed=a.seed, rank=rank)
     recipe = make_recipe(a)
-    model = GPT(preset_config(a.preset, corpus.vocab_size)).to(device)
+    cfg = replace(preset_config(a.preset, corpus.vocab_size), checkpoint=a.activation_checkpointing)
+    model = GPT(cfg).to(device)
     if recipe is not None:
         convert_to_fp8(model, recipe=recipe, module_filter_fn=fp8_filter)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
