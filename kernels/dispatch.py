@@ -182,20 +182,22 @@ def quantize_with_stats_transposed(
 
 
 def quantize_current(
-    x: torch.Tensor, fp8_dtype: torch.dtype, stats: torch.Tensor | None = None
+    x: torch.Tensor, fp8_dtype: torch.dtype, stats: torch.Tensor | None = None, *, power_2_scale: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Current scaling: quantize ``x`` with ``FP8_MAX / max |x|`` and record its statistics, one call for the
-    amax pass, the scale and the quantize pass: ``(q, scale, stats_row)`` (``quantize_current_reference``).
+    """Current scaling: quantize ``x`` with ``FP8_MAX / max |x|`` (NaN elements ignored by the max) and record
+    its statistics, one call for the amax pass, the scale and the quantize pass: ``(q, scale, stats_row)``
+    (``quantize_current_reference``). ``power_2_scale`` rounds the scale down to a power of two
+    (Transformer Engine's ``force_pow_2_scales``).
 
     On CUDA the Triton kernels derive the scale on the device between their two passes; on the CPU it is
     the reference's torch ops. Either way nothing is read on the host.
     """
     fn = _lookup("current", x.device.type, x.numel()) or quantize_current_reference
-    return fn(x, fp8_dtype, stats)
+    return fn(x, fp8_dtype, stats, power_2_scale=power_2_scale)
 
 
 def quantize_current_transposed(
-    x: torch.Tensor, fp8_dtype: torch.dtype, stats: torch.Tensor | None = None
+    x: torch.Tensor, fp8_dtype: torch.dtype, stats: torch.Tensor | None = None, *, power_2_scale: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """As ``quantize_current`` for a 2-D ``x``, also returning ``qt = q.t().contiguous()``:
     ``(q, qt, scale, row)``.
@@ -204,10 +206,10 @@ def quantize_current_transposed(
     """
     fn = _lookup("current_transposed", x.device.type, x.numel())
     if fn is not None:
-        return fn(x, fp8_dtype, stats)
+        return fn(x, fp8_dtype, stats, power_2_scale=power_2_scale)
     if x.dim() != 2:
         raise ValueError(f"x: the transposed output needs a 2-D tensor, got shape {tuple(x.shape)}")
-    q, scale, row = quantize_current(x, fp8_dtype, stats)
+    q, scale, row = quantize_current(x, fp8_dtype, stats, power_2_scale=power_2_scale)
     return q, q.t().contiguous(), scale, row
 
 
@@ -220,7 +222,7 @@ def has_kernel(op: str, device_type: str) -> bool:
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
-    """``max |x|`` as float32 0-dim tensor, NaN propagating (0 for an empty tensor)."""
+    """``max |x|`` as float32 0-dim tensor, NaN elements ignored (0 for an empty or all-NaN tensor)."""
     return (_lookup("amax", x.device.type, x.numel()) or tensor_amax_reference)(x)
 
 
@@ -231,5 +233,7 @@ def exponent_histogram(x: torch.Tensor) -> torch.Tensor:
 
 def fused_scale_update(device: torch.device | str) -> Callable | None:
     """The one-launch scale update of all tensors for ``device``, or ``None`` where the caller should run
-    the reference (``fp8_trainer.scaling.delayed_scaling_update``). Signature: ``triton_scale_update``."""
+    the reference (``fp8_trainer.scaling.delayed_scaling_update``). Signature: ``triton_scale_update``,
+    whose new ``scale`` and ``scale_inv`` are 16-byte-aligned vectors (``aligned_scales``); the reference
+    returns plain tensors, which the caller lays out itself."""
     return _lookup("scale_update", torch.device(device).type)

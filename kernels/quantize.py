@@ -13,12 +13,13 @@ Numerics (DESIGN.md, "FP8 facts"):
 
 Statistics, one float64 row ``(amax, scale, overflow, underflow, nonfinite, numel)`` per call:
 
-* ``amax``: ``max |x|`` of the unscaled input. NaN propagates (one NaN element gives a NaN amax), Inf gives
-  Inf: a non-finite amax is itself the health signal, and the delayed-scaling update keeps the previous scale
-  when it sees one.
+* ``amax``: ``max |x|`` of the unscaled input, ignoring NaN elements as Transformer Engine does (its amax is
+  an ``fmaxf`` reduction, and ``fmaxf(a, NaN) = a``): an Inf element gives Inf, an all-NaN tensor gives 0.
+  The NaN elements are still counted in ``nonfinite``, which is where a NaN shows up.
 * ``scale``: the scale used.
-* ``overflow``: finite elements with ``|x * scale| > FP8_MAX`` (they saturated), including finite elements
-  whose float32 product overflowed to Inf.
+* ``overflow``: finite elements whose cast really saturated: ``|x * scale|`` beyond the FP8 rounding threshold
+  (``overflow_threshold``: above 464 for E4M3, at or above 61440 for E5M2), including finite elements whose
+  float32 product overflowed to Inf. Values between FP8_MAX and the threshold round to FP8_MAX anyway.
 * ``underflow``: finite non-zero elements that quantize to zero, i.e. ``|x * scale| <= min_subnormal / 2``
   (round-to-nearest-even sends exactly half the smallest subnormal to zero).
 * ``nonfinite``: NaN and Inf elements of ``x``.
@@ -26,11 +27,13 @@ Statistics, one float64 row ``(amax, scale, overflow, underflow, nonfinite, nume
 
 An empty ``x`` gives an empty ``q`` and the row ``(0, scale, 0, 0, 0, 0)``.
 
-When a ``stats`` row is passed, the call accumulates into it in place (amax: max, NaN propagating;
-counts and numel: sum; scale: overwritten), which is how micro-batches of one step add up.
+When a ``stats`` row is passed, the call accumulates into it in place (amax: max ignoring NaN, i.e.
+``fmax``; counts and numel: sum; scale: overwritten), which is how micro-batches of one step add up.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -40,6 +43,7 @@ __all__ = [
     "current_scale_reference",
     "dequantize",
     "fp8_max",
+    "overflow_threshold",
     "quantize_current_reference",
     "quantize_with_stats_reference",
     "tensor_amax_reference",
@@ -51,6 +55,9 @@ STAT_COLUMNS = ("amax", "scale", "overflow", "underflow", "nonfinite", "numel")
 
 #: Largest element count the Triton kernels address (int32 offsets); larger tensors use the references.
 KERNEL_MAX_NUMEL = 2**31 - 2**24
+
+#: ``0xFF800000`` as an int32: keeps a float32's sign and exponent, i.e. rounds it down to a power of two.
+POW2_MASK = -(2**23)
 
 
 def fp8_max(fp8_dtype: torch.dtype) -> float:
@@ -64,11 +71,33 @@ def underflow_threshold(fp8_dtype: torch.dtype) -> float:
     return float(fi.smallest_normal) * float(fi.eps) / 2
 
 
+def overflow_threshold(fp8_dtype: torch.dtype) -> tuple[float, bool]:
+    """``(threshold, inclusive)``: a float32 ``|x * scale|`` saturates in the cast to ``fp8_dtype`` when it is
+    above ``threshold`` (at or above it if ``inclusive``).
+
+    The threshold is FP8_MAX plus half an ulp at FP8_MAX, the midpoint to the next value up. Round to nearest
+    even decides the midpoint itself: it stays at FP8_MAX when FP8_MAX's last mantissa bit is even (E4M3:
+    448 = 14 ulps of 32, so up to and including 464 rounds to 448), and goes up, out of range, when it is
+    odd (E5M2: 57344 = 7 ulps of 8192, so 61440 ties to 65536 = Inf).
+    """
+    fi = torch.finfo(fp8_dtype)
+    fmax = float(fi.max)
+    ulp = 2.0 ** math.floor(math.log2(fmax)) * float(fi.eps)
+    return fmax + ulp / 2, int(fmax / ulp) % 2 == 1
+
+
+def round_down_pow2(scale: torch.Tensor) -> torch.Tensor:
+    """A positive float32 ``scale`` rounded down to a power of two: its bits masked with ``0xFF800000``."""
+    return torch.bitwise_and(scale.view(torch.int32), POW2_MASK).view(torch.float32)
+
+
 def tensor_amax_reference(x: torch.Tensor) -> torch.Tensor:
-    """``max |x|`` as a float32 0-dim tensor; NaN propagates. One pass (``aminmax``), no ``abs`` copy."""
+    """``max |x|`` as a float32 0-dim tensor, NaN elements ignored (all NaN: 0), Inf giving Inf."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)  # the neutral element of the max
-    mn, mx = torch.aminmax(x)
+    # aminmax propagates NaN: drop NaN first (posinf/neginf given, or nan_to_num would clamp Inf too)
+    finite_or_inf = torch.nan_to_num(x, nan=0.0, posinf=math.inf, neginf=-math.inf)
+    mn, mx = torch.aminmax(finite_or_inf)
     return torch.maximum(-mn, mx).to(torch.float32)
 
 
@@ -78,11 +107,11 @@ _MIX: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 def _mix(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Constant matrix: raw counts -> (overflow, underflow, nonfinite, numel); cached per device."""
     if device not in _MIX:
-        # raw counts: [|xs| > max, |xs| <= threshold, nonzero(x), isinf(x), isnan(x)]
+        # raw counts: [saturated or Inf, small (zeros, underflows, NaN as 0), nonzero(x), isinf(x), isnan(x)]
         mix = torch.tensor(
             [
                 [1, 0, 0, -1, 0],  # overflow  = big - inf inputs
-                [0, 1, 1, 0, 0],  # underflow = small - zeros = small + nonzero - numel
+                [0, 1, 1, 0, -1],  # underflow = small - zeros - nan = small + nonzero - numel - nan
                 [0, 0, 0, 1, 1],  # nonfinite = inf + nan
                 [0, 0, 0, 0, 0],  # numel (offset only)
             ],
@@ -108,33 +137,38 @@ def quantize_with_stats_reference(
         scale: float32 0-dim tensor (on ``x``'s device).
         fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
         stats: optional float64 ``(6,)`` row to accumulate into (see the module docstring).
-        amax: ``max |x|`` if the caller computed it already (current scaling), to skip a pass.
+        amax: ``max |x|`` if the caller computed it already (current scaling), to skip a pass; recorded as
+            ``|amax|`` with NaN read as 0, as the kernels do.
     Returns:
         ``(q, stats_row)``: the FP8 tensor (shape of ``x``) and the float64 ``(6,)`` statistics of this call
         (``stats`` itself when given, after accumulation).
     """
     fmax = fp8_max(fp8_dtype)
+    threshold, inclusive = overflow_threshold(fp8_dtype)
     xf = x if x.dtype == torch.float32 else x.to(torch.float32)
     ax = xf.abs()
-    if amax is None:
-        # NaN propagates; an empty tensor has amax 0, the neutral element of the max
-        amax = torch.amax(ax) if ax.numel() else ax.new_zeros(())
     # Counts from cheap count_nonzero passes (a bool .sum() is several times slower on the CPU), combined
     # into (overflow, underflow, nonfinite, numel) by one small matrix-vector product below.
-    n_inf = torch.count_nonzero(ax == float("inf"))
+    n_inf = torch.count_nonzero(ax == math.inf)
     n_nan = torch.count_nonzero(ax != ax)
     n_nonzero = torch.count_nonzero(ax)
+    ax.nan_to_num_(nan=0.0, posinf=math.inf)  # NaN ignored by the amax (counted above)
+    if amax is None:
+        amax = torch.amax(ax) if ax.numel() else ax.new_zeros(())  # empty: 0, the neutral element
+    else:
+        amax = torch.nan_to_num(amax.abs().to(torch.float32), nan=0.0, posinf=math.inf)
     a = ax.mul_(scale)  # |x * scale| exactly (scale > 0, rounding is sign-symmetric); reuses the buffer
+    big = a >= threshold if inclusive else a > threshold
     raw = torch.stack(
         [
-            torch.count_nonzero(a > fmax),  # overflows and Inf inputs; not NaN
-            torch.count_nonzero(a <= underflow_threshold(fp8_dtype)),  # zeros and underflows; not NaN
+            torch.count_nonzero(big),  # saturated, and Inf inputs
+            torch.count_nonzero(a <= underflow_threshold(fp8_dtype)),  # zeros, underflows and NaN (now 0)
             n_nonzero,
             n_inf,
             n_nan,
         ]
     ).to(torch.float64)
-    del a, ax
+    del a, ax, big
     xs = xf * scale
     mix, offset = _mix(x.device)
     counts = torch.add(torch.mv(mix, raw), offset, alpha=xf.numel())
@@ -142,36 +176,41 @@ def quantize_with_stats_reference(
     if stats is None:
         row = torch.cat([amax.to(torch.float64).reshape(1), scale.to(torch.float64).reshape(1), counts])
         return q, row
-    torch.maximum(stats[0], amax, out=stats[0])
+    torch.fmax(stats[0], amax.to(torch.float64), out=stats[0])
     stats[1].copy_(scale)
     stats[2:].add_(counts)
     return q, stats
 
 
-def current_scale_reference(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+def current_scale_reference(
+    amax: torch.Tensor, fp8_dtype: torch.dtype, *, power_2_scale: bool = False
+) -> torch.Tensor:
     """Current scaling's scale: ``FP8_MAX / amax`` in float32, clamped to the float32 maximum (tiny amax),
-    1 for a zero or non-finite amax. Bit for bit ``fp8_trainer.scaling.current_scale``, which this package
+    1 for a zero or non-finite amax; with ``power_2_scale``, rounded down to a power of two (Transformer
+    Engine's ``force_pow_2_scales``). Bit for bit ``fp8_trainer.scaling.current_scale``, which this package
     does not import."""
     amax = amax.to(torch.float32)
     # a tensor divided by a tensor: ``python_float / tensor`` would multiply by a reciprocal (two roundings)
     scale = torch.clamp(torch.full_like(amax, fp8_max(fp8_dtype)) / amax, max=torch.finfo(torch.float32).max)
-    return torch.where(torch.isfinite(amax) & (amax > 0), scale, torch.ones_like(amax))
+    scale = torch.where(torch.isfinite(amax) & (amax > 0), scale, torch.ones_like(amax))
+    return round_down_pow2(scale) if power_2_scale else scale
 
 
 def quantize_current_reference(
-    x: torch.Tensor, fp8_dtype: torch.dtype, stats: torch.Tensor | None = None
+    x: torch.Tensor, fp8_dtype: torch.dtype, stats: torch.Tensor | None = None, *, power_2_scale: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Current scaling: ``max |x|``, the scale from it, then ``quantize_with_stats_reference`` with that
-    scale. Returns ``(q, scale, stats_row)``, ``scale`` a float32 0-dim tensor; no host read."""
+    """Current scaling: ``max |x|`` (NaN ignored), the scale from it (``current_scale_reference``), then
+    ``quantize_with_stats_reference`` with that scale. Returns ``(q, scale, stats_row)``, ``scale`` a float32
+    0-dim tensor; no host read."""
     amax = tensor_amax_reference(x)
-    scale = current_scale_reference(amax, fp8_dtype)
+    scale = current_scale_reference(amax, fp8_dtype, power_2_scale=power_2_scale)
     q, row = quantize_with_stats_reference(x, scale, fp8_dtype, stats, amax=amax)
     return q, scale, row
 
 
 def accumulate_stats(stats: torch.Tensor, row: torch.Tensor) -> None:
     """Fold one call's ``row`` into an accumulating ``stats`` row in place (see the module docstring)."""
-    torch.maximum(stats[0:1], row[0:1], out=stats[0:1])
+    torch.fmax(stats[0:1], row[0:1], out=stats[0:1])
     stats[1:2].copy_(row[1:2])
     stats[2:].add_(row[2:])
 

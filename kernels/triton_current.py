@@ -1,11 +1,13 @@
 """Current (just-in-time) scaling in Triton: an amax pass, then the fused quantize pass.
 
 The scale of current scaling depends on the amax of the very tensor being quantized, so it cannot be known
-before a full pass over it: pass 1 reduces ``max |x|`` into a 0-dim float32 on the device; pass 2 is the
-fused quantize kernel of ``triton_quantize``, which derives ``scale = FP8_MAX / amax`` itself (clamped to
-the float32 maximum, 1 for a zero or non-finite amax, as ``fp8_trainer.scaling.current_scale``) and records
-the same statistics as delayed scaling. Nothing is read on the host in between. The transposed variant
-writes ``q.t().contiguous()`` in the same quantize pass, as ``triton_quantize`` does for delayed scaling.
+before a full pass over it: pass 1 reduces ``max |x|`` (NaN elements ignored, as Transformer Engine's
+``fmaxf``: one NaN does not decide the whole tensor's scale) into a 0-dim float32 on the device; pass 2 is
+the fused quantize kernel of ``triton_quantize``, which derives ``scale = FP8_MAX / amax`` itself (clamped
+to the float32 maximum, 1 for a zero or non-finite amax, optionally rounded down to a power of two, as
+``fp8_trainer.scaling.current_scale``) and records the same statistics as delayed scaling. Nothing is read
+on the host in between. The transposed variant writes ``q.t().contiguous()`` in the same quantize pass, as
+``triton_quantize`` does for delayed scaling.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_launch import as_kernel_input, block_1d, grid_cap, load_f32
+from .triton_launch import amax_bits, as_kernel_input, block_1d, grid_cap, load_f32
 from .triton_quantize import MAX_NUMEL, launch_quantize
 
 __all__ = ["quantize_current_transposed_triton", "quantize_current_triton", "tensor_amax_triton"]
@@ -22,19 +24,23 @@ __all__ = ["quantize_current_transposed_triton", "quantize_current_triton", "ten
 
 @triton.jit(do_not_specialize=["n"])
 def _amax_kernel(x_ptr, out_ptr, n, IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
-    """``out = max(out, max |x|)`` over the bit patterns (NaN-propagating on every backend)."""
+    """``out = max(out, max |x|)`` over the bit patterns, NaN read as 0 (ignored on every backend): full
+    blocks unmasked (vector loads), then one masked tail block."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     acc = tl.zeros([BLOCK], dtype=tl.int32)
-    for start in range(pid * BLOCK, n, nprog * BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        x = load_f32(x_ptr, offs, offs < n, IS_BF16)
-        acc = tl.maximum(acc, tl.abs(x).to(tl.int32, bitcast=True))
+    n_full = n // BLOCK
+    for b in range(pid, n_full, nprog):
+        acc = tl.maximum(acc, amax_bits(load_f32(x_ptr, b * BLOCK + tl.arange(0, BLOCK), None, IS_BF16)))
+    tail = n_full * BLOCK
+    if (pid == n_full % nprog) & (tail < n):
+        offs = tail + tl.arange(0, BLOCK)
+        acc = tl.maximum(acc, amax_bits(load_f32(x_ptr, offs, offs < n, IS_BF16)))
     tl.atomic_max(out_ptr.to(tl.pointer_type(tl.int32)), tl.max(acc, axis=0))
 
 
 def tensor_amax_triton(x: torch.Tensor) -> torch.Tensor:
-    """Triton twin of ``tensor_amax_reference``: ``max |x|`` as a float32 0-dim tensor, NaN propagating."""
+    """Triton twin of ``tensor_amax_reference``: ``max |x|`` as a float32 0-dim tensor, NaN ignored."""
     if x.numel() > MAX_NUMEL:
         raise ValueError(f"x: {x.numel()} elements exceed the Triton kernel's limit of {MAX_NUMEL}")
     xc, is_bf16 = as_kernel_input(x)
@@ -51,16 +57,19 @@ def quantize_current_triton(
     fp8_dtype: torch.dtype,
     stats: torch.Tensor | None = None,
     *,
+    power_2_scale: bool = False,
     precast: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Current scaling in two passes: ``(q, scale, stats_row)``; ``scale`` is a float32 0-dim tensor.
 
-    ``precast`` as in ``triton_quantize.launch_quantize`` (the clamped scaled values, for tests).
+    ``power_2_scale``: round the scale down to a power of two. ``precast`` as in
+    ``triton_quantize.launch_quantize`` (the clamped scaled values, for tests).
     """
     amax = tensor_amax_triton(x)
     q, _, row, scale = launch_quantize(
-        x, None, fp8_dtype, stats, amax=amax, scale_from_amax=True, precast=precast
-    )
+        x, None, fp8_dtype, stats, amax=amax, scale_from_amax=True, precast=precast,
+        power_2_scale=power_2_scale,
+    )  # fmt: skip
     return q, scale, row
 
 
@@ -69,6 +78,7 @@ def quantize_current_transposed_triton(
     fp8_dtype: torch.dtype,
     stats: torch.Tensor | None = None,
     *,
+    power_2_scale: bool = False,
     precast: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """As ``quantize_current_triton`` for a 2-D ``x``, the quantize pass also writing the transposed FP8
@@ -77,6 +87,7 @@ def quantize_current_transposed_triton(
         raise ValueError(f"x: the transposed output needs a 2-D tensor, got shape {tuple(x.shape)}")
     amax = tensor_amax_triton(x)
     q, qt, row, scale = launch_quantize(
-        x, None, fp8_dtype, stats, amax=amax, scale_from_amax=True, precast=precast, transpose=True
-    )
+        x, None, fp8_dtype, stats, amax=amax, scale_from_amax=True, precast=precast, transpose=True,
+        power_2_scale=power_2_scale,
+    )  # fmt: skip
     return q, qt, scale, row

@@ -4,7 +4,8 @@ Each element's bin comes from its float32 bit pattern with integer operations on
 normal numbers, and for subnormals the position of the mantissa's leading one, found by converting the
 mantissa (an integer below 2**23, exact in float32) to float and reading that exponent. No float arithmetic
 on subnormals, so flush-to-zero settings cannot change a bin. Each program keeps a private histogram over
-its grid-stride share and adds it to the output once.
+its grid-stride share of full blocks (unmasked: vector loads) and the one masked tail block, and adds it to
+the output once.
 """
 
 from __future__ import annotations
@@ -22,23 +23,40 @@ __all__ = ["exponent_histogram_triton"]
 _BINS_POW2 = triton.next_power_of_2(HIST_BINS)  # tl.histogram wants a power of two
 
 
+@triton.jit
+def _bins(x_ptr, offs, mask, EXP_MIN: tl.constexpr, IS_BF16: tl.constexpr):
+    """The bin of each element (layout: ``fp8_kernels.histogram``)."""
+    bits = load_f32(x_ptr, offs, mask, IS_BF16).to(tl.int32, bitcast=True)
+    bits = bits & 0x7FFFFFFF
+    field = bits >> 23
+    mant = bits & 0x7FFFFF
+    lead = (mant.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127  # floor(log2(mant)), mant > 0
+    e = tl.where(field == 0, lead - 149, field - 127)
+    return tl.where(bits == 0, 0, tl.where(field == 255, 1, 2 + e - EXP_MIN))
+
+
 @triton.jit(do_not_specialize=["n"])
-def _histogram_kernel(x_ptr, out_ptr, n, EXP_MIN: tl.constexpr, BINS: tl.constexpr, BINS_POW2: tl.constexpr,
-                      IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
+def _histogram_kernel(
+    x_ptr,
+    out_ptr,
+    n,
+    EXP_MIN: tl.constexpr,
+    BINS: tl.constexpr,
+    BINS_POW2: tl.constexpr,
+    IS_BF16: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     acc = tl.zeros([BINS_POW2], dtype=tl.int32)
-    for start in range(pid * BLOCK, n, nprog * BLOCK):
-        offs = start + tl.arange(0, BLOCK)
+    n_full = n // BLOCK
+    for b in range(pid, n_full, nprog):
+        acc += tl.histogram(_bins(x_ptr, b * BLOCK + tl.arange(0, BLOCK), None, EXP_MIN, IS_BF16), BINS_POW2)
+    tail = n_full * BLOCK
+    if (pid == n_full % nprog) & (tail < n):
+        offs = tail + tl.arange(0, BLOCK)
         mask = offs < n
-        bits = load_f32(x_ptr, offs, mask, IS_BF16).to(tl.int32, bitcast=True)
-        bits = bits & 0x7FFFFFFF
-        field = bits >> 23
-        mant = bits & 0x7FFFFF
-        lead = (mant.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127  # floor(log2(mant)), mant > 0
-        e = tl.where(field == 0, lead - 149, field - 127)
-        b = tl.where(bits == 0, 0, tl.where(field == 255, 1, 2 + e - EXP_MIN))
-        acc += tl.histogram(b, BINS_POW2, mask=mask)
+        acc += tl.histogram(_bins(x_ptr, offs, mask, EXP_MIN, IS_BF16), BINS_POW2, mask=mask)
     bins = tl.arange(0, BINS_POW2)
     tl.atomic_add(out_ptr + bins, acc.to(tl.int64), mask=bins < BINS)
 
@@ -53,7 +71,14 @@ def exponent_histogram_triton(x: torch.Tensor) -> torch.Tensor:
     block, warps = block_1d(x.device)
     grid = (max(1, min(triton.cdiv(n, block), grid_cap(x.device))),)
     _histogram_kernel[grid](
-        xc, out, n, EXP_MIN=EXP_MIN, BINS=HIST_BINS, BINS_POW2=_BINS_POW2, IS_BF16=is_bf16, BLOCK=block,
+        xc,
+        out,
+        n,
+        EXP_MIN=EXP_MIN,
+        BINS=HIST_BINS,
+        BINS_POW2=_BINS_POW2,
+        IS_BF16=is_bf16,
+        BLOCK=block,
         num_warps=warps,
     )
     return out

@@ -6,6 +6,14 @@ folds its share into the statistics row with a handful of atomics at the end, in
 
 On the CPU (``TRITON_INTERPRET=1``) the caps are tiny on purpose, so that small test tensors still run
 several programs and several loop iterations per program, the same code paths a large tensor takes on a GPU.
+
+Vectorised memory access: every kernel walks full blocks (tiles) with no mask and handles what is left in
+one masked tail (edge tiles), so the main loop's loads and stores are 16-byte vectors whatever the size.
+Sizes stay out of Triton's specialisation (``do_not_specialize``: no recompilation per size, and no
+size-1 constant); where a row length must be known to be a multiple of 16 for its rows to start aligned
+(the 2-D kernels), the launcher passes that divisor as a constexpr and the kernel rebuilds the size as
+``(size // DIV) * DIV``, exact by construction and visible to the compiler, instead of a hint that could
+be false (``divisor``).
 """
 
 from __future__ import annotations
@@ -16,10 +24,15 @@ import torch
 import triton
 import triton.language as tl
 
+from .quantize import fp8_max, overflow_threshold, underflow_threshold
+
 __all__ = [
     "FLOAT32_MAX",
+    "abs_bits",
+    "amax_bits",
     "as_kernel_input",
     "block_1d",
+    "divisor",
     "format_constants",
     "grid_cap",
     "load_f32",
@@ -49,16 +62,30 @@ def block_1d(device: torch.device) -> tuple[int, int]:
 
 
 def tile_2d(device: torch.device) -> tuple[int, int, int]:
-    """``(BLOCK_M, BLOCK_N, num_warps)`` of the tiled kernels (transposed output)."""
-    return (64, 64, 4) if device.type == "cuda" else (32, 32, 4)
+    """``(BLOCK_M, BLOCK_N, num_warps)`` of the tiled kernels (transposed output).
+
+    Both sides a multiple of 16: a full tile's rows of ``q`` (along N) and of ``qt`` (along M) are then
+    whole 16-byte FP8 vectors."""
+    return (128, 64, 8) if device.type == "cuda" else (32, 32, 4)
 
 
-def format_constants(fp8_dtype: torch.dtype) -> tuple[float, float]:
-    """``(fp8_max, underflow_threshold)`` of ``fp8_dtype``, exact powers-of-two arithmetic."""
+def divisor(size: int) -> int:
+    """16 where ``size`` is a multiple of 16 (rows of that length start 16-element aligned), else 1."""
+    return 16 if size % 16 == 0 else 1
+
+
+def format_constants(fp8_dtype: torch.dtype) -> dict[str, float | bool]:
+    """The quantize kernels' constexprs for ``fp8_dtype``: ``FMAX``, ``UNDERFLOW`` (half the smallest
+    subnormal), ``OVF_THRESHOLD`` and ``OVF_INCLUSIVE`` (``fp8_kernels.quantize.overflow_threshold``)."""
     if fp8_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise ValueError(f"fp8_dtype: expected torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype}")
-    fi = torch.finfo(fp8_dtype)
-    return float(fi.max), float(fi.smallest_normal) * float(fi.eps) / 2
+    threshold, inclusive = overflow_threshold(fp8_dtype)
+    return dict(
+        FMAX=fp8_max(fp8_dtype),
+        UNDERFLOW=underflow_threshold(fp8_dtype),
+        OVF_THRESHOLD=threshold,
+        OVF_INCLUSIVE=inclusive,
+    )
 
 
 def as_kernel_input(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -71,10 +98,24 @@ def as_kernel_input(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 @triton.jit
 def load_f32(ptr, offs, mask, IS_BF16: tl.constexpr):
-    """Load as float32. bfloat16 is widened from its bits (``bits << 16``): exact for every value on every
-    backend, where Triton 3.9's interpreter flushes bfloat16 subnormals to zero in a plain conversion."""
+    """Load as float32, masked-out elements 0 (``mask=None``: a full block, no mask). bfloat16 is widened
+    from its bits (``bits << 16``): exact for every value on every backend, where Triton 3.9's interpreter
+    flushes bfloat16 subnormals to zero in a plain conversion."""
+    raw = tl.load(ptr + offs) if mask is None else tl.load(ptr + offs, mask=mask, other=0)
     if IS_BF16:
-        raw = tl.load(ptr + offs, mask=mask, other=0)
         return (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
     else:
-        return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        return raw.to(tl.float32)
+
+
+@triton.jit
+def abs_bits(x):
+    """``|x|``'s float32 bit pattern as an int32 (the sign bit cleared; integer order is float order)."""
+    return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def amax_bits(x):
+    """``|x|``'s bits with NaN read as 0: the amax ignores NaN (``fmaxf``), Inf (0x7F800000) stays."""
+    b = abs_bits(x)
+    return tl.where(b > 0x7F800000, 0, b)

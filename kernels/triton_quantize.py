@@ -7,10 +7,16 @@ cast to FP8 with round-to-nearest-even, and the element's contribution to the st
 operand layout the backward GEMMs want) and, for tests, the pre-cast values ``v`` themselves.
 
 Why the bit tricks: ``amax`` is a max over the bit patterns of ``|x|`` (integer order equals float order for
-non-negative floats, and a NaN sorts above Inf), which propagates NaN identically on a GPU (where the float
-``max`` ignores NaN) and in the interpreter (where it propagates it). The same trick accumulates the float64
-``amax`` column across calls with an integer atomic max. Counts are float64 atomic adds of integers, exact
-below 2**53 and independent of order.
+non-negative floats) with NaN patterns (above Inf's ``0x7F800000``) read as 0, so NaN elements are ignored
+(Transformer Engine's ``fmaxf``) identically on a GPU and in the interpreter, whose float ``max`` handle NaN
+differently. The same trick accumulates the float64 ``amax`` column across calls with an integer atomic max.
+Counts are float64 atomic adds of integers, exact below 2**53 and independent of order.
+
+Memory access: the 1-D kernel walks full ``BLOCK``s with no mask and one masked tail block; the 2-D kernel
+walks full tiles with no mask, then the edge tiles (last tile column, last tile row) masked. Unmasked blocks
+at multiples of ``BLOCK`` let the compiler emit 16-byte vector loads and stores; for the 2-D kernel rows must
+also start aligned, which the launcher makes visible with the ``DIV_M`` / ``DIV_N`` constexprs
+(``triton_launch``). Nothing depends on a hint for correctness: the masked paths handle every size.
 """
 
 from __future__ import annotations
@@ -20,7 +26,16 @@ import triton
 import triton.language as tl
 
 from .quantize import KERNEL_MAX_NUMEL
-from .triton_launch import as_kernel_input, block_1d, format_constants, grid_cap, load_f32, tile_2d
+from .triton_launch import (
+    abs_bits,
+    as_kernel_input,
+    block_1d,
+    divisor,
+    format_constants,
+    grid_cap,
+    load_f32,
+    tile_2d,
+)
 
 __all__ = ["launch_quantize", "quantize_with_stats_transposed_triton", "quantize_with_stats_triton"]
 
@@ -28,44 +43,81 @@ MAX_NUMEL = KERNEL_MAX_NUMEL
 
 
 @triton.jit
-def _scale_and_count(x, scale, FMAX: tl.constexpr, UNDERFLOW: tl.constexpr):
-    """One element's ``(|x| bits, overflow, underflow, nonfinite, pre-cast value)``."""
-    ax_bits = tl.abs(x).to(tl.int32, bitcast=True)
-    nonfinite = ax_bits >= 0x7F800000  # exponent all ones: Inf or NaN
+def _scale_and_count(
+    x,
+    scale,
+    FMAX: tl.constexpr,
+    UNDERFLOW: tl.constexpr,
+    OVF_THRESHOLD: tl.constexpr,
+    OVF_INCLUSIVE: tl.constexpr,
+):
+    """One element's ``(|x| bits with NaN as 0, overflow, underflow, nonfinite, pre-cast value)``."""
+    ax_bits = abs_bits(x)
+    finite = ax_bits < 0x7F800000  # exponent all ones: Inf or NaN
     xs = x * scale
     a = tl.abs(xs)
-    overflow = (a > FMAX) & (ax_bits < 0x7F800000)  # includes finite x whose product overflowed to Inf
+    # E5M2: the midpoint above FP8_MAX rounds up (to Inf); E4M3: it rounds down to FP8_MAX
+    big = a >= OVF_THRESHOLD if OVF_INCLUSIVE else a > OVF_THRESHOLD
+    overflow = big & finite  # includes finite x whose product overflowed to Inf
     underflow = (a <= UNDERFLOW) & (ax_bits != 0)  # non-zero, rounds to zero; NaN compares False
     # explicit NaN pass-through: a GPU's min/max would turn NaN into the bound
     v = tl.where(xs != xs, xs, tl.minimum(tl.maximum(xs, -FMAX), FMAX))
-    return ax_bits, overflow.to(tl.int32), underflow.to(tl.int32), nonfinite.to(tl.int32), v
+    amax_bits = tl.where(ax_bits > 0x7F800000, 0, ax_bits)  # NaN ignored by the amax
+    return amax_bits, overflow.to(tl.int32), underflow.to(tl.int32), (~finite).to(tl.int32), v
 
 
 @triton.jit
-def _load_scale(scale_ptr, amax_ptr, FMAX: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr):
-    """The scale: given, or (current scaling) ``FP8_MAX / amax`` clamped, 1 for a zero/non-finite amax."""
+def _load_scale(
+    scale_ptr, amax_ptr, FMAX: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr, POW2_SCALE: tl.constexpr
+):
+    """The scale: given, or (current scaling) ``FP8_MAX / amax`` clamped, 1 for a zero/non-finite amax,
+    optionally rounded down to a power of two (the bits masked with ``0xFF800000``)."""
     if SCALE_FROM_AMAX:
         amax = tl.abs(tl.load(amax_ptr).to(tl.float32))
         s = tl.minimum(tl.math.div_rn(FMAX + tl.zeros_like(amax), amax), 3.4028234663852886e38)
         ok = (amax > 0) & (amax.to(tl.int32, bitcast=True) < 0x7F800000)
-        return tl.where(ok, s, 1.0)
+        s = tl.where(ok, s, 1.0)
+        if POW2_SCALE:
+            s = (s.to(tl.int32, bitcast=True) & -8388608).to(tl.float32, bitcast=True)  # -8388608: 0xFF800000
+        return s
     else:
         return tl.load(scale_ptr).to(tl.float32)
 
 
 @triton.jit
-def _accumulate_stats(stats_ptr, amax_ptr, scale_out_ptr, amax_bits, overflow, underflow, nonfinite, scale, n,
-                      HAS_AMAX: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr):
+def _fmax_into(stats_ptr, a):
+    """``stats[0] = fmax(stats[0], a)`` for a non-negative, non-NaN float32 ``a``, atomically: an integer
+    max of the float64 bits, and a NaN found in the row (put there from outside) replaced as ``fmax`` does."""
+    slot = stats_ptr.to(tl.pointer_type(tl.int64))
+    bits = a.to(tl.float64).to(tl.int64, bitcast=True)
+    old = tl.atomic_max(slot, bits)
+    if old > 0x7FF0000000000000:  # noqa: SIM102 (the swap must not run otherwise) a NaN: swap it out
+        if tl.atomic_cas(slot, old, bits) != old:  # someone else swapped it first: max with theirs
+            tl.atomic_max(slot, bits)
+
+
+@triton.jit
+def _accumulate_stats(
+    stats_ptr,
+    amax_ptr,
+    scale_out_ptr,
+    amax_bits,
+    overflow,
+    underflow,
+    nonfinite,
+    scale,
+    n,
+    HAS_AMAX: tl.constexpr,
+    SCALE_FROM_AMAX: tl.constexpr,
+):
     """Fold one program's totals into the float64 statistics row (columns ``STAT_COLUMNS``)."""
     pid = tl.program_id(0)
-    amax_slot = stats_ptr.to(tl.pointer_type(tl.int64))  # the amax column, as bits
     if HAS_AMAX:
         if pid == 0:
-            a = tl.abs(tl.load(amax_ptr).to(tl.float32))
-            tl.atomic_max(amax_slot, a.to(tl.float64).to(tl.int64, bitcast=True))
+            a = abs_bits(tl.load(amax_ptr).to(tl.float32))
+            _fmax_into(stats_ptr, tl.where(a > 0x7F800000, 0, a).to(tl.float32, bitcast=True))
     else:
-        a = amax_bits.to(tl.float32, bitcast=True)
-        tl.atomic_max(amax_slot, a.to(tl.float64).to(tl.int64, bitcast=True))
+        _fmax_into(stats_ptr, amax_bits.to(tl.float32, bitcast=True))
     tl.atomic_add(stats_ptr + 2, overflow.to(tl.float64))
     tl.atomic_add(stats_ptr + 3, underflow.to(tl.float64))
     tl.atomic_add(stats_ptr + 4, nonfinite.to(tl.float64))
@@ -76,68 +128,207 @@ def _accumulate_stats(stats_ptr, amax_ptr, scale_out_ptr, amax_bits, overflow, u
             tl.store(scale_out_ptr, scale)
 
 
+@triton.jit
+def _quantize_block(
+    x_ptr,
+    q_ptr,
+    precast_ptr,
+    offs,
+    mask,
+    scale,
+    amax_acc,
+    ovf_acc,
+    unf_acc,
+    nonf_acc,
+    FMAX: tl.constexpr,
+    UNDERFLOW: tl.constexpr,
+    OVF_THRESHOLD: tl.constexpr,
+    OVF_INCLUSIVE: tl.constexpr,
+    STORE_PRECAST: tl.constexpr,
+    IS_BF16: tl.constexpr,
+):
+    """One block of the 1-D kernel (``mask=None``: a full block); returns the updated accumulators.
+    Masked-out elements load as 0, which counts as nothing."""
+    x = load_f32(x_ptr, offs, mask, IS_BF16)
+    bits, ovf, unf, nonf, v = _scale_and_count(x, scale, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE)
+    tl.store(q_ptr + offs, v.to(q_ptr.dtype.element_ty), mask=mask)
+    if STORE_PRECAST:
+        tl.store(precast_ptr + offs, v, mask=mask)
+    return tl.maximum(amax_acc, bits), ovf_acc + ovf, unf_acc + unf, nonf_acc + nonf
+
+
 @triton.jit(do_not_specialize=["n"])
-def _quantize_kernel(x_ptr, q_ptr, scale_ptr, amax_ptr, stats_ptr, precast_ptr, scale_out_ptr, n,
-                     FMAX: tl.constexpr, UNDERFLOW: tl.constexpr, HAS_AMAX: tl.constexpr,
-                     SCALE_FROM_AMAX: tl.constexpr, STORE_PRECAST: tl.constexpr, IS_BF16: tl.constexpr,
-                     BLOCK: tl.constexpr):
+def _quantize_kernel(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    amax_ptr,
+    stats_ptr,
+    precast_ptr,
+    scale_out_ptr,
+    n,
+    FMAX: tl.constexpr,
+    UNDERFLOW: tl.constexpr,
+    OVF_THRESHOLD: tl.constexpr,
+    OVF_INCLUSIVE: tl.constexpr,
+    HAS_AMAX: tl.constexpr,
+    SCALE_FROM_AMAX: tl.constexpr,
+    POW2_SCALE: tl.constexpr,
+    STORE_PRECAST: tl.constexpr,
+    IS_BF16: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    scale = _load_scale(scale_ptr, amax_ptr, FMAX, SCALE_FROM_AMAX)
+    scale = _load_scale(scale_ptr, amax_ptr, FMAX, SCALE_FROM_AMAX, POW2_SCALE)
     amax_acc = tl.zeros([BLOCK], dtype=tl.int32)
     ovf_acc = tl.zeros([BLOCK], dtype=tl.int32)
     unf_acc = tl.zeros([BLOCK], dtype=tl.int32)
     nonf_acc = tl.zeros([BLOCK], dtype=tl.int32)
-    for start in range(pid * BLOCK, n, nprog * BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < n
-        x = load_f32(x_ptr, offs, mask, IS_BF16)
-        bits, ovf, unf, nonf, v = _scale_and_count(x, scale, FMAX, UNDERFLOW)
-        amax_acc = tl.maximum(amax_acc, bits)
-        ovf_acc += ovf
-        unf_acc += unf
-        nonf_acc += nonf
-        tl.store(q_ptr + offs, v.to(q_ptr.dtype.element_ty), mask=mask)
-        if STORE_PRECAST:
-            tl.store(precast_ptr + offs, v, mask=mask)
-    _accumulate_stats(stats_ptr, amax_ptr, scale_out_ptr, tl.max(amax_acc, axis=0), tl.sum(ovf_acc, axis=0),
-                      tl.sum(unf_acc, axis=0), tl.sum(nonf_acc, axis=0), scale, n, HAS_AMAX, SCALE_FROM_AMAX)
+    n_full = n // BLOCK
+    for b in range(pid, n_full, nprog):  # full blocks: no mask
+        amax_acc, ovf_acc, unf_acc, nonf_acc = _quantize_block(
+            x_ptr, q_ptr, precast_ptr, b * BLOCK + tl.arange(0, BLOCK), None, scale,
+            amax_acc, ovf_acc, unf_acc, nonf_acc,
+            FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, STORE_PRECAST, IS_BF16)  # fmt: skip
+    tail = n_full * BLOCK
+    if (pid == n_full % nprog) & (tail < n):  # the partial block, by the program whose turn comes next
+        offs = tail + tl.arange(0, BLOCK)
+        amax_acc, ovf_acc, unf_acc, nonf_acc = _quantize_block(
+            x_ptr, q_ptr, precast_ptr, offs, offs < n, scale,
+            amax_acc, ovf_acc, unf_acc, nonf_acc,
+            FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, STORE_PRECAST, IS_BF16)  # fmt: skip
+    _accumulate_stats(
+        stats_ptr,
+        amax_ptr,
+        scale_out_ptr,
+        tl.max(amax_acc, axis=0),
+        tl.sum(ovf_acc, axis=0),
+        tl.sum(unf_acc, axis=0),
+        tl.sum(nonf_acc, axis=0),
+        scale,
+        n,
+        HAS_AMAX,
+        SCALE_FROM_AMAX,
+    )
+
+
+@triton.jit
+def _quantize_tile(
+    x_ptr,
+    q_ptr,
+    qt_ptr,
+    precast_ptr,
+    tm,
+    tn,
+    M,
+    N,
+    scale,
+    amax_acc,
+    ovf_acc,
+    unf_acc,
+    nonf_acc,
+    MASKED: tl.constexpr,
+    FMAX: tl.constexpr,
+    UNDERFLOW: tl.constexpr,
+    OVF_THRESHOLD: tl.constexpr,
+    OVF_INCLUSIVE: tl.constexpr,
+    STORE_PRECAST: tl.constexpr,
+    IS_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Tile ``(tm, tn)`` of the 2-D kernel, written to ``q`` and, transposed, to ``qt``; returns the updated
+    accumulators. ``MASKED`` False: a full tile, no mask."""
+    rm = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs = rm[:, None] * N + rn[None, :]
+    offs_t = rn[:, None] * M + rm[None, :]  # rows of the transpose: contiguous along M
+    if MASKED:
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        mask_t = (rn[:, None] < N) & (rm[None, :] < M)
+    else:
+        mask = None
+        mask_t = None
+    x = load_f32(x_ptr, offs, mask, IS_BF16)
+    bits, ovf, unf, nonf, v = _scale_and_count(x, scale, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE)
+    q = v.to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + offs, q, mask=mask)
+    tl.store(qt_ptr + offs_t, tl.trans(q), mask=mask_t)
+    if STORE_PRECAST:
+        tl.store(precast_ptr + offs, v, mask=mask)
+    return tl.maximum(amax_acc, bits), ovf_acc + ovf, unf_acc + unf, nonf_acc + nonf
 
 
 @triton.jit(do_not_specialize=["M", "N"])
-def _quantize_t_kernel(x_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, stats_ptr, precast_ptr, scale_out_ptr, M, N,
-                       FMAX: tl.constexpr, UNDERFLOW: tl.constexpr, HAS_AMAX: tl.constexpr,
-                       SCALE_FROM_AMAX: tl.constexpr, STORE_PRECAST: tl.constexpr, IS_BF16: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _quantize_t_kernel(
+    x_ptr,
+    q_ptr,
+    qt_ptr,
+    scale_ptr,
+    amax_ptr,
+    stats_ptr,
+    precast_ptr,
+    scale_out_ptr,
+    M,
+    N,
+    FMAX: tl.constexpr,
+    UNDERFLOW: tl.constexpr,
+    OVF_THRESHOLD: tl.constexpr,
+    OVF_INCLUSIVE: tl.constexpr,
+    HAS_AMAX: tl.constexpr,
+    SCALE_FROM_AMAX: tl.constexpr,
+    POW2_SCALE: tl.constexpr,
+    STORE_PRECAST: tl.constexpr,
+    IS_BF16: tl.constexpr,
+    DIV_M: tl.constexpr,
+    DIV_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    scale = _load_scale(scale_ptr, amax_ptr, FMAX, SCALE_FROM_AMAX)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    n_tiles = tl.cdiv(M, BLOCK_M) * tiles_n
+    # exact (the launcher passes a divisor of each): the compiler then knows rows start 16-aligned
+    M = (M // DIV_M) * DIV_M
+    N = (N // DIV_N) * DIV_N
+    scale = _load_scale(scale_ptr, amax_ptr, FMAX, SCALE_FROM_AMAX, POW2_SCALE)
     amax_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
     ovf_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
     unf_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
     nonf_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-    for t in range(pid, n_tiles, nprog):
-        rm = (t // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = (t % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (rm[:, None] < M) & (rn[None, :] < N)
-        offs = rm[:, None] * N + rn[None, :]
-        x = load_f32(x_ptr, offs, mask, IS_BF16)
-        bits, ovf, unf, nonf, v = _scale_and_count(x, scale, FMAX, UNDERFLOW)
-        amax_acc = tl.maximum(amax_acc, bits)
-        ovf_acc += ovf
-        unf_acc += unf
-        nonf_acc += nonf
-        q = v.to(q_ptr.dtype.element_ty)
-        tl.store(q_ptr + offs, q, mask=mask)
-        # the transposed tile, stored row by row of the transpose (coalesced along M)
-        tl.store(qt_ptr + rn[:, None] * M + rm[None, :], tl.trans(q), mask=tl.trans(mask))
-        if STORE_PRECAST:
-            tl.store(precast_ptr + offs, v, mask=mask)
-    _accumulate_stats(stats_ptr, amax_ptr, scale_out_ptr, tl.max(tl.max(amax_acc, axis=1), axis=0),
-                      tl.sum(tl.sum(ovf_acc, axis=1), axis=0), tl.sum(tl.sum(unf_acc, axis=1), axis=0),
-                      tl.sum(tl.sum(nonf_acc, axis=1), axis=0), scale, M * N, HAS_AMAX, SCALE_FROM_AMAX)
+    full_m = M // BLOCK_M
+    full_n = N // BLOCK_N
+    n_full = full_m * full_n
+    for t in range(pid, n_full, nprog):  # full tiles: no mask
+        tm = t // full_n
+        amax_acc, ovf_acc, unf_acc, nonf_acc = _quantize_tile(
+            x_ptr, q_ptr, qt_ptr, precast_ptr, tm, t - tm * full_n, M, N, scale, amax_acc, ovf_acc, unf_acc,
+            nonf_acc, False, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, STORE_PRECAST, IS_BF16, BLOCK_M,
+            BLOCK_N)  # fmt: skip
+    # edge tiles, masked: the last tile column (every tile row), then the last tile row (full columns)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    right = (tl.cdiv(N, BLOCK_N) - full_n) * tiles_m
+    n_edge = right + (tiles_m - full_m) * full_n
+    for e in range((pid + nprog - n_full % nprog) % nprog, n_edge, nprog):  # the round robin continues
+        tm = tl.where(e < right, e, full_m)
+        tn = tl.where(e < right, full_n, e - right)
+        amax_acc, ovf_acc, unf_acc, nonf_acc = _quantize_tile(
+            x_ptr, q_ptr, qt_ptr, precast_ptr, tm, tn, M, N, scale, amax_acc, ovf_acc, unf_acc, nonf_acc,
+            True, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, STORE_PRECAST, IS_BF16, BLOCK_M,
+            BLOCK_N)  # fmt: skip
+    _accumulate_stats(
+        stats_ptr,
+        amax_ptr,
+        scale_out_ptr,
+        tl.max(tl.max(amax_acc, axis=1), axis=0),
+        tl.sum(tl.sum(ovf_acc, axis=1), axis=0),
+        tl.sum(tl.sum(unf_acc, axis=1), axis=0),
+        tl.sum(tl.sum(nonf_acc, axis=1), axis=0),
+        scale,
+        M * N,
+        HAS_AMAX,
+        SCALE_FROM_AMAX,
+    )
 
 
 def _check(x, scale, stats, precast, amax) -> torch.Tensor:
@@ -175,12 +366,14 @@ def launch_quantize(
     scale_from_amax: bool = False,
     precast: torch.Tensor | None = None,
     transpose: bool = False,
+    power_2_scale: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Run the fused kernel; ``(q, qt or None, stats_row, scale used as a float32 0-dim tensor)``.
 
     Args:
         scale_from_amax: current scaling in-kernel: the scale is ``FP8_MAX / amax`` clamped to the float32
             maximum, 1 for a zero or non-finite ``amax`` (``amax`` required, ``scale`` ignored).
+        power_2_scale: with ``scale_from_amax``, round that scale down to a power of two.
         precast: optional contiguous float32 tensor of ``x``'s shape that receives the clamped ``x * scale``
             values before the FP8 cast (for exact comparisons where the cast itself cannot be trusted).
         transpose: also write ``q.t().contiguous()`` in the same pass (2-D ``x`` only).
@@ -189,13 +382,19 @@ def launch_quantize(
     _check_precast(precast, x)
     if transpose and x.dim() != 2:
         raise ValueError(f"x: the transposed output needs a 2-D tensor, got shape {tuple(x.shape)}")
-    fmax, underflow = format_constants(fp8_dtype)
+    if power_2_scale and not scale_from_amax:
+        raise ValueError("power_2_scale: applies to current scaling (scale_from_amax) only")
+    consts = format_constants(fp8_dtype)
     scale_t = _scale_operand(scale, amax, scale_from_amax)
     xc, is_bf16 = as_kernel_input(x)
     q = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     flags = dict(
-        FMAX=fmax, UNDERFLOW=underflow, HAS_AMAX=amax is not None, SCALE_FROM_AMAX=scale_from_amax,
-        STORE_PRECAST=precast is not None, IS_BF16=is_bf16,
+        **consts,
+        HAS_AMAX=amax is not None,
+        SCALE_FROM_AMAX=scale_from_amax,
+        POW2_SCALE=power_2_scale,
+        STORE_PRECAST=precast is not None,
+        IS_BF16=is_bf16,
     )
     amax_arg = amax if amax is not None else scale_t
     precast_arg = precast if precast is not None else q
@@ -213,7 +412,7 @@ def launch_quantize(
     grid = (max(1, min(triton.cdiv(m, bm) * triton.cdiv(n, bn), grid_cap(x.device))),)
     _quantize_t_kernel[grid](
         xc, q, qt, scale_t, amax_arg, row, precast_arg, scale_t, m, n,
-        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, **flags,
+        DIV_M=divisor(m), DIV_N=divisor(n), BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, **flags,
     )  # fmt: skip
     return q, qt, row, scale_t
 

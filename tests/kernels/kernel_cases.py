@@ -7,7 +7,9 @@ result into one parametrised test. ``test_kernels_gpu.py`` runs the same cases c
 of the kernels inside the FP8 ``Linear`` live in ``linear_cases.py`` and are registered here.
 
 What is compared, exactly (no tolerances): amax, scale, counts and numel of the statistics row; the
-pre-cast values ``clamp(x * scale)``; histograms; histories and scales of the scale update. The FP8 bits are
+pre-cast values ``clamp(x * scale)``; histograms; histories and scales of the scale update. Sizes cover the
+kernels' code paths: full blocks only, full blocks plus a masked tail, a tail only, 2-D shapes with and
+without edge tiles and with rows that are (``DIV`` 16) and are not multiples of 16. The FP8 bits are
 compared against PyTorch's cast of the pre-cast values on a GPU only: Triton 3.9's interpreter rounds some
 float8 casts wrongly (DESIGN.md, "Known traps"). The transposed output is compared with the transpose of
 the kernel's own ``q`` everywhere (the same cast, so its rounding cannot matter).
@@ -39,7 +41,18 @@ from fp8_kernels import (
 NAN, INF = float("nan"), float("inf")
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-SHAPES = {"1": (1,), "17": (17,), "127x129": (127, 129), "4097": (4097,), "empty": (0,), "0x7": (0, 7)}
+SHAPES = {
+    "1": (1,),
+    "17": (17,),
+    "127x129": (127, 129),  # edge tiles on both sides, rows not multiples of 16
+    "48x80": (48, 80),  # rows multiples of 16 (the aligned specialisation), edge tiles on both sides
+    "64x96": (64, 96),  # full tiles only (the interpreter's tile is 32x32)
+    "1x1": (1, 1),
+    "2048": (2048,),  # full blocks only (the interpreter's block is 1024)
+    "4097": (4097,),  # full blocks and a one-element tail
+    "empty": (0,),
+    "0x7": (0, 7),
+}
 SCALE = 3.7  # not a power of two: products round
 
 #: name -> (function of the device, device types it runs on)
@@ -125,24 +138,49 @@ for _d in DTYPES:
 
 def _boundary_case(dtype_name: str, fmt: str):
     def run(device: torch.device) -> None:
+        from fp8_kernels.quantize import overflow_threshold
         from fp8_kernels.triton_quantize import launch_quantize
 
         dtype, fp8 = DTYPES[dtype_name], FP8[fmt]
         fi = torch.finfo(fp8)
         fmax, half = float(fi.max), float(fi.smallest_normal) * float(fi.eps) / 2
-        above_max = torch.nextafter(torch.tensor(fmax, dtype=dtype), torch.tensor(float("inf"), dtype=dtype))
-        # scale 2 (a power of two: every product exact), so x = (the scaled value wanted) / 2
-        scaled = [half, -half, half * (1 + 2**-5), fmax, -fmax, float(above_max), 2 * half, 0.0]
-        x = (torch.tensor(scaled, dtype=torch.float64) / 2).to(dtype).to(device)
-        assert (x.double() * 2).tolist() == scaled, "the inputs are not exact in this dtype"
+        threshold, inclusive = overflow_threshold(fp8)
+        assert (threshold, inclusive) == ((464.0, False) if fmt == "e4m3" else (61440.0, True))
+
+        def step(v: float, direction: float) -> float:
+            return torch.nextafter(torch.tensor(v, dtype=dtype), torch.tensor(direction, dtype=dtype)).item()
+
+        # scale 2 (a power of two: every product exact), so x = (the scaled value wanted) / 2; the
+        # neighbours are taken in x's own dtype
+        xs = [
+            half / 2,
+            -half / 2,
+            half * (1 + 2**-5) / 2,
+            fmax / 2,
+            -fmax / 2,
+            step(fmax / 2, INF),
+            threshold / 2,
+            -threshold / 2,
+            step(threshold / 2, 0.0),
+            step(threshold / 2, INF),
+            half,
+            0.0,
+        ]
+        x = torch.tensor(xs, dtype=torch.float64).to(dtype)
+        assert x.double().tolist() == xs, "the inputs are not exact in this dtype"
+        x = x.to(device)
+        scaled = [2 * v for v in xs]
         scale = torch.tensor(2.0, device=device)
         pre = torch.empty(x.shape, dtype=torch.float32, device=device)
         q, _, row, _ = launch_quantize(x, scale, fp8, None, precast=pre)
         _, row_ref = quantize_with_stats_reference(x, scale, fp8)
         _same(row, row_ref, "statistics row")
         # from the definitions: the exact ties at half the smallest subnormal underflow (round to even: 0),
-        # just above them does not; max itself is no overflow, the next value up is
-        assert row[2:].tolist() == [1, 2, 0, len(scaled)], row.tolist()
+        # just above them does not; above FP8_MAX up to the rounding threshold is no overflow (it rounds to
+        # FP8_MAX), the threshold itself is one for E5M2 only (its tie goes up), beyond it always
+        overflow = sum(abs(v) >= threshold if inclusive else abs(v) > threshold for v in scaled)
+        assert overflow == (3 if inclusive else 1)
+        assert row[2:].tolist() == [overflow, 2, 0, len(xs)], row.tolist()
         _same(pre, _expected_precast(x, scale, fp8), "pre-cast values")
         if device.type == "cuda":
             assert q.float()[:3].tolist() == [0.0, -0.0, 2 * half] and q.float()[5].item() == fmax
@@ -153,6 +191,86 @@ def _boundary_case(dtype_name: str, fmt: str):
 for _d in DTYPES:
     for _f in FP8:
         case(f"quantize-boundaries-{_d}-{_f}")(_boundary_case(_d, _f))
+
+
+def _saturating_amax(fp8: torch.dtype) -> float:
+    """An amax whose delayed scale ``fl(FP8_MAX / amax)`` maps it above FP8_MAX in float32 (found by search;
+    about one amax in eleven does): the old ``> FP8_MAX`` rule counted it as an overflow every step."""
+    fmax = torch.tensor(float(torch.finfo(fp8).max))
+    amaxes = torch.linspace(1.0, 2.0, 4097)[1:]
+    scaled = amaxes * (fmax / amaxes)
+    hit = (scaled > fmax).nonzero()
+    assert hit.numel(), "no amax found that the scale maps above FP8_MAX"
+    return amaxes[hit[0, 0]].item()
+
+
+@case("quantize-scaled-amax-a-float32-ulp-above-max-is-no-overflow")
+def _amax_at_max(device: torch.device) -> None:
+    from fp8_kernels.triton_quantize import launch_quantize
+
+    for fp8 in FP8.values():
+        amax = _saturating_amax(fp8)
+        fmax = torch.tensor(float(torch.finfo(fp8).max))
+        scale = (fmax / torch.tensor(amax)).to(device)
+        x = torch.linspace(-amax, amax, 4097).to(device)  # max |x| is amax itself
+        pre = torch.empty(x.shape, dtype=torch.float32, device=device)
+        q, _, row, _ = launch_quantize(x, scale, fp8, None, precast=pre)
+        _, row_ref = quantize_with_stats_reference(x, scale, fp8)
+        _same(row, row_ref, "statistics row")
+        assert (torch.tensor(amax) * scale.cpu()).item() > fmax.item()
+        assert row[0].item() == amax and row[2].item() == 0, row.tolist()  # nothing saturated
+        if device.type == "cuda":
+            assert q.float().abs().max().item() == fmax.item()
+
+
+def _nan_case(dtype_name: str, fmt: str, shape_name: str, fill: str, transpose: bool):
+    """NaN is ignored by the amax (Transformer Engine's fmaxf) and counted as non-finite: NaN sprinkled
+    among finite values, an all-NaN tensor, Inf among finite values (amax Inf)."""
+
+    def run(device: torch.device) -> None:
+        from fp8_kernels.triton_quantize import launch_quantize
+
+        dtype, fp8, shape = DTYPES[dtype_name], FP8[fmt], SHAPES[shape_name]
+        n = math.prod(shape)
+        g = torch.Generator().manual_seed(7)
+        x = torch.randn(n, generator=g) * 10
+        if fill == "nan-finite":
+            x[torch.randperm(n, generator=g)[: max(1, n // 7)]] = NAN
+        elif fill == "all-nan":
+            x[:] = NAN
+        else:
+            x[torch.randperm(n, generator=g)[:2]] = torch.tensor([INF, -INF])
+        x = x.to(dtype).reshape(shape).to(device)
+        finite_or_inf = x.float()[~x.float().isnan()].abs()
+        expected_amax = finite_or_inf.max().item() if finite_or_inf.numel() else 0.0
+        scale = torch.tensor(SCALE, device=device)
+        # into a row already holding a NaN amax (written from outside): fmax replaces it
+        buf = torch.zeros(3, 6, dtype=torch.float64, device=device)
+        buf[1, 0] = NAN
+        ref = buf[1].clone()
+        pre = torch.empty(shape, dtype=torch.float32, device=device)
+        q, qt, _, _ = launch_quantize(x, scale, fp8, buf[1], precast=pre, transpose=transpose)
+        quantize_with_stats_reference(x, scale, fp8, ref)
+        _same(buf[1], ref, "statistics row")
+        assert buf[1, 0].item() == expected_amax, (buf[1, 0].item(), expected_amax)
+        assert buf[1, 4].item() == int((~x.float().isfinite()).sum())
+        _same(pre, _expected_precast(x, scale, fp8), "pre-cast values")
+        _same(tensor_amax_reference(x), torch.tensor(expected_amax), "tensor_amax_reference")
+        if transpose:
+            _same_bits(qt, q.t().contiguous(), "transposed output vs q.t()")
+
+    return run
+
+
+for _f, _d, _s, _fill in [
+    ("e4m3", "fp32", "4097", "nan-finite"),
+    ("e5m2", "bf16", "4097", "nan-finite"),
+    ("e4m3", "fp16", "17", "all-nan"),
+    ("e5m2", "fp32", "2048", "inf"),
+]:
+    case(f"quantize-{_fill}-{_d}-{_f}-{_s}")(_nan_case(_d, _f, _s, _fill, False))
+for _f, _d, _s, _fill in [("e4m3", "bf16", "127x129", "nan-finite"), ("e4m3", "fp32", "48x80", "all-nan")]:
+    case(f"quantize_transposed-{_fill}-{_d}-{_f}-{_s}")(_nan_case(_d, _f, _s, _fill, True))
 
 
 @case("quantize-fresh-row-and-large-scale")
@@ -177,8 +295,10 @@ def _bad_operands(device: torch.device) -> None:
     bad = [
         (lambda: quantize_with_stats_triton(x, s, torch.float16), "fp8_dtype"),
         (lambda: quantize_with_stats_triton(x.int(), s, torch.float8_e4m3fn), "x:"),
-        (lambda: quantize_with_stats_triton(x, s, torch.float8_e4m3fn, torch.zeros(6, device=device)),
-         "stats"),
+        (
+            lambda: quantize_with_stats_triton(x, s, torch.float8_e4m3fn, torch.zeros(6, device=device)),
+            "stats",
+        ),
         (lambda: quantize_with_stats_transposed_triton(x, s, torch.float8_e4m3fn), "2-D"),
     ]
     for fn, word in bad:
@@ -191,7 +311,8 @@ def _bad_operands(device: torch.device) -> None:
 
 
 # ----- current scaling: amax pass + quantize pass -----
-def _current_case(dtype_name: str, fmt: str, shape_name: str, fill: str, transpose: bool = False):
+def _current_case(dtype_name: str, fmt: str, shape_name: str, fill: str, transpose: bool = False,
+                  pow2: bool = False):  # fmt: skip
     def run(device: torch.device) -> None:
         from fp8_kernels import quantize_current_reference
         from fp8_kernels.triton_current import (
@@ -206,16 +327,27 @@ def _current_case(dtype_name: str, fmt: str, shape_name: str, fill: str, transpo
         x = make_input(shape, dtype, fp8).to(device)
         if fill == "finite":
             x = torch.nan_to_num(x, nan=0.0, posinf=7.0, neginf=-7.0)
+        elif fill == "nan-finite":  # NaN among finite values: the scale comes from the finite ones
+            x = torch.nan_to_num(x, nan=0.0, posinf=7.0, neginf=-7.0)
+            x.view(-1)[:: max(1, x.numel() // 5)] = NAN
+        elif fill == "all-nan":
+            x = torch.full_like(x, NAN)
         elif fill == "zeros":
             x = torch.zeros_like(x)
         elif fill == "tiny":
             x = torch.full_like(x, 1e-40 if dtype != torch.float16 else 6e-8)
         _same(tensor_amax_triton(x), tensor_amax_reference(x), "amax")
         amax = tensor_amax_reference(x)
-        scale_ref = current_scale(amax, float(torch.finfo(fp8).max))
+        if fill == "nan-finite":
+            assert 0 < amax.item() < INF and amax.item() == x.float().nan_to_num(0.0).abs().max().item()
+        scale_ref = current_scale(amax, float(torch.finfo(fp8).max), power_2_scale=pow2)
+        if pow2:
+            assert math.frexp(scale_ref.item())[0] == 0.5, "not a power of two"
+        if fill in ("finite", "nan-finite") and x.numel():
+            assert scale_ref.item() != 1.0
         _, row_ref = quantize_with_stats_reference(x, scale_ref, fp8, amax=amax)
         # the dispatch's reference (the CPU path of FP8State) is the same torch ops
-        _, scale_disp, row_disp = quantize_current_reference(x, fp8)
+        _, scale_disp, row_disp = quantize_current_reference(x, fp8, power_2_scale=pow2)
         _same(scale_disp, scale_ref, "current scale of quantize_current_reference")
         _same(row_disp, row_ref, "statistics row of quantize_current_reference")
         pre = torch.empty(shape, dtype=torch.float32, device=device)
@@ -225,14 +357,16 @@ def _current_case(dtype_name: str, fmt: str, shape_name: str, fill: str, transpo
             buf[1] = torch.tensor([2.5, 9.0, 1, 2, 3, 40], dtype=torch.float64)
             expected_row = buf[1].clone()
             quantize_with_stats_reference(x, scale_ref, fp8, expected_row, amax=amax)
-            q, qt, scale, row = quantize_current_transposed_triton(x, fp8, buf[1], precast=pre)
+            q, qt, scale, row = quantize_current_transposed_triton(
+                x, fp8, buf[1], precast=pre, power_2_scale=pow2
+            )
             assert row.data_ptr() == buf[1].data_ptr()
             _same(buf[1], expected_row, "accumulated statistics row")
             _same(buf[0] + buf[2], torch.zeros_like(buf[0]), "neighbouring rows")
             assert qt.is_contiguous() and qt.shape == (shape[1], shape[0])
             _same_bits(qt, q.t().contiguous(), "transposed output vs q.t()")
         else:
-            q, scale, row = quantize_current_triton(x, fp8, precast=pre)
+            q, scale, row = quantize_current_triton(x, fp8, precast=pre, power_2_scale=pow2)
             _same(row, row_ref, "statistics row")
         _same(scale, scale_ref, "current scale")
         _same(pre, _expected_precast(x, scale_ref, fp8), "pre-cast values")
@@ -248,14 +382,23 @@ for _d in DTYPES:
     case(f"current-{_d}-e5m2-4097-nonfinite")(_current_case(_d, "e5m2", "4097", "nonfinite"))
     case(f"current-{_d}-e4m3-17-zeros")(_current_case(_d, "e4m3", "17", "zeros"))
     case(f"current-{_d}-e5m2-17-tiny")(_current_case(_d, "e5m2", "17", "tiny"))
-for _d, _f, _s, _fill in [
-    ("fp32", "e4m3", "127x129", "finite"),
-    ("bf16", "e4m3", "127x129", "finite"),
-    ("fp16", "e4m3", "127x129", "finite"),
-    ("fp32", "e5m2", "127x129", "nonfinite"),
-    ("bf16", "e4m3", "0x7", "finite"),
+    case(f"current-{_d}-e4m3-4097-nan-finite")(_current_case(_d, "e4m3", "4097", "nan-finite"))
+    case(f"current-{_d}-e5m2-2048-finite-pow2")(_current_case(_d, "e5m2", "2048", "finite", pow2=True))
+case("current-fp32-e4m3-17-all-nan")(_current_case("fp32", "e4m3", "17", "all-nan"))
+case("current-fp32-e5m2-17-tiny-pow2")(_current_case("fp32", "e5m2", "17", "tiny", pow2=True))
+for _d, _f, _s, _fill, _pow2 in [
+    ("fp32", "e4m3", "127x129", "finite", False),
+    ("bf16", "e4m3", "127x129", "finite", False),
+    ("fp16", "e4m3", "127x129", "finite", False),
+    ("fp32", "e5m2", "127x129", "nonfinite", False),
+    ("bf16", "e4m3", "0x7", "finite", False),
+    ("bf16", "e4m3", "48x80", "finite", False),
+    ("fp32", "e4m3", "64x96", "nan-finite", False),
+    ("bf16", "e4m3", "48x80", "nan-finite", True),
+    ("fp16", "e5m2", "127x129", "finite", True),
 ]:
-    case(f"current_transposed-{_d}-{_f}-{_s}-{_fill}")(_current_case(_d, _f, _s, _fill, transpose=True))
+    _name = f"current_transposed-{_d}-{_f}-{_s}-{_fill}" + ("-pow2" if _pow2 else "")
+    case(_name)(_current_case(_d, _f, _s, _fill, transpose=True, pow2=_pow2))
 
 
 # ----- exponent histogram -----
@@ -301,6 +444,7 @@ def _settings(device: torch.device):
 
 @case("scale_update-ten-tensors-six-steps")
 def _scale_update(device: torch.device) -> None:
+    from fp8_kernels import SCALE_STRIDE, is_aligned_scale
     from fp8_kernels.triton_scale_update import scale_update_triton
 
     from fp8_trainer.scaling import delayed_scaling_update
@@ -318,13 +462,17 @@ def _scale_update(device: torch.device) -> None:
         [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0],
         [9.0, 0.25, 1.0, 1e-38, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0],
     ]
-    hist_ref, scale_ref, scale0 = hist.clone(), scale.clone(), scale.clone()
+    hist_ref, scale_ref, scale0, hist0 = hist.clone(), scale.clone(), scale.clone(), hist.clone()
     for step, values in enumerate(amaxes, start=1):
         # the amax column of a float64 step statistics buffer, strided, as end_step passes it
         stats = torch.zeros(10, 6, dtype=torch.float64, device=device)
         stats[:, 0] = torch.tensor(values, dtype=torch.float64)
         step_t = torch.tensor(step, device=device)
+        # from step 2 on the scale going in is the last call's aligned (strided) vector
+        assert step == 1 or scale.stride(0) == SCALE_STRIDE
         hist, scale, scale_inv = scale_update_triton(hist, stats[:, 0], scale, step=step_t, **s)
+        assert hist.is_contiguous() and scale.stride(0) == scale_inv.stride(0) == SCALE_STRIDE
+        assert all(is_aligned_scale(scale[i]) and is_aligned_scale(scale_inv[i]) for i in range(10))
         hist_ref, scale_ref = delayed_scaling_update(
             hist_ref, stats[:, 0].to(torch.float32), scale_ref, fp8_max=s["fp8_max"], margin=s["margin"],
             amax_compute_algo=s["most_recent"], history_len=s["history_len"], interval=s["interval"],
@@ -337,34 +485,49 @@ def _scale_update(device: torch.device) -> None:
             assert scale[6].item() == torch.finfo(torch.float32).max  # tiny amax: clamped
             assert scale[1].item() == scale0[1].item() and scale[3].item() == scale0[3].item()  # zero, NaN
             assert scale[8].item() == scale0[8].item() and scale[0].item() != scale0[0].item()
+            _same(hist[:, 1], hist0[:, 1], "history of the tensor whose amax was 0 (no roll)")
+            assert math.isnan(hist[0, 3].item())  # a NaN amax rolls (TE: NaN != 0)
+        if step == 2:  # "max" over a window holding a NaN: the NaN is ignored (margin 0.5, due at step 2)
+            assert scale[2].item() != scale0[2].item()
 
 
-@case("scale_update-long-history")
-def _scale_update_long(device: torch.device) -> None:
-    from fp8_kernels.triton_scale_update import scale_update_triton
+def _scale_update_long(n: int):
+    def run(device: torch.device) -> None:
+        from fp8_kernels.triton_scale_update import scale_update_triton
 
-    from fp8_trainer.scaling import delayed_scaling_update
+        from fp8_trainer.scaling import delayed_scaling_update
 
-    n, length = 37, 67  # several row chunks and column blocks, neither a multiple of the block
-    g = torch.Generator().manual_seed(4)
-    hist = (torch.rand(length, n, generator=g) * 100).to(device)
-    amax = (torch.rand(n, generator=g) * 1000).to(device)
-    scale = torch.ones(n, device=device)
-    kw = dict(
-        fp8_max=torch.full((n,), 448.0, device=device),
-        margin=torch.zeros(n, device=device),
-        history_len=torch.randint(1, length + 1, (n,), generator=g).to(device),
-        interval=torch.ones(n, dtype=torch.int64, device=device),
-    )
-    recent = (torch.arange(n) % 4 == 0).to(device)
-    enabled = torch.ones(n, dtype=torch.bool, device=device)
-    step = torch.tensor(1, device=device)
-    h, s, _ = scale_update_triton(hist, amax, scale, most_recent=recent, step=step, enabled=enabled, **kw)
-    h_ref, s_ref = delayed_scaling_update(
-        hist, amax, scale, amax_compute_algo=recent, step=step, update=enabled, **kw
-    )
-    _same(h, h_ref, "history")
-    _same(s, s_ref, "scale")
+        length = 67  # several row chunks and column blocks
+        g = torch.Generator().manual_seed(4)
+        hist = (torch.rand(length, n, generator=g) * 100).to(device)
+        hist[5, ::3] = NAN  # NaN inside the windows: ignored by the max
+        amax = torch.rand(n, generator=g) * 1000
+        amax[::5] = 0.0  # idle tensors: no roll, scale kept
+        amax = amax.to(device)
+        scale = torch.ones(n, device=device)
+        kw = dict(
+            fp8_max=torch.full((n,), 448.0, device=device),
+            margin=torch.zeros(n, device=device),
+            history_len=torch.randint(1, length + 1, (n,), generator=g).to(device),
+            interval=torch.ones(n, dtype=torch.int64, device=device),
+        )
+        recent = (torch.arange(n) % 4 == 0).to(device)
+        enabled = torch.ones(n, dtype=torch.bool, device=device)
+        step = torch.tensor(1, device=device)
+        h, s, _ = scale_update_triton(hist, amax, scale, most_recent=recent, step=step, enabled=enabled, **kw)
+        h_ref, s_ref = delayed_scaling_update(
+            hist, amax, scale, amax_compute_algo=recent, step=step, update=enabled, **kw
+        )
+        _same(h, h_ref, "history")
+        _same(s, s_ref, "scale")
+        _same(h[:, ::5], hist[:, ::5], "histories of the idle tensors")
+
+    return run
+
+
+# 37: neither a multiple of the block nor of 16; 48: the aligned specialisation (DIV_N 16)
+for _n in (37, 48):
+    case(f"scale_update-long-history-{_n}")(_scale_update_long(_n))
 
 
 # ----- the kernels inside FP8 training (interpreter: registered for the CPU) -----
@@ -474,8 +637,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="", help="comma-separated case names (default: all CPU cases)")
     a = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") != "1":
-        print("kernel_cases.py: set TRITON_INTERPRET=1 (Triton kernels run on the CPU only interpreted)",
-              file=sys.stderr)
+        print(
+            "kernel_cases.py: set TRITON_INTERPRET=1 (Triton kernels run on the CPU only interpreted)",
+            file=sys.stderr,
+        )
         return 2
     names = a.only.split(",") if a.only else case_names("cpu")
     results = run_all(torch.device("cpu"), names)

@@ -107,6 +107,7 @@ def test_empty_tensor_statistics():
         assert q.shape == shape and q.dtype == torch.float8_e4m3fn
         assert row.tolist() == [0.0, 4.0, 0, 0, 0, 0]
         assert tensor_amax(torch.empty(shape)).item() == 0.0
+        assert tensor_amax(torch.full((3,) + shape[1:], float("nan"))).item() == 0.0
         assert int(exponent_histogram(torch.empty(shape)).sum()) == 0
     stats = torch.tensor([2.5, 1.0, 1, 2, 3, 9], dtype=torch.float64)
     quantize_with_stats(torch.empty(0), torch.tensor(4.0), torch.float8_e4m3fn, stats)
@@ -126,25 +127,31 @@ def test_current_scaling_reference_is_the_torch_ops_it_replaces(fp8):
         torch.randn(64, generator=g).to(torch.bfloat16) * 1e-3,
         torch.tensor([1e-42, -3e-41]),  # FP8_MAX / amax overflows: clamped to the float32 maximum
         torch.zeros(5),  # zero amax: scale 1
-        torch.tensor([1.0, float("nan"), 3.0]),  # non-finite amax: scale 1
-        torch.tensor([float("inf"), -2.0]),
+        torch.tensor([1.0, float("nan"), 3.0]),  # NaN ignored by the amax: scale FP8_MAX / 3
+        torch.tensor([float("nan")] * 3),  # all NaN: amax 0, scale 1
+        torch.tensor([float("inf"), -2.0]),  # Inf amax: scale 1
         torch.empty(0, 3),
     ]
-    for x in inputs:
+    for x, pow2 in [(x, pow2) for x in inputs for pow2 in (False, True)]:
         amax = tensor_amax_reference(x)
-        scale_before = current_scale(amax, torch.tensor(torch.finfo(fp8).max))
+        scale_before = current_scale(amax, torch.tensor(torch.finfo(fp8).max), power_2_scale=pow2)
         stats, stats_before = torch.ones(6, dtype=torch.float64), torch.ones(6, dtype=torch.float64)
         q_before, _ = quantize_with_stats_reference(x, scale_before, fp8, stats_before, amax=amax)
-        q, scale, row = quantize_current(x, fp8, stats)
+        q, scale, row = quantize_current(x, fp8, stats, power_2_scale=pow2)
         assert row is stats and _same(stats, stats_before), (x, stats, stats_before)
         assert scale.dtype == torch.float32 and torch.equal(scale, scale_before)
         assert torch.equal(q.view(torch.uint8), q_before.view(torch.uint8))
         if x.dim() == 2:
-            q2, qt, scale_t, row_t = quantize_current_transposed(x, fp8)
+            q2, qt, scale_t, row_t = quantize_current_transposed(x, fp8, power_2_scale=pow2)
             assert qt.is_contiguous()
             assert torch.equal(qt.view(torch.uint8), q.t().contiguous().view(torch.uint8))
             assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(scale_t, scale)
-            assert _same(row_t, quantize_current(x, fp8)[2])
+            assert _same(row_t, quantize_current(x, fp8, power_2_scale=pow2)[2])
+    # the NaN element no longer decides the tensor's scale; power_2_scale rounds it down (448/3 -> 128)
+    fmax = torch.tensor(torch.finfo(fp8).max)
+    assert quantize_current(inputs[4], fp8)[1].item() == (fmax / torch.tensor(3.0)).item()
+    pow2_scale = quantize_current(inputs[4], fp8, power_2_scale=True)[1].item()
+    assert pow2_scale == {torch.float8_e4m3fn: 128.0, torch.float8_e5m2: 16384.0}[fp8]
     with pytest.raises(ValueError, match="2-D"):
         quantize_current_transposed(torch.ones(4), fp8)
 
@@ -152,9 +159,9 @@ def test_current_scaling_reference_is_the_torch_ops_it_replaces(fp8):
 def test_current_scaling_dispatch_and_switch():
     calls = []
 
-    def current(x, fp8_dtype, stats=None):
-        calls.append("current")
-        return fp8_kernels.quantize_current_reference(x, fp8_dtype, stats)
+    def current(x, fp8_dtype, stats=None, *, power_2_scale=False):
+        calls.append(("current", power_2_scale))
+        return fp8_kernels.quantize_current_reference(x, fp8_dtype, stats, power_2_scale=power_2_scale)
 
     assert not has_kernel("current", "cpu") and not has_kernel("current_transposed", "cpu")
     fp8_kernels.register("cpu", current=current)
@@ -162,12 +169,13 @@ def test_current_scaling_dispatch_and_switch():
         assert has_kernel("current", "cpu") and not has_kernel("current_transposed", "cpu")
         x = torch.randn(6, 4)
         quantize_current(x, torch.float8_e4m3fn)
-        quantize_current_transposed(x, torch.float8_e4m3fn)  # no transposed kernel: the entry, then q.t()
-        assert calls == ["current", "current"]
+        # no transposed kernel: the entry (the keyword passed on), then q.t()
+        quantize_current_transposed(x, torch.float8_e4m3fn, power_2_scale=True)
+        assert calls == [("current", False), ("current", True)]
         with reference_kernels():
             assert not has_kernel("current", "cpu")
             quantize_current(x, torch.float8_e4m3fn)
-        assert calls == ["current", "current"]
+        assert len(calls) == 2
     finally:
         fp8_kernels.register("cpu")
     assert not has_kernel("current", "cpu")
