@@ -51,7 +51,7 @@ from .formats import ROLES
 from .recipe import CurrentScaling, DelayedScaling, Recipe, validate_setting
 from .scaling import delayed_scaling_update
 
-__all__ = ["EXTRA_STATE_VERSION", "FP8State", "LAYER_SETTINGS", "TensorInfo"]
+__all__ = ["EXTRA_STATE_VERSION", "FP8State", "LAYER_SETTINGS", "TensorInfo", "merge_step_stats"]
 
 #: Settings that ``set_layer_recipe`` can change per layer (or for the whole model).
 LAYER_SETTINGS = ("margin", "amax_history_len", "amax_compute_algo", "interval", "scaling", "fp8_enabled")
@@ -94,6 +94,15 @@ def _base_settings(recipe: Recipe) -> dict[str, Any]:
     }
 
 
+def merge_step_stats(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Two FP8 steps' statistics ``(n, 6)`` as one: amax the max (NaN ignored), scale the one that scaled
+    the larger amax (so headroom stays negative only where something overflowed), counts and numel summed."""
+    out = a + b
+    out[:, 0] = torch.fmax(a[:, 0], b[:, 0])
+    out[:, 1] = torch.where(b[:, 0] > a[:, 0], b[:, 1], a[:, 1])
+    return out
+
+
 def _scale_update_reference(amax_history, amax, scale, *, most_recent, enabled, **recipe):
     """``delayed_scaling_update`` with the fused kernel's signature and result ``(history, scale, scale_inv)``
     (``fp8_kernels.fused_scale_update``), so ``end_step`` makes one call whichever runs."""
@@ -129,6 +138,8 @@ class FP8State:
         self.forward_recorded: set[tuple[int, int]] = set()  # (region id, layer) recorded in this step
         self.callback_queued = False
         self.group = None
+        # one [statistics of the FP8 steps closed since the reader last took them, how many] per reader
+        self._inboxes: list[list] = []
         self._new_stats_buffer()
         self._rebuild()
 
@@ -220,6 +231,9 @@ class FP8State:
             setattr(self, name, getattr(self, name).to(device))
         if self.last_stats is not None:
             self.last_stats = self.last_stats.to(device)
+        for box in self._inboxes:
+            if box[0] is not None:
+                box[0] = box[0].to(device)
         self.device = device
         return self
 
@@ -291,8 +305,22 @@ class FP8State:
         )
         self.scale, self.scale_inv = as_aligned_scales(scale), as_aligned_scales(scale_inv)
         self.last_stats = stats
+        for box in self._inboxes:
+            # a reader that did not take the last step (a step per micro-batch) gets both, merged
+            box[0] = stats if box[0] is None else merge_step_stats(box[0], stats)
+            box[1] += 1
         self.steps += 1
         self._new_stats_buffer()
+
+    def open_inbox(self) -> list:
+        """A reader's inbox ``[stats or None, n_steps]``: every step closed from now on lands in it, merged
+        (``merge_step_stats``) with those the reader has not taken yet. ``close_inbox`` when done."""
+        box = [None, 0]
+        self._inboxes.append(box)
+        return box
+
+    def close_inbox(self, box: list) -> None:
+        self._inboxes = [b for b in self._inboxes if b is not box]
 
     def on_backward_end(self) -> None:
         self.callback_queued = False

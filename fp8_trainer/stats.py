@@ -2,8 +2,13 @@
 
 ``step_stats(model)`` returns the device tensor of the last completed step (a snapshot: later steps write
 to new buffers). ``StatsReader`` turns that into host data one step late: each ``poll()`` starts a
-non-blocking copy of the newest step into pinned host memory and returns the copy started by the previous
-poll, which has long finished by then, so nothing waits on the GPU.
+non-blocking copy of the steps completed since the previous poll into pinned host memory and returns the
+copy started by the previous poll, which has long finished by then, so nothing waits on the GPU.
+
+Every completed FP8 step reaches a reader, whatever the loop does: where several steps close between two
+polls (a gradient-accumulation loop without ``step_boundary=False`` closes one per micro-batch, as
+Transformer Engine's does), the reader gets them merged (``fp8_trainer.state.merge_step_stats``: amax max,
+the scale that scaled it, counts summed), so a micro-batch that saturated is never dropped.
 """
 
 from __future__ import annotations
@@ -30,29 +35,47 @@ def step_stats(model: nn.Module) -> torch.Tensor | None:
 
 
 class StatsReader:
-    """One-step-late host copies of ``step_stats`` with no host synchronisation on the hot path."""
+    """One-step-late host copies of the steps completed between polls, with no host synchronisation on the
+    hot path. ``merged`` is how many FP8 steps the statistics last handed out by ``poll`` cover."""
 
     def __init__(self, model: nn.Module):
         self._state = get_fp8_state(model)
-        self._started_step = 0
-        self._inflight: tuple[int, HostCopy] | None = None
+        self._box = self._state.open_inbox()
+        self._inflight: tuple[int, int, HostCopy] | None = None
+        self.merged = 0
+
+    def take(self) -> tuple[torch.Tensor, int] | None:
+        """The device statistics of the steps completed since the last take or poll (merged) and how many
+        steps they cover, or ``None`` if none completed. No copy, no synchronisation."""
+        stats, n = self._box
+        if stats is None:
+            return None
+        self._box[0], self._box[1] = None, 0
+        return stats, n
 
     def poll(self) -> tuple[int, torch.Tensor] | None:
-        """Start copying the newest completed step; return ``(step, host_stats)`` of the previous copy.
+        """Start copying the steps completed since the last poll; return ``(step, host_stats)`` of the copy
+        started by the previous poll.
 
-        ``step`` is the 1-based number of the step the statistics belong to. Returns ``None`` when no
-        earlier copy is pending. Calling twice without a new step in between starts no second copy.
+        ``step`` is the 1-based number of the newest FP8 step in it. Returns ``None`` when no earlier copy
+        is pending. Calling twice without a new step in between starts no second copy.
         """
-        state = self._state
-        if state.last_stats is None or state.steps == self._started_step:
+        got = self.take()
+        if got is None:
             return None
-        previous = self._inflight
-        self._inflight = (state.steps, HostCopy(state.last_stats))
-        self._started_step = state.steps
+        previous, self._inflight = self._inflight, (self._state.steps, got[1], HostCopy(got[0]))
         if previous is None:
             return None
-        step, copy = previous
-        return step, copy.wait()  # started a step ago: already complete, returns at once
+        step, self.merged, copy = previous
+        return step, copy.wait()  # started a poll ago: already complete, returns at once
+
+    def flush(self) -> tuple[int, torch.Tensor] | None:
+        """The copy started by the last poll, waited for (for the end of a run, not the training loop)."""
+        previous, self._inflight = self._inflight, None
+        if previous is None:
+            return None
+        step, self.merged, copy = previous
+        return step, copy.wait()
 
     def read_now(self) -> tuple[int, torch.Tensor] | None:
         """The newest completed step, copied synchronously (for the end of a run, not the training loop)."""
@@ -60,3 +83,7 @@ class StatsReader:
         if state.last_stats is None:
             return None
         return state.steps, state.last_stats.to("cpu", copy=True)
+
+    def close(self) -> None:
+        """Stop collecting steps for this reader."""
+        self._state.close_inbox(self._box)

@@ -170,7 +170,7 @@ class Monitor:
         self.world_size = dist.get_world_size() if distributed else 1
         self.rank = dist.get_rank() if distributed else 0
         self._ranks = RankSync(self.n_tensors) if distributed else None
-        self._reader = StatsReader(model) if recipe is not None and not distributed else None
+        self._reader = StatsReader(model) if recipe is not None else None
         self._prev: tuple[int, Any] | None = None  # (step, scalars) waiting for its statistics
         self._scalars_by_step: dict[int, Any] = {}
         self._announced: list[list[dict[str, Any]]] = []
@@ -265,7 +265,9 @@ class Monitor:
             if self._ranks is None:
                 if self._prev is not None:
                     step, holder = self._prev
-                    got = self._reader.read_now() if self._reader is not None else None
+                    got = None
+                    if self._reader is not None:
+                        got = self._reader.flush() or self._reader.read_now()
                     self._emit(step, got[1] if got is not None else None, holder)
                     self._prev = None
             else:
@@ -274,6 +276,8 @@ class Monitor:
         except Exception:
             self._log_once("close-error", "fp8scope monitor: reading the last step failed", exc=True)
         self._closed = True
+        if self._reader is not None:
+            self._reader.close()
         if self.sender is not None:
             leftover = [c for batch in self._announced for c in batch] + self.inbox.take()
             for c in leftover:
@@ -318,9 +322,21 @@ class Monitor:
                 step,
             )
             return
+        self._say_merged(self._reader.merged)
         prev, self._prev = self._prev, (step, holder)
         if prev is not None and got is not None:
             self._emit(prev[0], got[1], prev[1])
+
+    def _say_merged(self, n: int) -> None:
+        if n > 1:
+            self._log_once(
+                "merged-steps",
+                "fp8scope monitor: %d FP8 steps closed between two monitor.step() calls (one per "
+                "micro-batch, as in Transformer Engine's loop); each monitor step reports them merged: amax "
+                "the max with the scale that scaled it, counts summed. For one amax-history entry per "
+                "optimizer step, use fp8_autocast(step_boundary=False) for all micro-batches but the last.",
+                n,
+            )
 
     def _step_multi(self, step: int, holder) -> None:
         n_commands = 0
@@ -330,7 +346,11 @@ class Monitor:
             if new:
                 self._announced.append(new)
                 n_commands = len(new)
-        stats = get_fp8_state(self.model).last_stats if self.recipe is not None else None
+        taken = self._reader.take() if self._reader is not None else None
+        stats = None
+        if taken is not None:
+            stats, merged = taken
+            self._say_merged(merged)
         if stats is not None:
             device = stats.device
         else:  # a bf16/fp32 baseline: the gather still needs the backend's device (NCCL: the GPU)

@@ -7,8 +7,9 @@ gather is waited for at the next call, a step later, when it has long completed,
 other ranks; on a GPU the result then takes one more step to reach the host through a pinned copy.
 
 From the gathered ``(W, T + 1, 6)`` block rank 0 reports the *reduced* statistics (amax: max over ranks,
-NaN wins; scale: rank 0's, which all ranks share after the amax reduction; overflow, underflow, nonfinite
-and numel: summed) and, every ``rank_sample_interval`` steps, the per-rank amaxes as a ``rank_amax``
+NaN ignored, as the kernels' amaxes ignore it; scale: the one of the rank whose amax is the max, so the pair
+stays consistent under current scaling, where each rank has its own; overflow, underflow, nonfinite and
+numel: summed) and, every ``rank_sample_interval`` steps, the per-rank amaxes as a ``rank_amax``
 event.
 
 Commands (only rank 0 hears from the service) ride on the same collective: rank 0 writes how many it
@@ -32,10 +33,13 @@ __all__ = ["RankSync", "reduce_rank_stats"]
 
 
 def reduce_rank_stats(block: np.ndarray) -> np.ndarray:
-    """``(W, T, 6)`` per-rank stats -> ``(T, 6)``: amax max (NaN wins), rank 0's scale, counts summed."""
+    """``(W, T, 6)`` per-rank stats -> ``(T, 6)``: amax max (NaN ignored), the scale of the rank with that
+    amax (the one that scaled it: headroom stays negative only where something overflowed), counts summed."""
+    amax = block[:, :, 0]
     out = np.empty(block.shape[1:], dtype=np.float64)
-    out[:, 0] = np.max(block[:, :, 0], axis=0)  # np.max propagates NaN
-    out[:, 1] = block[0, :, 1]
+    out[:, 0] = np.fmax.reduce(amax, axis=0)
+    top = np.argmax(np.where(np.isnan(amax), -np.inf, amax), axis=0)  # first rank with the max
+    out[:, 1] = block[top, np.arange(block.shape[1]), 1]
     out[:, 2:] = np.sum(block[:, :, 2:], axis=0)
     return out
 
