@@ -1,0 +1,216 @@
+#!/usr/bin/env bash
+# gpu-check: every GPU check of fp8scope in one command, for a lent CUDA machine with no network (an H200):
+# versions; the project made importable without installing anything from an index; the GPU tests; the
+# benchmarks (kernels, linear, GPT throughput) at meaningful sizes; a short fp8-train run per recipe; then a
+# summary table (each part pass/FAIL, key numbers, benchmark goals met / NOT met).
+#
+#   bash scripts/gpu-check.sh                  # on the GPU machine
+#   bash scripts/gpu-check.sh --fetch-wheels   # on a machine with network: wheels the GPU machine lacks
+#                                              # (orjson, torchao) into .whl/, to carry along with the tree
+#
+# Uses the machine's own python3 (PYTHON=... to choose another), which must have torch and triton. The
+# package fp8_kernels is the repository's kernels/ folder (a package-dir mapping in pyproject.toml), so the
+# packages are linked into a temporary folder on PYTHONPATH instead of installed; wheels found in .whl/ are
+# installed into it with pip --no-index (fp8_trainer imports orjson; torchao is the benchmarks' baseline).
+# Each part is bounded by `timeout`, and all together by GPU_CHECK_BUDGET seconds (default 300: about five
+# minutes on an H200; a part that would start with too little left is skipped and counts as failed).
+# Output goes to the terminal and, with the JSON results and the test report, to $OUT/ when OUT is set
+# (else bench/results/gpu-check/).
+# Exit status: 0 every part passed (benchmark goals are reported, not enforced), 1 a part failed, 2 no CUDA
+# GPU here (nothing is run).
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+PY=${PYTHON:-python3}
+
+if [ "${1:-}" = "--fetch-wheels" ]; then
+    mkdir -p .whl
+    # the GPU machine's python is 3.12 on x86-64 (.library/device/KINDS.md); torchao 0.18 supports torch 2.11
+    exec "$PY" -m pip download --no-deps --only-binary=:all: --python-version "${WHEEL_PYTHON:-3.12}" \
+        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+        --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d .whl "orjson>=3.10,<4" "torchao==${TORCHAO_VERSION:-0.18.0}"
+elif [ $# -gt 0 ]; then
+    echo "usage: bash scripts/gpu-check.sh [--fetch-wheels]" >&2
+    exit 2
+fi
+
+if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
+    echo "gpu-check: no CUDA GPU ($PY: torch does not import, or torch.cuda.is_available() is False); nothing run"
+    exit 2
+fi
+
+BUDGET=${GPU_CHECK_BUDGET:-300}
+RESULTS=${OUT:-$ROOT/bench/results/gpu-check}
+mkdir -p "$RESULTS"
+rm -f "$RESULTS"/{kernels,linear,gpt_throughput}.json "$RESULTS/gpu-tests.xml" # none left from an earlier run
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+START=$(date +%s)
+NAMES=() STATUS=() SECS=() DETAILS=()
+RAN=0 # whether the last run_part ran its command
+
+# run_part NAME CAP_SECONDS CMD...: runs CMD under timeout, its output to the terminal and $WORK/NAME.log
+run_part() {
+    local name=$1 cap=$2
+    shift 2
+    local left=$((BUDGET - ($(date +%s) - START)))
+    local limit=$((cap < left ? cap : left))
+    NAMES+=("$name")
+    RAN=0
+    if [ "$limit" -lt 20 ]; then
+        STATUS+=("skipped") SECS+=(0) DETAILS+=("not started: ${left}s of the ${BUDGET}s budget left")
+        echo "===== $name: skipped (budget)"
+        return 1
+    fi
+    echo "===== $name (limit ${limit}s): $*"
+    RAN=1
+    local t0 rc
+    t0=$(date +%s)
+    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$WORK/$name.log"
+    rc=${PIPESTATUS[0]}
+    SECS+=($(($(date +%s) - t0)))
+    case $rc in
+        0) STATUS+=("pass") ;;
+        124 | 137) STATUS+=("TIMEOUT") ;;
+        *) STATUS+=("FAIL rc=$rc") ;;
+    esac
+    DETAILS+=("")
+    return "$rc"
+}
+
+# set_detail TEXT: the detail column of the last part, if it ran
+set_detail() { if [ "$RAN" = 1 ]; then DETAILS[${#DETAILS[@]} - 1]=$1; fi; }
+
+# bench_detail JSON: the detail column of a benchmark that ran: its one-line summary and its goals, from the
+# JSON it wrote; a benchmark that wrote none failed
+bench_detail() {
+    [ "$RAN" = 1 ] || return 0
+    if [ ! -f "$1" ]; then
+        [ "${STATUS[${#STATUS[@]} - 1]}" = pass ] && STATUS[${#STATUS[@]} - 1]="FAIL (no JSON)"
+        set_detail "no results ($1)"
+        return 0
+    fi
+    set_detail "$("$PY" - "$1" <<'EOF' 2>&1 | tail -1
+import json, sys
+d = json.load(open(sys.argv[1]))
+goals = ", ".join(f"{k} {g['value']:.2f} {'met' if g['met'] else 'NOT met'}" for k, g in d["goals"].items())
+print(d["summary"] + (f" | goals: {goals}" if goals else " | goals: not assessed"))
+EOF
+)"
+}
+
+main() {
+    echo "gpu-check: $(date -u +%Y-%m-%dT%H:%M:%SZ), $ROOT at $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')"
+
+    # ----- versions -----
+    run_part versions 60 "$PY" - <<'EOF'
+import platform, sys
+import torch
+print("python", sys.version.split()[0], platform.machine())
+print("torch", torch.__version__, "CUDA", torch.version.cuda)
+try:
+    import triton
+    print("triton", triton.__version__)
+except ImportError as e:
+    print("triton: not importable:", e)
+p = torch.cuda.get_device_properties(0)
+print(f"gpu {p.name}, sm_{p.major}{p.minor}, {p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB, "
+      f"L2 {getattr(p, 'L2_cache_size', 0) / 2**20:.0f} MiB")
+EOF
+    local versions
+    versions=$("$PY" -c 'import torch, triton; p = torch.cuda.get_device_properties(0)
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, triton {triton.__version__}, {p.name} sm_{p.major}{p.minor}")' 2>&1 | tail -1)
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1
+        versions+=", driver $(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1)"
+    fi
+    set_detail "$versions"
+
+    # ----- the project importable without a package index -----
+    local site="$WORK/site"
+    mkdir -p "$site"
+    ln -s "$ROOT/kernels" "$site/fp8_kernels"
+    ln -s "$ROOT/fp8_trainer" "$site/fp8_trainer"
+    ln -s "$ROOT/monitor_server" "$site/monitor_server"
+    local wheels=""
+    if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
+        wheels=$(cd "$ROOT/.whl" && ls ./*.whl | sed 's|^\./||' | tr '\n' ' ')
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$ROOT"/.whl/*.whl
+    fi
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+    if run_part import 60 "$PY" -c 'import fp8_kernels, fp8_trainer; print("fp8_trainer and fp8_kernels import")'; then
+        set_detail "${wheels:+wheels from .whl: $wheels}"
+    else
+        set_detail "$(grep -m1 -E 'Error' "$WORK/import.log") - on a machine with network run 'bash scripts/gpu-check.sh --fetch-wheels' and carry .whl"
+        return
+    fi
+    local ao
+    ao=$("$PY" -c 'import torchao; print(torchao.__version__)' 2>/dev/null | tail -1)
+    echo "torchao: ${ao:-not importable (benchmarks measure no torchao baseline)}"
+
+    # ----- GPU tests -----
+    local tests=(tests/kernels/test_kernels_gpu.py tests/trainer/test_fp8_linear_gpu.py)
+    [ -f tests/kernels/test_ptx.py ] && tests+=(tests/kernels/test_ptx.py)
+    # fp8-train's own GPU test is left to the train-* parts below, which run the 124m preset per recipe
+    run_part gpu-tests 150 "$PY" -m pytest -q -p no:cacheprovider -o addopts=-rfEs -k "not fp8_train_cli" \
+        --junitxml="$RESULTS/gpu-tests.xml" "${tests[@]}"
+    set_detail "$(grep -E '(passed|failed|error|skipped)' "$WORK/gpu-tests.log" | tail -1 | tr -d '=' | sed 's/^ *//; s/ *$//')"
+
+    # ----- fp8-train per recipe -----
+    local recipe line
+    for recipe in delayed current bf16; do
+        run_part "train-$recipe" 60 "$PY" -m fp8_trainer.cli --device cuda --preset 124m --recipe "$recipe" \
+            --steps 20 --batch-size 8 --seq-len 1024 --eval-interval 0 --log-interval 10 --no-progress
+        line=$(grep -E '^step +20 ' "$WORK/train-$recipe.log" | tail -1 | tr -s ' ')
+        if [ "$RAN" = 1 ] && grep -q 'non-finite' "$WORK/train-$recipe.log"; then
+            STATUS[${#STATUS[@]} - 1]="FAIL (non-finite loss)"
+        fi
+        set_detail "${line:-no step 20 line}"
+    done
+
+    # ----- benchmarks -----
+    run_part bench-kernels 100 "$PY" bench/kernels.py --min-exp 22 --max-exp 28 --step-exp 2 --reps 10 \
+        --out "$RESULTS/kernels.json"
+    bench_detail "$RESULTS/kernels.json"
+    run_part bench-linear 120 "$PY" bench/linear.py --device cuda --reps 10 --out "$RESULTS/linear.json"
+    bench_detail "$RESULTS/linear.json"
+    run_part bench-gpt 200 "$PY" bench/gpt_throughput.py --preset 124m --batch-size 16 --seq-len 1024 \
+        --warmup 5 --steps 20 --rounds 2 --out "$RESULTS/gpt_throughput.json"
+    bench_detail "$RESULTS/gpt_throughput.json"
+}
+
+summary() {
+    local i failed=0
+    echo
+    echo "================ gpu-check summary ($(($(date +%s) - START))s of a ${BUDGET}s budget) ================"
+    printf '%-14s %-22s %5s  %s\n' part result sec details
+    for i in "${!NAMES[@]}"; do
+        printf '%-14s %-22s %5s  %s\n' "${NAMES[$i]}" "${STATUS[$i]}" "${SECS[$i]}" "${DETAILS[$i]}"
+        [ "${STATUS[$i]}" = pass ] || failed=$((failed + 1))
+    done
+    "$PY" - "$RESULTS" <<'EOF' 2>/dev/null
+import json, pathlib, sys
+met, missed = [], []
+for name in ("kernels", "linear", "gpt_throughput"):
+    path = pathlib.Path(sys.argv[1]) / f"{name}.json"
+    if path.exists():
+        for key, g in json.loads(path.read_text())["goals"].items():
+            (met if g["met"] else missed).append(f"{name}:{key}")
+print(f"benchmark goals: {len(met)} met, {len(missed)} NOT met" + (f" ({', '.join(missed)})" if missed else ""))
+EOF
+    if [ "$failed" -eq 0 ]; then
+        echo "result: all ${#NAMES[@]} parts passed"
+    else
+        echo "result: $failed of ${#NAMES[@]} parts did not pass"
+    fi
+    return $((failed > 0))
+}
+
+{
+    main
+    summary | tee "$RESULTS/summary.txt"
+    echo "results in $RESULTS"
+} 2>&1 | tee "$RESULTS/gpu-check.log"
+# the summary's status: the pipeline's first stage ran it; its table says the same
+grep -q '^result: all ' "$RESULTS/summary.txt"

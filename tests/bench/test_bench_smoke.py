@@ -1,0 +1,113 @@
+"""CPU smoke runs of the GPU benchmarks and of scripts/gpu-check.sh, so CI exercises what only a lent GPU
+measures: each benchmark's ``--smoke`` mode runs as a script and writes its JSON in the layout gpu-check.sh
+reads (its numbers are not measurements), and gpu-check.sh refuses a machine without a CUDA GPU before
+running anything."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from fp8_kernels import triton_available
+
+ROOT = Path(__file__).resolve().parents[2]
+GPU_CHECK = ROOT / "scripts" / "gpu-check.sh"
+
+
+def run_bench(script: str, out: Path, *args: str, env: dict | None = None) -> dict:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / script), "--smoke", "--out", str(out), *args],
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert f"wrote {out}" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["meta"]["smoke"] is True and isinstance(data["summary"], str) and data["summary"]
+    return data
+
+
+def check_goals(goals: dict) -> None:
+    for g in goals.values():  # the layout gpu-check.sh's summary reads
+        assert isinstance(g["met"], bool) and g["met"] == (g["value"] >= g["target"]), g
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed (pip install '.[dev]')")
+def test_kernels_smoke(tmp_path):
+    # torchao's baseline is left out here: kernel_cases.py's run of the same smoke mode includes it
+    data = run_bench("kernels.py", tmp_path / "k.json", "--no-torchao", env={"TRITON_INTERPRET": "1"})
+    assert [r["numel"] for r in data["rows"]] == [2**10, 2**12]
+    for row in data["rows"]:
+        assert all(row["stats_match_eager"].values()), row["stats_match_eager"]
+        for impl in ("copy", "triton", "eager", "compile", "triton+T", "eager+T"):
+            assert row[impl]["ms"] > 0 and row[impl]["gbps"] > 0 and row[impl]["calls_per_sample"] >= 1, impl
+    assert data["correct"] is True
+    assert set(data["goals"]) == {
+        "triton_80pct_of_copy", "triton_T_80pct_of_copy", "triton_2x_eager", "triton_T_2x_eager"
+    }  # fmt: skip
+    check_goals(data["goals"])
+    assert "back-to-back" in data["meta"]["timing"] and data["meta"]["copy_gbps"] > 0
+
+
+@pytest.mark.slow
+def test_linear_smoke(tmp_path):
+    data = run_bench("linear.py", tmp_path / "l.json")
+    (row,) = data["rows"]
+    assert row["shape"] == "64x32x48"
+    assert {"nn.Linear", "fp8scope", "fp8scope current"} <= set(row["median_ms"])
+    assert all(ms > 0 for ms in row["median_ms"].values())
+    for name in ("fp8scope", "fp8scope current"):  # FP8 really ran: an FP8-sized error, not zero, not garbage
+        assert 1e-3 < row["rel_err_vs_nn"][name] < 0.2, row["rel_err_vs_nn"]
+    assert data["goals"] == {}  # assessed on CUDA only
+    assert data["meta"]["shape_order"].startswith("MxKxN = tokens x in_features x out_features")
+
+
+@pytest.mark.slow
+def test_gpt_throughput_smoke(tmp_path):
+    data = run_bench("gpt_throughput.py", tmp_path / "g.json")
+    results, meta = data["results"], data["meta"]
+    assert meta["preset"] == "tiny" and meta["steps"] == 2 and meta["device_type"] == "cpu"
+    assert {"bf16", "delayed", "current"} <= set(results)
+    assert "torchao" in results or "torchao" in meta["skipped"]
+    for name, r in results.items():
+        assert r["tokens_per_s"] > 0 and math.isfinite(r["final_loss"]), (name, r)
+    for name in ("delayed", "current"):  # statistics on: read one step late while training
+        assert results[name]["stats_polled"] >= 1, results[name]
+    assert data["goals"] == {}
+
+
+def run_gpu_check(*args: str, python: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(GPU_CHECK), *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHON": python},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_gpu_check_is_valid_bash():
+    proc = subprocess.run(["bash", "-n", str(GPU_CHECK)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    proc = run_gpu_check("--no-such-flag", python=sys.executable)
+    assert proc.returncode == 2 and "usage:" in proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is present: gpu-check.sh would run")
+@pytest.mark.parametrize("python", ["this", "missing"])
+def test_gpu_check_without_cuda_exits_2(python, tmp_path):
+    # with this interpreter (torch without a GPU) and with one that does not exist
+    exe = sys.executable if python == "this" else str(tmp_path / "no-python")
+    proc = run_gpu_check(python=exe)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert "no CUDA GPU" in proc.stdout and "nothing run" in proc.stdout
+    assert proc.stdout.strip().count("\n") == 0, proc.stdout  # one line: no part started
