@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--amax-history-len", type=int, default=None, help="default 16")
     g.add_argument("--amax-compute-algo", choices=AMAX_COMPUTE_ALGOS, default=None, help="default max")
     g.add_argument("--interval", type=int, default=None, help="steps between scale updates (default 1)")
+    g.add_argument("--power-2-scale", action="store_true",
+                   help="current scaling: round each scale down to a power of two")  # fmt: skip
 
     g = p.add_argument_group("optimization")
     g.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
@@ -117,6 +119,8 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> Prepared:
         p.error(f"--stats-dump needs an FP8 recipe (delayed or current), not --recipe {a.recipe}")
     if not fp8 and a.fp8_format is not None:
         p.error(f"--fp8-format needs an FP8 recipe (delayed or current), not --recipe {a.recipe}")
+    if a.power_2_scale and a.recipe != "current":
+        p.error("--power-2-scale applies to --recipe current only")
     given = [n for n in DELAYED_ONLY if getattr(a, n) is not None]
     if given and a.recipe != "delayed":
         p.error(f"--{given[0].replace('_', '-')} applies to --recipe delayed only")

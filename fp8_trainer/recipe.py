@@ -152,14 +152,20 @@ class DelayedScaling:
 class CurrentScaling:
     """Current (just-in-time) scaling: ``scale = FP8_MAX / amax`` of this tensor in this step.
 
-    No history and no margin; a zero or non-finite amax gives scale 1 (the tensor is then quantized
-    without scaling and its statistics show why).
+    No history and no margin; NaN elements are ignored by the amax (as in Transformer Engine); a zero or
+    non-finite amax gives scale 1 (the tensor is then quantized without scaling and its statistics show why).
+    ``power_2_scale`` rounds each scale down to a power of two (Transformer Engine's ``power_2_scale``,
+    torchao's ``round_scales_to_power_of_2``): scaling then changes no mantissa bit, at the cost of up to
+    one binade of headroom.
     """
 
     fp8_format: Format = field(default=Format.HYBRID)
+    power_2_scale: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fp8_format", validate_setting("fp8_format", self.fp8_format))
+        if not isinstance(self.power_2_scale, bool):
+            raise ValueError(f"power_2_scale: must be a bool, got {self.power_2_scale!r}")
 
     @property
     def scaling(self) -> str:
@@ -167,7 +173,7 @@ class CurrentScaling:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able dict; ``CurrentScaling.from_dict`` (or ``recipe_from_dict``) inverts it."""
-        return {"type": "current", "fp8_format": self.fp8_format.value}
+        return {"type": "current", "fp8_format": self.fp8_format.value, "power_2_scale": self.power_2_scale}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CurrentScaling:

@@ -90,6 +90,7 @@ def _base_settings(recipe: Recipe) -> dict[str, Any]:
         "amax_history_len": d.amax_history_len,
         "amax_compute_algo": d.amax_compute_algo,
         "reduce_amax": getattr(recipe, "reduce_amax", True),
+        "power_2_scale": getattr(recipe, "power_2_scale", False),
         "fp8_enabled": True,
     }
 
@@ -181,6 +182,7 @@ class FP8State:
         """Recompute the per-tensor settings tensors; resize the history keeping the newest entries."""
         fp8_max, margin, recent, hist, interval, enabled = [], [], [], [], [], []
         self.dtypes, self.current, self.enabled = [], [], []
+        self.power_2_scale = bool(self._base()["power_2_scale"])
         for k in range(self.n_layers):
             s = self.layer_settings(k)
             self.current.append(s["scaling"] == "current")
@@ -253,7 +255,7 @@ class FP8State:
         stats = self.stats[i] if record else None
         if self.current[i // 3]:
             # one dispatch entry: amax pass, scale and quantize pass (fused Triton kernels on CUDA)
-            q, scale, _ = quantize_current(x, self.dtypes[i], stats)
+            q, scale, _ = quantize_current(x, self.dtypes[i], stats, power_2_scale=self.power_2_scale)
             return q, torch.reciprocal(scale)
         q, _ = quantize_with_stats(x, self.scale[i], self.dtypes[i], stats)
         return q, self.scale_inv[i]
@@ -265,7 +267,9 @@ class FP8State:
         where a kernel is registered): ``(q, qt, scale_inv)``."""
         stats = self.stats[i] if record else None
         if self.current[i // 3]:
-            q, qt, scale, _ = quantize_current_transposed(x, self.dtypes[i], stats)
+            q, qt, scale, _ = quantize_current_transposed(
+                x, self.dtypes[i], stats, power_2_scale=self.power_2_scale
+            )
             return q, qt, torch.reciprocal(scale)
         q, qt, _ = quantize_with_stats_transposed(x, self.scale[i], self.dtypes[i], stats)
         return q, qt, self.scale_inv[i]

@@ -78,7 +78,7 @@ def make_recipe(a: argparse.Namespace):
             interval=a.interval if a.interval is not None else 1,
         )
     if a.recipe == "current":
-        return CurrentScaling(fp8_format=fmt)
+        return CurrentScaling(fp8_format=fmt, power_2_scale=a.power_2_scale)
     return None
 
 

@@ -80,3 +80,27 @@ def test_format_per_role():
     assert {Format.E4M3.for_role(r) for r in ("input", "grad_output")} == {E4M3}
     assert E4M3.max == 448 and E5M2.max == 57344
     assert recipe.Format is Format
+
+
+def test_current_scaling_power_2_scale_round_trip_and_training():
+    import torch
+    from torch import nn
+
+    import fp8_trainer
+    from fp8_trainer import fp8_autocast
+
+    r = CurrentScaling(power_2_scale=True)
+    assert recipe_from_dict(json.loads(json.dumps(r.to_dict()))) == r
+    with pytest.raises(ValueError, match="^power_2_scale:"):
+        CurrentScaling(power_2_scale="yes")
+    torch.manual_seed(0)
+    model = fp8_trainer.convert_to_fp8(nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 16)), recipe=r)
+    x = torch.randn(8, 32, requires_grad=True) * 3.7
+    with fp8_autocast(fp8_recipe=r):
+        model(x).square().sum().backward()
+    stats = fp8_trainer.step_stats(model)
+    amax, scale = stats[:, 0], stats[:, 1]
+    fmax = torch.tensor([448.0, 448.0, 57344.0] * 2, dtype=torch.float64)
+    assert torch.all(torch.log2(scale) == torch.round(torch.log2(scale)))  # powers of two
+    assert torch.all(scale <= fmax / amax) and torch.all(scale > fmax / amax / 2)  # rounded down, one binade
+    assert stats[:, 2].sum() == 0  # nothing can saturate under a scale rounded down

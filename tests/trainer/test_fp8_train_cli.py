@@ -56,6 +56,7 @@ def test_short_run_prints_loss_and_health_table():
     [
         (["--recipe", "fp32", "--fp8-format", "e4m3"], "--fp8-format needs an FP8 recipe"),
         (["--recipe", "current", "--margin", "1"], "--margin applies to --recipe delayed only"),
+        (["--recipe", "delayed", "--power-2-scale"], "--power-2-scale applies to --recipe current only"),
         (["--steps", "0"], "--steps must be >= 1"),
         (["--seq-len", "4096"], "exceeds preset tiny's block size"),
         (["--recipe", "delayed", "--amax-history-len", "0"], "amax_history_len: must be an integer >= 1"),
