@@ -13,14 +13,16 @@ error, and Hopper's FP8 tensor cores do not accumulate in IEEE float32. ``gemm_r
 * For K products of similar size ``s`` and random sign, the running sum after ``j`` terms is about
   ``s * sqrt(j)``, and the errors of ``L`` consecutive additions add up as a random walk:
   ``sqrt(sum_j (u * s * sqrt(j))**2) = u * s * L / sqrt(2)``, against a result of size ``s * sqrt(K)``.
-* Fast accumulation (``use_fast_accum=True``, fprop) accumulates all of K in the tensor core (``L = K``):
-  relative error ``u * sqrt(K / 2)``. The default (split) accumulation, used for dgrad and wgrad, moves the
-  partial sums into float32 every few MMA instructions (taken here as every 128 products, four K-steps of
-  32), after which the float32 sum of the K / 128 chunks adds almost nothing: ``u * sqrt(min(K, 128) / 2)``.
-* A normwise error averages over all outputs, so it sits near its expectation; the bound allows sqrt(2) for
-  the spread between inputs and for data that is not Gaussian: ``u * sqrt(L)``. At K = 4096 that is 7.8e-3
-  with fast accumulation and 1.4e-3 without, against 3.4e-3 and 1.9-3.4e-4 (max error over max |ref|)
-  measured on an H200. An FP8 quantization error (2**-4 per element in E4M3) or a wrong scale or layout is
+* Fast accumulation (``use_fast_accum=True``, fprop) keeps all of K in the tensor core (``L = K``): relative
+  error ``u * sqrt(K / 2)``. The default (split) accumulation, used for dgrad and wgrad, adds each MMA
+  instruction's partial sum (K-step 32 for FP8 on Hopper) into float32, whose own sum of the K / 32 pieces
+  adds almost nothing: ``L = min(K, 32)``, relative error ``u * sqrt(min(K, 32) / 2)`` for any K.
+* Calibration, measured on an H200 at K = 4096 (max error over max |ref| against float64): 3.4e-3 with fast
+  accumulation, which this model matches with an effective ``u`` of 0.6 * 2**-13; 1.9-3.4e-4 without, which
+  the same ``u`` matches with L = 32 (not with 128, a promotion every four instructions).
+* The bound allows sqrt(2) over the model for the spread between inputs and for data that is not Gaussian:
+  ``u * sqrt(L)``. At K = 4096 that is 7.8e-3 with fast accumulation and 6.9e-4 without, 2.3x and 2x the
+  measurements. An FP8 quantization error (2**-4 per element in E4M3), a wrong scale or a wrong layout is
   orders of magnitude above it; ``test_fp8_really_ran`` checks that the comparison can fail.
 """
 
@@ -49,7 +51,7 @@ pytestmark = [
 
 RECIPES = {"delayed": DelayedScaling(), "current": CurrentScaling()}
 ACC_UNIT = 2.0**-13  # relative precision of one addition in the FP8 tensor-core accumulator
-SPLIT_CHUNK = 128  # products summed in the tensor core before the split accumulator moves them to float32
+SPLIT_CHUNK = 32  # products summed in the tensor core before the split accumulator moves them to float32
 
 
 def gemm_rtol(k: int, fast_accum: bool) -> float:
@@ -143,7 +145,7 @@ def test_fp8_really_ran():
     with fp8_autocast(fp8_recipe=CurrentScaling()), torch.no_grad():
         y = layer(x)
     exact = x.double() @ layer.weight.double().t() + layer.bias.double()
-    assert rel_err(y, exact) > 10 * gemm_rtol(256, True)
+    assert rel_err(y, exact) > 5 * gemm_rtol(256, True)  # E4M3 rounding of x and w: about 3.5e-2
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
