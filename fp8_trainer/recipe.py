@@ -31,8 +31,9 @@ SCALINGS = ("delayed", "current")
 class Format(enum.Enum):
     """Which FP8 encoding each role uses.
 
-    ``E4M3``: E4M3 everywhere. ``E5M2``: E5M2 everywhere. ``HYBRID``: E4M3 for input and weight (forward),
-    E5M2 for grad_output (backward), the usual choice for training.
+    ``E4M3``: E4M3 everywhere. ``HYBRID``: E4M3 for input and weight (forward), E5M2 for grad_output
+    (backward), the usual choice for training. ``E5M2`` (E5M2 everywhere) exists as a name, but recipes
+    refuse it, as Transformer Engine's do.
     """
 
     E4M3 = "E4M3"
@@ -94,7 +95,14 @@ def validate_setting(name: str, value: Any) -> Any:
             raise ValueError(f"{name}: must be a bool, got {value!r}")
         return value
     if name == "fp8_format":
-        return Format.parse(value)
+        fmt = Format.parse(value)
+        if fmt is Format.E5M2:
+            raise ValueError(
+                "fp8_format: pure E5M2 training is not supported (Transformer Engine refuses it too): E5M2 "
+                "keeps two mantissa bits for activations and weights; use HYBRID (E4M3 forward, E5M2 "
+                "gradients) or E4M3"
+            )
+        return fmt
     raise ValueError(f"{name}: unknown recipe field")
 
 

@@ -55,13 +55,19 @@ def test_defaults_and_frozen():
             reduce_amax=False,
         ),
         CurrentScaling(),
-        CurrentScaling(fp8_format=Format.E5M2),
+        CurrentScaling(fp8_format=Format.E4M3, power_2_scale=True),
     ],
 )
 def test_json_round_trip(r):
     d = json.loads(json.dumps(r.to_dict()))
     assert recipe_from_dict(d) == r
     assert type(r).from_dict(d) == r
+
+
+@pytest.mark.parametrize("make", [DelayedScaling, CurrentScaling])
+def test_pure_e5m2_is_refused_as_in_transformer_engine(make):
+    with pytest.raises(ValueError, match="^fp8_format: pure E5M2 training is not supported"):
+        make(fp8_format="e5m2")
 
 
 def test_from_dict_errors():
