@@ -11,7 +11,8 @@
 # Uses the machine's own python3 (PYTHON=... to choose another), which must have torch and triton. The
 # package fp8_kernels is the repository's kernels/ folder (a package-dir mapping in pyproject.toml), so the
 # packages are linked into a temporary folder on PYTHONPATH instead of installed; wheels found in .whl/ are
-# installed into it with pip --no-index (fp8_trainer imports orjson; torchao is the benchmarks' baseline).
+# installed into it with pip --no-index (fp8_trainer imports orjson, for which a json-based stand-in is
+# written when no wheel came along; torchao is the benchmarks' baseline, left out when missing).
 # Each part is bounded by `timeout`, and all together by GPU_CHECK_BUDGET seconds (default 300: about five
 # minutes on an H200; a part that would start with too little left is skipped and counts as failed).
 # Output goes to the terminal and, with the JSON results and the test report, to $OUT/ when OUT is set
@@ -139,8 +140,28 @@ print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, triton {triton.__v
         "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$ROOT"/.whl/*.whl
     fi
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+    if ! "$PY" -c 'import orjson' >/dev/null 2>&1; then
+        # fp8_trainer imports its monitor client, which imports orjson (not on the GPU image); nothing here
+        # sends telemetry, so without a carried wheel a standard-library stand-in lets the package import
+        cat >"$site/orjson.py" <<'EOF'
+"""Stand-in for orjson written by scripts/gpu-check.sh (no orjson wheel carried): the standard json module."""
+import json
+
+JSONDecodeError = json.JSONDecodeError
+OPT_SERIALIZE_NUMPY = 0
+
+
+def dumps(obj, default=None, option=None):
+    return json.dumps(obj, default=default).encode()
+
+
+def loads(data):
+    return json.loads(data)
+EOF
+        wheels+="+ an orjson stand-in (no wheel carried)"
+    fi
     if run_part import 60 "$PY" -c 'import fp8_kernels, fp8_trainer; print("fp8_trainer and fp8_kernels import")'; then
-        set_detail "${wheels:+wheels from .whl: $wheels}"
+        set_detail "${wheels:+installed: $wheels}"
     else
         set_detail "$(grep -m1 -E 'Error' "$WORK/import.log") - on a machine with network run 'bash scripts/gpu-check.sh --fetch-wheels' and carry .whl"
         return
