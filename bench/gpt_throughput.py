@@ -145,8 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     for config in configs:
         try:
             jobs[config] = Job(config, a, device, vocab)
-        except ImportError as e:
-            skipped[config] = f"not importable ({e})"
+        except Exception as e:  # torchao missing or not working with this torch: measure the others
+            if config != "torchao":
+                raise
+            skipped[config] = f"unavailable ({type(e).__name__}: {e})"
     g = torch.Generator(device="cpu").manual_seed(0)
     batches = []
     for _ in range(4):
@@ -158,11 +160,19 @@ def main(argv: list[str] | None = None) -> int:
         try:
             run_steps(job, batches, a.warmup, 0)
         except Exception as e:
-            if config != "torchao" or job.forward is job.model:
+            if config != "torchao":
                 raise
+            if job.forward is job.model:
+                skipped[config] = f"failed ({type(e).__name__}: {e})"
+                del jobs[config]
+                continue
             job.forward = job.model
             job.note = job.note.replace("compiled", f"eager (torch.compile failed: {type(e).__name__})")
-            run_steps(job, batches, a.warmup, 0)
+            try:
+                run_steps(job, batches, a.warmup, 0)
+            except Exception as e2:
+                skipped[config] = f"failed ({type(e2).__name__}: {e2})"
+                del jobs[config]
     for r in range(a.rounds):
         for job in jobs.values():
             seconds = run_steps(job, batches, a.steps, r * a.steps)

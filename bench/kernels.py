@@ -247,6 +247,13 @@ def main(argv: list[str] | None = None) -> int:
             setattr(dynamo, knob, max(64, getattr(dynamo, knob)))
     fp8 = FORMATS[a.format]
     impls, torchao_missing = build_impls(fp8, backend, not a.no_torchao)
+    if "torchao" in impls:
+        try:  # a torchao that imports but does not run with this torch: measure the others
+            probe = torch.randn(2**12, device=device).to(torch.bfloat16)
+            impls["torchao"](probe, torch.tensor(2.0, device=device), None)
+        except Exception as e:
+            del impls["torchao"]
+            torchao_missing = f"failed ({type(e).__name__}: {e})"
     copy_gbps = copy_bandwidth(copy_bytes, device, max(reps, 5), a.smoke)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     print(

@@ -77,11 +77,14 @@ def make_torchao(ref: nn.Linear, device: torch.device) -> tuple[nn.Module | None
     except Exception as e:  # ImportError, or a torchao built for another torch
         return None, f"not importable ({type(e).__name__}: {e})"
     emulate = device.type != "cuda"
-    if emulate:
-        config = Float8LinearConfig(emulate=True)
-    else:
-        config = Float8LinearConfig.from_recipe_name("tensorwise")
-    mod = convert_to_float8_training(nn.Sequential(copy.deepcopy(ref)), config=config)
+    try:
+        if emulate:
+            config = Float8LinearConfig(emulate=True)
+        else:
+            config = Float8LinearConfig.from_recipe_name("tensorwise")
+        mod = convert_to_float8_training(nn.Sequential(copy.deepcopy(ref)), config=config)
+    except Exception as e:  # a torchao that does not work with this torch
+        return None, f"conversion failed ({type(e).__name__}: {e})"
     return mod, "emulate" if emulate else "tensorwise"
 
 
@@ -132,6 +135,12 @@ def bench_shape(m: int, k: int, n: int, device, reps: int, smoke: bool, use_torc
             torchao_how += ", compiled"
         except Exception as e:  # torch.compile unavailable here: eager torchao, and say so
             torchao_how += f", eager (torch.compile failed: {type(e).__name__})"
+    if "torchao" in runs:
+        try:
+            runs["torchao"](0)
+        except Exception as e:  # torchao that does not run here: the others are still measured
+            del runs["torchao"]
+            torchao_how += f"; failed ({type(e).__name__}: {e})"
 
     # what each computes: the relative error of its output against the bf16 / float32 nn.Linear
     outs = {name: run(0).detach().float() for name, run in runs.items()}
