@@ -174,20 +174,20 @@ EOF
     local tests=(tests/kernels/test_kernels_gpu.py tests/trainer/test_fp8_linear_gpu.py)
     [ -f tests/kernels/test_ptx.py ] && tests+=(tests/kernels/test_ptx.py)
     # fp8-train's own GPU test is left to the train-* parts below, which run the 124m preset per recipe
-    run_part gpu-tests 150 "$PY" -m pytest -q -p no:cacheprovider -o addopts=-rfEs -k "not fp8_train_cli" \
+    run_part gpu-tests 120 "$PY" -m pytest -q -p no:cacheprovider -o addopts=-rfEs -k "not fp8_train_cli" \
         --junitxml="$RESULTS/gpu-tests.xml" "${tests[@]}"
     set_detail "$(grep -E '(passed|failed|error|skipped)' "$WORK/gpu-tests.log" | tail -1 | tr -d '=' | sed 's/^ *//; s/ *$//')"
 
     # ----- fp8-train per recipe -----
     local recipe line
     for recipe in delayed current bf16; do
-        run_part "train-$recipe" 60 "$PY" -m fp8_trainer.cli --device cuda --preset 124m --recipe "$recipe" \
-            --steps 20 --batch-size 8 --seq-len 1024 --eval-interval 0 --log-interval 10 --no-progress
-        line=$(grep -E '^step +20 ' "$WORK/train-$recipe.log" | tail -1 | tr -s ' ')
+        run_part "train-$recipe" 45 "$PY" -m fp8_trainer.cli --device cuda --preset 124m --recipe "$recipe" \
+            --steps 12 --batch-size 8 --seq-len 1024 --eval-interval 0 --log-interval 6 --no-progress
+        line=$(grep -E '^step +12 ' "$WORK/train-$recipe.log" | tail -1 | tr -s ' ')
         if [ "$RAN" = 1 ] && grep -q 'non-finite' "$WORK/train-$recipe.log"; then
             STATUS[${#STATUS[@]} - 1]="FAIL (non-finite loss)"
         fi
-        set_detail "${line:-no step 20 line}"
+        set_detail "${line:-no step 12 line}"
     done
 
     # ----- benchmarks -----
