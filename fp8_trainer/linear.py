@@ -80,11 +80,9 @@ def _quantize(state: FP8State, i: int, t: torch.Tensor, record: bool, transpose:
 
 class _FP8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, state: FP8State, k: int, record: bool):
+    def forward(ctx, x, weight, bias, state: FP8State, k: int, record: bool, fused_t: bool):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        # not tied to record: a checkpoint's recompute must save the operands its original forward saved
-        fused_t = torch.is_grad_enabled() and fused_transposes(state, k, x.device)
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         qx, qxt, sinv_x = _quantize(state, 3 * k, x2, record, fused_t and need_wgrad)
         qw, qwt, sinv_w = _quantize(state, 3 * k + 1, weight, record, fused_t and need_dgrad)
@@ -119,7 +117,7 @@ class _FP8LinearFn(torch.autograd.Function):
             grad_w = fp8_mm(agt, sinv_g, bx, sinv_x, ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.sum(0)
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 class Linear(nn.Linear):
@@ -206,4 +204,7 @@ class Linear(nn.Linear):
             state.forward_recorded.add((region.id, k))
             if recompute:  # queued on the outer backward, not on a reentrant checkpoint's nested one
                 _queue_end_of_backward(state)
-        return _FP8LinearFn.apply(x, self.weight, self.bias, state, k, record)
+        # grad mode, not record, decides (a checkpoint's recompute must save what its original forward saved);
+        # read here: inside an autograd Function's forward grad mode is always off
+        fused_t = torch.is_grad_enabled() and fused_transposes(state, k, x.device)
+        return _FP8LinearFn.apply(x, self.weight, self.bias, state, k, record, fused_t)
