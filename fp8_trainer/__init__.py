@@ -14,7 +14,6 @@ from .convert import (
     tensor_table,
 )
 from .linear import Linear
-from .monitor import Monitor
 from .recipe import CurrentScaling, DelayedScaling, Format
 from .state import TensorInfo
 from .stats import StatsReader, step_stats
@@ -40,3 +39,13 @@ __all__ = [
     "step_stats",
     "tensor_table",
 ]
+
+
+def __getattr__(name: str):
+    # the telemetry client (and its HTTP and JSON dependencies) loads only when asked for: the runtime
+    # itself needs torch alone
+    if name == "Monitor":
+        from .monitor import Monitor
+
+        return Monitor
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
