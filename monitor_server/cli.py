@@ -9,13 +9,12 @@ Flags override ``FP8SCOPE_*`` environment variables. Without tokens the server o
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Sequence
 
-from pydantic import ValidationError
-
-from monitor_server.core.config import Settings, is_loopback
+from monitor_server.core.config import Settings, describe_error, is_loopback
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -35,6 +34,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--webhook-url", help="Slack-compatible webhook that receives new alerts")
     p.add_argument("--max-body-bytes", type=int, help="largest accepted request body (default 64 MiB)")
     p.add_argument("--stall-seconds", type=float, help="no telemetry for this long -> 'stalled' alert")
+    p.add_argument(
+        "--detectors",
+        metavar="JSON",
+        help="detector thresholds as a JSON object, e.g. '{\"loss_z_threshold\": 5}' (FP8SCOPE_DETECTORS); "
+        "an unknown key or a bad value stops the start",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -74,13 +79,22 @@ def upload(args: argparse.Namespace) -> int:
     return 1 if result.rejected else 0
 
 
+SERVE_FLAGS = ("db_url", "host", "port", "tokens", "webhook_url", "max_body_bytes", "stall_seconds")
+
+
 def build_settings(args: argparse.Namespace) -> Settings:
-    """Settings from the environment, overridden by the flags that were given."""
-    overrides = {
-        key: getattr(args, key)
-        for key in ("db_url", "host", "port", "tokens", "webhook_url", "max_body_bytes", "stall_seconds")
-        if getattr(args, key, None) is not None
-    }
+    """Settings from the environment, overridden by the flags that were given.
+
+    Raises:
+        ValueError: a flag or environment variable that does not parse or validate (pydantic's
+            ValidationError is a ValueError); `describe_error` makes it one line.
+    """
+    overrides = {key: getattr(args, key) for key in SERVE_FLAGS if getattr(args, key, None) is not None}
+    if getattr(args, "detectors", None) is not None:
+        try:
+            overrides["detectors"] = json.loads(args.detectors)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--detectors: not JSON ({exc.msg} at character {exc.pos})") from None
     return Settings(**overrides)
 
 
@@ -95,8 +109,8 @@ def serve(args: argparse.Namespace) -> int:
     )
     try:
         settings = build_settings(args)
-    except ValidationError as exc:
-        print(f"fp8-monitor: invalid configuration:\n{exc}", file=sys.stderr)
+    except ValueError as exc:  # ValidationError, or SettingsError (an FP8SCOPE_* JSON that does not parse)
+        print(f"fp8-monitor: invalid configuration: {describe_error(exc)}", file=sys.stderr)
         return 2
     if not settings.auth_enabled and not is_loopback(settings.host):
         print(

@@ -119,6 +119,7 @@ class Detection:
         self.db = db
         self.broker = broker
         self.run_meta = run_meta
+        self._config: DetectorConfig = settings.detector_config
         self._engines: dict[int, Any] = {}
         self._engines_lock = threading.Lock()
         self.notifier: Any = None
@@ -129,8 +130,9 @@ class Detection:
 
     # -- engine ----------------------------------------------------------------------------------------
     def detector_config(self) -> DetectorConfig:
-        """The engine's DetectorConfig built from the `detectors` setting."""
-        return DetectorConfig(**{"stall_seconds": self.settings.stall_seconds, **self.settings.detectors})
+        """The engine's DetectorConfig built from the `detectors` setting (checked when the settings were
+        built, so this does not fail)."""
+        return self._config
 
     def engine_for(self, session: Session, run_id: int) -> DetectorEngine | None:
         """The cached engine of a run, built from its persisted state when not cached; None for no run."""

@@ -6,12 +6,15 @@ Tokens are given as ``name:scope1+scope2:secret`` entries, comma-separated in ``
 
 from __future__ import annotations
 
+import difflib
 import os
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from pydantic import field_validator
+from pydantic import ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from monitor_server.detectors.config import DetectorConfig
 
 SCOPES: tuple[str, ...] = ("ingest", "read", "control")
 DEFAULT_SQLITE_FILE = "fp8scope.db"
@@ -55,7 +58,8 @@ class Settings(BaseSettings):
         webhook_url: Slack-compatible webhook that receives new alerts (empty = off).
         stall_seconds: a running run with no telemetry for this long raises a ``stalled`` alert.
         stall_check_seconds: how often the stall check runs.
-        detectors: passed through to the detector engine's ``DetectorConfig`` (thresholds).
+        detectors: passed through to the detector engine's ``DetectorConfig`` (thresholds); checked when the
+            settings are built, so an unknown key or a bad value stops the service at start-up.
         sse_keepalive_seconds: interval of keep-alive comments on ``/stream``.
     """
 
@@ -87,6 +91,16 @@ class Settings(BaseSettings):
             raise ValueError("token names must be unique")
         return value
 
+    @model_validator(mode="after")
+    def _check_detectors(self) -> Settings:
+        detector_config(self.detectors, self.stall_seconds)  # raises ValueError naming the key
+        return self
+
+    @property
+    def detector_config(self) -> DetectorConfig:
+        """The detector engine's thresholds: `detectors` over the `stall_seconds` setting."""
+        return detector_config(self.detectors, self.stall_seconds)
+
     @property
     def parsed_tokens(self) -> list[Token]:
         """The configured tokens, parsed."""
@@ -96,6 +110,39 @@ class Settings(BaseSettings):
     def auth_enabled(self) -> bool:
         """True when at least one token is configured."""
         return bool(self.tokens)
+
+
+def detector_config(detectors: dict[str, Any], stall_seconds: float) -> DetectorConfig:
+    """`DetectorConfig` from the ``detectors`` setting; ValueError with one line per problem, each naming
+    its key (``detectors.<key>: ...``), for unknown keys (with the nearest known one) and bad values."""
+    try:
+        return DetectorConfig(**{"stall_seconds": stall_seconds, **detectors})
+    except ValidationError as exc:
+        known = sorted(DetectorConfig.model_fields)
+        problems = []
+        for err in exc.errors():
+            key = ".".join(str(part) for part in err["loc"])
+            if err["type"] == "extra_forbidden":
+                near = difflib.get_close_matches(key, known, n=1)
+                hint = f"did you mean {near[0]!r}?" if near else f"known keys: {', '.join(known)}"
+                problems.append(f"detectors.{key}: unknown detector setting; {hint}")
+            elif key:
+                problems.append(f"detectors.{key}: {err['msg']} (got {err.get('input')!r})")
+            else:  # a rule between several keys; its message names them
+                problems.append(f"detectors: {err['msg'].removeprefix('Value error, ')}")
+        raise ValueError("; ".join(problems)) from None
+
+
+def describe_error(exc: Exception) -> str:
+    """One line for a configuration error (a pydantic ValidationError lists every field it refused)."""
+    if isinstance(exc, ValidationError):
+        parts = []
+        for err in exc.errors():
+            loc = ".".join(str(part) for part in err["loc"])
+            msg = err["msg"].removeprefix("Value error, ")
+            parts.append(msg if msg.startswith(loc) or not loc else f"{loc}: {msg}")
+        return "; ".join(parts)
+    return " ".join(str(exc).split())
 
 
 def is_loopback(host: str) -> bool:
