@@ -10,7 +10,10 @@ Why the bit tricks: ``amax`` is a max over the bit patterns of ``|x|`` (integer 
 non-negative floats) with NaN patterns (above Inf's ``0x7F800000``) read as 0, so NaN elements are ignored
 (Transformer Engine's ``fmaxf``) identically on a GPU and in the interpreter, whose float ``max`` handle NaN
 differently. The same trick accumulates the float64 ``amax`` column across calls with an integer atomic max.
-Counts are float64 atomic adds of integers, exact below 2**53 and independent of order.
+Counts are float64 atomic adds of integers, exact below 2**53 and independent of order. Per element a
+program keeps two int32 accumulators: the amax bits, and the three counts packed 10 bits apart (an element
+is at most one of overflow, underflow, non-finite; ``persistent_grid`` gives no program more than
+``MAX_BLOCKS_PER_PROGRAM`` < 2**10 blocks), which halves the registers of four separate accumulators.
 
 Memory access: the 1-D kernel walks full ``BLOCK``s with no mask and one masked tail block; the 2-D kernel
 walks full tiles with no mask, then the edge tiles (last tile column, last tile row) masked. Unmasked blocks
@@ -32,8 +35,8 @@ from .triton_launch import (
     block_1d,
     divisor,
     format_constants,
-    grid_cap,
     load_f32,
+    persistent_grid,
     tile_2d,
 )
 
@@ -44,14 +47,11 @@ MAX_NUMEL = KERNEL_MAX_NUMEL
 
 @triton.jit
 def _scale_and_count(
-    x,
-    scale,
-    FMAX: tl.constexpr,
-    UNDERFLOW: tl.constexpr,
-    OVF_THRESHOLD: tl.constexpr,
+    x, scale, FMAX: tl.constexpr, UNDERFLOW: tl.constexpr, OVF_THRESHOLD: tl.constexpr,
     OVF_INCLUSIVE: tl.constexpr,
-):
-    """One element's ``(|x| bits with NaN as 0, overflow, underflow, nonfinite, pre-cast value)``."""
+):  # fmt: skip
+    """One element's ``(|x| bits with NaN as 0, packed counts, pre-cast value)``: the counts overflow,
+    underflow and non-finite exclude each other, so one int32 holds them (``COUNT_SHIFT`` bits apart)."""
     ax_bits = abs_bits(x)
     finite = ax_bits < 0x7F800000  # exponent all ones: Inf or NaN
     xs = x * scale
@@ -60,10 +60,11 @@ def _scale_and_count(
     big = a >= OVF_THRESHOLD if OVF_INCLUSIVE else a > OVF_THRESHOLD
     overflow = big & finite  # includes finite x whose product overflowed to Inf
     underflow = (a <= UNDERFLOW) & (ax_bits != 0)  # non-zero, rounds to zero; NaN compares False
+    counts = overflow.to(tl.int32) | (underflow.to(tl.int32) << 10) | ((~finite).to(tl.int32) << 20)
     # explicit NaN pass-through: a GPU's min/max would turn NaN into the bound
     v = tl.where(xs != xs, xs, tl.minimum(tl.maximum(xs, -FMAX), FMAX))
     amax_bits = tl.where(ax_bits > 0x7F800000, 0, ax_bits)  # NaN ignored by the amax
-    return amax_bits, overflow.to(tl.int32), underflow.to(tl.int32), (~finite).to(tl.int32), v
+    return amax_bits, counts, v
 
 
 @triton.jit
@@ -98,18 +99,9 @@ def _fmax_into(stats_ptr, a):
 
 @triton.jit
 def _accumulate_stats(
-    stats_ptr,
-    amax_ptr,
-    scale_out_ptr,
-    amax_bits,
-    overflow,
-    underflow,
-    nonfinite,
-    scale,
-    n,
-    HAS_AMAX: tl.constexpr,
-    SCALE_FROM_AMAX: tl.constexpr,
-):
+    stats_ptr, amax_ptr, scale_out_ptr, amax_bits, overflow, underflow, nonfinite, scale, n,
+    HAS_AMAX: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr,
+):  # fmt: skip
     """Fold one program's totals into the float64 statistics row (columns ``STAT_COLUMNS``)."""
     pid = tl.program_id(0)
     if HAS_AMAX:
@@ -130,114 +122,59 @@ def _accumulate_stats(
 
 @triton.jit
 def _quantize_block(
-    x_ptr,
-    q_ptr,
-    precast_ptr,
-    offs,
-    mask,
-    scale,
-    amax_acc,
-    ovf_acc,
-    unf_acc,
-    nonf_acc,
-    FMAX: tl.constexpr,
-    UNDERFLOW: tl.constexpr,
-    OVF_THRESHOLD: tl.constexpr,
-    OVF_INCLUSIVE: tl.constexpr,
-    STORE_PRECAST: tl.constexpr,
-    IS_BF16: tl.constexpr,
-):
+    x_ptr, q_ptr, precast_ptr, offs, mask, scale, amax_acc, count_acc,
+    FMAX: tl.constexpr, UNDERFLOW: tl.constexpr, OVF_THRESHOLD: tl.constexpr, OVF_INCLUSIVE: tl.constexpr,
+    STORE_PRECAST: tl.constexpr, IS_BF16: tl.constexpr,
+):  # fmt: skip
     """One block of the 1-D kernel (``mask=None``: a full block); returns the updated accumulators.
     Masked-out elements load as 0, which counts as nothing."""
     x = load_f32(x_ptr, offs, mask, IS_BF16)
-    bits, ovf, unf, nonf, v = _scale_and_count(x, scale, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE)
+    bits, counts, v = _scale_and_count(x, scale, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE)
     tl.store(q_ptr + offs, v.to(q_ptr.dtype.element_ty), mask=mask)
     if STORE_PRECAST:
         tl.store(precast_ptr + offs, v, mask=mask)
-    return tl.maximum(amax_acc, bits), ovf_acc + ovf, unf_acc + unf, nonf_acc + nonf
+    return tl.maximum(amax_acc, bits), count_acc + counts
 
 
 @triton.jit(do_not_specialize=["n"])
 def _quantize_kernel(
-    x_ptr,
-    q_ptr,
-    scale_ptr,
-    amax_ptr,
-    stats_ptr,
-    precast_ptr,
-    scale_out_ptr,
-    n,
-    FMAX: tl.constexpr,
-    UNDERFLOW: tl.constexpr,
-    OVF_THRESHOLD: tl.constexpr,
-    OVF_INCLUSIVE: tl.constexpr,
-    HAS_AMAX: tl.constexpr,
-    SCALE_FROM_AMAX: tl.constexpr,
-    POW2_SCALE: tl.constexpr,
-    STORE_PRECAST: tl.constexpr,
-    IS_BF16: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+    x_ptr, q_ptr, scale_ptr, amax_ptr, stats_ptr, precast_ptr, scale_out_ptr, n,
+    FMAX: tl.constexpr, UNDERFLOW: tl.constexpr, OVF_THRESHOLD: tl.constexpr, OVF_INCLUSIVE: tl.constexpr,
+    HAS_AMAX: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr, POW2_SCALE: tl.constexpr,
+    STORE_PRECAST: tl.constexpr, IS_BF16: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     scale = _load_scale(scale_ptr, amax_ptr, FMAX, SCALE_FROM_AMAX, POW2_SCALE)
     amax_acc = tl.zeros([BLOCK], dtype=tl.int32)
-    ovf_acc = tl.zeros([BLOCK], dtype=tl.int32)
-    unf_acc = tl.zeros([BLOCK], dtype=tl.int32)
-    nonf_acc = tl.zeros([BLOCK], dtype=tl.int32)
+    count_acc = tl.zeros([BLOCK], dtype=tl.int32)
     n_full = n // BLOCK
     for b in range(pid, n_full, nprog):  # full blocks: no mask
-        amax_acc, ovf_acc, unf_acc, nonf_acc = _quantize_block(
-            x_ptr, q_ptr, precast_ptr, b * BLOCK + tl.arange(0, BLOCK), None, scale,
-            amax_acc, ovf_acc, unf_acc, nonf_acc,
-            FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, STORE_PRECAST, IS_BF16)  # fmt: skip
+        amax_acc, count_acc = _quantize_block(
+            x_ptr, q_ptr, precast_ptr, b * BLOCK + tl.arange(0, BLOCK), None, scale, amax_acc, count_acc,
+            FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, STORE_PRECAST, IS_BF16,
+        )  # fmt: skip
     tail = n_full * BLOCK
     if (pid == n_full % nprog) & (tail < n):  # the partial block, by the program whose turn comes next
         offs = tail + tl.arange(0, BLOCK)
-        amax_acc, ovf_acc, unf_acc, nonf_acc = _quantize_block(
-            x_ptr, q_ptr, precast_ptr, offs, offs < n, scale,
-            amax_acc, ovf_acc, unf_acc, nonf_acc,
-            FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, STORE_PRECAST, IS_BF16)  # fmt: skip
+        amax_acc, count_acc = _quantize_block(
+            x_ptr, q_ptr, precast_ptr, offs, offs < n, scale, amax_acc, count_acc,
+            FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, STORE_PRECAST, IS_BF16,
+        )  # fmt: skip
+    # unpack before summing: each field of an element is at most MAX_BLOCKS_PER_PROGRAM (< 2**10)
     _accumulate_stats(
-        stats_ptr,
-        amax_ptr,
-        scale_out_ptr,
-        tl.max(amax_acc, axis=0),
-        tl.sum(ovf_acc, axis=0),
-        tl.sum(unf_acc, axis=0),
-        tl.sum(nonf_acc, axis=0),
-        scale,
-        n,
-        HAS_AMAX,
-        SCALE_FROM_AMAX,
-    )
+        stats_ptr, amax_ptr, scale_out_ptr, tl.max(amax_acc, axis=0), tl.sum(count_acc & 1023, axis=0),
+        tl.sum((count_acc >> 10) & 1023, axis=0), tl.sum(count_acc >> 20, axis=0), scale, n,
+        HAS_AMAX, SCALE_FROM_AMAX,
+    )  # fmt: skip
 
 
 @triton.jit
 def _quantize_tile(
-    x_ptr,
-    q_ptr,
-    qt_ptr,
-    precast_ptr,
-    tm,
-    tn,
-    M,
-    N,
-    scale,
-    amax_acc,
-    ovf_acc,
-    unf_acc,
-    nonf_acc,
-    MASKED: tl.constexpr,
-    FMAX: tl.constexpr,
-    UNDERFLOW: tl.constexpr,
-    OVF_THRESHOLD: tl.constexpr,
-    OVF_INCLUSIVE: tl.constexpr,
-    STORE_PRECAST: tl.constexpr,
-    IS_BF16: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
+    x_ptr, q_ptr, qt_ptr, precast_ptr, tm, tn, M, N, scale, amax_acc, count_acc, MASKED: tl.constexpr,
+    FMAX: tl.constexpr, UNDERFLOW: tl.constexpr, OVF_THRESHOLD: tl.constexpr, OVF_INCLUSIVE: tl.constexpr,
+    STORE_PRECAST: tl.constexpr, IS_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
     """Tile ``(tm, tn)`` of the 2-D kernel, written to ``q`` and, transposed, to ``qt``; returns the updated
     accumulators. ``MASKED`` False: a full tile, no mask."""
     rm = tm * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -251,41 +188,23 @@ def _quantize_tile(
         mask = None
         mask_t = None
     x = load_f32(x_ptr, offs, mask, IS_BF16)
-    bits, ovf, unf, nonf, v = _scale_and_count(x, scale, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE)
+    bits, counts, v = _scale_and_count(x, scale, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE)
     q = v.to(q_ptr.dtype.element_ty)
     tl.store(q_ptr + offs, q, mask=mask)
     tl.store(qt_ptr + offs_t, tl.trans(q), mask=mask_t)
     if STORE_PRECAST:
         tl.store(precast_ptr + offs, v, mask=mask)
-    return tl.maximum(amax_acc, bits), ovf_acc + ovf, unf_acc + unf, nonf_acc + nonf
+    return tl.maximum(amax_acc, bits), count_acc + counts
 
 
 @triton.jit(do_not_specialize=["M", "N"])
 def _quantize_t_kernel(
-    x_ptr,
-    q_ptr,
-    qt_ptr,
-    scale_ptr,
-    amax_ptr,
-    stats_ptr,
-    precast_ptr,
-    scale_out_ptr,
-    M,
-    N,
-    FMAX: tl.constexpr,
-    UNDERFLOW: tl.constexpr,
-    OVF_THRESHOLD: tl.constexpr,
-    OVF_INCLUSIVE: tl.constexpr,
-    HAS_AMAX: tl.constexpr,
-    SCALE_FROM_AMAX: tl.constexpr,
-    POW2_SCALE: tl.constexpr,
-    STORE_PRECAST: tl.constexpr,
-    IS_BF16: tl.constexpr,
-    DIV_M: tl.constexpr,
-    DIV_N: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
+    x_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, stats_ptr, precast_ptr, scale_out_ptr, M, N,
+    FMAX: tl.constexpr, UNDERFLOW: tl.constexpr, OVF_THRESHOLD: tl.constexpr, OVF_INCLUSIVE: tl.constexpr,
+    HAS_AMAX: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr, POW2_SCALE: tl.constexpr,
+    STORE_PRECAST: tl.constexpr, IS_BF16: tl.constexpr, DIV_M: tl.constexpr, DIV_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     # exact (the launcher passes a divisor of each): the compiler then knows rows start 16-aligned
@@ -293,18 +212,16 @@ def _quantize_t_kernel(
     N = (N // DIV_N) * DIV_N
     scale = _load_scale(scale_ptr, amax_ptr, FMAX, SCALE_FROM_AMAX, POW2_SCALE)
     amax_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-    ovf_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-    unf_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-    nonf_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    count_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
     full_m = M // BLOCK_M
     full_n = N // BLOCK_N
     n_full = full_m * full_n
     for t in range(pid, n_full, nprog):  # full tiles: no mask
         tm = t // full_n
-        amax_acc, ovf_acc, unf_acc, nonf_acc = _quantize_tile(
-            x_ptr, q_ptr, qt_ptr, precast_ptr, tm, t - tm * full_n, M, N, scale, amax_acc, ovf_acc, unf_acc,
-            nonf_acc, False, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, STORE_PRECAST, IS_BF16, BLOCK_M,
-            BLOCK_N)  # fmt: skip
+        amax_acc, count_acc = _quantize_tile(
+            x_ptr, q_ptr, qt_ptr, precast_ptr, tm, t - tm * full_n, M, N, scale, amax_acc, count_acc, False,
+            FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, STORE_PRECAST, IS_BF16, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
     # edge tiles, masked: the last tile column (every tile row), then the last tile row (full columns)
     tiles_m = tl.cdiv(M, BLOCK_M)
     right = (tl.cdiv(N, BLOCK_N) - full_n) * tiles_m
@@ -312,23 +229,19 @@ def _quantize_t_kernel(
     for e in range((pid + nprog - n_full % nprog) % nprog, n_edge, nprog):  # the round robin continues
         tm = tl.where(e < right, e, full_m)
         tn = tl.where(e < right, full_n, e - right)
-        amax_acc, ovf_acc, unf_acc, nonf_acc = _quantize_tile(
-            x_ptr, q_ptr, qt_ptr, precast_ptr, tm, tn, M, N, scale, amax_acc, ovf_acc, unf_acc, nonf_acc,
-            True, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, STORE_PRECAST, IS_BF16, BLOCK_M,
-            BLOCK_N)  # fmt: skip
+        amax_acc, count_acc = _quantize_tile(
+            x_ptr, q_ptr, qt_ptr, precast_ptr, tm, tn, M, N, scale, amax_acc, count_acc, True,
+            FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, STORE_PRECAST, IS_BF16, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+    # unpack before summing: each field of an element is at most MAX_BLOCKS_PER_PROGRAM (< 2**10)
+    amax_bits = tl.max(tl.max(amax_acc, axis=1), axis=0)
+    overflow = tl.sum(tl.sum(count_acc & 1023, axis=1), axis=0)
+    underflow = tl.sum(tl.sum((count_acc >> 10) & 1023, axis=1), axis=0)
+    nonfinite = tl.sum(tl.sum(count_acc >> 20, axis=1), axis=0)
     _accumulate_stats(
-        stats_ptr,
-        amax_ptr,
-        scale_out_ptr,
-        tl.max(tl.max(amax_acc, axis=1), axis=0),
-        tl.sum(tl.sum(ovf_acc, axis=1), axis=0),
-        tl.sum(tl.sum(unf_acc, axis=1), axis=0),
-        tl.sum(tl.sum(nonf_acc, axis=1), axis=0),
-        scale,
-        M * N,
-        HAS_AMAX,
-        SCALE_FROM_AMAX,
-    )
+        stats_ptr, amax_ptr, scale_out_ptr, amax_bits, overflow, underflow, nonfinite, scale, M * N,
+        HAS_AMAX, SCALE_FROM_AMAX,
+    )  # fmt: skip
 
 
 def _check(x, scale, stats, precast, amax) -> torch.Tensor:
@@ -401,7 +314,7 @@ def launch_quantize(
     if not transpose:
         n = xc.numel()
         block, warps = block_1d(x.device)
-        grid = (max(1, min(triton.cdiv(n, block), grid_cap(x.device))),)
+        grid = (persistent_grid(triton.cdiv(n, block), x.device),)
         _quantize_kernel[grid](
             xc, q, scale_t, amax_arg, row, precast_arg, scale_t, n, BLOCK=block, num_warps=warps, **flags
         )
@@ -409,7 +322,7 @@ def launch_quantize(
     m, n = xc.shape
     qt = torch.empty((n, m), dtype=fp8_dtype, device=x.device)
     bm, bn, warps = tile_2d(x.device)
-    grid = (max(1, min(triton.cdiv(m, bm) * triton.cdiv(n, bn), grid_cap(x.device))),)
+    grid = (persistent_grid(triton.cdiv(m, bm) * triton.cdiv(n, bn), x.device),)
     _quantize_t_kernel[grid](
         xc, q, qt, scale_t, amax_arg, row, precast_arg, scale_t, m, n,
         DIV_M=divisor(m), DIV_N=divisor(n), BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, **flags,

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .layout import aligned_scales
-from .triton_launch import divisor
+from .triton_launch import block_scale_update, divisor
 
 __all__ = ["scale_update_triton"]
 
@@ -144,7 +144,7 @@ def scale_update_triton(
     # the reference's own ops (fp8_trainer.scaling.compute_scale), so fractional margins round alike
     scaled_max = fp8_max.to(torch.float32) * torch.exp2(-margin.to(torch.float32))
     scale_f = scale.to(torch.float32)  # a float32 view stays a view (its stride is passed)
-    block_l, block_n = (32, 128) if hist.device.type == "cuda" else (8, 8)
+    block_l, block_n = block_scale_update(hist.device)
     grid = (triton.cdiv(n, block_n),)
     _scale_update_kernel[grid](
         hist, amax, amax.stride(0), scale_f, scale_f.stride(0), scaled_max, most_recent.contiguous(),

@@ -223,6 +223,26 @@ def _amax_at_max(device: torch.device) -> None:
             assert q.float().abs().max().item() == fmax.item()
 
 
+@case("quantize-many-blocks-per-program")
+def _many_blocks(device: torch.device) -> None:
+    # every program walks tens of blocks, each element position collecting overflows, underflows and
+    # non-finite elements in its packed per-element counters (10 bits apart)
+    from fp8_kernels.triton_launch import block_1d, grid_cap
+    from fp8_kernels.triton_quantize import launch_quantize
+
+    block, _ = block_1d(device)
+    n = 40 * block * grid_cap(device) + 5
+    pattern = torch.tensor([1e6, 1e-30, NAN, -INF, 1.0, -2e5, 0.0])
+    x = pattern.repeat(n // len(pattern) + 1)[:n].to(device)
+    for transpose, shape in ((False, (n,)), (True, (n // 97, 97))):
+        xi = x[: math.prod(shape)].reshape(shape)
+        _, _, row, _ = launch_quantize(xi, torch.tensor(SCALE, device=device), FP8["e4m3"], None,
+                                       transpose=transpose)  # fmt: skip
+        _, row_ref = quantize_with_stats_reference(xi, torch.tensor(SCALE, device=device), FP8["e4m3"])
+        _same(row, row_ref, f"statistics row (transpose={transpose})")
+        assert min(row[2:5].tolist()) > 1000, row.tolist()
+
+
 def _nan_case(dtype_name: str, fmt: str, shape_name: str, fill: str, transpose: bool):
     """NaN is ignored by the amax (Transformer Engine's fmaxf) and counted as non-finite: NaN sprinkled
     among finite values, an all-NaN tensor, Inf among finite values (amax Inf)."""

@@ -181,3 +181,17 @@ def test_current_scaling_dispatch_and_switch():
     assert not has_kernel("current", "cpu")
     with pytest.raises(ValueError, match="unknown kernel op"):
         has_kernel("transpose", "cpu")
+
+
+def test_persistent_grid_bounds_the_blocks_of_a_program():
+    # the quantize kernels pack a program's per-element counts in 10-bit fields: no program may walk more
+    # than MAX_BLOCKS_PER_PROGRAM blocks, however large the tensor or small the GPU
+    pytest.importorskip("triton")
+    from fp8_kernels.triton_launch import MAX_BLOCKS_PER_PROGRAM, grid_cap, persistent_grid
+
+    assert MAX_BLOCKS_PER_PROGRAM < 2**10
+    cpu = torch.device("cpu")
+    for n_blocks in [0, 1, 2, 3, 4, 1023 * 3, 1023 * 3 + 1, 10**6, (2**31 - 2**24) // 1024 + 1]:
+        g = persistent_grid(n_blocks, cpu)
+        assert 1 <= g <= max(1, n_blocks) and -(-n_blocks // g) <= MAX_BLOCKS_PER_PROGRAM, (n_blocks, g)
+        assert g == max(1, min(n_blocks, grid_cap(cpu))) or n_blocks > grid_cap(cpu) * MAX_BLOCKS_PER_PROGRAM

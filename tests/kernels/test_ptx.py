@@ -1,0 +1,249 @@
+"""The Triton kernels compiled for sm_90 on this machine, no GPU and no launch: the PTX of every kernel's main
+loop reads and writes 16-byte vectors, and odd and size-1 shapes compile.
+
+How: each launcher (``launch_quantize``, ``tensor_amax_triton``, the current-scaling entries,
+``exponent_histogram_triton``, ``scale_update_triton``) runs on CPU tensors with the CUDA block sizes and its
+kernel replaced by a recorder. The recorded arguments then go through what a real launch does before it
+compiles (Triton's argument binder: types, 16-byte pointer alignment, integer specialisation, for a
+``GPUTarget("cuda", 90, 32)`` backend) and ``triton.compile``, which runs the whole pipeline (ttir, ttgir,
+llir, ptx, and ptxas for the cubin; Triton ships ptxas). Where ptxas could not run, the PTX stage alone
+would do: ``CUDABackend.add_stages`` fills an ordered dict of stages (``ttir`` ... ``ptx``, ``cubin``), and
+running them up to ``ptx`` on ``ASTSource.make_ir``'s module gives the same text.
+
+The binder and ``JITFunction._pack_args`` are Triton internals (of the 3.x line); the tests skip, with the
+reason, where this Triton lacks them or its CUDA backend cannot compile here.
+
+Before the restructuring (sizes in ``do_not_specialize`` and every block masked) the 1-D quantize kernel's
+loop was 16 x ``ld.global.b16`` and 16 x ``st.global.b8`` per thread; now it is 2 x ``ld.global.v4.b32``
+(bf16) and 1 x ``st.global.v4.b32``, the scalar forms left only in the masked tail.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+import torch
+from fp8_kernels import triton_available
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not triton_available(), reason="triton is not installed (pip install '.[dev]')"),
+]
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+CUDA = torch.device("cuda")  # only its type is read: the launchers' block sizes for a GPU
+
+
+@pytest.fixture(scope="module")
+def sm90():
+    """``compile(kernel, args, kwargs) -> CompiledKernel`` for sm_90, as a launch would compile it."""
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource, make_backend
+        from triton.runtime.jit import create_function_from_signature
+
+        target = GPUTarget("cuda", 90, 32)
+        backend = make_backend(target)
+    except Exception as e:  # an old or CPU-only Triton
+        pytest.skip(f"this Triton cannot build for CUDA here: {e!r}")
+
+    def compile_sm90(fn, args, kwargs):
+        binder = create_function_from_signature(fn.signature, fn.params, backend)
+        bound, specialization, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+        src = ASTSource(fn, signature, constexprs, attrs)
+        return triton.compile(src, target=target, options=options.__dict__)
+
+    from fp8_kernels.triton_current import _amax_kernel
+
+    x = torch.zeros(16)
+    try:
+        compile_sm90(_amax_kernel, (x, torch.zeros(()), 16), dict(IS_BF16=False, BLOCK=1024, num_warps=4))
+    except Exception as e:
+        pytest.skip(f"cannot compile a Triton kernel for sm_90 here: {e!r}")
+    return compile_sm90
+
+
+class _Recorder:
+    """Stands in for a kernel: ``kernel[grid](*args, **kwargs)`` records the launch instead of running it."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.launches: list[tuple[tuple, dict]] = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((args, kwargs))
+
+
+@pytest.fixture
+def record(monkeypatch):
+    """``record(module, kernel_name) -> _Recorder``; the launchers use the CUDA block sizes meanwhile."""
+    from fp8_kernels import triton_current, triton_histogram, triton_launch, triton_quantize
+    from fp8_kernels import triton_scale_update as scale_update
+
+    for module in (triton_quantize, triton_current, triton_histogram):
+        monkeypatch.setattr(module, "block_1d", lambda device: triton_launch.block_1d(CUDA))
+    monkeypatch.setattr(triton_quantize, "tile_2d", lambda device: triton_launch.tile_2d(CUDA))
+    cuda_blocks = triton_launch.block_scale_update(CUDA)
+    monkeypatch.setattr(scale_update, "block_scale_update", lambda device: cuda_blocks)
+
+    def recorder(module, name: str) -> _Recorder:
+        rec = _Recorder(getattr(module, name))
+        monkeypatch.setattr(module, name, rec)
+        return rec
+
+    return recorder
+
+
+def _global(ptx: str, op: str) -> Counter:
+    """Global loads (``op="ld"``) or stores (``"st"``) of the PTX by width in bits per instruction."""
+    widths: Counter = Counter()
+    for m in re.finditer(rf"\b{op}\.global((?:\.[\w:]+)*)\.[bfsu](8|16|32|64)\b", ptx):
+        lanes = re.search(r"\.v(2|4)\b", m.group(1))
+        widths[int(m.group(2)) * (int(lanes.group(1)) if lanes else 1)] += 1
+    return widths
+
+
+def _ptx(sm90, rec: _Recorder, index: int = 0) -> str:
+    assert len(rec.launches) > index, "the launcher launched nothing"
+    args, kwargs = rec.launches[index]
+    return sm90(rec.fn, args, kwargs).asm["ptx"]
+
+
+def _per_thread(block_elems: int, num_warps: int) -> int:
+    return block_elems // (32 * num_warps)
+
+
+# ----- 1-D quantize (delayed scaling) -----
+@pytest.mark.parametrize("dtype,fp8", [(torch.bfloat16, E4M3), (torch.float32, E5M2), (torch.float16, E4M3)])
+def test_quantize_main_loop_is_vectorised(sm90, record, dtype, fp8):
+    from fp8_kernels import triton_launch, triton_quantize
+
+    rec = record(triton_quantize, "_quantize_kernel")
+    x = torch.zeros(4 * 4096 + 3, dtype=dtype)  # the size is no part of the compiled kernel
+    triton_quantize.quantize_with_stats_triton(x, torch.tensor(1.0), fp8)
+    ptx = _ptx(sm90, rec)
+    block, warps = triton_launch.block_1d(CUDA)
+    elems = _per_thread(block, warps)  # 16
+    loads, stores = _global(ptx, "ld"), _global(ptx, "st")
+    # the input: elems * element_size bytes per thread in 16-byte loads; the FP8 output: one 16-byte store
+    assert loads[128] >= elems * x.element_size() // 16, loads
+    assert stores[128] >= elems // 16, stores
+
+
+@pytest.mark.parametrize("n", [1, 7])
+def test_quantize_odd_and_size_one_compile(sm90, record, n):
+    from fp8_kernels import triton_quantize
+
+    rec = record(triton_quantize, "_quantize_kernel")
+    triton_quantize.quantize_with_stats_triton(torch.zeros(n, dtype=torch.bfloat16), torch.tensor(1.0), E4M3)
+    assert "st.global" in _ptx(sm90, rec)
+
+
+# ----- 2-D quantize with the transposed output -----
+@pytest.mark.parametrize("dtype,fp8", [(torch.bfloat16, E4M3), (torch.float32, E5M2)])
+def test_transposed_quantize_vectorised_both_layouts(sm90, record, dtype, fp8):
+    from fp8_kernels import triton_launch, triton_quantize
+
+    rec = record(triton_quantize, "_quantize_t_kernel")
+    x = torch.zeros(256 + 16, 512 + 48, dtype=dtype)  # rows of both layouts multiples of 16; edge tiles
+    triton_quantize.quantize_with_stats_transposed_triton(x, torch.tensor(1.0), fp8)
+    ptx = _ptx(sm90, rec)
+    bm, bn, warps = triton_launch.tile_2d(CUDA)
+    elems = _per_thread(bm * bn, warps)
+    loads, stores = _global(ptx, "ld"), _global(ptx, "st")
+    assert loads[128] >= elems * x.element_size() // 16, loads
+    # q (16 consecutive elements along N per thread) and qt (16 along M): 16-byte stores, nothing narrower
+    # than the 64-bit statistics and 32-bit scale writes
+    assert stores[128] >= 2 * elems // 16, stores
+    assert stores[8] == 0 and stores[16] == 0, stores
+
+
+def test_transposed_quantize_any_token_count(sm90, record):
+    # M (tokens) not a multiple of 16: rows of qt cannot start aligned, but x and q still move in vectors
+    from fp8_kernels import triton_quantize
+
+    rec = record(triton_quantize, "_quantize_t_kernel")
+    triton_quantize.quantize_with_stats_transposed_triton(
+        torch.zeros(193, 256, dtype=torch.bfloat16), torch.tensor(1.0), E4M3
+    )
+    ptx = _ptx(sm90, rec)
+    loads, stores = _global(ptx, "ld"), _global(ptx, "st")
+    assert loads[128] >= 2 and stores[128] >= 1, (loads, stores)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (127, 129), (1, 4096), (33, 16)])
+def test_transposed_odd_and_size_one_compile(sm90, record, shape):
+    from fp8_kernels import triton_quantize
+
+    rec = record(triton_quantize, "_quantize_t_kernel")
+    triton_quantize.quantize_with_stats_transposed_triton(
+        torch.zeros(shape, dtype=torch.bfloat16), torch.tensor(1.0), E5M2
+    )
+    assert "st.global" in _ptx(sm90, rec)
+
+
+# ----- current scaling: the amax pass and the quantize pass deriving its scale -----
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("power_2_scale", [False, True])
+def test_current_scaling_passes_vectorised(sm90, record, transposed, power_2_scale):
+    from fp8_kernels import triton_current, triton_launch, triton_quantize
+
+    amax_rec = record(triton_current, "_amax_kernel")
+    quant_rec = record(triton_quantize, "_quantize_t_kernel" if transposed else "_quantize_kernel")
+    x = torch.zeros(512, 1024, dtype=torch.bfloat16)
+    if transposed:
+        triton_current.quantize_current_transposed_triton(x, E4M3, power_2_scale=power_2_scale)
+    else:
+        triton_current.quantize_current_triton(x, E4M3, power_2_scale=power_2_scale)
+    block, warps = triton_launch.block_1d(CUDA)
+    assert _global(_ptx(sm90, amax_rec), "ld")[128] >= _per_thread(block, warps) * 2 // 16
+    flags = quant_rec.launches[0][1]
+    assert flags["SCALE_FROM_AMAX"] and flags["POW2_SCALE"] == power_2_scale
+    ptx = _ptx(sm90, quant_rec)
+    loads, stores = _global(ptx, "ld"), _global(ptx, "st")
+    assert loads[128] >= 2 and stores[128] >= (2 if transposed else 1), (loads, stores)
+
+
+def test_amax_size_one_compiles(sm90, record):
+    from fp8_kernels import triton_current
+
+    rec = record(triton_current, "_amax_kernel")
+    triton_current.tensor_amax_triton(torch.zeros(1, dtype=torch.float16))
+    assert "atom" in _ptx(sm90, rec)
+
+
+# ----- exponent histogram -----
+@pytest.mark.parametrize("dtype,n", [(torch.bfloat16, 3 * 4096), (torch.float32, 4097), (torch.float32, 1)])
+def test_histogram_loads_vectorised(sm90, record, dtype, n):
+    from fp8_kernels import triton_histogram, triton_launch
+
+    rec = record(triton_histogram, "_histogram_kernel")
+    triton_histogram.exponent_histogram_triton(torch.zeros(n, dtype=dtype))
+    block, warps = triton_launch.block_1d(CUDA)
+    loads = _global(_ptx(sm90, rec), "ld")
+    assert loads[128] >= _per_thread(block, warps) * torch.zeros((), dtype=dtype).element_size() // 16, loads
+
+
+# ----- the fused scale update -----
+@pytest.mark.parametrize("n", [1, 37, 48])
+def test_scale_update_compiles_and_stores_aligned_scales(sm90, record, n):
+    from fp8_kernels import SCALE_STRIDE, aligned_scales, triton_scale_update
+
+    rec = record(triton_scale_update, "_scale_update_kernel")
+    triton_scale_update.scale_update_triton(
+        torch.zeros(16, n), torch.zeros(n, 6, dtype=torch.float64)[:, 0], aligned_scales(torch.ones(n)),
+        fp8_max=torch.full((n,), 448.0), margin=torch.zeros(n), most_recent=torch.zeros(n, dtype=torch.bool),
+        history_len=torch.full((n,), 16), interval=torch.ones(n, dtype=torch.int64),
+        step=torch.tensor(1), enabled=torch.ones(n, dtype=torch.bool),
+    )  # fmt: skip
+    args, kwargs = rec.launches[0]
+    assert kwargs["OUT_STRIDE"] == SCALE_STRIDE and kwargs["DIV_N"] == (16 if n % 16 == 0 else 1)
+    ptx = _ptx(sm90, rec)
+    loads = _global(ptx, "ld")
+    if n % 16 == 0:  # history rows start aligned: its tiles load in 16-byte vectors
+        assert loads[128] >= 1, loads
+    assert "st.global" in ptx
