@@ -27,8 +27,10 @@ Statistics, one float64 row ``(amax, scale, overflow, underflow, nonfinite, nume
 
 An empty ``x`` gives an empty ``q`` and the row ``(0, scale, 0, 0, 0, 0)``.
 
-When a ``stats`` row is passed, the call accumulates into it in place (amax: max ignoring NaN, i.e.
-``fmax``; counts and numel: sum; scale: overwritten), which is how micro-batches of one step add up.
+When a ``stats`` row is passed, the call accumulates into it in place, which is how micro-batches of one
+step add up: amax the max ignoring NaN (``fmax``); scale the one of the call whose amax is now the row's
+(on a tie the later call's), so that an amax is always reported beside the scale that scaled it (with
+current scaling each micro-batch has its own); counts and numel the sum.
 """
 
 from __future__ import annotations
@@ -176,8 +178,11 @@ def quantize_with_stats_reference(
     if stats is None:
         row = torch.cat([amax.to(torch.float64).reshape(1), scale.to(torch.float64).reshape(1), counts])
         return q, row
-    torch.fmax(stats[0], amax.to(torch.float64), out=stats[0])
-    stats[1].copy_(scale)
+    amax64 = amax.to(torch.float64)
+    # the scale of the call that set the amax (a NaN in the row counts as nothing, as fmax reads it)
+    takes = (amax64 >= stats[0]) | torch.isnan(stats[0])
+    stats[1].copy_(torch.where(takes, scale.to(torch.float64), stats[1]))
+    torch.fmax(stats[0], amax64, out=stats[0])
     stats[2:].add_(counts)
     return q, stats
 
@@ -210,8 +215,9 @@ def quantize_current_reference(
 
 def accumulate_stats(stats: torch.Tensor, row: torch.Tensor) -> None:
     """Fold one call's ``row`` into an accumulating ``stats`` row in place (see the module docstring)."""
+    takes = (row[0:1] >= stats[0:1]) | torch.isnan(stats[0:1])
+    stats[1:2].copy_(torch.where(takes, row[1:2], stats[1:2]))
     torch.fmax(stats[0:1], row[0:1], out=stats[0:1])
-    stats[1:2].copy_(row[1:2])
     stats[2:].add_(row[2:])
 
 

@@ -87,14 +87,20 @@ def _load_scale(
 
 @triton.jit
 def _fmax_into(stats_ptr, a):
-    """``stats[0] = fmax(stats[0], a)`` for a non-negative, non-NaN float32 ``a``, atomically: an integer
-    max of the float64 bits, and a NaN found in the row (put there from outside) replaced as ``fmax`` does."""
+    """``stats[0] = fmax(stats[0], a)`` for a non-negative, non-NaN float32 ``a``, atomically (an integer max
+    of the float64 bits; a NaN found in the row, put there from outside, is swapped out as ``fmax`` would).
+    Returns whether ``a`` is at least the value it met: for one call's programs, all with the same scale, true
+    for the one holding the call's amax exactly when that amax is at least the row's before the call."""
     slot = stats_ptr.to(tl.pointer_type(tl.int64))
     bits = a.to(tl.float64).to(tl.int64, bitcast=True)
     old = tl.atomic_max(slot, bits)
-    if old > 0x7FF0000000000000:  # noqa: SIM102 (the swap must not run otherwise) a NaN: swap it out
-        if tl.atomic_cas(slot, old, bits) != old:  # someone else swapped it first: max with theirs
-            tl.atomic_max(slot, bits)
+    won = bits >= old
+    if old > 0x7FF0000000000000:  # a NaN, which sorts above every amax: swap it out
+        prev = tl.atomic_cas(slot, old, bits)
+        won = prev == old
+        if prev != old:  # another program swapped it first: a max with theirs
+            won = bits >= tl.atomic_max(slot, bits)
+    return won
 
 
 @triton.jit
@@ -102,19 +108,20 @@ def _accumulate_stats(
     stats_ptr, amax_ptr, scale_out_ptr, amax_bits, overflow, underflow, nonfinite, scale, n,
     HAS_AMAX: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr,
 ):  # fmt: skip
-    """Fold one program's totals into the float64 statistics row (columns ``STAT_COLUMNS``)."""
+    """Fold one program's totals into the float64 statistics row (columns ``STAT_COLUMNS``): amax fmax,
+    scale the one of the call that set the amax (``quantize_with_stats_reference``), counts summed."""
     pid = tl.program_id(0)
     if HAS_AMAX:
         if pid == 0:
             a = abs_bits(tl.load(amax_ptr).to(tl.float32))
-            _fmax_into(stats_ptr, tl.where(a > 0x7F800000, 0, a).to(tl.float32, bitcast=True))
-    else:
-        _fmax_into(stats_ptr, amax_bits.to(tl.float32, bitcast=True))
+            if _fmax_into(stats_ptr, tl.where(a > 0x7F800000, 0, a).to(tl.float32, bitcast=True)):
+                tl.store(stats_ptr + 1, scale.to(tl.float64))
+    elif _fmax_into(stats_ptr, amax_bits.to(tl.float32, bitcast=True)):
+        tl.store(stats_ptr + 1, scale.to(tl.float64))
     tl.atomic_add(stats_ptr + 2, overflow.to(tl.float64))
     tl.atomic_add(stats_ptr + 3, underflow.to(tl.float64))
     tl.atomic_add(stats_ptr + 4, nonfinite.to(tl.float64))
     if pid == 0:
-        tl.store(stats_ptr + 1, scale.to(tl.float64))
         tl.atomic_add(stats_ptr + 5, n.to(tl.float64))
         if SCALE_FROM_AMAX:
             tl.store(scale_out_ptr, scale)

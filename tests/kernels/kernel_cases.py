@@ -223,6 +223,40 @@ def _amax_at_max(device: torch.device) -> None:
             assert q.float().abs().max().item() == fmax.item()
 
 
+@case("quantize-accumulated-amax-keeps-its-scale")
+def _amax_keeps_scale(device: torch.device) -> None:
+    # three micro-batches into one row, the middle one saturating the first's scale: the row's amax is
+    # reported beside the scale that scaled it (delayed: given scales; current: each call's own)
+    from fp8_kernels.triton_current import quantize_current_transposed_triton, quantize_current_triton
+    from fp8_kernels.triton_quantize import launch_quantize
+
+    from fp8_trainer.scaling import current_scale
+
+    g = torch.Generator().manual_seed(11)
+    batches = [torch.rand(33, 40, generator=g) * a for a in (1.0, 50.0, 1.0)]
+    scales = [448.0, 8.0, 300.0]
+    for how in ("delayed-1d", "delayed-2d", "current-1d", "current-2d"):
+        buf = torch.zeros(3, 6, dtype=torch.float64, device=device)
+        ref = torch.zeros(6, dtype=torch.float64, device=device)
+        used = []
+        for x, s in zip(batches, scales, strict=True):
+            x = x.to(device)
+            if how.startswith("delayed"):
+                scale = torch.tensor(s, device=device)
+                launch_quantize(x, scale, FP8["e4m3"], buf[1], transpose=how.endswith("2d"))
+            elif how == "current-1d":
+                _, scale, _ = quantize_current_triton(x, FP8["e4m3"], buf[1])
+            else:
+                _, _, scale, _ = quantize_current_transposed_triton(x, FP8["e4m3"], buf[1])
+            quantize_with_stats_reference(x, scale, FP8["e4m3"], ref)
+            used.append(scale.item())
+        _same(buf[1], ref, f"accumulated row ({how})")
+        amax = max(b.abs().max().item() for b in batches)
+        assert buf[1, 0].item() == amax and buf[1, 1].item() == used[1], (how, buf[1].tolist(), used)
+        if how.startswith("current"):
+            assert used[1] == current_scale(torch.tensor(amax), 448.0).item()
+
+
 @case("quantize-many-blocks-per-program")
 def _many_blocks(device: torch.device) -> None:
     # every program walks tens of blocks, each element position collecting overflows, underflows and

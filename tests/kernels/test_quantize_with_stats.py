@@ -149,11 +149,25 @@ def test_accumulate_into_stats_row():
     stats = torch.zeros(6, dtype=torch.float64)
     quantize_with_stats(torch.tensor([1.0, 1000.0, 1e-9]), torch.tensor(1.0), torch.float8_e4m3fn, stats)
     quantize_with_stats(torch.tensor([-5.0, NAN]), torch.tensor(2.0), torch.float8_e4m3fn, stats)
-    assert stats.tolist() == [1000.0, 2.0, 1, 1, 1, 5]  # the NaN micro-batch does not erase the amax
+    # the NaN micro-batch does not erase the amax, which keeps the scale that scaled it
+    assert stats.tolist() == [1000.0, 1.0, 1, 1, 1, 5]
     # a NaN put in the row from outside: the max ignores it (fmax)
-    stats = torch.tensor([NAN, 1.0, 0, 0, 0, 0], dtype=torch.float64)
+    stats = torch.tensor([NAN, 3.0, 0, 0, 0, 0], dtype=torch.float64)
     quantize_with_stats(torch.tensor([-5.0, 2.0]), torch.tensor(1.0), torch.float8_e4m3fn, stats)
     assert stats.tolist() == [5.0, 1.0, 0, 0, 0, 2]
+
+
+def test_accumulated_amax_keeps_the_scale_that_scaled_it():
+    # micro-batches with their own scales (current scaling): the row reports the largest amax beside the
+    # scale of the micro-batch it came from, so amax * scale above the rounding threshold means overflow
+    stats = torch.zeros(6, dtype=torch.float64)
+    for amax, scale in [(1.0, 448.0), (50.0, 8.96), (1.0, 448.0), (50.0, 8.0)]:
+        quantize_with_stats(torch.tensor([amax, -0.5]), torch.tensor(scale), torch.float8_e4m3fn, stats)
+    assert stats.tolist()[:3] == [50.0, 8.0, 0]  # on a tie the later call's scale (the one it used last)
+    stats = torch.zeros(6, dtype=torch.float64)
+    quantize_with_stats(torch.tensor([3.0]), torch.tensor(4.0), torch.float8_e4m3fn, stats)
+    quantize_with_stats(torch.tensor([NAN, 1.0]), torch.tensor(9.0), torch.float8_e4m3fn, stats)
+    assert stats.tolist()[:2] == [3.0, 4.0]
     stats = torch.zeros(6, dtype=torch.float64)
     quantize_with_stats(torch.tensor([3.0]), torch.tensor(1.0), torch.float8_e5m2, stats)
     quantize_with_stats(torch.tensor([-7.0, 2.0]), torch.tensor(1.0), torch.float8_e5m2, stats)
