@@ -51,7 +51,7 @@ def _scale_and_count(
     OVF_INCLUSIVE: tl.constexpr,
 ):  # fmt: skip
     """One element's ``(|x| bits with NaN as 0, packed counts, pre-cast value)``: the counts overflow,
-    underflow and non-finite exclude each other, so one int32 holds them (``COUNT_SHIFT`` bits apart)."""
+    underflow and non-finite exclude each other, so one int32 holds them, 10 bits apart."""
     ax_bits = abs_bits(x)
     finite = ax_bits < 0x7F800000  # exponent all ones: Inf or NaN
     xs = x * scale
