@@ -20,7 +20,9 @@ FIXED_POINT = float(2**20)
 class AmaxDivergenceDetector:
     """Rule: ``growth = log2(amax_s) - mean(log2 amax over the previous W steps)`` with
     ``W = min(amax_history_len, divergence_window)`` per tensor (the recompute interval, usually 1, for
-    ``amax_compute_algo="most_recent"``; see `recipe.growth_window`). A step diverges when
+    ``amax_compute_algo="most_recent"``; see `recipe.growth_window`). Only steps where the tensor is
+    `watched` (FP8 on and past its warm-up) enter the window, so the steep first steps of a run are no
+    baseline. A step diverges when
     ``growth > margin + divergence_log2`` and at least half the window holds finite amaxes; fires once per
     episode after `divergence_consecutive` diverging steps, severity warning, critical when
     ``growth > margin + 2 * divergence_log2``. A steady exponential rise of r (log2 per step) gives
@@ -39,14 +41,14 @@ class AmaxDivergenceDetector:
         self.last_growth = np.full(n, np.nan)  # for layer health
         self.tail = Tail(n)
 
-    def process(self, steps, amax, enabled, margin, window) -> list[Finding]:
+    def process(self, steps, amax, watched, margin, window) -> list[Finding]:
         cfg = self.config
         s_len, n = amax.shape
         w = cfg.divergence_window
         self.tail.push(steps, amax)
         with np.errstate(over="ignore"):  # beyond float32: inf, i.e. unusable, like the runtime's own value
             amax32 = amax.astype(np.float32)  # the runtime's amax is float32; its log2 is ~2x cheaper
-        ok = np.isfinite(amax32) & (amax32 > 0)
+        ok = np.isfinite(amax32) & (amax32 > 0) & watched
         log2_32 = np.log2(amax32, where=ok, out=np.zeros_like(amax32))  # 0 where unusable, so q is 0 there
         q = (log2_32 * np.float32(FIXED_POINT)).astype(np.int32)  # exact scaling, then truncation; |q| < 2^28
         log2_amax = log2_32.astype(np.float64)
@@ -68,7 +70,7 @@ class AmaxDivergenceDetector:
             mean = (total / (count * FIXED_POINT)).T  # (S, T)
         growth = log2_amax - mean
         valid = ok & (window <= 2 * count.T)  # at least half the window has finite amaxes
-        mask = enabled & valid & (growth > margin[None, :] + cfg.divergence_log2)
+        mask = valid & (growth > margin[None, :] + cfg.divergence_log2)
         cols, run, (fire,) = advance(
             mask, self.run, [self.fired], lambda run, c: [run >= cfg.divergence_consecutive]
         )
@@ -137,7 +139,9 @@ class ScaleCollapseDetector:
     """Rule: a step's scale has collapsed when ``max(log2 scale over the previous scale_window steps) -
     log2(scale) > scale_drop_log2`` (warning: one amax spike in a ``"max"`` history pins a tiny scale for
     amax_history_len steps, flushing everything else to zero), or when the scale is NaN/±inf, <= 0 or below
-    `scale_min` (critical). Fires once per episode, and once more if a warning episode turns critical.
+    `scale_min` (critical). Fires once per episode, and once more if a warning episode turns critical. The
+    drop counts only where `watched` (past the warm-up: the first scales fall from the initial 1 by design);
+    a broken scale counts wherever the tensor is `enabled`.
     """
 
     def __init__(self, config: DetectorConfig, tensors: list[TensorMeta]) -> None:
@@ -150,7 +154,7 @@ class ScaleCollapseDetector:
         self.fired_critical = np.zeros(n, dtype=bool)
         self.tail = Tail(n)
 
-    def process(self, steps, scale, enabled) -> list[Finding]:
+    def process(self, steps, scale, enabled, watched=None) -> list[Finding]:
         cfg = self.config
         self.tail.push(steps, scale)
         s_len = scale.shape[0]
@@ -162,7 +166,7 @@ class ScaleCollapseDetector:
             np.fmax(ref, ext[j : j + s_len], out=ref)
         dropped = scale_or_nan * 2.0**cfg.scale_drop_log2 < ref  # False where either is NaN
         broken = ~usable | (scale < cfg.scale_min)
-        mask = enabled & (broken | dropped)
+        mask = enabled & broken | (enabled if watched is None else watched) & dropped
         cols, _, (fire, escalate) = advance(
             mask, self.run, [self.fired, self.fired_critical], lambda run, c: [mask[:, c], broken[:, c]]
         )

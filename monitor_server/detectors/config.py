@@ -8,10 +8,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 class DetectorConfig(BaseModel):
     """Thresholds of every detector. Defaults are deliberately conservative: an alert should mean something.
 
-    Loss spike (run-level): robust z-score of each new finite loss against the previous `loss_window` finite
-    losses, ``z = (loss - median) / max(1.4826 * MAD, loss_rel_floor * |median|, 1e-12)``; fires when
-    ``z >= loss_z_threshold`` once `loss_min_history` losses are in the window; critical when
-    ``z >= loss_z_critical``.
+    Loss spike (run-level): robust z-score of each new finite loss against its trend: the residual
+    ``r = loss - baseline`` (an exponential moving average of span `loss_ema_span`) against the residuals R
+    of the previous `loss_window` finite losses,
+    ``z = (r - median(R)) / max(1.4826 * MAD(R), loss_rel_floor * |baseline|, 1e-12)``; fires when
+    ``z >= loss_z_threshold`` once `loss_min_history` residuals are in the window; critical when
+    ``z >= loss_z_critical`` (see `loss.LossSpikeDetector`).
 
     Overflow burst (per tensor): ``frac = overflow / numel``; a step is overflowing when
     ``frac > overflow_frac``; fires (warning) after `overflow_consecutive` consecutive overflowing steps, or
@@ -38,6 +40,11 @@ class DetectorConfig(BaseModel):
 
     Layer health: a layer saturates (warning, diverging) when a tensor's headroom
     ``log2(FP8_MAX / (amax * scale))`` is below ``-saturation_log2``.
+
+    Warm-up grace (per tensor): no overflow, underflow, divergence or scale-drop finding for a tensor until it
+    has reported `warmup_steps` steps with a non-zero finite amax; by default (None) until its amax history
+    has filled once (``amax_history_len`` of its recipe; `divergence_window` for current scaling), at most
+    `warmup_max_steps`. Non-finite values, and a non-finite or non-positive scale, alert from the first step.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -47,6 +54,7 @@ class DetectorConfig(BaseModel):
     loss_z_threshold: float = Field(6.0, gt=0)
     loss_z_critical: float = Field(12.0, gt=0)
     loss_rel_floor: float = Field(1e-3, ge=0)
+    loss_ema_span: int = Field(10, ge=1, le=10_000)
 
     overflow_frac: float = Field(1e-3, ge=0, lt=1)
     overflow_consecutive: int = Field(3, ge=1)
@@ -67,6 +75,9 @@ class DetectorConfig(BaseModel):
     saturation_log2: float = Field(0.5, ge=0)
 
     stall_seconds: float = Field(120.0, gt=0)
+
+    warmup_steps: int | None = Field(None, ge=0, le=1_000_000)
+    warmup_max_steps: int = Field(100, ge=0, le=1_000_000)
 
     rank_divergence_log2: float = Field(2.0, gt=0)
 

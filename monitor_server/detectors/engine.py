@@ -20,6 +20,9 @@ Conventions:
 - A NaN loss counts as non-finite only where ``batch.present["loss"]`` says the step carried a loss (types.py
   documents NaN as "missing" otherwise); an infinite loss always counts.
 - Tensors of layers with FP8 turned off in the recipe are ignored by the tensor detectors.
+- Warm-up grace: a tensor's overflow, underflow, divergence and scale-drop findings wait until it has
+  reported `warmup_len` steps with a non-zero finite amax (see `recipe.warmup_len`); a zero amax (a layer
+  that did not run) does not count, as it does not enter the amax history. Non-finite values always alert.
 - Client events (`process_events`): ``loss_spike`` -> a loss_spike finding (warning), ``nonfinite`` -> a
   nonfinite finding (critical; details may name ``tensor_index`` or ``tensor``), ``custom`` -> nothing unless
   ``details["alert"] is True`` and ``details["kind"]`` is one of ALERT_KINDS (then that kind, with
@@ -45,7 +48,7 @@ from .recipe import merge_recipe, per_tensor, split_recipe
 from .stall import check_stalled
 from .state import decode_array, encode_array, encode_evidence
 from .tensors import OverflowBurstDetector, UnderflowExcessDetector
-from .types import ALERT_KINDS, FP8_MAX, SEVERITIES, Finding, StepBatch, TensorMeta
+from .types import ALERT_KINDS, FP8_MAX, FP8_ROUNDING_THRESHOLD, SEVERITIES, Finding, StepBatch, TensorMeta
 
 __all__ = ["DetectorConfig", "DetectorEngine", "check_stalled"]
 
@@ -91,6 +94,9 @@ class DetectorEngine:
         self.registered[[t.index for t in tensors]] = True
         n = len(self.tensors)
         self.fp8_max = np.array([FP8_MAX.get(t.format, FP8_MAX["e4m3"]) for t in self.tensors])
+        self.fp8_rounding = np.array(
+            [FP8_ROUNDING_THRESHOLD.get(t.format, FP8_ROUNDING_THRESHOLD["e4m3"]) for t in self.tensors]
+        )
         self._base: dict[str, Any] = {}
         self._overrides: dict[str, dict[str, Any]] = {}
         self.set_recipe(recipe)
@@ -101,6 +107,7 @@ class DetectorEngine:
         self.divergence = AmaxDivergenceDetector(config, self.tensors)
         self.scale_collapse = ScaleCollapseDetector(config, self.tensors)
         self.last_step: int | None = None
+        self.amax_seen = np.zeros(n, dtype=np.int64)  # steps with a non-zero finite amax, per tensor
         self.last_amax = np.full(n, np.nan)
         self.last_scale = np.full(n, np.nan)
         self.overflow_total = np.zeros(n)
@@ -122,8 +129,8 @@ class DetectorEngine:
 
     def _apply_recipe(self, base: dict[str, Any], overrides: dict[str, dict[str, Any]]) -> None:
         self._base, self._overrides = base, overrides
-        self.margin, self.window, self.enabled = per_tensor(
-            self.tensors, self._base, self._overrides, self.config.divergence_window
+        self.margin, self.window, self.enabled, self.warmup = per_tensor(
+            self.tensors, self._base, self._overrides, self.config
         )
         self.enabled &= self.registered  # placeholders for unregistered indices are never watched
 
@@ -170,6 +177,14 @@ class DetectorEngine:
             loss_bad = np.isinf(loss)
         nan_cols = np.full((steps.size, n), np.nan)
         loss_or_nan = loss if loss is not None else np.full(steps.size, np.nan)
+        # warm-up grace: watched once the amax history has filled (steps before this one, per tensor)
+        if amax is not None:
+            usable = np.isfinite(amax) & (amax > 0)
+            seen_before = self.amax_seen[None, :] + np.cumsum(usable, axis=0) - usable
+            self.amax_seen += usable.sum(axis=0)
+        else:
+            seen_before = np.broadcast_to(self.amax_seen, (steps.size, n))
+        watched = enabled & (seen_before >= self.warmup[None, :])
         findings = self.nonfinite.process(
             steps,
             bad,
@@ -182,13 +197,13 @@ class DetectorEngine:
         if loss is not None:
             findings += self.loss.process(steps, loss)
         if scale is not None:
-            findings += self.scale_collapse.process(steps, scale, enabled)
+            findings += self.scale_collapse.process(steps, scale, enabled, watched)
         if overflow is not None and numel is not None:
-            findings += self.overflow.process(steps, overflow, numel, enabled)
+            findings += self.overflow.process(steps, overflow, numel, watched)
         if amax is not None:
-            findings += self.divergence.process(steps, amax, enabled, self.margin, self.window)
+            findings += self.divergence.process(steps, amax, watched, self.margin, self.window)
         if underflow is not None and numel is not None:
-            findings += self.underflow.process(steps, underflow, numel, enabled)
+            findings += self.underflow.process(steps, underflow, numel, watched)
 
         # running per-tensor summary for layer health
         if amax is not None:
@@ -294,6 +309,7 @@ class DetectorEngine:
             last_amax=self.last_amax,
             last_scale=self.last_scale,
             fp8_max=self.fp8_max,
+            fp8_rounding=self.fp8_rounding,
             overflow_total=self.overflow_total,
             underflow_total=self.underflow_total,
             nonfinite_total=self.nonfinite_total,
@@ -302,6 +318,7 @@ class DetectorEngine:
             window=self.window,
             divergence_log2=self.config.divergence_log2,
             saturation_log2=self.config.saturation_log2,
+            warming_up=self.amax_seen < self.warmup,
         )
         return layer_health(self.tensors, snap, open_alerts)
 
@@ -312,6 +329,7 @@ class DetectorEngine:
             "version": STATE_VERSION,
             "n_tensors": len(self.tensors),
             "last_step": self.last_step,
+            "amax_seen": encode_array(self.amax_seen),
             "recipe": {"base": self._base, "overrides": self._overrides},
             "summary": {
                 "last_amax": encode_array(self.last_amax),
@@ -336,6 +354,10 @@ class DetectorEngine:
                 f"does not match this engine (version {STATE_VERSION}, {len(self.tensors)} tensors)"
             )
         self.last_step = state["last_step"]
+        if "amax_seen" in state:
+            self.amax_seen = decode_array(state["amax_seen"], np.int64)
+        else:  # a state saved before warm-up grace existed: that run is past its warm-up
+            self.amax_seen = np.full(len(self.tensors), np.iinfo(np.int32).max, dtype=np.int64)
         self._apply_recipe(dict(state["recipe"]["base"]), dict(state["recipe"]["overrides"]))
         summary = state["summary"]
         for name in ("last_amax", "last_scale", "overflow_total", "underflow_total", "nonfinite_total"):

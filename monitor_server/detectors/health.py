@@ -11,9 +11,8 @@ from .types import Finding, TensorMeta, encode_float
 
 SEVERITY_RANK = {"ok": 0, "info": 1, "warning": 2, "critical": 3}
 SEVERITY_WEIGHT = {"info": 1.0, "warning": 10.0, "critical": 100.0}
-SATURATION_EPS = (
-    1e-3  # headroom exactly 0 (amax maps to the FP8 max) is delayed scaling with margin 0 at work
-)
+#: per-tensor saturation facts (`saturation_state`)
+SATURATION_STATES = ("unknown", "none", "at_max", "clipping", "saturating")
 
 
 @dataclass
@@ -23,6 +22,7 @@ class TensorSnapshot:
     last_amax: np.ndarray
     last_scale: np.ndarray
     fp8_max: np.ndarray
+    fp8_rounding: np.ndarray  # where a scaled value saturates (types.FP8_ROUNDING_THRESHOLD)
     overflow_total: np.ndarray
     underflow_total: np.ndarray
     nonfinite_total: np.ndarray
@@ -31,6 +31,7 @@ class TensorSnapshot:
     window: np.ndarray
     divergence_log2: float
     saturation_log2: float
+    warming_up: np.ndarray  # (T,) bool: the tensor's amax history has not filled yet
 
 
 def headroom_log2(amax: np.ndarray, scale: np.ndarray, fp8_max: np.ndarray) -> np.ndarray:
@@ -39,21 +40,46 @@ def headroom_log2(amax: np.ndarray, scale: np.ndarray, fp8_max: np.ndarray) -> n
         return np.log2(fp8_max / (amax * scale))
 
 
+def saturation_state(head: np.ndarray, fp8_max: np.ndarray, fp8_rounding: np.ndarray, saturation_log2: float):
+    """Per tensor, what its headroom says (one of SATURATION_STATES):
+
+    - ``none``: amax * scale within the FP8 max (headroom >= 0);
+    - ``at_max``: above the max but below the rounding threshold (464 for e4m3, 61440 for e5m2), so it
+      rounds to the max and nothing is lost: delayed scaling with margin 0 when the amax repeats its history
+      maximum. The recipe working as designed, not saturation;
+    - ``clipping``: above the rounding threshold, by less than 2**saturation_log2: the largest elements
+      saturate (an amax slightly above the history maximum);
+    - ``saturating``: more than that;
+    - ``unknown``: no finite headroom yet.
+    """
+    lossless = np.log2(fp8_max / fp8_rounding)  # about -0.05 (e4m3), -0.10 (e5m2)
+    state = np.full(head.shape, "unknown", dtype=object)
+    with np.errstate(invalid="ignore"):
+        state[head >= 0] = "none"
+        state[(head < 0) & (head >= lossless)] = "at_max"
+        state[(head < lossless) & (head >= -saturation_log2)] = "clipping"
+        state[head < -saturation_log2] = "saturating"
+    return state
+
+
 def layer_health(
     tensors: list[TensorMeta], snap: TensorSnapshot, open_alerts: list[dict]
 ) -> list[dict[str, Any]]:
     """Rank layers worst first.
 
     A layer's reasons, each with a severity: an open alert on one of its tensors (the alert's severity);
-    non-finite values seen (critical); headroom below -saturation_log2, i.e. amax * scale well above the FP8
-    max (warning, diverging; a slightly negative headroom is info: delayed scaling with margin 0 clips a
-    few elements whenever amax reaches a new high); amax growth beyond margin + divergence_log2 over the
-    delayed-scaling window (warning, diverging). Any open alert also marks the layer diverging.
+    non-finite values seen (critical); a ``saturating`` tensor (`saturation_state`: amax * scale well above
+    the FP8 max; warning, diverging; info while the tensor is still in its warm-up); a ``clipping`` one
+    (info: delayed scaling with margin 0 clips the largest elements when amax reaches a new high); amax
+    growth beyond margin + divergence_log2 over the delayed-scaling window (warning, diverging; info in
+    warm-up). ``at_max`` (amax * scale rounds to the FP8 max, nothing lost) is no reason: it stays a
+    per-tensor fact (``saturation``). Any open alert also marks the layer diverging.
     severity = the worst reason ("ok" if none); score = sum of reason weights (info 1,
     warning 10, critical 100) plus a small term for the least headroom, so healthy layers rank by headroom.
     Alerts without a tensor (loss_spike, stalled) belong to no layer and are ignored here.
     """
     head = headroom_log2(snap.last_amax, snap.last_scale, snap.fp8_max)
+    sat = saturation_state(head, snap.fp8_max, snap.fp8_rounding, snap.saturation_log2)
     layers: dict[str, list[int]] = {}
     for i, meta in enumerate(tensors):
         if meta.layer:
@@ -84,28 +110,29 @@ def layer_health(
                 reasons.append(
                     ("critical", f"{name}: {snap.nonfinite_total[i]:.0f} non-finite values so far")
                 )
-            h = head[i]
-            if h < -snap.saturation_log2:
+            h, warm = head[i], bool(snap.warming_up[i])
+            during = " (warm-up: the amax history has not filled yet)" if warm else ""
+            if sat[i] == "saturating":
                 reasons.append(
                     (
-                        "warning",
+                        "info" if warm else "warning",
                         f"{name} saturates: headroom 2^{h:.2f} (amax * scale above the FP8 "
-                        f"max {snap.fp8_max[i]:g})",
+                        f"max {snap.fp8_max[i]:g}){during}",
                     )
                 )
-                diverging = True
-            elif h < -SATURATION_EPS:
-                reasons.append(("info", f"{name} saturates slightly: headroom 2^{h:.2f}"))
+                diverging |= not warm
+            elif sat[i] == "clipping":
+                reasons.append(("info", f"{name} clips its largest elements: headroom 2^{h:.2f}{during}"))
             g, cover = snap.growth_log2[i], snap.margin[i] + snap.divergence_log2
             if g > cover:
                 reasons.append(
                     (
-                        "warning",
+                        "info" if warm else "warning",
                         f"amax of {name} grew 2^{g:.2f}x over the last {snap.window[i]} steps, "
-                        f"more than history and margin cover (2^{cover:g})",
+                        f"more than history and margin cover (2^{cover:g}){during}",
                     )
                 )
-                diverging = True
+                diverging |= not warm
         severity = max((sev for sev, _ in reasons), key=SEVERITY_RANK.__getitem__, default="ok")
         finite_head = head[idx][np.isfinite(head[idx])]
         least = float(finite_head.min()) if finite_head.size else 16.0
@@ -120,7 +147,7 @@ def layer_health(
                 "score": score,
                 "diverging": diverging,
                 "reasons": [text for _, text in reasons],
-                "tensors": [_tensor_entry(tensors[i], i, snap, head) for i in idx],
+                "tensors": [_tensor_entry(tensors[i], i, snap, head, sat) for i in idx],
                 "_order": order,
             }
         )
@@ -130,7 +157,9 @@ def layer_health(
     return out
 
 
-def _tensor_entry(meta: TensorMeta, i: int, snap: TensorSnapshot, head: np.ndarray) -> dict[str, Any]:
+def _tensor_entry(
+    meta: TensorMeta, i: int, snap: TensorSnapshot, head: np.ndarray, sat: np.ndarray
+) -> dict[str, Any]:
     return {
         "index": meta.index,
         "name": meta.name,
@@ -138,6 +167,8 @@ def _tensor_entry(meta: TensorMeta, i: int, snap: TensorSnapshot, head: np.ndarr
         "last_amax": encode_float(snap.last_amax[i]),
         "last_scale": encode_float(snap.last_scale[i]),
         "headroom_log2": encode_float(head[i]),
+        "saturation": str(sat[i]),
+        "warming_up": bool(snap.warming_up[i]),
         "amax_growth_log2": encode_float(snap.growth_log2[i]),
         "overflow_total": encode_float(snap.overflow_total[i]),
         "underflow_total": encode_float(snap.underflow_total[i]),

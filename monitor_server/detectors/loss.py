@@ -1,108 +1,146 @@
-"""Loss-spike detector: robust z-score of each new loss against a rolling window of previous losses."""
+"""Loss-spike detector: robust z-score of each new loss against the trend, not against the raw window.
+
+Training loss falls, steeply at first: against the median and MAD of the raw losses of the last 50 steps, a
+jump that doubles the loss late in a steep phase scores below the threshold (the median sits above the
+current level and the trend itself inflates the MAD). The loss is therefore detrended first: each loss is
+compared with a short exponential moving average (the baseline, i.e. the loss expected at this step), and
+the residuals ``loss - baseline`` are what the robust z-score is computed over.
+"""
 
 from __future__ import annotations
 
+import math
+import statistics
 from typing import Any
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from .config import DetectorConfig
 from .state import decode_array, encode_array, encode_evidence
 from .types import Finding
 
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
+#: a loss moves the baseline by at most this many robust sigmas (times the EMA's alpha): a spike must not
+#: drag the expectation it is measured against, while a lasting level shift is followed within a few spans
+BASELINE_CLIP_SIGMAS = 3.0
+TAIL = 10  # evidence carries this many previous losses
 
 
 class LossSpikeDetector:
-    """Rule: ``z = (loss - median(W)) / max(1.4826 * MAD(W), loss_rel_floor * |median(W)|, 1e-12)`` where W
-    holds the previous `loss_window` finite losses; fires when ``z >= loss_z_threshold`` and W holds at least
-    `loss_min_history` losses. Only upward spikes count. Consecutive spiking steps are one finding (at the
-    first of them). Spikes stay in the window: median and MAD are robust to them, and a lasting level shift
-    then stops alerting after about half a window. Non-finite losses are the nonfinite detector's business.
+    """Rule, for each new finite loss x at step s:
+
+    - ``r = x - b`` with ``b`` the baseline before s: an exponential moving average of the losses with
+      ``alpha = 2 / (loss_ema_span + 1)`` (the first loss starts it);
+    - ``z = (r - median(R)) / max(1.4826 * MAD(R), loss_rel_floor * |b|, 1e-12)`` with R the residuals of the
+      previous `loss_window` finite losses (their median absorbs the EMA's lag behind a falling loss);
+    - fires when ``z >= loss_z_threshold`` and R holds at least `loss_min_history` residuals; critical when
+      ``z >= loss_z_critical``. Only upward spikes count; consecutive spiking steps are one finding (at the
+      first of them).
+
+    The baseline then moves by ``alpha * clip(r, median(R) +- 3 sigma)``, so one spike barely moves it and
+    a lasting level shift stops alerting after a few spans. Non-finite losses are the nonfinite detector's
+    business (they are skipped here).
     """
 
     def __init__(self, config: DetectorConfig) -> None:
         self.config = config
-        self.window_steps = np.zeros(0, dtype=np.int64)
-        self.window_loss = np.zeros(0)
+        self.alpha = 2.0 / (config.loss_ema_span + 1.0)
+        self.baseline: float | None = None
+        self.resid: list[float] = []  # residuals of the previous finite losses, oldest first
+        self.steps: list[int] = []  # steps and losses of the last TAIL finite losses (evidence)
+        self.losses: list[float] = []
         self.active = False  # the previous finite loss was a spike
 
     def process(self, steps: np.ndarray, loss: np.ndarray) -> list[Finding]:
         cfg = self.config
-        ok = np.isfinite(loss)
-        new_steps, new_loss = steps[ok], loss[ok]
-        if new_loss.size == 0:
-            return []
-        n_hist = self.window_loss.size
-        ext = np.concatenate([self.window_loss, new_loss])
-        ext_steps = np.concatenate([self.window_steps, new_steps])
-        k = new_loss.size
-        w = cfg.loss_window
-        med = np.full(k, np.nan)
-        mad = np.full(k, np.nan)
-        count = np.minimum(np.arange(n_hist, n_hist + k), w)
-        full = np.arange(n_hist, n_hist + k) >= w
-        if full.any():
-            rows = sliding_window_view(ext, w)[np.arange(n_hist, n_hist + k)[full] - w]  # (K', W)
-            m = np.median(rows, axis=1)
-            med[full] = m
-            mad[full] = np.median(np.abs(rows - m[:, None]), axis=1)
-        for i in np.flatnonzero(~full & (count >= cfg.loss_min_history)):
-            rows = ext[max(0, n_hist + i - w) : n_hist + i]
-            med[i] = np.median(rows)
-            mad[i] = np.median(np.abs(rows - med[i]))
-        sigma = np.maximum(np.maximum(MAD_TO_SIGMA * mad, cfg.loss_rel_floor * np.abs(med)), 1e-12)
-        z = (new_loss - med) / sigma
-        spike = (count >= cfg.loss_min_history) & (z >= cfg.loss_z_threshold)
-        prev = np.concatenate([[self.active], spike[:-1]])
-        fire = spike & ~prev
-        self.active = bool(spike[-1])
-        self.window_loss = ext[-w:].copy()
-        self.window_steps = ext_steps[-w:].copy()
-
         findings = []
-        for i in np.flatnonzero(fire):
-            lo = max(0, n_hist + i - w)
-            tail = slice(max(lo, n_hist + i - 10), n_hist + i)
-            severity = "critical" if z[i] >= cfg.loss_z_critical else "warning"
-            step = int(new_steps[i])
-            findings.append(
-                Finding(
-                    kind="loss_spike",
-                    step=step,
-                    severity=severity,
-                    tensor_index=None,
-                    message=(
-                        f"loss spike at step {step}: loss {new_loss[i]:.6g} is {z[i]:.1f} robust sigmas "
-                        f"above the median {med[i]:.6g} of the previous {count[i]} losses"
-                    ),
-                    evidence=encode_evidence(
-                        {
-                            "loss": new_loss[i],
-                            "median": med[i],
-                            "mad": mad[i],
-                            "sigma": sigma[i],
-                            "z": z[i],
-                            "threshold": cfg.loss_z_threshold,
-                            "window_len": count[i],
-                            "window_first_step": ext_steps[lo],
-                            "tail_steps": ext_steps[tail],
-                            "tail_loss": ext[tail],
-                        }
-                    ),
-                )
-            )
+        for step, x in zip(steps.tolist(), loss.tolist(), strict=True):
+            if not math.isfinite(x):
+                continue
+            if self.baseline is None:
+                self.baseline = x
+                self._remember(step, x, None)
+                continue
+            b = self.baseline
+            r = x - b
+            clipped = r
+            if len(self.resid) >= cfg.loss_min_history:
+                med = statistics.median(self.resid)
+                mad = statistics.median([abs(v - med) for v in self.resid])
+                sigma = max(MAD_TO_SIGMA * mad, cfg.loss_rel_floor * abs(b), 1e-12)
+                z = (r - med) / sigma
+                spike = z >= cfg.loss_z_threshold
+                if spike and not self.active:
+                    findings.append(self._finding(step, x, b, r, med, mad, sigma, z))
+                self.active = spike
+                clipped = min(max(r, med - BASELINE_CLIP_SIGMAS * sigma), med + BASELINE_CLIP_SIGMAS * sigma)
+            self.baseline = b + self.alpha * clipped
+            if not math.isfinite(self.baseline):  # losses near the float64 limit: start again from this one
+                self.baseline = x
+            self._remember(step, x, r)
         return findings
+
+    def _remember(self, step: int, x: float, r: float | None) -> None:
+        if r is not None:
+            self.resid.append(r)
+            del self.resid[: -self.config.loss_window]
+        self.steps.append(step)
+        self.losses.append(x)
+        del self.steps[:-TAIL], self.losses[:-TAIL]
+
+    def _finding(self, step, x, b, r, med, mad, sigma, z) -> Finding:
+        cfg = self.config
+        severity = "critical" if z >= cfg.loss_z_critical else "warning"
+        return Finding(
+            kind="loss_spike",
+            step=step,
+            severity=severity,
+            tensor_index=None,
+            message=(
+                f"loss spike at step {step}: loss {x:.6g} is {z:.1f} robust sigmas above its trend "
+                f"(expected {b + med:.6g} +- {sigma:.3g} from the previous {len(self.resid)} losses)"
+            ),
+            evidence=encode_evidence(
+                {
+                    "loss": x,
+                    "baseline": b,
+                    "expected": b + med,
+                    "residual": r,
+                    "median_residual": med,
+                    "mad": mad,
+                    "sigma": sigma,
+                    "z": z,
+                    "threshold": cfg.loss_z_threshold,
+                    "window_len": len(self.resid),
+                    "ema_span": cfg.loss_ema_span,
+                    "tail_steps": list(self.steps),
+                    "tail_loss": list(self.losses),
+                }
+            ),
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "steps": encode_array(self.window_steps),
-            "loss": encode_array(self.window_loss),
+            "baseline": self.baseline,
+            "resid": encode_array(np.asarray(self.resid, dtype=np.float64)),
+            "steps": encode_array(np.asarray(self.steps, dtype=np.int64)),
+            "loss": encode_array(np.asarray(self.losses, dtype=np.float64)),
             "active": self.active,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.window_steps = decode_array(state["steps"], np.int64)
-        self.window_loss = decode_array(state["loss"], np.float64)
+        self.steps = decode_array(state["steps"], np.int64).tolist()[-TAIL:]
+        self.losses = decode_array(state["loss"], np.float64).tolist()
         self.active = bool(state["active"])
+        if "resid" in state:
+            self.baseline = state["baseline"]
+            self.resid = decode_array(state["resid"], np.float64).tolist()
+        else:  # saved by the raw-window detector: rebuild the baseline from the losses it kept
+            self.baseline, self.resid = None, []
+            for x in self.losses:
+                if self.baseline is not None:
+                    self.resid.append(x - self.baseline)
+                    self.baseline += self.alpha * (x - self.baseline)
+                else:
+                    self.baseline = x
+        self.losses = self.losses[-TAIL:]

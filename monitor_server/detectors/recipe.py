@@ -80,30 +80,54 @@ def growth_window(recipe: dict[str, Any], divergence_window: int) -> int:
     (usually 1). Current scaling has no history, so the growth is judged over `divergence_window`.
     """
     _, history, interval, _ = _effective(recipe)
-    mode = str(recipe.get("scaling", recipe.get("type", recipe.get("scaling_mode", "delayed")))).lower()
-    if mode == "current":
+    if _mode(recipe) == "current":
         return divergence_window
     if str(recipe.get("amax_compute_algo", "max")) == "most_recent":
         return min(interval, divergence_window)
     return min(history, divergence_window)
 
 
+def warmup_len(recipe: dict[str, Any], config: Any) -> int:
+    """Steps (with a quantized, non-zero amax) a tensor is given before saturation and divergence alerts:
+    `config.warmup_steps` when set, else until its amax history has filled once (``amax_history_len``) for
+    delayed scaling, or until the growth window has (``divergence_window``) for current scaling, either
+    capped at `config.warmup_max_steps`. Before that the scale is still the initial 1 or comes from a few
+    early steps, and saturating then is the recipe starting up, not a fault."""
+    if config.warmup_steps is not None:
+        return int(config.warmup_steps)
+    _, history, _, _ = _effective(recipe)
+    if _mode(recipe) == "current":
+        history = config.divergence_window
+    return min(history, config.warmup_max_steps)
+
+
+def _mode(recipe: dict[str, Any]) -> str:
+    return str(recipe.get("scaling", recipe.get("type", recipe.get("scaling_mode", "delayed")))).lower()
+
+
 def per_tensor(
     tensors: list[TensorMeta],
     base: dict[str, Any],
     overrides: dict[str, dict[str, Any]],
-    divergence_window: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(margin (T,) float64, growth window (T,) int64, enabled (T,) bool) for tensors ordered by index."""
+    config: Any,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(margin (T,) float64, growth window (T,) int64, enabled (T,) bool, warm-up length (T,) int64) for
+    tensors ordered by index; `config` is the engine's `DetectorConfig`."""
     n = len(tensors)
     margin = np.zeros(n)
     window = np.zeros(n, dtype=np.int64)
     enabled = np.ones(n, dtype=bool)
-    resolved: dict[str, tuple[float, int, bool]] = {}
+    warmup = np.zeros(n, dtype=np.int64)
+    resolved: dict[str, tuple[float, int, bool, int]] = {}
     for i, meta in enumerate(tensors):
         if meta.layer not in resolved:
             recipe = {**DEFAULT_RECIPE, **base, **overrides.get(meta.layer, {})}
             m, _, _, on = _effective(recipe)
-            resolved[meta.layer] = (m, growth_window(recipe, divergence_window), on)
-        margin[i], window[i], enabled[i] = resolved[meta.layer]
-    return margin, window, enabled
+            resolved[meta.layer] = (
+                m,
+                growth_window(recipe, config.divergence_window),
+                on,
+                warmup_len(recipe, config),
+            )
+        margin[i], window[i], enabled[i], warmup[i] = resolved[meta.layer]
+    return margin, window, enabled, warmup

@@ -111,3 +111,9 @@ def decode_float(x: float | int | str | None) -> float:
 
 #: Largest finite value of each FP8 format (DESIGN.md: e5m2 is 57344, not 57334).
 FP8_MAX: dict[str, float] = {"e4m3": 448.0, "e5m2": 57344.0}
+
+#: Where a scaled value stops rounding to the FP8 max and saturates (the runtime's overflow threshold):
+#: above 464 for e4m3 (464 ties to even, 448), at or above 61440 for e5m2 (ties to 65536). Up to there
+#: ``amax * scale`` above FP8_MAX loses nothing: a headroom in [log2(FP8_MAX / threshold), 0) is no
+#: saturation.
+FP8_ROUNDING_THRESHOLD: dict[str, float] = {"e4m3": 464.0, "e5m2": 61440.0}

@@ -129,12 +129,17 @@ def run_engine(
     reload_state: bool = False,
 ) -> list:
     """Feed `run` to a fresh engine in batches cut at `cuts`; optionally round-trip the state through JSON
-    (and a new engine) between batches. Returns all findings."""
+    (and a new engine) between batches. Returns all findings.
+
+    Unless `config` sets ``warmup_steps`` itself, the engine starts past its warm-up (``warmup_steps=0``):
+    these runs inject faults from step ~50 on, and the warm-up grace has tests of its own."""
     import json
 
     from monitor_server.detectors.engine import DetectorConfig, DetectorEngine
 
     config = config or DetectorConfig()
+    if "warmup_steps" not in config.model_fields_set:
+        config = config.model_copy(update={"warmup_steps": 0})
     engine = DetectorEngine(config, run.tensors, recipe)
     findings = []
     for batch in run.batches(cuts or []):
