@@ -38,6 +38,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+from gpu_timing import goal, sync
 
 from fp8_trainer import CurrentScaling, DelayedScaling, StatsReader, convert_to_fp8, fp8_autocast
 from fp8_trainer.model import GPT, fp8_filter, preset_config
@@ -96,11 +97,6 @@ class Job:
         self.losses.append(loss.detach())
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run_steps(job: Job, batches: list[tuple[torch.Tensor, torch.Tensor]], n: int, start: int) -> float:
     """Seconds for ``n`` steps, synchronised only before and after."""
     sync(job.device)
@@ -110,10 +106,6 @@ def run_steps(job: Job, batches: list[tuple[torch.Tensor, torch.Tensor]], n: int
         job.step(x, y)
     sync(job.device)
     return time.perf_counter() - t0
-
-
-def goal(value: float, target: float, what: str) -> dict:
-    return {"met": bool(value >= target), "value": value, "target": target, "what": what}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,33 +38,12 @@ from collections import deque
 from pathlib import Path
 
 import torch
+from gpu_timing import goal, ms_per_call, sync
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 COPY_BYTES = 2**30  # copy bandwidth reference: far beyond any L2 cache
 SAMPLE_MS = 2.0  # target length of one timed sample (N back-to-back calls)
 STATS_IMPLS = ("triton", "eager", "compile", "triton+T", "eager+T")  # those that produce a statistics row
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def ms_per_call(fn, n_calls: int, device: torch.device) -> float:
-    """Milliseconds per call of ``n_calls`` back-to-back ``fn(i)``: one pair of CUDA events around them all on
-    a GPU (no synchronisation between calls), the wall clock after a synchronisation on the CPU."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for i in range(n_calls):
-            fn(i)
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / n_calls
-    t0 = time.perf_counter()
-    for i in range(n_calls):
-        fn(i)
-    return (time.perf_counter() - t0) * 1e3 / n_calls
 
 
 def calls_per_sample(fn, device: torch.device, min_calls: int, smoke: bool) -> int:
@@ -204,10 +183,6 @@ def bench_size(n: int, impls: dict, fp8, device, reps: int, l2_bytes: int, smoke
             "gbps": useful_bytes(name, n) / (ms * 1e-3) / 1e9,
         }
     return row
-
-
-def goal(value: float, target: float, what: str) -> dict:
-    return {"met": bool(value >= target), "value": value, "target": target, "what": what}
 
 
 def main(argv: list[str] | None = None) -> int:

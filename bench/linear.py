@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import torch
+from gpu_timing import goal, ms_per_call, sync
 from torch import nn
 
 import fp8_trainer
@@ -46,28 +47,6 @@ SMOKE_SHAPES = "64x32x48"
 GOAL_SHAPE = "8192x4096x14336"
 SAMPLE_MS = 20.0
 RECIPES = {"fp8scope": fp8_trainer.DelayedScaling(), "fp8scope current": fp8_trainer.CurrentScaling()}
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def ms_per_call(fn, n_calls: int, device: torch.device) -> float:
-    """Milliseconds per call of ``n_calls`` back-to-back ``fn(i)`` between one pair of CUDA events (the wall
-    clock on the CPU)."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for i in range(n_calls):
-            fn(i)
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / n_calls
-    t0 = time.perf_counter()
-    for i in range(n_calls):
-        fn(i)
-    return (time.perf_counter() - t0) * 1e3 / n_calls
 
 
 def make_torchao(ref: nn.Linear, device: torch.device) -> tuple[nn.Module | None, str]:
@@ -186,10 +165,6 @@ def bench_shape(m: int, k: int, n: int, device, reps: int, smoke: bool, use_torc
         row["fp8scope/torchao"] = med["fp8scope"] / med["torchao"]
         row["torchao/nn"] = med["torchao"] / med["nn.Linear"]
     return row
-
-
-def goal(value: float, target: float, what: str) -> dict:
-    return {"met": bool(value >= target), "value": value, "target": target, "what": what}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,41 @@
+"""Timing and goal helpers shared by the GPU benchmarks (kernels.py, linear.py, gpt_throughput.py).
+
+Device work is asynchronous: a sample is N back-to-back calls between one pair of CUDA events, so launch
+gaps overlap with the work as they do in training, and the clock is read once per sample, not per call. On
+the CPU (smoke runs) the wall clock stands in.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+__all__ = ["goal", "ms_per_call", "sync"]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def ms_per_call(fn, n_calls: int, device: torch.device) -> float:
+    """Milliseconds per call of ``n_calls`` back-to-back ``fn(i)``: one pair of CUDA events around them all on
+    a GPU (no synchronisation between calls), the wall clock on the CPU."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(n_calls):
+            fn(i)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / n_calls
+    t0 = time.perf_counter()
+    for i in range(n_calls):
+        fn(i)
+    return (time.perf_counter() - t0) * 1e3 / n_calls
+
+
+def goal(value: float, target: float, what: str) -> dict:
+    """A goal as the JSON and the summary report it: met when ``value >= target``."""
+    return {"met": bool(value >= target), "value": value, "target": target, "what": what}
