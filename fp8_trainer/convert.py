@@ -31,6 +31,21 @@ def _ineligible_reason(mod: nn.Linear) -> str | None:
     return None
 
 
+def _other_runtime(mod: nn.Module) -> str | None:
+    """Why ``mod``, a linear layer of another library, is left as it is (``None``: not such a layer)."""
+    cls = type(mod)
+    where = f"{cls.__module__}.{cls.__qualname__}"
+    if isinstance(mod, nn.Linear) and cls is not nn.Linear and not isinstance(mod, Linear):
+        # torchao's Float8Linear, a quantized or LoRA Linear...: replacing it would silently drop its runtime
+        return f"{where} is another runtime's nn.Linear subclass; left to that runtime"
+    if cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers"):
+        return (
+            f"{where} (a linear layer with its weight stored as (in, out)) is not converted; "
+            "the layer stays in high precision"
+        )
+    return None
+
+
 def _check_not_pending(module: nn.Module, state_dict, prefix: str, *args) -> None:
     """``load_state_dict`` pre-hook of a converted model: refuse before any parameter is overwritten."""
     state = getattr(module, "_fp8_state", None)
@@ -45,12 +60,14 @@ def convert_to_fp8(
 ) -> nn.Module:
     """Swap every eligible ``nn.Linear`` of ``model`` for an FP8 ``Linear`` (in place; parameters are shared).
 
-    Eligible: both dimensions multiples of 16 and ``module_filter_fn(module, fqn)`` true (when given).
-    Others stay in high precision; those rejected for their shape are logged and listed by
-    ``ineligible_layers(model)``. FP8 ``Linear`` layers already in the model are registered too, so this
-    is also how a model built from ``fp8_trainer.Linear`` directly gets its tensor registry. Converting
-    starts a fresh scaling state: convert first, then ``load_state_dict`` a checkpoint (each FP8 layer
-    restores its slice of the state from its ``_extra_state`` entry).
+    Eligible: a plain ``nn.Linear`` (not a subclass: another runtime's layer, e.g. torchao's
+    ``Float8Linear``, is never replaced), both dimensions multiples of 16 and ``module_filter_fn(module,
+    fqn)`` true (when given). Layers left out for their shape or because they belong to another runtime
+    (or are a transformers ``Conv1D``) are logged once, with the reason, and listed by
+    ``ineligible_layers(model)``; what was converted is logged too. FP8 ``Linear`` layers already in the
+    model are registered too, so this is also how a model built from ``fp8_trainer.Linear`` directly gets
+    its tensor registry. Converting starts a fresh scaling state: convert first, then ``load_state_dict`` a
+    checkpoint (each FP8 layer restores its slice of the state from its ``_extra_state`` entry).
 
     Returns:
         ``model`` (or the new module if ``model`` itself was a converted ``nn.Linear``).
@@ -60,6 +77,11 @@ def convert_to_fp8(
     def swap(parent: nn.Module, prefix: str) -> None:
         for child_name, child in list(parent.named_children()):
             fqn = f"{prefix}.{child_name}" if prefix else child_name
+            other = _other_runtime(child)
+            if other is not None:
+                if module_filter_fn is None or module_filter_fn(child, fqn):
+                    ineligible[fqn] = other
+                continue
             if isinstance(child, nn.Linear) and not isinstance(child, Linear):
                 if module_filter_fn is not None and not module_filter_fn(child, fqn):
                     continue
@@ -71,15 +93,17 @@ def convert_to_fp8(
             else:
                 swap(child, fqn)
 
-    if isinstance(model, nn.Linear) and not isinstance(model, Linear):
+    if type(model) is nn.Linear:
         if _ineligible_reason(model) is None and (module_filter_fn is None or module_filter_fn(model, "")):
             model = Linear.from_linear(model)
-    else:
+    elif _other_runtime(model) is None:
         swap(model, "")
-    for fqn, reason in ineligible.items():
-        log.warning("convert_to_fp8: %s stays in high precision (%s)", fqn, reason)
+    if ineligible:
+        left = "; ".join(f"{fqn}: {reason}" for fqn, reason in ineligible.items())
+        log.warning("convert_to_fp8: %d layer(s) left out of FP8: %s", len(ineligible), left)
 
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
+    log.info("convert_to_fp8: %d FP8 layer(s): %s", len(layers), ", ".join(n or "<root>" for n, _ in layers))
     device = next((p.device for p in model.parameters() if p.device.type != "meta"), None)
     state = FP8State([name for name, _ in layers], recipe, device=device)
     state.ineligible = ineligible
@@ -113,7 +137,8 @@ def tensor_table(model: nn.Module) -> list[TensorInfo]:
 
 
 def ineligible_layers(model: nn.Module) -> dict[str, str]:
-    """``nn.Linear`` layers ``convert_to_fp8`` left in high precision because of their shape, with reasons."""
+    """Layers ``convert_to_fp8`` left out of FP8 (their shape, another runtime's layer, a transformers
+    ``Conv1D``), with reasons, keyed by module path."""
     return dict(get_fp8_state(model).ineligible)
 
 
