@@ -7,6 +7,7 @@ with ``torchrun --nproc-per-node N``. With ``--monitor-url`` the run streams its
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import replace
 from urllib.parse import urlparse
@@ -76,9 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "stats (steps x tensors x 6), loss, names); copies them synchronously")  # fmt: skip
 
     g = p.add_argument_group("monitoring and fault injection")
-    g.add_argument("--monitor-url", help="fp8-monitor address, e.g. http://127.0.0.1:8000")
+    g.add_argument("--monitor-url", default=os.environ.get("FP8SCOPE_URL") or None,
+                   help="fp8-monitor root, e.g. http://127.0.0.1:8000 (default $FP8SCOPE_URL)")  # fmt: skip
     g.add_argument("--run-name", help="run name in the monitor (default: preset-recipe-time)")
-    g.add_argument("--token", help="API token of the monitor (when it requires one)")
+    g.add_argument("--token", help="API token of the monitor (visible in the process list: prefer "
+                   "--token-file or $FP8SCOPE_TOKEN)")  # fmt: skip
+    g.add_argument("--token-file", metavar="PATH", help="file whose first line is the monitor's API token")
     g.add_argument("--inject", action="append", metavar="SPEC", default=[],
                    help="fault: overflow:LAYER@STEP[xFACTOR], nan:LAYER@STEP or lr-spike@STEP[xFACTOR] "
                         "(repeatable; LAYER e.g. blocks.1.mlp.fc)")  # fmt: skip
@@ -131,13 +135,22 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> Prepared:
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device available")
 
-    for flag in ("run_name", "token"):
+    for flag in ("run_name", "token", "token_file"):
         if getattr(a, flag) is not None and not a.monitor_url:
             p.error(f"--{flag.replace('_', '-')} needs --monitor-url")
     if a.monitor_url:
         url = urlparse(a.monitor_url)
         if url.scheme not in ("http", "https") or not url.netloc:
             p.error(f"--monitor-url {a.monitor_url!r}: expected http://HOST:PORT or https://HOST")
+    if a.token_file is not None and a.token is not None:
+        p.error("--token and --token-file: give one")
+    if a.token_file is not None:
+        try:
+            with open(a.token_file, encoding="utf-8") as f:
+                if not f.readline().strip():
+                    p.error(f"--token-file {a.token_file!r}: its first line is empty")
+        except OSError as e:
+            p.error(f"--token-file {a.token_file!r}: {e.strerror}")
     if a.save_interval and not a.save:
         p.error("--save-interval needs --save PATH")
 

@@ -128,6 +128,8 @@ class _NoMonitor:
     def event(self, kind: str, step: int, **details) -> None:
         pass
 
+    run_id = dashboard_url = None
+
 
 def _make_monitor(a, model, recipe, config, rank: int, world: int):
     if not a.monitor_url:
@@ -140,7 +142,11 @@ def _make_monitor(a, model, recipe, config, rank: int, world: int):
         dist.broadcast_object_list(names, src=0)
         run_name = names[0]
     config = {**config, "run_name": run_name}
-    return Monitor(a.monitor_url, run_name, model, recipe, token=a.token, config=config)
+    token = a.token
+    if a.token_file is not None:
+        with open(a.token_file, encoding="utf-8") as f:
+            token = f.readline().strip()
+    return Monitor(a.monitor_url, run_name, model, recipe, token=token, config=config)
 
 
 @torch.no_grad()
@@ -271,6 +277,7 @@ def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -
     if saved_streams is not None and saved_streams < world:
         say(f"note: the checkpoint has data streams for {saved_streams} ranks; ranks beyond start fresh")
     result = TrainResult(losses=[], model=model, step=start)
+    shown_url = False
     losses = torch.zeros(a.steps - start, device=device)  # one slot per step: no allocation per step
     dumped: list[torch.Tensor] = []  # --stats-dump: every step's statistics, copied synchronously
     lagged, smooth_tps = _Lagged(), None
@@ -311,6 +318,9 @@ def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -
             tokens_per_s = tokens_per_step / max(now - t_last, 1e-9)  # this step's (host clock)
             t_last = now
             monitor.step(step, loss=step_loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tokens_per_s)
+            if not shown_url and monitor.dashboard_url is not None:  # registered (in the background)
+                shown_url = True
+                say(f"fp8-train: dashboard {monitor.dashboard_url}")
             losses[step - start - 1] = step_loss
             if a.stats_dump and lead:
                 dumped.append(step_stats(model).to("cpu", copy=True))

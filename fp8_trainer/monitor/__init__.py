@@ -1,5 +1,5 @@
 """The fp8scope telemetry client: ``Monitor`` streams a run's FP8 health to the monitor service."""
 
-from .client import Monitor
+from .client import Monitor, MonitorRefused
 
-__all__ = ["Monitor"]
+__all__ = ["Monitor", "MonitorRefused"]

@@ -38,6 +38,7 @@ grad_output before quantization) and sends its histogram as a follow-up ``custom
 from __future__ import annotations
 
 import logging
+import os
 import re
 import socket
 import time
@@ -61,7 +62,7 @@ from .ranks import RankSync, reduce_rank_stats
 from .sender import Sender, SenderConfig, StepRecord, wire_float
 from .spool import SpoolWriter
 
-__all__ = ["Monitor"]
+__all__ = ["Monitor", "MonitorRefused"]
 
 log = logging.getLogger("fp8scope.monitor")
 _SENDER_KEYS = {f.name for f in fields(SenderConfig)} - {"extra_headers"}
@@ -110,19 +111,43 @@ def _recipe_dict(recipe) -> dict[str, Any]:
     return {**recipe.to_dict(), "scaling": recipe.scaling}
 
 
+class MonitorRefused(RuntimeError):
+    """The service refused the run (``Monitor(..., fail_fast=True)``); the message says why."""
+
+
+def _env_token() -> str | None:
+    """``FP8SCOPE_TOKEN``, else the first line of the file named by ``FP8SCOPE_TOKEN_FILE``."""
+    token = os.environ.get("FP8SCOPE_TOKEN")
+    if token:
+        return token
+    path = os.environ.get("FP8SCOPE_TOKEN_FILE")
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.readline().strip() or None
+    except OSError as e:
+        raise ValueError(f"FP8SCOPE_TOKEN_FILE: cannot read {path!r} ({e.strerror})") from None
+
+
 class Monitor:
     """Telemetry client of one training run; see the module docstring for a complete loop.
 
     Args:
-        url: the service root, e.g. ``"http://127.0.0.1:8000"``.
+        url: the service root, e.g. ``"http://127.0.0.1:8000"``; ``None``: the ``FP8SCOPE_URL`` environment
+            variable.
         run_name: the run's name in the dashboard.
         model: the model (converted with ``convert_to_fp8`` unless ``recipe`` is None).
         recipe: the ``DelayedScaling`` / ``CurrentScaling`` the model was converted with, or None for a
             run without FP8 (then only scalars are sent).
-        token: bearer token with the ``ingest`` scope (when the service has tokens).
+        token: bearer token with the ``ingest`` scope (when the service has tokens); ``None``: the
+            ``FP8SCOPE_TOKEN`` environment variable, else the first line of the file ``FP8SCOPE_TOKEN_FILE``
+            names (so a token never needs to be on a command line).
         config: JSON-able dict stored with the run.
         spool_path: where to spool when the service is unreachable (default
             ``./fp8scope-spool/<run_name>-<time>.jsonl``; only created when needed).
+        fail_fast: register the run before returning and raise ``MonitorRefused`` if the service refuses it
+            (a rejected token, a wrong URL) instead of spooling; an unreachable service still spools.
         **tuning: ``flush_interval`` (1 s), ``max_batch_steps`` (64), ``max_buffered_steps`` (4096),
             ``retry_delays`` ((0.2, 0.5, 1.0) s), ``probe_interval`` (1 s), ``http_timeout`` (5 s),
             ``alerts_refresh`` (3 s), ``gzip`` (True), ``close_timeout`` (15 s), ``loss_window`` (50),
@@ -131,12 +156,13 @@ class Monitor:
 
     Raises:
         ValueError: a model without FP8 layers while ``recipe`` is not None, a URL that is not
-            ``http(s)://host[:port]``, or a bad tuning value.
+            ``http(s)://host[:port]`` (or none given nor in ``FP8SCOPE_URL``), or a bad tuning value.
+        MonitorRefused: with ``fail_fast``, the service refused the run (the message says why).
     """
 
     def __init__(
         self,
-        url: str,
+        url: str | None,
         run_name: str,
         model: nn.Module,
         recipe=None,
@@ -144,11 +170,17 @@ class Monitor:
         token: str | None = None,
         config: dict[str, Any] | None = None,
         spool_path: str | Path | None = None,
+        fail_fast: bool = False,
         **tuning: Any,
     ):
         sender_cfg, detect_cfg, self.rank_sample_interval = _parse_tuning(dict(tuning))
+        url = url if url is not None else os.environ.get("FP8SCOPE_URL")
+        token = token if token is not None else _env_token()
         if not isinstance(url, str) or not re.match(r"https?://[^/\s]+", url):
-            raise ValueError(f"url: expected the service root like 'http://127.0.0.1:8000', got {url!r}")
+            raise ValueError(
+                f"url: expected the service root like 'http://127.0.0.1:8000' (or in FP8SCOPE_URL), "
+                f"got {url!r}"
+            )
         self.model = model
         self.recipe = recipe
         self._logged: set[str] = set()
@@ -198,6 +230,9 @@ class Monitor:
                 )
             spool = SpoolWriter(spool_path, run_body, client_key)
             self.sender = Sender(url, token, run_body, client_key, spool, sender_cfg, self.inbox.add)
+            if fail_fast and not self.sender.register_now() and self.sender.refused:
+                self.sender.http.close()
+                raise MonitorRefused(f"fp8scope monitor: {self.sender.refused}")
             self.sender.start()
 
     # ----- public state -----
@@ -205,6 +240,13 @@ class Monitor:
     def run_id(self) -> int | None:
         """The run's id on the service; None until registered (or while spooling from the start)."""
         return self.sender.run_id if self.sender else None
+
+    @property
+    def dashboard_url(self) -> str | None:
+        """The run's page on the dashboard, once registered."""
+        if self.run_id is None:
+            return None
+        return f"{self.sender.root}/#/runs/{self.run_id}"
 
     @property
     def open_alerts(self) -> int:

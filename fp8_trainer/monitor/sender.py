@@ -97,6 +97,24 @@ def step_body(rec: StepRecord) -> dict[str, Any]:
     }
 
 
+def refusal(status: int, text: str, root: str) -> str:
+    """What a 4xx answer to the run registration means, in words."""
+    detail = text[:300]
+    if status == 401:
+        return (
+            f"token rejected (HTTP 401: {detail}); pass token=, or set FP8SCOPE_TOKEN or FP8SCOPE_TOKEN_FILE "
+            "(fp8-train: --token-file)"
+        )
+    if status == 403:
+        return f"the token lacks the 'ingest' scope (HTTP 403: {detail})"
+    if status in (404, 405):
+        return (
+            f"no fp8scope API at {root} (HTTP {status}); the URL must be the service root, "
+            "e.g. http://127.0.0.1:8000, not a page or an /api path"
+        )
+    return f"the service refused the run (HTTP {status}: {detail})"
+
+
 class Sender(threading.Thread):
     """Posts telemetry for one run; see the module docstring."""
 
@@ -111,7 +129,8 @@ class Sender(threading.Thread):
         on_commands,
     ):
         super().__init__(name="fp8scope-monitor", daemon=True)
-        self.base = url.rstrip("/") + API
+        self.root = url.rstrip("/")
+        self.base = self.root + API
         self.run_body = {**run_body, "client_key": client_key}
         self.client_key = client_key
         self.spool = spool
@@ -123,6 +142,7 @@ class Sender(threading.Thread):
             headers["Authorization"] = f"Bearer {token}"
         self.http = httpx.Client(headers=headers, timeout=config.http_timeout)
         self.run_id: int | None = None
+        self.refused: str | None = None  # why the service refused the run, in words
         self.open_alerts = 0
         self.spooling = False
         self.spooled: deque[int] = deque()  # offsets of spooled batches not yet delivered
@@ -187,16 +207,16 @@ class Sender(threading.Thread):
             self._note_failure(f"registering the run: HTTP {r.status_code}")
             return False
         # a 4xx will not get better by retrying: keep everything in the spool for a later upload
-        self.log_once(
-            "register-4xx",
-            "fp8scope monitor: the service refused the run (HTTP %s: %s); spooling everything",
-            r.status_code,
-            r.text[:300],
-        )
+        self.refused = refusal(r.status_code, r.text, self.base[: -len(API)])
+        self.log_once("register-4xx", "fp8scope monitor: %s", self.refused)
         self.spool_must_stay = True
         self._refused = True
         self._start_spooling()
         return False
+
+    def register_now(self) -> bool:
+        """Register the run on the calling thread (before ``start``); False if refused or unreachable."""
+        return self._register()
 
     def _note_failure(self, what: str) -> None:
         self.stats["failed_posts"] += 1
@@ -205,13 +225,22 @@ class Sender(threading.Thread):
     def _start_spooling(self) -> None:
         if not self.spooling:
             self.spooling = True
-            log.warning(
-                "fp8scope monitor: service at %s unreachable; spooling telemetry to %s "
-                "(sent when the service is back, or later with: fp8-monitor upload %s)",
-                self.base[: -len(API)],
-                self.spool.path,
-                self.spool.path,
-            )
+            if self._refused:
+                log.warning(
+                    "fp8scope monitor: spooling telemetry to %s (the service at %s refused the run); once "
+                    "that is fixed: fp8-monitor upload %s",
+                    self.spool.path,
+                    self.base[: -len(API)],
+                    self.spool.path,
+                )
+            else:
+                log.warning(
+                    "fp8scope monitor: service at %s unreachable; spooling telemetry to %s "
+                    "(sent when the service is back, or later with: fp8-monitor upload %s)",
+                    self.base[: -len(API)],
+                    self.spool.path,
+                    self.spool.path,
+                )
         self._next_probe = math.inf if self._refused else time.monotonic() + self.cfg.probe_interval
 
     def _spool(self, out: Outgoing) -> None:
