@@ -15,12 +15,12 @@ USER fp8scope
 WORKDIR /home/fp8scope
 CMD ["fp8-train", "--preset", "tiny", "--steps", "1000", "--no-progress"]
 
-# The monitor service. The service needs no PyTorch, so the image installs the distribution's
-# dependencies minus torch, then the package itself without dependency resolution.
+# The monitor service. The service needs no PyTorch, so the image installs the dependencies of the
+# "server" extra (torch is not among them), then the package itself without dependency resolution.
 FROM python:3.11-slim AS monitor
 WORKDIR /app
 COPY pyproject.toml setup.py README.md ./
-RUN python -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print('\n'.join(d for d in deps if not d.startswith('torch')))" > /tmp/requirements.txt \
+RUN python -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['server']; print('\n'.join(d for d in deps if not d.startswith('torch')))" > /tmp/requirements.txt \
     && pip install --no-cache-dir -r /tmp/requirements.txt
 COPY fp8_trainer fp8_trainer
 COPY kernels kernels

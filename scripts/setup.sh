@@ -16,7 +16,7 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1; then
-        .venv/bin/python -m pip install -q "torch>=2.13,<2.15"
+        .venv/bin/python -m pip install -q "torch>=2.11"
     else
         # an unpinned torch pulls a several-GB CUDA build; on a CPU machine take the CPU one
         .venv/bin/python -m pip install -q "torch==2.13.0"
