@@ -15,7 +15,17 @@ from fastapi.openapi.utils import get_openapi
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from monitor_server.api.routes import alerts, commands, dashboard, health, queries, runs, stream, telemetry
+from monitor_server.api.routes import (
+    alerts,
+    commands,
+    dashboard,
+    health,
+    incidents,
+    queries,
+    runs,
+    stream,
+    telemetry,
+)
 from monitor_server.context import AppContext
 from monitor_server.core.config import Settings
 from monitor_server.migrations import upgrade_to_head
@@ -121,7 +131,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.ctx = ctx
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.include_router(health.router)
-    for module in (runs, telemetry, queries, alerts, commands, stream, dashboard):
+    for module in (runs, telemetry, queries, alerts, incidents, commands, stream, dashboard):
         app.include_router(module.router, prefix=API_PREFIX)
     mount_dashboard(app)
 

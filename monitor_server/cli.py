@@ -31,7 +31,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         metavar="NAME:SCOPES:SECRET",
         help="bearer token, scopes '+'-joined from ingest, read, control; repeatable",
     )
-    p.add_argument("--webhook-url", help="Slack-compatible webhook that receives new alerts")
+    p.add_argument("--webhook-url", help="Slack-compatible webhook that receives one message per incident")
+    p.add_argument(
+        "--public-url",
+        help="the dashboard's address as people reach it; webhook messages link to runs under it",
+    )
     p.add_argument("--max-body-bytes", type=int, help="largest accepted request body (default 64 MiB)")
     p.add_argument("--stall-seconds", type=float, help="no telemetry for this long -> 'stalled' alert")
     p.add_argument(
@@ -79,7 +83,16 @@ def upload(args: argparse.Namespace) -> int:
     return 1 if result.rejected else 0
 
 
-SERVE_FLAGS = ("db_url", "host", "port", "tokens", "webhook_url", "max_body_bytes", "stall_seconds")
+SERVE_FLAGS = (
+    "db_url",
+    "host",
+    "port",
+    "tokens",
+    "webhook_url",
+    "public_url",
+    "max_body_bytes",
+    "stall_seconds",
+)
 
 
 def build_settings(args: argparse.Namespace) -> Settings:

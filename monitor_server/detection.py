@@ -1,4 +1,4 @@
-"""Wiring of the detector engine: engines per run, findings -> alerts, stall checks, webhook, SSE.
+"""Wiring of the detector engine: engines per run, findings -> alerts -> incidents, stalls, webhook, SSE.
 
 The engine itself lives in `monitor_server.detectors.engine`. Engines are cached per run and rebuilt from
 the state persisted in `runs.detector_state` after a restart (or after a recipe change was applied).
@@ -18,9 +18,17 @@ from monitor_server import commands as command_ops
 from monitor_server.core.config import Settings
 from monitor_server.core.db import Database
 from monitor_server.detectors.engine import DetectorConfig, DetectorEngine, check_stalled
-from monitor_server.detectors.types import SEVERITIES, Finding, StepBatch
+from monitor_server.detectors.types import Finding, StepBatch
 from monitor_server.events import EventBroker
-from monitor_server.models import Alert, Run, as_utc, utcnow
+from monitor_server.incidents import (
+    SEVERITY_RANK,
+    TensorOrder,
+    alerts_by_incident,
+    assign_incidents,
+    incident_public,
+    worse,
+)
+from monitor_server.models import Alert, Incident, Run, as_utc, utcnow
 from monitor_server.run_meta import RunMeta, RunMetaCache
 from monitor_server.wire import iso_dates, jsonable
 
@@ -42,20 +50,17 @@ def alert_public(alert: Alert, meta: RunMeta | None) -> dict[str, Any]:
         "state": alert.state,
         "severity": alert.severity,
         "message": alert.message,
+        "onset_step": alert.onset_step if alert.onset_step is not None else alert.first_step,
         "first_step": alert.first_step,
         "last_step": alert.last_step,
         "count": alert.count,
+        "incident_id": alert.incident_id,
         "evidence": alert.evidence,
         "created_at": as_utc(alert.created_at),
         "updated_at": as_utc(alert.updated_at),
         "acknowledged_at": as_utc(alert.acknowledged_at),
         "acknowledged_by": alert.acknowledged_by,
     }
-
-
-def _max_severity(a: str, b: str) -> str:
-    rank = {s: i for i, s in enumerate(SEVERITIES)}
-    return a if rank.get(a, 0) >= rank.get(b, 0) else b
 
 
 def store_findings(session: Session, run_id: int, findings: list[Finding]) -> list[tuple[Alert, bool]]:
@@ -94,13 +99,14 @@ def store_findings(session: Session, run_id: int, findings: list[Finding]) -> li
                 message=first.message,
                 first_step=first.step,
                 last_step=first.step,
+                onset_step=min(f.onset_step for f in group),
                 count=0,
                 evidence={},
                 created_at=now,
             )
             session.add(alert)
         for finding in group:
-            alert.severity = _max_severity(alert.severity, finding.severity)
+            alert.severity = worse(alert.severity, finding.severity)
             alert.last_step = max(alert.last_step, finding.step)
         alert.count += len(group)
         alert.evidence = dict(group[-1].evidence)
@@ -112,7 +118,8 @@ def store_findings(session: Session, run_id: int, findings: list[Finding]) -> li
 
 
 class Detection:
-    """Runs the detector engine for each run and turns its findings into alerts."""
+    """Runs the detector engine for each run and turns its findings into alerts and incidents; sends one
+    webhook message per incident (rate-limited per run)."""
 
     def __init__(self, settings: Settings, db: Database, broker: EventBroker, run_meta: RunMetaCache):
         self.settings = settings
@@ -122,11 +129,16 @@ class Detection:
         self._config: DetectorConfig = settings.detector_config
         self._engines: dict[int, Any] = {}
         self._engines_lock = threading.Lock()
+        self._orders: dict[int, tuple[RunMeta, TensorOrder]] = {}
         self.notifier: Any = None
         if settings.webhook_url:
             from monitor_server.webhook import WebhookNotifier
 
-            self.notifier = WebhookNotifier(settings.webhook_url)
+            self.notifier = WebhookNotifier(
+                settings.webhook_url,
+                min_interval_s=settings.webhook_min_interval_seconds,
+                settle_s=settings.webhook_settle_seconds,
+            )
 
     # -- engine ----------------------------------------------------------------------------------------
     def detector_config(self) -> DetectorConfig:
@@ -156,6 +168,26 @@ class Detection:
         with self._engines_lock:
             self._engines[run_id] = engine
         return engine
+
+    def tensor_order(self, meta: RunMeta | None) -> TensorOrder:
+        """The run's forward-then-backward positions (cached with its meta)."""
+        if meta is None:
+            return TensorOrder.of(None)
+        cached = self._orders.get(meta.run_id)
+        if cached is None or cached[0] is not meta:
+            cached = (meta, TensorOrder.of(meta))
+            self._orders[meta.run_id] = cached
+        return cached[1]
+
+    def incidents_public(
+        self, session: Session, run_id: int, incidents: list[Incident]
+    ) -> list[dict[str, Any]]:
+        """Incidents as the API returns them (alerts root cause first, link under the public URL)."""
+        meta = self.run_meta.get(session, run_id)
+        order = self.tensor_order(meta)
+        alerts = alerts_by_incident(session, [i.id for i in incidents])
+        url = self.settings.public_url
+        return [incident_public(i, alerts[i.id], meta, order, url) for i in incidents]
 
     def forget(self, run_id: int) -> None:
         """Drop a cached engine (it is rebuilt from the persisted state on next use)."""
@@ -188,20 +220,58 @@ class Detection:
     def _store_findings(
         self, run_id: int, findings: list[Finding], state: dict | None
     ) -> list[dict[str, Any]]:
+        now = utcnow()
+        notify: list[int] = []
         with self.db.write() as session:
             changed = store_findings(session, run_id, findings)
+            meta = self.run_meta.get(session, run_id)
+            incidents = assign_incidents(
+                session, run_id, changed, self.tensor_order(meta), self._config.incident_window_steps, now
+            )
+            floor = SEVERITY_RANK[self.settings.webhook_min_severity]
+            for incident in incidents:
+                if incident.notified_at is None and SEVERITY_RANK.get(incident.severity, 0) >= floor:
+                    incident.notified_at = now  # one message per incident, when it first deserves one
+                    notify.append(incident.id)
             if state is not None:
                 session.execute(update(Run).where(Run.id == run_id).values(detector_state=state))
-            meta = self.run_meta.get(session, run_id)
-            out = [(alert_public(a, meta), new) for a, new in changed]
-            run_name = (
-                session.scalar(select(Run.name).where(Run.id == run_id)) if out and self.notifier else None
-            )
-        for public, new in out:
+            alerts_out = [alert_public(a, meta) for a, _ in changed]
+            incidents_out = self.incidents_public(session, run_id, incidents)
+        for public in alerts_out:
             self.broker.publish(run_id, "alert", iso_dates(public))
-            if new and self.notifier is not None:
-                self.notifier.submit({**iso_dates(public), "run_name": run_name})
-        return [p for p, _ in out]
+        for public in incidents_out:
+            self.broker.publish(run_id, "incident", iso_dates(public))
+        if self.notifier is not None:
+            for incident_id in notify:
+                self.notifier.submit(self._message(run_id, incident_id), key=run_id)
+        return alerts_out
+
+    def _message(self, run_id: int, incident_id: int) -> Any:
+        """The webhook message of an incident, built when it is sent (after the settle delay)."""
+
+        def build() -> dict[str, Any] | None:
+            with self.db.read_session() as session:
+                incident = session.get(Incident, incident_id)
+                run_name = session.scalar(select(Run.name).where(Run.id == run_id))
+                if incident is None:
+                    return None
+                public = self.incidents_public(session, run_id, [incident])[0]
+            root = public["root"] or {}
+            return {
+                "incident_id": incident_id,
+                "kind": public["kind"],
+                "severity": public["severity"],
+                "run_id": run_id,
+                "run_name": run_name,
+                "tensor_name": root.get("tensor_name"),
+                "step": root.get("onset_step", public["first_step"]),
+                "message": f"{public['title']}: {root.get('message', '')}",
+                "affected": public["tensors"],
+                "alert_count": public["alert_count"],
+                "url": public["url"],
+            }
+
+        return build
 
     # -- periodic ---------------------------------------------------------------------------------------
     def check_stalled_runs(self, now: datetime | None = None) -> int:
@@ -212,7 +282,7 @@ class Detection:
         """
         now = now or utcnow()
         config = self.detector_config()
-        rank = {s: i for i, s in enumerate(SEVERITIES)}
+        rank = SEVERITY_RANK
         with self.db.read_session() as session:
             runs = session.execute(
                 select(Run.id, Run.last_telemetry_at, Run.created_at, Run.last_step).where(

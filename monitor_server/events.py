@@ -19,7 +19,7 @@ QUEUE_SIZE = 1000
 #: subscription key receiving every run's events (the dashboard's runs list); its events carry `run_id`
 ALL_RUNS = 0
 #: the events `ALL_RUNS` subscribers get (what a runs list shows); command and client events stay per run
-ALL_RUNS_EVENTS = frozenset({"step", "alert", "run"})
+ALL_RUNS_EVENTS = frozenset({"step", "alert", "incident", "run"})
 
 
 @dataclass(frozen=True)

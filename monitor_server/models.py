@@ -1,4 +1,4 @@
-"""SQLAlchemy 2 models: runs, their tensors, steps, statistics, rollups, alerts and commands.
+"""SQLAlchemy 2 models: runs, their tensors, steps, statistics, rollups, alerts, incidents and commands.
 
 Statistics are stored as packed little-endian float64 vectors of length T (one per run, statistic and step),
 never one row per tensor per step; `Rollup` holds the same vectors aggregated over aligned blocks of steps.
@@ -151,6 +151,34 @@ class EventRow(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
+class Incident(Base):
+    """Alerts of one run that share a cause: found within `DetectorConfig.incident_window_steps` steps.
+
+    One dashboard entry and at most one webhook message; acknowledging it acknowledges its alerts. The root
+    cause is the alert that comes first by (onset step, forward-then-backward position of its tensor, kind).
+    """
+
+    __tablename__ = "incidents"
+    __table_args__ = (Index("ix_incidents_run_state", "run_id", "state"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = mapped_column(_run_fk())
+    state: Mapped[str] = mapped_column(String(16), default="open")
+    #: the worst severity of its alerts
+    severity: Mapped[str] = mapped_column(String(16))
+    #: the root cause (an alert id of this incident; the alert rows point back through `incident_id`)
+    root_alert_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    first_step: Mapped[int] = mapped_column(BigInteger)
+    last_step: Mapped[int] = mapped_column(BigInteger)
+    alert_count: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    #: when its webhook message was queued (None: not yet, e.g. an incident of info alerts only)
+    notified_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    acknowledged_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    acknowledged_by: Mapped[str | None] = mapped_column(String(200), nullable=True)
+
+
 class Alert(Base):
     """A detector finding; at most one *open* alert per (run, kind, tensor)."""
 
@@ -166,6 +194,7 @@ class Alert(Base):
             postgresql_where=text("state = 'open'"),
         ),
         Index("ix_alerts_run_state", "run_id", "state"),
+        Index("ix_alerts_incident", "incident_id"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
@@ -185,6 +214,11 @@ class Alert(Base):
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     acknowledged_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     acknowledged_by: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    #: the incident it belongs to (no foreign key: both rows go with their run; NULL for alerts stored
+    #: before incidents existed)
+    incident_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    #: the step its condition began (first_step minus the consecutive steps a rule waited for)
+    onset_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
 
 class Command(Base):

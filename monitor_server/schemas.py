@@ -105,6 +105,7 @@ class RunPublic(BaseModel):
     steps_stored: int
     last_telemetry_at: datetime | None
     open_alerts: int
+    open_incidents: int = 0
 
 
 class PackedColumn(BaseModel):
@@ -259,14 +260,77 @@ class AlertPublic(BaseModel):
     state: Literal["open", "acknowledged"]
     severity: str
     message: str
+    #: the step its condition began (before first_step when a rule waited for consecutive steps)
+    onset_step: int
     first_step: int
     last_step: int
     count: int
+    #: the incident it belongs to (null for alerts stored before incidents existed)
+    incident_id: int | None
     evidence: dict[str, Any]
     created_at: datetime
     updated_at: datetime
     acknowledged_at: datetime | None
     acknowledged_by: str | None
+
+
+class IncidentAlert(BaseModel):
+    """An alert as listed in its incident (no evidence: read the alert for that)."""
+
+    id: int
+    kind: str
+    tensor_index: int | None
+    tensor_name: str | None
+    layer: str | None
+    state: Literal["open", "acknowledged"]
+    severity: str
+    message: str
+    onset_step: int
+    first_step: int
+    last_step: int
+    count: int
+
+
+class IncidentPublic(BaseModel):
+    """Alerts that share a cause, root cause first (see monitor_server.incidents)."""
+
+    id: int
+    run_id: int
+    state: Literal["open", "acknowledged"]
+    severity: str
+    #: the root cause's kind, and a one-line description of the incident
+    kind: str | None
+    title: str
+    root_alert_id: int | None
+    root: IncidentAlert | None
+    first_step: int
+    last_step: int
+    alert_count: int
+    open_alerts: int
+    #: tensor names and layers of its alerts, root cause first (forward-then-backward order)
+    tensors: list[str]
+    layers: list[str]
+    created_at: datetime
+    updated_at: datetime
+    notified_at: datetime | None
+    acknowledged_at: datetime | None
+    acknowledged_by: str | None
+    #: the run's dashboard page with this incident open, under the configured public URL
+    url: str | None
+    alerts: list[IncidentAlert]
+
+
+class IncidentDetail(IncidentPublic):
+    """An incident with its alerts in full (evidence included), root cause first."""
+
+    alerts_full: list[AlertPublic]
+
+
+class AckAllResult(BaseModel):
+    """What POST /runs/{id}/incidents/ack acknowledged."""
+
+    incidents: list[int]
+    alerts: int
 
 
 class SeriesPublic(BaseModel):

@@ -9,9 +9,10 @@ from __future__ import annotations
 import difflib
 import os
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
+from urllib.parse import urlparse
 
-from pydantic import ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from monitor_server.detectors.config import DetectorConfig
@@ -55,7 +56,14 @@ class Settings(BaseSettings):
         host, port: where `fp8-monitor serve` listens. Without tokens only loopback is allowed.
         tokens: ``name:scopes:secret`` entries; empty = no authentication.
         max_body_bytes: larger request bodies get 413.
-        webhook_url: Slack-compatible webhook that receives new alerts (empty = off).
+        webhook_url: Slack-compatible webhook that receives one message per incident (empty = off).
+        webhook_min_interval_seconds: per run, the least time between two webhook messages; incidents
+            opened meanwhile share the next message.
+        webhook_settle_seconds: how long an incident's message waits before it is sent, so that it names the
+            root cause and the tensors the detectors add to the incident in the batches right after.
+        webhook_min_severity: incidents below this severity (by default: of info alerts only) send nothing.
+        public_url: the dashboard's address as people reach it (e.g. ``https://fp8scope.example.com``);
+            webhook messages link to the run's page under it (empty = no link).
         stall_seconds: a running run with no telemetry for this long raises a ``stalled`` alert.
         stall_check_seconds: how often the stall check runs.
         detectors: passed through to the detector engine's ``DetectorConfig`` (thresholds); checked when the
@@ -71,6 +79,10 @@ class Settings(BaseSettings):
     tokens: Annotated[list[str], NoDecode] = []
     max_body_bytes: int = 64 * 1024 * 1024
     webhook_url: str = ""
+    webhook_min_interval_seconds: float = Field(60.0, ge=0)
+    webhook_settle_seconds: float = Field(2.0, ge=0)
+    webhook_min_severity: Literal["info", "warning", "critical"] = "warning"
+    public_url: str = ""
     stall_seconds: float = 300.0
     stall_check_seconds: float = 15.0
     detectors: dict[str, Any] = {}
@@ -89,6 +101,16 @@ class Settings(BaseSettings):
         names = [parse_token(t).name for t in value]
         if len(set(names)) != len(names):
             raise ValueError("token names must be unique")
+        return value
+
+    @field_validator("public_url")
+    @classmethod
+    def _check_public_url(cls, value: str) -> str:
+        value = value.strip().rstrip("/")
+        if value:
+            url = urlparse(value)
+            if url.scheme not in ("http", "https") or not url.netloc or url.query or url.fragment:
+                raise ValueError(f"expected http(s)://host[:port][/path], got {value!r}")
         return value
 
     @model_validator(mode="after")

@@ -90,6 +90,7 @@ class AmaxDivergenceDetector:
                     kind="amax_divergence",
                     step=step,
                     tensor_index=int(t),
+                    onset=step - int(r) + 1,
                     severity="critical" if critical else "warning",
                     message=(
                         f"amax divergence in {name} at step {step}: amax {amax[s, t]:.4g} is "
@@ -167,14 +168,14 @@ class ScaleCollapseDetector:
         dropped = scale_or_nan * 2.0**cfg.scale_drop_log2 < ref  # False where either is NaN
         broken = ~usable | (scale < cfg.scale_min)
         mask = enabled & broken | (enabled if watched is None else watched) & dropped
-        cols, _, (fire, escalate) = advance(
+        cols, run, (fire, escalate) = advance(
             mask, self.run, [self.fired, self.fired_critical], lambda run, c: [mask[:, c], broken[:, c]]
         )
         self.ring = ext[-cfg.scale_window :].copy()
 
         findings = []
         for s, j in zip(*np.nonzero(fire | escalate), strict=True):
-            t = cols[j]
+            t, r = cols[j], run[s, j]
             step, name = int(steps[s]), self.tensors[t].name
             critical = bool(broken[s, t])
             with np.errstate(divide="ignore", invalid="ignore"):
@@ -191,6 +192,7 @@ class ScaleCollapseDetector:
                     kind="scale_collapse",
                     step=step,
                     tensor_index=int(t),
+                    onset=step - int(r) + 1,
                     severity="critical" if critical else "warning",
                     message=f"scale collapse in {name} at step {step}: {how}",
                     evidence=encode_evidence(

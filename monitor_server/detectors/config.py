@@ -38,6 +38,9 @@ class DetectorConfig(BaseModel):
 
     Stalled (run-level): no telemetry for `stall_seconds` (warning; critical after 10x that).
 
+    Incidents: a new alert joins the run's open incident when its onset is within `incident_window_steps`
+    of the incident's steps (see `monitor_server.incidents`).
+
     Layer health: a layer saturates (warning, diverging) when a tensor's headroom
     ``log2(FP8_MAX / (amax * scale))`` is below ``-saturation_log2``.
 
@@ -75,6 +78,8 @@ class DetectorConfig(BaseModel):
     saturation_log2: float = Field(0.5, ge=0)
 
     stall_seconds: float = Field(120.0, gt=0)
+
+    incident_window_steps: int = Field(50, ge=0, le=1_000_000)
 
     warmup_steps: int | None = Field(None, ge=0, le=1_000_000)
     warmup_max_steps: int = Field(100, ge=0, le=1_000_000)

@@ -113,6 +113,7 @@ class OverflowBurstDetector:
                     kind="overflow_burst",
                     step=step,
                     tensor_index=int(t),
+                    onset=step - int(r) + 1,
                     severity="critical" if critical else "warning",
                     message=f"overflow burst in {name} at step {step}: {how}",
                     evidence=encode_evidence(
@@ -183,6 +184,7 @@ class UnderflowExcessDetector:
                     kind="underflow_excess",
                     step=step,
                     tensor_index=int(t),
+                    onset=step - int(r) + 1,
                     severity="info",
                     message=(
                         f"excess underflow in {name} at step {step}: {frac[s, t]:.2%} of elements flushed to "

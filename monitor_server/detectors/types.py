@@ -77,7 +77,8 @@ class Finding:
     """Something a detector saw. The API layer stores it as an alert keyed by (run, kind, tensor_index).
 
     `evidence` must be JSON-serialisable with non-finite floats spelled as the strings "NaN",
-    "Infinity" and "-Infinity" (see `encode_float`).
+    "Infinity" and "-Infinity" (see `encode_float`). `onset` is the step the condition began when a rule
+    waited for several consecutive steps before firing at `step` (None: the same as `step`).
     """
 
     kind: str
@@ -86,6 +87,12 @@ class Finding:
     message: str
     tensor_index: int | None = None
     evidence: dict[str, Any] = field(default_factory=dict)
+    onset: int | None = None
+
+    @property
+    def onset_step(self) -> int:
+        """The step the condition began."""
+        return self.step if self.onset is None else self.onset
 
 
 def encode_float(x: float) -> float | str:

@@ -124,8 +124,8 @@ def test_new_alerts_go_to_the_webhook_once(client):
         def __init__(self):
             self.sent = []
 
-        def submit(self, alert):
-            self.sent.append(alert)
+        def submit(self, message, key=None):
+            self.sent.append((key, message()))
 
         def close(self):
             pass
@@ -137,7 +137,8 @@ def test_new_alerts_go_to_the_webhook_once(client):
     s["nonfinite"][3, 1] = 1
     s["nonfinite"][7, 1] = 1  # second episode: the open alert is updated, not re-sent
     _post(client, rid, "a", 0, s)
-    sent = [a for a in detection.notifier.sent if a["kind"] == "nonfinite"]
-    assert len(sent) == 1
-    assert sent[0]["run_name"] == "test-run" and sent[0]["tensor_index"] == 1 and sent[0]["first_step"] == 3
-    assert isinstance(sent[0]["created_at"], str)
+    assert len(detection.notifier.sent) == 1
+    key, sent = detection.notifier.sent[0]
+    assert key == rid and sent["kind"] == "nonfinite" and sent["run_name"] == "test-run"
+    assert sent["tensor_name"] == "blocks.0.mlp.fc.weight" and sent["step"] == 3
+    assert sent["url"] is None  # no public URL configured: no link

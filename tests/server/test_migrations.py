@@ -21,3 +21,47 @@ def test_migrations_match_models_and_are_idempotent(db_url):
         assert diff == []
     finally:
         engine.dispose()
+
+
+def test_incidents_migration_keeps_existing_alerts_and_the_partial_index(db_url):
+    from alembic import command
+    from sqlalchemy import text
+
+    from monitor_server.migrations import alembic_config
+
+    engine = make_engine(db_url)
+    try:
+        cfg = alembic_config()
+        with engine.begin() as connection:
+            cfg.attributes["connection"] = connection
+            command.upgrade(cfg, "0002")
+            connection.execute(
+                text(
+                    "INSERT INTO runs (name, config, recipe, recipe_overrides, world_size, host, status, "
+                    "num_tensors, created_at, updated_at, steps_stored) VALUES ('old', '{}', '{}', '{}', 1, "
+                    "'', 'running', 3, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP, 0)"
+                )
+            )
+            connection.execute(
+                text(
+                    "INSERT INTO alerts (run_id, kind, tensor_index, tensor_key, state, severity, message, "
+                    "first_step, last_step, count, evidence, created_at, updated_at) VALUES (1, 'nonfinite', "
+                    "0, 0, 'open', 'critical', 'old alert', 5, 5, 1, '{}', CURRENT_TIMESTAMP, "
+                    "CURRENT_TIMESTAMP)"
+                )
+            )
+        upgrade_to_head(engine)
+        with engine.connect() as conn:
+            row = conn.execute(text("SELECT message, incident_id, onset_step FROM alerts")).one()
+            assert tuple(row) == ("old alert", None, None)
+            if engine.dialect.name == "sqlite":
+                index = conn.execute(
+                    text("SELECT sql FROM sqlite_master WHERE name = 'uq_alerts_open'")
+                ).scalar()
+            else:
+                index = conn.execute(
+                    text("SELECT indexdef FROM pg_indexes WHERE indexname = 'uq_alerts_open'")
+                ).scalar()
+            assert "UNIQUE" in index.upper() and "WHERE" in index.upper()
+    finally:
+        engine.dispose()

@@ -92,7 +92,7 @@ def test_retries_server_errors_then_delivers_once(hook):
     notifier = WebhookNotifier(hook.url, max_retries=5, backoff_s=0.01, timeout_s=2.0)
     notifier.submit(ALERT)
     notifier.close(timeout=5)
-    assert notifier.stats == {"sent": 1, "failed": 0, "dropped": 0, "queued": 0}
+    assert notifier.stats == {"sent": 1, "failed": 0, "dropped": 0, "queued": 0, "merged": 0}
     assert hook.requests == 3 and len(hook.accepted) == 1
     body = hook.accepted[0]
     assert set(body) == {"text", "blocks"}
@@ -143,7 +143,7 @@ def test_dead_url_never_blocks_submit_and_ends_failed():
     assert time.perf_counter() - started < 0.05
     assert wait_for(lambda: notifier.stats["failed"] == 3)
     notifier.close(timeout=2)
-    assert notifier.stats == {"sent": 0, "failed": 3, "dropped": 0, "queued": 0}
+    assert notifier.stats == {"sent": 0, "failed": 3, "dropped": 0, "queued": 0, "merged": 0}
 
 
 def test_full_queue_drops_the_oldest(hook, caplog):
@@ -161,7 +161,7 @@ def test_full_queue_drops_the_oldest(hook, caplog):
     notifier.close(timeout=5)
     steps = [re.search(r", step (\d+):", body["text"]).group(1) for body in hook.accepted]
     assert steps == ["1", "4", "5"]
-    assert notifier.stats == {"sent": 3, "failed": 0, "dropped": 2, "queued": 0}
+    assert notifier.stats == {"sent": 3, "failed": 0, "dropped": 2, "queued": 0, "merged": 0}
 
 
 def test_close_gives_up_on_a_hanging_webhook_and_counts_the_rest(hook):
@@ -186,3 +186,56 @@ def test_slack_payload_for_a_run_level_alert():
     assert "tensor (run-level)" in body["text"] and "step 99" in body["text"]
     assert body["blocks"][-1]["type"] == "context" and "runs/7" in json.dumps(body["blocks"][-1])
     json.dumps(body, allow_nan=False)
+
+
+INCIDENT = {**ALERT, "incident_id": 7, "url": "https://fp8.example/#/runs/3?incident=7",
+            "affected": [f"blocks.{k}.fc.input" for k in range(12)]}  # fmt: skip
+
+
+def test_incident_message_names_the_root_the_affected_tensors_and_the_link():
+    body = slack_payload(INCIDENT)
+    assert "incident #7" in body["text"] and "(12 tensors affected)" in body["text"]
+    assert INCIDENT["url"] in body["text"]
+    blocks = json.dumps(body["blocks"])
+    assert "blocks.0.fc.input, blocks.1.fc.input" in blocks and "(12 in all)" in blocks
+    assert "Open run" in blocks and "runs/3?incident=7" in blocks
+
+
+def test_messages_of_one_key_are_rate_limited_into_one_post(hook):
+    notifier = WebhookNotifier(hook.url, max_retries=0, min_interval_s=600.0)
+    notifier.submit({**ALERT, "step": 1}, key=1)
+    assert wait_for(lambda: len(hook.accepted) == 1)
+    notifier.submit({**ALERT, "step": 2}, key=1)  # within the interval: held
+    notifier.submit({**ALERT, "step": 3}, key=1)  # joins the held one
+    notifier.submit({**ALERT, "step": 4, "run_name": "other"}, key=2)  # another run: not held
+    assert wait_for(lambda: len(hook.accepted) == 2)
+    assert "step 4" in hook.accepted[1]["text"]
+    assert notifier.stats["queued"] == 2 and notifier.stats["merged"] == 1
+    notifier.close(timeout=5)  # closing delivers the held message at once
+    assert len(hook.accepted) == 3
+    last = hook.accepted[2]["text"]
+    assert last.startswith("2 incidents in run gpt-small-fp8") and "step 2" in last and "step 3" in last
+    assert notifier.stats == {"sent": 3, "failed": 0, "dropped": 0, "queued": 0, "merged": 1}
+
+
+def test_a_message_is_built_when_it_is_sent(hook):
+    notifier = WebhookNotifier(hook.url, max_retries=0, settle_s=600.0)
+    incident = dict(INCIDENT)
+    notifier.submit(lambda: dict(incident), key=3)
+    incident["tensor_name"] = "blocks.0.fc.input"  # the root cause moved while the message settled
+    notifier.submit(lambda: None, key=4)  # nothing to say after all: no POST
+    assert notifier.stats["queued"] == 2 and hook.requests == 0
+    notifier.close(timeout=5)
+    assert len(hook.accepted) == 1 and "tensor blocks.0.fc.input" in hook.accepted[0]["text"]
+
+
+def test_a_message_that_fails_to_build_is_skipped(hook, caplog):
+    notifier = WebhookNotifier(hook.url, max_retries=0)
+
+    def broken() -> dict:
+        raise RuntimeError("database gone")
+
+    notifier.submit(broken, key=1)
+    notifier.submit(ALERT, key=2)
+    notifier.close(timeout=5)
+    assert len(hook.accepted) == 1 and any("could not build" in r.getMessage() for r in caplog.records)

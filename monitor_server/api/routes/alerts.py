@@ -10,6 +10,7 @@ from sqlalchemy import select
 from monitor_server.api.deps import AlertId, ControlDep, CtxDep, ReadDep, RunId, SessionDep
 from monitor_server.api.routes.runs import get_run_or_404
 from monitor_server.detection import alert_public
+from monitor_server.incidents import settle_incident
 from monitor_server.models import Alert, utcnow
 from monitor_server.schemas import AlertPublic
 from monitor_server.wire import iso_dates
@@ -40,8 +41,10 @@ def list_alerts(
 
 @router.post("/{run_id}/alerts/{alert_id}/ack", response_model=AlertPublic)
 def ack_alert(run_id: RunId, alert_id: AlertId, ctx: CtxDep, principal: ControlDep) -> dict[str, Any]:
-    """Acknowledge an alert (idempotent). A later finding of the same kind and tensor opens a new alert."""
-    with ctx.db.write() as session:
+    """Acknowledge an alert (idempotent). A later finding of the same kind and tensor opens a new alert.
+    Acknowledging the last open alert of an incident acknowledges the incident."""
+    incident_out = None
+    with ctx.db.run_lock(run_id), ctx.db.write() as session:
         alert = session.get(Alert, alert_id)
         if alert is None or alert.run_id != run_id:
             raise HTTPException(status.HTTP_404_NOT_FOUND, f"alert {alert_id} not found in run {run_id}")
@@ -50,7 +53,12 @@ def ack_alert(run_id: RunId, alert_id: AlertId, ctx: CtxDep, principal: ControlD
             alert.acknowledged_at = utcnow()
             alert.acknowledged_by = principal.name
             alert.updated_at = alert.acknowledged_at
-        session.flush()
+            session.flush()
+            incident = settle_incident(session, alert.incident_id, principal.name, alert.acknowledged_at)
+            if incident is not None:
+                incident_out = ctx.detection.incidents_public(session, run_id, [incident])[0]
         public = alert_public(alert, ctx.run_meta.get(session, run_id))
     ctx.broker.publish(run_id, "alert", iso_dates(public))
+    if incident_out is not None:
+        ctx.broker.publish(run_id, "incident", iso_dates(incident_out))
     return public

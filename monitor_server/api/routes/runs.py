@@ -12,13 +12,13 @@ from sqlalchemy.orm import Session
 from monitor_server.api.deps import CtxDep, ReadDep, RunId, RunWriteDep, SessionDep
 from monitor_server.commands import effective_recipe
 from monitor_server.context import AppContext
-from monitor_server.models import Alert, Run, TensorRow, as_utc, utcnow
+from monitor_server.models import Alert, Incident, Run, TensorRow, as_utc, utcnow
 from monitor_server.schemas import RunCreate, RunPublic, RunStatus, RunUpdate
 
 router = APIRouter(prefix="/runs", tags=["runs"])
 
 
-def run_public(run: Run, open_alerts: int) -> dict[str, Any]:
+def run_public(run: Run, open_alerts: int, open_incidents: int = 0) -> dict[str, Any]:
     """A run as the API returns it."""
     return {
         "id": run.id,
@@ -39,6 +39,7 @@ def run_public(run: Run, open_alerts: int) -> dict[str, Any]:
         "steps_stored": run.steps_stored,
         "last_telemetry_at": as_utc(run.last_telemetry_at),
         "open_alerts": open_alerts,
+        "open_incidents": open_incidents,
     }
 
 
@@ -53,6 +54,12 @@ def get_run_or_404(session: Session, run_id: int) -> Run:
 def count_open_alerts(session: Session, run_id: int) -> int:
     """Open alerts of one run."""
     return session.scalar(select(func.count()).where(Alert.run_id == run_id, Alert.state == "open")) or 0
+
+
+def count_open_incidents(session: Session, run_id: int) -> int:
+    """Open incidents of one run."""
+    query = select(func.count()).where(Incident.run_id == run_id, Incident.state == "open")
+    return session.scalar(query) or 0
 
 
 def _by_index(t: Any) -> int:
@@ -147,17 +154,23 @@ def list_runs(
         .correlate(Run)
         .scalar_subquery()
     )
-    query = select(Run, open_count).order_by(Run.id.desc()).limit(limit)
+    open_incidents = (
+        select(func.count())
+        .where(Incident.run_id == Run.id, Incident.state == "open")
+        .correlate(Run)
+        .scalar_subquery()
+    )
+    query = select(Run, open_count, open_incidents).order_by(Run.id.desc()).limit(limit)
     if status_ is not None:
         query = query.where(Run.status == status_)
-    return [run_public(run, n) for run, n in session.execute(query).all()]
+    return [run_public(run, n, m) for run, n, m in session.execute(query).all()]
 
 
 @router.get("/{run_id}", response_model=RunPublic)
 def get_run(run_id: RunId, session: SessionDep, _principal: ReadDep) -> dict[str, Any]:
     """One run, including its effective recipe (base recipe + applied overrides)."""
     run = get_run_or_404(session, run_id)
-    return run_public(run, count_open_alerts(session, run_id))
+    return run_public(run, count_open_alerts(session, run_id), count_open_incidents(session, run_id))
 
 
 @router.patch("/{run_id}", response_model=RunPublic)
@@ -168,6 +181,6 @@ def update_run(run_id: RunId, body: RunUpdate, ctx: CtxDep, _principal: RunWrite
         run.status = body.status
         run.updated_at = utcnow()
         session.flush()
-        result = run_public(run, count_open_alerts(session, run_id))
+        result = run_public(run, count_open_alerts(session, run_id), count_open_incidents(session, run_id))
     ctx.broker.publish(run_id, "run", {"id": run_id, "status": body.status})
     return result

@@ -1,0 +1,95 @@
+"""Incidents: list (newest first, alerts root cause first), one in full, acknowledge one or all."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, HTTPException, Path, Query, status
+from sqlalchemy import select
+
+from monitor_server.api.deps import ControlDep, CtxDep, ReadDep, RunId, SessionDep
+from monitor_server.api.routes.runs import get_run_or_404
+from monitor_server.context import AppContext
+from monitor_server.detection import alert_public
+from monitor_server.incidents import acknowledge, order_key
+from monitor_server.models import Alert, Incident, utcnow
+from monitor_server.schemas import AckAllResult, IncidentDetail, IncidentPublic
+from monitor_server.wire import iso_dates
+
+router = APIRouter(prefix="/runs", tags=["incidents"])
+IncidentId = Annotated[int, Path(ge=1, le=2**31 - 1, description="incident id")]
+
+
+@router.get("/{run_id}/incidents", response_model=list[IncidentPublic])
+def list_incidents(
+    run_id: RunId,
+    ctx: CtxDep,
+    session: SessionDep,
+    _principal: ReadDep,
+    state: Annotated[Literal["open", "acknowledged"] | None, Query()] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 200,
+) -> list[dict[str, Any]]:
+    """The run's incidents, newest first; each lists its alerts root cause first."""
+    get_run_or_404(session, run_id)
+    query = select(Incident).where(Incident.run_id == run_id).order_by(Incident.id.desc()).limit(limit)
+    if state is not None:
+        query = query.where(Incident.state == state)
+    return ctx.detection.incidents_public(session, run_id, list(session.scalars(query)))
+
+
+@router.get("/{run_id}/incidents/{incident_id}", response_model=IncidentDetail)
+def get_incident(
+    run_id: RunId, incident_id: IncidentId, ctx: CtxDep, session: SessionDep, _principal: ReadDep
+) -> dict[str, Any]:
+    """One incident, with its alerts in full (evidence included) as ``alerts_full``, root cause first."""
+    incident = session.get(Incident, incident_id)
+    if incident is None or incident.run_id != run_id:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"incident {incident_id} not found in run {run_id}")
+    public = ctx.detection.incidents_public(session, run_id, [incident])[0]
+    meta = ctx.run_meta.get(session, run_id)
+    order = ctx.detection.tensor_order(meta)
+    alerts = sorted(
+        session.scalars(select(Alert).where(Alert.incident_id == incident_id)),
+        key=lambda a: order_key(a, order),
+    )
+    return {**public, "alerts_full": [alert_public(a, meta) for a in alerts]}
+
+
+def _ack(ctx: AppContext, run_id: int, ids: list[int] | None, who: str) -> tuple[list[dict], list[int], int]:
+    """Acknowledge under the run's lock (ingest holds it while it adds alerts to open incidents), then
+    publish; returns the incidents as the API shows them, their ids and the number of alerts acknowledged."""
+    with ctx.db.run_lock(run_id), ctx.db.write() as session:
+        get_run_or_404(session, run_id)
+        incidents, alerts = acknowledge(session, run_id, ids, who, utcnow())
+        if ids is not None:  # already acknowledged ones are returned as they are (idempotent)
+            incidents = list(session.scalars(select(Incident).where(Incident.id.in_(ids))))
+        meta = ctx.run_meta.get(session, run_id)
+        alerts_out = [alert_public(a, meta) for a in alerts]
+        incidents_out = ctx.detection.incidents_public(session, run_id, incidents)
+    for public in alerts_out:
+        ctx.broker.publish(run_id, "alert", iso_dates(public))
+    for public in incidents_out:
+        ctx.broker.publish(run_id, "incident", iso_dates(public))
+    return incidents_out, [i["id"] for i in incidents_out], len(alerts_out)
+
+
+@router.post("/{run_id}/incidents/ack", response_model=AckAllResult)
+def ack_all(run_id: RunId, ctx: CtxDep, principal: ControlDep) -> dict[str, Any]:
+    """Acknowledge every open incident of the run and every open alert (also those in no incident)."""
+    _, ids, n_alerts = _ack(ctx, run_id, None, principal.name)
+    return {"incidents": ids, "alerts": n_alerts}
+
+
+@router.post("/{run_id}/incidents/{incident_id}/ack", response_model=IncidentPublic)
+def ack_incident(
+    run_id: RunId, incident_id: IncidentId, ctx: CtxDep, principal: ControlDep
+) -> dict[str, Any]:
+    """Acknowledge an incident and its open alerts (idempotent). Later findings open a new incident."""
+    with ctx.db.read_session() as session:
+        incident = session.get(Incident, incident_id)
+        if incident is None or incident.run_id != run_id:
+            raise HTTPException(
+                status.HTTP_404_NOT_FOUND, f"incident {incident_id} not found in run {run_id}"
+            )
+    incidents, _, _ = _ack(ctx, run_id, [incident_id], principal.name)
+    return incidents[0]
