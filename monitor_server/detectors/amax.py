@@ -23,9 +23,10 @@ class AmaxDivergenceDetector:
     ``amax_compute_algo="most_recent"``; see `recipe.growth_window`). Only steps where the tensor is
     `watched` (FP8 on and past its warm-up) enter the window, so the steep first steps of a run are no
     baseline. A step diverges when
-    ``growth > margin + divergence_log2`` and at least half the window holds finite amaxes; fires once per
+    ``growth > margin + tol`` (``tol``: `divergence_log2`, `divergence_log2_grad` for grad_output) and at
+    least half the window holds finite amaxes; fires once per
     episode after `divergence_consecutive` diverging steps, severity warning, critical when
-    ``growth > margin + 2 * divergence_log2``. A steady exponential rise of r (log2 per step) gives
+    ``growth > margin + 2 * tol``. A steady exponential rise of r (log2 per step) gives
     growth of about ``r * (W + 1) / 2``.
     """
 
@@ -39,6 +40,12 @@ class AmaxDivergenceDetector:
         self.run = np.zeros(n, dtype=np.int64)
         self.fired = np.zeros(n, dtype=bool)
         self.last_growth = np.full(n, np.nan)  # for layer health
+        self.tol = np.array(
+            [
+                config.divergence_log2_grad if m.role == "grad_output" else config.divergence_log2
+                for m in tensors
+            ]
+        )
         self.tail = Tail(n)
 
     def process(self, steps, amax, watched, margin, window) -> list[Finding]:
@@ -70,7 +77,7 @@ class AmaxDivergenceDetector:
             mean = (total / (count * FIXED_POINT)).T  # (S, T)
         growth = log2_amax - mean
         valid = ok & (window <= 2 * count.T)  # at least half the window has finite amaxes
-        mask = valid & (growth > margin[None, :] + cfg.divergence_log2)
+        mask = valid & (growth > margin[None, :] + self.tol[None, :])
         cols, run, (fire,) = advance(
             mask, self.run, [self.fired], lambda run, c: [run >= cfg.divergence_consecutive]
         )
@@ -84,7 +91,8 @@ class AmaxDivergenceDetector:
         for s, j in zip(*np.nonzero(fire), strict=True):
             t, r = cols[j], run[s, j]
             step, name, m = int(steps[s]), self.tensors[t].name, margin[t]
-            critical = growth[s, t] > m + 2 * cfg.divergence_log2
+            tol = self.tol[t]
+            critical = growth[s, t] > m + 2 * tol
             findings.append(
                 Finding(
                     kind="amax_divergence",
@@ -96,7 +104,7 @@ class AmaxDivergenceDetector:
                         f"amax divergence in {name} at step {step}: amax {amax[s, t]:.4g} is "
                         f"2^{growth[s, t]:.2f} "
                         f"times the mean of the previous {window[t]} steps (2^{mean[s, t]:.2f}), beyond the "
-                        f"margin {m:g} + tolerance {cfg.divergence_log2:g}, for {r} steps"
+                        f"margin {m:g} + tolerance {tol:g}, for {r} steps"
                     ),
                     evidence=encode_evidence(
                         {
@@ -106,7 +114,7 @@ class AmaxDivergenceDetector:
                             "growth_log2": growth[s, t],
                             "window": window[t],
                             "margin": m,
-                            "tolerance_log2": cfg.divergence_log2,
+                            "tolerance_log2": tol,
                             "consecutive_steps": r,
                             "amax_tail": self.tail.get(s, t),
                         }

@@ -17,7 +17,9 @@ class DetectorConfig(BaseModel):
 
     Overflow burst (per tensor): ``frac = overflow / numel``; a step is overflowing when
     ``frac > overflow_frac``; fires (warning) after `overflow_consecutive` consecutive overflowing steps, or
-    at once (critical) on a jump ``frac >= overflow_jump_frac``.
+    at once (critical) on a jump ``frac >= overflow_jump_frac`` (`overflow_jump_frac_grad` for grad_output:
+    the gradients of a hard batch outgrow a delayed-scaling history by 10-30x for one step and clip a few
+    percent of their elements, after which the scale has caught up).
 
     Underflow excess (per tensor): ``frac = underflow / numel`` above `underflow_frac` (input, weight) or
     `underflow_frac_grad` (grad_output, whose small values underflow routinely) for `underflow_consecutive`
@@ -26,8 +28,9 @@ class DetectorConfig(BaseModel):
     Amax divergence (per tensor): ``growth = log2(amax) - mean(log2 amax over the previous W steps)`` with
     ``W = min(amax_history_len, divergence_window)`` (the recompute interval, usually 1, for
     ``amax_compute_algo="most_recent"``; `divergence_window` for current scaling); a step
-    diverges when ``growth > margin + divergence_log2``; fires after `divergence_consecutive` such steps;
-    critical when ``growth > margin + 2 * divergence_log2``.
+    diverges when ``growth > margin + tol`` with ``tol = divergence_log2`` (`divergence_log2_grad` for
+    grad_output, whose amax follows the loss of the batch and moves several-fold for a few hard batches);
+    fires after `divergence_consecutive` such steps; critical when ``growth > margin + 2 * tol``.
 
     Scale collapse (per tensor): ``log2(scale)`` more than `scale_drop_log2` below its maximum over the
     previous `scale_window` steps (warning), or a scale that is non-finite, <= 0 or below `scale_min`
@@ -62,6 +65,7 @@ class DetectorConfig(BaseModel):
     overflow_frac: float = Field(1e-3, ge=0, lt=1)
     overflow_consecutive: int = Field(3, ge=1)
     overflow_jump_frac: float = Field(1e-2, gt=0, le=1)
+    overflow_jump_frac_grad: float = Field(0.25, gt=0, le=1)
 
     underflow_frac: float = Field(0.05, ge=0, lt=1)
     underflow_frac_grad: float = Field(0.25, ge=0, lt=1)
@@ -69,6 +73,7 @@ class DetectorConfig(BaseModel):
 
     divergence_window: int = Field(32, ge=1, le=1024)
     divergence_log2: float = Field(2.0, gt=0)
+    divergence_log2_grad: float = Field(3.0, gt=0)
     divergence_consecutive: int = Field(3, ge=1)
 
     scale_window: int = Field(8, ge=1, le=256)
@@ -92,6 +97,6 @@ class DetectorConfig(BaseModel):
             raise ValueError("loss_min_history must be <= loss_window")
         if self.loss_z_critical < self.loss_z_threshold:
             raise ValueError("loss_z_critical must be >= loss_z_threshold")
-        if self.overflow_jump_frac <= self.overflow_frac:
-            raise ValueError("overflow_jump_frac must be > overflow_frac")
+        if min(self.overflow_jump_frac, self.overflow_jump_frac_grad) <= self.overflow_frac:
+            raise ValueError("overflow_jump_frac and overflow_jump_frac_grad must be > overflow_frac")
         return self

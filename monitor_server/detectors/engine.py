@@ -23,7 +23,9 @@ Conventions:
 - Warm-up grace: a tensor's overflow, underflow, divergence and scale-drop findings wait until it has
   reported `warmup_len` steps with a non-zero finite amax (see `recipe.warmup_len`); a zero amax (a layer
   that did not run) does not count, as it does not enter the amax history. Non-finite values always alert.
-- Client events (`process_events`): ``loss_spike`` -> a loss_spike finding (warning), ``nonfinite`` -> a
+- Client events (`process_events`): ``loss_spike`` -> a loss_spike finding (warning) unless the engine has
+  scored that step's loss itself (the client sends a step before the events about it; the server's rule
+  detrends the loss, the client's does not, and two rules must not make two verdicts), ``nonfinite`` -> a
   nonfinite finding (critical; details may name ``tensor_index`` or ``tensor``), ``custom`` -> nothing unless
   ``details["alert"] is True`` and ``details["kind"]`` is one of ALERT_KINDS (then that kind, with
   ``details["severity"]`` / ``details["message"]`` if given), ``rank_amax`` -> a rank_divergence finding per
@@ -260,6 +262,8 @@ class DetectorEngine:
         severity = details.get("severity")
         evidence = encode_evidence({"source": "client", "details": details})
         if kind == "loss_spike":
+            if self.loss.steps and step <= self.loss.steps[-1]:
+                return None  # the engine judged this loss (see the module docstring)
             loss = details.get("loss")
             extra = f" (loss {loss})" if loss is not None else ""
             return Finding(
@@ -316,7 +320,7 @@ class DetectorEngine:
             growth_log2=self.divergence.last_growth,
             margin=self.margin,
             window=self.window,
-            divergence_log2=self.config.divergence_log2,
+            divergence_log2=self.divergence.tol,
             saturation_log2=self.config.saturation_log2,
             warming_up=self.amax_seen < self.warmup,
         )

@@ -29,7 +29,7 @@ class TensorSnapshot:
     growth_log2: np.ndarray  # latest amax growth over the divergence window (NaN before it is known)
     margin: np.ndarray
     window: np.ndarray
-    divergence_log2: float
+    divergence_log2: np.ndarray  # (T,) the divergence tolerance of each tensor (grad_output's is wider)
     saturation_log2: float
     warming_up: np.ndarray  # (T,) bool: the tensor's amax history has not filled yet
 
@@ -123,7 +123,7 @@ def layer_health(
                 diverging |= not warm
             elif sat[i] == "clipping":
                 reasons.append(("info", f"{name} clips its largest elements: headroom 2^{h:.2f}{during}"))
-            g, cover = snap.growth_log2[i], snap.margin[i] + snap.divergence_log2
+            g, cover = snap.growth_log2[i], snap.margin[i] + snap.divergence_log2[i]
             if g > cover:
                 reasons.append(
                     (

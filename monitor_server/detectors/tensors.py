@@ -71,7 +71,8 @@ class Tail:
 class OverflowBurstDetector:
     """Rule: ``frac = overflow / numel``; a step overflows when ``frac > overflow_frac``. Fires once per
     episode of consecutive overflowing steps: severity warning when the episode reaches
-    `overflow_consecutive` steps, critical at once when ``frac >= overflow_jump_frac``; a warning episode that
+    `overflow_consecutive` steps, critical at once when ``frac >= overflow_jump_frac`` (grad_output:
+    `overflow_jump_frac_grad`); a warning episode that
     later jumps fires once more, as critical.
     """
 
@@ -79,6 +80,12 @@ class OverflowBurstDetector:
         self.config = config
         self.tensors = tensors
         n = len(tensors)
+        self.jump_frac = np.array(
+            [
+                config.overflow_jump_frac_grad if m.role == "grad_output" else config.overflow_jump_frac
+                for m in tensors
+            ]
+        )
         self.run = np.zeros(n, dtype=np.int64)
         self.fired = np.zeros(n, dtype=bool)
         self.fired_critical = np.zeros(n, dtype=bool)
@@ -89,7 +96,7 @@ class OverflowBurstDetector:
         frac = fraction(overflow, numel)
         self.tail.push(steps, frac)
         mask = enabled & (frac > cfg.overflow_frac)
-        jump = frac >= cfg.overflow_jump_frac
+        jump = frac >= self.jump_frac
         cols, run, (fire, escalate) = advance(
             mask,
             self.run,
@@ -102,7 +109,7 @@ class OverflowBurstDetector:
             step, name = int(steps[s]), self.tensors[t].name
             critical = bool(jump[s, t])
             how = (
-                f"{frac[s, t]:.3%} of elements saturated (jump above {cfg.overflow_jump_frac:.3%})"
+                f"{frac[s, t]:.3%} of elements saturated (jump above {self.jump_frac[t]:.3%})"
                 if critical
                 else f"more than {cfg.overflow_frac:.3%} of elements saturated for "
                 f"{r} consecutive steps "
@@ -123,7 +130,7 @@ class OverflowBurstDetector:
                             "fraction": frac[s, t],
                             "consecutive_steps": r,
                             "threshold": cfg.overflow_frac,
-                            "jump_threshold": cfg.overflow_jump_frac,
+                            "jump_threshold": self.jump_frac[t],
                             "escalation": bool(escalate[s, j] and not fire[s, j]),
                             "fraction_tail": self.tail.get(s, t),
                         }

@@ -86,7 +86,7 @@ def test_nonfinite_alert_updated_not_duplicated_then_ack(client):
 
 def test_client_events_and_detector_state_persisted(client):
     rid = create_run(client)["id"]
-    events = [{"kind": "loss_spike", "step": 3, "details": {"loss": 40.0, "z": 9.0}}]
+    events = [{"kind": "loss_spike", "step": 5, "details": {"loss": 40.0, "z": 9.0}}]  # no loss of its own
     _post(client, rid, "a", 0, _quiet(5), events=events)
     kinds = [a["kind"] for a in client.get(f"{API}/runs/{rid}/alerts").json()]
     assert "loss_spike" in kinds

@@ -148,3 +148,18 @@ def test_collapse_episode_escalates_once_when_scale_goes_non_finite():
     run.stats["scale"][160, 0] = np.inf
     found = of_kind(run_engine(run), "scale_collapse")
     assert keys(found) == [("scale_collapse", 0, 151, "warning"), ("scale_collapse", 0, 160, "critical")]
+
+
+def test_gradient_amax_gets_a_wider_tolerance_than_forward_tensors():
+    run = healthy_run(300, n_layers=3)
+    g1, i1 = index_of(run.tensors, 1, "grad_output"), index_of(run.tensors, 1, "input")
+    run.stats["amax"][200:206, g1] *= 2.0**2.6  # six hard batches: the gradient 6x larger, then back
+    run.stats["amax"][200:206, i1] *= 2.0**2.6  # the same on an activation is a divergence
+    run.rescale()
+    found = of_kind(run_engine(run), "amax_divergence")
+    assert [(f.tensor_index, f.step) for f in found] == [(i1, 202)]
+    assert found[0].evidence["tolerance_log2"] == 2.0 and found[0].onset == 200
+    run.stats["amax"][200:206, g1] *= 2.0**1.0  # 12x for the gradient is beyond its 2^3
+    run.rescale()
+    grads = [f for f in of_kind(run_engine(run), "amax_divergence") if f.tensor_index == g1]
+    assert [(f.step, f.evidence["tolerance_log2"]) for f in grads] == [(202, 3.0)]

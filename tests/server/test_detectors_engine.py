@@ -133,7 +133,9 @@ def test_gaps_in_tensor_indices():
 def test_client_events():
     run = healthy_run(10, n_layers=2)
     engine = DetectorEngine(DetectorConfig(), run.tensors, None)
+    engine.process(run.batch(0, 5))  # losses of steps 0..4 are the engine's to judge
     events = [
+        {"kind": "loss_spike", "step": 4, "details": {"loss": 9.5, "z": 8.1}},  # judged already: skipped
         {"kind": "loss_spike", "step": 7, "details": {"loss": 9.5, "z": 8.1}},
         {"kind": "nonfinite", "step": 8, "details": {"tensor": "blocks.1.fc.grad_output"}},
         {"kind": "nonfinite", "step": 9, "details": {"tensor_index": 0}},

@@ -91,3 +91,15 @@ def test_underflow_interrupted_streaks_do_not_fire():
     assert of_kind(run_engine(run), "underflow_excess") == []
     config = DetectorConfig(underflow_consecutive=5)
     assert len(of_kind(run_engine(run, config=config), "underflow_excess")) == 20
+
+
+def test_a_hard_batch_clipping_a_few_percent_of_a_gradient_is_no_alert():
+    run = healthy_run(300, n_layers=3)
+    g0, w1 = index_of(run.tensors, 0, "grad_output"), index_of(run.tensors, 1, "weight")
+    run.stats["overflow"][100, g0] = 0.08 * NUMEL  # one step: the gradient outgrew its history 30x
+    run.stats["overflow"][150, w1] = 0.02 * NUMEL  # a weight does not jump on its own: critical
+    assert keys(of_kind(run_engine(run), "overflow_burst")) == [("overflow_burst", w1, 150, "critical")]
+    run.stats["overflow"][200, g0] = 0.4 * NUMEL  # most of a gradient saturating is still critical
+    assert ("overflow_burst", g0, 200, "critical") in keys(run_engine(run))
+    run.stats["overflow"][250:254, g0] = 0.002 * NUMEL  # and a lasting burst is a warning
+    assert ("overflow_burst", g0, 252, "warning") in keys(run_engine(run))
