@@ -20,7 +20,7 @@ from torch import nn
 from .convert import get_fp8_state
 from .hostcopy import HostCopy
 
-__all__ = ["STAT_COLUMNS", "StatsReader", "step_stats"]
+__all__ = ["STAT_COLUMNS", "StatsReader", "read_newest", "step_stats"]
 
 
 def step_stats(model: nn.Module) -> torch.Tensor | None:
@@ -34,11 +34,21 @@ def step_stats(model: nn.Module) -> torch.Tensor | None:
     return get_fp8_state(model).last_stats
 
 
+def read_newest(model: nn.Module) -> tuple[int, torch.Tensor] | None:
+    """``(step, host copy)`` of the newest completed step, copied synchronously (for log lines and the end
+    of a run, not every step); ``None`` before the first. Unlike a ``StatsReader`` it collects nothing."""
+    state = get_fp8_state(model)
+    if state.last_stats is None:
+        return None
+    return state.steps, state.last_stats.to("cpu", copy=True)
+
+
 class StatsReader:
     """One-step-late host copies of the steps completed between polls, with no host synchronisation on the
     hot path. ``merged`` is how many FP8 steps the statistics last handed out by ``poll`` cover."""
 
     def __init__(self, model: nn.Module):
+        self._model = model
         self._state = get_fp8_state(model)
         self._box = self._state.open_inbox()
         self._inflight: tuple[int, int, HostCopy] | None = None
@@ -79,10 +89,7 @@ class StatsReader:
 
     def read_now(self) -> tuple[int, torch.Tensor] | None:
         """The newest completed step, copied synchronously (for the end of a run, not the training loop)."""
-        state = self._state
-        if state.last_stats is None:
-            return None
-        return state.steps, state.last_stats.to("cpu", copy=True)
+        return read_newest(self._model)
 
     def close(self) -> None:
         """Stop collecting steps for this reader."""

@@ -37,7 +37,7 @@ from .model import GPT, fp8_filter, preset_config
 from .recipe import CurrentScaling, DelayedScaling, Format
 from .report import fp8_summary, health_table
 from .schedule import lr_at
-from .stats import StatsReader, step_stats
+from .stats import read_newest, step_stats
 
 __all__ = ["Prepared", "TrainResult", "dist_env", "make_recipe", "run_config", "train"]
 
@@ -248,7 +248,6 @@ def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -
     config = run_config(a, corpus.vocab_size)
     injector = Injector(model, [parse_injection(s) for s in a.inject or ()])
     val_batches = corpus.val_batches(a.eval_iters, a.batch_size, a.seq_len) if a.eval_interval else []
-    reader = StatsReader(model) if recipe is not None else None
     tokens_per_step = a.batch_size * a.seq_len * a.grad_accum * world
     lead = rank == 0
 
@@ -345,8 +344,8 @@ def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -
                 if a.monitor_url:
                     line += f"  alerts {monitor.open_alerts}"
                 say(line)
-                if reader is not None and step != a.steps:
-                    got = reader.read_now()
+                if recipe is not None and step != a.steps:
+                    got = read_newest(model)  # synchronous, at log intervals only
                     if got is not None:
                         say("           " + fp8_summary(got[1]))
 
@@ -362,8 +361,8 @@ def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -
             torch.cuda.synchronize()
         bar.close()
 
-    if reader is not None and lead:
-        got = reader.read_now()
+    if recipe is not None and lead:
+        got = read_newest(model)
         if got is not None:
             say(f"FP8 health after step {got[0]} (per layer; counts summed over input, weight, grad_output):")
             say(health_table(model, got[1]))
