@@ -69,8 +69,10 @@ def test_read_only_without_control_scope(auth_server, page):
     assert not page.is_visible("#token-dialog")
     assert page.text_content("#read-only") == "read-only"
     assert "lacks the control scope" in page.get_attribute("#read-only", "title")
-    ack = page.wait_for_selector("#alerts-list li.alert button.ack")
+    ack = page.wait_for_selector("#incidents-list li.incident button.ack-incident")
     assert ack.is_disabled() and "lacks the control scope" in ack.get_attribute("title")
+    assert page.is_disabled("#ack-all")
+    assert "lacks the control scope" in page.get_attribute("#ack-all", "title")
     assert "read-only" in page.text_content("#alerts-readonly")
     assert page.is_disabled("#recipe-submit") and page.is_disabled("#recipe-margin")
     assert "read-only" in page.text_content("#recipe-readonly")
@@ -97,8 +99,8 @@ def test_read_only_without_control_scope(auth_server, page):
     enter_token(page, OPS)
     wait_drawn(page, "heatmap", "curves")
     assert page.text_content("#auth-status") == "ops: read + control"
-    page.wait_for_selector("#alerts-list li.alert button.ack:not([disabled])").click()
-    page.wait_for_selector("#alerts-list li.alert[data-state='acknowledged']")
+    page.wait_for_selector("#incidents-list li.incident button.ack-incident:not([disabled])").click()
+    page.wait_for_selector("#incidents-list li.incident[data-state='acknowledged']")
     alerts = httpx.get(
         f"{auth_server.url}{API}/runs/{rid}/alerts", headers={"Authorization": f"Bearer {OPS}"}
     ).json()

@@ -1,4 +1,4 @@
-"""Live updates without a reload (steps on the run page and the runs list), and alerts with acknowledge."""
+"""Live updates without a reload (steps on the run page and the runs list), and incidents with acknowledge."""
 
 from __future__ import annotations
 
@@ -60,26 +60,27 @@ def test_runs_list_is_live(server, page):
     no_page_errors(page)
 
 
-def test_alert_appears_and_is_acknowledged(server, page):
+def test_incident_appears_and_is_acknowledged(server, page):
     run = create_run(server.url, "alert-run", 2)
     post_steps(server.url, run["id"], "quiet", 0, smooth_stats(40, 6))
     page.goto(f"{server.url}/#/runs/{run['id']}")
     wait_drawn(page, "heatmap", "curves")
     wait_stream(page, f"/runs/{run['id']}/stream")
-    assert page.text_content("#alerts-list") == "No alerts."
+    assert page.text_content("#incidents-list") == "No incidents."
+    assert page.is_disabled("#ack-all")
 
     bad = smooth_stats(1, 6, seed=2)
     bad["amax"][0, 3] = np.inf
     bad["nonfinite"][0, 3] = 5
     post_steps(server.url, run["id"], "bad", 40, bad)
-    item = page.wait_for_selector("#alerts-list li.alert[data-state='open']", timeout=2000)
-    assert "nonfinite" in item.text_content() and "blocks.1.mlp.fc.input" in item.text_content()
-    alert_id = item.get_attribute("data-alert-id")
+    item = page.wait_for_selector("#incidents-list li.incident[data-state='open']", timeout=2000)
+    assert "non-finite values in blocks.1.mlp.fc.input at step 40" in item.text_content()
+    incident_id = item.get_attribute("data-incident-id")
+    page.wait_for_function("() => document.getElementById('run-open-incidents').textContent === '1'")
 
-    page.click(f"#alerts-list li[data-alert-id='{alert_id}'] button.ack")
-    page.wait_for_selector(f"#alerts-list li[data-alert-id='{alert_id}'][data-state='acknowledged']")
+    page.click(f"#incidents-list li[data-incident-id='{incident_id}'] button.ack-incident")
+    page.wait_for_selector(f"#incidents-list li[data-incident-id='{incident_id}'][data-state='acknowledged']")
     stored = httpx.get(f"{server.url}{API}/runs/{run['id']}/alerts").json()
-    acked = next(a for a in stored if str(a["id"]) == alert_id)
-    assert acked["state"] == "acknowledged" and acked["acknowledged_by"] == "anonymous"
-    assert page.is_disabled(f"#alerts-list li[data-alert-id='{alert_id}'] button.ack")
+    assert [(a["state"], a["acknowledged_by"]) for a in stored] == [("acknowledged", "anonymous")]
+    assert page.is_disabled(f"#incidents-list li[data-incident-id='{incident_id}'] button.ack-incident")
     no_page_errors(page)

@@ -54,7 +54,7 @@ def test_markup_in_names_stays_inert(server, page):
     assert SCRIPT in names and IMG in names
     assert_inert(page)
 
-    # run page: title, heatmap labels, layers table, alerts, post-mortem, audit trail
+    # run page: title, heatmap labels, layers table, incidents, post-mortem, audit trail
     page.goto(f"{server.url}/#/runs/{rid}")
     wait_drawn(page, "heatmap", "curves")
     wait_stream(page, f"/runs/{rid}/stream")
@@ -62,7 +62,7 @@ def test_markup_in_names_stays_inert(server, page):
     ticks = page.eval_on_selector_all("#heatmap .ytick text", "ts => ts.map(t => t.textContent)")
     assert f"{IMG}.input" in ticks
     assert IMG in page.eval_on_selector_all("#layers-table td.name", "tds => tds.map(td => td.textContent)")
-    assert IMG in page.text_content("#alerts-list")
+    assert IMG in page.text_content("#incidents-list")
     assert page.text_content("#first-nonfinite .name") == f"{IMG}.input"
     assert page.text_content("#commands-table td.name") == IMG
     page.wait_for_selector("#postmortem .timeline[data-points='11']")

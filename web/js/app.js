@@ -1,4 +1,5 @@
-// Boot and routing: #/ (runs list), #/runs/<id> (run page), #/compare?a=<id>&b=<id> (two runs).
+// Boot and routing: #/ (runs list), #/runs/<id>[?incident=<id>] (run page, an incident open),
+// #/compare?a=<id>&b=<id> (two runs).
 
 import { ApiError, auth, unauthorized, whoami } from "./api.js";
 import { el, plotly, replace } from "./dom.js";
@@ -17,7 +18,10 @@ function route() {
   const [path, query] = hash.slice(1).split("?");
   const params = new URLSearchParams(query || "");
   const parts = path.split("/").filter(Boolean);
-  if (parts[0] === "runs" && /^\d+$/.test(parts[1] || "")) return { view: mountRun, args: { runId: Number(parts[1]) } };
+  if (parts[0] === "runs" && /^\d+$/.test(parts[1] || "")) {
+    const incident = /^\d+$/.test(params.get("incident") || "") ? Number(params.get("incident")) : null;
+    return { view: mountRun, args: { runId: Number(parts[1]), incident } };
+  }
   if (parts[0] === "compare") return { view: mountCompare, args: { a: params.get("a"), b: params.get("b") } };
   return { view: mountRuns, args: {} };
 }

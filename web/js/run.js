@@ -1,14 +1,13 @@
 // The run page: header, loss / lr / grad-norm curves with spike and alert markers, the heatmap, the
-// diverging-layers table with a drill-down, alerts with acknowledge, the recipe editor and the post-mortem,
-// all kept live by the run's event stream.
+// diverging-layers table with a drill-down, incidents (their alerts, root cause first) with acknowledge,
+// the recipe editor and the post-mortem, all kept live by the run's event stream.
 
 import { api, auth, num, subscribe } from "./api.js";
 import { badge, el, fmt, mark, panel, plotly, plotlyText, replace, throttle } from "./dom.js";
 import { Heatmap, fetchHeatmap } from "./heatmap.js";
+import { IncidentsPanel, SEVERITY_KIND } from "./incidents.js";
 import { PostMortem } from "./postmortem.js";
 import { RecipeEditor } from "./recipe.js";
-
-const SEVERITY_KIND = { critical: "bad", warning: "warn", info: "info", ok: "ok" };
 
 function stepSeen(runId, step) {
   const key = `${runId}:${step}`;
@@ -233,68 +232,7 @@ async function drillDown(container, runId, layer, tensors) {
   await (await plotly()).newPlot(plot, traces, layout, { displaylogo: false, responsive: true });
 }
 
-/** The alerts panel with acknowledge. */
-class Alerts {
-  constructor(container, runId, onChange) {
-    this.runId = runId;
-    this.onChange = onChange;
-    this.alerts = new Map();
-    this.list = el("ul", { id: "alerts-list", class: "alerts" });
-    this.note = el("p", { class: "muted readonly-note", id: "alerts-readonly" });
-    container.append(this.note, this.list);
-  }
-
-  async load() {
-    const alerts = await api(`/runs/${this.runId}/alerts?limit=500`);
-    this.alerts = new Map(alerts.map((a) => [a.id, a]));
-    this.fill();
-  }
-
-  upsert(alert) {
-    this.alerts.set(alert.id, alert);
-    this.fill();
-  }
-
-  all() {
-    return [...this.alerts.values()];
-  }
-
-  fill() {
-    const reason = auth.readOnlyReason();
-    this.note.textContent = reason ? `Acknowledging is disabled (${reason}).` : "";
-    const alerts = this.all().sort((a, b) => (a.state === b.state ? b.id - a.id : a.state === "open" ? -1 : 1));
-    if (!alerts.length) {
-      replace(this.list, el("li", { class: "muted" }, "No alerts."));
-    } else {
-      replace(this.list, alerts.map((a) => this.item(a, reason)));
-    }
-    this.onChange(alerts);
-  }
-
-  item(a, reason) {
-    const ack = el("button", { type: "button", class: "small ack", disabled: a.state !== "open" || Boolean(reason), title: reason || "acknowledge this alert" }, a.state === "open" ? "Acknowledge" : "Acknowledged");
-    ack.addEventListener("click", async () => {
-      ack.disabled = true;
-      try {
-        this.upsert(await api(`/runs/${this.runId}/alerts/${a.id}/ack`, { method: "POST" }));
-      } catch (err) {
-        ack.disabled = false;
-        ack.title = err.message;
-      }
-    });
-    const where = a.tensor_name ? el("span", { class: "name" }, a.tensor_name) : el("span", { class: "muted" }, "run");
-    return el(
-      "li",
-      { class: `alert ${a.state}`, dataset: { alertId: a.id, state: a.state } },
-      el("div", { class: "alert-head" }, badge(a.severity, SEVERITY_KIND[a.severity] || ""), el("b", {}, a.kind), " · ", where,
-        el("span", { class: "muted" }, ` · steps ${a.first_step}–${a.last_step} · ${a.count}×`), el("span", { class: "spacer" }), ack),
-      el("div", { class: "alert-msg" }, a.message),
-      a.state === "acknowledged" ? el("div", { class: "muted" }, `acknowledged by ${a.acknowledged_by || "?"}`) : null,
-    );
-  }
-}
-
-export async function mountRun(container, { runId }) {
+export async function mountRun(container, { runId, incident = null }) {
   const runRequest = api(`/runs/${runId}`); // in flight while the page is laid out
   const drawnAt = {};
   const onDrawn = (kind) => {
@@ -311,7 +249,8 @@ export async function mountRun(container, { runId }) {
   const heatPanel = panel("Per-tensor heatmap");
   const layersPanel = panel("Diverging layers");
   const drillPanel = el("section", { class: "panel", id: "drilldown", hidden: true });
-  const alertsPanel = panel("Alerts");
+  const alertsPanel = panel("Incidents");
+  alertsPanel.id = "incidents";
   const recipePanel = panel("Recipe");
   recipePanel.id = "recipe";
   replace(
@@ -338,6 +277,7 @@ export async function mountRun(container, { runId }) {
         el("dt", {}, "steps stored"), el("dd", {}, String(r.steps_stored)),
         el("dt", {}, "tensors"), el("dd", {}, String(r.num_tensors)),
         el("dt", {}, "host"), el("dd", {}, r.host || "–"),
+        el("dt", {}, "open incidents"), el("dd", { id: "run-open-incidents" }, String(r.open_incidents ?? 0)),
         el("dt", {}, "open alerts"), el("dd", { id: "run-open-alerts" }, String(r.open_alerts))),
       el("a", { href: `#/compare?a=${r.id}`, class: "small" }, "Compare with another run…"),
     );
@@ -357,9 +297,12 @@ export async function mountRun(container, { runId }) {
   });
   let events = [];
   const post = new PostMortem(postPanel, runId, heatmap);
-  const alerts = new Alerts(alertsPanel, runId, (list) => {
-    curves.setMarkers(list, events);
-    post.update(state.run, list, events);
+  const alerts = new IncidentsPanel(alertsPanel, runId, {
+    focus: incident,
+    onChange: (list) => {
+      curves.setMarkers(list, events);
+      post.update(state.run, list, events);
+    },
   });
   const recipe = new RecipeEditor(recipePanel, runId);
 
@@ -443,8 +386,12 @@ export async function mountRun(container, { runId }) {
         refreshLayers();
       },
       alert(a) {
-        alerts.upsert(a);
+        alerts.upsertAlert(a);
         refreshLayers();
+        refreshRun();
+      },
+      incident(i) {
+        alerts.upsertIncident(i);
         refreshRun();
       },
       command(c) {

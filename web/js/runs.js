@@ -1,4 +1,4 @@
-// The runs list: newest first, with status, last step, last loss, open alerts and a loss sparkline; kept
+// The runs list: newest first, with status, last step, last loss, open incidents and a loss sparkline; kept
 // live by the all-runs event stream. Two runs can be picked for a comparison.
 
 import { api, num, subscribe } from "./api.js";
@@ -72,7 +72,7 @@ export async function mountRuns(container) {
         el(
           "thead",
           {},
-          el("tr", {}, ...["", "Run", "Status", "Last step", "Last loss", "Open alerts", "Loss", "Last telemetry"].map((h) => el("th", {}, h))),
+          el("tr", {}, ...["", "Run", "Status", "Last step", "Last loss", "Open incidents", "Loss", "Last telemetry"].map((h) => el("th", {}, h))),
         ),
         tbody,
       ),
@@ -97,7 +97,10 @@ export async function mountRuns(container) {
     replace(row.cells.status, statusBadge(r.status));
     row.cells.step.textContent = r.last_step === null ? "–" : String(r.last_step);
     row.cells.loss.textContent = fmt(num(r.last_loss));
-    replace(row.cells.alerts, r.open_alerts ? badge(String(r.open_alerts), "bad") : "0");
+    // one entry per fault: incidents (alerts stored before incidents existed count on their own)
+    const open = r.open_incidents || 0;
+    row.cells.alerts.title = `${r.open_alerts} open alert${r.open_alerts === 1 ? "" : "s"}`;
+    replace(row.cells.alerts, open ? badge(String(open), "bad") : r.open_alerts ? badge(`${r.open_alerts} alerts`, "warn") : "0");
     row.cells.seen.textContent = ago(r.last_telemetry_at);
   }
 
@@ -188,6 +191,9 @@ export async function mountRuns(container) {
         row.refreshSpark();
       },
       alert(d) {
+        refreshOne(d.run_id);
+      },
+      incident(d) {
         refreshOne(d.run_id);
       },
       run(d) {

@@ -1,0 +1,147 @@
+// The run's incidents panel: one entry per incident (alerts that share a cause), newest first, each
+// expandable to its alerts root cause first, with acknowledge per incident, per alert and for all at once.
+// It also keeps the run's alerts for the curves' markers and the post-mortem (one store for both).
+
+import { api, auth } from "./api.js";
+import { badge, el, replace } from "./dom.js";
+
+export const SEVERITY_KIND = { critical: "bad", warning: "warn", info: "info", ok: "ok" };
+
+export class IncidentsPanel {
+  /**
+   * @param container the panel element
+   * @param runId the run
+   * @param onChange called with the alerts (full, newest first) after every change
+   * @param focus an incident id to open and scroll to (from #/runs/<id>?incident=<id>), or null
+   */
+  constructor(container, runId, { onChange, focus = null }) {
+    this.runId = runId;
+    this.onChange = onChange;
+    this.focus = focus === null || focus === undefined ? null : Number(focus);
+    this.alerts = new Map(); // id -> alert (as GET /alerts gives it)
+    this.incidents = new Map(); // id -> incident (as GET /incidents gives it)
+    this.expanded = new Set(this.focus === null ? [] : [this.focus]);
+    this.ackAll = el("button", { type: "button", id: "ack-all", class: "small" }, "Acknowledge all");
+    this.ackAll.addEventListener("click", () => this.acknowledgeAll());
+    this.summary = el("span", { class: "muted", id: "incidents-summary" });
+    this.note = el("p", { class: "muted readonly-note", id: "alerts-readonly" });
+    this.list = el("ul", { id: "incidents-list", class: "incidents" });
+    container.append(el("div", { class: "incidents-bar" }, this.summary, el("span", { class: "spacer" }), this.ackAll), this.note, this.list);
+  }
+
+  async load() {
+    const [incidents, alerts] = await Promise.all([
+      api(`/runs/${this.runId}/incidents?limit=200`),
+      api(`/runs/${this.runId}/alerts?limit=500`),
+    ]);
+    this.incidents = new Map(incidents.map((i) => [i.id, i]));
+    this.alerts = new Map(alerts.map((a) => [a.id, a]));
+    this.fill();
+    if (this.focus !== null) {
+      const item = this.list.querySelector(`li.incident[data-incident-id='${this.focus}']`);
+      if (item) item.scrollIntoView({ block: "center" });
+    }
+  }
+
+  upsertAlert(alert) {
+    this.alerts.set(alert.id, alert);
+    this.fill();
+  }
+
+  upsertIncident(incident) {
+    this.incidents.set(incident.id, incident);
+    this.fill();
+  }
+
+  all() {
+    return [...this.alerts.values()];
+  }
+
+  async acknowledgeAll() {
+    this.ackAll.disabled = true;
+    try {
+      await api(`/runs/${this.runId}/incidents/ack`, { method: "POST" });
+      await this.load();
+    } catch (err) {
+      this.ackAll.title = err.message;
+      this.fill();
+    }
+  }
+
+  /** An alert's current state: the alert stream is fresher than an incident's copy of it. */
+  state(summary) {
+    const full = this.alerts.get(summary.id);
+    return full ? full.state : summary.state;
+  }
+
+  fill() {
+    const reason = auth.readOnlyReason();
+    this.note.textContent = reason ? `Acknowledging is disabled (${reason}).` : "";
+    const incidents = [...this.incidents.values()].sort((a, b) => (a.state === b.state ? b.id - a.id : a.state === "open" ? -1 : 1));
+    // alerts stored before incidents existed stand on their own
+    const orphans = this.all().filter((a) => a.incident_id === null || a.incident_id === undefined).sort((a, b) => b.id - a.id);
+    const open = incidents.filter((i) => i.state === "open").length + orphans.filter((a) => a.state === "open").length;
+    this.summary.textContent = incidents.length || orphans.length ? `${open} open, ${incidents.length + orphans.length} in all` : "";
+    this.ackAll.disabled = Boolean(reason) || open === 0;
+    this.ackAll.title = reason || (open ? "acknowledge every open incident and alert of this run" : "nothing open");
+    if (!incidents.length && !orphans.length) {
+      replace(this.list, el("li", { class: "muted" }, "No incidents."));
+    } else {
+      replace(this.list, incidents.map((i) => this.incidentItem(i, reason)), orphans.map((a) => el("li", { class: "incident orphan" }, el("ul", { class: "alerts" }, this.alertItem(a, reason, false)))));
+    }
+    this.onChange(this.all().sort((a, b) => b.id - a.id));
+  }
+
+  incidentItem(i, reason) {
+    const ack = el("button", { type: "button", class: "small ack-incident", disabled: i.state !== "open" || Boolean(reason), title: reason || "acknowledge this incident and its alerts" }, i.state === "open" ? "Acknowledge" : "Acknowledged");
+    ack.addEventListener("click", async () => {
+      ack.disabled = true;
+      try {
+        this.upsertIncident(await api(`/runs/${this.runId}/incidents/${i.id}/ack`, { method: "POST" }));
+        await this.load(); // its alerts changed too
+      } catch (err) {
+        ack.disabled = false;
+        ack.title = err.message;
+      }
+    });
+    const details = el(
+      "details",
+      { class: "incident-alerts", open: this.expanded.has(i.id) },
+      el("summary", {}, `${i.alert_count} alert${i.alert_count === 1 ? "" : "s"}, root cause first${i.tensors.length > 1 ? ` · ${i.tensors.length} tensors` : ""}`),
+      el("ul", { class: "alerts" }, i.alerts.map((a, k) => this.alertItem(a, reason, k === 0))),
+    );
+    details.addEventListener("toggle", () => (details.open ? this.expanded.add(i.id) : this.expanded.delete(i.id)));
+    return el(
+      "li",
+      { class: `incident ${i.state}${i.id === this.focus ? " focus" : ""}`, dataset: { incidentId: i.id, state: i.state } },
+      el("div", { class: "alert-head" }, badge(i.severity, SEVERITY_KIND[i.severity] || ""), el("b", { class: "incident-title" }, i.title),
+        el("span", { class: "muted" }, ` · steps ${i.first_step}–${i.last_step}`), el("span", { class: "spacer" }), ack),
+      i.state === "acknowledged" ? el("div", { class: "muted" }, `acknowledged by ${i.acknowledged_by || "?"}`) : null,
+      details,
+    );
+  }
+
+  alertItem(a, reason, root) {
+    const state = this.state(a);
+    const ack = el("button", { type: "button", class: "small ack", disabled: state !== "open" || Boolean(reason), title: reason || "acknowledge this alert" }, state === "open" ? "Acknowledge" : "Acknowledged");
+    ack.addEventListener("click", async () => {
+      ack.disabled = true;
+      try {
+        this.upsertAlert(await api(`/runs/${this.runId}/alerts/${a.id}/ack`, { method: "POST" }));
+      } catch (err) {
+        ack.disabled = false;
+        ack.title = err.message;
+      }
+    });
+    const where = a.tensor_name ? el("span", { class: "name" }, a.tensor_name) : el("span", { class: "muted" }, "run");
+    const full = this.alerts.get(a.id);
+    return el(
+      "li",
+      { class: `alert ${state}${root ? " root" : ""}`, dataset: { alertId: a.id, state } },
+      el("div", { class: "alert-head" }, root ? badge("root cause", "bad") : null, badge(a.severity, SEVERITY_KIND[a.severity] || ""), el("b", {}, a.kind), " · ", where,
+        el("span", { class: "muted" }, ` · step ${a.onset_step ?? a.first_step}${a.last_step !== a.first_step ? `–${a.last_step}` : ""} · ${a.count}×`), el("span", { class: "spacer" }), ack),
+      el("div", { class: "alert-msg" }, a.message),
+      state === "acknowledged" && full ? el("div", { class: "muted" }, `acknowledged by ${full.acknowledged_by || "?"}`) : null,
+    );
+  }
+}
