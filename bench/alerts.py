@@ -119,7 +119,8 @@ def fp8_train(flags: list[str], quick: bool, ranks: int = 1) -> Callable[[str, s
             launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                         "--nproc-per-node", str(ranks), "-m", "fp8_trainer.cli"]  # fmt: skip
         cmd = [*launcher, *train_cmd(quick), *flags, "--monitor-url", url, "--run-name", name]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"} if ranks > 1 else None
+        # one intra-op thread per process: on a small, shared machine more threads only spin
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         with tempfile.TemporaryDirectory() as cwd:
             proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=1800, env=env)
         if proc.returncode != 0:

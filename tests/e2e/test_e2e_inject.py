@@ -33,15 +33,20 @@ def test_nan_in_an_activation_is_a_nonfinite_alert_on_that_tensor_and_step(serve
 
 
 def test_saturating_weight_and_lr_spike_alert_on_the_layer_and_the_step(server, api, train):
+    # the weight saturates at step 20: after the warm-up grace (the 16-step amax history has filled)
     train("--steps", "40", "--monitor-url", server.url, "--run-name", "e2e-faults",
-          "--inject", "overflow:blocks.2.attn.proj@10", "--inject", "lr-spike@30x1000")  # fmt: skip
+          "--inject", "overflow:blocks.2.attn.proj@20", "--inject", "lr-spike@30x1000")  # fmt: skip
     run = run_by_name(api, "e2e-faults")
     overflow = _alerts(api, run["id"], "overflow_burst")
     # before the lr spike (which may saturate others later), overflow starts at the injected step with the
     # saturated weight; the layers downstream of it may saturate in the same step, none upstream
     early = sorted((a["first_step"], a["tensor_name"]) for a in overflow if a["first_step"] < 30)
-    assert (10, "blocks.2.attn.proj.weight") in early and min(early)[0] == 10, early
+    assert (20, "blocks.2.attn.proj.weight") in early and min(early)[0] == 20, early
     assert all(int(name.split(".")[1]) >= 2 for _, name in early), early
+    # one incident for the saturated weight, its root cause first
+    incidents = api.get(f"/runs/{run['id']}/incidents").json()
+    first = min(incidents, key=lambda i: i["id"])
+    assert first["root"]["tensor_name"] == "blocks.2.attn.proj.weight" and first["root"]["onset_step"] == 20
     layers = {x["layer"]: x for x in api.get(f"/runs/{run['id']}/layers").json()}
     assert layers["blocks.2.attn.proj"]["severity"] != "ok"
 
