@@ -657,7 +657,11 @@ def _bench_smoke(device: torch.device) -> None:
     path = Path(__file__).resolve().parents[2] / "bench" / "kernels.py"
     spec = importlib.util.spec_from_file_location("bench_kernels", path)
     mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    sys.path.insert(0, str(path.parent))  # as when run as a script: its sibling modules (gpu_timing) import
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(path.parent))
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "kernels.json"
         assert mod.main(["--smoke", "--out", str(out)]) == 0
