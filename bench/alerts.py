@@ -9,14 +9,16 @@ MoE-style expert that skips steps, a frozen weight, activation checkpointing, th
 warm-up. Faults: a NaN in one layer's input, a weight scaled x1e4, learning-rate spikes x100 and x1000, a
 slow activation drift that ends in saturation.
 
-    python bench/alerts.py            # 3 seeds per scenario (about 15 min on 2 cores)
-    python bench/alerts.py --quick    # 1 seed, shorter runs (a few minutes)
+    python bench/alerts.py            # 3 seeds, 120 steps of 16 x 64 tokens (about 30 min on 2 cores)
+    python bench/alerts.py --quick    # 1 seed, 60 steps of 8 x 64 tokens (about 3 min)
 
 Prints a table per scenario and the precision / recall summary; writes bench/results/alerts.json.
 Counting, at the level a person sees: an *alarm* is an incident of severity warning or critical. A true
 alarm is the first incident of a fault run that holds the expected alert (kind, tensor, onset within the
 allowed steps); every other alarm is false (any in a healthy run, any before the fault, a second one for
-the same fault). precision = true alarms / alarms; recall = faults found / faults.
+the same fault). precision = true alarms / alarms; recall = faults found / faults. A fault's row is ok when
+its run raised exactly one alarm, the true one, and exactly one webhook post; "root" says whether the
+incident's root cause (its headline) is at the fault's step and on the fault's tensor.
 """
 
 from __future__ import annotations
@@ -305,8 +307,13 @@ def evaluate(
         root=f"{root['kind']} on {root['tensor_name'] or 'the loss'} at {root['onset_step']}"
         if root
         else None,
+        # the incident's headline: at the fault's step, on the fault's tensor when it has one; an lr spike has
+        # none, and its first effect in forward-then-backward order (a weight that saturates in the forward
+        # pass after the step, or else the loss) is what the root-cause rule names
         root_ok=bool(
-            root and root["kind"] in e.kinds and (e.tensor is None or root["tensor_name"] == e.tensor)
+            root
+            and e.first <= root["onset_step"] <= e.last
+            and (e.tensor is None or root["tensor_name"] == e.tensor)
         ),
         true_alarms=true,
         false_alarms=len(alarms) - true,

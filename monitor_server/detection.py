@@ -229,7 +229,7 @@ class Detection:
                 session, run_id, changed, self.tensor_order(meta), self._config.incident_window_steps, now
             )
             floor = SEVERITY_RANK[self.settings.webhook_min_severity]
-            for incident in incidents:
+            for incident in incidents if self.notifier is not None else ():
                 if incident.notified_at is None and SEVERITY_RANK.get(incident.severity, 0) >= floor:
                     incident.notified_at = now  # one message per incident, when it first deserves one
                     notify.append(incident.id)
@@ -241,9 +241,8 @@ class Detection:
             self.broker.publish(run_id, "alert", iso_dates(public))
         for public in incidents_out:
             self.broker.publish(run_id, "incident", iso_dates(public))
-        if self.notifier is not None:
-            for incident_id in notify:
-                self.notifier.submit(self._message(run_id, incident_id), key=run_id)
+        for incident_id in notify:
+            self.notifier.submit(self._message(run_id, incident_id), key=run_id)
         return alerts_out
 
     def _message(self, run_id: int, incident_id: int) -> Any:

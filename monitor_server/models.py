@@ -173,7 +173,7 @@ class Incident(Base):
     alert_count: Mapped[int] = mapped_column(Integer, default=0)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    #: when its webhook message was queued (None: not yet, e.g. an incident of info alerts only)
+    #: when its webhook message was queued (None: none, e.g. no webhook, or an incident of info alerts only)
     notified_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     acknowledged_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     acknowledged_by: Mapped[str | None] = mapped_column(String(200), nullable=True)

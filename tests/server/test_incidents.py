@@ -190,6 +190,7 @@ def test_acknowledge_all(client):
     s["nonfinite"][150, [6, 9]] = 1
     post(client, rid, "a", 0, s)
     assert len(incidents(client, rid, state="open")) == 2
+    assert all(i["notified_at"] is None for i in incidents(client, rid))  # no webhook configured
     r = client.post(f"{API}/runs/{rid}/incidents/ack")
     assert r.status_code == 200 and sorted(r.json()["incidents"]) == sorted(
         i["id"] for i in incidents(client, rid)
