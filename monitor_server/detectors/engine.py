@@ -24,8 +24,9 @@ Conventions:
   reported `warmup_len` steps with a non-zero finite amax (see `recipe.warmup_len`); a zero amax (a layer
   that did not run) does not count, as it does not enter the amax history. Non-finite values always alert.
 - Client events (`process_events`): ``loss_spike`` -> a loss_spike finding (warning) unless the engine has
-  scored that step's loss itself (the client sends a step before the events about it; the server's rule
-  detrends the loss, the client's does not, and two rules must not make two verdicts), ``nonfinite`` -> a
+  scored that step's loss itself, with enough history (the client sends a step before the events about it;
+  the server's rule detrends the loss, the client's does not, and two rules must not give two verdicts),
+  ``nonfinite`` -> a
   nonfinite finding (critical; details may name ``tensor_index`` or ``tensor``), ``custom`` -> nothing unless
   ``details["alert"] is True`` and ``details["kind"]`` is one of ALERT_KINDS (then that kind, with
   ``details["severity"]`` / ``details["message"]`` if given), ``rank_amax`` -> a rank_divergence finding per
@@ -262,8 +263,8 @@ class DetectorEngine:
         severity = details.get("severity")
         evidence = encode_evidence({"source": "client", "details": details})
         if kind == "loss_spike":
-            if self.loss.steps and step <= self.loss.steps[-1]:
-                return None  # the engine judged this loss (see the module docstring)
+            if self.loss.last_scored is not None and step <= self.loss.last_scored:
+                return None  # the engine scored this loss itself (see the module docstring)
             loss = details.get("loss")
             extra = f" (loss {loss})" if loss is not None else ""
             return Finding(

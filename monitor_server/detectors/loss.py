@@ -50,6 +50,7 @@ class LossSpikeDetector:
         self.steps: list[int] = []  # steps and losses of the last TAIL finite losses (evidence)
         self.losses: list[float] = []
         self.active = False  # the previous finite loss was a spike
+        self.last_scored: int | None = None  # the latest step whose loss had enough history to be scored
 
     def process(self, steps: np.ndarray, loss: np.ndarray) -> list[Finding]:
         cfg = self.config
@@ -69,6 +70,7 @@ class LossSpikeDetector:
                 mad = statistics.median([abs(v - med) for v in self.resid])
                 sigma = max(MAD_TO_SIGMA * mad, cfg.loss_rel_floor * abs(b), 1e-12)
                 z = (r - med) / sigma
+                self.last_scored = step
                 spike = z >= cfg.loss_z_threshold
                 if spike and not self.active:
                     findings.append(self._finding(step, x, b, r, med, mad, sigma, z))
@@ -126,12 +128,14 @@ class LossSpikeDetector:
             "steps": encode_array(np.asarray(self.steps, dtype=np.int64)),
             "loss": encode_array(np.asarray(self.losses, dtype=np.float64)),
             "active": self.active,
+            "last_scored": self.last_scored,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.steps = decode_array(state["steps"], np.int64).tolist()[-TAIL:]
         self.losses = decode_array(state["loss"], np.float64).tolist()
         self.active = bool(state["active"])
+        self.last_scored = state.get("last_scored")
         if "resid" in state:
             self.baseline = state["baseline"]
             self.resid = decode_array(state["resid"], np.float64).tolist()

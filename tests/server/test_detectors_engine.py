@@ -133,9 +133,7 @@ def test_gaps_in_tensor_indices():
 def test_client_events():
     run = healthy_run(10, n_layers=2)
     engine = DetectorEngine(DetectorConfig(), run.tensors, None)
-    engine.process(run.batch(0, 5))  # losses of steps 0..4 are the engine's to judge
     events = [
-        {"kind": "loss_spike", "step": 4, "details": {"loss": 9.5, "z": 8.1}},  # judged already: skipped
         {"kind": "loss_spike", "step": 7, "details": {"loss": 9.5, "z": 8.1}},
         {"kind": "nonfinite", "step": 8, "details": {"tensor": "blocks.1.fc.grad_output"}},
         {"kind": "nonfinite", "step": 9, "details": {"tensor_index": 0}},
@@ -156,6 +154,17 @@ def test_client_events():
     ]
     assert found[0].evidence == {"source": "client", "details": {"loss": 9.5, "z": 8.1}}
     assert "blocks.1.fc.grad_output" in found[1].message and found[3].message == "my check"
+
+
+def test_a_client_loss_spike_on_a_loss_the_engine_scored_is_not_a_second_verdict():
+    run = healthy_run(40, n_layers=1)
+    engine = DetectorEngine(DetectorConfig(), run.tensors, None)
+    engine.process(run.batch(0, 15))  # 14 residuals: too few to score these losses
+    spike = {"kind": "loss_spike", "details": {"loss": 9.5, "z": 8.1}}
+    assert keys(engine.process_events([{**spike, "step": 12}])) == [("loss_spike", None, 12, "warning")]
+    engine.process(run.batch(15, 40))  # steps 21..39 scored (quiet): the engine's verdict stands
+    assert engine.process_events([{**spike, "step": 30}]) == []
+    assert keys(engine.process_events([{**spike, "step": 45}])) == [("loss_spike", None, 45, "warning")]
 
 
 def test_config_is_validated_and_serialisable():
