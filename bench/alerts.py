@@ -9,8 +9,8 @@ MoE-style expert that skips steps, a frozen weight, activation checkpointing, th
 warm-up. Faults: a NaN in one layer's input, a weight scaled x1e4, learning-rate spikes x100 and x1000, a
 slow activation drift that ends in saturation.
 
-    python bench/alerts.py            # 3 seeds, 120 steps of 16 x 64 tokens (about 30 min on 2 cores)
-    python bench/alerts.py --quick    # 1 seed, 60 steps of 8 x 64 tokens (about 3 min)
+    python bench/alerts.py            # 3 seeds, 120 steps of 16 x 64 tokens (30-35 min on 2 cores)
+    python bench/alerts.py --quick    # 1 seed, 60 steps of 8 x 64 tokens (3-5 min)
 
 Prints a table per scenario and the precision / recall summary; writes bench/results/alerts.json.
 Counting, at the level a person sees: an *alarm* is an incident of severity warning or critical. A true
