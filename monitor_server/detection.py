@@ -23,9 +23,11 @@ from monitor_server.events import EventBroker
 from monitor_server.incidents import (
     SEVERITY_RANK,
     TensorOrder,
+    alert_tensor,
     alerts_by_incident,
     assign_incidents,
     incident_public,
+    onset_of,
     worse,
 )
 from monitor_server.models import Alert, Incident, Run, as_utc, utcnow
@@ -37,9 +39,7 @@ log = logging.getLogger("fp8scope.monitor")
 
 def alert_public(alert: Alert, meta: RunMeta | None) -> dict[str, Any]:
     """An alert as the API returns it (tensor name and layer resolved from the run's tensors)."""
-    tensor = None
-    if meta is not None and alert.tensor_index is not None and 0 <= alert.tensor_index < meta.num_tensors:
-        tensor = meta.tensors[alert.tensor_index]
+    tensor = alert_tensor(alert, meta)
     return {
         "id": alert.id,
         "run_id": alert.run_id,
@@ -50,7 +50,7 @@ def alert_public(alert: Alert, meta: RunMeta | None) -> dict[str, Any]:
         "state": alert.state,
         "severity": alert.severity,
         "message": alert.message,
-        "onset_step": alert.onset_step if alert.onset_step is not None else alert.first_step,
+        "onset_step": onset_of(alert),
         "first_step": alert.first_step,
         "last_step": alert.last_step,
         "count": alert.count,

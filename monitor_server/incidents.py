@@ -178,11 +178,16 @@ def alerts_by_incident(session: Session, incident_ids: Iterable[int]) -> dict[in
     return out
 
 
+def alert_tensor(alert: Alert, meta: RunMeta | None):
+    """The run's tensor record an alert is about, or None (a run-level alert, or unknown metadata)."""
+    if meta is not None and alert.tensor_index is not None and 0 <= alert.tensor_index < meta.num_tensors:
+        return meta.tensors[alert.tensor_index]
+    return None
+
+
 def alert_summary(alert: Alert, meta: RunMeta | None) -> dict[str, Any]:
     """An alert within an incident: what the dashboard's list needs, without the evidence."""
-    tensor = None
-    if meta is not None and alert.tensor_index is not None and 0 <= alert.tensor_index < meta.num_tensors:
-        tensor = meta.tensors[alert.tensor_index]
+    tensor = alert_tensor(alert, meta)
     return {
         "id": alert.id,
         "kind": alert.kind,
