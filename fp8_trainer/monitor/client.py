@@ -80,6 +80,7 @@ def _parse_tuning(tuning: dict[str, Any]) -> tuple[SenderConfig, DetectConfig, i
         "max_buffered_steps",
         "loss_window",
         "loss_min_history",
+        "loss_ema_span",
         "flight_steps",
         "max_involved",
         "rank_sample_interval",
@@ -152,7 +153,8 @@ class Monitor:
             ``retry_delays`` ((0.2, 0.5, 1.0) s), ``probe_interval`` (1 s), ``http_timeout`` (5 s),
             ``alerts_refresh`` (3 s), ``gzip`` (True), ``close_timeout`` (15 s), ``loss_window`` (50),
             ``loss_min_history`` (20), ``loss_z_threshold`` (6), ``loss_rel_floor`` (0.001),
-            ``flight_steps`` (64), ``max_involved`` (8), ``rank_sample_interval`` (50).
+            ``loss_ema_span`` (10), ``flight_steps`` (64), ``max_involved`` (8),
+            ``rank_sample_interval`` (50).
 
     Raises:
         ValueError: a model without FP8 layers while ``recipe`` is not None, a URL that is not

@@ -5,10 +5,9 @@ microseconds per step and never touch the device. When one fires, the event carr
 the last ``flight_steps`` steps of every statistic and scalar at full resolution, so a post-mortem has the
 run-up even if the job dies right after.
 
-Loss spike: the server's rule (``monitor_server.detectors.loss``): robust z-score of the new finite loss
-against the previous ``loss_window`` finite losses, ``z = (loss - median) / max(1.4826 * MAD,
-loss_rel_floor * |median|, 1e-12)``, firing when ``z >= loss_z_threshold`` with at least
-``loss_min_history`` losses in the window, once per run of consecutive spiking steps.
+Loss spike: the rule the service uses too (``fp8_protocol.loss_spike``): a robust z-score of each new finite
+loss's residual against a short EMA of the loss, over the residuals of the previous ``loss_window`` losses;
+once per run of consecutive spiking steps.
 
 Non-finite: a NaN/inf loss, or a tensor whose ``nonfinite`` count is > 0 or whose amax is not finite;
 fires when the set of such tensors grows (or the loss turns non-finite), not on every step of a NaN run.
@@ -18,16 +17,15 @@ from __future__ import annotations
 
 import base64
 import math
-import statistics
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .sender import STATS, StepRecord, wire_float
+from fp8_protocol.loss_spike import LossSpikeParams, LossSpikeRule
 
-MAD_TO_SIGMA = 1.4826
+from .sender import STATS, StepRecord, wire_float
 
 
 @dataclass
@@ -37,6 +35,7 @@ class DetectConfig:
     loss_min_history: int = 20
     loss_z_threshold: float = 6.0
     loss_rel_floor: float = 1e-3
+    loss_ema_span: int = 10
     flight_steps: int = 64
     max_involved: int = 8
 
@@ -101,8 +100,15 @@ class Detector:
         # forward-then-backward order of the tensors (inputs and weights by layer, then gradients in reverse
         # layer order): the order in which a non-finite value spreads, so its first entry is the culprit
         self.rank = {t: r for r, t in enumerate(order or [])}
-        self.losses: deque[float] = deque(maxlen=cfg.loss_window)
-        self.spiking = False
+        self.loss_rule = LossSpikeRule(
+            LossSpikeParams(
+                window=cfg.loss_window,
+                min_history=cfg.loss_min_history,
+                z_threshold=cfg.loss_z_threshold,
+                rel_floor=cfg.loss_rel_floor,
+                ema_span=cfg.loss_ema_span,
+            )
+        )
         self.loss_nonfinite = False
         self.bad_tensors: set[int] = set()
 
@@ -142,29 +148,17 @@ class Detector:
             out.append(("nonfinite", details, new[: self.cfg.max_involved]))
 
     def _spike(self, loss: float) -> dict[str, Any] | None:
-        # plain Python on a short list: a few microseconds, several times cheaper than numpy at this size
-        cfg = self.cfg
-        window = list(self.losses)
-        self.losses.append(loss)
-        if len(window) < cfg.loss_min_history:
-            self.spiking = False
-            return None
-        med = statistics.median(window)
-        mad = statistics.median([abs(v - med) for v in window])
-        sigma = max(MAD_TO_SIGMA * mad, cfg.loss_rel_floor * abs(med), 1e-12)
-        z = (loss - med) / sigma
-        spike = z >= cfg.loss_z_threshold
-        fire = spike and not self.spiking
-        self.spiking = spike
-        if not fire:
+        score = self.loss_rule.update(loss)
+        if score is None or not score.spike:
             return None
         return {
             "loss": loss,
-            "median": med,
-            "mad": mad,
-            "z": z,
-            "threshold": cfg.loss_z_threshold,
-            "window_len": len(window),
+            "expected": score.expected,
+            "baseline": score.baseline,
+            "sigma": score.sigma,
+            "z": score.z,
+            "threshold": self.cfg.loss_z_threshold,
+            "window_len": score.window_len,
         }
 
 
