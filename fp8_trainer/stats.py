@@ -79,6 +79,21 @@ class StatsReader:
         step, self.merged, copy = previous
         return step, copy.wait()  # started a poll ago: already complete, returns at once
 
+    def advance(self) -> tuple[bool, tuple[int, torch.Tensor] | None]:
+        """Once per training-loop step: start copying the FP8 steps completed since the last call, and hand
+        back the copy an earlier call started, whether or not an FP8 step completed since.
+
+        Returns ``(fp8_ran, previous)``: ``fp8_ran`` is False when no FP8 step completed since the last call
+        (no FP8 layer ran); ``previous`` is ``(step, host_stats)`` as from `poll`, or None.
+        """
+        got = self.take()
+        previous = self._inflight
+        self._inflight = (self._state.steps, got[1], HostCopy(got[0])) if got is not None else None
+        if previous is None:
+            return got is not None, None
+        step, self.merged, copy = previous
+        return got is not None, (step, copy.wait())  # started a call ago: already complete
+
     def flush(self) -> tuple[int, torch.Tensor] | None:
         """The copy started by the last poll, waited for (for the end of a run, not the training loop)."""
         previous, self._inflight = self._inflight, None

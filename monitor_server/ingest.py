@@ -27,7 +27,8 @@ _STAT_SET = set(STAT_COLUMNS)
 
 @dataclass
 class DecodedBatch:
-    """A validated telemetry batch. Steps ascending; `stats[name]` is (S, T) float64."""
+    """A validated telemetry batch. Steps ascending; `stats[name]` is (S, T) float64; `has_stats` (S,) is
+    False for a step sent without statistics (no FP8 layer ran in it; its `stats` rows are NaN)."""
 
     idempotency_key: str
     steps: np.ndarray
@@ -35,6 +36,7 @@ class DecodedBatch:
     stats: dict[str, np.ndarray]
     events: list[dict[str, Any]] = field(default_factory=list)
     acks: list[dict[str, Any]] = field(default_factory=list)
+    has_stats: np.ndarray | None = None
 
     @property
     def num_values(self) -> int:
@@ -90,6 +92,7 @@ def decode_batch(payload: Any, num_tensors: int) -> DecodedBatch:
     S, T = len(steps_in), num_tensors
     steps = np.empty(S, dtype=np.int64)
     stats = {name: np.empty((S, T), dtype=np.float64) for name in STAT_COLUMNS}
+    has_stats = np.ones(S, dtype=bool)
     scalars: list[dict[str, float]] = []
     for i, entry in enumerate(steps_in):
         where = f"steps[{i}]"
@@ -103,9 +106,14 @@ def decode_batch(payload: Any, num_tensors: int) -> DecodedBatch:
         if not isinstance(sc, dict):
             raise WireError(f"{where}.scalars: expected an object")
         scalars.append({str(k): decode_float(v, f"{where}.scalars.{k}") for k, v in sc.items()})
-        st = entry.get("stats")
+        if "stats" not in entry:  # a step in which no FP8 layer ran: its scalars only
+            has_stats[i] = False
+            for name in STAT_COLUMNS:
+                stats[name][i] = np.nan
+            continue
+        st = entry["stats"]
         if not isinstance(st, dict):
-            raise WireError(f"{where}.stats: required, an object with columns {list(STAT_COLUMNS)}")
+            raise WireError(f"{where}.stats: an object with columns {list(STAT_COLUMNS)} (or left out)")
         if st.keys() != _STAT_SET:
             unknown_stats = sorted(set(st) - _STAT_SET)
             missing = sorted(_STAT_SET - set(st))
@@ -125,10 +133,11 @@ def decode_batch(payload: Any, num_tensors: int) -> DecodedBatch:
     if S and np.any(order != np.arange(S)):
         steps = steps[order]
         stats = {name: m[order] for name, m in stats.items()}
+        has_stats = has_stats[order]
         scalars = [scalars[j] for j in order.tolist()]
     events = _decode_events(payload.get("events", []), T)
     acks = _decode_acks(payload.get("acks", []))
-    return DecodedBatch(key, steps, scalars, stats, events, acks)
+    return DecodedBatch(key, steps, scalars, stats, events, acks, has_stats)
 
 
 def _decode_events(events: Any, num_tensors: int) -> list[dict[str, Any]]:
@@ -214,6 +223,7 @@ def store_batch(session: Session, run_id: int, batch: DecodedBatch, fp8_max: np.
         keep = np.fromiter((s not in stored for s in steps.tolist()), bool, len(steps))
     new_steps = steps[keep]
     new_stats = {name: m[keep] for name, m in batch.stats.items()} if not keep.all() else batch.stats
+    has_stats = batch.has_stats[keep] if batch.has_stats is not None else np.ones(len(new_steps), bool)
     new_scalars = [sc for sc, k in zip(batch.scalars, keep.tolist(), strict=True) if k]
     now = utcnow()
     if len(new_steps):
@@ -224,8 +234,14 @@ def store_batch(session: Session, run_id: int, batch: DecodedBatch, fp8_max: np.
             encoded = {k: encode_float(v) for k, v in sc.items()}
             step_rows.append({"run_id": run_id, "step": s, "loss": finite_loss, "scalars": encoded})
         session.execute(insert(StepRow.__table__), step_rows)
-        session.execute(insert(StepStat.__table__), step_stat_rows(run_id, new_steps, new_stats))
-        update_rollups(session, run_id, new_steps, new_stats, fp8_max)
+        if has_stats.all():
+            session.execute(insert(StepStat.__table__), step_stat_rows(run_id, new_steps, new_stats))
+            update_rollups(session, run_id, new_steps, new_stats, fp8_max)
+        elif has_stats.any():  # statistics only for the steps that carried them: no placeholder rows
+            with_stats = {name: m[has_stats] for name, m in new_stats.items()}
+            rows = step_stat_rows(run_id, new_steps[has_stats], with_stats)
+            session.execute(insert(StepStat.__table__), rows)
+            update_rollups(session, run_id, new_steps[has_stats], with_stats, fp8_max)
         last = int(new_steps[-1])
         if run.last_step is None or last >= run.last_step:
             run.last_step = last
@@ -258,5 +274,6 @@ def store_batch(session: Session, run_id: int, batch: DecodedBatch, fp8_max: np.
         },
         stats=new_stats,
         present={name: np.array([name in sc for sc in new_scalars], dtype=bool) for name in scalar_names},
+        has_stats=None if has_stats.all() else has_stats,
     )
     return StoreResult(False, new_batch, commands, changed)

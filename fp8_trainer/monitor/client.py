@@ -43,6 +43,7 @@ import re
 import socket
 import time
 import uuid
+from collections import deque
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -205,7 +206,10 @@ class Monitor:
         self.rank = dist.get_rank() if distributed else 0
         self._ranks = RankSync(self.n_tensors) if distributed else None
         self._reader = StatsReader(model) if recipe is not None else None
-        self._prev: tuple[int, Any] | None = None  # (step, scalars) waiting for its statistics
+        self._prev: tuple[int, Any] | None = None  # (step, scalars) of a run without FP8 layers, one late
+        # (step, scalars, FP8 ran) in step order, waiting for the host copy of their statistics: a step
+        # whose copy is in flight holds back the later ones, so the service gets every step, in order
+        self._waiting: deque[tuple[int, Any, bool]] = deque()
         self._scalars_by_step: dict[int, Any] = {}
         self._announced: list[list[dict[str, Any]]] = []
         self.inbox = CommandInbox()
@@ -308,12 +312,13 @@ class Monitor:
         try:
             if self._ranks is None:
                 if self._prev is not None:
-                    step, holder = self._prev
-                    got = None
-                    if self._reader is not None:
-                        got = self._reader.flush() or self._reader.read_now()
-                    self._emit(step, got[1] if got is not None else None, holder)
+                    self._emit(self._prev[0], None, self._prev[1])
                     self._prev = None
+                if self._reader is not None:
+                    got = self._reader.flush()
+                    if got is None and any(fp8 for _, _, fp8 in self._waiting):
+                        got = self._reader.read_now()
+                    self._release(got, closing=True)
             else:
                 for s, block in self._ranks.flush():
                     self._handle_block(s, block, closing=True)
@@ -358,18 +363,34 @@ class Monitor:
             if prev is not None:
                 self._emit(prev[0], None, prev[1])
             return
-        got = self._reader.poll()
-        if got is None and self._prev is not None:
-            self._log_once(
-                "no-fp8-step",
-                "fp8scope monitor: no FP8 step completed before step(%s); such steps are not reported",
-                step,
-            )
-            return
-        self._say_merged(self._reader.merged)
-        prev, self._prev = self._prev, (step, holder)
-        if prev is not None and got is not None:
-            self._emit(prev[0], got[1], prev[1])
+        fp8_ran, got = self._reader.advance()
+        if got is not None:
+            self._say_merged(self._reader.merged)
+        if not fp8_ran:
+            self._say_no_fp8(step)
+        self._waiting.append((step, holder, fp8_ran))
+        self._release(got)
+
+    def _release(self, got: tuple[int, torch.Tensor] | None, closing: bool = False) -> None:
+        """Emit the waiting steps, in order, up to the first whose statistics are still being copied; ``got``
+        is the copy that just completed (the statistics of the first waiting step in which FP8 ran)."""
+        while self._waiting:
+            step, holder, fp8_ran = self._waiting[0]
+            stats = None
+            if fp8_ran:
+                if got is None and not closing:
+                    return
+                stats, got = (got[1] if got is not None else None), None
+            self._waiting.popleft()
+            self._emit(step, stats, holder)
+
+    def _say_no_fp8(self, step: int) -> None:
+        self._log_once(
+            "no-fp8-step",
+            "fp8scope monitor: no FP8 layer ran in step %s: wrap the forward in fp8_autocast. Steps without "
+            "FP8 are reported with their scalars only.",
+            step,
+        )
 
     def _say_merged(self, n: int) -> None:
         if n > 1:
@@ -421,7 +442,9 @@ class Monitor:
         """Rank 0: step ``s``'s reduced statistics to the sender, and every rank's amaxes now and then."""
         T = self.n_tensors
         holder = self._scalars_by_step.pop(s, None)
-        if not (header[0] or self.recipe is None):
+        if not (header[0] or self.recipe is None):  # no FP8 layer ran in this step on any rank
+            self._say_no_fp8(s)
+            self._emit(s, None, holder)
             return
         self._emit(s, reduce_rank_stats(block[:, :T]) if T else None, holder)
         if T and s % self.rank_sample_interval == 0:
@@ -438,8 +461,8 @@ class Monitor:
 
     def _emit(self, step: int, stats, holder) -> None:
         """One step's host data -> detection, flight recorder, the sender queue (rank 0 only)."""
-        if stats is None:
-            arr = np.zeros((self.n_tensors, 6))
+        if stats is None:  # no FP8 layer ran in this step (or the run has none): its scalars only
+            arr = np.zeros((0, 6)) if self.n_tensors == 0 else None
         elif isinstance(stats, np.ndarray):
             arr = stats
         else:

@@ -61,7 +61,7 @@ class FlightRecorder:
         out = []
         for r in self.records:
             row: dict[str, Any] = {"step": r.step, **{k: wire_float(float(v)) for k, v in r.scalars.items()}}
-            if r.stats.size:
+            if r.stats is not None and r.stats.size:
                 row["max_amax"] = wire_float(float(np.max(r.stats[:, 0])))
                 for j, name in ((2, "overflow"), (3, "underflow"), (4, "nonfinite")):
                     row[name] = wire_float(float(np.sum(r.stats[:, j])))
@@ -74,7 +74,9 @@ class FlightRecorder:
         recs = list(self.records)
         if not recs:
             return {"steps": [], "scalars": {}, "stats": {}, "tensors": []}
-        stack = np.stack([r.stats for r in recs])  # (K, T, 6)
+        T = next((r.stats.shape[0] for r in recs if r.stats is not None), 0)
+        missing = np.full((T, len(STATS)), np.nan)  # a step in which no FP8 layer ran
+        stack = np.stack([r.stats if r.stats is not None else missing for r in recs])  # (K, T, 6)
         names = sorted({k for r in recs for k in r.scalars})
         out = {
             "steps": [r.step for r in recs],
@@ -115,7 +117,7 @@ class Detector:
     def check(self, rec: StepRecord) -> list[tuple[str, dict[str, Any], list[int]]]:
         """Events for this step: ``(kind, details, involved tensor indices)``."""
         out = []
-        if rec.stats.size:
+        if rec.stats is not None and rec.stats.size:
             self._check_stats(rec, out)
         loss = rec.scalars.get("loss")
         if loss is not None:
@@ -164,9 +166,10 @@ class Detector:
 
 def amax_movers(recorder: FlightRecorder, rec: StepRecord, n: int) -> list[int]:
     """The ``n`` tensors whose log2 amax moved most from their median over the recorded steps."""
-    if not recorder.records or not rec.stats.size:
+    past = [r.stats[:, 0] for r in recorder.records if r.stats is not None]
+    if not past or rec.stats is None or not rec.stats.size:
         return []
-    hist = np.stack([r.stats[:, 0] for r in recorder.records])  # (K, T)
+    hist = np.stack(past)  # (K, T)
     amax = rec.stats[:, 0]
     with np.errstate(divide="ignore", invalid="ignore"):
         move = np.abs(np.log2(amax) - np.log2(np.median(hist, axis=0)))

@@ -40,10 +40,11 @@ STATS = ("amax", "scale", "overflow", "underflow", "nonfinite", "numel")
 
 @dataclass
 class StepRecord:
-    """One optimizer step: ``stats`` (T, 6) float64 in ``STATS`` order, scalars as floats."""
+    """One optimizer step: ``stats`` (T, 6) float64 in ``STATS`` order, or None for a step in which no FP8
+    layer ran (it is sent with its scalars only); scalars as floats."""
 
     step: int
-    stats: np.ndarray
+    stats: np.ndarray | None
     scalars: dict[str, float]
 
 
@@ -90,11 +91,11 @@ def pack_column(values: np.ndarray) -> dict[str, str]:
 
 
 def step_body(rec: StepRecord) -> dict[str, Any]:
-    return {
-        "step": rec.step,
-        "scalars": {k: wire_float(float(v)) for k, v in rec.scalars.items()},
-        "stats": {name: pack_column(rec.stats[:, j]) for j, name in enumerate(STATS)},
-    }
+    scalars = {k: wire_float(float(v)) for k, v in rec.scalars.items()}
+    body: dict[str, Any] = {"step": rec.step, "scalars": scalars}
+    if rec.stats is not None:
+        body["stats"] = {name: pack_column(rec.stats[:, j]) for j, name in enumerate(STATS)}
+    return body
 
 
 def refusal(status: int, text: str, root: str) -> str:

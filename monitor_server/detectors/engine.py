@@ -145,6 +145,9 @@ class DetectorEngine:
     # ---- processing ---------------------------------------------------------------------------------------
     def process(self, batch: StepBatch) -> list[Finding]:
         """Run every detector over the batch's new steps; returns findings ordered by step."""
+        parts = batch.segments()
+        if parts[0] is not batch:  # steps without statistics feed the scalar detectors only, in step order
+            return [f for part in parts for f in self.process(part)]
         steps = np.asarray(batch.steps, dtype=np.int64).reshape(-1)
         if steps.size == 0:
             return []

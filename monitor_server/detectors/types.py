@@ -64,12 +64,34 @@ class StepBatch:
         present: optional, scalar name -> (S,) bool, True where the step carried that scalar. It tells a real
             NaN (e.g. a NaN loss, reported as non-finite) from a missing value; without it a NaN scalar is
             taken as missing.
+        has_stats: optional (S,) bool, False for a step that carried scalars only (no FP8 layer ran in it:
+            its `stats` rows are NaN placeholders, not values); None: every step carried statistics.
     """
 
     steps: np.ndarray
     scalars: dict[str, np.ndarray] = field(default_factory=dict)
     stats: dict[str, np.ndarray] = field(default_factory=dict)
     present: dict[str, np.ndarray] = field(default_factory=dict)
+    has_stats: np.ndarray | None = None
+
+    def segments(self) -> list[StepBatch]:
+        """The batch cut into runs of consecutive steps that all carry statistics or all do not (the
+        latter with no `stats`), in step order; the batch itself when every step carries them."""
+        if self.has_stats is None or bool(np.all(self.has_stats)):
+            return [self]
+        flags = np.asarray(self.has_stats, dtype=bool)
+        cuts = np.flatnonzero(flags[1:] != flags[:-1]) + 1
+        out = []
+        for lo, hi in zip(np.r_[0, cuts].tolist(), np.r_[cuts, flags.size].tolist(), strict=True):
+            out.append(
+                StepBatch(
+                    steps=self.steps[lo:hi],
+                    scalars={k: v[lo:hi] for k, v in self.scalars.items()},
+                    stats={k: v[lo:hi] for k, v in self.stats.items()} if flags[lo] else {},
+                    present={k: v[lo:hi] for k, v in self.present.items()},
+                )
+            )
+        return out
 
 
 @dataclass(frozen=True)

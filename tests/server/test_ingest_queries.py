@@ -199,3 +199,43 @@ def test_healthz_and_metrics(client):
     assert f'fp8scope_run_last_loss{{run="test-run",run_id="{run["id"]}"}} 4.5' in text
     assert f'fp8scope_run_last_step{{run="test-run",run_id="{run["id"]}"}} 3.0' in text
     assert client.get("/docs").status_code == 200
+
+
+def test_steps_without_statistics_store_their_scalars_only(client):
+    """A step in which no FP8 layer ran is sent without `stats`: its loss is stored and charted, no values are
+    invented for it (the heatmap has no column there), and the loss detectors still see it."""
+    run = create_run(client, n_layers=2)
+    T = 6
+    rng = np.random.default_rng(4)
+    steps = list(range(1, 41))
+    stats = random_stats(rng, len(steps), T)
+    stats["amax"][:] = 1.0
+    stats["scale"][:] = 448.0
+    stats["overflow"][:] = 0
+    losses = [2.0 + 0.001 * (i % 3) for i in range(len(steps))]
+    losses[29] = 9.0  # a loss spike at step 30, a step without statistics
+    body = batch_body("k", steps, stats, losses=losses)
+    without = {5, 6, 30, 31, 32}
+    for entry in body["steps"]:
+        if entry["step"] in without:
+            del entry["stats"]
+    r = client.post(f"{API}/runs/{run['id']}/telemetry", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["stored_steps"] == 40
+    series = client.get(f"{API}/runs/{run['id']}/series", params={"name": "loss"}).json()
+    assert series["steps"] == steps
+    hm = _heatmap(client, run["id"], metric="amax", max_cols=100)
+    assert hm["bucket_width"] == 1
+    with_stats = [s for s in steps if s not in without]
+    assert [
+        s for s in hm["bucket_start"] if not np.isnan(_matrix(hm)[:, hm["bucket_start"].index(s)]).all()
+    ] == (with_stats)
+    alerts = client.get(f"{API}/runs/{run['id']}/alerts").json()
+    assert [(a["kind"], a["first_step"]) for a in alerts] == [("loss_spike", 30)]
+
+
+def test_stats_must_be_an_object_or_left_out(client):
+    run = create_run(client, n_layers=1)
+    body = {"idempotency_key": "k", "steps": [{"step": 1, "scalars": {"loss": 1.0}, "stats": None}]}
+    r = client.post(f"{API}/runs/{run['id']}/telemetry", json=body)
+    assert r.status_code == 422 and "steps[0].stats" in r.text and "left out" in r.text

@@ -8,9 +8,18 @@ import logging
 import numpy as np
 import pytest
 import torch
-from monitor_utils import FAST, assert_stored_equal, get, running_server, tiny_model, train, wait_until
+from monitor_utils import (
+    FAST,
+    assert_stored_equal,
+    get,
+    running_server,
+    stored_stats,
+    tiny_model,
+    train,
+    wait_until,
+)
 
-from fp8_trainer import Monitor, fp8_autocast, tensor_table
+from fp8_trainer import DelayedScaling, Monitor, fp8_autocast, step_stats, tensor_table
 from fp8_trainer.model import GPT, GPTConfig
 
 
@@ -217,3 +226,68 @@ def test_nonfinite_event_names_the_tensor_and_histograms_it(server, tmp_path):
         for e in follow
     )
     np.testing.assert_equal(len(follow), len(involved))
+
+
+def test_steps_without_fp8_send_their_scalars_and_say_why(server, tmp_path, caplog):
+    """A loop that forgets fp8_autocast for some steps: every step's loss is stored, the statistics of the
+    FP8 steps stay paired with their steps, no alert is raised, and the job is told once, in words."""
+    model, recipe = tiny_model()
+    gen = torch.Generator().manual_seed(3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    fp8_steps = {1, 2, 3, 6, 7, 8}
+    losses, seen = {}, {}
+    with (
+        caplog.at_level(logging.WARNING, logger="fp8scope.monitor"),
+        Monitor(server.url, "forgot-autocast", model, recipe, spool_path=tmp_path / "s.jsonl", **FAST) as mon,
+    ):
+        for step in range(1, 9):
+            x = torch.randint(0, 256, (4, 16), generator=gen)
+            if step in fp8_steps:
+                with fp8_autocast(fp8_recipe=recipe):
+                    _, loss = model(x, x)
+            else:
+                _, loss = model(x, x)  # the forward not wrapped: no FP8 layer runs
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses[step] = loss.item()
+            if step in fp8_steps:
+                seen[step] = step_stats(model).clone().numpy()
+            mon.step(step, loss=loss.detach())
+    run = get(server.url, f"/runs/{mon.run_id}")
+    assert run["steps_stored"] == 8 and (run["first_step"], run["last_step"]) == (1, 8)
+    series = get(server.url, f"/runs/{mon.run_id}/series", name="loss")
+    assert series["steps"] == list(range(1, 9))
+    assert series["values"] == [losses[s] for s in range(1, 9)]
+    got = stored_stats(server.url, mon.run_id)
+    cols = {int(s): j for j, s in enumerate(got["steps"])}
+    for s in sorted(fp8_steps):
+        np.testing.assert_array_equal(got["amax"][:, cols[s]], seen[s][:, 0], err_msg=f"step {s}")
+        np.testing.assert_array_equal(got["overflow"][:, cols[s]], seen[s][:, 2], err_msg=f"step {s}")
+    for s in (4, 5):  # no values invented for the steps without FP8
+        assert s not in cols or np.isnan(got["amax"][:, cols[s]]).all()
+    assert get(server.url, f"/runs/{mon.run_id}/alerts") == []
+    said = [r.getMessage() for r in caplog.records if "no FP8 layer ran" in r.getMessage()]
+    assert said == [said[0]] and "step 4: wrap the forward in fp8_autocast" in said[0]
+
+
+def test_loop_that_never_enters_fp8_autocast_still_sends_every_loss(server, tmp_path):
+    model, _ = tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = {}
+    with Monitor(server.url, "never-fp8", model, DelayedScaling(amax_history_len=4), **FAST) as mon:
+        for step in range(1, 6):
+            x = torch.randint(0, 256, (4, 16))
+            _, loss = model(x, x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses[step] = loss.item()
+            mon.step(step, loss=loss.detach())
+    run = get(server.url, f"/runs/{mon.run_id}")
+    assert run["steps_stored"] == 5 and run["status"] == "finished"
+    assert get(server.url, f"/runs/{mon.run_id}/series", name="loss")["values"] == [
+        losses[s] for s in range(1, 6)
+    ]
+    alerts = get(server.url, f"/runs/{mon.run_id}/alerts")
+    assert alerts == [], [(a["kind"], a["first_step"], a["message"]) for a in alerts][:3]

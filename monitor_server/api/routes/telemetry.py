@@ -30,20 +30,28 @@ TELEMETRY_BODY = {
 
 
 def _step_summaries(batch: Any) -> list[dict[str, Any]]:
-    """Per stored step: loss, max amax over tensors and total overflow / nonfinite counts (for SSE)."""
-    if not len(batch.steps):
+    """Per stored step: loss, max amax over tensors and total overflow / nonfinite counts (for SSE); the
+    statistics are None for a step that carried none (no FP8 layer ran in it, or a run without tensors)."""
+    S = len(batch.steps)
+    if not S:
         return []
-    max_amax = np.max(batch.stats["amax"], axis=1)
-    overflow = np.sum(batch.stats["overflow"], axis=1)
-    nonfinite = np.sum(batch.stats["nonfinite"], axis=1)
+    amax = batch.stats.get("amax")
+    with_stats = np.ones(S, bool) if batch.has_stats is None else np.asarray(batch.has_stats, bool)
+    if amax is None or amax.shape[1] == 0:
+        with_stats = np.zeros(S, bool)
+        max_amax = overflow = nonfinite = np.zeros(S)
+    else:
+        max_amax = np.max(amax, axis=1)
+        overflow = np.sum(batch.stats["overflow"], axis=1)
+        nonfinite = np.sum(batch.stats["nonfinite"], axis=1)
     loss = batch.scalars.get("loss")
     return [
         {
             "step": int(s),
             "loss": encode_float(loss[i]) if loss is not None else None,
-            "max_amax": encode_float(max_amax[i]),
-            "overflow": encode_float(overflow[i]),
-            "nonfinite": encode_float(nonfinite[i]),
+            "max_amax": encode_float(max_amax[i]) if with_stats[i] else None,
+            "overflow": encode_float(overflow[i]) if with_stats[i] else None,
+            "nonfinite": encode_float(nonfinite[i]) if with_stats[i] else None,
         }
         for i, s in enumerate(batch.steps.tolist())
     ]
@@ -104,7 +112,9 @@ def ingest(ctx: AppContext, run_id: RunId, body: bytes) -> dict[str, Any]:
         stored = len(result.new_steps.steps)
         ctx.metrics.batches.labels("duplicate" if result.duplicate else "stored").inc()
         ctx.metrics.steps.inc(stored)
-        ctx.metrics.values.inc(stored * meta.num_tensors * len(result.new_steps.stats))
+        has_stats = result.new_steps.has_stats
+        with_stats = stored if has_stats is None else int(np.sum(has_stats))
+        ctx.metrics.values.inc(with_stats * meta.num_tensors * len(result.new_steps.stats))
         ctx.metrics.latency.observe(time.perf_counter() - started)
         if ctx.broker.has_subscribers(run_id):
             for summary in _step_summaries(result.new_steps):
