@@ -71,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no progress bar (it is also off when stderr is not a terminal)")  # fmt: skip
     g.add_argument("--save", metavar="PATH", help="checkpoint file; '{step}' in it keeps one per save")
     g.add_argument("--save-interval", type=int, default=0, help="steps between checkpoints (0: at the end)")
+    g.add_argument(
+        "--halt-on-nonfinite",
+        action="store_true",
+        help="stop at the first non-finite loss, before the update, saving the previous step's weights with "
+        "--save (exit code 3; costs one host sync per step)",
+    )
     g.add_argument("--resume", metavar="PATH", help="continue the run saved in this checkpoint")
     g.add_argument("--stats-dump", metavar="FILE.npz",
                    help="write every step's FP8 statistics and loss to FILE (numpy .npz: steps, "
@@ -193,11 +199,19 @@ def prepare(argv: list[str] | None = None) -> tuple[argparse.Namespace, Prepared
     return a, _check(p, a)
 
 
+EXIT_INTERRUPTED = 130  # the shell's code for a process stopped by SIGINT
+EXIT_HALTED = 3  # --halt-on-nonfinite stopped the run
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``fp8-train`` console script."""
-    a, prepared = prepare(argv)
-    train(a, prepared, out=lambda s: print(s, flush=True))
-    return 0
+    try:
+        a, prepared = prepare(argv)
+        result = train(a, prepared, out=lambda s: print(s, flush=True))
+    except KeyboardInterrupt:  # before the first step or while finishing: one line, no traceback
+        print("fp8-train: interrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    return {"interrupted": EXIT_INTERRUPTED, "halted": EXIT_HALTED}.get(result.status, 0)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ class TrainResult:
     val_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, loss); rank 0 only
     model: nn.Module | None = None  # the trained model, unwrapped from DDP
     step: int = 0  # optimizer steps completed, counting those of a resumed checkpoint
+    status: str = "finished"  # or "interrupted" (Ctrl-C), "halted" (--halt-on-nonfinite)
 
 
 def dist_env() -> tuple[int, int, int]:
@@ -126,6 +127,9 @@ class _NoMonitor:
         pass
 
     def event(self, kind: str, step: int, **details) -> None:
+        pass
+
+    def close(self, status: str = "finished") -> None:
         pass
 
     run_id = dashboard_url = None
@@ -282,81 +286,82 @@ def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -
     lagged, smooth_tps = _Lagged(), None
     with _make_monitor(a, model, recipe, config, rank, world) as monitor:
         t_start = t_last = time.perf_counter()
-        for step in range(start + 1, a.steps + 1):
-            # ----- learning rate and this step's injected faults -----
-            lr = step_lr(a, step) * injector.lr_factor(step)
-            for group in opt.param_groups:
-                group["lr"] = lr
-            for inj in injector.begin(step):
-                say(f"inject: step {step}: {inj.describe()}")
-                monitor.event("injection", step, **inj.details())
+        try:
+            for step in range(start + 1, a.steps + 1):
+                # ----- learning rate and this step's injected faults -----
+                lr = step_lr(a, step) * injector.lr_factor(step)
+                for group in opt.param_groups:
+                    group["lr"] = lr
+                for inj in injector.begin(step):
+                    say(f"inject: step {step}: {inj.describe()}")
+                    monitor.event("injection", step, **inj.details())
 
-            # ----- forward / backward over the micro-batches; the FP8 step closes after the last -----
-            step_loss = torch.zeros((), device=device)
-            for micro in range(a.grad_accum):
-                x, y = corpus.batch("train", a.batch_size, a.seq_len)  # (B, T) each
-                if device.type == "cuda":  # pinned host memory: the copy overlaps the previous kernels
-                    x = x.pin_memory().to(device, non_blocking=True)
-                    y = y.pin_memory().to(device, non_blocking=True)
-                last = micro == a.grad_accum - 1
-                no_sync = net.no_sync() if world > 1 and not last else nullcontext()  # all-reduce grads once
-                with no_sync:
-                    fp8 = fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe, step_boundary=last)
-                    with fp8, _bf16(a, device):
-                        _, loss = net(x, y)
-                    (loss / a.grad_accum).backward()
-                step_loss += loss.detach() / a.grad_accum
-            injector.end(step)
+                step_loss = _forward_backward(a, net, corpus, recipe, device, world)
+                injector.end(step)
 
-            # ----- clip, step -----
-            max_norm = a.grad_clip if a.grad_clip > 0 else math.inf  # inf: only measure the norm
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            now = time.perf_counter()
-            tokens_per_s = tokens_per_step / max(now - t_last, 1e-9)  # this step's (host clock)
-            t_last = now
-            monitor.step(step, loss=step_loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tokens_per_s)
-            if not shown_url and monitor.dashboard_url is not None:  # registered (in the background)
-                shown_url = True
-                say(f"fp8-train: dashboard {monitor.dashboard_url}")
-            losses[step - start - 1] = step_loss
-            if a.stats_dump and lead:
-                dumped.append(step_stats(model).to("cpu", copy=True))
-            result.step = step
-            if on_step is not None:
-                on_step(step, model, {"loss": step_loss, "lr": lr, "grad_norm": grad_norm})
+                if a.halt_on_nonfinite and _nonfinite(step_loss, world):  # before the update: a host sync
+                    result.status = "halted"
+                    say(f"fp8-train: halted: non-finite loss at step {step}; the weights are those of step "
+                        f"{step - 1}")  # fmt: skip
+                    monitor.step(step, loss=step_loss, lr=lr)  # the service sees the non-finite loss
+                    opt.zero_grad(set_to_none=True)
+                    break
 
-            # ----- log -----
-            if not bar.disable:
-                shown = lagged.push(step_loss)
-                smooth_tps = tokens_per_s if smooth_tps is None else 0.9 * smooth_tps + 0.1 * tokens_per_s
-                postfix = {"tok/s": f"{smooth_tps:,.0f}", "alerts": monitor.open_alerts}
-                if shown is not None:
-                    postfix = {"loss": f"{shown:.4f}", **postfix}
-                bar.set_postfix(postfix, refresh=False)
-                bar.update()
-            elif lead and (step % a.log_interval == 0 or step == a.steps):
-                elapsed = now - t_start  # averages since the start: steady numbers
-                line = f"step {step:5d}  loss {step_loss.item():.4f}  lr {lr:.3g}"
-                line += f"  {elapsed / (step - start) * 1e3:.0f} ms/step"
-                line += f"  {tokens_per_step * (step - start) / elapsed:,.0f} tok/s"
-                if a.monitor_url:
-                    line += f"  alerts {monitor.open_alerts}"
-                say(line)
-                if recipe is not None and step != a.steps:
-                    got = read_newest(model)  # synchronous, at log intervals only
-                    if got is not None:
-                        say("           " + fp8_summary(got[1]))
+                # ----- clip, step -----
+                max_norm = a.grad_clip if a.grad_clip > 0 else math.inf  # inf: only measure the norm
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                result.step = step  # at once: an interrupt from here on leaves the weights of this step
+                now = time.perf_counter()
+                tokens_per_s = tokens_per_step / max(now - t_last, 1e-9)  # this step's (host clock)
+                t_last = now
+                monitor.step(step, loss=step_loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tokens_per_s)
+                if not shown_url and monitor.dashboard_url is not None:  # registered (in the background)
+                    shown_url = True
+                    say(f"fp8-train: dashboard {monitor.dashboard_url}")
+                losses[step - start - 1] = step_loss
+                if a.stats_dump and lead:
+                    dumped.append(step_stats(model).to("cpu", copy=True))
+                if on_step is not None:
+                    on_step(step, model, {"loss": step_loss, "lr": lr, "grad_norm": grad_norm})
 
-            # ----- evaluate, checkpoint -----
-            if a.eval_interval and (step % a.eval_interval == 0 or step == a.steps) and lead:
-                val = evaluate(model, val_batches, a, recipe, device)
-                result.val_losses.append((step, val))
-                say(f"step {step:5d}  val loss {val:.4f}")
-                monitor.event("eval", step, val_loss=val)
-            if a.save and ((a.save_interval and step % a.save_interval == 0) or step == a.steps):
-                _save(a, model, opt, step, config, corpus, world, lead, say)
+                # ----- log -----
+                if not bar.disable:
+                    shown = lagged.push(step_loss)
+                    smooth_tps = tokens_per_s if smooth_tps is None else 0.9 * smooth_tps + 0.1 * tokens_per_s
+                    postfix = {"tok/s": f"{smooth_tps:,.0f}", "alerts": monitor.open_alerts}
+                    if shown is not None:
+                        postfix = {"loss": f"{shown:.4f}", **postfix}
+                    bar.set_postfix(postfix, refresh=False)
+                    bar.update()
+                elif lead and (step % a.log_interval == 0 or step == a.steps):
+                    elapsed = now - t_start  # averages since the start: steady numbers
+                    line = f"step {step:5d}  loss {step_loss.item():.4f}  lr {lr:.3g}"
+                    line += f"  {elapsed / (step - start) * 1e3:.0f} ms/step"
+                    line += f"  {tokens_per_step * (step - start) / elapsed:,.0f} tok/s"
+                    if a.monitor_url:
+                        line += f"  alerts {monitor.open_alerts}"
+                    say(line)
+                    if recipe is not None and step != a.steps:
+                        got = read_newest(model)  # synchronous, at log intervals only
+                        if got is not None:
+                            say("           " + fp8_summary(got[1]))
+
+                # ----- evaluate, checkpoint -----
+                if a.eval_interval and (step % a.eval_interval == 0 or step == a.steps) and lead:
+                    val = evaluate(model, val_batches, a, recipe, device)
+                    result.val_losses.append((step, val))
+                    say(f"step {step:5d}  val loss {val:.4f}")
+                    monitor.event("eval", step, val_loss=val)
+                if a.save and ((a.save_interval and step % a.save_interval == 0) or step == a.steps):
+                    _save(a, model, opt, step, config, corpus, world, lead, say)
+        except KeyboardInterrupt:  # Ctrl-C: one line, a checkpoint if asked for, the run "interrupted"
+            result.status = "interrupted"
+            say(f"fp8-train: interrupted after step {result.step}")
+        if result.status != "finished":
+            _save_on_stop(a, model, opt, result, start, config, corpus, world, lead, say)
+            monitor.close(result.status)
         if device.type == "cuda":
             torch.cuda.synchronize()
         bar.close()
@@ -373,6 +378,46 @@ def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -
     if not all(math.isfinite(v) for v in result.losses):
         say("warning: non-finite training loss")
     return result
+
+
+def _forward_backward(a, net: nn.Module, corpus: Corpus, recipe, device, world: int) -> torch.Tensor:
+    """One optimizer step's forward and backward over its micro-batches (the FP8 step closes after the
+    last); returns the step's mean loss, on the device."""
+    step_loss = torch.zeros((), device=device)
+    for micro in range(a.grad_accum):
+        x, y = corpus.batch("train", a.batch_size, a.seq_len)  # (B, T) each
+        if device.type == "cuda":  # pinned host memory: the copy overlaps the previous kernels
+            x = x.pin_memory().to(device, non_blocking=True)
+            y = y.pin_memory().to(device, non_blocking=True)
+        last = micro == a.grad_accum - 1
+        no_sync = net.no_sync() if world > 1 and not last else nullcontext()  # all-reduce grads once
+        with no_sync:
+            fp8 = fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe, step_boundary=last)
+            with fp8, _bf16(a, device):
+                _, loss = net(x, y)
+            (loss / a.grad_accum).backward()
+        step_loss += loss.detach() / a.grad_accum
+    return step_loss
+
+
+def _nonfinite(loss: torch.Tensor, world: int) -> bool:
+    """Whether this step's loss is non-finite on any rank (every rank gets the same answer)."""
+    bad = (~torch.isfinite(loss)).float()
+    if world > 1:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return bool(bad.item())
+
+
+def _save_on_stop(a, model, opt, result: TrainResult, start: int, config, corpus, world: int, lead, say):
+    """On Ctrl-C or a halt: the checkpoint of the last completed step, if ``--save`` was given."""
+    if not a.save:
+        return
+    if result.step <= start:
+        say("fp8-train: no step completed; nothing saved")
+    elif world > 1 and result.status == "interrupted":  # saving is a collective: ranks may have stopped apart
+        say("fp8-train: not saved: the ranks of an interrupted job may have stopped at different steps")
+    else:
+        _save(a, model, opt, result.step, config, corpus, world, lead, say)
 
 
 def _save(a, model, opt, step: int, config, corpus: Corpus, world: int, lead: bool, say) -> None:

@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
+from fp8_protocol.runs import RUN_STATUSES
+
 WireFloat = float | Literal["NaN", "Infinity", "-Infinity"]
 #: database ids are 32-bit
 MAX_ID = 2**31 - 1
@@ -32,7 +34,7 @@ def _storable_json(value: dict[str, Any]) -> dict[str, Any]:
 
 Text = Annotated[str, AfterValidator(_no_nul)]
 JsonObject = Annotated[dict[str, Any], AfterValidator(_storable_json)]
-RunStatus = Literal["running", "finished", "crashed"]
+RunStatus = Literal[RUN_STATUSES]  # see fp8_protocol.runs
 Role = Literal["input", "weight", "grad_output"]
 Fp8Format = Literal["e4m3", "e5m2"]
 # keep in step with monitor_server.detectors.types.EVENT_KINDS (a test checks)

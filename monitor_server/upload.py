@@ -8,7 +8,7 @@ is skipped):
   ``client_key`` makes registering idempotent, so the run the service saw before an outage is found again;
 * ``{"type": "batch", "body": {...}}``: a telemetry body exactly as it would have been posted, with its
   ``idempotency_key`` (the service stores a key once, so replaying a batch delivered before is harmless);
-* ``{"type": "status", "status": "finished" | "crashed"}``: the run's final status.
+* ``{"type": "status", "status": ...}``: the run's final status (one of ``fp8_protocol.runs.RUN_STATUSES``).
 
 Replaying the whole file in order is therefore always correct: uploading a spool twice, or one whose
 batches were partly delivered already, stores every step exactly once.
@@ -24,6 +24,8 @@ from typing import Any
 
 import httpx
 import orjson
+
+from fp8_protocol.runs import RUN_STATUSES
 
 __all__ = ["API", "SPOOL_VERSION", "SpoolContents", "UploadResult", "read_spool", "upload_spool"]
 
@@ -78,7 +80,7 @@ def read_spool(path: str | os.PathLike) -> SpoolContents:
         kind = rec.get("type") if isinstance(rec, dict) else None
         if kind == "batch" and isinstance(rec.get("body"), dict):
             out.batches.append(rec["body"])
-        elif kind == "status" and rec.get("status") in ("finished", "crashed", "running"):
+        elif kind == "status" and rec.get("status") in RUN_STATUSES:
             out.status = rec["status"]
         elif kind in ("batch", "status"):
             field_name = "body" if kind == "batch" else "status"

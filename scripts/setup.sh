@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv and install fp8scope with its test dependencies. Idempotent: a second run that finds
-# the same pyproject.toml installed does nothing.
+# the same pyproject.toml, setup.py and script installed does nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -9,7 +9,7 @@ if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
 stamp=.venv/.fp8scope-installed
-want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml setup.py scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     exit 0
 fi

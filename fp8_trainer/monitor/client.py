@@ -306,7 +306,8 @@ class Monitor:
             self._log_once("event-error", "fp8scope monitor: event() failed; the event is left out", exc=True)
 
     def close(self, status: str = "finished") -> None:
-        """Report the last step, flush (within ``close_timeout``), set the run's status, stop the thread."""
+        """Report the last step, flush (within ``close_timeout``), set the run's status (``finished``,
+        ``crashed``, ``interrupted`` or ``halted``: see ``fp8_protocol.runs``), stop the thread."""
         if self._closed:
             return
         try:
@@ -344,7 +345,13 @@ class Monitor:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        self.close("crashed" if exc_type is not None else "finished")
+        if exc_type is None:
+            status = "finished"
+        elif issubclass(exc_type, KeyboardInterrupt):  # Ctrl-C: the user stopped it, nothing broke
+            status = "interrupted"
+        else:
+            status = "crashed"
+        self.close(status)
         return False
 
     # ----- internals -----

@@ -97,6 +97,12 @@ export function badge(text, kind = "") {
   return el("span", { class: `badge ${kind}` }, text);
 }
 
+/** A run's status as a badge: interrupted (Ctrl-C) is a warning, crashed and halted (a non-finite loss) bad. */
+export function statusBadge(status) {
+  const kind = { running: "info", finished: "ok", interrupted: "warn", crashed: "bad", halted: "bad" };
+  return badge(status, kind[status] || "");
+}
+
 let plotlyLoading = null;
 
 /** plotly.js, loaded once. It is a 4.8 MB script: loading it without blocking lets the page's data

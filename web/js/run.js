@@ -3,7 +3,7 @@
 // the recipe editor and the post-mortem, all kept live by the run's event stream.
 
 import { api, auth, num, subscribe } from "./api.js";
-import { badge, el, fmt, mark, panel, plotly, plotlyText, replace, throttle } from "./dom.js";
+import { badge, el, fmt, mark, panel, plotly, plotlyText, replace, statusBadge, throttle } from "./dom.js";
 import { Heatmap, fetchHeatmap } from "./heatmap.js";
 import { IncidentsPanel, SEVERITY_KIND } from "./incidents.js";
 import { PostMortem } from "./postmortem.js";
@@ -432,6 +432,3 @@ export async function mountRun(container, { runId, incident = null }) {
   };
 }
 
-function statusBadge(status) {
-  return badge(status, { running: "info", finished: "ok", crashed: "bad" }[status] || "");
-}

@@ -2,7 +2,7 @@
 // live by the all-runs event stream. Two runs can be picked for a comparison.
 
 import { api, num, subscribe } from "./api.js";
-import { ago, badge, el, fmt, replace, throttle } from "./dom.js";
+import { ago, badge, el, fmt, replace, statusBadge, throttle } from "./dom.js";
 
 const SVG = "http://www.w3.org/2000/svg";
 const SPARK_W = 140;
@@ -50,9 +50,6 @@ export function sparkline(steps, values) {
   return svg;
 }
 
-function statusBadge(status) {
-  return badge(status, { running: "info", finished: "ok", crashed: "bad" }[status] || "");
-}
 
 export async function mountRuns(container) {
   const rows = new Map(); // run id -> {run, tr, cells}

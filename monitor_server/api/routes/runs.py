@@ -175,7 +175,7 @@ def get_run(run_id: RunId, session: SessionDep, _principal: ReadDep) -> dict[str
 
 @router.patch("/{run_id}", response_model=RunPublic)
 def update_run(run_id: RunId, body: RunUpdate, ctx: CtxDep, _principal: RunWriteDep) -> dict[str, Any]:
-    """Set a run's status (running, finished, crashed)."""
+    """Set a run's status (one of `fp8_protocol.runs.RUN_STATUSES`)."""
     with ctx.db.write() as session:
         run = get_run_or_404(session, run_id)
         run.status = body.status
