@@ -66,8 +66,13 @@ def create_command(
     """Validate and queue a recipe change or rollback for `run`.
 
     Raises:
-        CommandError: 422 for an unknown layer, 404/409 for a rollback of a missing or unapplied command.
+        CommandError: 409 for a run that is no longer running, 422 for an unknown layer, 404/409 for a
+            rollback of a missing or unapplied command.
     """
+    if run.status != "running":
+        raise CommandError(
+            409, f"run {run.id} is {run.status}: recipe changes go to running jobs only (none would apply it)"
+        )
     if body.rollback is not None:
         original = session.get(Command, body.rollback)
         if original is None or original.run_id != run.id:
@@ -143,6 +148,20 @@ def apply_acks(session: Session, run: Run, acks: list[dict[str, Any]]) -> list[C
             command.delivered_at = now
         changed.append(command)
     return changed
+
+
+def end_commands(session: Session, run: Run) -> list[Command]:
+    """The run has ended: its commands not yet acknowledged can no longer apply. Rejects them with the
+    reason and returns them."""
+    open_ = session.scalars(
+        select(Command).where(Command.run_id == run.id, Command.state.in_(("pending", "delivered")))
+    ).all()
+    now = utcnow()
+    for command in open_:
+        command.state = "rejected"
+        command.reason = f"the run ended ({run.status}) before the job applied it"
+        command.resolved_at = now
+    return list(open_)
 
 
 def deliver_pending(session: Session, run: Run) -> tuple[list[Command], list[Command]]:

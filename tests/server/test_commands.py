@@ -130,3 +130,25 @@ def test_duplicate_batch_still_returns_pending_commands(client):
     again = _telemetry(client, rid, "k", [0])
     assert again["duplicate"] and [c["id"] for c in again["commands"]] == [cmd["id"]]
     assert client.post(f"{API}/runs/424242/commands", json={"changes": {"margin": 1}}).status_code == 404
+
+
+@pytest.mark.parametrize("final", ["finished", "crashed", "interrupted", "halted"])
+def test_a_run_that_ended_refuses_commands_and_rejects_its_open_ones(client, final):
+    rid = create_run(client)["id"]
+    pending = client.post(f"{API}/runs/{rid}/commands", json={"changes": {"margin": 1}}).json()
+    delivered = client.post(f"{API}/runs/{rid}/commands", json={"changes": {"margin": 2}}).json()
+    _telemetry(client, rid, "t1", [1], acks=[])  # both delivered
+    third = client.post(f"{API}/runs/{rid}/commands", json={"changes": {"margin": 3}}).json()
+    assert third["state"] == "pending"
+    r = client.patch(f"{API}/runs/{rid}", json={"status": final})
+    assert r.status_code == 200, r.text
+    listed = {c["id"]: c for c in client.get(f"{API}/runs/{rid}/commands").json()}
+    for cmd in (pending, delivered, third):  # none stays pending forever
+        assert listed[cmd["id"]]["state"] == "rejected"
+        assert listed[cmd["id"]]["reason"] == f"the run ended ({final}) before the job applied it"
+    r = client.post(f"{API}/runs/{rid}/commands", json={"changes": {"margin": 4}})
+    assert r.status_code == 409
+    assert r.json()["detail"] == (
+        f"run {rid} is {final}: recipe changes go to running jobs only (none would apply it)"
+    )
+    assert len(client.get(f"{API}/runs/{rid}/commands").json()) == 3  # nothing stored

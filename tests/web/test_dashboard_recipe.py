@@ -106,3 +106,26 @@ def test_recipe_change_round_trip(server, page):
     assert "interval" in page.text_content("#recipe-error")
     assert len(httpx.get(f"{server.url}{API}/runs/{rid}/commands").json()) == 2
     no_page_errors(page)
+
+
+def test_a_run_that_ends_closes_the_form_and_its_pending_command_live(server, page):
+    run = create_run(server.url, "recipe-ends", 2)
+    rid = run["id"]
+    post_steps(server.url, rid, "a", 0, smooth_stats(20, 6))
+    page.goto(f"{server.url}/#/runs/{rid}")
+    wait_drawn(page, "heatmap", "curves")
+    wait_stream(page, f"/runs/{rid}/stream")
+    assert not page.is_disabled("#recipe-submit")
+    page.fill("#recipe-margin", "1")
+    page.click("#recipe-submit")
+    page.wait_for_selector("#commands-table tr[data-command-id]")
+    (cmd,) = httpx.get(f"{server.url}{API}/runs/{rid}/commands").json()
+
+    r = httpx.patch(f"{server.url}{API}/runs/{rid}", json={"status": "finished"})
+    assert r.status_code == 200, r.text
+    page.wait_for_function(STATE_IS, arg=[cmd["id"], "rejected"], timeout=5000)
+    assert state_cell(page, cmd["id"]) == "rejected: the run ended (finished) before the job applied it"
+    page.wait_for_function("() => document.querySelector('#recipe-submit').disabled")
+    assert "the run is finished" in page.text_content("#recipe-readonly")
+    assert page.is_disabled("#recipe-margin")
+    no_page_errors(page)

@@ -162,7 +162,8 @@ export class RecipeEditor {
     const selected = this.inputs.target.value;
     replace(this.inputs.target, el("option", { value: "model" }, "whole model"), this.layers.map((l) => el("option", { value: l }, l)));
     if (selected) this.inputs.target.value = selected;
-    const reason = auth.readOnlyReason();
+    const ended = this.run.status && this.run.status !== "running" ? `the run is ${this.run.status}: no job is there to apply them` : "";
+    const reason = auth.readOnlyReason() || ended;
     this.note.textContent = reason ? `Changes are disabled (${reason}).` : "";
     for (const input of [...Object.values(this.inputs), this.submit]) {
       input.disabled = Boolean(reason);

@@ -406,6 +406,7 @@ export async function mountRun(container, { runId, incident = null }) {
       run(d) {
         state.run.status = d.status;
         renderHeader();
+        recipe.setRun(state.run);
         post.update(state.run, alerts.all(), events);
       },
     },

@@ -10,10 +10,11 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from monitor_server.api.deps import CtxDep, ReadDep, RunId, RunWriteDep, SessionDep
-from monitor_server.commands import effective_recipe
+from monitor_server.commands import command_public, effective_recipe, end_commands
 from monitor_server.context import AppContext
 from monitor_server.models import Alert, Incident, Run, TensorRow, as_utc, utcnow
 from monitor_server.schemas import RunCreate, RunPublic, RunStatus, RunUpdate
+from monitor_server.wire import iso_dates
 
 router = APIRouter(prefix="/runs", tags=["runs"])
 
@@ -180,7 +181,11 @@ def update_run(run_id: RunId, body: RunUpdate, ctx: CtxDep, _principal: RunWrite
         run = get_run_or_404(session, run_id)
         run.status = body.status
         run.updated_at = utcnow()
+        ended = end_commands(session, run) if body.status != "running" else []
         session.flush()
         result = run_public(run, count_open_alerts(session, run_id), count_open_incidents(session, run_id))
+        ended_public = [command_public(c) for c in ended]
     ctx.broker.publish(run_id, "run", {"id": run_id, "status": body.status})
+    for command in ended_public:
+        ctx.broker.publish(run_id, "command", iso_dates(command))
     return result
