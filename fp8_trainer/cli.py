@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from dataclasses import replace
 from urllib.parse import urlparse
 
 import torch
+
+from fp8_protocol.runs import TAG_PATTERN
 
 from .checkpoint import CheckpointError, check_compatible, load_checkpoint
 from .data import DataError, load_corpus
@@ -86,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--monitor-url", default=os.environ.get("FP8SCOPE_URL") or None,
                    help="fp8-monitor root, e.g. http://127.0.0.1:8000 (default $FP8SCOPE_URL)")  # fmt: skip
     g.add_argument("--run-name", help="run name in the monitor (default: preset-recipe-time)")
+    g.add_argument("--tag", dest="tags", action="append", default=[], metavar="TAG",
+                   help="a tag of the run in the monitor; repeatable")  # fmt: skip
     g.add_argument("--token", help="API token of the monitor (visible in the process list: prefer "
                    "--token-file or $FP8SCOPE_TOKEN)")  # fmt: skip
     g.add_argument("--token-file", metavar="PATH", help="file whose first line is the monitor's API token")
@@ -150,6 +155,9 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> Prepared:
             p.error(f"--monitor-url {a.monitor_url!r}: expected http://HOST:PORT or https://HOST")
     if a.token_file is not None and a.token is not None:
         p.error("--token and --token-file: give one")
+    for tag in a.tags:
+        if not re.match(TAG_PATTERN, tag):
+            p.error(f"--tag {tag!r}: 1-64 letters, digits or _-.:/=+@")
     if a.token_file is not None:
         try:
             with open(a.token_file, encoding="utf-8") as f:

@@ -15,6 +15,7 @@ from fastapi.openapi.utils import get_openapi
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from monitor_server import run_admin
 from monitor_server.api.routes import (
     alerts,
     commands,
@@ -29,6 +30,7 @@ from monitor_server.api.routes import (
 from monitor_server.context import AppContext
 from monitor_server.core.config import Settings
 from monitor_server.migrations import upgrade_to_head
+from monitor_server.models import utcnow
 from monitor_server.schemas import TelemetryBatch
 from monitor_server.web import mount_dashboard
 
@@ -87,13 +89,18 @@ async def _json_response(send: Send, status_code: int, detail: str) -> None:
 
 
 async def _stall_checker(ctx: AppContext) -> None:
-    """Periodically raise `stalled` alerts for running runs that went quiet."""
+    """Periodically raise `stalled` alerts for running runs that went quiet, close abandoned runs and
+    delete those past the retention period."""
     while True:
         await asyncio.sleep(ctx.settings.stall_check_seconds)
         try:
             await run_in_threadpool(ctx.detection.check_stalled_runs)
         except Exception:
             log.exception("stall check failed")
+        try:
+            await run_in_threadpool(run_admin.maintain, ctx, utcnow())
+        except Exception:
+            log.exception("runs maintenance failed")
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

@@ -39,6 +39,11 @@ class AppContext:
         ctx.metrics.attach_database(ctx.metrics_snapshot)
         return ctx
 
+    def forget_run(self, run_id: int) -> None:
+        """Drop the caches of a deleted run."""
+        self.run_meta.forget(run_id)
+        self.detection.forget(run_id)
+
     def metrics_snapshot(self) -> tuple[dict[str, int], list[tuple[int, str, float | None, int | None]]]:
         """Open alerts by kind and (id, name, last loss, last step) of recent runs, for /metrics."""
         with self.db.read_session() as session:

@@ -169,6 +169,12 @@ class Detection:
             self._engines[run_id] = engine
         return engine
 
+    def forget(self, run_id: int) -> None:
+        """Drop what is cached for a run; an engine is rebuilt from the persisted state on next use."""
+        with self._engines_lock:
+            self._engines.pop(run_id, None)
+        self._orders.pop(run_id, None)
+
     def tensor_order(self, meta: RunMeta | None) -> TensorOrder:
         """The run's forward-then-backward positions (cached with its meta)."""
         if meta is None:
@@ -188,11 +194,6 @@ class Detection:
         alerts = alerts_by_incident(session, [i.id for i in incidents])
         url = self.settings.public_url
         return [incident_public(i, alerts[i.id], meta, order, url) for i in incidents]
-
-    def forget(self, run_id: int) -> None:
-        """Drop a cached engine (it is rebuilt from the persisted state on next use)."""
-        with self._engines_lock:
-            self._engines.pop(run_id, None)
 
     # -- ingest hook ------------------------------------------------------------------------------------
     def after_ingest(

@@ -252,6 +252,8 @@ def store_batch(session: Session, run_id: int, batch: DecodedBatch, fp8_max: np.
         if run.first_step is None or first < run.first_step:
             run.first_step = first
         run.steps_stored += len(new_steps)
+        if run.status == "crashed":  # closed by the server as abandoned, and its client is back
+            run.status = "running"
     if batch.events:
         session.execute(
             insert(EventRow.__table__),

@@ -50,7 +50,10 @@ class Run(Base):
     """One training run."""
 
     __tablename__ = "runs"
-    __table_args__ = (Index("uq_runs_client_key", "client_key", unique=True),)
+    __table_args__ = (
+        Index("uq_runs_client_key", "client_key", unique=True),
+        Index("ix_runs_status", "status"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     name: Mapped[str] = mapped_column(String(200))
@@ -73,6 +76,16 @@ class Run(Base):
     detector_state: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     #: the client's key for idempotent registration (a retried or replayed POST /runs finds this run)
     client_key: Mapped[str | None] = mapped_column(String(100), nullable=True)
+
+
+class RunTag(Base):
+    """A tag of a run (set by the job at registration or from the dashboard)."""
+
+    __tablename__ = "run_tags"
+    __table_args__ = (Index("ix_run_tags_tag", "tag"),)
+
+    run_id: Mapped[int] = mapped_column(_run_fk(), primary_key=True)
+    tag: Mapped[str] = mapped_column(String(64), primary_key=True)
 
 
 class TensorRow(Base):

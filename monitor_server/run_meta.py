@@ -62,3 +62,8 @@ class RunMetaCache:
         with self._lock:
             self._cache[run_id] = meta
         return meta
+
+    def forget(self, run_id: int) -> None:
+        """Drop a run's meta (the run was deleted)."""
+        with self._lock:
+            self._cache.pop(run_id, None)

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
-from fp8_protocol.runs import RUN_STATUSES
+from fp8_protocol.runs import MAX_TAGS, RUN_STATUSES, TAG_PATTERN
 
 WireFloat = float | Literal["NaN", "Infinity", "-Infinity"]
 #: database ids are 32-bit
@@ -34,6 +34,14 @@ def _storable_json(value: dict[str, Any]) -> dict[str, Any]:
 
 Text = Annotated[str, AfterValidator(_no_nul)]
 JsonObject = Annotated[dict[str, Any], AfterValidator(_storable_json)]
+Tag = Annotated[str, Field(pattern=TAG_PATTERN)]
+
+
+def _unique_tags(tags: list[str]) -> list[str]:
+    return sorted(set(tags))
+
+
+Tags = Annotated[list[Tag], Field(max_length=MAX_TAGS), AfterValidator(_unique_tags)]
 RunStatus = Literal[RUN_STATUSES]  # see fp8_protocol.runs
 Role = Literal["input", "weight", "grad_output"]
 Fp8Format = Literal["e4m3", "e5m2"]
@@ -66,6 +74,7 @@ class RunCreate(BaseModel):
     tensors: list[TensorSpec] = Field(default_factory=list, max_length=65536)
     #: optional idempotency key of the registration: a run already created with it is returned (200)
     client_key: Text | None = Field(default=None, min_length=1, max_length=100)
+    tags: Tags = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _dense_indices(self) -> RunCreate:
@@ -79,11 +88,19 @@ class RunCreate(BaseModel):
 
 
 class RunUpdate(BaseModel):
-    """Body of PATCH /runs/{id}."""
+    """Body of PATCH /runs/{id}: any of a new status, a new name, the run's tags (replacing them)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    status: RunStatus
+    status: RunStatus | None = None
+    name: Text | None = Field(default=None, min_length=1, max_length=200)
+    tags: Tags | None = None
+
+    @model_validator(mode="after")
+    def _something(self) -> RunUpdate:
+        if self.status is None and self.name is None and self.tags is None:
+            raise ValueError("nothing to change: give status, name or tags")
+        return self
 
 
 class RunPublic(BaseModel):
@@ -108,6 +125,7 @@ class RunPublic(BaseModel):
     last_telemetry_at: datetime | None
     open_alerts: int
     open_incidents: int = 0
+    tags: list[str] = Field(default_factory=list)
 
 
 class PackedColumn(BaseModel):

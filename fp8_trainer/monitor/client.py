@@ -54,6 +54,8 @@ import torch.distributed as dist
 from fp8_kernels import exponent_histogram, histogram_to_dict
 from torch import nn
 
+from fp8_protocol.runs import MAX_TAGS, TAG_PATTERN
+
 from ..convert import get_fp8_state
 from ..hostcopy import HostCopy
 from ..stats import StatsReader
@@ -117,6 +119,18 @@ class MonitorRefused(RuntimeError):
     """The service refused the run (``Monitor(..., fail_fast=True)``); the message says why."""
 
 
+def _check_tags(tags: Any) -> list[str]:
+    if isinstance(tags, str):
+        raise ValueError(f"tags: expected a list of strings, got the string {tags!r}")
+    tags = sorted(set(tags))
+    bad = [t for t in tags if not isinstance(t, str) or not re.match(TAG_PATTERN, t)]
+    if bad:
+        raise ValueError(f"tags: {bad[0]!r} is not a tag (1-64 letters, digits or _-.:/=+@)")
+    if len(tags) > MAX_TAGS:
+        raise ValueError(f"tags: at most {MAX_TAGS}, got {len(tags)}")
+    return tags
+
+
 def _env_token() -> str | None:
     """``FP8SCOPE_TOKEN``, else the first line of the file named by ``FP8SCOPE_TOKEN_FILE``."""
     token = os.environ.get("FP8SCOPE_TOKEN")
@@ -146,6 +160,8 @@ class Monitor:
             ``FP8SCOPE_TOKEN`` environment variable, else the first line of the file ``FP8SCOPE_TOKEN_FILE``
             names (so a token never needs to be on a command line).
         config: JSON-able dict stored with the run.
+        tags: the run's tags (letters, digits and ``_-.:/=+@``, at most 64 characters, at most 32 tags), to
+            find and filter runs by in the dashboard.
         spool_path: where to spool when the service is unreachable (default
             ``./fp8scope-spool/<run_name>-<time>.jsonl``; only created when needed).
         fail_fast: register the run before returning and raise ``MonitorRefused`` if the service refuses it
@@ -172,11 +188,13 @@ class Monitor:
         *,
         token: str | None = None,
         config: dict[str, Any] | None = None,
+        tags: list[str] | tuple[str, ...] = (),
         spool_path: str | Path | None = None,
         fail_fast: bool = False,
         **tuning: Any,
     ):
         sender_cfg, detect_cfg, self.rank_sample_interval = _parse_tuning(dict(tuning))
+        tags = _check_tags(tags)
         url = url if url is not None else os.environ.get("FP8SCOPE_URL")
         token = token if token is not None else _env_token()
         if not isinstance(url, str) or not re.match(r"https?://[^/\s]+", url):
@@ -228,6 +246,7 @@ class Monitor:
                 "world_size": self.world_size,
                 "host": socket.gethostname()[:200],
                 "tensors": self.tensors,
+                "tags": tags,
             }
             if spool_path is None:
                 safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", run_name)[:80] or "run"

@@ -65,7 +65,12 @@ class Settings(BaseSettings):
         public_url: the dashboard's address as people reach it (e.g. ``https://fp8scope.example.com``);
             webhook messages link to the run's page under it (empty = no link).
         stall_seconds: a running run with no telemetry for this long raises a ``stalled`` alert.
-        stall_check_seconds: how often the stall check runs.
+        stall_check_seconds: how often the stall check (and the runs' maintenance below) runs.
+        close_after_seconds: a running run with no telemetry for this long is closed as ``crashed``: its
+            client is gone (killed without closing its Monitor); telemetry arriving later reopens it.
+            0 = never.
+        retention_days: runs that ended and were last updated more than this many days ago are deleted
+            with their telemetry. 0 = keep every run.
         detectors: passed through to the detector engine's ``DetectorConfig`` (thresholds); checked when the
             settings are built, so an unknown key or a bad value stops the service at start-up.
         sse_keepalive_seconds: interval of keep-alive comments on ``/stream``.
@@ -85,6 +90,8 @@ class Settings(BaseSettings):
     public_url: str = ""
     stall_seconds: float = 300.0
     stall_check_seconds: float = 15.0
+    close_after_seconds: float = Field(3600.0, ge=0)
+    retention_days: float = Field(0.0, ge=0)
     detectors: dict[str, Any] = {}
     sse_keepalive_seconds: float = 15.0
 

@@ -291,3 +291,15 @@ def test_loop_that_never_enters_fp8_autocast_still_sends_every_loss(server, tmp_
     ]
     alerts = get(server.url, f"/runs/{mon.run_id}/alerts")
     assert alerts == [], [(a["kind"], a["first_step"], a["message"]) for a in alerts][:3]
+
+
+def test_tags_set_by_the_job_are_the_runs_tags(server, tmp_path):
+    model, recipe = tiny_model()
+    with Monitor(server.url, "tagged", model, recipe, tags=["sweep-7", "lr=1e-3", "sweep-7"], **FAST) as mon:
+        train(model, recipe, mon, 2)
+    assert get(server.url, f"/runs/{mon.run_id}")["tags"] == ["lr=1e-3", "sweep-7"]
+    assert [r["id"] for r in get(server.url, "/runs", tag="sweep-7")] == [mon.run_id]
+    with pytest.raises(ValueError, match="'has space' is not a tag"):
+        Monitor(server.url, "x", model, recipe, tags=["has space"])
+    with pytest.raises(ValueError, match="a list of strings"):
+        Monitor(server.url, "x", model, recipe, tags="sweep-7")

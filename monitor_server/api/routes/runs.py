@@ -1,4 +1,4 @@
-"""Runs: create, list, show, set status."""
+"""Runs: create, list (search, filters, cursor paging), show, update (status, name, tags), delete."""
 
 from __future__ import annotations
 
@@ -9,17 +9,23 @@ from sqlalchemy import func, insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from monitor_server.api.deps import CtxDep, ReadDep, RunId, RunWriteDep, SessionDep
+from fp8_protocol.runs import MAX_TAGS
+from monitor_server import run_admin
+from monitor_server.api.deps import ControlDep, CtxDep, ReadDep, RunId, RunWriteDep, SessionDep
 from monitor_server.commands import command_public, effective_recipe, end_commands
 from monitor_server.context import AppContext
 from monitor_server.models import Alert, Incident, Run, TensorRow, as_utc, utcnow
-from monitor_server.schemas import RunCreate, RunPublic, RunStatus, RunUpdate
+from monitor_server.run_admin import RunFilter, parse_config_filter, set_tags, tags_of
+from monitor_server.schemas import MAX_ID, RunCreate, RunPublic, RunStatus, RunUpdate, Tag
 from monitor_server.wire import iso_dates
 
 router = APIRouter(prefix="/runs", tags=["runs"])
+NEXT_CURSOR = "X-Next-Cursor"
 
 
-def run_public(run: Run, open_alerts: int, open_incidents: int = 0) -> dict[str, Any]:
+def run_public(
+    run: Run, open_alerts: int, open_incidents: int = 0, tags: list[str] | None = None
+) -> dict[str, Any]:
     """A run as the API returns it."""
     return {
         "id": run.id,
@@ -41,6 +47,7 @@ def run_public(run: Run, open_alerts: int, open_incidents: int = 0) -> dict[str,
         "last_telemetry_at": as_utc(run.last_telemetry_at),
         "open_alerts": open_alerts,
         "open_incidents": open_incidents,
+        "tags": list(tags or ()),
     }
 
 
@@ -81,7 +88,9 @@ def _existing_run(ctx: AppContext, body: RunCreate) -> dict[str, Any] | None:
                 f"client_key: run {run.id} was registered with this key and {run.num_tensors} tensors, "
                 f"not {len(body.tensors)}",
             )
-        return run_public(run, count_open_alerts(session, run.id))
+        return run_public(
+            run, count_open_alerts(session, run.id), tags=tags_of(session, [run.id]).get(run.id)
+        )
 
 
 @router.post(
@@ -127,7 +136,8 @@ def create_run(body: RunCreate, ctx: CtxDep, _principal: RunWriteDep, response: 
                     insert(TensorRow),
                     [{"run_id": run.id, **t.model_dump()} for t in sorted(body.tensors, key=_by_index)],
                 )
-            created = run_public(run, 0)
+            set_tags(session, run.id, body.tags)
+            created = run_public(run, 0, tags=body.tags)
     except IntegrityError:
         # a concurrent registration with the same client_key won the race
         existing = _existing_run(ctx, body)
@@ -141,51 +151,85 @@ def create_run(body: RunCreate, ctx: CtxDep, _principal: RunWriteDep, response: 
     return created
 
 
-@router.get("", response_model=list[RunPublic])
+@router.get(
+    "",
+    response_model=list[RunPublic],
+    responses={200: {"headers": {NEXT_CURSOR: {"description": "`before` for the next page (absent: last)"}}}},
+)
 def list_runs(
     session: SessionDep,
     _principal: ReadDep,
+    response: Response,
     status_: Annotated[RunStatus | None, Query(alias="status")] = None,
+    q: Annotated[str | None, Query(max_length=200, description="part of the run's name (any case)")] = None,
+    tag: Annotated[list[Tag], Query(max_length=MAX_TAGS, description="runs with all of these tags")] = (),
+    config: Annotated[
+        list[str], Query(max_length=16, description="KEY=VALUE: the run's config has it (KEY may be a.b)")
+    ] = (),
+    before: Annotated[
+        int | None, Query(ge=1, le=MAX_ID, description="the cursor of the previous page")
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> list[dict[str, Any]]:
-    """Runs, newest first, with status, last step, last loss and the number of open alerts."""
-    open_count = (
-        select(func.count())
-        .where(Alert.run_id == Run.id, Alert.state == "open")
-        .correlate(Run)
-        .scalar_subquery()
-    )
-    open_incidents = (
-        select(func.count())
-        .where(Incident.run_id == Run.id, Incident.state == "open")
-        .correlate(Run)
-        .scalar_subquery()
-    )
-    query = select(Run, open_count, open_incidents).order_by(Run.id.desc()).limit(limit)
-    if status_ is not None:
-        query = query.where(Run.status == status_)
-    return [run_public(run, n, m) for run, n, m in session.execute(query).all()]
+    """Runs, newest first, with status, last step, last loss and the number of open alerts. When more runs
+    match than `limit`, the `X-Next-Cursor` header holds the `before` of the next page."""
+    try:
+        flt = RunFilter(q=q, status=status_, tags=tuple(tag), config=parse_config_filter(list(config)))
+    except ValueError as exc:
+        raise HTTPException(422, str(exc)) from None
+    rows, cursor = run_admin.list_runs(session, flt, limit, before)
+    if cursor is not None:
+        response.headers[NEXT_CURSOR] = str(cursor)
+    tags = tags_of(session, [run.id for run, _, _ in rows])
+    return [run_public(run, n, m, tags.get(run.id)) for run, n, m in rows]
 
 
 @router.get("/{run_id}", response_model=RunPublic)
 def get_run(run_id: RunId, session: SessionDep, _principal: ReadDep) -> dict[str, Any]:
     """One run, including its effective recipe (base recipe + applied overrides)."""
     run = get_run_or_404(session, run_id)
-    return run_public(run, count_open_alerts(session, run_id), count_open_incidents(session, run_id))
+    return _public(session, run)
 
 
 @router.patch("/{run_id}", response_model=RunPublic)
 def update_run(run_id: RunId, body: RunUpdate, ctx: CtxDep, _principal: RunWriteDep) -> dict[str, Any]:
-    """Set a run's status (one of `fp8_protocol.runs.RUN_STATUSES`)."""
+    """Change a run's status (one of `fp8_protocol.runs.RUN_STATUSES`), name or tags (replaced as a whole).
+    A run that ends rejects its commands not yet applied."""
+    ended_public: list[dict[str, Any]] = []
     with ctx.db.write() as session:
         run = get_run_or_404(session, run_id)
-        run.status = body.status
+        if body.status is not None:
+            run.status = body.status
+            if body.status != "running":
+                ended_public = [command_public(c) for c in end_commands(session, run)]
+        if body.name is not None:
+            run.name = body.name
+        if body.tags is not None:
+            set_tags(session, run_id, body.tags)
         run.updated_at = utcnow()
-        ended = end_commands(session, run) if body.status != "running" else []
         session.flush()
-        result = run_public(run, count_open_alerts(session, run_id), count_open_incidents(session, run_id))
-        ended_public = [command_public(c) for c in ended]
-    ctx.broker.publish(run_id, "run", {"id": run_id, "status": body.status})
+        result = _public(session, run)
+    ctx.broker.publish(run_id, "run", {"id": run_id, "status": result["status"], "name": result["name"]})
     for command in ended_public:
         ctx.broker.publish(run_id, "command", iso_dates(command))
     return result
+
+
+@router.delete("/{run_id}", status_code=status.HTTP_204_NO_CONTENT)
+def delete_run(run_id: RunId, ctx: CtxDep, _principal: ControlDep) -> Response:
+    """Delete a run and everything stored for it (statistics, scalars, events, alerts, commands)."""
+    with ctx.db.run_lock(run_id), ctx.db.write() as session:
+        if not run_admin.delete_run(session, run_id):
+            raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id} not found")
+    ctx.forget_run(run_id)
+    ctx.broker.publish(run_id, "run", {"id": run_id, "deleted": True})
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+def _public(session: Session, run: Run) -> dict[str, Any]:
+    return run_public(
+        run,
+        count_open_alerts(session, run.id),
+        count_open_incidents(session, run.id),
+        tags_of(session, [run.id]).get(run.id),
+    )

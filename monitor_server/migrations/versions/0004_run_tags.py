@@ -1,0 +1,34 @@
+"""run tags, and an index on the runs' status for the filtered runs list
+
+Revision ID: 0004
+Revises: 0003
+Create Date: 2026-12-03 10:00:00.000000
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0004"
+down_revision = "0003"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    op.create_table(
+        "run_tags",
+        sa.Column("run_id", sa.Integer(), nullable=False),
+        sa.Column("tag", sa.String(length=64), nullable=False),
+        sa.ForeignKeyConstraint(["run_id"], ["runs.id"], ondelete="CASCADE"),
+        sa.PrimaryKeyConstraint("run_id", "tag"),
+    )
+    op.create_index("ix_run_tags_tag", "run_tags", ["tag"])
+    op.create_index("ix_runs_status", "runs", ["status"])
+
+
+def downgrade() -> None:
+    op.drop_index("ix_runs_status", table_name="runs")
+    op.drop_index("ix_run_tags_tag", table_name="run_tags")
+    op.drop_table("run_tags")
