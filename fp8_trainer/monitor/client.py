@@ -64,6 +64,7 @@ from .detect import DetectConfig, Detector, FlightRecorder, amax_movers
 from .ranks import RankSync, reduce_rank_stats
 from .sender import Sender, SenderConfig, StepRecord, wire_float
 from .spool import SpoolWriter
+from .system import SystemSampler
 
 __all__ = ["Monitor", "MonitorRefused"]
 
@@ -160,6 +161,9 @@ class Monitor:
             ``FP8SCOPE_TOKEN`` environment variable, else the first line of the file ``FP8SCOPE_TOKEN_FILE``
             names (so a token never needs to be on a command line).
         config: JSON-able dict stored with the run.
+        tokens_per_step: tokens one optimizer step trains on (all micro-batches and ranks); with it each step
+            reports ``tokens_per_s`` (unless ``step()`` is given one). Every step reports ``step_time_s``, the
+            host time since the previous ``step()``.
         tags: the run's tags (letters, digits and ``_-.:/=+@``, at most 64 characters, at most 32 tags), to
             find and filter runs by in the dashboard.
         spool_path: where to spool when the service is unreachable (default
@@ -189,12 +193,17 @@ class Monitor:
         token: str | None = None,
         config: dict[str, Any] | None = None,
         tags: list[str] | tuple[str, ...] = (),
+        tokens_per_step: int | None = None,
         spool_path: str | Path | None = None,
         fail_fast: bool = False,
         **tuning: Any,
     ):
         sender_cfg, detect_cfg, self.rank_sample_interval = _parse_tuning(dict(tuning))
         tags = _check_tags(tags)
+        if tokens_per_step is not None and (isinstance(tokens_per_step, bool) or not tokens_per_step > 0):
+            raise ValueError(f"tokens_per_step: must be a number > 0, got {tokens_per_step!r}")
+        self.tokens_per_step = tokens_per_step
+        self._last_step_at: float | None = None
         url = url if url is not None else os.environ.get("FP8SCOPE_URL")
         token = token if token is not None else _env_token()
         if not isinstance(url, str) or not re.match(r"https?://[^/\s]+", url):
@@ -255,6 +264,11 @@ class Monitor:
                 )
             spool = SpoolWriter(spool_path, run_body, client_key)
             self.sender = Sender(url, token, run_body, client_key, spool, sender_cfg, self.inbox.add)
+            device = next((p.device for p in model.parameters()), None)
+            gpu = None
+            if device is not None and device.type == "cuda":
+                gpu = device.index if device.index is not None else torch.cuda.current_device()
+            self.sender.sampler = SystemSampler(gpu)
             if fail_fast and not self.sender.register_now() and self.sender.refused:
                 self.sender.http.close()
                 raise MonitorRefused(f"fp8scope monitor: {self.sender.refused}")
@@ -298,6 +312,13 @@ class Monitor:
             self._log_once("closed", "fp8scope monitor: step() after close() is ignored")
             return
         try:
+            now = time.perf_counter()
+            if self._last_step_at is not None:
+                step_time = now - self._last_step_at
+                scalars.setdefault("step_time_s", step_time)
+                if self.tokens_per_step is not None:
+                    scalars.setdefault("tokens_per_s", self.tokens_per_step / max(step_time, 1e-9))
+            self._last_step_at = now
             values = {"loss": loss, "lr": lr, **scalars}
             holder = _capture({k: v for k, v in values.items() if v is not None})
             if self._ranks is None:

@@ -162,6 +162,7 @@ class Sender(threading.Thread):
         self._refused = False  # the service refused the registration: no point in probing again
         self.failed = False
         self.stats = {"posted": 0, "spooled": 0, "drained": 0, "failed_posts": 0}
+        self.sampler: Any = None  # a system.SystemSampler, sampled on this thread once per batch
 
     # ----- called from the training thread -----
     def put_step(self, rec: StepRecord) -> None:
@@ -297,6 +298,9 @@ class Sender(threading.Thread):
         body: dict[str, Any] = {"idempotency_key": f"{self.client_key}-{self._seq:07d}"}
         self._seq += 1
         if steps:
+            if self.sampler is not None:  # system metrics ride with the newest step (about once a second)
+                for name, value in self.sampler.sample().items():
+                    steps[-1].scalars.setdefault(name, value)
             body["steps"] = [step_body(rec) for rec in steps]
         if self._events:
             body["events"], self._events = self._events, []

@@ -303,3 +303,26 @@ def test_tags_set_by_the_job_are_the_runs_tags(server, tmp_path):
         Monitor(server.url, "x", model, recipe, tags=["has space"])
     with pytest.raises(ValueError, match="a list of strings"):
         Monitor(server.url, "x", model, recipe, tags="sweep-7")
+
+
+def test_system_metrics_and_step_time_chart_beside_the_loss(server, tmp_path):
+    model, recipe = tiny_model()
+    with Monitor(server.url, "system", model, recipe, tokens_per_step=64, **FAST) as mon:
+        train(model, recipe, mon, 6)
+    step_time = get(server.url, f"/runs/{mon.run_id}/series", name="step_time_s")
+    assert step_time["steps"] == [2, 3, 4, 5, 6]  # the time since the previous step()
+    assert all(0 < v < 60 for v in step_time["values"])
+    tps = get(server.url, f"/runs/{mon.run_id}/series", name="tokens_per_s")
+    assert tps["steps"] == step_time["steps"]
+    np.testing.assert_allclose(tps["values"], [64 / v for v in step_time["values"]], rtol=1e-12)
+    mem = get(server.url, f"/runs/{mon.run_id}/series", name="host_memory_mb")
+    assert mem["steps"] and all(50 < v < 64 * 1024 for v in mem["values"])  # this process's resident memory
+    # no GPU here: no GPU metrics, and no error for their absence
+    assert get(server.url, f"/runs/{mon.run_id}/series", name="gpu_memory_mb")["steps"] == []
+
+
+def test_gpu_sampler_without_nvml_is_silent():
+    from fp8_trainer.monitor.system import SystemSampler
+
+    sample = SystemSampler(gpu_index=0).sample()
+    assert "gpu_utilization" not in sample and sample["host_memory_mb"] > 0
