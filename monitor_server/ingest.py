@@ -252,6 +252,9 @@ def store_batch(session: Session, run_id: int, batch: DecodedBatch, fp8_max: np.
         if run.first_step is None or first < run.first_step:
             run.first_step = first
         run.steps_stored += len(new_steps)
+        names = {k for sc in new_scalars for k in sc}
+        if not names <= set(run.scalar_names or ()):
+            run.scalar_names = sorted(names | set(run.scalar_names or ()))
         if run.status == "crashed":  # closed by the server as abandoned, and its client is back
             run.status = "running"
     if batch.events:

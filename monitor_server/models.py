@@ -76,6 +76,8 @@ class Run(Base):
     detector_state: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     #: the client's key for idempotent registration (a retried or replayed POST /runs finds this run)
     client_key: Mapped[str | None] = mapped_column(String(100), nullable=True)
+    #: the names of the scalars the run has sent (sorted), for the dashboard's chart picker
+    scalar_names: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
 
 
 class RunTag(Base):

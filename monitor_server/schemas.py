@@ -126,6 +126,7 @@ class RunPublic(BaseModel):
     open_alerts: int
     open_incidents: int = 0
     tags: list[str] = Field(default_factory=list)
+    scalar_names: list[str] = Field(default_factory=list, description="the scalars the run has sent")
 
 
 class PackedColumn(BaseModel):

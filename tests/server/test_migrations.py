@@ -65,3 +65,42 @@ def test_incidents_migration_keeps_existing_alerts_and_the_partial_index(db_url)
             assert "UNIQUE" in index.upper() and "WHERE" in index.upper()
     finally:
         engine.dispose()
+
+
+def test_run_tags_migration_keeps_runs_and_everything_that_hangs_off_them(db_url):
+    """0004 adds a column to `runs`: on SQLite that must not rebuild the table (dropping it would cascade
+    into every table that references it)."""
+    from alembic import command
+    from sqlalchemy import text
+
+    from monitor_server.migrations import alembic_config
+
+    engine = make_engine(db_url)
+    try:
+        cfg = alembic_config()
+        with engine.begin() as connection:
+            cfg.attributes["connection"] = connection
+            command.upgrade(cfg, "0003")
+            connection.execute(
+                text(
+                    "INSERT INTO runs (name, config, recipe, recipe_overrides, world_size, host, status, "
+                    "num_tensors, created_at, updated_at, steps_stored) VALUES ('old', '{}', '{}', '{}', 1, "
+                    "'', 'finished', 1, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP, 1)"
+                )
+            )
+            connection.execute(text("INSERT INTO tensors VALUES (1, 0, 'fc.input', 'fc', 'input', 'e4m3')"))
+            connection.execute(
+                text("INSERT INTO steps (run_id, step, loss, scalars) VALUES (1, 7, 2.5, '{}')")
+            )
+        upgrade_to_head(engine)
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT name, status, scalar_names FROM runs")).one() == (
+                "old",
+                "finished",
+                None,
+            )
+            assert conn.execute(text("SELECT count(*) FROM tensors")).scalar() == 1
+            assert conn.execute(text("SELECT step FROM steps")).scalar() == 7
+            assert conn.execute(text("SELECT count(*) FROM run_tags")).scalar() == 0
+    finally:
+        engine.dispose()

@@ -156,3 +156,17 @@ def test_retention_deletes_only_runs_that_ended_long_ago(client):
     assert run_admin.apply_retention(ctx.db, now + timedelta(days=29), 30) == []
     assert run_admin.apply_retention(ctx.db, now + timedelta(days=31), 30) == [old_done["id"]]
     assert _names(client) == ["old-running"]
+
+
+def test_the_run_lists_the_scalars_it_sent(client):
+    rid = create_run(client)["id"]
+    stats = random_stats(np.random.default_rng(2), 2, 6)
+    body = batch_body("k1", [1, 2], stats, losses=[2.0, 1.9])
+    body["steps"][1]["scalars"]["accuracy"] = 0.5
+    assert client.post(f"{API}/runs/{rid}/telemetry", json=body).status_code == 200
+    assert client.get(f"{API}/runs/{rid}").json()["scalar_names"] == ["accuracy", "loss", "lr"]
+    body = batch_body("k2", [3], random_stats(np.random.default_rng(3), 1, 6))
+    body["steps"][0]["scalars"] = {"tokens_per_s": 1000.0}
+    assert client.post(f"{API}/runs/{rid}/telemetry", json=body).status_code == 200
+    names = client.get(f"{API}/runs").json()[0]["scalar_names"]
+    assert names == ["accuracy", "loss", "lr", "tokens_per_s"]

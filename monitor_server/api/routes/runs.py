@@ -48,6 +48,7 @@ def run_public(
         "open_alerts": open_alerts,
         "open_incidents": open_incidents,
         "tags": list(tags or ()),
+        "scalar_names": list(run.scalar_names or ()),
     }
 
 

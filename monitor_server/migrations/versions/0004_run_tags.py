@@ -1,4 +1,4 @@
-"""run tags, and an index on the runs' status for the filtered runs list
+"""run tags, the names of the scalars a run sent, and an index on the runs' status for the filtered runs list
 
 Revision ID: 0004
 Revises: 0003
@@ -26,9 +26,13 @@ def upgrade() -> None:
     )
     op.create_index("ix_run_tags_tag", "run_tags", ["tag"])
     op.create_index("ix_runs_status", "runs", ["status"])
+    with op.batch_alter_table("runs") as batch:
+        batch.add_column(sa.Column("scalar_names", sa.JSON(), nullable=True))
 
 
 def downgrade() -> None:
+    with op.batch_alter_table("runs") as batch:
+        batch.drop_column("scalar_names")
     op.drop_index("ix_runs_status", table_name="runs")
     op.drop_index("ix_run_tags_tag", table_name="run_tags")
     op.drop_table("run_tags")
