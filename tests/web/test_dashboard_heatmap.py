@@ -143,3 +143,39 @@ def test_run_without_steps_and_unknown_run(server, page):
     page.goto(f"{server.url}/#/runs/987654")
     page.wait_for_selector("#app p.error")
     assert "run 987654 not found" in page.text_content("#app p.error")
+
+
+def test_step_axis_stays_in_sight_with_hundreds_of_rows(server, page):
+    layers = 100  # 300 rows: the plot is far taller than its scroll box
+    run = create_run(server.url, "tall-heatmap", layers)
+    post_steps(server.url, run["id"], "a", 0, smooth_stats(400, 3 * layers))
+    page.goto(f"{server.url}/#/runs/{run['id']}")
+    wait_drawn(page, "heatmap", "curves")
+    page.wait_for_function("() => document.querySelectorAll('#heatmap-axis .tick').length > 2")
+
+    def axis_view() -> dict:
+        return page.evaluate(
+            """() => {
+            const box = document.querySelector('.heatmap-scroll').getBoundingClientRect();
+            const axis = document.getElementById('heatmap-axis').getBoundingClientRect();
+            const gd = document.getElementById('heatmap');
+            const plotTicks = gd._fullLayout.xaxis._vals.map(t => t.text);
+            const ticks = [...document.querySelectorAll('#heatmap-axis .tick')].map(t => t.textContent);
+            return {boxTop: box.top, boxBottom: box.bottom, axisTop: axis.top, axisBottom: axis.bottom,
+                    plotHeight: gd.getBoundingClientRect().height, ticks, plotTicks};
+        }"""
+        )
+
+    for scroll in ("0", "el.scrollHeight / 2", "el.scrollHeight"):
+        page.evaluate(
+            f"() => {{ const el = document.querySelector('.heatmap-scroll'); el.scrollTop = {scroll}; }}"
+        )
+        view = axis_view()
+        assert view["plotHeight"] > view["boxBottom"] - view["boxTop"] + 200  # taller than its box
+        # the strip is inside the visible part of the scroll box, at its bottom, wherever it is scrolled
+        assert view["boxTop"] < view["axisTop"] and view["axisBottom"] <= view["boxBottom"] + 1, (
+            scroll,
+            view,
+        )
+        assert view["ticks"] == view["plotTicks"] and "0" in view["ticks"]
+    no_page_errors(page)

@@ -4,7 +4,7 @@
 // in a tooltip, and x zoom that refetches the visible step range at the resolution the plot can show.
 
 import { apiBinary, qs } from "./api.js";
-import { el, fmt, mark, plotly, plotlyText } from "./dom.js";
+import { el, fmt, mark, plotly, plotlyText, replace } from "./dom.js";
 
 export const METRICS = {
   amax: { label: "amax (log2)", agg: "max", colorscale: "Viridis", colorbar: "log2 amax" },
@@ -121,7 +121,10 @@ export class Heatmap {
     });
     this.info = el("span", { class: "muted", id: "heatmap-info" });
     this.plot = el("div", { id: "heatmap", class: "heatmap-plot" });
-    this.scroller = el("div", { class: "heatmap-scroll" }, this.plot);
+    // the step axis, stuck to the bottom of the scroll box: with hundreds of rows the plot's own axis is
+    // scrolled out of sight (it is drawn from the plot's computed ticks after every redraw)
+    this.axis = el("div", { id: "heatmap-axis", class: "heatmap-axis", "aria-hidden": "true" });
+    this.scroller = el("div", { class: "heatmap-scroll" }, this.plot, this.axis);
     container.append(
       el("div", { class: "controls" }, metricSelect, groupSelect, search, collapseAll, expandAll, reset, this.info),
       el("p", { class: "hint muted" }, "Drag across steps to zoom (finer buckets are fetched); click a row to collapse or expand its layer."),
@@ -321,8 +324,10 @@ export class Heatmap {
   bindEvents() {
     const gd = this.plot;
     gd.on("plotly_afterplot", () => {
+      this.drawAxis();
       if (this.data) this.onDrawn("heatmap");
     });
+    this.drawAxis();
     this.onDrawn("heatmap");
     gd.on("plotly_relayout", (ev) => {
       if (this.ignoreRelayout) return;
@@ -354,6 +359,17 @@ export class Heatmap {
       else this.collapsed.add(row.layer);
       this.render();
     });
+  }
+
+  /** Copy the plot's step ticks into the sticky axis strip, at the same horizontal positions. */
+  drawAxis() {
+    const ax = this.plot._fullLayout && this.plot._fullLayout.xaxis;
+    if (!ax || !ax._vals) return;
+    const ticks = ax._vals.map((t) => {
+      const x = ax._offset + ax.l2p(t.x);
+      return el("span", { class: "tick", style: `left: ${x.toFixed(1)}px` }, t.text.replace(/<[^>]*>/g, ""));
+    });
+    replace(this.axis, ...ticks, el("span", { class: "axis-title", style: `left: ${(ax._offset + ax._length / 2).toFixed(0)}px` }, "step"));
   }
 
   /** Load the hover companions (scale and counts) for the current bucket layout, once per layout. */
