@@ -25,6 +25,30 @@ function constantRange(values) {
   return lo === 0 ? [-1, 1] : [Math.min(0, 2 * lo), Math.max(0, 2 * lo)];
 }
 
+/** (steps, values) of the number `key` in the run's custom events named `name` (e.g. eval / val_loss). */
+export function eventSeries(events, name, key) {
+  const points = events
+    .filter((e) => e.kind === "custom" && e.details && e.details.name === name && typeof num(e.details[key]) === "number")
+    .map((e) => [e.step, num(e.details[key])])
+    .sort((a, b) => a[0] - b[0]);
+  return { steps: points.map((p) => p[0]), values: points.map((p) => p[1]) };
+}
+
+/** The chartable numbers of the run's custom events, as "<event name>.<detail key>". */
+function eventScalarNames(events) {
+  const names = new Set();
+  for (const e of events) {
+    if (e.kind !== "custom" || !e.details || typeof e.details.name !== "string" || "histogram" in e.details) continue;
+    for (const [k, v] of Object.entries(e.details)) if (k !== "name" && typeof v === "number") names.add(`${e.details.name}.${k}`);
+  }
+  return [...names].sort();
+}
+
+function eventText(e) {
+  const rest = Object.entries(e.details).filter(([k]) => k !== "name").map(([k, v]) => `${k}=${typeof v === "object" ? JSON.stringify(v) : v}`);
+  return `${e.details.name} at step ${e.step}${rest.length ? `: ${rest.join(", ")}` : ""}`;
+}
+
 /** Loss, lr and grad-norm curves; live loss points are appended; markers for spikes and alerts. */
 class Curves {
   constructor(container, runId, onDrawn) {
@@ -67,7 +91,11 @@ class Curves {
     for (const e of events) if (e.kind === "loss_spike") spikes.set(e.step, `loss spike (client) at step ${e.step}`);
     for (const a of alerts) if (a.kind === "loss_spike") spikes.set(a.first_step, a.message);
     const others = alerts.filter((a) => a.kind !== "loss_spike");
-    this.markers = { spikes: [...spikes.entries()], others };
+    // the job's own events (checkpoints, injected faults, ...) as markers; evaluations as the val loss curve
+    const custom = events.filter((e) => e.kind === "custom" && e.details && typeof e.details.name === "string" && !("histogram" in e.details));
+    const val = eventSeries(events, "eval", "val_loss");
+    const marks = custom.filter((e) => e.details.name !== "eval").map((e) => ({ step: e.step, text: eventText(e) }));
+    this.markers = { spikes: [...spikes.entries()], others, marks, val };
     if (this.drawn) this.draw();
   }
 
@@ -77,6 +105,8 @@ class Curves {
     const nonfinite = this.loss.steps.filter((_, i) => !Number.isFinite(this.loss.values[i]));
     const spikes = (this.markers.spikes || []).map(([step, text]) => ({ step, text, y: this.lossAt(step) }));
     const others = (this.markers.others || []).map((a) => ({ a, y: this.lossAt(a.first_step) }));
+    const marks = (this.markers.marks || []).map((m) => ({ ...m, y: this.lossAt(m.step) }));
+    const val = this.markers.val || { steps: [], values: [] };
     const traces = [
       { type: "scatter", mode: "lines", name: "loss", x: this.loss.steps, y: this.loss.values.map(clean), line: { color: "#1f77b4", width: 1.5 } },
       { type: "scatter", mode: "lines", name: "grad norm", x: this.grad.steps, y: this.grad.values.map(clean), yaxis: "y2", line: { color: "#2ca02c", width: 1 } },
@@ -90,6 +120,15 @@ class Curves {
         type: "scatter", mode: "markers", name: "alerts", x: others.map((o) => o.a.first_step), y: others.map((o) => o.y),
         text: others.map((o) => plotlyText(`${o.a.kind}: ${o.a.message}`)), hovertemplate: "%{text}<extra></extra>",
         marker: { symbol: "triangle-down", size: 10, color: "#ff7f0e" },
+      },
+      {
+        type: "scatter", mode: "lines+markers", name: "val loss", x: val.steps, y: val.values.map(clean),
+        line: { color: "#e377c2", width: 1.5 }, marker: { size: 5 }, visible: val.steps.length ? true : "legendonly",
+      },
+      {
+        type: "scatter", mode: "markers", name: "events", x: marks.map((m) => m.step), y: marks.map((m) => m.y),
+        text: marks.map((m) => plotlyText(m.text)), hovertemplate: "%{text}<extra></extra>",
+        marker: { symbol: "diamond", size: 8, color: "#8c564b" },
       },
     ];
     const shapes = nonfinite.map((s) => ({ type: "line", x0: s, x1: s, yref: "paper", y0: 0.4, y1: 1, line: { color: "#ff00ff", width: 1, dash: "dash" } }));
@@ -132,11 +171,175 @@ class Curves {
   }
 }
 
+/** Shown at first when the run has them: the values a user looks at beside the loss. */
+const DEFAULT_SCALARS = ["eval.val_loss", "tokens_per_s", "step_time_s", "accuracy"];
+
+/** Any scalar the job sent, and the numbers of its custom events (eval.val_loss, ...), picked from a list:
+ * one chart each on a shared step axis, refreshed live. */
+class Scalars {
+  constructor(container, runId) {
+    this.runId = runId;
+    this.scalarNames = [];
+    this.eventNames = [];
+    this.events = [];
+    this.selected = null;
+    this.picker = el("div", { id: "scalars-picker", class: "picker" });
+    this.empty = el("p", { class: "muted", id: "scalars-empty" }, "Pick the values to chart.");
+    this.plot = el("div", { id: "scalars-plot" });
+    container.append(this.picker, this.empty, this.plot);
+  }
+
+  /** The names on offer: the run's scalars and its events' numbers. */
+  setSources(run, events) {
+    this.events = events;
+    const scalarNames = run.scalar_names || [];
+    const eventNames = eventScalarNames(events);
+    const changed = scalarNames.join("\n") !== this.scalarNames.join("\n") || eventNames.join("\n") !== this.eventNames.join("\n");
+    this.scalarNames = scalarNames;
+    this.eventNames = eventNames;
+    if (this.selected === null && (scalarNames.length || eventNames.length)) {
+      this.selected = new Set([...scalarNames, ...eventNames].filter((n) => DEFAULT_SCALARS.includes(n)));
+    }
+    if (changed) this.renderPicker();
+  }
+
+  renderPicker() {
+    const box = (name, source) =>
+      el("label", { class: "pick", dataset: { name, source } },
+        el("input", {
+          type: "checkbox", value: name, checked: this.selected && this.selected.has(name),
+          onchange: (ev) => {
+            if (ev.target.checked) this.selected.add(name);
+            else this.selected.delete(name);
+            this.load();
+          },
+        }), name);
+    replace(this.picker,
+      this.scalarNames.map((n) => box(n, "scalar")),
+      this.eventNames.map((n) => box(n, "event")));
+  }
+
+  async load() {
+    const chosen = [...(this.selected || [])].filter((n) => this.scalarNames.includes(n) || this.eventNames.includes(n)).sort();
+    this.empty.hidden = chosen.length > 0;
+    if (!chosen.length) {
+      if (this.drawn) (await plotly()).purge(this.plot);
+      this.drawn = false;
+      return;
+    }
+    const fromRun = chosen.filter((n) => this.scalarNames.includes(n)).slice(0, 16);
+    const got = {};
+    if (fromRun.length) {
+      const query = fromRun.map((n) => `name=${encodeURIComponent(n)}`).join("&");
+      const { series } = await api(`/runs/${this.runId}/series/multi?${query}&max_points=1500`);
+      for (const n of fromRun) got[n] = { steps: series[n].steps, values: series[n].values.map(num) };
+    }
+    for (const n of chosen.filter((c) => !(c in got) && this.eventNames.includes(c))) {
+      const dot = n.indexOf(".");
+      got[n] = eventSeries(this.events, n.slice(0, dot), n.slice(dot + 1));
+    }
+    const names = chosen.filter((n) => n in got);
+    const Plotly = await plotly();
+    const gap = 0.06;
+    const h = (1 - gap * (names.length - 1)) / names.length;
+    const layout = { height: 60 + 150 * names.length, margin: { l: 70, r: 20, t: 10, b: 40 }, showlegend: false, xaxis: { title: { text: "step" }, anchor: `y${names.length === 1 ? "" : names.length}` } };
+    const traces = names.map((n, i) => {
+      const axis = i === 0 ? "" : String(i + 1);
+      const top = 1 - i * (h + gap);
+      layout[`yaxis${axis}`] = { title: { text: plotlyText(n), font: { size: 11 } }, domain: [Math.max(0, top - h), top], exponentformat: "e" };
+      const ev = !this.scalarNames.includes(n);
+      return {
+        type: "scatter", mode: ev ? "lines+markers" : "lines", name: plotlyText(n), x: got[n].steps,
+        y: got[n].values.map((v) => (Number.isFinite(v) ? v : null)), yaxis: `y${axis}`, line: { width: 1.3 },
+      };
+    });
+    if (this.dead) return;
+    this.inflight = this.drawn ? Plotly.react(this.plot, traces, layout, { displaylogo: false, responsive: true })
+      : Plotly.newPlot(this.plot, traces, layout, { displaylogo: false, responsive: true });
+    await this.inflight;
+    this.drawn = true;
+  }
+
+  async close() {
+    this.dead = true;
+    await Promise.allSettled([this.inflight]);
+  }
+}
+
+/** "a.b" -> value for every leaf of a nested config. */
+export function flattenConfig(config, prefix = "", out = []) {
+  for (const [k, v] of Object.entries(config || {})) {
+    const key = prefix ? `${prefix}.${k}` : k;
+    if (v && typeof v === "object" && !Array.isArray(v) && Object.keys(v).length) flattenConfig(v, key, out);
+    else out.push([key, v]);
+  }
+  return out;
+}
+
+export function configText(v) {
+  if (v === undefined) return "–";
+  return typeof v === "string" ? v : JSON.stringify(v);
+}
+
+/** The run's config (every key), its name and tags, which a token with the control scope can change. */
+class ConfigPanel {
+  constructor(container, runId, onSaved) {
+    this.runId = runId;
+    this.onSaved = onSaved;
+    this.table = el("tbody");
+    this.nameInput = el("input", { id: "run-rename", type: "text", maxlength: 200, size: 30, "aria-label": "run name" });
+    this.tagsInput = el("input", { id: "run-tags", type: "text", size: 40, placeholder: "tags, space-separated", "aria-label": "tags" });
+    this.save = el("button", { type: "submit", id: "run-save", class: "small" }, "Save");
+    this.note = el("p", { class: "muted readonly-note", id: "run-edit-readonly" });
+    this.error = el("p", { class: "error", id: "run-edit-error" });
+    const form = el("form", { class: "controls", id: "run-edit" }, el("label", {}, "name ", this.nameInput), el("label", {}, "tags ", this.tagsInput), this.save);
+    form.addEventListener("submit", (ev) => {
+      ev.preventDefault();
+      this.submit();
+    });
+    container.append(this.note, form, this.error, el("table", { id: "config-table", class: "config" }, el("thead", {}, el("tr", {}, el("th", {}, "key"), el("th", {}, "value"))), this.table));
+  }
+
+  fill(run) {
+    this.run = run;
+    const rows = flattenConfig(run.config);
+    replace(this.table, rows.length ? rows.map(([k, v]) => el("tr", { dataset: { key: k } }, el("td", { class: "name" }, k), el("td", { class: "name" }, configText(v))))
+      : el("tr", {}, el("td", { colspan: 2, class: "muted" }, "The job sent no config.")));
+    if (document.activeElement !== this.nameInput) this.nameInput.value = run.name;
+    if (document.activeElement !== this.tagsInput) this.tagsInput.value = (run.tags || []).join(" ");
+    const reason = auth.readOnlyReason();
+    this.note.textContent = reason ? `Editing is disabled (${reason}).` : "";
+    for (const input of [this.nameInput, this.tagsInput, this.save]) input.disabled = Boolean(reason);
+  }
+
+  async submit() {
+    const tags = this.tagsInput.value.split(/[\s,]+/).filter(Boolean);
+    this.error.textContent = "";
+    const bad = tags.find((t) => !TAG_RE.test(t));
+    if (bad !== undefined) {
+      this.error.textContent = `not saved: "${bad}" is not a tag (1-64 letters, digits or _-.:/=+@)`;
+      return;
+    }
+    try {
+      const run = await api(`/runs/${this.runId}`, { method: "PATCH", body: { name: this.nameInput.value.trim(), tags } });
+      this.onSaved(run);
+    } catch (err) {
+      this.error.textContent = `not saved: ${err.detail || err.message}`;
+    }
+  }
+}
+
+/** fp8_protocol.runs.TAG_PATTERN (the service checks it too). */
+export const TAG_RE = /^[\w.:/=+@-]{1,64}$/;
+
+const SEVERITY_RANK = { ok: 0, info: 1, warning: 2, critical: 3 };
+
 /** The diverging-layers table; clicking a layer opens its drill-down. */
 class Layers {
-  constructor(container, runId, onPick) {
+  constructor(container, runId, onPick, openAlerts = () => []) {
     this.runId = runId;
     this.onPick = onPick;
+    this.openAlerts = openAlerts;
     this.showAll = false;
     this.body = el("tbody");
     this.more = el("button", { type: "button", class: "small", hidden: true }, "Show all layers");
@@ -160,8 +363,25 @@ class Layers {
     this.fill();
   }
 
+  /** The engine's ranking, with every open alert counted at once: a layer never shows healthier than its
+   * own open alerts while the ranking is being refreshed (the alerts and the table share one store). */
+  merged() {
+    const byLayer = new Map();
+    for (const a of this.openAlerts()) {
+      if (a.state !== "open" || !a.layer) continue;
+      const worst = byLayer.get(a.layer);
+      if (!worst || SEVERITY_RANK[a.severity] > SEVERITY_RANK[worst.severity]) byLayer.set(a.layer, a);
+    }
+    const layers = (this.layers || []).map((l) => {
+      const a = byLayer.get(l.layer);
+      if (!a || SEVERITY_RANK[a.severity] <= SEVERITY_RANK[l.severity]) return l;
+      return { ...l, severity: a.severity, reasons: [`${a.kind}: ${a.message}`, ...(l.reasons || [])] };
+    });
+    return layers.sort((x, y) => SEVERITY_RANK[y.severity] - SEVERITY_RANK[x.severity]);
+  }
+
   fill() {
-    const layers = this.layers || [];
+    const layers = this.merged();
     const shown = this.showAll ? layers : layers.slice(0, 25);
     this.more.hidden = layers.length <= 25;
     this.more.textContent = this.showAll ? "Show the 25 worst" : `Show all ${layers.length} layers`;
@@ -246,6 +466,10 @@ export async function mountRun(container, { runId, incident = null }) {
   const postPanel = panel("Post-mortem");
   postPanel.id = "postmortem";
   const curvesPanel = panel("Loss, grad norm and learning rate");
+  const scalarsPanel = panel("Scalars");
+  scalarsPanel.id = "scalars";
+  const configPanel = panel("Config");
+  configPanel.id = "config";
   const heatPanel = panel("Per-tensor heatmap");
   const layersPanel = panel("Diverging layers");
   const drillPanel = el("section", { class: "panel", id: "drilldown", hidden: true });
@@ -261,7 +485,8 @@ export async function mountRun(container, { runId, incident = null }) {
     heatPanel,
     el("div", { class: "two-col" }, layersPanel, alertsPanel),
     drillPanel,
-    recipePanel,
+    scalarsPanel,
+    el("div", { class: "two-col" }, configPanel, recipePanel),
   );
 
   const state = { run: null };
@@ -271,6 +496,7 @@ export async function mountRun(container, { runId, incident = null }) {
       header,
       el("h1", { id: "run-name" }, r.name),
       statusBadge(r.status),
+      el("span", { id: "run-tags-list", class: "tags" }, (r.tags || []).map((t) => el("a", { class: "tag", href: `#/?tag=${encodeURIComponent(t)}` }, t))),
       el("dl", { class: "facts" },
         el("dt", {}, "last step"), el("dd", { id: "run-last-step" }, r.last_step === null ? "–" : String(r.last_step)),
         el("dt", {}, "last loss"), el("dd", { id: "run-last-loss" }, fmt(num(r.last_loss))),
@@ -283,6 +509,12 @@ export async function mountRun(container, { runId, incident = null }) {
     );
   }
   const curves = new Curves(curvesPanel, runId, onDrawn);
+  const scalars = new Scalars(scalarsPanel, runId);
+  const config = new ConfigPanel(configPanel, runId, (run) => {
+    state.run = run;
+    renderHeader();
+    config.fill(run);
+  });
   const heatmap = new Heatmap(heatPanel, { runId, onDrawn });
   const drillTensors = { list: null };
   const layers = new Layers(layersPanel, runId, async (layer) => {
@@ -294,7 +526,7 @@ export async function mountRun(container, { runId, incident = null }) {
     } catch (err) {
       replace(drillPanel, el("p", { class: "error" }, `drill-down failed: ${err.message}`));
     }
-  });
+  }, () => alerts.all());
   let events = [];
   const post = new PostMortem(postPanel, runId, heatmap);
   const alerts = new IncidentsPanel(alertsPanel, runId, {
@@ -318,7 +550,14 @@ export async function mountRun(container, { runId, incident = null }) {
     if (state.run.last_step !== null) stepSeen(runId, state.run.last_step);
     renderHeader();
     recipe.setRun(state.run);
+    config.fill(state.run);
+    scalars.setSources(state.run, events);
   }, 1000);
+  // every trace follows a live run: the curves and the picked scalars are re-read every few seconds
+  const refreshCurves = throttle(() => {
+    curves.load().catch((err) => console.warn("curves", err));
+    scalars.load().catch((err) => console.warn("scalars", err));
+  }, 3000);
   // live steps redraw the heatmap every few seconds; a big one (500 tensors x 1000 buckets takes the
   // browser most of a second to draw) less often, so the page stays responsive during a run
   const refreshHeatmap = throttle(() => {
@@ -329,6 +568,7 @@ export async function mountRun(container, { runId, incident = null }) {
   const onAuth = () => {
     alerts.fill();
     recipe.fill();
+    if (state.run) config.fill(state.run);
   };
   auth.listeners.add(onAuth);
   // first paint: heatmap and curves in parallel with the panels
@@ -356,8 +596,12 @@ export async function mountRun(container, { runId, incident = null }) {
   // the panels' requests go out once the plots have their data: they would compete with those for the
   // server's time and delay the first full paint
   await Promise.all([heatLoad, curvesLoad]);
+  config.fill(run);
   await Promise.all([
-    Promise.all([loadEvents(), post.loadNonfinite()]).then(() => alerts.load()),
+    Promise.all([loadEvents(), post.loadNonfinite()]).then(() => {
+      scalars.setSources(state.run, events);
+      return Promise.all([alerts.load(), scalars.load()]);
+    }),
     layers.load(),
     recipe.load(run),
   ]);
@@ -382,11 +626,13 @@ export async function mountRun(container, { runId, incident = null }) {
         stepSeen(runId, d.step);
         if (d.loss !== null && d.loss !== undefined) pendingLoss.push({ step: d.step, loss: num(d.loss) });
         flushLoss();
+        refreshCurves();
         refreshHeatmap();
         refreshLayers();
       },
       alert(a) {
         alerts.upsertAlert(a);
+        layers.fill(); // at once, from the alert itself; the ranking follows
         refreshLayers();
         refreshRun();
       },
@@ -402,12 +648,16 @@ export async function mountRun(container, { runId, incident = null }) {
         events.push({ ...e, id: `live-${events.length}` });
         post.update(state.run, alerts.all(), events);
         curves.setMarkers(alerts.all(), events);
+        scalars.setSources(state.run, events);
+        refreshCurves();
       },
       run(d) {
-        state.run.status = d.status;
+        if (d.status) state.run.status = d.status;
+        if (d.name) state.run.name = d.name;
         renderHeader();
         recipe.setRun(state.run);
         post.update(state.run, alerts.all(), events);
+        refreshRun(); // tags, scalar names
       },
     },
     {
@@ -428,7 +678,7 @@ export async function mountRun(container, { runId, incident = null }) {
       auth.listeners.delete(onAuth);
       const plots = [...container.querySelectorAll(".js-plotly-plot")];
       // purge (dropping plotly's resize listeners) only once no redraw is half way
-      Promise.allSettled([heatmap.close(), curves.close()]).then(() => plots.forEach((gd) => window.Plotly.purge(gd)));
+      Promise.allSettled([heatmap.close(), curves.close(), scalars.close()]).then(() => plots.forEach((gd) => window.Plotly.purge(gd)));
     },
   };
 }

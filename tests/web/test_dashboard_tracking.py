@@ -1,0 +1,152 @@
+"""What a tracker shows beside FP8 health: any scalar the job sent (and its events' numbers) charted on
+demand and live, every trace extending live, events as markers, the run's config, rename and tags, and a
+layers table that agrees with the alerts."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.server.utils import API
+from tests.web.browser import no_page_errors, wait_drawn, wait_stream
+from tests.web.dashboard_data import create_run, post_steps, smooth_stats
+
+pytestmark = pytest.mark.slow  # a real browser and server: several seconds each
+
+
+def _post(server, rid, key, first, n, extra_scalars, seed=0):
+    stats = smooth_stats(n, 6, seed=seed)
+    from tests.server.utils import batch_body
+
+    body = batch_body(
+        key,
+        range(first, first + n),
+        stats,
+        encoding="float64",
+        losses=3.0 - 0.01 * np.arange(first, first + n),
+    )
+    for i, step in enumerate(body["steps"]):
+        step["scalars"].update(
+            {"grad_norm": 1.0 + 0.01 * (first + i), **{k: f(first + i) for k, f in extra_scalars.items()}}
+        )
+    r = httpx.post(f"{server.url}{API}/runs/{rid}/telemetry", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def _event(server, rid, key, step, name, **details):
+    body = {
+        "idempotency_key": key,
+        "events": [{"kind": "custom", "step": step, "details": {"name": name, **details}}],
+    }
+    assert httpx.post(f"{server.url}{API}/runs/{rid}/telemetry", json=body, timeout=30).status_code == 200
+
+
+def traces(page, plot: str) -> dict:
+    return page.evaluate(
+        f"() => Object.fromEntries((document.getElementById('{plot}').data || [])"
+        ".map(t => [t.name, {x: t.x, y: t.y}]))"
+    )
+
+
+def test_any_scalar_charted_live_with_events_config_and_tags(server, page):
+    config = {"lr": 0.0003, "model": {"n_layer": 2, "n_embd": 64}, "recipe": "delayed"}
+    run = create_run(server.url, "tracked", 2, config=config, tags=["sweep-1"])
+    rid = run["id"]
+    scalars = {"accuracy": lambda s: s / 100.0, "tokens_per_s": lambda s: 1000.0 + s, "lr": lambda s: 3e-4}
+    _post(server, rid, "a", 0, 30, scalars)
+    _event(server, rid, "e1", 10, "eval", val_loss=2.5)
+    _event(server, rid, "e2", 20, "eval", val_loss=2.4)
+    _event(server, rid, "e3", 15, "checkpoint", path="ckpt-15.pt")
+    page.goto(f"{server.url}/#/runs/{rid}")
+    wait_drawn(page, "heatmap", "curves")
+    wait_stream(page, f"/runs/{rid}/stream")
+
+    # every value on offer; the usual ones charted from the start
+    page.wait_for_selector("#scalars-picker label[data-name='eval.val_loss']")
+    offered = page.eval_on_selector_all("#scalars-picker label", "ls => ls.map(l => l.dataset.name)")
+    assert offered == ["accuracy", "grad_norm", "loss", "lr", "tokens_per_s", "eval.val_loss"]
+    page.wait_for_function("() => (document.getElementById('scalars-plot').data || []).length === 3")
+    shown = traces(page, "scalars-plot")
+    assert sorted(shown) == ["accuracy", "eval.val_loss", "tokens_per_s"]
+    assert shown["accuracy"]["x"] == list(range(30)) and shown["accuracy"]["y"][29] == pytest.approx(0.29)
+    assert shown["eval.val_loss"] == {"x": [10, 20], "y": [2.5, 2.4]}
+    # pick one more
+    page.check("#scalars-picker label[data-name='lr'] input")
+    page.wait_for_function("() => document.getElementById('scalars-plot').data.length === 4")
+    # the val loss beside the loss, and the job's events as markers on it
+    curves = traces(page, "curves")
+    assert curves["val loss"] == {"x": [10, 20], "y": [2.5, 2.4]}
+    assert curves["events"]["x"] == [15]
+
+    # live: every trace extends, not only the loss
+    _post(server, rid, "b", 30, 5, scalars, seed=1)
+    page.wait_for_function(
+        "() => { const d = document.getElementById('curves').data;"
+        " const g = d.find(t => t.name === 'grad norm'); return g.x[g.x.length - 1] === 34; }",
+        timeout=10_000,
+    )
+    page.wait_for_function(
+        "() => { const a = document.getElementById('scalars-plot').data.find(t => t.name === 'accuracy');"
+        " return a.x[a.x.length - 1] === 34; }",
+        timeout=10_000,
+    )
+    _event(server, rid, "e4", 34, "eval", val_loss=2.3)
+    page.wait_for_function(
+        "() => document.getElementById('curves').data.find(t => t.name === 'val loss').x.length === 3",
+        timeout=10_000,
+    )
+
+    # the config, every key
+    rows = page.eval_on_selector_all(
+        "#config-table tr[data-key]", "rs => rs.map(r => [...r.cells].map(c => c.textContent))"
+    )
+    assert rows == [["lr", "0.0003"], ["model.n_layer", "2"], ["model.n_embd", "64"], ["recipe", "delayed"]]
+    # rename and retag from the page (an open server: the page may change things)
+    assert page.eval_on_selector_all("#run-tags-list .tag", "ts => ts.map(t => t.textContent)") == ["sweep-1"]
+    page.fill("#run-rename", "tracked-renamed")
+    page.fill("#run-tags", "sweep-1 best")
+    page.click("#run-save")
+    page.wait_for_function("() => document.getElementById('run-name').textContent === 'tracked-renamed'")
+    got = httpx.get(f"{server.url}{API}/runs/{rid}").json()
+    assert got["name"] == "tracked-renamed" and got["tags"] == ["best", "sweep-1"]
+    assert page.eval_on_selector_all("#run-tags-list .tag", "ts => ts.map(t => t.textContent)") == [
+        "best",
+        "sweep-1",
+    ]
+    page.fill("#run-tags", "has,a bad!tag")
+    page.click("#run-save")
+    page.wait_for_function(
+        "() => document.getElementById('run-edit-error').textContent.startsWith('not saved')"
+    )
+    assert '"bad!tag" is not a tag' in page.text_content("#run-edit-error")
+    assert httpx.get(f"{server.url}{API}/runs/{rid}").json()["tags"] == ["best", "sweep-1"]
+    no_page_errors(page)
+
+
+def test_layers_table_agrees_with_an_alert_before_the_ranking_catches_up(server, page):
+    run = create_run(server.url, "agree", 2)
+    rid = run["id"]
+    post_steps(server.url, rid, "quiet", 0, smooth_stats(40, 6))
+    # the engine's ranking as the page fetched it before the fault: every layer healthy (a stale answer,
+    # as it was during the refresh delay)
+    stale = httpx.get(f"{server.url}{API}/runs/{rid}/layers").json()
+    assert {layer["severity"] for layer in stale} == {"ok"}
+    page.route(f"**/api/v1/runs/{rid}/layers", lambda route: route.fulfill(json=stale))
+    page.goto(f"{server.url}/#/runs/{rid}")
+    wait_drawn(page, "heatmap", "curves")
+    wait_stream(page, f"/runs/{rid}/stream")
+    bad = smooth_stats(1, 6, seed=2)
+    bad["amax"][0, 4] = np.nan  # blocks.1.mlp.fc.weight
+    bad["nonfinite"][0, 4] = 7
+    post_steps(server.url, rid, "nan", 40, bad)
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('#layers-table tbody tr')].some(r => r.cells[0].textContent === "
+        "'blocks.1.mlp.fc' && r.cells[1].textContent === 'critical')",
+        timeout=10_000,
+    )
+    first = page.eval_on_selector(
+        "#layers-table tbody tr", "r => [r.cells[0].textContent, r.cells[1].textContent]"
+    )
+    assert first == ["blocks.1.mlp.fc", "critical"]  # worst first
+    no_page_errors(page)
