@@ -59,11 +59,14 @@ class PageProbe:
     def __init__(self) -> None:
         self.dialogs: list[str] = []
         self.errors: list[str] = []
+        #: what the next dialogs answer, in order ("" accepts a confirm); none left: dismissed
+        self.answers: list[str] = []
 
 
 @pytest.fixture
 def page(browser: Any, request: pytest.FixtureRequest) -> Iterator[Any]:
-    """A fresh browser context and page; dialogs are recorded and dismissed; a screenshot is saved after
+    """A fresh browser context and page; dialogs are recorded and dismissed (or answered from
+    `page.probe.answers`); a screenshot is saved after
     the test. `page.probe` holds the dialogs and errors seen."""
     context = browser.new_context(viewport=VIEWPORT)
     page = context.new_page()
@@ -71,7 +74,10 @@ def page(browser: Any, request: pytest.FixtureRequest) -> Iterator[Any]:
 
     def on_dialog(dialog: Any) -> None:
         probe.dialogs.append(dialog.message)
-        dialog.dismiss()
+        if probe.answers:
+            dialog.accept(probe.answers.pop(0))
+        else:
+            dialog.dismiss()
 
     page.on("dialog", on_dialog)
     page.on("pageerror", lambda exc: probe.errors.append(f"pageerror: {exc}"))

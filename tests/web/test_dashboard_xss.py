@@ -91,6 +91,6 @@ def test_markup_in_names_stays_inert(server, page):
     page.goto(f"{server.url}/#/compare?a={rid}&b={other['id']}")
     page.wait_for_function("() => window.fp8scope.drawn.compare !== undefined")
     legend = page.eval_on_selector_all("#compare-loss .legendtext", "ts => ts.map(t => t.textContent)")
-    assert legend == [f"A: {SCRIPT}", f"B: {IMG}"]
+    assert legend == [f"#{rid} {SCRIPT}", f"#{other['id']} {IMG}"]
     assert_inert(page)
     no_page_errors(page)

@@ -57,8 +57,10 @@ async function errorDetail(response) {
   }
 }
 
-/** GET (or POST with `body`) a path under /api/v1; resolves to the parsed JSON. */
-export async function api(path, { method = "GET", body, signal } = {}) {
+/** A request to a path under /api/v1 (JSON `body` for POST / PATCH); resolves to the parsed JSON (null for
+ * an answer without content), or with `page: true` to {data, next}: `next` is the X-Next-Cursor of a paged
+ * list (null on its last page). */
+export async function api(path, { method = "GET", body, signal, page = false } = {}) {
   const init = { method, signal, headers: headers(body === undefined ? {} : { "Content-Type": "application/json" }) };
   if (body !== undefined) init.body = JSON.stringify(body);
   const response = await fetch(API + path, init);
@@ -67,7 +69,8 @@ export async function api(path, { method = "GET", body, signal } = {}) {
     if (response.status === 401) unauthorized.dispatchEvent(new CustomEvent("unauthorized", { detail }));
     throw new ApiError(response.status, detail);
   }
-  return response.json();
+  const data = response.status === 204 ? null : await response.json();
+  return page ? { data, next: response.headers.get("X-Next-Cursor") } : data;
 }
 
 /** GET a binary answer under /api/v1 as an ArrayBuffer. */

@@ -1,5 +1,5 @@
 // Boot and routing: #/ (runs list), #/runs/<id>[?incident=<id>] (run page, an incident open),
-// #/compare?a=<id>&b=<id> (two runs).
+// #/compare?runs=<id>,<id>,...[&a=<id>&b=<id>] (up to 8 runs; a and b: the heatmap difference's pair).
 
 import { ApiError, auth, unauthorized, whoami } from "./api.js";
 import { el, plotly, replace } from "./dom.js";
@@ -22,7 +22,10 @@ function route() {
     const incident = /^\d+$/.test(params.get("incident") || "") ? Number(params.get("incident")) : null;
     return { view: mountRun, args: { runId: Number(parts[1]), incident } };
   }
-  if (parts[0] === "compare") return { view: mountCompare, args: { a: params.get("a"), b: params.get("b") } };
+  if (parts[0] === "compare") {
+    const runs = (params.get("runs") || "").split(",").filter((id) => /^\d+$/.test(id));
+    return { view: mountCompare, args: { runs, a: params.get("a"), b: params.get("b") } };
+  }
   return { view: mountRuns, args: {} };
 }
 

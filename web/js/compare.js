@@ -1,7 +1,9 @@
-// Comparison of two runs: loss curves overlaid, and the heatmap difference log2 amax(A) - log2 amax(B) per
-// tensor (matched by name) over the step range both runs cover, with the same bucket layout on both sides.
+// Comparison of up to 8 runs: any scalar overlaid, the config diff, and between any two of them the heatmap
+// difference log2 amax(A) - log2 amax(B) per tensor (matched by name) over the step range both cover, with
+// the same bucket layout on both sides.
 
 import { api, num } from "./api.js";
+import { configText, flattenConfig } from "./config.js";
 import { el, plotly, plotlyText, replace } from "./dom.js";
 import { ROLE_ORDER, SPECIAL, fetchHeatmap } from "./heatmap.js";
 
@@ -33,52 +35,143 @@ export function amaxDifference(a, b) {
   return { shared, z, special, onlyA: a.tensors.length - shared.length, onlyB: b.tensors.length - shared.length };
 }
 
-export async function mountCompare(container, { a, b }) {
-  const runs = await api("/runs?limit=500");
+export const MAX_RUNS = 8;
+const COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"];
+
+/** Config keys with each run's value; `differs` when the runs do not all agree. */
+export function configDiff(runs) {
+  const values = runs.map((r) => new Map(flattenConfig(r.config)));
+  const keys = [...new Set(values.flatMap((m) => [...m.keys()]))].sort();
+  return keys.map((key) => {
+    const texts = values.map((m) => configText(m.get(key)));
+    return { key, texts, differs: new Set(texts).size > 1 };
+  });
+}
+
+function hashFor(ids, pair) {
+  const q = new URLSearchParams({ runs: ids.join(",") });
+  if (pair && pair[0] && pair[1]) {
+    q.set("a", pair[0]);
+    q.set("b", pair[1]);
+  }
+  return `#/compare?${q.toString().replace(/%2C/g, ",")}`;
+}
+
+export async function mountCompare(container, { runs: runIds = [], a = null, b = null }) {
+  const all = await api("/runs?limit=1000");
+  const byId = new Map(all.map((r) => [String(r.id), r]));
+  let ids = [...new Set([...(runIds.length ? runIds : [a, b]).filter(Boolean).map(String)])].filter((id) => byId.has(id)).slice(0, MAX_RUNS);
+  const chosen = ids.map((id) => byId.get(id));
+  const pairA = a && ids.includes(String(a)) ? String(a) : ids[0];
+  const pairB = b && ids.includes(String(b)) && String(b) !== pairA ? String(b) : ids.find((id) => id !== pairA);
+
+  const add = el("select", { id: "compare-add", "aria-label": "add a run" },
+    el("option", { value: "" }, ids.length >= MAX_RUNS ? `at most ${MAX_RUNS} runs` : "add a run…"),
+    all.filter((r) => !ids.includes(String(r.id))).map((r) => el("option", { value: r.id }, `#${r.id} ${r.name}`)));
+  add.disabled = ids.length >= MAX_RUNS;
+  add.addEventListener("change", () => {
+    if (add.value) location.hash = hashFor([...ids, add.value], [pairA, pairB]);
+  });
+  const chips = el("div", { class: "tags", id: "compare-runs" }, chosen.map((r, i) =>
+    el("span", { class: "tag chosen", dataset: { runId: r.id } },
+      el("span", { class: "swatch", style: `background: ${COLOURS[i]}` }), `#${r.id} ${r.name} `,
+      el("button", { type: "button", class: "small remove", title: "leave this run out", onclick: () => {
+        location.hash = hashFor(ids.filter((id) => id !== String(r.id)), [pairA, pairB]);
+      } }, "×"))));
+  const info = el("p", { class: "muted", id: "compare-info" });
+  const picker = el("div", { class: "picker", id: "compare-scalars-picker" });
+  const lossPlot = el("div", { id: "compare-loss" });
+  const configTable = el("table", { id: "compare-config", class: "config" });
+  const onlyDiff = el("input", { type: "checkbox", id: "compare-config-diff", checked: true });
   const pick = (id, name) => {
     const select = el("select", { id: `compare-${name}`, "aria-label": `run ${name.toUpperCase()}` },
-      el("option", { value: "" }, "choose a run"),
-      runs.map((r) => el("option", { value: r.id, selected: String(r.id) === String(id) }, `#${r.id} ${r.name}`)));
+      chosen.map((r) => el("option", { value: r.id, selected: String(r.id) === String(id) }, `#${r.id} ${r.name}`)));
     select.addEventListener("change", () => {
-      location.hash = `#/compare?a=${selA.value}&b=${selB.value}`;
+      location.hash = hashFor(ids, name === "a" ? [select.value, pairB] : [pairA, select.value]);
     });
     return select;
   };
-  const selA = pick(a, "a");
-  const selB = pick(b, "b");
-  const info = el("p", { class: "muted", id: "compare-info" });
-  const lossPlot = el("div", { id: "compare-loss" });
   const diffPlot = el("div", { id: "compare-diff" });
   replace(container,
-    el("section", { class: "panel" }, el("h2", {}, "Compare two runs"),
-      el("div", { class: "controls" }, el("label", {}, "A ", selA), el("label", {}, "B ", selB)), info),
-    el("section", { class: "panel" }, el("h2", {}, "Loss"), lossPlot),
+    el("section", { class: "panel" }, el("h2", {}, `Compare runs (up to ${MAX_RUNS})`),
+      el("div", { class: "controls" }, chips, add), info),
+    el("section", { class: "panel" }, el("h2", {}, "Scalars"), picker, lossPlot),
+    el("section", { class: "panel" }, el("div", { class: "panel-head" }, el("h2", {}, "Config"),
+      el("label", { class: "muted" }, onlyDiff, " only keys that differ")), configTable),
     el("section", { class: "panel" }, el("h2", {}, "Heatmap difference: log2 amax(A) − log2 amax(B)"),
+      el("div", { class: "controls" }, el("label", {}, "A ", pick(pairA, "a")), el("label", {}, "B ", pick(pairB, "b"))),
+      el("p", { class: "muted", id: "compare-diff-info" }),
       el("div", { class: "heatmap-scroll" }, diffPlot)));
-  const runA = runs.find((r) => String(r.id) === String(a));
-  const runB = runs.find((r) => String(r.id) === String(b));
-  if (!runA || !runB) {
-    info.textContent = "Pick two runs.";
+  if (chosen.length < 2) {
+    info.textContent = "Pick at least two runs.";
     return { destroy() {} };
   }
-  const Plotly = await plotly();
-  const [lossA, lossB] = await Promise.all([runA, runB].map((r) => api(`/runs/${r.id}/series?name=loss&max_points=2000`)));
-  await Plotly.newPlot(lossPlot, [
-    { type: "scatter", mode: "lines", name: plotlyText(`A: ${runA.name}`), x: lossA.steps, y: lossA.values.map((v) => (Number.isFinite(num(v)) ? num(v) : null)) },
-    { type: "scatter", mode: "lines", name: plotlyText(`B: ${runB.name}`), x: lossB.steps, y: lossB.values.map((v) => (Number.isFinite(num(v)) ? num(v) : null)) },
-  ], { height: 300, margin: { l: 60, r: 20, t: 10, b: 40 }, xaxis: { title: { text: "step" } }, yaxis: { title: { text: "loss" } }, legend: { orientation: "h", y: 1.1 } },
-  { displaylogo: false, responsive: true });
+  info.textContent = `${chosen.length} runs`;
 
+  // config diff
+  const rows = configDiff(chosen);
+  const fillConfig = () => {
+    const shown = onlyDiff.checked ? rows.filter((r) => r.differs) : rows;
+    replace(configTable,
+      el("thead", {}, el("tr", {}, el("th", {}, "key"), chosen.map((r) => el("th", { class: "name" }, `#${r.id} ${r.name}`)))),
+      el("tbody", {}, shown.length ? shown.map((r) => el("tr", { class: r.differs ? "differs" : "", dataset: { key: r.key } },
+        el("td", { class: "name" }, r.key), r.texts.map((t) => el("td", { class: "name" }, t))))
+        : el("tr", {}, el("td", { colspan: chosen.length + 1, class: "muted" }, "The configs agree on every key."))));
+  };
+  onlyDiff.addEventListener("change", fillConfig);
+  fillConfig();
+
+  // scalars overlaid: one chart per picked scalar, one trace per run
+  const names = [...new Set(chosen.flatMap((r) => r.scalar_names || []))].sort();
+  const selected = new Set(names.includes("loss") ? ["loss"] : names.slice(0, 1));
+  const Plotly = await plotly();
+  const drawScalars = async () => {
+    const picked = names.filter((n) => selected.has(n));
+    const got = await Promise.all(chosen.map((r) => {
+      const mine = picked.filter((n) => (r.scalar_names || []).includes(n));
+      if (!mine.length) return Promise.resolve({ series: {} });
+      return api(`/runs/${r.id}/series/multi?${mine.map((n) => `name=${encodeURIComponent(n)}`).join("&")}&max_points=2000`);
+    }));
+    const gap = 0.08;
+    const h = picked.length ? (1 - gap * (picked.length - 1)) / picked.length : 1;
+    const layout = { height: 80 + 220 * Math.max(1, picked.length), margin: { l: 70, r: 20, t: 10, b: 40 }, legend: { orientation: "h", y: 1.08 },
+      xaxis: { title: { text: "step" }, anchor: `y${picked.length <= 1 ? "" : picked.length}` } };
+    const traces = [];
+    picked.forEach((n, k) => {
+      const axis = k === 0 ? "" : String(k + 1);
+      const top = 1 - k * (h + gap);
+      layout[`yaxis${axis}`] = { title: { text: plotlyText(n) }, domain: [Math.max(0, top - h), top], exponentformat: "e" };
+      chosen.forEach((r, i) => {
+        const sr = got[i].series[n];
+        if (!sr) return;
+        traces.push({ type: "scatter", mode: "lines", name: plotlyText(`#${r.id} ${r.name}`), legendgroup: String(r.id), showlegend: k === 0,
+          x: sr.steps, y: sr.values.map((v) => (Number.isFinite(num(v)) ? num(v) : null)), yaxis: `y${axis}`, line: { color: COLOURS[i], width: 1.3 } });
+      });
+    });
+    await Plotly.react(lossPlot, traces, layout, { displaylogo: false, responsive: true });
+  };
+  replace(picker, names.map((n) => el("label", { class: "pick", dataset: { name: n } },
+    el("input", { type: "checkbox", checked: selected.has(n), onchange: (ev) => {
+      if (ev.target.checked) selected.add(n);
+      else selected.delete(n);
+      drawScalars();
+    } }), n)));
+  await drawScalars();
+
+  const runA = byId.get(pairA);
+  const runB = byId.get(pairB);
+  const diffInfo = document.getElementById("compare-diff-info");
   const from = Math.max(runA.first_step ?? 0, runB.first_step ?? 0);
   const to = Math.min(runA.last_step ?? -1, runB.last_step ?? -1);
   if (to < from) {
-    info.textContent = "The runs share no step range, so there is no heatmap difference to show.";
+    diffInfo.textContent = "These two runs share no step range, so there is no heatmap difference to show.";
+    window.fp8scope.drawn.compare = performance.now();
     return { destroy() {} };
   }
   const cols = Math.max(100, Math.round((diffPlot.clientWidth || 900) - 250));
   const [pa, pb] = await Promise.all([runA, runB].map((r) => fetchHeatmap(r.id, { metric: "amax", from, to, max_cols: cols })));
   const diff = amaxDifference(pa, pb);
-  info.textContent = `steps ${from}–${to}, buckets of ${pa.bucket_width} step${pa.bucket_width === 1 ? "" : "s"}; ${diff.shared.length} tensors in both` +
+  diffInfo.textContent = `#${runA.id} − #${runB.id}: steps ${from}–${to}, buckets of ${pa.bucket_width} step${pa.bucket_width === 1 ? "" : "s"}; ${diff.shared.length} tensors in both` +
     (diff.onlyA ? `, ${diff.onlyA} only in A` : "") + (diff.onlyB ? `, ${diff.onlyB} only in B` : "");
   const C = Math.min(pa.C, pb.C);
   // buckets are aligned to multiples of the width: drawn as a regular grid (fast in plotly)

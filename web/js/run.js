@@ -8,6 +8,7 @@ import { Heatmap, fetchHeatmap } from "./heatmap.js";
 import { IncidentsPanel, SEVERITY_KIND } from "./incidents.js";
 import { PostMortem } from "./postmortem.js";
 import { RecipeEditor } from "./recipe.js";
+import { TAG_RE, configText, flattenConfig } from "./config.js";
 
 function stepSeen(runId, step) {
   const key = `${runId}:${step}`;
@@ -266,21 +267,6 @@ class Scalars {
   }
 }
 
-/** "a.b" -> value for every leaf of a nested config. */
-export function flattenConfig(config, prefix = "", out = []) {
-  for (const [k, v] of Object.entries(config || {})) {
-    const key = prefix ? `${prefix}.${k}` : k;
-    if (v && typeof v === "object" && !Array.isArray(v) && Object.keys(v).length) flattenConfig(v, key, out);
-    else out.push([key, v]);
-  }
-  return out;
-}
-
-export function configText(v) {
-  if (v === undefined) return "–";
-  return typeof v === "string" ? v : JSON.stringify(v);
-}
-
 /** The run's config (every key), its name and tags, which a token with the control scope can change. */
 class ConfigPanel {
   constructor(container, runId, onSaved) {
@@ -328,9 +314,6 @@ class ConfigPanel {
     }
   }
 }
-
-/** fp8_protocol.runs.TAG_PATTERN (the service checks it too). */
-export const TAG_RE = /^[\w.:/=+@-]{1,64}$/;
 
 const SEVERITY_RANK = { ok: 0, info: 1, warning: 2, critical: 3 };
 

@@ -1,8 +1,21 @@
-// The runs list: newest first, with status, last step, last loss, open incidents and a loss sparkline; kept
-// live by the all-runs event stream. Two runs can be picked for a comparison.
+// The runs list: newest first, with status, tags, chosen config values, last step, last loss, open incidents
+// and a loss sparkline; kept live by the all-runs event stream. Search by name, filters (status, tag, config
+// value), a page at a time; rename, retag and delete (control scope); up to 8 runs picked for a comparison.
 
-import { api, num, subscribe } from "./api.js";
+import { api, auth, num, qs, subscribe } from "./api.js";
 import { ago, badge, el, fmt, replace, statusBadge, throttle } from "./dom.js";
+import { TAG_RE, configText, configValue } from "./config.js";
+
+export const MAX_COMPARE = 8;
+const PAGE = 100;
+const COLUMNS_KEY = "fp8scope.runColumns";
+
+/** Filters from the page's hash (#/?q=..&status=..&tag=..&config=k=v): links to a filtered list work. */
+function filtersFromHash() {
+  const query = (location.hash.split("?")[1] || "");
+  const p = new URLSearchParams(query);
+  return { q: p.get("q") || "", status: p.get("status") || "", tag: p.get("tag") || "", config: p.get("config") || "" };
+}
 
 const SVG = "http://www.w3.org/2000/svg";
 const SPARK_W = 140;
@@ -54,44 +67,66 @@ export function sparkline(steps, values) {
 export async function mountRuns(container) {
   const rows = new Map(); // run id -> {run, tr, cells}
   const picked = new Set();
+  const filters = filtersFromHash();
+  let columns = (localStorage.getItem(COLUMNS_KEY) || "").split(",").map((c) => c.trim()).filter(Boolean);
+  let next = null; // cursor of the next page
+  let shown = 1; // pages shown
+
   const tbody = el("tbody");
-  const compareButton = el("button", { type: "button", disabled: true }, "Compare selected");
-  const empty = el("p", { class: "muted", hidden: true }, "No runs yet. Start a training job with --monitor-url.");
+  const thead = el("thead");
+  const compareButton = el("button", { type: "button", id: "compare-selected", disabled: true }, "Compare selected");
+  const empty = el("p", { class: "muted", id: "runs-empty", hidden: true }, "No runs yet. Start a training job with --monitor-url.");
+  const more = el("button", { type: "button", id: "runs-more", class: "small", hidden: true }, "Load more");
+  const error = el("p", { class: "error", id: "runs-error" });
+  const search = el("input", { id: "runs-search", type: "search", placeholder: "search names", value: filters.q, size: 18, "aria-label": "search run names" });
+  const status = el("select", { id: "runs-status", "aria-label": "status" },
+    ["", "running", "finished", "interrupted", "halted", "crashed"].map((st) => el("option", { value: st, selected: st === filters.status }, st || "any status")));
+  const tagFilter = el("input", { id: "runs-tag", type: "search", placeholder: "tag", value: filters.tag, size: 12, "aria-label": "tag" });
+  const configFilter = el("input", { id: "runs-config", type: "search", placeholder: "config key=value", value: filters.config, size: 18, "aria-label": "config filter" });
+  const columnsInput = el("input", { id: "runs-columns", type: "text", placeholder: "config columns, e.g. lr, model.n_layer", value: columns.join(", "), size: 30, "aria-label": "config columns" });
+  const readonly = el("p", { class: "muted readonly-note", id: "runs-readonly" });
   replace(
     container,
-    el(
-      "section",
-      { class: "panel" },
+    el("section", { class: "panel" },
       el("div", { class: "panel-head" }, el("h2", {}, "Runs"), compareButton),
-      el(
-        "table",
-        { class: "runs", id: "runs-table" },
-        el(
-          "thead",
-          {},
-          el("tr", {}, ...["", "Run", "Status", "Last step", "Last loss", "Open incidents", "Loss", "Last telemetry"].map((h) => el("th", {}, h))),
-        ),
-        tbody,
-      ),
-      empty,
-    ),
+      el("div", { class: "controls", id: "runs-filters" }, search, status, tagFilter, configFilter, el("label", { class: "muted" }, "columns ", columnsInput)),
+      readonly, error,
+      el("table", { class: "runs", id: "runs-table" }, thead, tbody),
+      empty, more),
   );
+
+  function renderHead() {
+    replace(thead, el("tr", {}, ...["", "Run", "Status", "Tags", ...columns, "Last step", "Last loss", "Open incidents", "Loss", "Last telemetry", ""].map((h, i) =>
+      el("th", { class: i >= 4 && i < 4 + columns.length ? "config-col name" : "" }, h))));
+  }
+
   compareButton.addEventListener("click", () => {
-    const [a, b] = [...picked];
-    location.hash = `#/compare?a=${a}&b=${b}`;
+    location.hash = `#/compare?runs=${[...picked].join(",")}`;
   });
 
   function pick(id, on) {
     if (on) picked.add(id);
     else picked.delete(id);
-    while (picked.size > 2) picked.delete(picked.values().next().value);
+    while (picked.size > MAX_COMPARE) picked.delete(picked.values().next().value);
     for (const [rid, row] of rows) row.check.checked = picked.has(rid);
-    compareButton.disabled = picked.size !== 2;
+    compareButton.disabled = picked.size < 2;
+    compareButton.textContent = picked.size >= 2 ? `Compare ${picked.size} runs` : "Compare selected";
+  }
+
+  /** The chosen config keys' cells, between the tags and the last step. */
+  function renderConfigCells(row) {
+    for (const td of row.tr.querySelectorAll("td.config-value")) td.remove();
+    for (const c of columns) {
+      row.tr.insertBefore(el("td", { class: "name config-value", dataset: { key: c } }, configText(configValue(row.run.config, c))), row.cells.step);
+    }
   }
 
   function fill(row) {
     const r = row.run;
+    row.cells.name.firstChild.textContent = r.name;
     replace(row.cells.status, statusBadge(r.status));
+    replace(row.cells.tags, (r.tags || []).map((t) => el("a", { class: "tag", href: `#/?tag=${encodeURIComponent(t)}`, title: "runs with this tag" }, t)));
+    renderConfigCells(row);
     row.cells.step.textContent = r.last_step === null ? "–" : String(r.last_step);
     row.cells.loss.textContent = fmt(num(r.last_loss));
     // one entry per fault: incidents (alerts stored before incidents existed count on their own)
@@ -99,24 +134,65 @@ export async function mountRuns(container) {
     row.cells.alerts.title = `${r.open_alerts} open alert${r.open_alerts === 1 ? "" : "s"}`;
     replace(row.cells.alerts, open ? badge(String(open), "bad") : r.open_alerts ? badge(`${r.open_alerts} alerts`, "warn") : "0");
     row.cells.seen.textContent = ago(r.last_telemetry_at);
+    const reason = auth.readOnlyReason();
+    for (const b of row.actions) {
+      b.disabled = Boolean(reason);
+      b.title = reason || b.dataset.help;
+    }
+  }
+
+  async function act(row, what) {
+    const r = row.run;
+    error.textContent = "";
+    try {
+      if (what === "rename") {
+        const name = window.prompt(`New name of run #${r.id}`, r.name);
+        if (name === null || !name.trim() || name.trim() === r.name) return;
+        row.run = await api(`/runs/${r.id}`, { method: "PATCH", body: { name: name.trim() } });
+      } else if (what === "tags") {
+        const text = window.prompt(`Tags of run #${r.id} (space-separated)`, (r.tags || []).join(" "));
+        if (text === null) return;
+        const tags = text.split(/[\s,]+/).filter(Boolean);
+        const bad = tags.find((t) => !TAG_RE.test(t));
+        if (bad !== undefined) {
+          error.textContent = `"${bad}" is not a tag (1-64 letters, digits or _-.:/=+@)`;
+          return;
+        }
+        row.run = await api(`/runs/${r.id}`, { method: "PATCH", body: { tags } });
+      } else if (what === "delete") {
+        if (!window.confirm(`Delete run #${r.id} "${r.name}" and all its telemetry? This cannot be undone.`)) return;
+        await api(`/runs/${r.id}`, { method: "DELETE" });
+        rows.delete(r.id);
+        picked.delete(r.id);
+        row.tr.remove();
+        empty.hidden = rows.size > 0;
+        return;
+      }
+      fill(row);
+    } catch (err) {
+      error.textContent = `${what} failed: ${err.detail || err.message}`;
+    }
   }
 
   function addRow(run) {
-    const check = el("input", { type: "checkbox", title: "pick for comparison", onchange: (ev) => pick(run.id, ev.target.checked) });
+    const check = el("input", { type: "checkbox", title: `pick for comparison (up to ${MAX_COMPARE})`, onchange: (ev) => pick(run.id, ev.target.checked) });
     const cells = {
       name: el("td", { class: "name" }, el("a", { href: `#/runs/${run.id}` }, run.name)),
       status: el("td"),
+      tags: el("td", { class: "tags-cell" }),
       step: el("td", { class: "num step" }),
       loss: el("td", { class: "num loss" }),
       alerts: el("td", { class: "num alerts" }),
       spark: el("td", { class: "spark" }),
       seen: el("td", { class: "muted" }),
     };
-    const tr = el("tr", { dataset: { runId: run.id } }, el("td", {}, check), ...Object.values(cells));
-    const row = { run, tr, cells, check };
+    const row = { run, cells, check };
+    const action = (what, label, help) => el("button", { type: "button", class: `small run-${what}`, dataset: { help }, onclick: () => act(row, what) }, label);
+    row.actions = [action("rename", "Rename", "rename this run"), action("tags", "Tags", "edit this run's tags"), action("delete", "Delete", "delete this run and its telemetry")];
+    row.tr = el("tr", { dataset: { runId: run.id } }, el("td", {}, check), cells.name, cells.status, cells.tags, cells.step, cells.loss, cells.alerts, cells.spark, cells.seen, el("td", { class: "actions" }, row.actions));
+    fill(row);
     row.refreshSpark = throttle(() => loadSpark(row), 2000);
     rows.set(run.id, row);
-    fill(row);
     loadSpark(row);
     return row;
   }
@@ -131,25 +207,80 @@ export async function mountRuns(container) {
     }
   }
 
+  function query(before) {
+    const params = { limit: PAGE, q: search.value.trim() || null, status: status.value || null, tag: tagFilter.value.trim() || null, config: configFilter.value.trim() || null, before };
+    return `/runs${qs(params)}`;
+  }
+
+  /** The first `shown` pages again (filters changed, or a run appeared). */
   async function load() {
-    const runs = await api("/runs?limit=200");
-    const order = [];
+    const runs = [];
+    let cursor = null;
+    for (let p = 0; p < shown; p++) {
+      const page = await api(query(cursor), { page: true });
+      runs.push(...page.data);
+      cursor = page.next;
+      if (!cursor) break;
+    }
+    next = cursor;
+    error.textContent = "";
+    place(runs, false);
+  }
+
+  function place(runs, append) {
+    const order = append ? [...tbody.children] : [];
+    const keep = new Set(append ? rows.keys() : []);
     for (const run of runs) {
       let row = rows.get(run.id);
       if (row) {
-        const hadSteps = row.run.last_step !== run.last_step;
+        const moved = row.run.last_step !== run.last_step;
         row.run = run;
         fill(row);
-        if (hadSteps) row.refreshSpark();
+        if (moved) row.refreshSpark();
       } else {
         row = addRow(run);
       }
+      keep.add(run.id);
       order.push(row.tr);
     }
+    for (const id of [...rows.keys()]) if (!keep.has(id)) rows.delete(id);
     replace(tbody, order); // newest first, as the API orders them
-    empty.hidden = runs.length > 0;
+    more.hidden = !next;
+    empty.hidden = rows.size > 0;
+    empty.textContent = filtering() ? "No run matches these filters." : "No runs yet. Start a training job with --monitor-url.";
   }
-  const reload = throttle(() => load().catch((err) => console.warn("runs", err)), 500);
+
+  function filtering() {
+    return Boolean(search.value.trim() || status.value || tagFilter.value.trim() || configFilter.value.trim());
+  }
+
+  more.addEventListener("click", async () => {
+    try {
+      const page = await api(query(next), { page: true });
+      next = page.next;
+      shown += 1;
+      place(page.data, true);
+    } catch (err) {
+      error.textContent = `loading more runs failed: ${err.detail || err.message}`;
+    }
+  });
+
+  const reload = throttle(() => load().catch((err) => {
+    error.textContent = `could not list runs: ${err.detail || err.message}`;
+  }), 300);
+  for (const input of [search, tagFilter, configFilter]) input.addEventListener("input", () => { shown = 1; reload(); });
+  status.addEventListener("change", () => { shown = 1; reload(); });
+  columnsInput.addEventListener("change", () => {
+    columns = columnsInput.value.split(",").map((c) => c.trim()).filter(Boolean);
+    localStorage.setItem(COLUMNS_KEY, columns.join(","));
+    renderHead();
+    for (const row of rows.values()) renderConfigCells(row);
+  });
+  const onAuth = () => {
+    readonly.textContent = auth.readOnlyReason() ? `Rename, tags and delete are disabled (${auth.readOnlyReason()}).` : "";
+    for (const row of rows.values()) fill(row);
+  };
+  auth.listeners.add(onAuth);
   const refreshRun = new Map();
 
   function refreshOne(id) {
@@ -163,7 +294,8 @@ export async function mountRuns(container) {
             row.run = await api(`/runs/${id}`);
             fill(row);
           } catch (err) {
-            console.warn("run", err);
+            if (err.status === 404) reload(); // deleted meanwhile
+            else console.warn("run", err);
           }
         }, 1000),
       );
@@ -171,13 +303,15 @@ export async function mountRuns(container) {
     refreshRun.get(id)();
   }
 
+  renderHead();
+  onAuth();
   await load();
   const stream = subscribe(
     "/stream",
     {
       step(d) {
         const row = rows.get(d.run_id);
-        if (!row) return reload();
+        if (!row) return filtering() ? undefined : reload();
         if (row.run.last_step === null || d.step > row.run.last_step) {
           row.run.last_step = d.step;
           if (d.loss !== null && d.loss !== undefined) row.run.last_loss = d.loss;
@@ -194,7 +328,14 @@ export async function mountRuns(container) {
         refreshOne(d.run_id);
       },
       run(d) {
-        if (!rows.has(d.run_id) || d.created) reload();
+        if (d.deleted) {
+          const row = rows.get(d.run_id);
+          if (row) {
+            row.tr.remove();
+            rows.delete(d.run_id);
+            empty.hidden = rows.size > 0;
+          }
+        } else if (!rows.has(d.run_id) || d.created) reload();
         else refreshOne(d.run_id);
       },
     },
@@ -207,6 +348,7 @@ export async function mountRuns(container) {
     destroy() {
       stream.close();
       clearInterval(clock);
+      auth.listeners.delete(onAuth);
     },
   };
 }
