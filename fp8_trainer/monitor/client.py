@@ -255,8 +255,9 @@ class Monitor:
                 "world_size": self.world_size,
                 "host": socket.gethostname()[:200],
                 "tensors": self.tensors,
-                "tags": tags,
             }
+            if tags:  # only when used: a service from before tags registers the run as it always did
+                run_body["tags"] = tags
             if spool_path is None:
                 safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", run_name)[:80] or "run"
                 spool_path = (
