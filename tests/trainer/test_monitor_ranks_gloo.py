@@ -118,3 +118,55 @@ def test_two_ranks_report_reduced_stats_rank_amax_and_apply_commands_together(tm
             np.testing.assert_array_equal(
                 np.array(e["details"]["amax"], dtype=np.float64), per_rank[:, i, :, 0]
             )
+
+
+def worker_without_fp8(rank: int, port: int, url: str, spool_dir: str, out) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        model, recipe = tiny_model()
+        mon = Monitor(url, "ddp-no-fp8", model, recipe, spool_path=f"{spool_dir}/n{rank}.jsonl", **FAST)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        gen = torch.Generator().manual_seed(7 + rank)
+        losses = {}
+        for step in range(1, 7):
+            x = torch.randint(0, 256, (2, 16), generator=gen)
+            if step in (3, 4):  # the forward not wrapped in fp8_autocast on every rank
+                _, loss = model(x, x)
+            else:
+                with fp8_autocast(fp8_recipe=recipe):
+                    _, loss = model(x, x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[step] = loss.item()
+            mon.step(step, loss=loss.detach())
+        mon.close()
+        out[rank] = {"losses": losses, "run_id": mon.run_id}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_report_steps_without_fp8_with_their_scalars(tmp_path):
+    with running_server(f"sqlite:///{tmp_path / 'm.db'}") as server:
+        out = mp.Manager().dict()
+        mp.start_processes(
+            worker_without_fp8,
+            args=(free_port(), server.url, str(tmp_path), out),
+            nprocs=WORLD,
+            start_method="spawn",
+        )
+        run_id = out[0]["run_id"]
+        run = get(server.url, f"/runs/{run_id}")
+        assert run["steps_stored"] == 6 and run["status"] == "finished"
+        loss = get(server.url, f"/runs/{run_id}/series", name="loss")
+        assert loss["steps"] == [1, 2, 3, 4, 5, 6]
+        assert loss["values"] == [out[0]["losses"][s] for s in range(1, 7)]  # rank 0's
+        h = get(server.url, f"/runs/{run_id}/heatmap", metric="amax", max_cols=100)
+        with_stats = [
+            s
+            for s, col in zip(h["bucket_start"], np.array([decode(r) for r in h["values"]]).T, strict=True)
+            if not np.isnan(col).all()
+        ]
+        assert with_stats == [1, 2, 5, 6]
+        assert get(server.url, f"/runs/{run_id}/alerts") == []
