@@ -9,11 +9,9 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import orjson
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from starlette.concurrency import run_in_threadpool
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from monitor_server.api.routes import (
     alerts,
@@ -28,62 +26,13 @@ from monitor_server.api.routes import (
 )
 from monitor_server.context import AppContext
 from monitor_server.core.config import Settings
+from monitor_server.guard import RequestGuard
 from monitor_server.migrations import upgrade_to_head
 from monitor_server.schemas import TelemetryBatch
 from monitor_server.web import mount_dashboard
 
 log = logging.getLogger("fp8scope.monitor")
 API_PREFIX = "/api/v1"
-
-
-class BodySizeLimit:
-    """Answer 413 for bodies over `max_bytes`: by Content-Length up front, or while the body streams in."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int):
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None:
-            try:
-                declared = int(length)
-            except ValueError:
-                await _json_response(send, 400, "invalid Content-Length header")
-                return
-            if declared > self.max_bytes:
-                await _json_response(
-                    send, 413, f"request body of {declared} bytes exceeds the limit of {self.max_bytes} bytes"
-                )
-                return
-        received = 0
-        limit = self.max_bytes
-
-        async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    raise HTTPException(413, f"request body exceeds the limit of {limit} bytes")
-            return message
-
-        await self.app(scope, limited_receive, send)
-
-
-async def _json_response(send: Send, status_code: int, detail: str) -> None:
-    body = orjson.dumps({"detail": detail})
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status_code,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
 
 
 async def _stall_checker(ctx: AppContext) -> None:
@@ -129,10 +78,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.ctx = ctx
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.include_router(health.router)
+    guarded = [(route.path, route) for route in health.router.routes]
     for module in (runs, telemetry, queries, alerts, incidents, commands, stream, dashboard):
         app.include_router(module.router, prefix=API_PREFIX)
+        guarded += [(API_PREFIX + route.path, route) for route in module.router.routes]
+    app.add_middleware(RequestGuard, settings=settings, routes=guarded)
     mount_dashboard(app)
 
     def openapi() -> dict[str, Any]:

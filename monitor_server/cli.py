@@ -116,6 +116,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from monitor_server.app import create_app
+    from monitor_server.http_protocol import bounded_protocol
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -153,6 +154,8 @@ def serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         timeout_graceful_shutdown=5,
         proxy_headers=False,
+        # request heads bounded in size and time before they are parsed (see monitor_server.http_protocol)
+        http=bounded_protocol(settings.max_header_bytes, settings.header_timeout_seconds),
     )
     Server(config).run()
     return 0

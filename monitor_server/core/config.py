@@ -55,7 +55,27 @@ class Settings(BaseSettings):
             or ``postgresql+psycopg://user@host/db``.
         host, port: where `fp8-monitor serve` listens. Without tokens only loopback is allowed.
         tokens: ``name:scopes:secret`` entries; empty = no authentication.
-        max_body_bytes: larger request bodies get 413.
+        max_body_bytes: the telemetry body limit (``POST /runs/{id}/telemetry``), before and after
+            gzip inflation; larger bodies get 413.
+        max_registration_bytes: the body limit of ``POST /runs`` (a run and its tensors: ~130 bytes per
+            tensor, so 1 MiB holds `max_tensors` with room to spare).
+        max_control_bytes: the body limit of every other request (commands, status changes, acks):
+            kilobytes are enough.
+        max_tensors: the most quantized tensors a run may register (each heatmap column holds one value
+            per tensor).
+        max_heatmap_cells: the most tensors x columns one heatmap answer may hold (422 above it).
+        max_json_elements: the telemetry parse budget: the most JSON values (objects, arrays and
+            comma-separated items, counted before parsing) one batch may hold. Packed columns count as one
+            value each, so real batches stay far below it.
+        max_json_depth: the deepest JSON nesting accepted in free-form objects (run config and recipe,
+            event details).
+        max_event_detail_bytes: the largest event ``details`` object, as JSON bytes.
+        decode_concurrency: telemetry bodies inflated and parsed at the same time; others wait their turn.
+        max_header_bytes: request line plus headers; larger heads get 431 before they are parsed.
+        header_timeout_seconds, body_timeout_seconds: a client that takes longer to send its request
+            head (or to deliver the next piece of its body) gets 408 and is disconnected.
+        allowed_hosts: without tokens, the Host names (and Origin hosts) accepted besides the address
+            the server listens on and the loopback names; with tokens, Host is not checked.
         webhook_url: Slack-compatible webhook that receives one message per incident (empty = off).
         webhook_min_interval_seconds: per run, the least time between two webhook messages; incidents
             opened meanwhile share the next message.
@@ -77,7 +97,19 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     tokens: Annotated[list[str], NoDecode] = []
-    max_body_bytes: int = 64 * 1024 * 1024
+    max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    max_registration_bytes: int = Field(1024 * 1024, ge=1024)
+    max_control_bytes: int = Field(64 * 1024, ge=1024)
+    max_tensors: int = Field(4096, ge=1)
+    max_heatmap_cells: int = Field(4096 * 1024, ge=1024)
+    max_json_elements: int = Field(1_000_000, ge=1000)
+    max_json_depth: int = Field(32, ge=2, le=200)
+    max_event_detail_bytes: int = Field(256 * 1024, ge=1024)
+    decode_concurrency: int = Field(2, ge=1)
+    max_header_bytes: int = Field(64 * 1024, ge=1024)
+    header_timeout_seconds: float = Field(10.0, gt=0)
+    body_timeout_seconds: float = Field(30.0, gt=0)
+    allowed_hosts: Annotated[list[str], NoDecode] = []
     webhook_url: str = ""
     webhook_min_interval_seconds: float = Field(60.0, ge=0)
     webhook_settle_seconds: float = Field(2.0, ge=0)
@@ -93,6 +125,13 @@ class Settings(BaseSettings):
     def _split_tokens(cls, value: Any) -> Any:
         if isinstance(value, str):
             return [t for t in value.split(",") if t.strip()]
+        return value
+
+    @field_validator("allowed_hosts", mode="before")
+    @classmethod
+    def _split_hosts(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [h.strip().lower() for h in value.split(",") if h.strip()]
         return value
 
     @field_validator("tokens")
