@@ -114,10 +114,13 @@ _SENT_POS = -np.finfo(np.float64).max
 _SENT_NEG = np.nextafter(np.finfo(np.float64).max, 0.0)
 
 
-def matrix_json(matrix: np.ndarray, empty: np.ndarray | None = None) -> bytes:
-    """JSON bytes of a 2-D float matrix (list of rows), non-finite spelled as strings, `empty` cells null."""
+def matrix_json(matrix: np.ndarray, empty_cols: np.ndarray | None = None) -> bytes:
+    """JSON bytes of a 2-D float matrix (list of rows), non-finite spelled as strings, the columns flagged in
+    `empty_cols` (a bool per column) null."""
     m = np.array(matrix, dtype=np.float64, order="C", copy=True)
     nan = np.isnan(m)
+    if empty_cols is not None:
+        nan[:, empty_cols] = False
     posinf = np.isposinf(m)
     neginf = np.isneginf(m)
     special = nan.any() or posinf.any() or neginf.any()
@@ -125,8 +128,8 @@ def matrix_json(matrix: np.ndarray, empty: np.ndarray | None = None) -> bytes:
         m[nan] = _SENT_NAN
         m[posinf] = _SENT_POS
         m[neginf] = _SENT_NEG
-    if empty is not None:
-        m[empty] = np.nan  # orjson writes null
+    if empty_cols is not None:
+        m[:, empty_cols] = np.nan  # orjson writes null
     out = orjson.dumps(m, option=orjson.OPT_SERIALIZE_NUMPY)
     if special:
         # the negative sentinel first: its text contains the NaN sentinel's

@@ -13,7 +13,7 @@ from monitor_server.api.deps import CtxDep, ReadDep, RunId, SessionDep
 from monitor_server.api.routes.runs import get_run_or_404
 from monitor_server.detection import alert_public
 from monitor_server.models import Alert, EventRow, as_utc
-from monitor_server.rollups import HEATMAP_METRICS, read_heatmap
+from monitor_server.rollups import HEATMAP_METRICS, plan_heatmap, read_heatmap
 from monitor_server.run_meta import RunMeta
 from monitor_server.schemas import (
     EventKind,
@@ -77,6 +77,15 @@ def heatmap_buckets(
     if rng is None:
         head.update(bucket_width=1, bucket_start=[], bucket_end=[], bucket_steps=[])
         return meta, head, None
+    n_cols = plan_heatmap(rng[0], rng[1], max_cols).n_buckets
+    limit = ctx.settings.max_heatmap_cells
+    if n_cols * meta.num_tensors > limit:
+        raise HTTPException(
+            422,
+            f"a heatmap of {meta.num_tensors} tensors x {n_cols} columns exceeds the limit of {limit} cells "
+            f"(max_heatmap_cells); ask for at most {max(1, limit // meta.num_tensors)} columns (max_cols) "
+            "or a narrower step range",
+        )
     hm = read_heatmap(session, run_id, metric, rng[0], rng[1], max_cols, meta.fp8_max)
     head.update(
         bucket_width=hm["width"],
@@ -151,12 +160,7 @@ def get_heatmap(
         )
     # splice the pre-rendered matrix into the JSON object (avoids building 10^5..10^6 Python floats)
     head_json = orjson.dumps(head)
-    body = (
-        head_json[:-1]
-        + b',"values":'
-        + matrix_json(hm["values"], hm["empty"][None, :].repeat(meta.num_tensors, 0))
-        + b"}"
-    )
+    body = head_json[:-1] + b',"values":' + matrix_json(hm["values"], hm["empty"]) + b"}"
     return Response(body, media_type="application/json")
 
 

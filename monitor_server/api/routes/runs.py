@@ -98,6 +98,11 @@ def create_run(body: RunCreate, ctx: CtxDep, _principal: RunWriteDep, response: 
     With a `client_key`, registering is idempotent: a retried or replayed registration gets the run
     created first with that key (200) instead of a second run.
     """
+    limit = ctx.settings.max_tensors
+    if len(body.tensors) > limit:
+        raise HTTPException(
+            422, f"tensors: {len(body.tensors)} tensors exceed the limit of {limit} per run (max_tensors)"
+        )
     existing = _existing_run(ctx, body)
     if existing is not None:
         response.status_code = status.HTTP_200_OK
