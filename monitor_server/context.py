@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+from dataclasses import dataclass, field
 
 from sqlalchemy import func, select
 
@@ -28,6 +29,8 @@ class AppContext:
     metrics: Metrics
     run_meta: RunMetaCache
     detection: Detection
+    #: bounds concurrent telemetry decoding; made on first use, on the event loop
+    decode_slots: asyncio.Semaphore | None = field(default=None, repr=False)
 
     @classmethod
     def create(cls, settings: Settings) -> AppContext:

@@ -18,7 +18,7 @@ from monitor_server.detectors.types import EVENT_KINDS, STAT_COLUMNS, StepBatch
 from monitor_server.models import Command, EventRow, IngestBatch, Run, StepRow, StepStat, utcnow
 from monitor_server.rollups import step_stat_rows, update_rollups
 from monitor_server.schemas import MAX_ID
-from monitor_server.wire import WireError, decode_column, decode_float, encode_float
+from monitor_server.wire import WireError, decode_column, decode_float, encode_float, json_too_deep
 
 _TOP_KEYS = {"idempotency_key", "steps", "events", "acks"}
 _STEP_KEYS = {"step", "scalars", "stats"}
@@ -70,7 +70,15 @@ def parse_json(body: bytes) -> Any:
         raise WireError(f"malformed JSON: {exc}") from None
 
 
-def decode_batch(payload: Any, num_tensors: int) -> DecodedBatch:
+@dataclass(frozen=True)
+class EventLimits:
+    """Bounds on the free-form part of a batch: each event's ``details`` (the settings of the same names)."""
+
+    max_json_depth: int = 32
+    max_event_detail_bytes: int = 8 * 1024 * 1024
+
+
+def decode_batch(payload: Any, num_tensors: int, limits: EventLimits = EventLimits()) -> DecodedBatch:
     """Validate and decode a parsed telemetry body for a run with `num_tensors` tensors.
 
     Raises:
@@ -126,12 +134,12 @@ def decode_batch(payload: Any, num_tensors: int) -> DecodedBatch:
         steps = steps[order]
         stats = {name: m[order] for name, m in stats.items()}
         scalars = [scalars[j] for j in order.tolist()]
-    events = _decode_events(payload.get("events", []), T)
+    events = _decode_events(payload.get("events", []), T, limits)
     acks = _decode_acks(payload.get("acks", []))
     return DecodedBatch(key, steps, scalars, stats, events, acks)
 
 
-def _decode_events(events: Any, num_tensors: int) -> list[dict[str, Any]]:
+def _decode_events(events: Any, num_tensors: int, limits: EventLimits) -> list[dict[str, Any]]:
     if not isinstance(events, list):
         raise WireError("events: expected an array")
     out = []
@@ -144,6 +152,7 @@ def _decode_events(events: Any, num_tensors: int) -> list[dict[str, Any]]:
         details = ev.get("details", {})
         if not isinstance(details, dict):
             raise WireError(f"{where}.details: expected an object")
+        check_free_json(details, f"{where}.details", limits.max_json_depth, limits.max_event_detail_bytes)
         if ev["kind"] == "rank_amax":
             try:
                 parse_rank_amax(details, num_tensors)
@@ -177,6 +186,22 @@ def _decode_acks(acks: Any) -> list[dict[str, Any]]:
         else:
             raise WireError(f"{where}.state: must be 'applied' or 'rejected'")
     return out
+
+
+def check_free_json(value: Any, where: str, max_depth: int, max_bytes: int) -> None:
+    """Refuse a free-form JSON object nested deeper than `max_depth` or larger than `max_bytes` as JSON:
+    stored deeper, it could not be written back out (orjson stops at 254 levels) and would break every
+    reader of the run; larger, it would be held whole by every list and stream that carries it."""
+    if json_too_deep(value, max_depth):
+        raise WireError(f"{where}: nested deeper than the limit of {max_depth} levels (max_json_depth)")
+    try:
+        size = len(orjson.dumps(value))
+    except orjson.JSONEncodeError as exc:  # e.g. an integer beyond 64 bits
+        raise WireError(f"{where}: not storable as JSON ({exc})") from None
+    if size > max_bytes:
+        raise WireError(
+            f"{where}: {size} bytes of JSON exceed the limit of {max_bytes} bytes (max_event_detail_bytes)"
+        )
 
 
 class UnknownRun(LookupError):

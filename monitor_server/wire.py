@@ -60,6 +60,46 @@ def jsonable(value: Any) -> Any:
     return value
 
 
+def json_too_deep(value: Any, limit: int) -> bool:
+    """Whether `value` (parsed JSON) nests objects and arrays more than `limit` levels deep; iterative, so a
+    hostile document cannot exhaust the stack, and it stops at the first level past the limit."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return False
+
+
+def first_nonfinite(value: Any, where: str) -> str | None:
+    """The path of the first NaN or infinite float inside parsed JSON (the tokens NaN / Infinity that
+    Python's parser accepts but JSON does not), or None."""
+    stack = [(value, where)]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            return path
+        if isinstance(item, dict):
+            stack.extend((v, f"{path}.{k}") for k, v in item.items())
+        elif isinstance(item, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(item))
+    return None
+
+
+def json_values_upper_bound(body: bytes) -> int:
+    """An upper bound on the JSON values `body` would parse into, counted without parsing: every value
+    but the first follows a ',' or opens an object or array (commas inside strings only raise the count).
+    Parsing costs about this many Python objects; packed base64 columns are one value each."""
+    return body.count(b",") + body.count(b"{") + body.count(b"[") + 1
+
+
 def decode_column(value: Any, length: int, where: str) -> np.ndarray:
     """Decode one COL into a float64 array of `length` values.
 

@@ -69,7 +69,8 @@ class Settings(BaseSettings):
             value each, so real batches stay far below it.
         max_json_depth: the deepest JSON nesting accepted in free-form objects (run config and recipe,
             event details).
-        max_event_detail_bytes: the largest event ``details`` object, as JSON bytes.
+        max_event_detail_bytes: the largest event ``details`` object, as JSON bytes (a flight recorder
+            of 64 steps is about 4 KB per tensor).
         decode_concurrency: telemetry bodies inflated and parsed at the same time; others wait their turn.
         max_header_bytes: request line plus headers; larger heads get 431 before they are parsed.
         header_timeout_seconds, body_timeout_seconds: a client that takes longer to send its request
@@ -104,7 +105,7 @@ class Settings(BaseSettings):
     max_heatmap_cells: int = Field(4096 * 1024, ge=1024)
     max_json_elements: int = Field(1_000_000, ge=1000)
     max_json_depth: int = Field(32, ge=2, le=200)
-    max_event_detail_bytes: int = Field(256 * 1024, ge=1024)
+    max_event_detail_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     decode_concurrency: int = Field(2, ge=1)
     max_header_bytes: int = Field(64 * 1024, ge=1024)
     header_timeout_seconds: float = Field(10.0, gt=0)

@@ -14,6 +14,7 @@ from monitor_server.commands import effective_recipe
 from monitor_server.context import AppContext
 from monitor_server.models import Alert, Incident, Run, TensorRow, as_utc, utcnow
 from monitor_server.schemas import RunCreate, RunPublic, RunStatus, RunUpdate
+from monitor_server.wire import first_nonfinite, json_too_deep
 
 router = APIRouter(prefix="/runs", tags=["runs"])
 
@@ -103,6 +104,16 @@ def create_run(body: RunCreate, ctx: CtxDep, _principal: RunWriteDep, response: 
         raise HTTPException(
             422, f"tensors: {len(body.tensors)} tensors exceed the limit of {limit} per run (max_tensors)"
         )
+    for name in ("config", "recipe"):
+        value = getattr(body, name)
+        if json_too_deep(value, ctx.settings.max_json_depth):
+            limit = ctx.settings.max_json_depth
+            raise HTTPException(
+                422, f"{name}: nested deeper than the limit of {limit} levels (max_json_depth)"
+            )
+        bad = first_nonfinite(value, name)
+        if bad is not None:  # stored, it would silently become null
+            raise HTTPException(422, f"{bad}: NaN and Infinity are not JSON; send them as strings")
     existing = _existing_run(ctx, body)
     if existing is not None:
         response.status_code = status.HTTP_200_OK

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import zlib
@@ -14,9 +15,17 @@ from starlette.concurrency import run_in_threadpool
 from monitor_server.api.deps import CtxDep, IngestDep, RunId
 from monitor_server.commands import CommandError, command_public
 from monitor_server.context import AppContext
-from monitor_server.ingest import UnknownRun, decode_batch, parse_json, store_batch
+from monitor_server.ingest import (
+    DecodedBatch,
+    EventLimits,
+    UnknownRun,
+    decode_batch,
+    parse_json,
+    store_batch,
+)
+from monitor_server.run_meta import RunMeta
 from monitor_server.schemas import TelemetryResult
-from monitor_server.wire import WireError, dumps, encode_float, iso_dates, jsonable
+from monitor_server.wire import WireError, dumps, encode_float, iso_dates, json_values_upper_bound, jsonable
 
 log = logging.getLogger("fp8scope.monitor")
 router = APIRouter(prefix="/runs", tags=["telemetry"])
@@ -49,6 +58,13 @@ def _step_summaries(batch: Any) -> list[dict[str, Any]]:
     ]
 
 
+def decode_slots(ctx: AppContext) -> asyncio.Semaphore:
+    """The app's semaphore bounding concurrent telemetry decoding (`decode_concurrency`)."""
+    if ctx.decode_slots is None:
+        ctx.decode_slots = asyncio.Semaphore(ctx.settings.decode_concurrency)
+    return ctx.decode_slots
+
+
 def gunzip_body(body: bytes, max_bytes: int) -> bytes:
     """Decompress a `Content-Encoding: gzip` body, refusing more than `max_bytes` decompressed (413)."""
     d = zlib.decompressobj(wbits=31)
@@ -68,13 +84,22 @@ def gunzip_body(body: bytes, max_bytes: int) -> bytes:
     return out
 
 
-def ingest(ctx: AppContext, run_id: RunId, body: bytes) -> dict[str, Any]:
-    """Decode, store and post-process one batch; runs in a worker thread.
+def decode(ctx: AppContext, run_id: RunId, body: bytes) -> tuple[RunMeta, DecodedBatch]:
+    """Parse and validate one batch against its run; runs in a worker thread, inside a decode slot.
 
     Raises:
-        HTTPException: 400 malformed JSON, 404 unknown run, 422 invalid content (nothing written).
+        HTTPException: 400 malformed JSON, 404 unknown run, 413 over the parse budget, 422 invalid
+            content.
     """
-    started = time.perf_counter()
+    settings = ctx.settings
+    values = json_values_upper_bound(body)
+    if values > settings.max_json_elements:
+        ctx.metrics.batches.labels("rejected").inc()
+        raise HTTPException(
+            413,
+            f"a body of up to {values} JSON values exceeds the parse budget of {settings.max_json_elements} "
+            "(max_json_elements); send smaller batches, or statistics as packed columns",
+        )
     try:
         payload = parse_json(body)
     except WireError as exc:
@@ -85,11 +110,22 @@ def ingest(ctx: AppContext, run_id: RunId, body: bytes) -> dict[str, Any]:
     if meta is None:
         ctx.metrics.batches.labels("rejected").inc()
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id} not found")
+    limits = EventLimits(settings.max_json_depth, settings.max_event_detail_bytes)
     try:
-        batch = decode_batch(payload, meta.num_tensors)
+        return meta, decode_batch(payload, meta.num_tensors, limits)
     except WireError as exc:
         ctx.metrics.batches.labels("rejected").inc()
         raise HTTPException(422, str(exc)) from None
+
+
+def ingest(
+    ctx: AppContext, run_id: RunId, meta: RunMeta, batch: DecodedBatch, started: float
+) -> dict[str, Any]:
+    """Store and post-process one decoded batch; runs in a worker thread.
+
+    Raises:
+        HTTPException: 404 unknown run, 422 an ack naming an unknown command (nothing written).
+    """
     with ctx.db.run_lock(run_id):
         try:
             with ctx.db.write() as session:
@@ -141,15 +177,20 @@ async def post_telemetry(run_id: RunId, request: Request, ctx: CtxDep, _principa
     whether the idempotency key was seen before, and the run's unacknowledged commands (pending ones become
     delivered; delivered ones are sent again until acknowledged).
     """
-    body = await request.body()
+    started = time.perf_counter()
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
-    if encoding == "gzip":
-        # up to max_body_bytes of inflating: off the event loop, like the decoding
-        body = await run_in_threadpool(gunzip_body, body, ctx.settings.max_body_bytes)
-    elif encoding != "identity":
+    if encoding not in ("gzip", "identity"):
         raise HTTPException(
             status.HTTP_415_UNSUPPORTED_MEDIA_TYPE, f"Content-Encoding {encoding!r}: expected gzip or none"
         )
-    result = await run_in_threadpool(ingest, ctx, run_id, body)
+    body = await request.body()
+    # inflating and parsing cost memory in proportion to the body: a few batches at a time, the others
+    # wait their turn (holding only their compressed body), off the event loop
+    async with decode_slots(ctx):
+        if encoding == "gzip":
+            body = await run_in_threadpool(gunzip_body, body, ctx.settings.max_body_bytes)
+        meta, batch = await run_in_threadpool(decode, ctx, run_id, body)
+        del body
+    result = await run_in_threadpool(ingest, ctx, run_id, meta, batch, started)
     result["commands"] = [jsonable(iso_dates(c)) for c in result["commands"]]
     return Response(dumps(result), media_type="application/json")
