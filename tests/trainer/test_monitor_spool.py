@@ -140,7 +140,11 @@ def test_service_killed_mid_run_and_at_the_end_every_step_stored_once(tmp_path, 
         # 3. part of the spool delivered by hand first: the upload still stores nothing twice
         server.start()
         for body in contents.batches[: len(contents.batches) // 2]:
-            r = httpx.post(f"{server.url}{API}/runs/{run_id}/telemetry", content=orjson.dumps(body))
+            r = httpx.post(
+                f"{server.url}{API}/runs/{run_id}/telemetry",
+                content=orjson.dumps(body),
+                headers={"Content-Type": "application/json"},  # the open server requires it
+            )
             assert r.status_code == 200
         code, out, err = upload(spool, server.url, capsys)
         assert code == 0, err
