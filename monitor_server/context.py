@@ -36,7 +36,7 @@ class AppContext:
     def create(cls, settings: Settings) -> AppContext:
         """Build the context (the database schema is migrated separately, at startup)."""
         db = Database(settings.db_url)
-        broker = EventBroker()
+        broker = EventBroker(settings.sse_queue_bytes)
         run_meta = RunMetaCache()
         ctx = cls(settings, db, broker, Metrics(), run_meta, Detection(settings, db, broker, run_meta))
         ctx.metrics.attach_database(ctx.metrics_snapshot)

@@ -18,7 +18,14 @@ from monitor_server.detectors.types import EVENT_KINDS, STAT_COLUMNS, StepBatch
 from monitor_server.models import Command, EventRow, IngestBatch, Run, StepRow, StepStat, utcnow
 from monitor_server.rollups import step_stat_rows, update_rollups
 from monitor_server.schemas import MAX_ID
-from monitor_server.wire import WireError, decode_column, decode_float, encode_float, json_too_deep
+from monitor_server.wire import (
+    WireError,
+    decode_column,
+    decode_float,
+    details_summary,
+    encode_float,
+    json_too_deep,
+)
 
 _TOP_KEYS = {"idempotency_key", "steps", "events", "acks"}
 _STEP_KEYS = {"step", "scalars", "stats"}
@@ -152,13 +159,19 @@ def _decode_events(events: Any, num_tensors: int, limits: EventLimits) -> list[d
         details = ev.get("details", {})
         if not isinstance(details, dict):
             raise WireError(f"{where}.details: expected an object")
-        check_free_json(details, f"{where}.details", limits.max_json_depth, limits.max_event_detail_bytes)
+        size = check_free_json(
+            details, f"{where}.details", limits.max_json_depth, limits.max_event_detail_bytes
+        )
         if ev["kind"] == "rank_amax":
             try:
                 parse_rank_amax(details, num_tensors)
             except (ValueError, KeyError) as exc:
                 raise WireError(f"{where}.details: {exc}") from None
-        out.append({"kind": ev["kind"], "step": _int(ev.get("step"), f"{where}.step"), "details": details})
+        step = _int(ev.get("step"), f"{where}.step")
+        summary = details_summary(details)
+        out.append(
+            {"kind": ev["kind"], "step": step, "details": details, "summary": summary, "details_bytes": size}
+        )
     return out
 
 
@@ -188,7 +201,7 @@ def _decode_acks(acks: Any) -> list[dict[str, Any]]:
     return out
 
 
-def check_free_json(value: Any, where: str, max_depth: int, max_bytes: int) -> None:
+def check_free_json(value: Any, where: str, max_depth: int, max_bytes: int) -> int:
     """Refuse a free-form JSON object nested deeper than `max_depth` or larger than `max_bytes` as JSON:
     stored deeper, it could not be written back out (orjson stops at 254 levels) and would break every
     reader of the run; larger, it would be held whole by every list and stream that carries it."""
@@ -202,6 +215,7 @@ def check_free_json(value: Any, where: str, max_depth: int, max_bytes: int) -> N
         raise WireError(
             f"{where}: {size} bytes of JSON exceed the limit of {max_bytes} bytes (max_event_detail_bytes)"
         )
+    return size
 
 
 class UnknownRun(LookupError):

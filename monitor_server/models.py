@@ -149,6 +149,10 @@ class EventRow(Base):
     step: Mapped[int] = mapped_column(BigInteger)
     details: Mapped[dict[str, Any]] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    #: the top-level scalar fields of `details` (`wire.details_summary`), and the size of `details` as JSON:
+    #: what lists show, so they never load details (a flight recorder can be megabytes)
+    summary: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    details_bytes: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class Incident(Base):

@@ -93,6 +93,25 @@ def first_nonfinite(value: Any, where: str) -> str | None:
     return None
 
 
+#: what an event summary keeps of each text value, and how many fields it keeps
+SUMMARY_TEXT_CHARS = 200
+SUMMARY_FIELDS = 32
+
+
+def details_summary(details: dict[str, Any]) -> dict[str, Any]:
+    """The light form of event details: its top-level numbers, booleans, nulls and texts (the first
+    `SUMMARY_TEXT_CHARS` characters), at most `SUMMARY_FIELDS` of them; nested values are left out."""
+    out: dict[str, Any] = {}
+    for key, value in details.items():
+        if len(out) >= SUMMARY_FIELDS:
+            break
+        if value is None or isinstance(value, bool | int | float):
+            out[key] = value
+        elif isinstance(value, str):
+            out[key] = value[:SUMMARY_TEXT_CHARS]
+    return out
+
+
 def json_values_upper_bound(body: bytes) -> int:
     """An upper bound on the JSON values `body` would parse into, counted without parsing: every value
     but the first follows a ',' or opens an object or array (commas inside strings only raise the count).

@@ -113,3 +113,4 @@ RunWriteDep = Annotated[Principal, Depends(require_scope("ingest", "control"))]
 #: path parameters naming database rows (32-bit ids)
 RunId = Annotated[int, Path(ge=1, le=2**31 - 1, description="run id")]
 AlertId = Annotated[int, Path(ge=1, le=2**31 - 1, description="alert id")]
+EventId = Annotated[int, Path(ge=1, le=2**31 - 1, description="event id")]

@@ -90,6 +90,8 @@ class Settings(BaseSettings):
         detectors: passed through to the detector engine's ``DetectorConfig`` (thresholds); checked when the
             settings are built, so an unknown key or a bad value stops the service at start-up.
         sse_keepalive_seconds: interval of keep-alive comments on ``/stream``.
+        sse_queue_bytes: events held for one stream client that does not read; beyond, it is dropped with
+            a final ``dropped`` event.
     """
 
     model_config = SettingsConfigDict(env_prefix="FP8SCOPE_", extra="ignore")
@@ -120,6 +122,7 @@ class Settings(BaseSettings):
     stall_check_seconds: float = 15.0
     detectors: dict[str, Any] = {}
     sse_keepalive_seconds: float = 15.0
+    sse_queue_bytes: int = Field(8 * 1024 * 1024, ge=4096)
 
     @field_validator("tokens", mode="before")
     @classmethod

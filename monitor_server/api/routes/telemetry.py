@@ -13,6 +13,7 @@ from fastapi import APIRouter, HTTPException, Request, Response, status
 from starlette.concurrency import run_in_threadpool
 
 from monitor_server.api.deps import CtxDep, IngestDep, RunId
+from monitor_server.api.routes.queries import event_light
 from monitor_server.commands import CommandError, command_public
 from monitor_server.context import AppContext
 from monitor_server.ingest import (
@@ -148,8 +149,8 @@ def ingest(
             for command in changed:
                 ctx.broker.publish(run_id, "command", iso_dates(command))
             if not result.duplicate:
-                for event in batch.events:
-                    ctx.broker.publish(run_id, "event", event)
+                for event in batch.events:  # light, as lists show them: a stream never carries megabytes
+                    ctx.broker.publish(run_id, "event", event_light(event))
         if any(c["state"] == "applied" for c in changed):
             ctx.detection.forget(run_id)  # rebuilt with the new recipe
         if not result.duplicate:
