@@ -53,15 +53,14 @@ def test_json_value_budget(make_client, gz):
     _nothing_stored(client, rid)
 
 
-@pytest.mark.parametrize("depth", [33, 254, 600])
+@pytest.mark.parametrize("depth", [33, 254, 600, 1030])
 def test_deep_event_details_refused_at_decode(client, depth):
     rid = create_run(client, 1)["id"]
     event = b'{"kind": "custom", "step": 1, "details": ' + nested_json(depth) + b"}"
     r = _post(client, rid, b'{"idempotency_key": "deep", "events": [' + event + b"]}")
     assert r.status_code == 422, r.text
-    assert (
-        r.json()["detail"] == "events[0].details: nested deeper than the limit of 32 levels (max_json_depth)"
-    )
+    where = "body" if depth > 1000 else "events[0].details"  # beyond 1024 levels the parser itself stops
+    assert r.json()["detail"] == f"{where}: nested deeper than the limit of 32 levels (max_json_depth)"
     _nothing_stored(client, rid)
     # at the limit it is stored, and reads back
     event = {"kind": "custom", "step": 1, "details": nested(32)}

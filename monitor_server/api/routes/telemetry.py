@@ -105,6 +105,10 @@ def decode(ctx: AppContext, run_id: RunId, body: bytes) -> tuple[RunMeta, Decode
         payload = parse_json(body)
     except WireError as exc:
         ctx.metrics.batches.labels("rejected").inc()
+        if "depth limit exceeded" in str(exc):  # orjson stops at 1024 levels: far past our own limit
+            limit = settings.max_json_depth
+            detail = f"body: nested deeper than the limit of {limit} levels (max_json_depth)"
+            raise HTTPException(422, detail) from None
         raise HTTPException(status.HTTP_400_BAD_REQUEST, str(exc)) from None
     with ctx.db.read_session() as session:
         meta = ctx.run_meta.get(session, run_id)
