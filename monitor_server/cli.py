@@ -36,7 +36,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         "--public-url",
         help="the dashboard's address as people reach it; webhook messages link to runs under it",
     )
-    p.add_argument("--max-body-bytes", type=int, help="largest accepted request body (default 64 MiB)")
+    p.add_argument(
+        "--max-body-bytes", type=int, help="largest telemetry body, before and after gzip (default 64 MiB)"
+    )
     p.add_argument("--stall-seconds", type=float, help="no telemetry for this long -> 'stalled' alert")
     p.add_argument(
         "--detectors",
