@@ -9,8 +9,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.concurrency import run_in_threadpool
 
 from monitor_server.api.routes import (
@@ -33,6 +36,20 @@ from monitor_server.web import mount_dashboard
 
 log = logging.getLogger("fp8scope.monitor")
 API_PREFIX = "/api/v1"
+
+
+def _database_unavailable(request: Request, exc: Exception) -> JSONResponse:
+    """A database that fails (unreachable, locked, read-only, out of space) is a JSON 503 with a short
+    reason, never a plain-text 500: the client retries later (the training client spools meanwhile)."""
+    log.warning(
+        "database error on %s %s: %s", request.method, request.url.path, str(exc).splitlines()[0][:300]
+    )
+    reason = type(getattr(exc, "orig", None) or exc).__name__
+    return JSONResponse(
+        {"detail": f"database unavailable ({reason}); retry later"},
+        status_code=503,
+        headers={"Retry-After": "1"},
+    )
 
 
 async def _stall_checker(ctx: AppContext) -> None:
@@ -78,6 +95,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.ctx = ctx
+    app.add_exception_handler(DBAPIError, _database_unavailable)
+    app.add_exception_handler(PoolTimeout, _database_unavailable)
     app.include_router(health.router)
     guarded = [(route.path, route) for route in health.router.routes]
     for module in (runs, telemetry, queries, alerts, incidents, commands, stream, dashboard):

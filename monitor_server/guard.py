@@ -4,6 +4,8 @@ FastAPI reads and parses a request body before it runs a route's dependencies, s
 dependency is checked only after the server has held and parsed whatever the caller sent. This layer runs
 first and, in order:
 
+0. refuses a URL holding a NUL character (422): no stored text holds one, and PostgreSQL would refuse it
+   as a query parameter with an error, not an answer;
 1. without tokens (the open, loopback-only server): refuses a ``Host`` that is not a name of this server
    (DNS rebinding) and an ``Origin`` of another site (cross-site requests), since a browser on the same
    machine can reach the open server;
@@ -130,6 +132,10 @@ class RequestGuard:
             return
         headers = dict(scope["headers"])
         settings = self.settings
+        if b"%00" in scope.get("query_string", b"") or "\x00" in scope["path"]:
+            # no text column anywhere holds NUL, and PostgreSQL refuses it as a query parameter
+            await send_json(send, 422, "the URL must not contain NUL characters (%00)")
+            return
         if not settings.auth_enabled:
             problem = self.origin_problem(headers)
             if problem is not None:

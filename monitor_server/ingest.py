@@ -59,6 +59,18 @@ class StoreResult:
     changed_commands: list[Command]  # commands whose state this batch changed (delivered, acked)
 
 
+#: the largest step number accepted: 2^53 - 1, the largest integer a JavaScript number (the dashboard) and a
+#: float64 hold exactly; a larger step would be shown and bucketed as a neighbouring one
+MAX_STEP = 2**53 - 1
+
+
+def _step(value: Any, where: str) -> int:
+    step = _int(value, where)
+    if step > MAX_STEP:
+        raise WireError(f"{where}: {step} is above the largest step number, {MAX_STEP} (2^53 - 1)")
+    return step
+
+
 def _int(value: Any, where: str, minimum: int | None = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise WireError(f"{where}: expected an integer, got {type(value).__name__}")
@@ -113,7 +125,7 @@ def decode_batch(payload: Any, num_tensors: int, limits: EventLimits = EventLimi
         extra = set(entry) - _STEP_KEYS
         if extra:
             raise WireError(f"{where}: unknown field(s) {sorted(extra)}")
-        steps[i] = _int(entry.get("step"), f"{where}.step")
+        steps[i] = _step(entry.get("step"), f"{where}.step")
         sc = entry.get("scalars", {})
         if not isinstance(sc, dict):
             raise WireError(f"{where}.scalars: expected an object")
@@ -167,7 +179,7 @@ def _decode_events(events: Any, num_tensors: int, limits: EventLimits) -> list[d
                 parse_rank_amax(details, num_tensors)
             except (ValueError, KeyError) as exc:
                 raise WireError(f"{where}.details: {exc}") from None
-        step = _int(ev.get("step"), f"{where}.step")
+        step = _step(ev.get("step"), f"{where}.step")
         summary = details_summary(details)
         out.append(
             {"kind": ev["kind"], "step": step, "details": details, "summary": summary, "details_bytes": size}
@@ -190,7 +202,7 @@ def _decode_acks(acks: Any) -> list[dict[str, Any]]:
         if state == "applied":
             if set(ack) - {"command_id", "state", "step"}:
                 raise WireError(f"{where}: an 'applied' ack has command_id, state and step")
-            out.append({"command_id": cid, "state": state, "step": _int(ack.get("step"), f"{where}.step")})
+            out.append({"command_id": cid, "state": state, "step": _step(ack.get("step"), f"{where}.step")})
         elif state == "rejected":
             reason = ack.get("reason")
             if not isinstance(reason, str) or set(ack) - {"command_id", "state", "reason"}:

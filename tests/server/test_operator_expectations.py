@@ -1,0 +1,88 @@
+"""What an operator expects of the service: a database that fails is a JSON 503 and readiness says so while
+liveness holds; a NUL in a URL is a 422 on both databases (PostgreSQL would refuse it as a parameter); steps
+beyond 2^53 - 1 (which the dashboard cannot tell apart) are refused at ingest."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from sqlalchemy import create_engine, make_url, text
+
+from monitor_server.app import create_app
+from monitor_server.core.config import Settings
+from tests.server.conftest import PG_URL
+from tests.server.utils import API, batch_body, create_run, fresh_pg_database, random_stats, run_body
+
+
+def test_nul_in_url_is_422(client):
+    rid = create_run(client, 1)["id"]
+    for url in (f"{API}/runs/{rid}/alerts?kind=over%00flow", f"{API}/runs/{rid}/series?name=lo%00ss"):
+        r = client.get(url)
+        assert r.status_code == 422, (url, r.text)
+        assert r.json()["detail"] == "the URL must not contain NUL characters (%00)"
+
+
+def test_steps_beyond_2_pow_53_refused(client):
+    rid = create_run(client, 1)["id"]
+    stats = random_stats(np.random.default_rng(0), 2, 3)
+    r = client.post(f"{API}/runs/{rid}/telemetry", json=batch_body("big", [1, 2**53], stats))
+    assert r.status_code == 422
+    assert r.json()["detail"] == (
+        "steps[1].step: 9007199254740992 is above the largest step number, 9007199254740991 (2^53 - 1)"
+    )
+    assert client.get(f"{API}/runs/{rid}").json()["steps_stored"] == 0
+    ok = batch_body("top", [2**53 - 1], {k: v[:1] for k, v in stats.items()})
+    assert client.post(f"{API}/runs/{rid}/telemetry", json=ok).status_code == 200
+    event = {"kind": "custom", "step": 2**60, "details": {}}
+    r = client.post(f"{API}/runs/{rid}/telemetry", json={"idempotency_key": "e", "events": [event]})
+    assert r.status_code == 422 and "events[0].step" in r.json()["detail"]
+
+
+def test_database_failures_are_json_503_and_readiness_follows_writes(pg_database):
+    """A PostgreSQL database that turns read-only: reads (and liveness) go on, writes are a JSON 503 with a
+    short reason, and /readyz says unavailable until writes work again."""
+    from fastapi.testclient import TestClient
+
+    with fresh_pg_database(PG_URL, "fp8scope_ro") as url:
+        name = make_url(url).database
+        admin = create_engine(make_url(url).set(database="postgres"), isolation_level="AUTOCOMMIT")
+
+        def set_read_only(on: bool) -> None:
+            with admin.connect() as conn:
+                value = "on" if on else "off"
+                conn.execute(text(f'ALTER DATABASE "{name}" SET default_transaction_read_only = {value}'))
+                # sessions take the setting when they start: end the pooled ones
+                conn.execute(
+                    text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :n"),
+                    {"n": name},
+                )
+
+        try:
+            app = create_app(Settings(db_url=url, allowed_hosts=["testserver"]))
+            with TestClient(app) as client:
+                rid = create_run(client, 1)["id"]
+                assert client.get("/readyz").json() == {"status": "ready", "database": "postgresql"}
+                set_read_only(True)
+                r = client.post(f"{API}/runs", json=run_body(1))
+                assert r.status_code == 503 and r.headers["content-type"] == "application/json"
+                assert (
+                    r.json()["detail"].startswith("database unavailable (")
+                    and "retry later" in r.json()["detail"]
+                )
+                r = client.patch(f"{API}/runs/{rid}", json={"status": "finished"})
+                assert r.status_code == 503
+                ready = client.get("/readyz")
+                assert ready.status_code == 503 and ready.json()["status"] == "unavailable"
+                assert client.get("/healthz").status_code == 200  # alive: it answers, reads work
+                assert client.get(f"{API}/runs/{rid}").json()["status"] == "running"
+                set_read_only(False)
+                assert client.get("/readyz").status_code == 200
+                assert client.patch(f"{API}/runs/{rid}", json={"status": "finished"}).status_code == 200
+        finally:
+            set_read_only(False)
+            admin.dispose()
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_readyz_on_sqlite(client, db_url):
+    assert client.get("/readyz").json() == {"status": "ready", "database": "sqlite"}
