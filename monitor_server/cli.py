@@ -1,6 +1,6 @@
 """The `fp8-monitor` command line: `serve` runs the monitor service, `upload` replays a client's spool.
 
-    fp8-monitor serve [--db URL] [--host 127.0.0.1] [--port 8000] [--token name:scopes:secret ...]
+    fp8-monitor serve [--db URL] [--host 127.0.0.1] [--port 8000] [--tokens-file PATH]
     fp8-monitor upload SPOOL [--url http://127.0.0.1:8000] [--token SECRET]
 
 Flags override ``FP8SCOPE_*`` environment variables. Without tokens the server only listens on loopback.
@@ -29,7 +29,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         dest="tokens",
         action="append",
         metavar="NAME:SCOPES:SECRET",
-        help="bearer token, scopes '+'-joined from ingest, read, control; repeatable",
+        help="bearer token, scopes '+'-joined from ingest, read, control; repeatable (the secret shows in "
+        "the process list: prefer --tokens-file)",
+    )
+    p.add_argument(
+        "--tokens-file",
+        metavar="PATH",
+        help="file of NAME:SCOPES:SECRET tokens, one a line, '#' comments (FP8SCOPE_TOKENS_FILE)",
     )
     p.add_argument("--webhook-url", help="Slack-compatible webhook that receives one message per incident")
     p.add_argument(
@@ -90,6 +96,7 @@ SERVE_FLAGS = (
     "host",
     "port",
     "tokens",
+    "tokens_file",
     "webhook_url",
     "public_url",
     "max_body_bytes",
@@ -131,8 +138,7 @@ def serve(args: argparse.Namespace) -> int:
     if not settings.auth_enabled and not is_loopback(settings.host):
         print(
             f"fp8-monitor: refusing to listen on {settings.host} without tokens; "
-            "add --token NAME:SCOPES:SECRET "
-            "(or FP8SCOPE_TOKENS) or listen on 127.0.0.1",
+            "add --tokens-file PATH (or FP8SCOPE_TOKENS_FILE, FP8SCOPE_TOKENS) or listen on 127.0.0.1",
             file=sys.stderr,
         )
         return 2

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlparse
 
@@ -30,11 +31,16 @@ class Token:
     secret: str
 
 
-def parse_token(spec: str) -> Token:
-    """Parse ``name:scope1+scope2:secret`` (the secret may itself contain ':')."""
+def parse_token(spec: str, where: str = "token") -> Token:
+    """Parse ``name:scope1+scope2:secret`` (the secret may itself contain ':').
+
+    An error never repeats the secret, nor the text of an entry it cannot split (which may be one): it
+    names the entry by `where` and, when there is one, its name.
+    """
     parts = spec.strip().split(":", 2)
     if len(parts) != 3 or not parts[0] or not parts[2]:
-        raise ValueError(f"token {parts[0] if parts else spec!r}: expected 'name:scope1+scope2:secret'")
+        named = f"{where} {parts[0]!r}" if len(parts) > 1 and parts[0] else where
+        raise ValueError(f"{named}: expected 'name:scope1+scope2:secret' (the entry is not repeated here)")
     name, scopes_text, secret = parts
     scopes = frozenset(s.strip() for s in scopes_text.split("+") if s.strip())
     unknown = scopes - set(SCOPES)
@@ -55,6 +61,8 @@ class Settings(BaseSettings):
             or ``postgresql+psycopg://user@host/db``.
         host, port: where `fp8-monitor serve` listens. Without tokens only loopback is allowed.
         tokens: ``name:scopes:secret`` entries; empty = no authentication.
+        tokens_file: a file of such entries, one a line (``#`` comments): the way to give secrets, which
+            on a command line would show in the process list. Two tokens may not share a secret.
         max_body_bytes: the telemetry body limit (``POST /runs/{id}/telemetry``), before and after
             gzip inflation; larger bodies get 413.
         max_registration_bytes: the body limit of ``POST /runs`` (a run and its tensors: ~130 bytes per
@@ -100,6 +108,7 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     tokens: Annotated[list[str], NoDecode] = []
+    tokens_file: str = ""
     max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
     max_registration_bytes: int = Field(1024 * 1024, ge=1024)
     max_control_bytes: int = Field(64 * 1024, ge=1024)
@@ -138,13 +147,24 @@ class Settings(BaseSettings):
             return [h.strip().lower() for h in value.split(",") if h.strip()]
         return value
 
-    @field_validator("tokens")
-    @classmethod
-    def _check_tokens(cls, value: list[str]) -> list[str]:
-        names = [parse_token(t).name for t in value]
+    @model_validator(mode="after")
+    def _check_tokens(self) -> Settings:
+        specs = [(t, f"token #{i + 1}") for i, t in enumerate(self.tokens)]
+        if self.tokens_file:
+            specs += read_tokens_file(self.tokens_file)
+        tokens = [parse_token(spec, where) for spec, where in specs]
+        names = [t.name for t in tokens]
         if len(set(names)) != len(names):
             raise ValueError("token names must be unique")
-        return value
+        seen: dict[str, str] = {}
+        for t in tokens:
+            if t.secret in seen:  # one secret, two names: the server could not tell who is calling
+                pair = f"tokens {seen[t.secret]!r} and {t.name!r}"
+                raise ValueError(f"{pair} share one secret; give each its own")
+            seen[t.secret] = t.name
+        self.tokens = [spec for spec, _ in specs]
+        self.tokens_file = ""  # read once: its entries are in `tokens` now
+        return self
 
     @field_validator("public_url")
     @classmethod
@@ -175,6 +195,20 @@ class Settings(BaseSettings):
     def auth_enabled(self) -> bool:
         """True when at least one token is configured."""
         return bool(self.tokens)
+
+
+def read_tokens_file(path: str) -> list[tuple[str, str]]:
+    """The entries of a tokens file: one ``name:scopes:secret`` per line, blank lines and ``#`` comments
+    skipped; each with where it came from (``FILE line N``) for error messages."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise ValueError(f"tokens_file: cannot read {path}: {exc.strerror}") from None
+    return [
+        (line.strip(), f"{path} line {i}")
+        for i, line in enumerate(lines, 1)
+        if line.strip() and not line.strip().startswith("#")
+    ]
 
 
 def detector_config(detectors: dict[str, Any], stall_seconds: float) -> DetectorConfig:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -97,3 +98,46 @@ def test_serve_refuses_public_host_without_tokens(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert "refusing to listen on 0.0.0.0 without tokens" in proc.stderr
+
+
+def _serve(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "monitor_server.cli", "serve", *args]
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )
+
+
+def test_token_errors_never_show_a_secret(tmp_path):
+    """Malformed entries, from flags, the environment or a file: the error names the entry, never its
+    text (an entry that does not split may be a bare secret)."""
+    db = f"sqlite:///{tmp_path}/x.db"
+    cases = [
+        (("--token", "Sup3rSecretValue99"), {}),
+        (("--token", "ops:read+control:Sup3rSecretValue99", "--token", "dash:read:Sup3rSecretValue99"), {}),
+        ((), {"FP8SCOPE_TOKENS": "ops:root:Sup3rSecretValue99"}),
+        ((), {"FP8SCOPE_TOKENS": "ops:read:Sup3rSecretValue99,Sup3rSecretValue99"}),
+    ]
+    for args, env in cases:
+        proc = _serve("--db", db, *args, env=env)
+        assert proc.returncode == 2, proc.stderr
+        assert "invalid configuration" in proc.stderr
+        assert "Sup3rSecretValue99" not in proc.stderr + proc.stdout, proc.stderr
+    proc = _serve(
+        "--db", db, "--token", "ops:read:Sup3rSecretValue99", "--token", "dash:read:Sup3rSecretValue99"
+    )
+    assert "tokens 'ops' and 'dash' share one secret" in proc.stderr
+
+
+def test_tokens_from_a_file(tmp_path):
+    path = tmp_path / "tokens"
+    path.write_text("# name:scopes:secret\ntrainer:ingest:file-secret-1\n\ndash:read:file-secret-2\n")
+    s = Settings(_env_file=None, tokens_file=str(path))  # type: ignore[call-arg]
+    assert [(t.name, t.secret) for t in s.parsed_tokens] == [
+        ("trainer", "file-secret-1"),
+        ("dash", "file-secret-2"),
+    ]
+    assert s.auth_enabled
+    path.write_text("trainer:ingest:file-secret-1\nbroken-line-with-Sup3rSecretValue99\n")
+    proc = _serve("--db", f"sqlite:///{tmp_path}/x.db", "--tokens-file", str(path))
+    assert proc.returncode == 2 and f"{path} line 2: expected 'name:scope1+scope2:secret'" in proc.stderr
+    assert "Sup3rSecretValue99" not in proc.stderr
