@@ -73,6 +73,9 @@ class Run(Base):
     detector_state: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     #: the client's key for idempotent registration (a retried or replayed POST /runs finds this run)
     client_key: Mapped[str | None] = mapped_column(String(100), nullable=True)
+    #: name of the token that registered the run (None: registered without tokens, or before owners were
+    #: kept); an `ingest` token writes only to its own runs, `control` to any
+    owner: Mapped[str | None] = mapped_column(String(200), nullable=True)
 
 
 class TensorRow(Base):

@@ -22,6 +22,8 @@ class RunMeta:
     tensors: tuple[TensorMeta, ...]
     fp8_max: np.ndarray
     layers: tuple[str, ...]
+    #: the token name that registered the run (see `Run.owner`)
+    owner: str | None = None
 
     @property
     def num_tensors(self) -> int:
@@ -29,12 +31,12 @@ class RunMeta:
         return len(self.tensors)
 
 
-def build_meta(run_id: int, tensors: list[TensorMeta]) -> RunMeta:
+def build_meta(run_id: int, tensors: list[TensorMeta], owner: str | None = None) -> RunMeta:
     """RunMeta from a tensor list (any order)."""
     ordered = tuple(sorted(tensors, key=lambda t: t.index))
     layers = tuple(dict.fromkeys(t.layer for t in ordered))
     fp8_max = np.array([FP8_MAX[t.format] for t in ordered], dtype=np.float64)
-    return RunMeta(run_id, ordered, fp8_max, layers)
+    return RunMeta(run_id, ordered, fp8_max, layers, owner)
 
 
 class RunMetaCache:
@@ -56,9 +58,10 @@ class RunMetaCache:
         tensors = [
             TensorMeta(index=r.index, name=r.name, layer=r.layer, role=r.role, format=r.format) for r in rows
         ]
-        if not tensors and session.get(Run, run_id) is None:
+        owner = session.execute(select(Run.id, Run.owner).where(Run.id == run_id)).first()
+        if owner is None:
             return None
-        meta = build_meta(run_id, tensors)
+        meta = build_meta(run_id, tensors, owner[1])
         with self._lock:
             self._cache[run_id] = meta
         return meta

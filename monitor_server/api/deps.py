@@ -104,6 +104,17 @@ def require_scope(*scopes: str) -> Callable[..., Principal]:
     return dependency
 
 
+def check_owner(principal: Principal, owner: str | None, run_id: int) -> None:
+    """403 when an `ingest`-only token writes to a run another token registered. `control` acts on any run;
+    a run without an owner (registered without tokens, or before owners were kept) takes any writer."""
+    if owner is None or "control" in principal.scopes or principal.name == owner:
+        return
+    detail = (
+        f"run {run_id} was registered by another token; {principal.name!r} may write only to its own runs"
+    )
+    raise HTTPException(status.HTTP_403_FORBIDDEN, detail)
+
+
 ReadDep = Annotated[Principal, Depends(require_scope("read"))]
 IngestDep = Annotated[Principal, Depends(require_scope("ingest"))]
 ControlDep = Annotated[Principal, Depends(require_scope("control"))]

@@ -141,3 +141,23 @@ def test_tokens_from_a_file(tmp_path):
     proc = _serve("--db", f"sqlite:///{tmp_path}/x.db", "--tokens-file", str(path))
     assert proc.returncode == 2 and f"{path} line 2: expected 'name:scope1+scope2:secret'" in proc.stderr
     assert "Sup3rSecretValue99" not in proc.stderr
+
+
+def test_ingest_token_writes_only_to_its_own_runs(make_client):
+    """Two training jobs with their own ingest tokens: neither can post telemetry (acks included) or set
+    the status of the other's run; an operator with `control` can act on any run."""
+    client = make_client(tokens=[*TOKENS, "other:ingest:other-secret-1"])
+    trainer, other, ops = _h("trainer-secret-1"), _h("other-secret-1"), _h("ops-secret-1")
+    rid = client.post(f"{API}/runs", json=run_body(1), headers=trainer).json()["id"]
+    cmd = client.post(f"{API}/runs/{rid}/commands", json={"changes": {"margin": 1}}, headers=ops).json()
+    stats = random_stats(np.random.default_rng(0), 1, 3)
+    ack = batch_body("a", [1], stats, acks=[{"command_id": cmd["id"], "state": "applied", "step": 1}])
+    r = client.post(f"{API}/runs/{rid}/telemetry", json=ack, headers=other)
+    assert r.status_code == 403 and "registered by another token" in r.json()["detail"]
+    r = client.patch(f"{API}/runs/{rid}", json={"status": "finished"}, headers=other)
+    assert r.status_code == 403
+    run = client.get(f"{API}/runs/{rid}", headers=ops).json()
+    assert run["status"] == "running" and run["steps_stored"] == 0
+    assert client.get(f"{API}/runs/{rid}/commands", headers=ops).json()[0]["state"] == "pending"
+    assert client.post(f"{API}/runs/{rid}/telemetry", json=ack, headers=trainer).status_code == 200
+    assert client.patch(f"{API}/runs/{rid}", json={"status": "crashed"}, headers=ops).status_code == 200

@@ -9,7 +9,7 @@ from sqlalchemy import func, insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from monitor_server.api.deps import CtxDep, ReadDep, RunId, RunWriteDep, SessionDep
+from monitor_server.api.deps import CtxDep, ReadDep, RunId, RunWriteDep, SessionDep, check_owner
 from monitor_server.commands import effective_recipe
 from monitor_server.context import AppContext
 from monitor_server.models import Alert, Incident, Run, TensorRow, as_utc, utcnow
@@ -93,7 +93,7 @@ def _existing_run(ctx: AppContext, body: RunCreate) -> dict[str, Any] | None:
         409: {"description": "client_key already used for a run with another number of tensors"},
     },
 )
-def create_run(body: RunCreate, ctx: CtxDep, _principal: RunWriteDep, response: Response) -> dict[str, Any]:
+def create_run(body: RunCreate, ctx: CtxDep, principal: RunWriteDep, response: Response) -> dict[str, Any]:
     """Register a run and its quantized tensors (dense indices 0..T-1).
 
     With a `client_key`, registering is idempotent: a retried or replayed registration gets the run
@@ -134,6 +134,7 @@ def create_run(body: RunCreate, ctx: CtxDep, _principal: RunWriteDep, response: 
                 updated_at=now,
                 steps_stored=0,
                 client_key=body.client_key,
+                owner=principal.name if ctx.settings.auth_enabled else None,
             )
             session.add(run)
             session.flush()
@@ -190,10 +191,11 @@ def get_run(run_id: RunId, session: SessionDep, _principal: ReadDep) -> dict[str
 
 
 @router.patch("/{run_id}", response_model=RunPublic)
-def update_run(run_id: RunId, body: RunUpdate, ctx: CtxDep, _principal: RunWriteDep) -> dict[str, Any]:
-    """Set a run's status (running, finished, crashed)."""
+def update_run(run_id: RunId, body: RunUpdate, ctx: CtxDep, principal: RunWriteDep) -> dict[str, Any]:
+    """Set a run's status (running, finished, crashed). An `ingest` token sets it only on its own runs."""
     with ctx.db.write() as session:
         run = get_run_or_404(session, run_id)
+        check_owner(principal, run.owner, run_id)
         run.status = body.status
         run.updated_at = utcnow()
         session.flush()

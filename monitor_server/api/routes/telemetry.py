@@ -12,7 +12,7 @@ import numpy as np
 from fastapi import APIRouter, HTTPException, Request, Response, status
 from starlette.concurrency import run_in_threadpool
 
-from monitor_server.api.deps import CtxDep, IngestDep, RunId
+from monitor_server.api.deps import CtxDep, IngestDep, RunId, check_owner
 from monitor_server.api.routes.queries import event_light
 from monitor_server.commands import CommandError, command_public
 from monitor_server.context import AppContext
@@ -57,6 +57,12 @@ def _step_summaries(batch: Any) -> list[dict[str, Any]]:
         }
         for i, s in enumerate(batch.steps.tolist())
     ]
+
+
+def run_meta(ctx: AppContext, run_id: int) -> RunMeta | None:
+    """The run's cached meta (None: no such run)."""
+    with ctx.db.read_session() as session:
+        return ctx.run_meta.get(session, run_id)
 
 
 def decode_slots(ctx: AppContext) -> asyncio.Semaphore:
@@ -175,7 +181,7 @@ def ingest(
         415: {"description": "unsupported Content-Encoding"},
     },
 )
-async def post_telemetry(run_id: RunId, request: Request, ctx: CtxDep, _principal: IngestDep) -> Response:
+async def post_telemetry(run_id: RunId, request: Request, ctx: CtxDep, principal: IngestDep) -> Response:
     """Store a batch of steps (statistics as columns), client events and command acks.
 
     The body may be gzip-compressed (`Content-Encoding: gzip`). Returns how many steps were newly stored,
@@ -183,6 +189,10 @@ async def post_telemetry(run_id: RunId, request: Request, ctx: CtxDep, _principa
     delivered; delivered ones are sent again until acknowledged).
     """
     started = time.perf_counter()
+    if ctx.settings.auth_enabled:  # the run's owner, from the cache, before the body is read
+        meta = await run_in_threadpool(run_meta, ctx, run_id)
+        if meta is not None:
+            check_owner(principal, meta.owner, run_id)
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding not in ("gzip", "identity"):
         raise HTTPException(
