@@ -37,9 +37,10 @@ class AppContext:
         """Build the context (the database schema is migrated separately, at startup)."""
         db = Database(settings.db_url)
         broker = EventBroker(settings.sse_queue_bytes)
-        run_meta = RunMetaCache()
+        run_meta = RunMetaCache(settings.cache_runs)
         ctx = cls(settings, db, broker, Metrics(), run_meta, Detection(settings, db, broker, run_meta))
         ctx.metrics.attach_database(ctx.metrics_snapshot)
+        ctx.metrics.attach_caches(lambda: {"meta": len(run_meta), "detectors": ctx.detection.cached_runs})
         return ctx
 
     def metrics_snapshot(self) -> tuple[dict[str, int], list[tuple[int, str, float | None, int | None]]]:

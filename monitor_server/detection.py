@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from datetime import datetime
 from typing import Any
 
@@ -127,8 +128,11 @@ class Detection:
         self.broker = broker
         self.run_meta = run_meta
         self._config: DetectorConfig = settings.detector_config
-        self._engines: dict[int, Any] = {}
+        # engines of the runs used last (each holds per-tensor state, ~1 KB per tensor); an evicted one is
+        # rebuilt from the state persisted after every batch
+        self._engines: OrderedDict[int, Any] = OrderedDict()
         self._engines_lock = threading.Lock()
+        self.max_runs = settings.cache_runs
         self._orders: dict[int, tuple[RunMeta, TensorOrder]] = {}
         self.notifier: Any = None
         if settings.webhook_url:
@@ -148,9 +152,11 @@ class Detection:
 
     def engine_for(self, session: Session, run_id: int) -> DetectorEngine | None:
         """The cached engine of a run, built from its persisted state when not cached; None for no run."""
-        engine = self._engines.get(run_id)
-        if engine is not None:
-            return engine
+        with self._engines_lock:
+            engine = self._engines.get(run_id)
+            if engine is not None:
+                self._engines.move_to_end(run_id)
+                return engine
         meta = self.run_meta.get(session, run_id)
         run = session.get(Run, run_id)
         if meta is None or run is None:
@@ -167,6 +173,9 @@ class Detection:
         engine.set_recipe(recipe)
         with self._engines_lock:
             self._engines[run_id] = engine
+            while len(self._engines) > self.max_runs:
+                evicted, _ = self._engines.popitem(last=False)
+                self._orders.pop(evicted, None)
         return engine
 
     def tensor_order(self, meta: RunMeta | None) -> TensorOrder:
@@ -193,6 +202,12 @@ class Detection:
         """Drop a cached engine (it is rebuilt from the persisted state on next use)."""
         with self._engines_lock:
             self._engines.pop(run_id, None)
+            self._orders.pop(run_id, None)
+
+    @property
+    def cached_runs(self) -> int:
+        """Runs whose detector engine is held in memory."""
+        return len(self._engines)
 
     # -- ingest hook ------------------------------------------------------------------------------------
     def after_ingest(

@@ -98,6 +98,8 @@ class Settings(BaseSettings):
         detectors: passed through to the detector engine's ``DetectorConfig`` (thresholds); checked when the
             settings are built, so an unknown key or a bad value stops the service at start-up.
         sse_keepalive_seconds: interval of keep-alive comments on ``/stream``.
+        cache_runs: runs whose metadata and detector engine stay in memory (the most recently used; a
+            finished run leaves at once); others are reloaded from the database when used.
         sse_queue_bytes: events held for one stream client that does not read; beyond, it is dropped with
             a final ``dropped`` event.
     """
@@ -132,6 +134,7 @@ class Settings(BaseSettings):
     detectors: dict[str, Any] = {}
     sse_keepalive_seconds: float = 15.0
     sse_queue_bytes: int = Field(8 * 1024 * 1024, ge=4096)
+    cache_runs: int = Field(256, ge=1)
 
     @field_validator("tokens", mode="before")
     @classmethod

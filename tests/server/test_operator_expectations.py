@@ -86,3 +86,33 @@ def test_database_failures_are_json_503_and_readiness_follows_writes(pg_database
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_readyz_on_sqlite(client, db_url):
     assert client.get("/readyz").json() == {"status": "ready", "database": "sqlite"}
+
+
+def _cached(client) -> dict[str, float]:
+    lines = client.get("/metrics").text.splitlines()
+    rows = [line for line in lines if line.startswith("fp8scope_cached_runs{")]
+    return {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in rows}
+
+
+def test_per_run_caches_are_bounded_and_finished_runs_leave(make_client):
+    """A server that sees many runs holds only the `cache_runs` used last, a finished run leaves at once,
+    and an evicted run picks up where it was (its detector state comes back from the database)."""
+    client = make_client(cache_runs=2)
+    stats = random_stats(np.random.default_rng(0), 2, 3)
+    rids = [create_run(client, 1, name=f"r{i}")["id"] for i in range(4)]
+    for rid in rids:
+        assert (
+            client.post(f"{API}/runs/{rid}/telemetry", json=batch_body(f"a{rid}", [1, 2], stats)).status_code
+            == 200
+        )
+    assert _cached(client) == {"detectors": 2.0, "meta": 2.0}
+    assert client.patch(f"{API}/runs/{rids[-1]}", json={"status": "finished"}).status_code == 200
+    assert _cached(client) == {"detectors": 1.0, "meta": 1.0}
+    # the first run was evicted long ago: more telemetry, and a non-finite value still raises its alert
+    stats["nonfinite"][1, 0] = 3
+    assert (
+        client.post(f"{API}/runs/{rids[0]}/telemetry", json=batch_body("b", [3, 4], stats)).status_code == 200
+    )
+    alerts = client.get(f"{API}/runs/{rids[0]}/alerts").json()
+    assert [a["kind"] for a in alerts] == ["nonfinite"]
+    assert client.get(f"{API}/runs/{rids[0]}").json()["steps_stored"] == 4

@@ -201,4 +201,7 @@ def update_run(run_id: RunId, body: RunUpdate, ctx: CtxDep, principal: RunWriteD
         session.flush()
         result = run_public(run, count_open_alerts(session, run_id), count_open_incidents(session, run_id))
     ctx.broker.publish(run_id, "run", {"id": run_id, "status": body.status})
+    if body.status != "running":  # a finished run's caches go now, not when the cache fills up
+        ctx.detection.forget(run_id)
+        ctx.run_meta.forget(run_id)
     return result
