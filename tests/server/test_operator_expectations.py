@@ -116,3 +116,37 @@ def test_per_run_caches_are_bounded_and_finished_runs_leave(make_client):
     alerts = client.get(f"{API}/runs/{rids[0]}/alerts").json()
     assert [a["kind"] for a in alerts] == ["nonfinite"]
     assert client.get(f"{API}/runs/{rids[0]}").json()["steps_stored"] == 4
+
+
+def test_alerts_of_a_batch_whose_detector_write_failed_come_with_the_next(make_client, db_url):
+    """The batch commits, then storing its alerts fails (here: the database refuses new alerts): the
+    batch stays stored, and once the database takes writes again the next batch brings its alert."""
+    client = make_client()
+    rid = create_run(client, 1)["id"]
+    engine = create_engine(db_url)
+    sqlite = db_url.startswith("sqlite")
+    refuse = (
+        "CREATE TRIGGER refuse_alerts BEFORE INSERT ON alerts BEGIN SELECT RAISE(ABORT, 'refused'); END"
+        if sqlite
+        else "ALTER TABLE alerts ADD CONSTRAINT refuse_alerts CHECK (false) NOT VALID"
+    )
+    allow = "DROP TRIGGER refuse_alerts" if sqlite else "ALTER TABLE alerts DROP CONSTRAINT refuse_alerts"
+    stats = random_stats(np.random.default_rng(0), 2, 3)
+    stats["nonfinite"][1, 1] = 7
+    try:
+        with engine.begin() as conn:
+            conn.execute(text(refuse))
+        assert (
+            client.post(f"{API}/runs/{rid}/telemetry", json=batch_body("bad", [1, 2], stats)).status_code
+            == 200
+        )
+        assert client.get(f"{API}/runs/{rid}/alerts").json() == []
+        assert client.get(f"{API}/runs/{rid}").json()["steps_stored"] == 2
+        with engine.begin() as conn:
+            conn.execute(text(allow))
+        calm = random_stats(np.random.default_rng(1), 1, 3)
+        assert client.post(f"{API}/runs/{rid}/telemetry", json=batch_body("ok", [3], calm)).status_code == 200
+        alerts = client.get(f"{API}/runs/{rid}/alerts").json()
+        assert [(a["kind"], a["tensor_index"], a["first_step"]) for a in alerts] == [("nonfinite", 1, 2)]
+    finally:
+        engine.dispose()
