@@ -27,6 +27,7 @@ from monitor_server.api.routes import (
     stream,
     telemetry,
 )
+from monitor_server.api_docs import mount_api_docs
 from monitor_server.context import AppContext
 from monitor_server.core.config import Settings
 from monitor_server.guard import RequestGuard
@@ -93,6 +94,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         description="Telemetry ingest, heatmaps, alerts and the recipe-command channel of fp8scope. "
         "Wire format: docs/wire-format.md.",
         lifespan=lifespan,
+        docs_url=None,  # served by mount_api_docs, with security headers (or not at all)
+        redoc_url=None,
     )
     app.state.ctx = ctx
     app.add_exception_handler(DBAPIError, _database_unavailable)
@@ -104,6 +107,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         guarded += [(API_PREFIX + route.path, route) for route in module.router.routes]
     app.add_middleware(RequestGuard, settings=settings, routes=guarded)
     mount_dashboard(app)
+    mount_api_docs(app, settings.api_docs)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

@@ -100,6 +100,8 @@ class Settings(BaseSettings):
         sse_keepalive_seconds: interval of keep-alive comments on ``/stream``.
         cache_runs: runs whose metadata and detector engine stay in memory (the most recently used; a
             finished run leaves at once); others are reloaded from the database when used.
+        api_docs: serve the interactive API docs at ``/docs`` and ``/redoc`` (their scripts come from a CDN,
+            admitted by a strict Content-Security-Policy); false turns them off.
         sse_queue_bytes: events held for one stream client that does not read; beyond, it is dropped with
             a final ``dropped`` event.
     """
@@ -135,6 +137,7 @@ class Settings(BaseSettings):
     sse_keepalive_seconds: float = 15.0
     sse_queue_bytes: int = Field(8 * 1024 * 1024, ge=4096)
     cache_runs: int = Field(256, ge=1)
+    api_docs: bool = True
 
     @field_validator("tokens", mode="before")
     @classmethod

@@ -150,3 +150,23 @@ def test_alerts_of_a_batch_whose_detector_write_failed_come_with_the_next(make_c
         assert [(a["kind"], a["tensor_index"], a["first_step"]) for a in alerts] == [("nonfinite", 1, 2)]
     finally:
         engine.dispose()
+
+
+def test_api_docs_have_security_headers_or_are_off(make_client):
+    client = make_client()
+    for path in ("/docs", "/redoc"):
+        r = client.get(path)
+        assert r.status_code == 200
+        csp = r.headers["content-security-policy"]
+        # scripts only from the one CDN and the page's own inline script, pinned by its hash
+        script_src = next(d for d in csp.split("; ") if d.startswith("script-src"))
+        assert script_src.split()[1] == "https://cdn.jsdelivr.net"
+        assert all(s.startswith("'sha256-") for s in script_src.split()[2:])
+        assert "frame-ancestors 'none'" in csp and "connect-src 'self'" in csp
+        assert (
+            r.headers["x-content-type-options"] == "nosniff" and r.headers["referrer-policy"] == "no-referrer"
+        )
+        assert "fonts.googleapis.com" not in r.text and "fastapi.tiangolo.com" not in r.text
+    off = make_client(api_docs=False)
+    assert off.get("/docs").status_code == 404 and off.get("/redoc").status_code == 404
+    assert off.get("/openapi.json").status_code == 200
