@@ -179,7 +179,9 @@ def test_stalled_service_caps_buffered_steps_and_loses_nothing(tmp_path, caplog)
                         step_seconds.append(time.perf_counter() - t0)
 
                     seen |= train(model, recipe, mon, 40, start=6, hook=timed)
-                    time.sleep(2.5)  # the post in flight times out; later batches pile up behind it
+                    # the post in flight times out, later batches pile up behind it and go over the cap
+                    capped = "more than 4 steps waiting; the oldest go to the spool"
+                    assert wait_until(lambda: any(capped in r.getMessage() for r in caplog.records), 60)
                 finally:
                     server.proc.send_signal(signal.SIGCONT)
                 seen |= train(model, recipe, mon, 5, start=46)
