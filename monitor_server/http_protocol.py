@@ -12,6 +12,9 @@ connection) gets 408. Both close the connection.
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
+import time
 from typing import Any
 
 import orjson
@@ -21,8 +24,27 @@ _END_OF_HEAD = b"\r\n\r\n"
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
 
+class _Throttled:
+    """A warning at most every `every_s` seconds, with the number left out since: a thousand slow clients
+    timing out together must not cost a thousand log lines on the event loop."""
+
+    def __init__(self, logger: logging.Logger, every_s: float = 10.0):
+        self.logger, self.every_s = logger, every_s
+        self.last, self.left_out = -math.inf, 0
+
+    def warning(self, message: str) -> None:
+        now = time.monotonic()
+        if now - self.last < self.every_s:
+            self.left_out += 1
+            return
+        more = f" (and {self.left_out} more refusals since the last report)" if self.left_out else ""
+        self.logger.warning("refused a request: %s%s", message, more)
+        self.last, self.left_out = now, 0
+
+
 def bounded_protocol(max_header_bytes: int, header_timeout_s: float) -> type[asyncio.Protocol]:
     """An httptools protocol class for uvicorn's ``http=`` that enforces these two limits."""
+    refusals = _Throttled(logging.getLogger("uvicorn.error"))
 
     class BoundedHttpToolsProtocol(HttpToolsProtocol):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -84,7 +106,7 @@ def bounded_protocol(max_header_bytes: int, header_timeout_s: float) -> type[asy
         def _refuse(self, status: int, detail: str) -> None:
             self._cancel_head_timer()
             self._refused = True
-            self.logger.warning("refused a request: %s", detail)
+            refusals.warning(detail)
             body = orjson.dumps({"detail": detail})
             head = b"HTTP/1.1 %d %s\r\n" % (status, _REASONS[status])
             head += b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body)

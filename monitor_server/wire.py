@@ -112,11 +112,21 @@ def details_summary(details: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def json_values_upper_bound(body: bytes) -> int:
-    """An upper bound on the JSON values `body` would parse into, counted without parsing: every value
-    but the first follows a ',' or opens an object or array (commas inside strings only raise the count).
-    Parsing costs about this many Python objects; packed base64 columns are one value each."""
-    return body.count(b",") + body.count(b"{") + body.count(b"[") + 1
+class JsonValueBudget:
+    """An upper bound on the JSON values a body parses into, counted without parsing, piece by piece so a
+    body far over the limit is refused after its first pieces: every value but the first follows a ','
+    or opens an object or array (commas inside strings only raise the count). Parsing costs about this
+    many Python objects; a packed base64 column is one value."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.count = 1
+
+    def over(self, piece: bytes | bytearray | memoryview) -> bool:
+        """Count `piece`; True once the count is past the limit."""
+        data = bytes(piece) if isinstance(piece, memoryview) else piece
+        self.count += data.count(b",") + data.count(b"{") + data.count(b"[")
+        return self.count > self.limit
 
 
 def decode_column(value: Any, length: int, where: str) -> np.ndarray:

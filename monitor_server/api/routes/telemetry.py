@@ -26,7 +26,7 @@ from monitor_server.ingest import (
 )
 from monitor_server.run_meta import RunMeta
 from monitor_server.schemas import TelemetryResult
-from monitor_server.wire import WireError, dumps, encode_float, iso_dates, json_values_upper_bound, jsonable
+from monitor_server.wire import JsonValueBudget, WireError, dumps, encode_float, iso_dates, jsonable
 
 log = logging.getLogger("fp8scope.monitor")
 router = APIRouter(prefix="/runs", tags=["telemetry"])
@@ -72,18 +72,41 @@ def decode_slots(ctx: AppContext) -> asyncio.Semaphore:
     return ctx.decode_slots
 
 
-def gunzip_body(body: bytes, max_bytes: int) -> bytes:
-    """Decompress a `Content-Encoding: gzip` body, refusing more than `max_bytes` decompressed (413)."""
+#: inflating and counting go in pieces of this size, so a refused body is never held whole inflated
+PIECE = 1 << 20
+
+
+def over_budget(limit: int) -> HTTPException:
+    """413 for a body with more JSON values than `limit` (the parse budget)."""
+    return HTTPException(
+        413,
+        f"the body holds more JSON values than the parse budget of {limit} (max_json_elements); "
+        "send smaller batches, or statistics as packed columns",
+    )
+
+
+def gunzip_body(body: bytes, max_bytes: int, max_values: int) -> bytearray:
+    """Inflate a `Content-Encoding: gzip` body piece by piece, refusing (413) more than `max_bytes` inflated
+    or more JSON values than `max_values` as soon as the pieces so far show it; 400 when malformed."""
     d = zlib.decompressobj(wbits=31)
+    budget = JsonValueBudget(max_values)
+    out = bytearray()
+    data = body
     try:
-        out = d.decompress(body, max_bytes + 1)
+        while not d.eof:
+            piece = d.decompress(data, PIECE)
+            data = d.unconsumed_tail
+            if not piece and not data:
+                break  # all input used and no end of stream: truncated
+            out += piece
+            if len(out) > max_bytes:
+                raise HTTPException(
+                    413, f"decompressed request body exceeds the limit of {max_bytes} bytes (max_body_bytes)"
+                )
+            if budget.over(piece):
+                raise over_budget(max_values)
     except zlib.error as exc:
         raise HTTPException(status.HTTP_400_BAD_REQUEST, f"malformed gzip body: {exc}") from None
-    if len(out) > max_bytes or d.unconsumed_tail:
-        raise HTTPException(
-            413,
-            f"decompressed request body exceeds the limit of {max_bytes} bytes",
-        )
     if not d.eof:
         raise HTTPException(status.HTTP_400_BAD_REQUEST, "malformed gzip body: truncated")
     if d.unused_data:
@@ -91,22 +114,24 @@ def gunzip_body(body: bytes, max_bytes: int) -> bytes:
     return out
 
 
-def decode(ctx: AppContext, run_id: RunId, body: bytes) -> tuple[RunMeta, DecodedBatch]:
-    """Parse and validate one batch against its run; runs in a worker thread, inside a decode slot.
+def check_budget(body: bytes, max_values: int) -> None:
+    """413 when a plain body holds more JSON values than `max_values` (counted a piece at a time)."""
+    budget = JsonValueBudget(max_values)
+    view = memoryview(body)
+    for start in range(0, len(body), PIECE):
+        if budget.over(view[start : start + PIECE]):
+            raise over_budget(max_values)
+
+
+def decode(ctx: AppContext, run_id: RunId, body: bytes | bytearray) -> tuple[RunMeta, DecodedBatch]:
+    """Parse and validate one batch against its run (its JSON values counted already); runs in a worker
+    thread, inside a decode slot.
 
     Raises:
         HTTPException: 400 malformed JSON, 404 unknown run, 413 over the parse budget, 422 invalid
             content.
     """
     settings = ctx.settings
-    values = json_values_upper_bound(body)
-    if values > settings.max_json_elements:
-        ctx.metrics.batches.labels("rejected").inc()
-        raise HTTPException(
-            413,
-            f"a body of up to {values} JSON values exceeds the parse budget of {settings.max_json_elements} "
-            "(max_json_elements); send smaller batches, or statistics as packed columns",
-        )
     try:
         payload = parse_json(body)
     except WireError as exc:
@@ -202,8 +227,17 @@ async def post_telemetry(run_id: RunId, request: Request, ctx: CtxDep, principal
     # inflating and parsing cost memory in proportion to the body: a few batches at a time, the others
     # wait their turn (holding only their compressed body), off the event loop
     async with decode_slots(ctx):
-        if encoding == "gzip":
-            body = await run_in_threadpool(gunzip_body, body, ctx.settings.max_body_bytes)
+        settings = ctx.settings
+        try:
+            if encoding == "gzip":
+                body = await run_in_threadpool(
+                    gunzip_body, body, settings.max_body_bytes, settings.max_json_elements
+                )
+            else:
+                await run_in_threadpool(check_budget, body, settings.max_json_elements)
+        except HTTPException:
+            ctx.metrics.batches.labels("rejected").inc()
+            raise
         meta, batch = await run_in_threadpool(decode, ctx, run_id, body)
         del body
     result = await run_in_threadpool(ingest, ctx, run_id, meta, batch, started)
