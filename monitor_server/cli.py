@@ -146,6 +146,10 @@ def serve(args: argparse.Namespace) -> int:
         logging.getLogger("fp8scope.monitor").warning(
             "listening on loopback %s only (no tokens)", settings.host
         )
+    # worker threads parse and store bodies while the event loop answers everyone else; a shorter GIL
+    # switch interval (default 5 ms) lets the loop in sooner, so a big body does not delay a small request
+    # by many switch intervals
+    sys.setswitchinterval(0.0005)
     app = create_app(settings)
     broker = app.state.ctx.broker
 
