@@ -9,11 +9,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import orjson
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.concurrency import run_in_threadpool
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from monitor_server import run_admin
 from monitor_server.api.routes import (
@@ -27,8 +28,10 @@ from monitor_server.api.routes import (
     stream,
     telemetry,
 )
+from monitor_server.api_docs import mount_api_docs
 from monitor_server.context import AppContext
 from monitor_server.core.config import Settings
+from monitor_server.guard import RequestGuard
 from monitor_server.migrations import upgrade_to_head
 from monitor_server.models import utcnow
 from monitor_server.schemas import TelemetryBatch
@@ -38,54 +41,18 @@ log = logging.getLogger("fp8scope.monitor")
 API_PREFIX = "/api/v1"
 
 
-class BodySizeLimit:
-    """Answer 413 for bodies over `max_bytes`: by Content-Length up front, or while the body streams in."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int):
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None:
-            try:
-                declared = int(length)
-            except ValueError:
-                await _json_response(send, 400, "invalid Content-Length header")
-                return
-            if declared > self.max_bytes:
-                await _json_response(
-                    send, 413, f"request body of {declared} bytes exceeds the limit of {self.max_bytes} bytes"
-                )
-                return
-        received = 0
-        limit = self.max_bytes
-
-        async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    raise HTTPException(413, f"request body exceeds the limit of {limit} bytes")
-            return message
-
-        await self.app(scope, limited_receive, send)
-
-
-async def _json_response(send: Send, status_code: int, detail: str) -> None:
-    body = orjson.dumps({"detail": detail})
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status_code,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-        }
+def _database_unavailable(request: Request, exc: Exception) -> JSONResponse:
+    """A database that fails (unreachable, locked, read-only, out of space) is a JSON 503 with a short
+    reason, never a plain-text 500: the client retries later (the training client spools meanwhile)."""
+    log.warning(
+        "database error on %s %s: %s", request.method, request.url.path, str(exc).splitlines()[0][:300]
     )
-    await send({"type": "http.response.body", "body": body})
+    reason = type(getattr(exc, "orig", None) or exc).__name__
+    return JSONResponse(
+        {"detail": f"database unavailable ({reason}); retry later"},
+        status_code=503,
+        headers={"Retry-After": "1"},
+    )
 
 
 async def _stall_checker(ctx: AppContext) -> None:
@@ -134,13 +101,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         description="Telemetry ingest, heatmaps, alerts and the recipe-command channel of fp8scope. "
         "Wire format: docs/wire-format.md.",
         lifespan=lifespan,
+        docs_url=None,  # served by mount_api_docs, with security headers (or not at all)
+        redoc_url=None,
     )
     app.state.ctx = ctx
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_exception_handler(DBAPIError, _database_unavailable)
+    app.add_exception_handler(PoolTimeout, _database_unavailable)
     app.include_router(health.router)
+    guarded = [(route.path, route) for route in health.router.routes]
     for module in (runs, telemetry, queries, alerts, incidents, commands, stream, dashboard):
         app.include_router(module.router, prefix=API_PREFIX)
+        guarded += [(API_PREFIX + route.path, route) for route in module.router.routes]
+    app.add_middleware(RequestGuard, settings=settings, routes=guarded)
     mount_dashboard(app)
+    mount_api_docs(app, settings.api_docs)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

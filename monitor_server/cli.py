@@ -1,6 +1,6 @@
 """The `fp8-monitor` command line: `serve` runs the monitor service, `upload` replays a client's spool.
 
-    fp8-monitor serve [--db URL] [--host 127.0.0.1] [--port 8000] [--token name:scopes:secret ...]
+    fp8-monitor serve [--db URL] [--host 127.0.0.1] [--port 8000] [--tokens-file PATH]
     fp8-monitor upload SPOOL [--url http://127.0.0.1:8000] [--token SECRET]
 
 Flags override ``FP8SCOPE_*`` environment variables. Without tokens the server only listens on loopback.
@@ -29,14 +29,22 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         dest="tokens",
         action="append",
         metavar="NAME:SCOPES:SECRET",
-        help="bearer token, scopes '+'-joined from ingest, read, control; repeatable",
+        help="bearer token, scopes '+'-joined from ingest, read, control; repeatable (the secret shows in "
+        "the process list: prefer --tokens-file)",
+    )
+    p.add_argument(
+        "--tokens-file",
+        metavar="PATH",
+        help="file of NAME:SCOPES:SECRET tokens, one a line, '#' comments (FP8SCOPE_TOKENS_FILE)",
     )
     p.add_argument("--webhook-url", help="Slack-compatible webhook that receives one message per incident")
     p.add_argument(
         "--public-url",
         help="the dashboard's address as people reach it; webhook messages link to runs under it",
     )
-    p.add_argument("--max-body-bytes", type=int, help="largest accepted request body (default 64 MiB)")
+    p.add_argument(
+        "--max-body-bytes", type=int, help="largest telemetry body, before and after gzip (default 64 MiB)"
+    )
     p.add_argument("--stall-seconds", type=float, help="no telemetry for this long -> 'stalled' alert")
     p.add_argument(
         "--detectors",
@@ -88,6 +96,7 @@ SERVE_FLAGS = (
     "host",
     "port",
     "tokens",
+    "tokens_file",
     "webhook_url",
     "public_url",
     "max_body_bytes",
@@ -116,6 +125,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from monitor_server.app import create_app
+    from monitor_server.http_protocol import bounded_protocol
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -128,8 +138,7 @@ def serve(args: argparse.Namespace) -> int:
     if not settings.auth_enabled and not is_loopback(settings.host):
         print(
             f"fp8-monitor: refusing to listen on {settings.host} without tokens; "
-            "add --token NAME:SCOPES:SECRET "
-            "(or FP8SCOPE_TOKENS) or listen on 127.0.0.1",
+            "add --tokens-file PATH (or FP8SCOPE_TOKENS_FILE, FP8SCOPE_TOKENS) or listen on 127.0.0.1",
             file=sys.stderr,
         )
         return 2
@@ -137,6 +146,10 @@ def serve(args: argparse.Namespace) -> int:
         logging.getLogger("fp8scope.monitor").warning(
             "listening on loopback %s only (no tokens)", settings.host
         )
+    # worker threads parse and store bodies while the event loop answers everyone else; a shorter GIL
+    # switch interval (default 5 ms) lets the loop in sooner, so a big body does not delay a small request
+    # by many switch intervals
+    sys.setswitchinterval(0.0005)
     app = create_app(settings)
     broker = app.state.ctx.broker
 
@@ -153,6 +166,8 @@ def serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         timeout_graceful_shutdown=5,
         proxy_headers=False,
+        # request heads bounded in size and time before they are parsed (see monitor_server.http_protocol)
+        http=bounded_protocol(settings.max_header_bytes, settings.header_timeout_seconds),
     )
     Server(config).run()
     return 0

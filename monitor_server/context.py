@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+from dataclasses import dataclass, field
 
 from sqlalchemy import func, select
 
@@ -28,15 +29,18 @@ class AppContext:
     metrics: Metrics
     run_meta: RunMetaCache
     detection: Detection
+    #: bounds concurrent telemetry decoding; made on first use, on the event loop
+    decode_slots: asyncio.Semaphore | None = field(default=None, repr=False)
 
     @classmethod
     def create(cls, settings: Settings) -> AppContext:
         """Build the context (the database schema is migrated separately, at startup)."""
         db = Database(settings.db_url)
-        broker = EventBroker()
-        run_meta = RunMetaCache()
+        broker = EventBroker(settings.sse_queue_bytes)
+        run_meta = RunMetaCache(settings.cache_runs)
         ctx = cls(settings, db, broker, Metrics(), run_meta, Detection(settings, db, broker, run_meta))
         ctx.metrics.attach_database(ctx.metrics_snapshot)
+        ctx.metrics.attach_caches(lambda: {"meta": len(run_meta), "detectors": ctx.detection.cached_runs})
         return ctx
 
     def forget_run(self, run_id: int) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from datetime import datetime
 from typing import Any
 
@@ -117,6 +118,11 @@ def store_findings(session: Session, run_id: int, findings: list[Finding]) -> li
     return touched
 
 
+#: batches of one run kept for a retry of the detectors (the oldest go beyond it: a database that fails
+#: for that long has lost those alerts, and says so in the log)
+MAX_PENDING_BATCHES = 64
+
+
 class Detection:
     """Runs the detector engine for each run and turns its findings into alerts and incidents; sends one
     webhook message per incident (rate-limited per run)."""
@@ -127,8 +133,13 @@ class Detection:
         self.broker = broker
         self.run_meta = run_meta
         self._config: DetectorConfig = settings.detector_config
-        self._engines: dict[int, Any] = {}
+        # engines of the runs used last (each holds per-tensor state, ~1 KB per tensor); an evicted one is
+        # rebuilt from the state persisted after every batch
+        self._engines: OrderedDict[int, Any] = OrderedDict()
         self._engines_lock = threading.Lock()
+        self.max_runs = settings.cache_runs
+        # per run, batches stored whose findings could not be (see `after_ingest`)
+        self._pending: dict[int, list[tuple[StepBatch, list[dict[str, Any]]]]] = {}
         self._orders: dict[int, tuple[RunMeta, TensorOrder]] = {}
         self.notifier: Any = None
         if settings.webhook_url:
@@ -148,9 +159,11 @@ class Detection:
 
     def engine_for(self, session: Session, run_id: int) -> DetectorEngine | None:
         """The cached engine of a run, built from its persisted state when not cached; None for no run."""
-        engine = self._engines.get(run_id)
-        if engine is not None:
-            return engine
+        with self._engines_lock:
+            engine = self._engines.get(run_id)
+            if engine is not None:
+                self._engines.move_to_end(run_id)
+                return engine
         meta = self.run_meta.get(session, run_id)
         run = session.get(Run, run_id)
         if meta is None or run is None:
@@ -167,13 +180,10 @@ class Detection:
         engine.set_recipe(recipe)
         with self._engines_lock:
             self._engines[run_id] = engine
+            while len(self._engines) > self.max_runs:
+                evicted, _ = self._engines.popitem(last=False)
+                self._orders.pop(evicted, None)
         return engine
-
-    def forget(self, run_id: int) -> None:
-        """Drop what is cached for a run; an engine is rebuilt from the persisted state on next use."""
-        with self._engines_lock:
-            self._engines.pop(run_id, None)
-        self._orders.pop(run_id, None)
 
     def tensor_order(self, meta: RunMeta | None) -> TensorOrder:
         """The run's forward-then-backward positions (cached with its meta)."""
@@ -195,6 +205,17 @@ class Detection:
         url = self.settings.public_url
         return [incident_public(i, alerts[i.id], meta, order, url) for i in incidents]
 
+    def forget(self, run_id: int) -> None:
+        """Drop a cached engine (it is rebuilt from the persisted state on next use)."""
+        with self._engines_lock:
+            self._engines.pop(run_id, None)
+            self._orders.pop(run_id, None)
+
+    @property
+    def cached_runs(self) -> int:
+        """Runs whose detector engine is held in memory."""
+        return len(self._engines)
+
     # -- ingest hook ------------------------------------------------------------------------------------
     def after_ingest(
         self, run_id: int, batch: StepBatch, events: list[dict[str, Any]]
@@ -202,19 +223,41 @@ class Detection:
         """Run the engine on newly stored steps and client events; store, publish and notify alerts.
 
         The caller holds the run's lock, so batches reach the engine in the order they were stored.
-        Returns the alerts created or updated.
+        Returns the alerts created or updated. When storing the findings fails (the batch itself is
+        stored), the batch is kept and the engine dropped: the next batch of the run first runs the kept
+        ones again, from the state persisted before them, so their alerts come late but are not lost.
         """
-        if not len(batch.steps) and not events:
+        with self._engines_lock:
+            work = [*self._pending.pop(run_id, []), (batch, events)]
+        try:
+            return self._detect(run_id, work)
+        except Exception:
+            self.forget(run_id)  # its state is ahead of what was stored
+            if len(work) > MAX_PENDING_BATCHES:
+                log.error(
+                    "run %s: detectors failed on %d batches in a row; the oldest one's alerts are lost",
+                    run_id,
+                    len(work),
+                )
+            with self._engines_lock:
+                self._pending[run_id] = work[-MAX_PENDING_BATCHES:]
+            raise
+
+    def _detect(
+        self, run_id: int, work: list[tuple[StepBatch, list[dict[str, Any]]]]
+    ) -> list[dict[str, Any]]:
+        if not any(len(batch.steps) or events for batch, events in work):
             return []
         with self.db.read_session() as session:
             engine = self.engine_for(session, run_id)
         if engine is None:
             return []
         findings: list[Finding] = []
-        if len(batch.steps):
-            findings.extend(engine.process(batch))
-        if events:
-            findings.extend(engine.process_events(events))
+        for batch, events in work:
+            if len(batch.steps):
+                findings.extend(engine.process(batch))
+            if events:
+                findings.extend(engine.process_events(events))
         state = engine.state_dict()  # already JSON-able (non-finite floats as strings)
         return self._store_findings(run_id, findings, state)
 

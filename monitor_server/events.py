@@ -1,8 +1,9 @@
 """In-process publish/subscribe for the server-sent event stream.
 
 Publishers may be worker threads (ingest runs in the threadpool); delivery hops onto the event loop with
-`call_soon_threadsafe`. Each subscriber has a bounded queue: a subscriber that falls behind loses its oldest
-events rather than slowing ingest or growing memory without bound.
+`call_soon_threadsafe`. Each subscriber's queue is bounded by count (a subscriber that falls behind loses its
+oldest events) and by bytes: a subscriber holding more than `max_queue_bytes` of unsent events (a client
+that stopped reading) is dropped, with a final `dropped` event saying why, and its queue freed.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 import orjson
 
 QUEUE_SIZE = 1000
+#: default byte bound of one subscriber's queue (`Settings.sse_queue_bytes`)
+QUEUE_BYTES = 8 * 1024 * 1024
 #: subscription key receiving every run's events (the dashboard's runs list); its events carry `run_id`
 ALL_RUNS = 0
 #: the events `ALL_RUNS` subscribers get (what a runs list shows); command and client events stay per run
@@ -38,26 +41,61 @@ CLOSED = Event("__closed__", None)
 
 
 class Subscription:
-    """A subscriber's queue for one run; iterate with `get`."""
+    """A subscriber's queue for one run; iterate with `get` (events come out encoded, as SSE frames)."""
 
-    def __init__(self, broker: EventBroker, run_id: int):
+    def __init__(self, broker: EventBroker, run_id: int, max_bytes: int = QUEUE_BYTES):
         self.run_id = run_id
-        self.queue: asyncio.Queue[Event] = asyncio.Queue(maxsize=QUEUE_SIZE)
+        self.queue: asyncio.Queue[bytes | Event] = asyncio.Queue(maxsize=QUEUE_SIZE)
+        self.max_bytes = max_bytes
+        self.queued_bytes = 0
+        self.dropped = False
         self._broker = broker
 
     def put(self, event: Event) -> None:
-        """Enqueue on the loop thread, dropping the oldest event when full."""
+        """Enqueue on the loop thread: the oldest event goes when the queue is full by count; the whole
+        subscription goes (a final `dropped` event, then the end of the stream) when full by bytes."""
+        if self.dropped:
+            return
+        if event is CLOSED:
+            self._put(CLOSED)
+            return
+        frame = event.encode()  # once per subscriber; its size is what the queue holds
+        if self.queued_bytes + len(frame) > self.max_bytes:
+            self._drop()
+            return
+        self._put(frame)
+
+    def _put(self, item: bytes | Event) -> None:
         if self.queue.full():
             with contextlib.suppress(asyncio.QueueEmpty):
-                self.queue.get_nowait()
-        self.queue.put_nowait(event)
+                old = self.queue.get_nowait()
+                self.queued_bytes -= len(old) if isinstance(old, bytes) else 0
+        self.queue.put_nowait(item)
+        self.queued_bytes += len(item) if isinstance(item, bytes) else 0
 
-    async def get(self, timeout: float) -> Event | None:
-        """The next event, or None after `timeout` seconds without one."""
+    def _drop(self) -> None:
+        """Free the queue, leave a last word and the end of the stream, and stop receiving."""
+        self.dropped = True
+        while not self.queue.empty():
+            self.queue.get_nowait()
+        self.queued_bytes = 0
+        reason = {
+            "reason": f"this client fell behind by more than {self.max_bytes} bytes of events "
+            "(sse_queue_bytes); reconnect and reload"
+        }
+        self.queue.put_nowait(Event("dropped", reason).encode())
+        self.queue.put_nowait(CLOSED)
+        self._broker.unsubscribe(self)
+
+    async def get(self, timeout: float) -> bytes | Event | None:
+        """The next SSE frame (or `CLOSED`), or None after `timeout` seconds without one."""
         try:
-            return await asyncio.wait_for(self.queue.get(), timeout)
+            item = await asyncio.wait_for(self.queue.get(), timeout)
         except TimeoutError:
             return None
+        if isinstance(item, bytes):
+            self.queued_bytes -= len(item)
+        return item
 
     def close(self) -> None:
         """Stop receiving events."""
@@ -67,7 +105,8 @@ class Subscription:
 class EventBroker:
     """Fan-out of run events to SSE subscribers."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_queue_bytes: int = QUEUE_BYTES) -> None:
+        self.max_queue_bytes = max_queue_bytes
         self._loop: asyncio.AbstractEventLoop | None = None
         self._subs: dict[int, set[Subscription]] = {}
         self._lock = threading.Lock()
@@ -86,7 +125,7 @@ class EventBroker:
         """A new subscription to `run_id`'s events (`ALL_RUNS`: every run's); call from the event loop."""
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-        sub = Subscription(self, run_id)
+        sub = Subscription(self, run_id, self.max_queue_bytes)
         with self._lock:
             self._subs.setdefault(run_id, set()).add(sub)
         if self.closed:

@@ -18,7 +18,14 @@ from monitor_server.detectors.types import EVENT_KINDS, STAT_COLUMNS, StepBatch
 from monitor_server.models import Command, EventRow, IngestBatch, Run, StepRow, StepStat, utcnow
 from monitor_server.rollups import step_stat_rows, update_rollups
 from monitor_server.schemas import MAX_ID
-from monitor_server.wire import WireError, decode_column, decode_float, encode_float
+from monitor_server.wire import (
+    WireError,
+    decode_column,
+    decode_float,
+    details_summary,
+    encode_float,
+    json_too_deep,
+)
 
 _TOP_KEYS = {"idempotency_key", "steps", "events", "acks"}
 _STEP_KEYS = {"step", "scalars", "stats"}
@@ -54,6 +61,18 @@ class StoreResult:
     changed_commands: list[Command]  # commands whose state this batch changed (delivered, acked)
 
 
+#: the largest step number accepted: 2^53 - 1, the largest integer a JavaScript number (the dashboard) and a
+#: float64 hold exactly; a larger step would be shown and bucketed as a neighbouring one
+MAX_STEP = 2**53 - 1
+
+
+def _step(value: Any, where: str) -> int:
+    step = _int(value, where)
+    if step > MAX_STEP:
+        raise WireError(f"{where}: {step} is above the largest step number, {MAX_STEP} (2^53 - 1)")
+    return step
+
+
 def _int(value: Any, where: str, minimum: int | None = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise WireError(f"{where}: expected an integer, got {type(value).__name__}")
@@ -72,7 +91,15 @@ def parse_json(body: bytes) -> Any:
         raise WireError(f"malformed JSON: {exc}") from None
 
 
-def decode_batch(payload: Any, num_tensors: int) -> DecodedBatch:
+@dataclass(frozen=True)
+class EventLimits:
+    """Bounds on the free-form part of a batch: each event's ``details`` (the settings of the same names)."""
+
+    max_json_depth: int = 32
+    max_event_detail_bytes: int = 8 * 1024 * 1024
+
+
+def decode_batch(payload: Any, num_tensors: int, limits: EventLimits = EventLimits()) -> DecodedBatch:
     """Validate and decode a parsed telemetry body for a run with `num_tensors` tensors.
 
     Raises:
@@ -101,7 +128,7 @@ def decode_batch(payload: Any, num_tensors: int) -> DecodedBatch:
         extra = set(entry) - _STEP_KEYS
         if extra:
             raise WireError(f"{where}: unknown field(s) {sorted(extra)}")
-        steps[i] = _int(entry.get("step"), f"{where}.step")
+        steps[i] = _step(entry.get("step"), f"{where}.step")
         sc = entry.get("scalars", {})
         if not isinstance(sc, dict):
             raise WireError(f"{where}.scalars: expected an object")
@@ -135,12 +162,12 @@ def decode_batch(payload: Any, num_tensors: int) -> DecodedBatch:
         stats = {name: m[order] for name, m in stats.items()}
         has_stats = has_stats[order]
         scalars = [scalars[j] for j in order.tolist()]
-    events = _decode_events(payload.get("events", []), T)
+    events = _decode_events(payload.get("events", []), T, limits)
     acks = _decode_acks(payload.get("acks", []))
     return DecodedBatch(key, steps, scalars, stats, events, acks, has_stats)
 
 
-def _decode_events(events: Any, num_tensors: int) -> list[dict[str, Any]]:
+def _decode_events(events: Any, num_tensors: int, limits: EventLimits) -> list[dict[str, Any]]:
     if not isinstance(events, list):
         raise WireError("events: expected an array")
     out = []
@@ -153,12 +180,19 @@ def _decode_events(events: Any, num_tensors: int) -> list[dict[str, Any]]:
         details = ev.get("details", {})
         if not isinstance(details, dict):
             raise WireError(f"{where}.details: expected an object")
+        size = check_free_json(
+            details, f"{where}.details", limits.max_json_depth, limits.max_event_detail_bytes
+        )
         if ev["kind"] == "rank_amax":
             try:
                 parse_rank_amax(details, num_tensors)
             except (ValueError, KeyError) as exc:
                 raise WireError(f"{where}.details: {exc}") from None
-        out.append({"kind": ev["kind"], "step": _int(ev.get("step"), f"{where}.step"), "details": details})
+        step = _step(ev.get("step"), f"{where}.step")
+        summary = details_summary(details)
+        out.append(
+            {"kind": ev["kind"], "step": step, "details": details, "summary": summary, "details_bytes": size}
+        )
     return out
 
 
@@ -177,7 +211,7 @@ def _decode_acks(acks: Any) -> list[dict[str, Any]]:
         if state == "applied":
             if set(ack) - {"command_id", "state", "step"}:
                 raise WireError(f"{where}: an 'applied' ack has command_id, state and step")
-            out.append({"command_id": cid, "state": state, "step": _int(ack.get("step"), f"{where}.step")})
+            out.append({"command_id": cid, "state": state, "step": _step(ack.get("step"), f"{where}.step")})
         elif state == "rejected":
             reason = ack.get("reason")
             if not isinstance(reason, str) or set(ack) - {"command_id", "state", "reason"}:
@@ -186,6 +220,23 @@ def _decode_acks(acks: Any) -> list[dict[str, Any]]:
         else:
             raise WireError(f"{where}.state: must be 'applied' or 'rejected'")
     return out
+
+
+def check_free_json(value: Any, where: str, max_depth: int, max_bytes: int) -> int:
+    """Refuse a free-form JSON object nested deeper than `max_depth` or larger than `max_bytes` as JSON:
+    stored deeper, it could not be written back out (orjson stops at 254 levels) and would break every
+    reader of the run; larger, it would be held whole by every list and stream that carries it."""
+    if json_too_deep(value, max_depth):
+        raise WireError(f"{where}: nested deeper than the limit of {max_depth} levels (max_json_depth)")
+    try:
+        size = len(orjson.dumps(value))
+    except orjson.JSONEncodeError as exc:  # e.g. an integer beyond 64 bits
+        raise WireError(f"{where}: not storable as JSON ({exc})") from None
+    if size > max_bytes:
+        raise WireError(
+            f"{where}: {size} bytes of JSON exceed the limit of {max_bytes} bytes (max_event_detail_bytes)"
+        )
+    return size
 
 
 class UnknownRun(LookupError):

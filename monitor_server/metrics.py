@@ -34,6 +34,19 @@ class _DatabaseCollector(Collector):
         yield step
 
 
+class _CacheCollector(Collector):
+    """Runs held in the in-memory caches, by cache (bounded by the ``cache_runs`` setting)."""
+
+    def __init__(self, sizes: Callable[[], dict[str, int]]):
+        self._sizes = sizes
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        gauge = GaugeMetricFamily("fp8scope_cached_runs", "Runs held in memory, by cache", labels=["cache"])
+        for cache, size in sorted(self._sizes().items()):
+            gauge.add_metric([cache], size)
+        yield gauge
+
+
 class Metrics:
     """Ingest counters and latency, plus the database-backed gauges."""
 
@@ -58,3 +71,7 @@ class Metrics:
     ) -> None:
         """Register the scrape-time gauges backed by `snapshot`."""
         self.registry.register(_DatabaseCollector(snapshot))
+
+    def attach_caches(self, sizes: Callable[[], dict[str, int]]) -> None:
+        """Register the gauge of cached runs backed by `sizes`."""
+        self.registry.register(_CacheCollector(sizes))

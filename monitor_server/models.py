@@ -76,6 +76,9 @@ class Run(Base):
     detector_state: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     #: the client's key for idempotent registration (a retried or replayed POST /runs finds this run)
     client_key: Mapped[str | None] = mapped_column(String(100), nullable=True)
+    #: name of the token that registered the run (None: registered without tokens, or before owners were
+    #: kept); an `ingest` token writes only to its own runs, `control` to any
+    owner: Mapped[str | None] = mapped_column(String(200), nullable=True)
     #: the names of the scalars the run has sent (sorted), for the dashboard's chart picker
     scalar_names: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
 
@@ -164,6 +167,10 @@ class EventRow(Base):
     step: Mapped[int] = mapped_column(BigInteger)
     details: Mapped[dict[str, Any]] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    #: the top-level scalar fields of `details` (`wire.details_summary`), and the size of `details` as JSON:
+    #: what lists show, so they never load details (a flight recorder can be megabytes)
+    summary: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    details_bytes: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class Incident(Base):

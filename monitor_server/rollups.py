@@ -192,7 +192,9 @@ def read_heatmap(
     """Aggregate `metric` over steps [lo, hi] into at most `max_cols` aligned buckets.
 
     Returns a dict with `width`, `starts`/`ends` (first and last step of each bucket, clipped to the range),
-    `steps` (number of stored steps per bucket), `values` (T, C) float64 and `empty` (C,) bool.
+    `steps` (number of stored steps per bucket), `values` (T, C) float64 (NaN in empty buckets) and
+    `empty` (C,) bool. Memory: the (T, C) answer plus the stored rows read; the caller bounds T x C
+    (`heatmap_cells`) before calling.
     """
     metric_id, how = HEATMAP_METRICS[metric]
     plan = plan_heatmap(lo, hi, max_cols)
@@ -224,25 +226,27 @@ def read_heatmap(
             values_list.append(np.frombuffer(b"".join(r.values for r in rows), _F8).reshape(len(rows), T))
             weights_list.append(np.fromiter((r.n_steps for r in rows), np.int64, len(rows)))
     n = plan.n_buckets
-    out = np.zeros((n, T))
+    # the answer itself, tensor-major as it is sent; an empty bucket is never computed, only left NaN
+    values = np.full((T, n), np.nan)
     counts = np.zeros(n, dtype=np.int64)
     if starts_list:
         starts = np.concatenate(starts_list)
         order = np.argsort(starts, kind="stable")
         starts = starts[order]
-        values = np.concatenate(values_list)[order]
+        stored = np.concatenate(values_list)[order]
         weights = np.concatenate(weights_list)[order]
         buckets = starts // plan.width - plan.first_bucket
         group = _group_starts(buckets)
-        out[buckets[group]] = reduce_groups(values, group, how)
-        counts[buckets[group]] = np.add.reduceat(weights, group)
+        cols = buckets[group]
+        values[:, cols] = reduce_groups(stored, group, how).T
+        counts[cols] = np.add.reduceat(weights, group)
     bucket_ids = np.arange(plan.first_bucket, plan.first_bucket + n)
     return {
         "width": plan.width,
         "starts": np.maximum(bucket_ids * plan.width, lo),
         "ends": np.minimum((bucket_ids + 1) * plan.width - 1, hi),
         "steps": counts,
-        "values": out.T,
+        "values": values,
         "empty": counts == 0,
     }
 

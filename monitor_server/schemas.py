@@ -175,13 +175,17 @@ class EventIn(BaseModel):
 
 
 class EventPublic(BaseModel):
-    """A stored client event."""
+    """A stored client event. In lists (and on the stream) `details` is whole only up to 4 KiB of JSON,
+    else its summary (top-level numbers and texts) with `details_complete` false."""
 
     id: int
     run_id: int
     kind: EventKind
     step: int
     details: dict[str, Any]
+    #: size of the whole details as JSON, and whether `details` here is all of it
+    details_bytes: int
+    details_complete: bool
     created_at: datetime
 
 

@@ -34,6 +34,13 @@ SEVERITY_EMOJI = {
 }
 
 
+def slack_escape(text: str) -> str:
+    """Text as Slack shows it literally in ``mrkdwn`` and in a message's ``text``: its three control
+    characters escaped, so a run name or message of ``<!channel>`` or ``<https://x|label>`` is not a mention
+    or a link (Slack's "escaping text" rules; nothing else needs escaping)."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
 def _field(alert: dict[str, Any], *names: str, default: str = "-") -> str:
     for name in names:
         value = alert.get(name)
@@ -50,21 +57,25 @@ def slack_payload(alert: dict[str, Any]) -> dict[str, Any]:
     an optional dashboard ``url``, and for an incident ``incident_id`` and ``affected`` (tensor names, root
     cause first).
     """
-    kind = _field(alert, "kind", default="alert")
-    severity = _field(alert, "severity", default="warning")
-    run = _field(alert, "run_name", "run", "run_id")
-    tensor = _field(alert, "tensor_name", "tensor", "tensor_index", default="(run-level)")
-    step = _field(alert, "step", "last_step", "first_step")
-    message = _field(alert, "message", default="")
+    # every value may come from a training job (run and tensor names, messages that quote them): escaped
+    # for the mrkdwn and text fields; the header is plain_text, shown as is
+    raw_kind = _field(alert, "kind", default="alert")
+    raw_run = _field(alert, "run_name", "run", "run_id")
+    kind, run = slack_escape(raw_kind), slack_escape(raw_run)
+    severity = slack_escape(_field(alert, "severity", default="warning"))
+    tensor = slack_escape(_field(alert, "tensor_name", "tensor", "tensor_index", default="(run-level)"))
+    step = slack_escape(_field(alert, "step", "last_step", "first_step"))
+    message = slack_escape(_field(alert, "message", default=""))
     incident = alert.get("incident_id")
     what = f"incident #{incident}: {kind}" if incident is not None else kind
     text = f"[{severity.upper()}] {what} in run {run}, tensor {tensor}, step {step}: {message}"
-    affected = [str(a) for a in alert.get("affected") or []]
+    affected = [slack_escape(str(a)) for a in alert.get("affected") or []]
     if len(affected) > 1:
         text += f" ({len(affected)} tensors affected)"
     if alert.get("url"):
         text += f" {alert['url']}"
-    header = f"fp8scope {severity}: {what} in run {run}"
+    raw_what = f"incident #{incident}: {raw_kind}" if incident is not None else raw_kind
+    header = f"fp8scope {_field(alert, 'severity', default='warning')}: {raw_what} in run {raw_run}"
     blocks: list[dict[str, Any]] = [
         {"type": "header", "text": {"type": "plain_text", "text": header[:150]}},
         {
@@ -99,12 +110,17 @@ def slack_payload_many(items: list[dict[str, Any]]) -> dict[str, Any]:
         return slack_payload(items[0])
     first = slack_payload(items[0])
     lines = [slack_payload(item)["text"] for item in items]
-    run = _field(items[0], "run_name", "run", "run_id")
-    text = f"{len(items)} incidents in run {run}:\n" + "\n".join(f"- {line}" for line in lines)
+    raw_run = _field(items[0], "run_name", "run", "run_id")
+    text = f"{len(items)} incidents in run {slack_escape(raw_run)}:\n" + "\n".join(
+        f"- {line}" for line in lines
+    )
     blocks = [
         {
             "type": "header",
-            "text": {"type": "plain_text", "text": f"fp8scope: {len(items)} incidents in run {run}"[:150]},
+            "text": {
+                "type": "plain_text",
+                "text": f"fp8scope: {len(items)} incidents in run {raw_run}"[:150],
+            },
         },
         *first["blocks"][1:],
         {

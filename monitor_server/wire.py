@@ -60,6 +60,75 @@ def jsonable(value: Any) -> Any:
     return value
 
 
+def json_too_deep(value: Any, limit: int) -> bool:
+    """Whether `value` (parsed JSON) nests objects and arrays more than `limit` levels deep; iterative, so a
+    hostile document cannot exhaust the stack, and it stops at the first level past the limit."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return False
+
+
+def first_nonfinite(value: Any, where: str) -> str | None:
+    """The path of the first NaN or infinite float inside parsed JSON (the tokens NaN / Infinity that
+    Python's parser accepts but JSON does not), or None."""
+    stack = [(value, where)]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            return path
+        if isinstance(item, dict):
+            stack.extend((v, f"{path}.{k}") for k, v in item.items())
+        elif isinstance(item, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(item))
+    return None
+
+
+#: what an event summary keeps of each text value, and how many fields it keeps
+SUMMARY_TEXT_CHARS = 200
+SUMMARY_FIELDS = 32
+
+
+def details_summary(details: dict[str, Any]) -> dict[str, Any]:
+    """The light form of event details: its top-level numbers, booleans, nulls and texts (the first
+    `SUMMARY_TEXT_CHARS` characters), at most `SUMMARY_FIELDS` of them; nested values are left out."""
+    out: dict[str, Any] = {}
+    for key, value in details.items():
+        if len(out) >= SUMMARY_FIELDS:
+            break
+        if value is None or isinstance(value, bool | int | float):
+            out[key] = value
+        elif isinstance(value, str):
+            out[key] = value[:SUMMARY_TEXT_CHARS]
+    return out
+
+
+class JsonValueBudget:
+    """An upper bound on the JSON values a body parses into, counted without parsing, piece by piece so a
+    body far over the limit is refused after its first pieces: every value but the first follows a ','
+    or opens an object or array (commas inside strings only raise the count). Parsing costs about this
+    many Python objects; a packed base64 column is one value."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.count = 1
+
+    def over(self, piece: bytes | bytearray | memoryview) -> bool:
+        """Count `piece`; True once the count is past the limit."""
+        data = bytes(piece) if isinstance(piece, memoryview) else piece
+        self.count += data.count(b",") + data.count(b"{") + data.count(b"[")
+        return self.count > self.limit
+
+
 def decode_column(value: Any, length: int, where: str) -> np.ndarray:
     """Decode one COL into a float64 array of `length` values.
 
@@ -114,10 +183,13 @@ _SENT_POS = -np.finfo(np.float64).max
 _SENT_NEG = np.nextafter(np.finfo(np.float64).max, 0.0)
 
 
-def matrix_json(matrix: np.ndarray, empty: np.ndarray | None = None) -> bytes:
-    """JSON bytes of a 2-D float matrix (list of rows), non-finite spelled as strings, `empty` cells null."""
+def matrix_json(matrix: np.ndarray, empty_cols: np.ndarray | None = None) -> bytes:
+    """JSON bytes of a 2-D float matrix (list of rows), non-finite spelled as strings, the columns flagged in
+    `empty_cols` (a bool per column) null."""
     m = np.array(matrix, dtype=np.float64, order="C", copy=True)
     nan = np.isnan(m)
+    if empty_cols is not None:
+        nan[:, empty_cols] = False
     posinf = np.isposinf(m)
     neginf = np.isneginf(m)
     special = nan.any() or posinf.any() or neginf.any()
@@ -125,8 +197,8 @@ def matrix_json(matrix: np.ndarray, empty: np.ndarray | None = None) -> bytes:
         m[nan] = _SENT_NAN
         m[posinf] = _SENT_POS
         m[neginf] = _SENT_NEG
-    if empty is not None:
-        m[empty] = np.nan  # orjson writes null
+    if empty_cols is not None:
+        m[:, empty_cols] = np.nan  # orjson writes null
     out = orjson.dumps(m, option=orjson.OPT_SERIALIZE_NUMPY)
     if special:
         # the negative sentinel first: its text contains the NaN sentinel's

@@ -10,7 +10,13 @@ every retry, and never lets a slow or dead service reach the training loop:
 * steps waiting to be sent are capped (``max_buffered_steps``): beyond the cap the oldest batches go to
   the spool and are sent from there once the backlog is gone (steps arriving while one post is in flight
   wait in the queue; ``http_timeout`` bounds that wait);
-* a batch the service refuses (4xx) is spooled too and logged once, so nothing is lost silently.
+* a batch refused for its token (401, 403) is spooled too and logged once, for a later upload with the
+  right token; 408 and 429 are retried like a 5xx;
+* a batch the service rejects as malformed (any other 4xx: 400, 413, 415, 422, ...) would be rejected
+  again however often it is sent: it is dropped with the service's reason in the log, and the batches
+  after it are sent as usual;
+* a batch the service keeps failing on (a 5xx answer in ``max_server_errors`` sends, while the service
+  answers) is set aside in the spool for a later upload, so one poisoned batch never holds up the rest.
 
 No torch import here: the data arrives as numpy arrays and floats.
 """
@@ -68,6 +74,7 @@ class SenderConfig:
     alerts_refresh: float = 3.0
     gzip: bool = True
     close_timeout: float = 15.0
+    max_server_errors: int = 3  # sends of one batch answered with a 5xx before it is set aside
     extra_headers: dict[str, str] = field(default_factory=dict)
 
 
@@ -161,7 +168,8 @@ class Sender(threading.Thread):
         self._logged: set[str] = set()
         self._refused = False  # the service refused the registration: no point in probing again
         self.failed = False
-        self.stats = {"posted": 0, "spooled": 0, "drained": 0, "failed_posts": 0}
+        self.stats = {"posted": 0, "spooled": 0, "drained": 0, "failed_posts": 0, "dropped": 0}
+        self._server_errors: dict[str, int] = {}  # idempotency key -> sends answered with a 5xx
         self.sampler: Any = None  # a system.SystemSampler, sampled on this thread once per batch
 
     # ----- called from the training thread -----
@@ -250,8 +258,11 @@ class Sender(threading.Thread):
         self.stats["spooled"] += 1
 
     def _send(self, body: dict[str, Any], retries: bool) -> str:
-        """Post one batch: 'ok', 'down' (connection / 5xx after retries) or 'refused' (4xx)."""
+        """Post one batch: 'ok', 'down' (connection / 5xx / 408 / 429 after retries), 'refused' (401 or
+        403: the token), 'malformed' (another 4xx: never accepted, however often sent) or 'failing' (the
+        service answered this batch with a 5xx in `max_server_errors` sends)."""
         delays = (*self.cfg.retry_delays, None) if retries else (None,)
+        server_error = False
         for delay in delays:
             if self._stop_at is not None and time.monotonic() > self._stop_at:
                 return "down"
@@ -263,7 +274,7 @@ class Sender(threading.Thread):
                     if commands:
                         self.on_commands(commands)
                     return "ok"
-                if r.status_code < 500:
+                if r.status_code in (401, 403):
                     self.log_once(
                         f"refused-{r.status_code}",
                         "fp8scope monitor: the service refused a batch (HTTP %s: %s); it stays in spool %s",
@@ -272,11 +283,37 @@ class Sender(threading.Thread):
                         self.spool.path,
                     )
                     return "refused"
+                if r.status_code < 500 and r.status_code not in (408, 429):
+                    self.stats["dropped"] += 1
+                    self.log_once(
+                        f"malformed-{r.status_code}",
+                        "fp8scope monitor: the service rejected batch %s as malformed (HTTP %s: %s); "
+                        "dropped, later batches are sent as usual",
+                        body.get("idempotency_key"),
+                        r.status_code,
+                        r.text[:300],
+                    )
+                    return "malformed"
+                server_error = r.status_code >= 500
                 self._note_failure(f"telemetry: HTTP {r.status_code}")
             except httpx.HTTPError as exc:
                 self._note_failure(f"telemetry: {exc!r}")
             if delay is not None:
                 time.sleep(delay)
+        if server_error:
+            key = str(body.get("idempotency_key"))
+            self._server_errors[key] = self._server_errors.get(key, 0) + 1
+            if self._server_errors[key] >= self.cfg.max_server_errors:
+                del self._server_errors[key]
+                self.log_once(
+                    "failing",
+                    "fp8scope monitor: the service failed on batch %s %s times (HTTP 5xx); it is set aside "
+                    "in spool %s and later batches are sent",
+                    key,
+                    self.cfg.max_server_errors,
+                    self.spool.path,
+                )
+                return "failing"
         return "down"
 
     def _drain_spool(self) -> bool:
@@ -286,9 +323,9 @@ class Sender(threading.Thread):
             result = self._send(body, retries=False)
             if result == "down":
                 return False
-            if result == "refused":
-                self.spool_must_stay = True
-            else:
+            if result in ("refused", "failing"):
+                self.spool_must_stay = True  # still in the file, for a later upload
+            elif result == "ok":
                 self.stats["drained"] += 1
             self.spooled.popleft()
         return True
@@ -397,10 +434,10 @@ class Sender(threading.Thread):
             if result == "down":
                 self._start_spooling()
                 continue
-            if result == "refused":
+            if result in ("refused", "failing"):
                 self.spool_must_stay = True
                 self._spool(out)
-            self._outbox.popleft()
+            self._outbox.popleft()  # sent, set aside, or dropped as malformed: never resent
 
     def _refresh_alerts(self) -> None:
         now = time.monotonic()

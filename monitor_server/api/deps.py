@@ -17,6 +17,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
 from monitor_server.context import AppContext
+from monitor_server.core.config import Settings
 
 bearer_scheme = HTTPBearer(auto_error=False, description="Bearer token with scopes ingest / read / control")
 
@@ -46,17 +47,21 @@ def get_session(ctx: CtxDep) -> Iterator[Session]:
 SessionDep = Annotated[Session, Depends(get_session)]
 
 
-def authenticate(ctx: AppContext, credentials: HTTPAuthorizationCredentials | None) -> Principal:
-    """Resolve the caller from the Authorization header (401 when required and missing/unknown)."""
-    if not ctx.settings.auth_enabled:
-        return Principal("anonymous", frozenset({"ingest", "read", "control"}))
-    if credentials is None or credentials.scheme.lower() != "bearer" or not credentials.credentials:
+ANONYMOUS = Principal("anonymous", frozenset({"ingest", "read", "control"}))
+
+
+def principal_for(settings: Settings, scheme: str | None, secret: str | None) -> Principal:
+    """The caller for an ``Authorization: <scheme> <secret>`` header (401 when required and missing or
+    unknown). Pure: the request guard calls it before a body is read, the routes' dependencies after."""
+    if not settings.auth_enabled:
+        return ANONYMOUS
+    if scheme is None or scheme.lower() != "bearer" or not secret:
         raise HTTPException(
             status.HTTP_401_UNAUTHORIZED, "missing bearer token", headers={"WWW-Authenticate": "Bearer"}
         )
-    given = credentials.credentials.encode()
+    given = secret.encode()
     match = None
-    for token in ctx.settings.parsed_tokens:
+    for token in settings.parsed_tokens:
         # compare against every token so the time taken does not reveal which one matched
         if hmac.compare_digest(given, token.secret.encode()):
             match = token
@@ -67,20 +72,47 @@ def authenticate(ctx: AppContext, credentials: HTTPAuthorizationCredentials | No
     return Principal(match.name, match.scopes)
 
 
+def check_scope(principal: Principal, scopes: tuple[str, ...]) -> Principal:
+    """`principal` when it holds any of `scopes`, else 403 naming them."""
+    if not principal.scopes.intersection(scopes):
+        raise HTTPException(
+            status.HTTP_403_FORBIDDEN, f"token {principal.name!r} lacks the scope {' or '.join(scopes)!r}"
+        )
+    return principal
+
+
+def authenticate(ctx: AppContext, credentials: HTTPAuthorizationCredentials | None) -> Principal:
+    """Resolve the caller from the Authorization header (401 when required and missing/unknown)."""
+    if credentials is None:
+        return principal_for(ctx.settings, None, None)
+    return principal_for(ctx.settings, credentials.scheme, credentials.credentials)
+
+
 def require_scope(*scopes: str) -> Callable[..., Principal]:
-    """A dependency admitting callers holding any of `scopes` (403 otherwise)."""
+    """A dependency admitting callers holding any of `scopes` (403 otherwise).
+
+    The dependency carries its scopes as `required_scopes`, so the request guard can refuse a caller
+    before the request's body is read (FastAPI reads and parses a body before it runs dependencies).
+    """
 
     def dependency(
         ctx: CtxDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)]
     ) -> Principal:
-        principal = authenticate(ctx, credentials)
-        if not principal.scopes.intersection(scopes):
-            raise HTTPException(
-                status.HTTP_403_FORBIDDEN, f"token {principal.name!r} lacks the scope {' or '.join(scopes)!r}"
-            )
-        return principal
+        return check_scope(authenticate(ctx, credentials), scopes)
 
+    dependency.required_scopes = scopes  # type: ignore[attr-defined]
     return dependency
+
+
+def check_owner(principal: Principal, owner: str | None, run_id: int) -> None:
+    """403 when an `ingest`-only token writes to a run another token registered. `control` acts on any run;
+    a run without an owner (registered without tokens, or before owners were kept) takes any writer."""
+    if owner is None or "control" in principal.scopes or principal.name == owner:
+        return
+    detail = (
+        f"run {run_id} was registered by another token; {principal.name!r} may write only to its own runs"
+    )
+    raise HTTPException(status.HTTP_403_FORBIDDEN, detail)
 
 
 ReadDep = Annotated[Principal, Depends(require_scope("read"))]
@@ -92,3 +124,4 @@ RunWriteDep = Annotated[Principal, Depends(require_scope("ingest", "control"))]
 #: path parameters naming database rows (32-bit ids)
 RunId = Annotated[int, Path(ge=1, le=2**31 - 1, description="run id")]
 AlertId = Annotated[int, Path(ge=1, le=2**31 - 1, description="alert id")]
+EventId = Annotated[int, Path(ge=1, le=2**31 - 1, description="event id")]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlparse
 
@@ -30,11 +31,16 @@ class Token:
     secret: str
 
 
-def parse_token(spec: str) -> Token:
-    """Parse ``name:scope1+scope2:secret`` (the secret may itself contain ':')."""
+def parse_token(spec: str, where: str = "token") -> Token:
+    """Parse ``name:scope1+scope2:secret`` (the secret may itself contain ':').
+
+    An error never repeats the secret, nor the text of an entry it cannot split (which may be one): it
+    names the entry by `where` and, when there is one, its name.
+    """
     parts = spec.strip().split(":", 2)
     if len(parts) != 3 or not parts[0] or not parts[2]:
-        raise ValueError(f"token {parts[0] if parts else spec!r}: expected 'name:scope1+scope2:secret'")
+        named = f"{where} {parts[0]!r}" if len(parts) > 1 and parts[0] else where
+        raise ValueError(f"{named}: expected 'name:scope1+scope2:secret' (the entry is not repeated here)")
     name, scopes_text, secret = parts
     scopes = frozenset(s.strip() for s in scopes_text.split("+") if s.strip())
     unknown = scopes - set(SCOPES)
@@ -55,7 +61,30 @@ class Settings(BaseSettings):
             or ``postgresql+psycopg://user@host/db``.
         host, port: where `fp8-monitor serve` listens. Without tokens only loopback is allowed.
         tokens: ``name:scopes:secret`` entries; empty = no authentication.
-        max_body_bytes: larger request bodies get 413.
+        tokens_file: a file of such entries, one a line (``#`` comments): the way to give secrets, which
+            on a command line would show in the process list. Two tokens may not share a secret.
+        max_body_bytes: the telemetry body limit (``POST /runs/{id}/telemetry``), before and after
+            gzip inflation; larger bodies get 413.
+        max_registration_bytes: the body limit of ``POST /runs`` (a run and its tensors: ~130 bytes per
+            tensor, so 1 MiB holds `max_tensors` with room to spare).
+        max_control_bytes: the body limit of every other request (commands, status changes, acks):
+            kilobytes are enough.
+        max_tensors: the most quantized tensors a run may register (each heatmap column holds one value
+            per tensor).
+        max_heatmap_cells: the most tensors x columns one heatmap answer may hold (422 above it).
+        max_json_elements: the telemetry parse budget: the most JSON values (objects, arrays and
+            comma-separated items, counted before parsing) one batch may hold. Packed columns count as one
+            value each, so real batches stay far below it.
+        max_json_depth: the deepest JSON nesting accepted in free-form objects (run config and recipe,
+            event details).
+        max_event_detail_bytes: the largest event ``details`` object, as JSON bytes (a flight recorder
+            of 64 steps is about 4 KB per tensor).
+        decode_concurrency: telemetry bodies inflated and parsed at the same time; others wait their turn.
+        max_header_bytes: request line plus headers; larger heads get 431 before they are parsed.
+        header_timeout_seconds, body_timeout_seconds: a client that takes longer to send its request
+            head (or to deliver the next piece of its body) gets 408 and is disconnected.
+        allowed_hosts: without tokens, the Host names (and Origin hosts) accepted besides the address
+            the server listens on and the loopback names; with tokens, Host is not checked.
         webhook_url: Slack-compatible webhook that receives one message per incident (empty = off).
         webhook_min_interval_seconds: per run, the least time between two webhook messages; incidents
             opened meanwhile share the next message.
@@ -74,6 +103,12 @@ class Settings(BaseSettings):
         detectors: passed through to the detector engine's ``DetectorConfig`` (thresholds); checked when the
             settings are built, so an unknown key or a bad value stops the service at start-up.
         sse_keepalive_seconds: interval of keep-alive comments on ``/stream``.
+        cache_runs: runs whose metadata and detector engine stay in memory (the most recently used; a
+            finished run leaves at once); others are reloaded from the database when used.
+        api_docs: serve the interactive API docs at ``/docs`` and ``/redoc`` (their scripts come from a CDN,
+            admitted by a strict Content-Security-Policy); false turns them off.
+        sse_queue_bytes: events held for one stream client that does not read; beyond, it is dropped with
+            a final ``dropped`` event.
     """
 
     model_config = SettingsConfigDict(env_prefix="FP8SCOPE_", extra="ignore")
@@ -82,7 +117,20 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     tokens: Annotated[list[str], NoDecode] = []
-    max_body_bytes: int = 64 * 1024 * 1024
+    tokens_file: str = ""
+    max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    max_registration_bytes: int = Field(1024 * 1024, ge=1024)
+    max_control_bytes: int = Field(64 * 1024, ge=1024)
+    max_tensors: int = Field(4096, ge=1)
+    max_heatmap_cells: int = Field(4096 * 1024, ge=1024)
+    max_json_elements: int = Field(1_000_000, ge=1000)
+    max_json_depth: int = Field(32, ge=2, le=200)
+    max_event_detail_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    decode_concurrency: int = Field(2, ge=1)
+    max_header_bytes: int = Field(64 * 1024, ge=1024)
+    header_timeout_seconds: float = Field(10.0, gt=0)
+    body_timeout_seconds: float = Field(30.0, gt=0)
+    allowed_hosts: Annotated[list[str], NoDecode] = []
     webhook_url: str = ""
     webhook_min_interval_seconds: float = Field(60.0, ge=0)
     webhook_settle_seconds: float = Field(2.0, ge=0)
@@ -94,6 +142,9 @@ class Settings(BaseSettings):
     retention_days: float = Field(0.0, ge=0)
     detectors: dict[str, Any] = {}
     sse_keepalive_seconds: float = 15.0
+    sse_queue_bytes: int = Field(8 * 1024 * 1024, ge=4096)
+    cache_runs: int = Field(256, ge=1)
+    api_docs: bool = True
 
     @field_validator("tokens", mode="before")
     @classmethod
@@ -102,13 +153,31 @@ class Settings(BaseSettings):
             return [t for t in value.split(",") if t.strip()]
         return value
 
-    @field_validator("tokens")
+    @field_validator("allowed_hosts", mode="before")
     @classmethod
-    def _check_tokens(cls, value: list[str]) -> list[str]:
-        names = [parse_token(t).name for t in value]
+    def _split_hosts(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [h.strip().lower() for h in value.split(",") if h.strip()]
+        return value
+
+    @model_validator(mode="after")
+    def _check_tokens(self) -> Settings:
+        specs = [(t, f"token #{i + 1}") for i, t in enumerate(self.tokens)]
+        if self.tokens_file:
+            specs += read_tokens_file(self.tokens_file)
+        tokens = [parse_token(spec, where) for spec, where in specs]
+        names = [t.name for t in tokens]
         if len(set(names)) != len(names):
             raise ValueError("token names must be unique")
-        return value
+        seen: dict[str, str] = {}
+        for t in tokens:
+            if t.secret in seen:  # one secret, two names: the server could not tell who is calling
+                pair = f"tokens {seen[t.secret]!r} and {t.name!r}"
+                raise ValueError(f"{pair} share one secret; give each its own")
+            seen[t.secret] = t.name
+        self.tokens = [spec for spec, _ in specs]
+        self.tokens_file = ""  # read once: its entries are in `tokens` now
+        return self
 
     @field_validator("public_url")
     @classmethod
@@ -139,6 +208,20 @@ class Settings(BaseSettings):
     def auth_enabled(self) -> bool:
         """True when at least one token is configured."""
         return bool(self.tokens)
+
+
+def read_tokens_file(path: str) -> list[tuple[str, str]]:
+    """The entries of a tokens file: one ``name:scopes:secret`` per line, blank lines and ``#`` comments
+    skipped; each with where it came from (``FILE line N``) for error messages."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise ValueError(f"tokens_file: cannot read {path}: {exc.strerror}") from None
+    return [
+        (line.strip(), f"{path} line {i}")
+        for i, line in enumerate(lines, 1)
+        if line.strip() and not line.strip().startswith("#")
+    ]
 
 
 def detector_config(detectors: dict[str, Any], stall_seconds: float) -> DetectorConfig:

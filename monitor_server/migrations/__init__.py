@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: there two servers must not start at the same moment
+    fcntl = None  # type: ignore[assignment]
+
+#: key of the PostgreSQL advisory lock held while migrating ("fp8s")
+PG_MIGRATION_LOCK = 0x66703873
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent
 
@@ -21,8 +31,31 @@ def alembic_config(db_url: str | None = None) -> Config:
 
 
 def upgrade_to_head(engine: Engine) -> None:
-    """Apply every pending migration to the database behind `engine`."""
+    """Apply every pending migration to the database behind `engine`.
+
+    Several servers may start together on one database: each migrates under a lock (on SQLite a file lock
+    on the database file, on PostgreSQL a transaction-scoped advisory lock), so the first migrates and the
+    others find the schema at head when they get the lock.
+    """
     cfg = alembic_config()
-    with engine.begin() as connection:
+    with _sqlite_file_lock(engine), engine.begin() as connection:
+        if engine.dialect.name == "postgresql":
+            connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": PG_MIGRATION_LOCK})
         cfg.attributes["connection"] = connection
         command.upgrade(cfg, "head")
+
+
+@contextlib.contextmanager
+def _sqlite_file_lock(engine: Engine) -> Iterator[None]:
+    """An exclusive flock on the SQLite file (created empty if new, which SQLite takes as an empty database).
+    flock locks are apart from the fcntl locks SQLite itself takes, so they never block its own I/O."""
+    path = engine.url.database if engine.dialect.name == "sqlite" else None
+    if not path or path == ":memory:" or path.startswith("file:") or fcntl is None:
+        yield
+        return
+    with open(path, "ab") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -41,9 +41,7 @@ def api(server: ServerProcess) -> Iterator[httpx.Client]:
 @pytest.fixture
 def train(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
     def run(*args: str, timeout: float = 240.0, check: bool = True) -> subprocess.CompletedProcess:
-        proc = subprocess.run(
-            train_cmd(*args), cwd=tmp_path, capture_output=True, text=True, timeout=timeout
-        )
+        proc = subprocess.run(train_cmd(*args), cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
         if check and proc.returncode != 0:
             tail = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
             raise AssertionError(f"fp8-train failed ({proc.returncode}):\n{tail}")

@@ -31,7 +31,8 @@ def test_server_killed_mid_run_and_restarted_stores_every_step_once(server, api,
         wait_for(lambda: any(r["name"] == "e2e-kill" and (r["steps_stored"] or 0) >= 10
                              for r in api.get("/runs").json()), what="10 stored steps")  # fmt: skip
         server.stop(signal.SIGKILL)
-        time.sleep(1.5)  # the job goes on while the server is down
+        # the job goes on while the server is down: it has noticed when it starts its spool
+        wait_for(lambda: list((tmp_path / "fp8scope-spool").glob("*.jsonl")), what="the job to spool")
         restarted = ServerProcess(server.db_url, log_path=server.log_path, port=server.port).start()
         try:
             out, _ = proc.communicate(timeout=240)

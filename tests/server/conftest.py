@@ -88,6 +88,8 @@ def make_client(db_url: str) -> Iterator[Callable[..., Any]]:
     clients: list[Any] = []
 
     def factory(**settings: Any) -> Any:
+        # the in-process client says "Host: testserver": a name the open server must be told about
+        settings.setdefault("allowed_hosts", ["testserver"])
         app = create_app(Settings(db_url=db_url, **settings))
         client = TestClient(app)
         client.__enter__()

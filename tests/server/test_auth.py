@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -97,3 +98,66 @@ def test_serve_refuses_public_host_without_tokens(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert "refusing to listen on 0.0.0.0 without tokens" in proc.stderr
+
+
+def _serve(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "monitor_server.cli", "serve", *args]
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )
+
+
+def test_token_errors_never_show_a_secret(tmp_path):
+    """Malformed entries, from flags, the environment or a file: the error names the entry, never its
+    text (an entry that does not split may be a bare secret)."""
+    db = f"sqlite:///{tmp_path}/x.db"
+    cases = [
+        (("--token", "Sup3rSecretValue99"), {}),
+        (("--token", "ops:read+control:Sup3rSecretValue99", "--token", "dash:read:Sup3rSecretValue99"), {}),
+        ((), {"FP8SCOPE_TOKENS": "ops:root:Sup3rSecretValue99"}),
+        ((), {"FP8SCOPE_TOKENS": "ops:read:Sup3rSecretValue99,Sup3rSecretValue99"}),
+    ]
+    for args, env in cases:
+        proc = _serve("--db", db, *args, env=env)
+        assert proc.returncode == 2, proc.stderr
+        assert "invalid configuration" in proc.stderr
+        assert "Sup3rSecretValue99" not in proc.stderr + proc.stdout, proc.stderr
+    proc = _serve(
+        "--db", db, "--token", "ops:read:Sup3rSecretValue99", "--token", "dash:read:Sup3rSecretValue99"
+    )
+    assert "tokens 'ops' and 'dash' share one secret" in proc.stderr
+
+
+def test_tokens_from_a_file(tmp_path):
+    path = tmp_path / "tokens"
+    path.write_text("# name:scopes:secret\ntrainer:ingest:file-secret-1\n\ndash:read:file-secret-2\n")
+    s = Settings(_env_file=None, tokens_file=str(path))  # type: ignore[call-arg]
+    assert [(t.name, t.secret) for t in s.parsed_tokens] == [
+        ("trainer", "file-secret-1"),
+        ("dash", "file-secret-2"),
+    ]
+    assert s.auth_enabled
+    path.write_text("trainer:ingest:file-secret-1\nbroken-line-with-Sup3rSecretValue99\n")
+    proc = _serve("--db", f"sqlite:///{tmp_path}/x.db", "--tokens-file", str(path))
+    assert proc.returncode == 2 and f"{path} line 2: expected 'name:scope1+scope2:secret'" in proc.stderr
+    assert "Sup3rSecretValue99" not in proc.stderr
+
+
+def test_ingest_token_writes_only_to_its_own_runs(make_client):
+    """Two training jobs with their own ingest tokens: neither can post telemetry (acks included) or set
+    the status of the other's run; an operator with `control` can act on any run."""
+    client = make_client(tokens=[*TOKENS, "other:ingest:other-secret-1"])
+    trainer, other, ops = _h("trainer-secret-1"), _h("other-secret-1"), _h("ops-secret-1")
+    rid = client.post(f"{API}/runs", json=run_body(1), headers=trainer).json()["id"]
+    cmd = client.post(f"{API}/runs/{rid}/commands", json={"changes": {"margin": 1}}, headers=ops).json()
+    stats = random_stats(np.random.default_rng(0), 1, 3)
+    ack = batch_body("a", [1], stats, acks=[{"command_id": cmd["id"], "state": "applied", "step": 1}])
+    r = client.post(f"{API}/runs/{rid}/telemetry", json=ack, headers=other)
+    assert r.status_code == 403 and "registered by another token" in r.json()["detail"]
+    r = client.patch(f"{API}/runs/{rid}", json={"status": "finished"}, headers=other)
+    assert r.status_code == 403
+    run = client.get(f"{API}/runs/{rid}", headers=ops).json()
+    assert run["status"] == "running" and run["steps_stored"] == 0
+    assert client.get(f"{API}/runs/{rid}/commands", headers=ops).json()[0]["state"] == "pending"
+    assert client.post(f"{API}/runs/{rid}/telemetry", json=ack, headers=trainer).status_code == 200
+    assert client.patch(f"{API}/runs/{rid}", json={"status": "crashed"}, headers=ops).status_code == 200

@@ -111,7 +111,8 @@ def test_oversized_body_413(make_client):
         for _ in range(10):
             yield b" " * 500
 
-    r = client.post(f"{API}/runs/{run['id']}/telemetry", content=chunks())
+    json_type = {"Content-Type": "application/json"}
+    r = client.post(f"{API}/runs/{run['id']}/telemetry", content=chunks(), headers=json_type)
     assert r.status_code == 413
     assert _stored(client, run["id"]) == 0
 

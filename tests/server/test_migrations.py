@@ -68,7 +68,7 @@ def test_incidents_migration_keeps_existing_alerts_and_the_partial_index(db_url)
 
 
 def test_run_tags_migration_keeps_runs_and_everything_that_hangs_off_them(db_url):
-    """0004 adds a column to `runs`: on SQLite that must not rebuild the table (dropping it would cascade
+    """0006 adds a column to `runs`: on SQLite that must not rebuild the table (dropping it would cascade
     into every table that references it)."""
     from alembic import command
     from sqlalchemy import text
@@ -80,7 +80,7 @@ def test_run_tags_migration_keeps_runs_and_everything_that_hangs_off_them(db_url
         cfg = alembic_config()
         with engine.begin() as connection:
             cfg.attributes["connection"] = connection
-            command.upgrade(cfg, "0003")
+            command.upgrade(cfg, "0005")
             connection.execute(
                 text(
                     "INSERT INTO runs (name, config, recipe, recipe_overrides, world_size, host, status, "

@@ -46,11 +46,14 @@ def test_gzip_telemetry_is_stored_like_plain(client):
     assert other.status_code == 415
 
 
+GZIP_JSON = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+
+
 def test_gzip_bomb_is_refused(make_client):
     client = make_client(max_body_bytes=100_000)
     run = client.post(f"{API}/runs", json=run_body(1)).json()
     bomb = gzip.compress(b" " * 1_000_000)  # ~1 kB compressed, 1 MB inflated
-    r = client.post(f"{API}/runs/{run['id']}/telemetry", content=bomb, headers={"Content-Encoding": "gzip"})
+    r = client.post(f"{API}/runs/{run['id']}/telemetry", content=bomb, headers=GZIP_JSON)
     assert r.status_code == 413
     assert client.get(f"{API}/runs/{run['id']}").json()["steps_stored"] == 0
 

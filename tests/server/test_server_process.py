@@ -132,6 +132,17 @@ def _read_events(lines, want: str, timeout: float) -> tuple[list[tuple[str, str]
     return events, comments
 
 
+def _read_comment(lines, needle: str, timeout: float) -> bool:
+    """Read SSE lines until a comment containing `needle` arrives (True) or `timeout` passes (False)."""
+    deadline = time.monotonic() + timeout
+    for line in lines:
+        if line.startswith(":") and needle in line:
+            return True
+        if time.monotonic() > deadline:
+            return False
+    return False
+
+
 def test_sse_step_event_keepalive_and_clean_shutdown(tmp_path):
     db_url = f"sqlite:///{tmp_path / 'sse.db'}"
     env = {"FP8SCOPE_SSE_KEEPALIVE_SECONDS": "0.3"}
@@ -142,20 +153,23 @@ def test_sse_step_event_keepalive_and_clean_shutdown(tmp_path):
         with httpx.stream("GET", f"{server.url}{API}/runs/{rid}/stream", timeout=10) as resp:
             assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
             lines = resp.iter_lines()
-            time.sleep(0.8)  # long enough for keep-alives
+            # the stream says it is subscribed, then, with nothing to send, keeps the connection alive
+            events, comments = _read_events(lines, "subscribed", timeout=30)
+            assert events == [("subscribed", "{}")]
+            assert _read_comment(lines, "keep-alive", timeout=30)
             spike = {"kind": "loss_spike", "step": 41, "details": {"z": 9.5}}
             body = batch_body("s", [41], stats, losses=[1.5], events=[spike])
             assert httpx.post(f"{server.url}{API}/runs/{rid}/telemetry", json=body).status_code == 200
-            events, comments = _read_events(lines, "event", timeout=10)
-            assert any("keep-alive" in c for c in comments)
+            events, comments = _read_events(lines, "event", timeout=30)
             step = [e for e in events if e[0] == "step"]
             assert step and '"step":41' in step[0][1] and '"max_amax":123.0' in step[0][1]
             assert '"loss":1.5' in step[0][1]
-            # the client event follows its step on the stream
-            assert [json.loads(d) for n, d in events if n == "event"] == [spike]
+            # the client event follows its step on the stream (light: small details whole)
+            light = {**spike, "details_bytes": len(json.dumps(spike["details"], separators=(",", ":")))}
+            assert [json.loads(d) for n, d in events if n == "event"] == [{**light, "details_complete": True}]
             # a command shows up as a `command` event
             httpx.post(f"{server.url}{API}/runs/{rid}/commands", json={"changes": {"margin": 1}})
-            events, _ = _read_events(lines, "command", timeout=10)
+            events, _ = _read_events(lines, "command", timeout=30)
             assert any(name == "command" and '"state":"pending"' in data for name, data in events)
 
             # shutdown with the stream still open: the server ends it and exits promptly

@@ -239,3 +239,29 @@ def test_a_message_that_fails_to_build_is_skipped(hook, caplog):
     notifier.submit(ALERT, key=2)
     notifier.close(timeout=5)
     assert len(hook.accepted) == 1 and any("could not build" in r.getMessage() for r in caplog.records)
+
+
+def test_slack_control_sequences_are_escaped():
+    """A run named `<!channel>` and a message with a disguised link: shown as text, no mention, no link;
+    only the dashboard link the server builds stays a link."""
+    alert = {
+        "kind": "loss_spike",
+        "severity": "critical",
+        "run_name": "<!channel> & co",
+        "tensor_name": "blocks.0.<b>",
+        "message": "see <https://evil.example|the dashboard>",
+        "affected": ["<!here>", "blocks.1.fc.input"],
+        "step": 5,
+        "url": "https://fp8scope.example.com/#/runs/3",
+    }
+    body = slack_payload(alert)
+    rendered = body["text"] + " ".join(
+        str(b.get("text", {}).get("text", "")) + " ".join(f["text"] for f in b.get("fields", []))
+        for b in body["blocks"]
+        if b["type"] != "header"
+    )
+    assert "<!channel>" not in rendered and "<!here>" not in rendered and "<https://evil" not in rendered
+    assert "&lt;!channel&gt; &amp; co" in body["text"]
+    assert "&lt;https://evil.example|the dashboard&gt;" in body["text"]
+    assert body["blocks"][-1]["elements"][0]["text"] == "<https://fp8scope.example.com/#/runs/3|Open run>"
+    assert body["blocks"][0]["text"]["text"].endswith("in run <!channel> & co")  # plain_text: shown as is

@@ -225,3 +225,41 @@ def fresh_pg_database(server_url: str, prefix: str) -> Iterator[str]:
         with maintenance.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         maintenance.dispose()
+
+
+def raw_exchange(port: int, data: bytes, timeout: float = 15.0) -> tuple[int, dict[str, str], bytes]:
+    """Send `data` as is on a new connection and read one response: (status, headers, body).
+
+    For requests no HTTP client would send: a head without its body, an oversized head. Raises
+    TimeoutError when no complete response arrives within `timeout` seconds.
+    """
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        deadline = time.monotonic() + timeout
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            sock.sendall(data)  # the server may answer and stop reading before it has everything
+        received = b""
+        while b"\r\n\r\n" not in received or len(received) < _response_size(received):
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                raise TimeoutError(f"no complete response within {timeout} s: {received[:200]!r}") from None
+            if not chunk:
+                break
+            received += chunk
+    head, _, body = received.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    if not lines[0].startswith("HTTP/"):
+        raise ConnectionError(f"no HTTP response: {received[:200]!r}")
+    pairs = [line.split(": ", 1) for line in lines[1:] if ": " in line]
+    headers = {name.lower(): value for name, value in pairs}
+    return int(lines[0].split()[1]), headers, body
+
+
+def _response_size(received: bytes) -> int:
+    head, _, _ = received.partition(b"\r\n\r\n")
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return len(head) + 4 + int(value)
+    return len(received) + 1  # no length: read until the server closes

@@ -17,8 +17,6 @@ def corpus_bytes():
     return stdlib_corpus(max_bytes=2**20)
 
 
-
-
 def train(recipe, data: bytes) -> list[float]:
     torch.manual_seed(0)
     model = GPT(CFG)

@@ -70,6 +70,29 @@ def test_event_details_of_any_type_never_stop_telemetry(server, tmp_path):
     ]
 
 
+def test_a_batch_rejected_as_malformed_is_dropped_and_sending_goes_on(server, tmp_path, caplog):
+    """An event nested past the service's depth limit makes its batch a 422: the job drops that batch and
+    says why, instead of retrying or spooling it for ever, and the steps after it are all stored."""
+    caplog.set_level(logging.WARNING, logger="fp8scope.monitor")
+    tree: dict = {"leaf": 1}
+    for _ in range(40):
+        tree = {"a": tree}
+    model, recipe = tiny_model()
+    spool = tmp_path / "spool.jsonl"
+    with Monitor(server.url, "poisoned", model, recipe, spool_path=spool, **FAST) as mon:
+        train(model, recipe, mon, 4)
+        mon.event("deep", 4, tree=tree)
+        assert wait_until(lambda: mon.sender.stats["dropped"] == 1)
+        seen = train(model, recipe, mon, 4, start=5)
+    run = get(server.url, f"/runs/{mon.run_id}")
+    assert run["status"] == "finished" and run["last_step"] == 8
+    loss = get(server.url, f"/runs/{mon.run_id}/series", name="loss")
+    assert set(seen) <= set(loss["steps"])
+    assert get(server.url, f"/runs/{mon.run_id}/events") == []
+    assert "as malformed (HTTP 422" in caplog.text and "(max_json_depth)" in caplog.text
+    assert not spool.exists()  # nothing was set aside
+
+
 def test_exception_in_loop_marks_run_crashed(server, tmp_path):
     model, recipe = tiny_model()
     mon = Monitor(server.url, "crash", model, recipe, spool_path=tmp_path / "s.jsonl", **FAST)
@@ -140,7 +163,9 @@ def test_bad_scalars_never_reach_the_loop(server, tmp_path, caplog):
 
 
 def _events(url, run_id, kind):
-    return get(url, f"/runs/{run_id}/events", kind=kind)
+    """The run's events of `kind`, each whole (lists carry big details as a summary)."""
+    listed = get(url, f"/runs/{run_id}/events", kind=kind)
+    return [e if e["details_complete"] else get(url, f"/runs/{run_id}/events/{e['id']}") for e in listed]
 
 
 def test_loss_spike_event_with_flight_recorder(server, tmp_path):

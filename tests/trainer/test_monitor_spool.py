@@ -140,7 +140,11 @@ def test_service_killed_mid_run_and_at_the_end_every_step_stored_once(tmp_path, 
         # 3. part of the spool delivered by hand first: the upload still stores nothing twice
         server.start()
         for body in contents.batches[: len(contents.batches) // 2]:
-            r = httpx.post(f"{server.url}{API}/runs/{run_id}/telemetry", content=orjson.dumps(body))
+            r = httpx.post(
+                f"{server.url}{API}/runs/{run_id}/telemetry",
+                content=orjson.dumps(body),
+                headers={"Content-Type": "application/json"},  # the open server requires it
+            )
             assert r.status_code == 200
         code, out, err = upload(spool, server.url, capsys)
         assert code == 0, err
@@ -175,7 +179,9 @@ def test_stalled_service_caps_buffered_steps_and_loses_nothing(tmp_path, caplog)
                         step_seconds.append(time.perf_counter() - t0)
 
                     seen |= train(model, recipe, mon, 40, start=6, hook=timed)
-                    time.sleep(2.5)  # the post in flight times out; later batches pile up behind it
+                    # the post in flight times out, later batches pile up behind it and go over the cap
+                    capped = "more than 4 steps waiting; the oldest go to the spool"
+                    assert wait_until(lambda: any(capped in r.getMessage() for r in caplog.records), 60)
                 finally:
                     server.proc.send_signal(signal.SIGCONT)
                 seen |= train(model, recipe, mon, 5, start=46)

@@ -142,8 +142,11 @@ def test_compare_four_runs_scalars_config_and_any_pair(server, page):
     assert keys == ["lr", "model.n_layer", "seed"]
     # the amax difference between any two of them: run 3 has 8x run 0's amax -> 3 binades
     page.select_option("#compare-a", str(runs[3]["id"]))
-    page.wait_for_function(f"() => location.hash.includes('a={runs[3]['id']}')")
-    page.wait_for_selector(f"#compare-b option[value='{runs[0]['id']}']", state="attached")
+    # the page is drawn again for the new pair (A = run 3, B still run 1) before B is changed
+    page.wait_for_function(
+        "want => (document.getElementById('compare-diff-info')?.textContent || '').startsWith(want)",
+        arg=f"#{runs[3]['id']} − #{runs[1]['id']}",
+    )
     page.select_option("#compare-b", str(runs[0]["id"]))
     page.wait_for_function(f"() => location.hash.includes('b={runs[0]['id']}')")
     page.wait_for_function(

@@ -129,9 +129,17 @@ export class PostMortem {
   async timeline(container, spike) {
     const plot = el("div", { class: "timeline-plot" });
     const source = el("p", { class: "muted" });
-    const details = spike.event ? spike.event.details : null;
+    let details = spike.event ? spike.event.details : null;
     const box = el("div", { class: "timeline", dataset: { step: spike.step } }, el("h4", {}, `spike at step ${spike.step}`), source, plot);
     container.append(box);
+    if (spike.event && spike.event.details_complete === false) {
+      // lists carry big details (a flight recorder) as their summary: this one is fetched whole
+      try {
+        details = (await api(`/runs/${this.runId}/events/${spike.event.id}`)).details;
+      } catch (err) {
+        console.warn("event", err);
+      }
+    }
     let rec = flightSteps(details);
     if (rec) {
       source.textContent = `flight recorder: ${rec.steps.length} steps sent with the event`;

@@ -81,8 +81,7 @@ def get_heatmap_packed(
     if hm is None:
         matrix = np.zeros((meta.num_tensors, 0))
     else:
-        matrix = np.array(hm["values"], dtype="<f8", order="C")
-        matrix[:, hm["empty"]] = np.nan
+        matrix = np.ascontiguousarray(hm["values"], dtype="<f8")  # empty buckets are NaN already
     head["cols"] = matrix.shape[1]
     header = orjson.dumps(head)
     pad = -(4 + len(header)) % 8

@@ -1,7 +1,8 @@
-"""Liveness and Prometheus metrics."""
+"""Liveness, readiness and Prometheus metrics."""
 
 from __future__ import annotations
 
+import orjson
 from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
@@ -17,6 +18,22 @@ def healthz(ctx: CtxDep) -> dict[str, str]:
     with ctx.db.read_session() as session:
         session.execute(text("SELECT 1"))
     return {"status": "ok", "database": ctx.db.engine.dialect.name}
+
+
+@router.get("/readyz", responses={503: {"description": "the database does not take writes"}})
+def readyz(ctx: CtxDep) -> Response:
+    """Readiness: the database takes a write (a no-op update inside a transaction that is rolled back), so
+    a database that answers reads but refuses writes (read-only, full, locked) is not ready."""
+    try:
+        with ctx.db.write() as session:
+            session.execute(text("UPDATE alembic_version SET version_num = version_num"))
+            session.rollback()
+    except Exception as exc:  # noqa: BLE001 - any failure means not ready; the reason is in the answer
+        reason = type(getattr(exc, "orig", None) or exc).__name__
+        body = {"status": "unavailable", "database": ctx.db.engine.dialect.name, "detail": reason}
+        return Response(orjson.dumps(body), status_code=503, media_type="application/json")
+    body = {"status": "ready", "database": ctx.db.engine.dialect.name}
+    return Response(orjson.dumps(body), media_type="application/json")
 
 
 @router.get("/metrics", response_class=Response)

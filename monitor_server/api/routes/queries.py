@@ -7,13 +7,13 @@ from typing import Annotated, Any, Literal
 
 import orjson
 from fastapi import APIRouter, HTTPException, Query, Response, status
-from sqlalchemy import select
+from sqlalchemy import case, null, select
 
-from monitor_server.api.deps import CtxDep, ReadDep, RunId, SessionDep
+from monitor_server.api.deps import CtxDep, EventId, ReadDep, RunId, SessionDep
 from monitor_server.api.routes.runs import get_run_or_404
 from monitor_server.detection import alert_public
 from monitor_server.models import Alert, EventRow, as_utc
-from monitor_server.rollups import HEATMAP_METRICS, read_heatmap
+from monitor_server.rollups import HEATMAP_METRICS, plan_heatmap, read_heatmap
 from monitor_server.run_meta import RunMeta
 from monitor_server.schemas import (
     EventKind,
@@ -77,6 +77,15 @@ def heatmap_buckets(
     if rng is None:
         head.update(bucket_width=1, bucket_start=[], bucket_end=[], bucket_steps=[])
         return meta, head, None
+    n_cols = plan_heatmap(rng[0], rng[1], max_cols).n_buckets
+    limit = ctx.settings.max_heatmap_cells
+    if n_cols * meta.num_tensors > limit:
+        raise HTTPException(
+            422,
+            f"a heatmap of {meta.num_tensors} tensors x {n_cols} columns exceeds the limit of {limit} cells "
+            f"(max_heatmap_cells); ask for at most {max(1, limit // meta.num_tensors)} columns (max_cols) "
+            "or a narrower step range",
+        )
     hm = read_heatmap(session, run_id, metric, rng[0], rng[1], max_cols, meta.fp8_max)
     head.update(
         bucket_width=hm["width"],
@@ -151,13 +160,23 @@ def get_heatmap(
         )
     # splice the pre-rendered matrix into the JSON object (avoids building 10^5..10^6 Python floats)
     head_json = orjson.dumps(head)
-    body = (
-        head_json[:-1]
-        + b',"values":'
-        + matrix_json(hm["values"], hm["empty"][None, :].repeat(meta.num_tensors, 0))
-        + b"}"
-    )
+    body = head_json[:-1] + b',"values":' + matrix_json(hm["values"], hm["empty"]) + b"}"
     return Response(body, media_type="application/json")
+
+
+#: event details up to this size (as JSON) travel whole in lists and on the stream; larger ones as their
+#: summary, the whole details from `GET /runs/{id}/events/{event_id}`
+INLINE_DETAIL_BYTES = 4096
+
+
+def event_light(event: dict[str, Any]) -> dict[str, Any]:
+    """The light form of an event (as lists and the stream carry it): `details` whole when small, else
+    its summary, with `details_bytes` and `details_complete` saying which."""
+    size = event.get("details_bytes") or 0
+    complete = size <= INLINE_DETAIL_BYTES and event.get("details") is not None
+    details = event["details"] if complete else (event.get("summary") or {})
+    out = {k: v for k, v in event.items() if k not in ("details", "summary")}
+    return {**out, "details": details, "details_bytes": size, "details_complete": complete}
 
 
 @router.get("/{run_id}/events", response_model=list[EventPublic])
@@ -170,23 +189,46 @@ def list_events(
     to: ToQ = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
 ) -> Response:
-    """Client-reported events (with their flight-recorder details) in step order, optionally of one kind
-    and within a step range; at most `limit`, the earliest first."""
+    """Client-reported events in step order, optionally of one kind and within a step range; at most
+    `limit`, the earliest first. Light records: `details` is whole up to 4 KiB of JSON, else its summary
+    (the top-level numbers and texts) with `details_complete` false; the whole event, flight recorder
+    included, is `GET /runs/{id}/events/{event_id}`."""
     get_run_or_404(session, run_id)
     check_order(from_, to)
-    query = select(EventRow).where(EventRow.run_id == run_id)
+    small = EventRow.details_bytes <= INLINE_DETAIL_BYTES
+    query = select(
+        EventRow.id,
+        EventRow.run_id,
+        EventRow.kind,
+        EventRow.step,
+        EventRow.created_at,
+        EventRow.details_bytes,
+        EventRow.summary,
+        # only small details leave the database: a list of big events costs their summaries
+        case((small, EventRow.details), else_=null()).label("details"),
+    ).where(EventRow.run_id == run_id)
     if kind is not None:
         query = query.where(EventRow.kind == kind)
     if from_ is not None:
         query = query.where(EventRow.step >= from_)
     if to is not None:
         query = query.where(EventRow.step <= to)
-    rows = session.execute(query.order_by(EventRow.step, EventRow.id).limit(limit)).scalars()
-    return Response(orjson.dumps([event_public(e) for e in rows]), media_type="application/json")
+    rows = session.execute(query.order_by(EventRow.step, EventRow.id).limit(limit)).mappings()
+    out = [event_light(iso_dates({**row, "created_at": as_utc(row["created_at"])})) for row in rows]
+    return Response(orjson.dumps(out), media_type="application/json")
+
+
+@router.get("/{run_id}/events/{event_id}", response_model=EventPublic)
+def get_event(run_id: RunId, event_id: EventId, session: SessionDep, _principal: ReadDep) -> Response:
+    """One event whole: its details as the client sent them (a flight recorder, histograms)."""
+    event = session.get(EventRow, event_id)
+    if event is None or event.run_id != run_id:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"event {event_id} of run {run_id} not found")
+    return Response(orjson.dumps(event_public(event)), media_type="application/json")
 
 
 def event_public(event: EventRow) -> dict[str, Any]:
-    """An event as the API returns it (and the stream publishes it)."""
+    """An event whole, as `GET /runs/{id}/events/{event_id}` returns it."""
     return iso_dates(
         {
             "id": event.id,
@@ -194,6 +236,8 @@ def event_public(event: EventRow) -> dict[str, Any]:
             "kind": event.kind,
             "step": event.step,
             "details": event.details,
+            "details_bytes": event.details_bytes or 0,
+            "details_complete": True,
             "created_at": as_utc(event.created_at),
         }
     )

@@ -11,13 +11,13 @@ from sqlalchemy.orm import Session
 
 from fp8_protocol.runs import MAX_TAGS
 from monitor_server import run_admin
-from monitor_server.api.deps import ControlDep, CtxDep, ReadDep, RunId, RunWriteDep, SessionDep
+from monitor_server.api.deps import ControlDep, CtxDep, ReadDep, RunId, RunWriteDep, SessionDep, check_owner
 from monitor_server.commands import command_public, effective_recipe, end_commands
 from monitor_server.context import AppContext
 from monitor_server.models import Alert, Incident, Run, TensorRow, as_utc, utcnow
 from monitor_server.run_admin import RunFilter, parse_config_filter, set_tags, tags_of
 from monitor_server.schemas import MAX_ID, RunCreate, RunPublic, RunStatus, RunUpdate, Tag
-from monitor_server.wire import iso_dates
+from monitor_server.wire import first_nonfinite, iso_dates, json_too_deep
 
 router = APIRouter(prefix="/runs", tags=["runs"])
 NEXT_CURSOR = "X-Next-Cursor"
@@ -103,12 +103,27 @@ def _existing_run(ctx: AppContext, body: RunCreate) -> dict[str, Any] | None:
         409: {"description": "client_key already used for a run with another number of tensors"},
     },
 )
-def create_run(body: RunCreate, ctx: CtxDep, _principal: RunWriteDep, response: Response) -> dict[str, Any]:
+def create_run(body: RunCreate, ctx: CtxDep, principal: RunWriteDep, response: Response) -> dict[str, Any]:
     """Register a run and its quantized tensors (dense indices 0..T-1).
 
     With a `client_key`, registering is idempotent: a retried or replayed registration gets the run
     created first with that key (200) instead of a second run.
     """
+    limit = ctx.settings.max_tensors
+    if len(body.tensors) > limit:
+        raise HTTPException(
+            422, f"tensors: {len(body.tensors)} tensors exceed the limit of {limit} per run (max_tensors)"
+        )
+    for name in ("config", "recipe"):
+        value = getattr(body, name)
+        if json_too_deep(value, ctx.settings.max_json_depth):
+            limit = ctx.settings.max_json_depth
+            raise HTTPException(
+                422, f"{name}: nested deeper than the limit of {limit} levels (max_json_depth)"
+            )
+        bad = first_nonfinite(value, name)
+        if bad is not None:  # stored, it would silently become null
+            raise HTTPException(422, f"{bad}: NaN and Infinity are not JSON; send them as strings")
     existing = _existing_run(ctx, body)
     if existing is not None:
         response.status_code = status.HTTP_200_OK
@@ -129,6 +144,7 @@ def create_run(body: RunCreate, ctx: CtxDep, _principal: RunWriteDep, response: 
                 updated_at=now,
                 steps_stored=0,
                 client_key=body.client_key,
+                owner=principal.name if ctx.settings.auth_enabled else None,
             )
             session.add(run)
             session.flush()
@@ -193,12 +209,13 @@ def get_run(run_id: RunId, session: SessionDep, _principal: ReadDep) -> dict[str
 
 
 @router.patch("/{run_id}", response_model=RunPublic)
-def update_run(run_id: RunId, body: RunUpdate, ctx: CtxDep, _principal: RunWriteDep) -> dict[str, Any]:
+def update_run(run_id: RunId, body: RunUpdate, ctx: CtxDep, principal: RunWriteDep) -> dict[str, Any]:
     """Change a run's status (one of `fp8_protocol.runs.RUN_STATUSES`), name or tags (replaced as a whole).
-    A run that ends rejects its commands not yet applied."""
+    An `ingest` token changes only its own runs. A run that ends rejects its commands not yet applied."""
     ended_public: list[dict[str, Any]] = []
     with ctx.db.write() as session:
         run = get_run_or_404(session, run_id)
+        check_owner(principal, run.owner, run_id)
         if body.status is not None:
             run.status = body.status
             if body.status != "running":
@@ -213,6 +230,9 @@ def update_run(run_id: RunId, body: RunUpdate, ctx: CtxDep, _principal: RunWrite
     ctx.broker.publish(run_id, "run", {"id": run_id, "status": result["status"], "name": result["name"]})
     for command in ended_public:
         ctx.broker.publish(run_id, "command", iso_dates(command))
+    if body.status is not None and body.status != "running":  # a finished run's caches go now
+        ctx.detection.forget(run_id)
+        ctx.run_meta.forget(run_id)
     return result
 
 

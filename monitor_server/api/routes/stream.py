@@ -18,7 +18,8 @@ router = APIRouter(prefix="/runs", tags=["stream"])
 async def stream_events(sub: Subscription, keepalive_s: float) -> AsyncIterator[bytes]:
     """Yield SSE frames until the broker closes (shutdown); the response cancels us on disconnect."""
     try:
-        yield b": connected\nretry: 2000\n\n"
+        # a first event: a client (or a test) knows from it that it is subscribed and will miss nothing
+        yield b"retry: 2000\nevent: subscribed\ndata: {}\n\n"
         while True:
             event = await sub.get(keepalive_s)
             if event is None:
@@ -26,7 +27,7 @@ async def stream_events(sub: Subscription, keepalive_s: float) -> AsyncIterator[
             elif event is CLOSED:
                 return
             else:
-                yield event.encode()
+                yield event
     finally:
         sub.close()
 

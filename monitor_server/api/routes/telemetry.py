@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import zlib
@@ -11,12 +12,21 @@ import numpy as np
 from fastapi import APIRouter, HTTPException, Request, Response, status
 from starlette.concurrency import run_in_threadpool
 
-from monitor_server.api.deps import CtxDep, IngestDep, RunId
+from monitor_server.api.deps import CtxDep, IngestDep, RunId, check_owner
+from monitor_server.api.routes.queries import event_light
 from monitor_server.commands import CommandError, command_public
 from monitor_server.context import AppContext
-from monitor_server.ingest import UnknownRun, decode_batch, parse_json, store_batch
+from monitor_server.ingest import (
+    DecodedBatch,
+    EventLimits,
+    UnknownRun,
+    decode_batch,
+    parse_json,
+    store_batch,
+)
+from monitor_server.run_meta import RunMeta
 from monitor_server.schemas import TelemetryResult
-from monitor_server.wire import WireError, dumps, encode_float, iso_dates, jsonable
+from monitor_server.wire import JsonValueBudget, WireError, dumps, encode_float, iso_dates, jsonable
 
 log = logging.getLogger("fp8scope.monitor")
 router = APIRouter(prefix="/runs", tags=["telemetry"])
@@ -57,18 +67,54 @@ def _step_summaries(batch: Any) -> list[dict[str, Any]]:
     ]
 
 
-def gunzip_body(body: bytes, max_bytes: int) -> bytes:
-    """Decompress a `Content-Encoding: gzip` body, refusing more than `max_bytes` decompressed (413)."""
+def run_meta(ctx: AppContext, run_id: int) -> RunMeta | None:
+    """The run's cached meta (None: no such run)."""
+    with ctx.db.read_session() as session:
+        return ctx.run_meta.get(session, run_id)
+
+
+def decode_slots(ctx: AppContext) -> asyncio.Semaphore:
+    """The app's semaphore bounding concurrent telemetry decoding (`decode_concurrency`)."""
+    if ctx.decode_slots is None:
+        ctx.decode_slots = asyncio.Semaphore(ctx.settings.decode_concurrency)
+    return ctx.decode_slots
+
+
+#: inflating and counting go in pieces of this size, so a refused body is never held whole inflated
+PIECE = 1 << 20
+
+
+def over_budget(limit: int) -> HTTPException:
+    """413 for a body with more JSON values than `limit` (the parse budget)."""
+    return HTTPException(
+        413,
+        f"the body holds more JSON values than the parse budget of {limit} (max_json_elements); "
+        "send smaller batches, or statistics as packed columns",
+    )
+
+
+def gunzip_body(body: bytes, max_bytes: int, max_values: int) -> bytearray:
+    """Inflate a `Content-Encoding: gzip` body piece by piece, refusing (413) more than `max_bytes` inflated
+    or more JSON values than `max_values` as soon as the pieces so far show it; 400 when malformed."""
     d = zlib.decompressobj(wbits=31)
+    budget = JsonValueBudget(max_values)
+    out = bytearray()
+    data = body
     try:
-        out = d.decompress(body, max_bytes + 1)
+        while not d.eof:
+            piece = d.decompress(data, PIECE)
+            data = d.unconsumed_tail
+            if not piece and not data:
+                break  # all input used and no end of stream: truncated
+            out += piece
+            if len(out) > max_bytes:
+                raise HTTPException(
+                    413, f"decompressed request body exceeds the limit of {max_bytes} bytes (max_body_bytes)"
+                )
+            if budget.over(piece):
+                raise over_budget(max_values)
     except zlib.error as exc:
         raise HTTPException(status.HTTP_400_BAD_REQUEST, f"malformed gzip body: {exc}") from None
-    if len(out) > max_bytes or d.unconsumed_tail:
-        raise HTTPException(
-            413,
-            f"decompressed request body exceeds the limit of {max_bytes} bytes",
-        )
     if not d.eof:
         raise HTTPException(status.HTTP_400_BAD_REQUEST, "malformed gzip body: truncated")
     if d.unused_data:
@@ -76,28 +122,54 @@ def gunzip_body(body: bytes, max_bytes: int) -> bytes:
     return out
 
 
-def ingest(ctx: AppContext, run_id: RunId, body: bytes) -> dict[str, Any]:
-    """Decode, store and post-process one batch; runs in a worker thread.
+def check_budget(body: bytes, max_values: int) -> None:
+    """413 when a plain body holds more JSON values than `max_values` (counted a piece at a time)."""
+    budget = JsonValueBudget(max_values)
+    view = memoryview(body)
+    for start in range(0, len(body), PIECE):
+        if budget.over(view[start : start + PIECE]):
+            raise over_budget(max_values)
+
+
+def decode(ctx: AppContext, run_id: RunId, body: bytes | bytearray) -> tuple[RunMeta, DecodedBatch]:
+    """Parse and validate one batch against its run (its JSON values counted already); runs in a worker
+    thread, inside a decode slot.
 
     Raises:
-        HTTPException: 400 malformed JSON, 404 unknown run, 422 invalid content (nothing written).
+        HTTPException: 400 malformed JSON, 404 unknown run, 413 over the parse budget, 422 invalid
+            content.
     """
-    started = time.perf_counter()
+    settings = ctx.settings
     try:
         payload = parse_json(body)
     except WireError as exc:
         ctx.metrics.batches.labels("rejected").inc()
+        if "depth limit exceeded" in str(exc):  # orjson stops at 1024 levels: far past our own limit
+            limit = settings.max_json_depth
+            detail = f"body: nested deeper than the limit of {limit} levels (max_json_depth)"
+            raise HTTPException(422, detail) from None
         raise HTTPException(status.HTTP_400_BAD_REQUEST, str(exc)) from None
     with ctx.db.read_session() as session:
         meta = ctx.run_meta.get(session, run_id)
     if meta is None:
         ctx.metrics.batches.labels("rejected").inc()
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id} not found")
+    limits = EventLimits(settings.max_json_depth, settings.max_event_detail_bytes)
     try:
-        batch = decode_batch(payload, meta.num_tensors)
+        return meta, decode_batch(payload, meta.num_tensors, limits)
     except WireError as exc:
         ctx.metrics.batches.labels("rejected").inc()
         raise HTTPException(422, str(exc)) from None
+
+
+def ingest(
+    ctx: AppContext, run_id: RunId, meta: RunMeta, batch: DecodedBatch, started: float
+) -> dict[str, Any]:
+    """Store and post-process one decoded batch; runs in a worker thread.
+
+    Raises:
+        HTTPException: 404 unknown run, 422 an ack naming an unknown command (nothing written).
+    """
     with ctx.db.run_lock(run_id):
         try:
             with ctx.db.write() as session:
@@ -122,8 +194,8 @@ def ingest(ctx: AppContext, run_id: RunId, body: bytes) -> dict[str, Any]:
             for command in changed:
                 ctx.broker.publish(run_id, "command", iso_dates(command))
             if not result.duplicate:
-                for event in batch.events:
-                    ctx.broker.publish(run_id, "event", event)
+                for event in batch.events:  # light, as lists show them: a stream never carries megabytes
+                    ctx.broker.publish(run_id, "event", event_light(event))
         if any(c["state"] == "applied" for c in changed):
             ctx.detection.forget(run_id)  # rebuilt with the new recipe
         if not result.duplicate:
@@ -144,22 +216,40 @@ def ingest(ctx: AppContext, run_id: RunId, body: bytes) -> dict[str, Any]:
         415: {"description": "unsupported Content-Encoding"},
     },
 )
-async def post_telemetry(run_id: RunId, request: Request, ctx: CtxDep, _principal: IngestDep) -> Response:
+async def post_telemetry(run_id: RunId, request: Request, ctx: CtxDep, principal: IngestDep) -> Response:
     """Store a batch of steps (statistics as columns), client events and command acks.
 
     The body may be gzip-compressed (`Content-Encoding: gzip`). Returns how many steps were newly stored,
     whether the idempotency key was seen before, and the run's unacknowledged commands (pending ones become
     delivered; delivered ones are sent again until acknowledged).
     """
-    body = await request.body()
+    started = time.perf_counter()
+    if ctx.settings.auth_enabled:  # the run's owner, from the cache, before the body is read
+        meta = await run_in_threadpool(run_meta, ctx, run_id)
+        if meta is not None:
+            check_owner(principal, meta.owner, run_id)
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
-    if encoding == "gzip":
-        # up to max_body_bytes of inflating: off the event loop, like the decoding
-        body = await run_in_threadpool(gunzip_body, body, ctx.settings.max_body_bytes)
-    elif encoding != "identity":
+    if encoding not in ("gzip", "identity"):
         raise HTTPException(
             status.HTTP_415_UNSUPPORTED_MEDIA_TYPE, f"Content-Encoding {encoding!r}: expected gzip or none"
         )
-    result = await run_in_threadpool(ingest, ctx, run_id, body)
+    body = await request.body()
+    # inflating and parsing cost memory in proportion to the body: a few batches at a time, the others
+    # wait their turn (holding only their compressed body), off the event loop
+    async with decode_slots(ctx):
+        settings = ctx.settings
+        try:
+            if encoding == "gzip":
+                body = await run_in_threadpool(
+                    gunzip_body, body, settings.max_body_bytes, settings.max_json_elements
+                )
+            else:
+                await run_in_threadpool(check_budget, body, settings.max_json_elements)
+        except HTTPException:
+            ctx.metrics.batches.labels("rejected").inc()
+            raise
+        meta, batch = await run_in_threadpool(decode, ctx, run_id, body)
+        del body
+    result = await run_in_threadpool(ingest, ctx, run_id, meta, batch, started)
     result["commands"] = [jsonable(iso_dates(c)) for c in result["commands"]]
     return Response(dumps(result), media_type="application/json")

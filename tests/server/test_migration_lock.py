@@ -1,0 +1,43 @@
+"""Two servers starting together on a fresh database: migrations run under a lock (a file lock on SQLite,
+an advisory lock on PostgreSQL), so both come up on one schema instead of one dying mid-migration."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+
+from tests.server.utils import API, ServerProcess, run_body
+
+
+def _start(server: ServerProcess, errors: list[str]) -> None:
+    try:
+        server.start(timeout=90)
+    except RuntimeError as exc:
+        errors.append(str(exc)[-2000:])
+
+
+def test_two_servers_start_together_on_a_fresh_database(db_url, tmp_path):
+    for attempt in range(3):  # the race is in the first second: try it a few times
+        url = (
+            db_url
+            if attempt == 0 or not db_url.startswith("sqlite")
+            else f"sqlite:///{tmp_path / f'm{attempt}.db'}"
+        )
+        servers = [ServerProcess(url, log_path=tmp_path / f"s{attempt}-{i}.log") for i in range(2)]
+        errors: list[str] = []
+
+        threads = [threading.Thread(target=_start, args=(s, errors)) for s in servers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        try:
+            assert not errors, errors
+            rid = httpx.post(f"{servers[0].url}{API}/runs", json=run_body(1)).json()["id"]
+            assert httpx.get(f"{servers[1].url}{API}/runs/{rid}").status_code == 200
+        finally:
+            for s in servers:
+                s.stop()
+        if not db_url.startswith("sqlite"):
+            break  # one fresh schema per test on PostgreSQL
