@@ -19,6 +19,7 @@ from monitor_server.api.routes import (
     alerts,
     commands,
     dashboard,
+    export,
     health,
     incidents,
     queries,
@@ -131,7 +132,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.ctx = ctx
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.include_router(health.router)
-    for module in (runs, telemetry, queries, alerts, incidents, commands, stream, dashboard):
+    for module in (runs, telemetry, queries, export, alerts, incidents, commands, stream, dashboard):
         app.include_router(module.router, prefix=API_PREFIX)
     mount_dashboard(app)
 
