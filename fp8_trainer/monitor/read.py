@@ -214,8 +214,11 @@ class Reader:
         else:
             text = body.decode()
             names = next(csv.reader(io.StringIO(text)))
-            data = np.loadtxt(io.StringIO(text), delimiter=",", skiprows=1, ndmin=2, dtype=np.float64)
-            data = data.reshape(-1, len(names))
+            rows = text.split("\n", 1)[1] if "\n" in text else ""
+            if rows.strip():
+                data = np.loadtxt(io.StringIO(rows), delimiter=",", ndmin=2, dtype=np.float64)
+            else:
+                data = np.zeros((0, len(names)))
             steps, cube = data[:, 0].astype(np.int64), data[:, 1:]
         # the wide layout is tensor-major, statistic-minor: "<tensor>.<statistic>"
         if [n.rsplit(".", 1)[-1] for n in names[1:]] != list(STATS) * T:

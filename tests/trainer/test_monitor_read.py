@@ -9,6 +9,7 @@ import re
 import sys
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -193,3 +194,15 @@ def test_frame_without_pandas_says_what_to_install(server, job, monkeypatch):
     monkeypatch.setitem(sys.modules, "pandas", None)  # as if pandas were not installed
     with Reader(server.url) as reader, pytest.raises(ImportError, match="Reader.frame needs pandas"):
         reader.frame(job[0], "stats")
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "csv"])
+def test_run_without_statistics(tmp_path, fmt):
+    """A baseline run (no FP8 tensors) and a run with nothing stored read as empty arrays, not errors."""
+    with running_server(f"sqlite:///{tmp_path / 'empty.db'}") as srv, Reader(srv.url, format=fmt) as reader:
+        body = {"name": "bf16", "config": {}, "recipe": {}, "tensors": []}
+        run_id = httpx.post(f"{srv.url}/api/v1/runs", json=body, timeout=10).json()["id"]
+        stats = reader.stats(run_id)
+        assert stats["steps"].shape == (0,) and stats["amax"].shape == (0, 0)
+        assert [a.size for a in reader.series(run_id, "loss")] == [0, 0]
+        assert reader.events(run_id) == [] and reader.alerts(run_id) == []
