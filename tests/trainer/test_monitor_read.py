@@ -95,6 +95,10 @@ def test_stats_and_series_bit_for_bit(server, job, fmt):
         np.testing.assert_array_equal(loss, [seen[k][0] for k in steps] + [last_loss])
         assert np.isnan(loss[-2])  # the loss after the poisoned step is NaN, kept as such
         assert reader.series(run_id, "tokens_per_s") == ([9], [123.0])
+        table = reader.scalars(run_id)  # every scalar side by side; NaN where a step did not carry one
+        np.testing.assert_array_equal(table["steps"], [*steps, 9])
+        np.testing.assert_array_equal(table["tokens_per_s"], [np.nan] * 8 + [123.0])
+        np.testing.assert_array_equal(table["loss"], loss)
         empty = reader.series(run_id, "no_such_scalar")
         assert empty[0].size == 0 and empty[1].size == 0
 
