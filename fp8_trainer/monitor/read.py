@@ -219,7 +219,10 @@ class Reader:
                 data = np.loadtxt(io.StringIO(rows), delimiter=",", ndmin=2, dtype=np.float64)
             else:
                 data = np.zeros((0, len(names)))
-            steps, cube = data[:, 0].astype(np.int64), data[:, 1:]
+            # steps as integers (a step above 2**53 has no exact float64)
+            firsts = [line.split(",", 1)[0] for line in rows.splitlines() if line]
+            steps = np.array([int(x) for x in firsts], dtype=np.int64)
+            cube = data[:, 1:]
         # the wide layout is tensor-major, statistic-minor: "<tensor>.<statistic>"
         if [n.rsplit(".", 1)[-1] for n in names[1:]] != list(STATS) * T:
             raise ReadError(f"unexpected columns in the statistics export: {names[:8]}")
