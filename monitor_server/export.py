@@ -38,7 +38,7 @@ from sqlalchemy.orm import Session
 from monitor_server.detection import alert_public
 from monitor_server.detectors.types import STAT_COLUMNS
 from monitor_server.models import Alert, EventRow, StepRow, StepStat, as_utc
-from monitor_server.rollups import STAT_IDS, read_step_stats
+from monitor_server.rollups import STAT_IDS
 from monitor_server.run_meta import RunMeta
 from monitor_server.series import scalar_value
 
@@ -131,20 +131,21 @@ def _count_stat_steps(sessions: SessionFactory, run_id: int, lo: int, hi: int) -
 
 def _stat_chunks(
     sessions: SessionFactory, meta: RunMeta, lo: int, hi: int, per_chunk: int | None = None
-) -> Iterator[tuple[np.ndarray, dict[str, np.ndarray]]]:
-    """(steps (S,), statistic -> (S, T)) for the steps in [lo, hi] that hold statistics, `per_chunk` steps
-    (default: about CHUNK_CELLS values) at a time.
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(steps (S,), statistics (S, 6, T) in STAT_COLUMNS order) for the steps in [lo, hi] that hold
+    statistics, about `per_chunk` steps (default: about CHUNK_CELLS values) at a time.
 
-    Steps with scalars only (no FP8 layer ran) have no `StepStat` rows and so are not in any chunk.
+    Steps with scalars only (no FP8 layer ran) have no `StepStat` rows and so are not in any chunk. The
+    values of a chunk come from one SELECT, so a batch stored meanwhile is in it whole or not at all.
     """
-    T = meta.num_tensors
+    T, n_stats = meta.num_tensors, len(STAT_COLUMNS)
     per_chunk = per_chunk or _chunk_steps(T)
-    ids = [STAT_IDS[name] for name in STAT_COLUMNS]
+    ids = [STAT_IDS[name] for name in STAT_COLUMNS]  # ascending: ordering rows by id gives STAT_COLUMNS
     cursor = lo
     while cursor <= hi:
         with sessions() as session:
-            # every stored step has all six statistics: the amax rows find the chunk's steps
-            steps = session.scalars(
+            # where the chunk ends: the per_chunk-th step holding statistics (every one has an amax row)
+            last = session.scalar(
                 select(StepStat.step)
                 .where(
                     StepStat.run_id == meta.run_id,
@@ -152,13 +153,27 @@ def _stat_chunks(
                     StepStat.step.between(cursor, hi),
                 )
                 .order_by(StepStat.step)
-                .limit(per_chunk)
+                .offset(per_chunk - 1)
+                .limit(1)
+            )
+            end = hi if last is None else last
+            rows = session.execute(
+                select(StepStat.step, StepStat.values)
+                .where(
+                    StepStat.run_id == meta.run_id,
+                    StepStat.metric.in_(ids),
+                    StepStat.step.between(cursor, end),
+                )
+                .order_by(StepStat.step, StepStat.metric)
             ).all()
-            if not steps:
-                return
-            got_steps, matrices = read_step_stats(session, meta.run_id, ids, steps[0], steps[-1], T)
-        yield got_steps, {name: matrices[STAT_IDS[name]] for name in STAT_COLUMNS}
-        cursor = steps[-1] + 1
+        if not rows:
+            return
+        steps = np.fromiter((r.step for r in rows[::n_stats]), np.int64, len(rows) // n_stats)
+        cube = np.frombuffer(b"".join(r.values for r in rows), "<f8").reshape(len(steps), n_stats, T)
+        yield steps, cube
+        if last is None:
+            return
+        cursor = end + 1
 
 
 def stats_long_schema() -> pa.Schema:
@@ -183,7 +198,7 @@ def stats_long(sessions: SessionFactory, meta: RunMeta, lo: int, hi: int) -> Ite
     tensor_dict = pa.array([t.name for t in meta.tensors], pa.string())
     layer_idx = np.array([layers.index(t.layer) for t in meta.tensors], dtype=np.int32)
     role_idx = np.array([roles.index(t.role) for t in meta.tensors], dtype=np.int32)
-    for steps, stats in _stat_chunks(sessions, meta, lo, hi):
+    for steps, cube in _stat_chunks(sessions, meta, lo, hi):
         S = len(steps)
         tensor_of_row = np.tile(np.arange(T, dtype=np.int32), S)  # (S*T,) row = step-major
         columns = [
@@ -191,7 +206,7 @@ def stats_long(sessions: SessionFactory, meta: RunMeta, lo: int, hi: int) -> Ite
             pa.DictionaryArray.from_arrays(tensor_of_row, tensor_dict),
             pa.DictionaryArray.from_arrays(layer_idx[tensor_of_row], pa.array(layers, pa.string())),
             pa.DictionaryArray.from_arrays(role_idx[tensor_of_row], pa.array(roles, pa.string())),
-        ] + [pa.array(stats[name].reshape(-1)) for name in STAT_COLUMNS]
+        ] + [pa.array(cube[:, j, :].reshape(-1)) for j in range(len(STAT_COLUMNS))]
         yield pa.Table.from_arrays(columns, schema=schema)
 
 
@@ -208,11 +223,11 @@ def stats_wide(
     per_chunk = _chunk_steps(meta.num_tensors)
     if row_groups:
         per_chunk = max(per_chunk, -(-_count_stat_steps(sessions, meta.run_id, lo, hi) // row_groups))
-    for steps, stats in _stat_chunks(sessions, meta, lo, hi, per_chunk):
-        # (6, S, T) -> (T, 6, S) -> rows of (T*6, S): each output column is one contiguous row, so Arrow
+    for steps, cube in _stat_chunks(sessions, meta, lo, hi, per_chunk):
+        # (S, 6, T) -> (T, 6, S) -> rows of (T*6, S): each output column is one contiguous row, so Arrow
         # takes it without another copy; column order is tensor-major, statistic-minor like the schema
-        cube = np.ascontiguousarray(np.stack([stats[name] for name in STAT_COLUMNS]).transpose(2, 0, 1))
-        columns = [pa.array(steps)] + [pa.array(row) for row in cube.reshape(-1, len(steps))]
+        by_column = np.ascontiguousarray(cube.transpose(2, 1, 0)).reshape(-1, len(steps))
+        columns = [pa.array(steps)] + [pa.array(row) for row in by_column]
         yield pa.Table.from_arrays(columns, schema=schema)
 
 
