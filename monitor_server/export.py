@@ -1,7 +1,7 @@
 """A run's tables as CSV or Parquet, streamed in chunks of steps (`GET /runs/{id}/export`).
 
 A run can hold 512 tensors x 100,000 steps (3 * 10^8 statistic values): no table is ever built whole. Each
-table is read through a keyset cursor, a chunk of about `CHUNK_CELLS` values at a time, in a fresh read
+table is read through a keyset cursor, about `CHUNK_CELLS` (step, tensor) pairs at a time, in a fresh read
 session per chunk (so a slow download holds no snapshot for minutes), turned into an Arrow table and
 handed to a pyarrow writer whose output is drained after every chunk. Parquet gets one row group per chunk.
 
@@ -47,7 +47,7 @@ TABLES = ("stats", "scalars", "events", "alerts")
 LAYOUTS = ("long", "wide")
 MEDIA_TYPES = {"csv": "text/csv; charset=utf-8", "parquet": "application/vnd.apache.parquet"}
 
-#: values per chunk: 65,536 (step, tensor) rows of the long layout, about 3 MB of statistics
+#: (step, tensor) pairs per chunk: 65,536 rows of the long layout, 3 MB of statistics
 CHUNK_CELLS = 65_536
 #: the most row groups of a wide Parquet file (see `stats_wide`): about the least memory at 512 tensors x
 #: 100,000 steps, where metadata and one row group then weigh about the same
@@ -133,7 +133,7 @@ def _stat_chunks(
     sessions: SessionFactory, meta: RunMeta, lo: int, hi: int, per_chunk: int | None = None
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """(steps (S,), statistics (S, 6, T) in STAT_COLUMNS order) for the steps in [lo, hi] that hold
-    statistics, about `per_chunk` steps (default: about CHUNK_CELLS values) at a time.
+    statistics, about `per_chunk` steps (default: about CHUNK_CELLS (step, tensor) pairs) at a time.
 
     Steps with scalars only (no FP8 layer ran) have no `StepStat` rows and so are not in any chunk. The
     values of a chunk come from one SELECT, so a batch stored meanwhile is in it whole or not at all.
