@@ -106,6 +106,7 @@ def encode(fmt: str, schema: pa.Schema, tables: Iterator[pa.Table]) -> Iterator[
     try:
         for table in tables:
             writer.write_table(table)
+            del table  # the next chunk is read while this loop holds nothing of the last one
             data = sink.take()
             if data:
                 yield data
@@ -217,18 +218,38 @@ def stats_wide(
 
     `row_groups`: for Parquet, at most about this many chunks. A Parquet writer keeps about 0.9 kB of
     metadata per column per row group until the file is closed: with 3,072 columns, 128-step row groups
-    of a 100,000-step run would hold 2 GB of it. Fewer, larger chunks trade that for a larger chunk.
+    of a 100,000-step run would hold 2 GB of it. Fewer, larger chunks trade that for a larger chunk, which
+    is filled from reads of the usual size so that it is held once.
     """
     schema = stats_wide_schema(meta)
-    per_chunk = _chunk_steps(meta.num_tensors)
+    n_cols = meta.num_tensors * len(STAT_COLUMNS)
+    per_read = _chunk_steps(meta.num_tensors)
+    per_table = per_read
     if row_groups:
-        per_chunk = max(per_chunk, -(-_count_stat_steps(sessions, meta.run_id, lo, hi) // row_groups))
-    for steps, cube in _stat_chunks(sessions, meta, lo, hi, per_chunk):
-        # (S, 6, T) -> (T, 6, S) -> rows of (T*6, S): each output column is one contiguous row, so Arrow
-        # takes it without another copy; column order is tensor-major, statistic-minor like the schema
-        by_column = np.ascontiguousarray(cube.transpose(2, 1, 0)).reshape(-1, len(steps))
-        columns = [pa.array(steps)] + [pa.array(row) for row in by_column]
-        yield pa.Table.from_arrays(columns, schema=schema)
+        want = -(-_count_stat_steps(sessions, meta.run_id, lo, hi) // row_groups)
+        per_table = max(1, -(-want // per_read)) * per_read  # whole reads per table
+    # (T*6, steps): each output column is one contiguous row, so Arrow takes it without another copy;
+    # rows are tensor-major, statistic-minor like the schema
+    block, steps_parts, filled = np.empty((n_cols, per_table)), [], 0
+    for steps, cube in _stat_chunks(sessions, meta, lo, hi, per_read):
+        n = len(steps)
+        if filled + n > block.shape[1] and filled:  # a read that does not fit (a batch landed meanwhile)
+            yield _wide_table(schema, steps_parts, block[:, :filled])
+            block, steps_parts, filled = np.empty((n_cols, max(per_table, n))), [], 0
+        block[:, filled : filled + n] = cube.transpose(2, 1, 0).reshape(n_cols, n)
+        steps_parts.append(steps)
+        filled += n
+        if filled == block.shape[1]:
+            yield _wide_table(schema, steps_parts, block)
+            block, steps_parts, filled = np.empty((n_cols, per_table)), [], 0
+    if filled:
+        yield _wide_table(schema, steps_parts, block[:, :filled])
+
+
+def _wide_table(schema: pa.Schema, steps_parts: list[np.ndarray], block: np.ndarray) -> pa.Table:
+    # each row of the block, cut short or not, is contiguous: Arrow wraps it without a copy
+    columns = [pa.array(np.concatenate(steps_parts))] + [pa.array(row) for row in block]
+    return pa.Table.from_arrays(columns, schema=schema)
 
 
 # --- scalars, events, alerts ------------------------------------------------------------------------
