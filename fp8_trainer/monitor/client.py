@@ -38,7 +38,6 @@ grad_output before quantization) and sends its histogram as a follow-up ``custom
 from __future__ import annotations
 
 import logging
-import os
 import re
 import socket
 import time
@@ -61,6 +60,7 @@ from ..hostcopy import HostCopy
 from ..stats import StatsReader
 from .control import CommandInbox, apply_commands
 from .detect import DetectConfig, Detector, FlightRecorder, amax_movers
+from .env import env_token, service_url
 from .ranks import RankSync, reduce_rank_stats
 from .sender import Sender, SenderConfig, StepRecord, wire_float
 from .spool import SpoolWriter
@@ -132,21 +132,6 @@ def _check_tags(tags: Any) -> list[str]:
     return tags
 
 
-def _env_token() -> str | None:
-    """``FP8SCOPE_TOKEN``, else the first line of the file named by ``FP8SCOPE_TOKEN_FILE``."""
-    token = os.environ.get("FP8SCOPE_TOKEN")
-    if token:
-        return token
-    path = os.environ.get("FP8SCOPE_TOKEN_FILE")
-    if not path:
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.readline().strip() or None
-    except OSError as e:
-        raise ValueError(f"FP8SCOPE_TOKEN_FILE: cannot read {path!r} ({e.strerror})") from None
-
-
 class Monitor:
     """Telemetry client of one training run; see the module docstring for a complete loop.
 
@@ -204,13 +189,8 @@ class Monitor:
             raise ValueError(f"tokens_per_step: must be a number > 0, got {tokens_per_step!r}")
         self.tokens_per_step = tokens_per_step
         self._last_step_at: float | None = None
-        url = url if url is not None else os.environ.get("FP8SCOPE_URL")
-        token = token if token is not None else _env_token()
-        if not isinstance(url, str) or not re.match(r"https?://[^/\s]+", url):
-            raise ValueError(
-                f"url: expected the service root like 'http://127.0.0.1:8000' (or in FP8SCOPE_URL), "
-                f"got {url!r}"
-            )
+        url = service_url(url)
+        token = token if token is not None else env_token()
         self.model = model
         self.recipe = recipe
         self._logged: set[str] = set()

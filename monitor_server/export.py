@@ -1,0 +1,413 @@
+"""A run's tables as CSV or Parquet, streamed in chunks of steps (`GET /runs/{id}/export`).
+
+A run can hold 512 tensors x 100,000 steps (3 * 10^8 statistic values): no table is ever built whole. Each
+table is read through a keyset cursor, about `CHUNK_CELLS` (step, tensor) pairs at a time, in a fresh read
+session per chunk (so a slow download holds no snapshot for minutes), turned into an Arrow table and
+handed to a pyarrow writer whose output is drained after every chunk. Parquet gets one row group per chunk.
+
+Tables and their columns:
+
+- ``stats``, ``layout=long``: one row per (step, tensor): ``step, tensor, layer, role, amax, scale,
+  overflow, underflow, nonfinite, numel`` (tensors in index order within a step).
+- ``stats``, ``layout=wide``: one row per step: ``step``, then per tensor (index order) per statistic a
+  column ``<tensor name>.<statistic>``, e.g. ``blocks.0.attn.qkv.input.amax``.
+- ``scalars``: one row per stored step: ``step``, then one column per scalar name (sorted); empty / null
+  where the step did not carry that scalar (a NaN it carried stays NaN).
+- ``events``: ``id, step, kind, created_at, details`` (details as JSON text, non-finite floats spelled as
+  on the wire).
+- ``alerts``: the fields of ``GET /runs/{id}/alerts`` (evidence as JSON text), by id.
+
+Statistics and scalars are float64 as stored. Non-finite values are carried natively: CSV writes ``nan``,
+``inf`` and ``-inf``; Parquet stores the IEEE values. CSV floats use the shortest text that reads back to
+the same float64, so a CSV round trip is exact too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import orjson
+import pyarrow as pa
+import pyarrow.csv as pa_csv
+import pyarrow.parquet as pq
+from sqlalchemy import and_, func, or_, select
+from sqlalchemy.orm import Session
+
+from monitor_server.detection import alert_public
+from monitor_server.detectors.types import STAT_COLUMNS
+from monitor_server.models import Alert, EventRow, StepRow, StepStat, as_utc
+from monitor_server.rollups import STAT_IDS
+from monitor_server.run_meta import RunMeta
+from monitor_server.series import scalar_value
+
+FORMATS = ("csv", "parquet")
+TABLES = ("stats", "scalars", "events", "alerts")
+LAYOUTS = ("long", "wide")
+MEDIA_TYPES = {"csv": "text/csv; charset=utf-8", "parquet": "application/vnd.apache.parquet"}
+
+#: (step, tensor) pairs per chunk: 65,536 rows of the long layout, 3 MB of statistics
+CHUNK_CELLS = 65_536
+#: the most row groups of a wide Parquet file (see `stats_wide`): about the least memory at 512 tensors x
+#: 100,000 steps, where metadata and one row group then weigh about the same
+WIDE_PARQUET_ROW_GROUPS = 48
+#: rows per chunk of the tables without tensors (scalars, events, alerts)
+CHUNK_ROWS = 4096
+
+SessionFactory = Callable[[], Session]
+_TS = pa.timestamp("us", tz="UTC")
+
+
+def filename(run_id: int, table: str, fmt: str) -> str:
+    """The download's file name: ``run-<id>-<table>.<csv|parquet>``."""
+    return f"run-{run_id}-{table}.{fmt}"
+
+
+class _Sink:
+    """A write-only file for the pyarrow writers whose bytes are taken out after each chunk."""
+
+    closed = False
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []
+        self._pos = 0
+
+    def write(self, data: Any) -> int:
+        chunk = bytes(data)
+        self._parts.append(chunk)
+        self._pos += len(chunk)
+        return len(chunk)
+
+    def tell(self) -> int:
+        return self._pos
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+    def take(self) -> bytes:
+        out = b"".join(self._parts)
+        self._parts.clear()
+        return out
+
+
+def encode(fmt: str, schema: pa.Schema, tables: Iterator[pa.Table]) -> Iterator[bytes]:
+    """The bytes of a CSV or Parquet file holding `tables` (all of `schema`), yielded chunk by chunk."""
+    sink = _Sink()
+    if fmt == "csv":
+        writer: Any = pa_csv.CSVWriter(
+            sink, schema, write_options=pa_csv.WriteOptions(quoting_style="needed")
+        )
+    else:
+        writer = pq.ParquetWriter(sink, schema, compression="zstd")
+    try:
+        for table in tables:
+            writer.write_table(table)
+            del table  # the next chunk is read while this loop holds nothing of the last one
+            data = sink.take()
+            if data:
+                yield data
+    finally:
+        writer.close()
+    yield sink.take()
+
+
+# --- statistics -------------------------------------------------------------------------------------
+
+
+def _chunk_steps(num_tensors: int) -> int:
+    return max(1, CHUNK_CELLS // max(1, num_tensors))
+
+
+def _count_stat_steps(sessions: SessionFactory, run_id: int, lo: int, hi: int) -> int:
+    with sessions() as session:
+        query = select(func.count()).where(
+            StepStat.run_id == run_id, StepStat.metric == STAT_IDS["amax"], StepStat.step.between(lo, hi)
+        )
+        return session.scalar(query) or 0
+
+
+def _stat_chunks(
+    sessions: SessionFactory, meta: RunMeta, lo: int, hi: int, per_chunk: int | None = None
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(steps (S,), statistics (S, 6, T) in STAT_COLUMNS order) for the steps in [lo, hi] that hold
+    statistics, about `per_chunk` steps (default: about CHUNK_CELLS (step, tensor) pairs) at a time.
+
+    Steps with scalars only (no FP8 layer ran) have no `StepStat` rows and so are not in any chunk. The
+    values of a chunk come from one SELECT, so a batch stored meanwhile is in it whole or not at all.
+    """
+    T, n_stats = meta.num_tensors, len(STAT_COLUMNS)
+    per_chunk = per_chunk or _chunk_steps(T)
+    ids = [STAT_IDS[name] for name in STAT_COLUMNS]  # ascending: ordering rows by id gives STAT_COLUMNS
+    cursor = lo
+    while cursor <= hi:
+        with sessions() as session:
+            # where the chunk ends: the per_chunk-th step holding statistics (every one has an amax row)
+            last = session.scalar(
+                select(StepStat.step)
+                .where(
+                    StepStat.run_id == meta.run_id,
+                    StepStat.metric == STAT_IDS["amax"],
+                    StepStat.step.between(cursor, hi),
+                )
+                .order_by(StepStat.step)
+                .offset(per_chunk - 1)
+                .limit(1)
+            )
+            end = hi if last is None else last
+            rows = session.execute(
+                select(StepStat.step, StepStat.values)
+                .where(
+                    StepStat.run_id == meta.run_id,
+                    StepStat.metric.in_(ids),
+                    StepStat.step.between(cursor, end),
+                )
+                .order_by(StepStat.step, StepStat.metric)
+            ).all()
+        if not rows:
+            return
+        steps = np.fromiter((r.step for r in rows[::n_stats]), np.int64, len(rows) // n_stats)
+        cube = np.frombuffer(b"".join(r.values for r in rows), "<f8").reshape(len(steps), n_stats, T)
+        yield steps, cube
+        if last is None:
+            return
+        cursor = end + 1
+
+
+def stats_long_schema() -> pa.Schema:
+    """Columns of the long statistics table."""
+    names = pa.dictionary(pa.int32(), pa.string())
+    fields = [("step", pa.int64()), ("tensor", names), ("layer", names), ("role", names)]
+    return pa.schema(fields + [(name, pa.float64()) for name in STAT_COLUMNS])
+
+
+def stats_wide_schema(meta: RunMeta) -> pa.Schema:
+    """Columns of the wide statistics table: step, then ``<tensor>.<statistic>`` in tensor order."""
+    cols = [(f"{t.name}.{name}", pa.float64()) for t in meta.tensors for name in STAT_COLUMNS]
+    return pa.schema([("step", pa.int64()), *cols])
+
+
+def stats_long(sessions: SessionFactory, meta: RunMeta, lo: int, hi: int) -> Iterator[pa.Table]:
+    """The long statistics table in chunks: rows step-major, tensors in index order within a step."""
+    schema = stats_long_schema()
+    T = meta.num_tensors
+    layers = list(meta.layers)
+    roles = sorted({t.role for t in meta.tensors})
+    tensor_dict = pa.array([t.name for t in meta.tensors], pa.string())
+    layer_idx = np.array([layers.index(t.layer) for t in meta.tensors], dtype=np.int32)
+    role_idx = np.array([roles.index(t.role) for t in meta.tensors], dtype=np.int32)
+    for steps, cube in _stat_chunks(sessions, meta, lo, hi):
+        S = len(steps)
+        tensor_of_row = np.tile(np.arange(T, dtype=np.int32), S)  # (S*T,) row = step-major
+        columns = [
+            pa.array(np.repeat(steps, T)),
+            pa.DictionaryArray.from_arrays(tensor_of_row, tensor_dict),
+            pa.DictionaryArray.from_arrays(layer_idx[tensor_of_row], pa.array(layers, pa.string())),
+            pa.DictionaryArray.from_arrays(role_idx[tensor_of_row], pa.array(roles, pa.string())),
+        ] + [pa.array(cube[:, j, :].reshape(-1)) for j in range(len(STAT_COLUMNS))]
+        yield pa.Table.from_arrays(columns, schema=schema)
+
+
+def stats_wide(
+    sessions: SessionFactory, meta: RunMeta, lo: int, hi: int, row_groups: int | None = None
+) -> Iterator[pa.Table]:
+    """The wide statistics table in chunks: one row per step.
+
+    `row_groups`: for Parquet, at most about this many chunks. A Parquet writer keeps about 0.9 kB of
+    metadata per column per row group until the file is closed: with 3,072 columns, 128-step row groups
+    of a 100,000-step run would hold 2 GB of it. Fewer, larger chunks trade that for a larger chunk, which
+    is filled from reads of the usual size so that it is held once.
+    """
+    schema = stats_wide_schema(meta)
+    n_cols = meta.num_tensors * len(STAT_COLUMNS)
+    per_read = _chunk_steps(meta.num_tensors)
+    per_table = per_read
+    if row_groups:
+        want = -(-_count_stat_steps(sessions, meta.run_id, lo, hi) // row_groups)
+        per_table = max(1, -(-want // per_read)) * per_read  # whole reads per table
+    # (T*6, steps): each output column is one contiguous row, so Arrow takes it without another copy;
+    # rows are tensor-major, statistic-minor like the schema
+    block, steps_parts, filled = np.empty((n_cols, per_table)), [], 0
+    for steps, cube in _stat_chunks(sessions, meta, lo, hi, per_read):
+        n = len(steps)
+        if filled + n > block.shape[1] and filled:  # a read that does not fit (a batch landed meanwhile)
+            yield _wide_table(schema, steps_parts, block[:, :filled])
+            block, steps_parts, filled = np.empty((n_cols, max(per_table, n))), [], 0
+        block[:, filled : filled + n] = cube.transpose(2, 1, 0).reshape(n_cols, n)
+        steps_parts.append(steps)
+        filled += n
+        if filled == block.shape[1]:
+            yield _wide_table(schema, steps_parts, block)
+            block, steps_parts, filled = np.empty((n_cols, per_table)), [], 0
+    if filled:
+        yield _wide_table(schema, steps_parts, block[:, :filled])
+
+
+def _wide_table(schema: pa.Schema, steps_parts: list[np.ndarray], block: np.ndarray) -> pa.Table:
+    # each row of the block, cut short or not, is contiguous: Arrow wraps it without a copy
+    columns = [pa.array(np.concatenate(steps_parts))] + [pa.array(row) for row in block]
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+# --- scalars, events, alerts ------------------------------------------------------------------------
+
+
+def _step_rows(sessions: SessionFactory, run_id: int, lo: int, hi: int) -> Iterator[list[Any]]:
+    """Stored `(step, scalars)` rows in [lo, hi], CHUNK_ROWS at a time."""
+    cursor = lo
+    while cursor <= hi:
+        with sessions() as session:
+            rows = session.execute(
+                select(StepRow.step, StepRow.scalars)
+                .where(StepRow.run_id == run_id, StepRow.step.between(cursor, hi))
+                .order_by(StepRow.step)
+                .limit(CHUNK_ROWS)
+            ).all()
+        if not rows:
+            return
+        yield rows
+        cursor = rows[-1].step + 1
+
+
+def scalar_names(sessions: SessionFactory, run_id: int, lo: int, hi: int) -> list[str]:
+    """Every scalar name carried by a stored step in [lo, hi], sorted (a first pass: the columns of a CSV
+    header or a Parquet schema must be known before the first row)."""
+    names: set[str] = set()
+    for rows in _step_rows(sessions, run_id, lo, hi):
+        for row in rows:
+            names.update(row.scalars or {})
+    return sorted(names)
+
+
+def scalars_schema(names: list[str]) -> pa.Schema:
+    """step, then one float64 column per scalar (a scalar called "step" becomes ``scalars.step``)."""
+    return pa.schema([("step", pa.int64())] + [(_scalar_column(n), pa.float64()) for n in names])
+
+
+def _scalar_column(name: str) -> str:
+    return "scalars.step" if name == "step" else name
+
+
+def scalars_table(
+    sessions: SessionFactory, run_id: int, names: list[str], lo: int, hi: int
+) -> Iterator[pa.Table]:
+    """The scalars table in chunks; null where a step did not carry a scalar."""
+    schema = scalars_schema(names)
+    for rows in _step_rows(sessions, run_id, lo, hi):
+        columns = [pa.array([r.step for r in rows], pa.int64())]
+        for name in names:
+            columns.append(pa.array([scalar_value((r.scalars or {}).get(name)) for r in rows], pa.float64()))
+        yield pa.Table.from_arrays(columns, schema=schema)
+
+
+EVENTS_SCHEMA = pa.schema(
+    [
+        ("id", pa.int64()),
+        ("step", pa.int64()),
+        ("kind", pa.string()),
+        ("created_at", _TS),
+        ("details", pa.string()),
+    ]
+)
+
+
+def events_table(sessions: SessionFactory, run_id: int, lo: int, hi: int) -> Iterator[pa.Table]:
+    """The run's client events in [lo, hi] in step order (then arrival order), in chunks."""
+    after: tuple[int, int] | None = None
+    while True:
+        query = select(EventRow).where(EventRow.run_id == run_id, EventRow.step.between(lo, hi))
+        if after is not None:
+            step, eid = after
+            query = query.where(or_(EventRow.step > step, and_(EventRow.step == step, EventRow.id > eid)))
+        with sessions() as session:
+            rows = session.scalars(query.order_by(EventRow.step, EventRow.id).limit(CHUNK_ROWS)).all()
+        if not rows:
+            return
+        yield pa.Table.from_pylist(
+            [
+                {
+                    "id": e.id,
+                    "step": e.step,
+                    "kind": e.kind,
+                    "created_at": as_utc(e.created_at),
+                    "details": orjson.dumps(e.details).decode(),
+                }
+                for e in rows
+            ],
+            schema=EVENTS_SCHEMA,
+        )
+        after = (rows[-1].step, rows[-1].id)
+
+
+_I64, _STR = pa.int64(), pa.string()
+ALERTS_SCHEMA = pa.schema(
+    [
+        ("id", _I64),
+        ("kind", _STR),
+        ("tensor_index", _I64),
+        ("tensor_name", _STR),
+        ("layer", _STR),
+        ("state", _STR),
+        ("severity", _STR),
+        ("message", _STR),
+        ("onset_step", _I64),
+        ("first_step", _I64),
+        ("last_step", _I64),
+        ("count", _I64),
+        ("incident_id", _I64),
+        ("created_at", _TS),
+        ("updated_at", _TS),
+        ("acknowledged_at", _TS),
+        ("acknowledged_by", _STR),
+        ("evidence", _STR),
+    ]
+)
+
+
+def alerts_table(sessions: SessionFactory, meta: RunMeta, lo: int, hi: int) -> Iterator[pa.Table]:
+    """The run's alerts whose steps overlap [lo, hi], by id, in chunks."""
+    after = 0
+    while True:
+        with sessions() as session:
+            rows = session.scalars(
+                select(Alert)
+                .where(
+                    Alert.run_id == meta.run_id,
+                    Alert.id > after,
+                    Alert.last_step >= lo,
+                    Alert.first_step <= hi,
+                )
+                .order_by(Alert.id)
+                .limit(CHUNK_ROWS)
+            ).all()
+        if not rows:
+            return
+        records = []
+        for alert in rows:
+            record = alert_public(alert, meta)
+            record["evidence"] = orjson.dumps(record["evidence"]).decode()
+            records.append({name: record[name] for name in ALERTS_SCHEMA.names})
+        yield pa.Table.from_pylist(records, schema=ALERTS_SCHEMA)
+        after = rows[-1].id
+
+
+def export(
+    sessions: SessionFactory, meta: RunMeta, table: str, layout: str, fmt: str, lo: int, hi: int
+) -> Iterator[bytes]:
+    """The bytes of one exported table of steps [lo, hi] (a range with lo > hi exports no rows)."""
+    if table == "stats" and layout == "wide":
+        groups = WIDE_PARQUET_ROW_GROUPS if fmt == "parquet" else None
+        schema, tables = stats_wide_schema(meta), stats_wide(sessions, meta, lo, hi, groups)
+    elif table == "stats":
+        schema, tables = stats_long_schema(), stats_long(sessions, meta, lo, hi)
+    elif table == "scalars":
+        names = scalar_names(sessions, meta.run_id, lo, hi)
+        schema, tables = scalars_schema(names), scalars_table(sessions, meta.run_id, names, lo, hi)
+    elif table == "events":
+        schema, tables = EVENTS_SCHEMA, events_table(sessions, meta.run_id, lo, hi)
+    else:
+        schema, tables = ALERTS_SCHEMA, alerts_table(sessions, meta, lo, hi)
+    return encode(fmt, schema, tables)

@@ -1,0 +1,194 @@
+"""GET /runs/{id}/export: every table in CSV and Parquet, both statistics layouts, exact values with NaN and
+infinities, steps with scalars only, chunked streaming, the file name, and the answers to bad requests."""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from utils import API, STATS, batch_body, create_run, make_tensors, random_stats
+
+from monitor_server import export
+
+
+def _stats_run(client, steps=(1, 2, 3, 5, 8), n_layers=2, chunk_cells=None):
+    """A run whose stored statistics hold a NaN, +inf and -inf, with a scalars-only step between."""
+    run = create_run(client, n_layers)
+    T = 3 * n_layers
+    stats = random_stats(np.random.default_rng(7), len(steps), T)
+    stats["amax"][1, 1] = np.nan
+    stats["amax"][2, 0] = np.inf
+    stats["scale"][3, T - 1] = -np.inf
+    stats["amax"][0, 2] = 0.1 + 0.2  # no short decimal: the CSV text must still read back exactly
+    losses = [2.5, math.nan, 2.25, math.inf, 2.0][: len(steps)]
+    body = batch_body("k1", list(steps), stats, encoding="float64", losses=losses)
+    body["steps"].append({"step": 4, "scalars": {"loss": 2.1, "tokens_per_s": 1000.0}})  # no FP8 layer ran
+    body["events"] = [{"kind": "custom", "step": 3, "details": {"name": "eval", "val_loss": "NaN"}}]
+    r = client.post(f"{API}/runs/{run['id']}/telemetry", json=body)
+    assert r.status_code == 200, r.text
+    return run, stats, losses
+
+
+def _get(client, run_id, **params):
+    r = client.get(f"{API}/runs/{run_id}/export", params=params)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def _table(r, fmt):
+    """Rows of an export as a list of dicts of strings (CSV) or Python values (Parquet)."""
+    if fmt == "csv":
+        return list(csv.DictReader(io.StringIO(r.text)))
+    return pq.read_table(io.BytesIO(r.content)).to_pylist()
+
+
+def _f(value) -> float:
+    return float(value)  # CSV text ("nan", "inf", "-inf", shortest repr) and Parquet floats alike
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_stats_long_exact_with_nonfinite(client, fmt):
+    run, stats, _ = _stats_run(client)
+    r = _get(client, run["id"], format=fmt, table="stats", layout="long")
+    assert r.headers["content-disposition"] == f'attachment; filename="run-{run["id"]}-stats.{fmt}"'
+    assert r.headers["content-type"].startswith(
+        {"csv": "text/csv", "parquet": "application/vnd.apache.parquet"}[fmt]
+    )
+    rows = _table(r, fmt)
+    tensors = make_tensors(2)
+    assert list(rows[0]) == ["step", "tensor", "layer", "role", *STATS]
+    # one row per (step, tensor), step-major; step 4 (scalars only) has none
+    assert [(int(x["step"]), x["tensor"]) for x in rows] == [
+        (s, t["name"]) for s in (1, 2, 3, 5, 8) for t in tensors
+    ]
+    assert [(x["layer"], x["role"]) for x in rows[:6]] == [(t["layer"], t["role"]) for t in tensors]
+    for name in STATS:
+        got = np.array([_f(x[name]) for x in rows]).reshape(5, 6)
+        np.testing.assert_array_equal(got, stats[name], err_msg=name)  # NaN == NaN, bit for bit otherwise
+    if fmt == "csv":
+        assert "nan" in r.text.split("\n")[8] and ",inf," in r.text and ",-inf," in r.text
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_stats_wide_columns_per_tensor_and_statistic(client, fmt):
+    run, stats, _ = _stats_run(client)
+    rows = _table(_get(client, run["id"], format=fmt, layout="wide"), fmt)
+    names = [t["name"] for t in make_tensors(2)]
+    assert list(rows[0]) == ["step"] + [f"{n}.{s}" for n in names for s in STATS]
+    assert [int(x["step"]) for x in rows] == [1, 2, 3, 5, 8]
+    for name in STATS:
+        got = np.array([[_f(x[f"{n}.{name}"]) for n in names] for x in rows])
+        np.testing.assert_array_equal(got, stats[name], err_msg=name)
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_scalars_events_alerts(client, fmt):
+    run, _, losses = _stats_run(client)
+    rows = _table(_get(client, run["id"], format=fmt, table="scalars"), fmt)
+    assert list(rows[0]) == ["step", "loss", "lr", "tokens_per_s"]
+    assert [int(x["step"]) for x in rows] == [1, 2, 3, 4, 5, 8]
+    got = [_f(x["loss"]) for x in rows]
+    np.testing.assert_array_equal(got, losses[:3] + [2.1] + losses[3:])
+    # a scalar a step did not carry is empty (CSV) / null (Parquet), not NaN
+    absent = "" if fmt == "csv" else None
+    assert [x["tokens_per_s"] for x in rows] == [absent] * 3 + [1000.0 if fmt == "parquet" else "1000"] + [
+        absent
+    ] * 2
+
+    events = _table(_get(client, run["id"], format=fmt, table="events"), fmt)
+    assert [(int(e["step"]), e["kind"], e["details"]) for e in events] == [
+        (3, "custom", '{"name":"eval","val_loss":"NaN"}')
+    ]
+    alerts = _table(_get(client, run["id"], format=fmt, table="alerts"), fmt)
+    api = client.get(f"{API}/runs/{run['id']}/alerts").json()
+    assert api and sorted(int(a["id"]) for a in alerts) == sorted(a["id"] for a in api)
+    by_id = {a["id"]: a for a in api}
+    for a in alerts:
+        want = by_id[int(a["id"])]
+        # CSV writes a null (a run-level alert's tensor) as an empty cell
+        assert (a["kind"], a["tensor_name"] or None, int(a["first_step"])) == (
+            want["kind"],
+            want["tensor_name"],
+            want["first_step"],
+        )
+
+
+def test_step_range_and_empty_tables(client):
+    run, stats, _ = _stats_run(client)
+    rows = _table(_get(client, run["id"], format="parquet", layout="wide", **{"from": 2, "to": 5}), "parquet")
+    assert [x["step"] for x in rows] == [2, 3, 5]
+    # a run with nothing stored: a header (CSV) / a schema (Parquet) and no rows
+    empty = create_run(client, 1)
+    r = _get(client, empty["id"], format="csv")
+    assert r.text.strip() == ",".join(f'"{c}"' for c in ["step", "tensor", "layer", "role", *STATS])
+    table = pq.read_table(io.BytesIO(_get(client, empty["id"], format="parquet", table="scalars").content))
+    assert table.num_rows == 0 and table.column_names == ["step"]
+
+
+def test_many_chunks_give_the_same_table(client, monkeypatch):
+    """A run read in several chunks (one per 2 steps here) exports the same rows as in one."""
+    steps = list(range(0, 40, 3))
+    run = create_run(client, 3)
+    stats = random_stats(np.random.default_rng(1), len(steps), 9)
+    stats["overflow"][4, 2] = np.nan
+    r = client.post(
+        f"{API}/runs/{run['id']}/telemetry", json=batch_body("k", steps, stats, encoding="float64")
+    )
+    assert r.status_code == 200, r.text
+    whole = {fmt: _get(client, run["id"], format=fmt, layout="wide").content for fmt in ("csv", "parquet")}
+    monkeypatch.setattr(export, "CHUNK_CELLS", 18)
+    monkeypatch.setattr(export, "CHUNK_ROWS", 2)
+    csv_chunked = _get(client, run["id"], format="csv", layout="wide").content
+    assert csv_chunked == whole["csv"]
+    chunked = pq.ParquetFile(io.BytesIO(_get(client, run["id"], format="parquet", layout="wide").content))
+    assert chunked.num_row_groups == math.ceil(len(steps) / 2)  # one row group per chunk
+    a, b = chunked.read(), pq.read_table(io.BytesIO(whole["parquet"]))
+    assert a.schema == b.schema
+    for name in a.column_names:  # NaN == NaN here (Arrow's `equals` says no)
+        np.testing.assert_array_equal(a.column(name).to_numpy(), b.column(name).to_numpy(), err_msg=name)
+    rows = _table(_get(client, run["id"], format="csv", table="scalars"), "csv")
+    assert [int(x["step"]) for x in rows] == steps
+    # wide Parquet caps its row groups (writer metadata grows per column per row group): larger tables,
+    # each filled from several reads
+    monkeypatch.setattr(export, "WIDE_PARQUET_ROW_GROUPS", 3)
+    capped = pq.ParquetFile(io.BytesIO(_get(client, run["id"], format="parquet", layout="wide").content))
+    assert [capped.metadata.row_group(i).num_rows for i in range(capped.num_row_groups)] == [6, 6, 2]
+    a = capped.read()
+    for name in a.column_names:
+        np.testing.assert_array_equal(a.column(name).to_numpy(), b.column(name).to_numpy(), err_msg=name)
+
+
+def test_bad_parameters_are_422_naming_them(client):
+    run = create_run(client, 1)
+    url = f"{API}/runs/{run['id']}/export"
+    for params, name in (
+        ({"format": "xlsx"}, "format"),
+        ({"table": "tensors"}, "table"),
+        ({"layout": "tall"}, "layout"),
+    ):
+        r = client.get(url, params=params)
+        assert r.status_code == 422, r.text
+        assert r.json()["detail"][0]["loc"] == ["query", name]
+    r = client.get(url, params={"table": "scalars", "layout": "wide"})
+    assert r.status_code == 422 and r.json()["detail"].startswith("layout: only table=stats")
+    r = client.get(url, params={"from": 9, "to": 3})
+    assert r.status_code == 422 and "to (3) is before from (9)" in r.json()["detail"]
+    r = client.get(f"{API}/runs/999/export", params={"format": "parquet"})
+    assert r.status_code == 404 and r.json()["detail"] == "run 999 not found"
+
+
+def test_read_scope_required(make_client):
+    client = make_client(tokens=["trainer:ingest:ingest-secret-1", "dash:read:read-secret-1"])
+    run = create_run(client, 1, headers={"Authorization": "Bearer ingest-secret-1"})
+    url = f"{API}/runs/{run['id']}/export"
+    assert client.get(url).status_code == 401
+    assert client.get(url, headers={"Authorization": "Bearer ingest-secret-1"}).status_code == 403
+    assert client.get(url, headers={"Authorization": "Bearer read-secret-1"}).status_code == 200
+
+
+def test_file_name():
+    assert export.filename(12, "alerts", "parquet") == "run-12-alerts.parquet"
