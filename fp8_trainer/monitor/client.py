@@ -58,6 +58,7 @@ from ..hostcopy import HostCopy
 from ..stats import StatsReader
 from .control import CommandInbox, apply_commands
 from .detect import DetectConfig, Detector, FlightRecorder, amax_movers
+from .external import attach_source
 from .ranks import RankSync, reduce_rank_stats
 from .sender import Sender, SenderConfig, StepRecord, wire_float
 from .spool import SpoolWriter
@@ -171,6 +172,8 @@ class Monitor:
         config: dict[str, Any] | None = None,
         spool_path: str | Path | None = None,
         fail_fast: bool = False,
+        tensors=None,
+        shadow=None,
         **tuning: Any,
     ):
         sender_cfg, detect_cfg, self.rank_sample_interval = _parse_tuning(dict(tuning))
@@ -181,11 +184,15 @@ class Monitor:
                 f"url: expected the service root like 'http://127.0.0.1:8000' (or in FP8SCOPE_URL), "
                 f"got {url!r}"
             )
+        # statistics not from fp8scope's own layers: the caller's, shadow mode's, torchao's (external.py)
+        recipe, self._caller = attach_source(model, recipe, tensors=tensors, shadow=shadow)
         self.model = model
         self.recipe = recipe
         self._logged: set[str] = set()
         self._closed = False
-        if recipe is not None:
+        if self._caller is not None:
+            self.tensors = self._caller.tensors
+        elif recipe is not None:
             state = get_fp8_state(model)
             if state.n_layers == 0:
                 raise ValueError(
@@ -203,6 +210,8 @@ class Monitor:
         self.rank = dist.get_rank() if distributed else 0
         self._ranks = RankSync(self.n_tensors) if distributed else None
         self._reader = StatsReader(model) if recipe is not None else None
+        if self._caller is not None:
+            self._reader = self._caller
         self._prev: tuple[int, Any] | None = None  # (step, scalars) waiting for its statistics
         self._scalars_by_step: dict[int, Any] = {}
         self._announced: list[list[dict[str, Any]]] = []
@@ -217,7 +226,7 @@ class Monitor:
             client_key = uuid.uuid4().hex
             run_body = {
                 "name": run_name,
-                "config": dict(config or {}),
+                "config": {**dict(config or {}), **_source_config(model, self._caller)},
                 "recipe": _recipe_dict(recipe),
                 "world_size": self.world_size,
                 "host": socket.gethostname()[:200],
@@ -263,12 +272,18 @@ class Monitor:
         return self.sender.spool.path if self.sender else None
 
     # ----- the training-loop API -----
-    def step(self, step: int, loss=None, lr=None, **scalars: Any) -> None:
+    def step(self, step: int, loss=None, lr=None, stats=None, **scalars: Any) -> None:
         """Report optimizer step ``step`` (1-based, just completed) and apply pending recipe commands.
 
         ``loss`` and other scalars may be 0-dim tensors: they are read one step late, like the FP8
-        statistics. Never raises because of the monitor.
+        statistics. ``stats``: this step's statistics block when the tensors were declared with
+        ``Monitor(..., tensors=...)`` (see ``external.py`` for its shape and columns). Never raises because
+        of the monitor, except ValueError for a ``stats`` block of the wrong shape.
         """
+        if stats is not None:
+            if self._caller is None:
+                raise ValueError("stats: only for a Monitor made with tensors=[...] (the caller's own)")
+            self._caller.put(stats)
         if self._closed:
             self._log_once("closed", "fp8scope monitor: step() after close() is ignored")
             return
@@ -429,6 +444,12 @@ class Monitor:
             )
 
     def _apply(self, commands: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
+        if self._caller is not None:
+            reason = (
+                "this run's statistics come from the training script (Monitor tensors=...): fp8scope "
+                "cannot apply recipe changes to it"
+            )
+            return [{"command_id": c.get("id"), "state": "rejected", "reason": reason} for c in commands]
         if self.recipe is None:
             reason = "this run has no FP8 layers (Monitor recipe=None): recipe changes do not apply"
             return [{"command_id": c.get("id"), "state": "rejected", "reason": reason} for c in commands]
@@ -524,6 +545,14 @@ class Monitor:
                     output.register_hook(grad_hook)
 
             handle = module.register_forward_hook(fwd_hook)
+
+
+def _source_config(model: nn.Module, caller) -> dict[str, Any]:
+    """Where the run's statistics come from, when not from fp8scope's FP8 layers (the dashboard shows it)."""
+    if caller is not None:
+        return {"fp8_source": "caller"}
+    source = getattr(getattr(model, "_fp8_state", None), "source", None)
+    return {"fp8_source": source} if source else {}
 
 
 def _capture(values: dict[str, Any]):

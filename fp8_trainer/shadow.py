@@ -1,0 +1,183 @@
+"""Shadow mode: FP8 what-if statistics for a model that is not (yet) in FP8, without changing its numerics.
+
+``shadow(model, recipe)`` registers every ``nn.Linear`` (and transformers ``Conv1D``) of a bf16/fp32 model
+the way ``convert_to_fp8`` registers FP8 layers (same tensor table, ``<module path>.<role>``), but leaves
+the layers as they are. Hooks read the three tensors an FP8 layer would quantize:
+
+    input        forward hook: the layer's input (in the autocast dtype where autocast is on, as an FP8
+                 ``Linear`` would see it)
+    weight       the same forward hook: the layer's weight
+    grad_output  a tensor hook on the layer's output: the gradient flowing into the layer in backward
+
+and runs them through the runtime's own quantize-with-statistics call under the recipe's scaling state
+(delayed scaling with its amax history, or current scaling), then drops the FP8 tensor. The step's amaxes
+enter the history when backward ends, exactly as for an FP8 model, so ``step_stats``, ``StatsReader``,
+``set_layer_recipe`` and ``Monitor`` work unchanged: the statistics say what each tensor's amax, scale,
+overflow and underflow *would be* under the recipe, while the model trains in its own precision. Nothing
+is read on the host in the step; the hooks return nothing, so forward and backward values are bit for bit
+those of the model without shadow.
+
+The hook machinery (``HookedState``) is shared with the torchao watcher (``integrations/torchao.py``),
+which reads the same three tensors of torchao's ``Float8Linear`` layers and records them with the scales
+torchao computes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from functools import partial
+
+import torch
+from torch import nn
+
+from .distributed import resolve_amax_group
+from .linear import Linear
+from .recipe import DelayedScaling, Recipe
+from .state import FP8State
+
+__all__ = ["HookedState", "ShadowState", "is_conv1d", "shadow", "unshadow"]
+
+log = logging.getLogger(__name__)
+
+
+def is_conv1d(mod: nn.Module) -> bool:
+    """A transformers ``Conv1D`` (GPT-2's linear layer, weight stored as (in, out)), without importing it."""
+    cls = type(mod)
+    return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers")
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class HookedState(FP8State):
+    """An ``FP8State`` fed by hooks on layers that stay as they are (see the module docstring).
+
+    ``step_boundary`` (default True) closes the step when a backward pass ends; the trainer integrations set
+    it False and call ``fp8_trainer.end_step(model)`` at each optimizer step, so micro-batches of one step
+    accumulate (amax max, counts summed) into one history entry.
+    """
+
+    #: what the monitor registers the run as (its ``config["fp8_source"]``)
+    source = "hooked"
+
+    def __init__(self, layers: list[tuple[str, nn.Module]], recipe: Recipe, device=None):
+        super().__init__([name for name, _ in layers], recipe, device=device)
+        self.step_boundary = True
+        self.handles = [
+            m.register_forward_hook(partial(_forward_hook, self, k)) for k, (_, m) in enumerate(layers)
+        ]
+
+    def layer_input(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The input the layer's FP8 cast sees (overridden where a runtime casts first)."""
+        if torch.is_autocast_enabled(x.device.type):
+            return x.to(torch.get_autocast_dtype(x.device.type))
+        return x
+
+    def record(self, i: int, x: torch.Tensor) -> None:
+        """Tensor ``i``'s statistics into this step's row (the FP8 tensor itself is dropped)."""
+        self.quantize(i, x, True)
+
+    def remove(self) -> None:
+        """Remove the hooks (the statistics recorded so far stay readable)."""
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+def _forward_hook(state: HookedState, k: int, module: nn.Module, args, output) -> None:
+    x = args[0] if args else None
+    if not isinstance(x, torch.Tensor) or not state.enabled[k]:
+        return
+    weight = module.weight
+    if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad):
+        return  # evaluation: nothing to record (as an FP8 layer under no_grad)
+    if _in_backward() and (0, k) in state.forward_recorded:
+        return  # activation checkpointing's recompute: this forward was counted already
+    x = state.layer_input(module, x)
+    if state.device != x.device:
+        state.to(x.device)
+    state.pending = True
+    state.step_complete = state.step_boundary
+    state.group = resolve_amax_group(None, state.reduce_amax)
+    state.forward_recorded.add((0, k))
+    with torch.no_grad():
+        state.record(3 * k, x.detach().reshape(-1, x.shape[-1]))
+        state.record(3 * k + 1, weight.detach())
+    if isinstance(output, torch.Tensor) and output.requires_grad:
+        output.register_hook(partial(_grad_hook, state, k))
+
+
+def _grad_hook(state: HookedState, k: int, grad: torch.Tensor) -> None:
+    # returns None: the gradient flows on unchanged
+    if not state.enabled[k]:
+        return
+    with torch.no_grad():
+        state.record(3 * k + 2, grad.detach().reshape(-1, grad.shape[-1]))
+    if state.step_complete and not state.callback_queued:
+        state.callback_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(state.on_backward_end)
+
+
+class ShadowState(HookedState):
+    """Scaling state and what-if statistics of a model in shadow mode."""
+
+    source = "shadow"
+
+
+def _shadow_layers(model: nn.Module, module_filter_fn) -> list[tuple[str, nn.Module]]:
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, Linear):
+            raise ValueError(
+                f"model: {name or '<root>'} is already an FP8 layer; shadow mode is for models not in FP8 "
+                "(monitor an FP8 model with Monitor(..., recipe) instead)"
+            )
+        if (isinstance(m, nn.Linear) or is_conv1d(m)) and (
+            module_filter_fn is None or module_filter_fn(m, name)
+        ):
+            out.append((name, m))
+    return out
+
+
+def shadow(
+    model: nn.Module,
+    recipe: Recipe | None = None,
+    module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+) -> ShadowState:
+    """Attach FP8 what-if statistics to every ``nn.Linear`` and transformers ``Conv1D`` of ``model``.
+
+    The model's numerics do not change. Afterwards ``tensor_table(model)``, ``step_stats(model)``,
+    ``StatsReader(model)`` and ``Monitor(url, name, model, recipe)`` see the shadow statistics as they
+    would an FP8 model's, and ``set_layer_recipe`` changes the what-if recipe (a margin, a history length,
+    current scaling, a layer left out).
+
+    Args:
+        model: a model in bf16 / fp32 (no FP8 layers).
+        recipe: the FP8 recipe to evaluate (default ``DelayedScaling()``).
+        module_filter_fn: ``(module, fqn) -> bool``; only layers it accepts are watched.
+    Returns:
+        The model's ``ShadowState`` (``.remove()`` detaches the hooks).
+    Raises:
+        ValueError: the model has FP8 layers, is shadowed already, or has no linear layer.
+    """
+    old = getattr(model, "_fp8_state", None)
+    if old is not None and old.n_layers:
+        raise ValueError("model: already has an FP8 scaling state (converted, watched or shadowed)")
+    layers = _shadow_layers(model, module_filter_fn)
+    if not layers:
+        raise ValueError("model: no nn.Linear or Conv1D layer to shadow")
+    device = next((p.device for p in model.parameters() if p.device.type != "meta"), None)
+    state = ShadowState(layers, recipe if recipe is not None else DelayedScaling(), device=device)
+    model._fp8_state = state
+    log.info("shadow: FP8 what-if statistics on %d layer(s)", len(layers))
+    return state
+
+
+def unshadow(model: nn.Module) -> None:
+    """Detach shadow mode from ``model`` (hooks removed, scaling state dropped)."""
+    state = getattr(model, "_fp8_state", None)
+    if isinstance(state, ShadowState):
+        state.remove()
+        del model._fp8_state
