@@ -2,7 +2,7 @@
 // live by the all-runs event stream. Two runs can be picked for a comparison.
 
 import { api, num, subscribe } from "./api.js";
-import { ago, badge, el, fmt, replace, throttle } from "./dom.js";
+import { ago, badge, el, fmt, replace, sourceBadge, throttle } from "./dom.js";
 
 const SVG = "http://www.w3.org/2000/svg";
 const SPARK_W = 140;
@@ -107,7 +107,7 @@ export async function mountRuns(container) {
   function addRow(run) {
     const check = el("input", { type: "checkbox", title: "pick for comparison", onchange: (ev) => pick(run.id, ev.target.checked) });
     const cells = {
-      name: el("td", { class: "name" }, el("a", { href: `#/runs/${run.id}` }, run.name)),
+      name: el("td", { class: "name" }, el("a", { href: `#/runs/${run.id}` }, run.name), " ", sourceBadge(run)),
       status: el("td"),
       step: el("td", { class: "num step" }),
       loss: el("td", { class: "num loss" }),

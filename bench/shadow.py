@@ -1,0 +1,121 @@
+"""Benchmark: what shadow mode (FP8 what-if statistics on a model not in FP8) costs a training step.
+
+The tiny GPT preset trained in fp32 on the CPU (bf16 autocast with ``--device cuda``) in two modes, in one
+process, interleaved in blocks so that drift of the machine hits both alike:
+
+* ``plain``  - the model as it is;
+* ``shadow`` - the same model (same seed) with ``fp8_trainer.shadow(model, DelayedScaling())``: statistics of
+  every Linear's input, weight and grad_output at every step, the amax history and scale update.
+
+    .venv/bin/python bench/shadow.py [--rounds 6] [--block 10] [--batch-size 16] [--seq-len 64]
+
+Prints median step times and the ratio shadow/plain, overall and paired by round (the median over rounds of
+each round's ratio); writes bench/results/shadow.json. Goal: ratio <= 1.10.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from fp8_trainer import step_stats  # noqa: E402
+from fp8_trainer.data import ByteCorpus  # noqa: E402
+from fp8_trainer.model import GPT, PRESETS  # noqa: E402
+from fp8_trainer.recipe import DelayedScaling  # noqa: E402
+from fp8_trainer.shadow import shadow  # noqa: E402
+
+MODES = ("plain", "shadow")
+
+
+class Job:
+    def __init__(self, mode: str, args: argparse.Namespace):
+        torch.manual_seed(0)
+        self.device = torch.device(args.device)
+        self.model = GPT(PRESETS["tiny"]).to(self.device)
+        if mode == "shadow":
+            shadow(self.model, DelayedScaling())
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.corpus = ByteCorpus(seed=0)
+        self.args = args
+
+    def step(self) -> torch.Tensor:
+        x, y = self.corpus.batch("train", self.args.batch_size, self.args.seq_len)
+        x, y = x.to(self.device), y.to(self.device)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+            _, loss = self.model(x, y)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--block", type=int, default=10, help="steps per mode per round")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args()
+    jobs = {mode: Job(mode, args) for mode in MODES}
+    for job in jobs.values():
+        for _ in range(args.warmup):
+            job.step()
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    ratios = []
+    for _ in range(args.rounds):
+        medians = {}
+        for mode, job in jobs.items():
+            block = []
+            for _ in range(args.block):
+                _sync(job.device)
+                t0 = time.perf_counter()
+                job.step()
+                _sync(job.device)
+                block.append(time.perf_counter() - t0)
+            times[mode] += block
+            medians[mode] = statistics.median(block)
+        ratios.append(medians["shadow"] / medians["plain"])
+    assert step_stats(jobs["shadow"].model) is not None  # the shadow statistics were really computed
+    med = {m: statistics.median(v) for m, v in times.items()}
+    result = {
+        "device": args.device,
+        "preset": "tiny",
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "steps_per_mode": len(times["plain"]),
+        "median_step_ms": {m: 1000 * v for m, v in med.items()},
+        "ratio_overall": med["shadow"] / med["plain"],
+        "ratio_paired": statistics.median(ratios),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(),
+    }
+    print(f"{'mode':8s} {'median step (ms)':>18s}")
+    for m in MODES:
+        print(f"{m:8s} {1000 * med[m]:18.2f}")
+    overall, paired = result["ratio_overall"], result["ratio_paired"]
+    print(f"shadow/plain: {overall:.3f} overall, {paired:.3f} paired by round")
+    out = ROOT / "bench" / "results" / "shadow.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
