@@ -28,7 +28,10 @@ import logging
 from collections.abc import Callable
 from functools import partial
 
+import numpy as np
 import torch
+from fp8_kernels import current_scale_reference, overflow_threshold, underflow_threshold
+from fp8_kernels.quantize import accumulate_stats
 from torch import nn
 
 from .distributed import resolve_amax_group
@@ -77,13 +80,70 @@ class HookedState(FP8State):
 
     def record(self, i: int, x: torch.Tensor) -> None:
         """Tensor ``i``'s statistics into this step's row (the FP8 tensor itself is dropped)."""
-        self.quantize(i, x, True)
+        if x.device.type != "cpu":
+            self.quantize(i, x, True)  # the fused kernel: statistics in the pass that casts
+            return
+        dtype = self.dtypes[i]
+        # a CPU tensor: reading the delayed scale waits for nothing (None: current scaling)
+        scale = None if self.current[i // 3] else np.float32(self.scale[i].item())
+        row = cpu_stats_row(x, scale, dtype, power_2_scale=self.power_2_scale)
+        accumulate_stats(self.stats[i], torch.tensor(row, dtype=torch.float64))
 
     def remove(self) -> None:
         """Remove the hooks (the statistics recorded so far stay readable)."""
         for h in self.handles:
             h.remove()
         self.handles = []
+
+
+def cpu_stats_row(
+    x: torch.Tensor, scale: np.float32 | None, fp8_dtype: torch.dtype, *, power_2_scale: bool = False
+) -> list[float]:
+    """The statistics row ``quantize_with_stats`` records for ``x`` on the CPU, without making the FP8 tensor.
+
+    Shadow mode needs only the row, and on the CPU it can look at values (nothing to synchronise with), so
+    the counting passes run only where the maximum and minimum say they can find something: most tensors
+    of a healthy step need an absolute value, a max and a min. ``scale=None``: current scaling's scale from
+    this tensor's amax. Bit for bit the reference's row (``tests/trainer/test_shadow.py`` checks edge cases).
+    """
+    with np.errstate(over="ignore", invalid="ignore"):  # Inf products are what the counts are about
+        return _cpu_stats_row(x, scale, fp8_dtype, power_2_scale)
+
+
+def _cpu_stats_row(x: torch.Tensor, scale, fp8_dtype: torch.dtype, power_2_scale: bool) -> list[float]:
+    xf = x.detach() if x.dtype == torch.float32 else x.detach().to(torch.float32)
+    a = np.abs(xf.contiguous().numpy())
+    numel = a.size
+    if numel == 0:
+        return [0.0, float(1.0 if scale is None else scale), 0.0, 0.0, 0.0, 0.0]
+    top = a.max()  # propagates NaN: finite means no NaN and no Inf
+    n_nan = n_inf = 0
+    if not np.isfinite(top):
+        n_nan = int(np.count_nonzero(np.isnan(a)))
+        n_inf = int(np.count_nonzero(np.isinf(a)))
+        top = np.fmax.reduce(a, axis=None)  # NaN ignored, as the kernels' amax
+        top = np.float32(0.0) if np.isnan(top) else top
+    amax = np.float32(top)
+    if scale is None:
+        scale_t = current_scale_reference(torch.tensor(amax), fp8_dtype, power_2_scale=power_2_scale)
+        scale = np.float32(scale_t.item())
+    threshold, inclusive = overflow_threshold(fp8_dtype)
+    scaled_top = amax * scale  # float32; |x|*scale is monotonic in |x|, so this is the largest product
+    over = 0
+    scaled = None
+    if n_inf or (scaled_top >= threshold if inclusive else scaled_top > threshold):
+        scaled = a * scale
+        big = scaled >= threshold if inclusive else scaled > threshold
+        over = int(np.count_nonzero(big)) - n_inf  # Inf inputs are non-finite, not overflow
+    low = np.fmin.reduce(a, axis=None)  # NaN ignored
+    under = 0
+    if np.isnan(low) or np.float32(low) * scale <= underflow_threshold(fp8_dtype):
+        scaled = a * scale if scaled is None else scaled
+        # non-zero elements that quantize to zero (NaN compares false; zeros are subtracted)
+        under = int(np.count_nonzero(scaled <= underflow_threshold(fp8_dtype))) - int(
+            np.count_nonzero(a == 0)
+        )
+    return [float(amax), float(scale), float(over), float(under), float(n_nan + n_inf), float(numel)]
 
 
 def _forward_hook(state: HookedState, k: int, module: nn.Module, args, output) -> None:

@@ -152,3 +152,35 @@ def test_shadow_refuses_fp8_models_and_evaluation_records_nothing():
     with torch.no_grad():
         model(torch.randint(0, 256, (2, 8)))
     assert step_stats(model) is None
+
+
+def _edge_tensors() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 53, generator=g)
+    out = [x, x * 1e-6, x * 1e4, torch.zeros(5, 7), torch.empty(0, 16)]
+    y = x.clone()
+    y[0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    y[1, :4] = 0.0
+    y[2, :2] = torch.tensor([1e-45, -3e38])  # a subnormal and a product that overflows float32
+    out += [y, torch.full((3, 3), float("nan")), x.to(torch.bfloat16), (x * 1e-5).to(torch.bfloat16)]
+    return out
+
+
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_cpu_rows_equal_the_reference_kernel(fp8_dtype):
+    """Shadow mode's CPU row (no FP8 tensor made, counting passes skipped where max/min rule them out) is
+    bit for bit what the runtime's quantize-with-statistics reference records, delayed and current."""
+    from fp8_kernels import quantize_current_reference, quantize_with_stats_reference
+
+    from fp8_trainer.shadow import cpu_stats_row
+
+    for j, x in enumerate(_edge_tensors()):
+        for scale in (1.0, 3.5e-3, 448.0 / 0.7, 2.0**100):
+            s = torch.tensor(scale, dtype=torch.float32)
+            _, want = quantize_with_stats_reference(x, s, fp8_dtype)
+            got = cpu_stats_row(x, np.float32(scale), fp8_dtype)
+            np.testing.assert_array_equal(got, want.numpy(), err_msg=f"tensor {j}, scale {scale}")
+        for pow2 in (False, True):
+            _, _, want = quantize_current_reference(x, fp8_dtype, power_2_scale=pow2)
+            got = cpu_stats_row(x, None, fp8_dtype, power_2_scale=pow2)
+            np.testing.assert_array_equal(got, want.numpy(), err_msg=f"tensor {j}, current, pow2={pow2}")
