@@ -281,7 +281,7 @@ class Monitor:
         of the monitor, except ValueError for a ``stats`` block of the wrong shape.
         """
         if stats is not None:
-            if self._caller is None:
+            if not hasattr(self._caller, "put"):
                 raise ValueError("stats: only for a Monitor made with tensors=[...] (the caller's own)")
             self._caller.put(stats)
         if self._closed:
@@ -444,12 +444,8 @@ class Monitor:
             )
 
     def _apply(self, commands: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
-        if self._caller is not None:
-            reason = (
-                "this run's statistics come from the training script (Monitor tensors=...): fp8scope "
-                "cannot apply recipe changes to it"
-            )
-            return [{"command_id": c.get("id"), "state": "rejected", "reason": reason} for c in commands]
+        if self._caller is not None:  # the caller's statistics, Transformer Engine's state
+            return self._caller.apply_commands(commands, step)
         if self.recipe is None:
             reason = "this run has no FP8 layers (Monitor recipe=None): recipe changes do not apply"
             return [{"command_id": c.get("id"), "state": "rejected", "reason": reason} for c in commands]
@@ -550,7 +546,7 @@ class Monitor:
 def _source_config(model: nn.Module, caller) -> dict[str, Any]:
     """Where the run's statistics come from, when not from fp8scope's FP8 layers (the dashboard shows it)."""
     if caller is not None:
-        return {"fp8_source": "caller"}
+        return {"fp8_source": caller.source}
     source = getattr(getattr(model, "_fp8_state", None), "source", None)
     return {"fp8_source": source} if source else {}
 

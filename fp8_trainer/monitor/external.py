@@ -75,6 +75,7 @@ class CallerStats:
 
     def __init__(self, tensors):
         self.tensors = declare_tensors(tensors)
+        self.source = "caller"
         self.n = len(self.tensors)
         self._box: torch.Tensor | None = None
         self._n_box = 0
@@ -129,13 +130,22 @@ class CallerStats:
     def close(self) -> None:
         self._box = self._inflight = None
 
+    def apply_commands(self, commands: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
+        reason = (
+            "this run's statistics come from the training script (Monitor tensors=...): fp8scope cannot "
+            "apply recipe changes to it"
+        )
+        return [{"command_id": c.get("id"), "state": "rejected", "reason": reason} for c in commands]
 
-def attach_source(model: nn.Module, recipe, *, tensors=None, shadow=None) -> tuple[Any, CallerStats | None]:
-    """Resolve a Monitor's statistics source: ``(recipe, caller_stats)``.
+
+def attach_source(model: nn.Module, recipe, *, tensors=None, shadow=None) -> tuple[Any, Any]:
+    """Resolve a Monitor's statistics source: ``(recipe, reader)``, ``reader`` None for a model whose
+    ``FP8State`` the ordinary ``StatsReader`` reads.
 
     ``tensors`` given: the caller's statistics (``CallerStats``). ``shadow`` given: shadow mode is attached
     to the model with that recipe. Otherwise a model without fp8scope FP8 layers is checked for another
-    runtime's (torchao's ``Float8Linear``), which is then watched; its recipe is returned.
+    runtime's: torchao's ``Float8Linear`` (watched through an ``FP8State``, its recipe returned) or
+    Transformer Engine's modules (``TEStats``, read from TE's own state).
     """
     if tensors is not None and shadow is not None:
         raise ValueError("tensors, shadow: give one (the caller's statistics, or shadow mode's)")
@@ -157,4 +167,8 @@ def attach_source(model: nn.Module, recipe, *, tensors=None, shadow=None) -> tup
 
     if has_torchao_layers(model):
         return watch_torchao(model).recipe, None
+    from ..integrations.transformer_engine import TEStats, has_te_layers
+
+    if has_te_layers(model):
+        return recipe, TEStats(model)
     return recipe, None

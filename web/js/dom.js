@@ -101,6 +101,7 @@ const SOURCES = {
   shadow: "shadow mode: FP8 what-if statistics; the model itself trains in its own precision",
   torchao: "statistics of torchao's Float8Linear layers, with the scales torchao used",
   caller: "statistics computed by the training script (another runtime)",
+  transformer_engine: "read from Transformer Engine's amax histories and scales (no element counts)",
 };
 
 /** A badge naming where a run's FP8 statistics come from, unless from fp8scope's own FP8 layers. */
