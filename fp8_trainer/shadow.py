@@ -31,7 +31,6 @@ from functools import partial
 import numpy as np
 import torch
 from fp8_kernels import current_scale_reference, overflow_threshold, underflow_threshold
-from fp8_kernels.quantize import accumulate_stats
 from torch import nn
 
 from .distributed import resolve_amax_group
@@ -66,6 +65,8 @@ class HookedState(FP8State):
     source = "hooked"
 
     def __init__(self, layers: list[tuple[str, nn.Module]], recipe: Recipe, device=None):
+        self._host_rows: dict[int, list[float]] = {}  # CPU rows of the step in progress (record)
+        self._scale_view = None
         super().__init__([name for name, _ in layers], recipe, device=device)
         self.step_boundary = True
         self.handles = [
@@ -85,9 +86,34 @@ class HookedState(FP8State):
             return
         dtype = self.dtypes[i]
         # a CPU tensor: reading the delayed scale waits for nothing (None: current scaling)
-        scale = None if self.current[i // 3] else np.float32(self.scale[i].item())
+        scale = None if self.current[i // 3] else np.float32(self.scale_host()[i])
         row = cpu_stats_row(x, scale, dtype, power_2_scale=self.power_2_scale)
-        accumulate_stats(self.stats[i], torch.tensor(row, dtype=torch.float64))
+        old = self._host_rows.get(i)
+        if old is None:
+            self._host_rows[i] = row
+        else:  # as accumulate_stats: amax the max with the scale that scaled it, counts summed
+            if row[0] >= old[0] or old[0] != old[0]:
+                old[0], old[1] = row[0], row[1]
+            for c in range(2, 6):
+                old[c] += row[c]
+
+    def scale_host(self) -> np.ndarray:
+        """The scales as a numpy view (CPU state only), refreshed when the scale tensor is replaced."""
+        if self._scale_view is None or self._scale_view[0] is not self.scale:
+            self._scale_view = (self.scale, self.scale.numpy())
+        return self._scale_view[1]
+
+    def _flush_host_rows(self) -> None:
+        """The step's CPU rows into the statistics buffer, in one write (before anyone reads it)."""
+        if self._host_rows:
+            idx = list(self._host_rows)
+            # the buffer's rows are untouched this step (amax 0, counts 0): accumulating is assigning
+            self.stats[idx] = torch.tensor([self._host_rows[i] for i in idx], dtype=torch.float64)
+            self._host_rows = {}
+
+    def end_step(self) -> None:
+        self._flush_host_rows()
+        super().end_step()
 
     def remove(self) -> None:
         """Remove the hooks (the statistics recorded so far stay readable)."""
@@ -135,7 +161,7 @@ def _cpu_stats_row(x: torch.Tensor, scale, fp8_dtype: torch.dtype, power_2_scale
         scaled = a * scale
         big = scaled >= threshold if inclusive else scaled > threshold
         over = int(np.count_nonzero(big)) - n_inf  # Inf inputs are non-finite, not overflow
-    low = np.fmin.reduce(a, axis=None)  # NaN ignored
+    low = a.min() if n_nan == 0 else np.fmin.reduce(a, axis=None)  # NaN ignored
     under = 0
     if np.isnan(low) or np.float32(low) * scale <= underflow_threshold(fp8_dtype):
         scaled = a * scale if scaled is None else scaled
