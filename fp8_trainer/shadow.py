@@ -154,22 +154,42 @@ def _cpu_stats_row(x: torch.Tensor, scale, fp8_dtype: torch.dtype, power_2_scale
         scale_t = current_scale_reference(torch.tensor(amax), fp8_dtype, power_2_scale=power_2_scale)
         scale = np.float32(scale_t.item())
     threshold, inclusive = overflow_threshold(fp8_dtype)
-    scaled_top = amax * scale  # float32; |x|*scale is monotonic in |x|, so this is the largest product
+    zero_at = np.float32(underflow_threshold(fp8_dtype))
+    scale = np.float32(scale)
+    # |x|*scale (float32) is monotonic in |x|: max and min decide whether a counting pass can find anything,
+    # and each count compares |x| with the float32 bound that is exactly equivalent to the product's test
     over = 0
-    scaled = None
+    scaled_top = amax * scale
     if n_inf or (scaled_top >= threshold if inclusive else scaled_top > threshold):
-        scaled = a * scale
-        big = scaled >= threshold if inclusive else scaled > threshold
-        over = int(np.count_nonzero(big)) - n_inf  # Inf inputs are non-finite, not overflow
+        keeps = _largest_factor(scale, np.float32(threshold), strict=inclusive)  # largest |x| not saturating
+        over = int(np.count_nonzero(a > keeps)) - n_inf  # Inf inputs are non-finite, not overflow
     low = a.min() if n_nan == 0 else np.fmin.reduce(a, axis=None)  # NaN ignored
     under = 0
-    if np.isnan(low) or np.float32(low) * scale <= underflow_threshold(fp8_dtype):
-        scaled = a * scale if scaled is None else scaled
+    if np.isnan(low) or np.float32(low) * scale <= zero_at:
+        vanishes = _largest_factor(scale, zero_at, strict=False)  # largest |x| that quantizes to zero
         # non-zero elements that quantize to zero (NaN compares false; zeros are subtracted)
-        under = int(np.count_nonzero(scaled <= underflow_threshold(fp8_dtype))) - int(
-            np.count_nonzero(a == 0)
-        )
+        under = int(np.count_nonzero(a <= vanishes)) - (int(np.count_nonzero(a == 0)) if low == 0 else 0)
     return [float(amax), float(scale), float(over), float(under), float(n_nan + n_inf), float(numel)]
+
+
+def _largest_factor(scale: np.float32, bound: np.float32, *, strict: bool) -> np.float32:
+    """The largest float32 ``a >= 0`` with ``float32(a * scale) <= bound`` (``< bound`` if ``strict``).
+
+    The products are monotonic in ``a``, so ``float32(|x| * scale) <= bound`` holds exactly for
+    ``|x| <= a``: one comparison instead of a multiplication pass and a comparison.
+    """
+
+    def ok(a: np.float32) -> bool:
+        p = np.float32(a * scale)
+        return p < bound if strict else p <= bound
+
+    inf = np.float32(np.inf)
+    a = np.float32(bound / scale)  # within an ulp or two of the answer
+    while a > 0 and not ok(a):
+        a = np.nextafter(a, np.float32(0))
+    while a < inf and ok(np.nextafter(a, inf)):
+        a = np.nextafter(a, inf)
+    return a
 
 
 def _forward_hook(state: HookedState, k: int, module: nn.Module, args, output) -> None:
