@@ -149,6 +149,12 @@ class Monitor:
             ``./fp8scope-spool/<run_name>-<time>.jsonl``; only created when needed).
         fail_fast: register the run before returning and raise ``MonitorRefused`` if the service refuses it
             (a rejected token, a wrong URL) instead of spooling; an unreachable service still spools.
+        tensors: for statistics computed by the training script (another runtime): the tensors, as
+            ``"<layer>.<role>"`` names or dicts (``external.declare_tensors``); each step's block then goes
+            to ``step(step, stats=block)``.
+        shadow: a recipe: attach shadow mode to a model not in FP8 (``fp8_trainer.shadow``) and report its
+            FP8 what-if statistics. Without either, a torchao or Transformer Engine model is recognised and
+            watched from its own state.
         **tuning: ``flush_interval`` (1 s), ``max_batch_steps`` (64), ``max_buffered_steps`` (4096),
             ``retry_delays`` ((0.2, 0.5, 1.0) s), ``probe_interval`` (1 s), ``http_timeout`` (5 s),
             ``alerts_refresh`` (3 s), ``gzip`` (True), ``close_timeout`` (15 s), ``loss_window`` (50),
@@ -209,9 +215,10 @@ class Monitor:
         self.world_size = dist.get_world_size() if distributed else 1
         self.rank = dist.get_rank() if distributed else 0
         self._ranks = RankSync(self.n_tensors) if distributed else None
-        self._reader = StatsReader(model) if recipe is not None else None
         if self._caller is not None:
             self._reader = self._caller
+        else:
+            self._reader = StatsReader(model) if recipe is not None else None
         self._prev: tuple[int, Any] | None = None  # (step, scalars) waiting for its statistics
         self._scalars_by_step: dict[int, Any] = {}
         self._announced: list[list[dict[str, Any]]] = []
