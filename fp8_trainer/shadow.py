@@ -199,8 +199,9 @@ def _forward_hook(state: HookedState, k: int, module: nn.Module, args, output) -
     weight = module.weight
     if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad):
         return  # evaluation: nothing to record (as an FP8 layer under no_grad)
-    if _in_backward() and (0, k) in state.forward_recorded:
-        return  # activation checkpointing's recompute: this forward was counted already
+    recompute = _in_backward()  # activation checkpointing's recompute, inside backward
+    if recompute and (0, k) in state.forward_recorded:
+        return  # non-reentrant mode: the original forward was counted, and its graph gets the gradient
     x = state.layer_input(module, x)
     if state.device != x.device:
         state.to(x.device)
@@ -211,6 +212,10 @@ def _forward_hook(state: HookedState, k: int, module: nn.Module, args, output) -
     with torch.no_grad():
         state.record(3 * k, x.detach().reshape(-1, x.shape[-1]))
         state.record(3 * k + 1, weight.detach())
+    if recompute:
+        # reentrant mode: the gradients flow through a nested backward pass; queue the end of the step on
+        # the outer one, which is running now, so that the step closes once, when the whole backward ends
+        _queue_end(state)
     if isinstance(output, torch.Tensor) and output.requires_grad:
         output.register_hook(partial(_grad_hook, state, k))
 
@@ -221,6 +226,11 @@ def _grad_hook(state: HookedState, k: int, grad: torch.Tensor) -> None:
         return
     with torch.no_grad():
         state.record(3 * k + 2, grad.detach().reshape(-1, grad.shape[-1]))
+    _queue_end(state)
+
+
+def _queue_end(state: HookedState) -> None:
+    """Close the step when the running backward pass ends (once per pass)."""
     if state.step_complete and not state.callback_queued:
         state.callback_queued = True
         torch.autograd.Variable._execution_engine.queue_callback(state.on_backward_end)

@@ -184,3 +184,24 @@ def test_cpu_rows_equal_the_reference_kernel(fp8_dtype):
             _, _, want = quantize_current_reference(x, fp8_dtype, power_2_scale=pow2)
             got = cpu_stats_row(x, None, fp8_dtype, power_2_scale=pow2)
             np.testing.assert_array_equal(got, want.numpy(), err_msg=f"tensor {j}, current, pow2={pow2}")
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non-reentrant"])
+def test_activation_checkpointing_counts_each_tensor_once(mode):
+    """A checkpointed block recomputes its forward inside backward: the shadow statistics and the step
+    count are those of the same model without checkpointing, and the losses those of the plain model."""
+    from dataclasses import replace
+
+    from fp8_trainer import get_fp8_state
+
+    runs = {}
+    for ckpt in ("none", mode):
+        torch.manual_seed(0)
+        model = GPT(replace(CFG, checkpoint=ckpt))
+        shadow(model, DelayedScaling(amax_history_len=4))
+        stats = []
+        losses = _train(model, 3, on_step=lambda s, m=model, out=stats: out.append(step_stats(m).clone()))
+        runs[ckpt] = (losses, stats, get_fp8_state(model).steps)
+    assert runs[mode][0] == runs["none"][0] and runs[mode][2] == runs["none"][2] == 3
+    for a, b in zip(runs[mode][1], runs["none"][1], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
