@@ -12,6 +12,12 @@ process, interleaved in blocks so that drift of the machine hits both alike:
 Prints median step times, wall clock and this process's CPU time (on a machine shared with other work the
 CPU time is the steadier measure of what a step costs), and the ratio shadow/plain, overall and paired by
 round (the median over rounds of each round's ratio); writes bench/results/shadow.json. Goal: ratio <= 1.10.
+
+Measured on a 2-core CPU machine shared with other jobs (load average 5-6), ``--rounds 10 --block 10``, one
+thread: plain 72.9 ms, shadow 81.1 ms of CPU time per step, ratio 1.11 (wall clock 0.94-1.15, too noisy
+there to say more). About a third of the cost is the hooks themselves, the rest the statistics (abs, max
+and one counting pass per tensor, numpy, no FP8 tensor made). On a GPU the statistics are the fused quantize
+kernel's (not measured here: no GPU).
 """
 
 from __future__ import annotations

@@ -156,19 +156,18 @@ def _cpu_stats_row(x: torch.Tensor, scale, fp8_dtype: torch.dtype, power_2_scale
     threshold, inclusive = overflow_threshold(fp8_dtype)
     zero_at = np.float32(underflow_threshold(fp8_dtype))
     scale = np.float32(scale)
-    # |x|*scale (float32) is monotonic in |x|: max and min decide whether a counting pass can find anything,
+    # |x|*scale (float32) is monotonic in |x|: the max decides whether the overflow pass can find anything,
     # and each count compares |x| with the float32 bound that is exactly equivalent to the product's test
     over = 0
     scaled_top = amax * scale
     if n_inf or (scaled_top >= threshold if inclusive else scaled_top > threshold):
         keeps = _largest_factor(scale, np.float32(threshold), strict=inclusive)  # largest |x| not saturating
         over = int(np.count_nonzero(a > keeps)) - n_inf  # Inf inputs are non-finite, not overflow
-    low = a.min() if n_nan == 0 else np.fmin.reduce(a, axis=None)  # NaN ignored
-    under = 0
-    if np.isnan(low) or np.float32(low) * scale <= zero_at:
-        vanishes = _largest_factor(scale, zero_at, strict=False)  # largest |x| that quantizes to zero
-        # non-zero elements that quantize to zero (NaN compares false; zeros are subtracted)
-        under = int(np.count_nonzero(a <= vanishes)) - (int(np.count_nonzero(a == 0)) if low == 0 else 0)
+    # one counting pass finds the elements at or below the bound; zeros (no underflow) only if it found any
+    vanishes = _largest_factor(scale, zero_at, strict=False)  # largest |x| that quantizes to zero
+    under = int(np.count_nonzero(a <= vanishes))  # NaN compares false
+    if under:
+        under -= int(np.count_nonzero(a == 0))
     return [float(amax), float(scale), float(over), float(under), float(n_nan + n_inf), float(numel)]
 
 
@@ -205,13 +204,14 @@ def _forward_hook(state: HookedState, k: int, module: nn.Module, args, output) -
     x = state.layer_input(module, x)
     if state.device != x.device:
         state.to(x.device)
-    state.pending = True
+    if not state.pending:  # the step's first recorded forward
+        state.pending = True
+        state.group = resolve_amax_group(None, state.reduce_amax)
     state.step_complete = state.step_boundary
-    state.group = resolve_amax_group(None, state.reduce_amax)
     state.forward_recorded.add((0, k))
-    with torch.no_grad():
-        state.record(3 * k, x.detach().reshape(-1, x.shape[-1]))
-        state.record(3 * k + 1, weight.detach())
+    # detached: the statistics build no graph
+    state.record(3 * k, x.detach().reshape(-1, x.shape[-1]))
+    state.record(3 * k + 1, weight.detach())
     if recompute:
         # reentrant mode: the gradients flow through a nested backward pass; queue the end of the step on
         # the outer one, which is running now, so that the step closes once, when the whole backward ends
@@ -224,8 +224,7 @@ def _grad_hook(state: HookedState, k: int, grad: torch.Tensor) -> None:
     # returns None: the gradient flows on unchanged
     if not state.enabled[k]:
         return
-    with torch.no_grad():
-        state.record(3 * k + 2, grad.detach().reshape(-1, grad.shape[-1]))
+    state.record(3 * k + 2, grad.detach().reshape(-1, grad.shape[-1]))
     _queue_end(state)
 
 
