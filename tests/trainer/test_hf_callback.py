@@ -120,3 +120,22 @@ def test_trainer_in_shadow_mode_keeps_the_numerics(server, tmp_path):
     assert get(server.url, f"/runs/{run_id}")["config"]["fp8_source"] == "shadow"
     assert_stored(server.url, run_id, seen, fp8=True)
     assert len(tensor_table(model)) == 45  # every nn.Linear, lm_head included
+
+
+def test_trainer_with_a_torchao_model(server, tmp_path):
+    """A model converted by torchao before the Trainer is made: the callback needs no recipe; the statistics
+    are torchao's, one step per optimizer step under gradient accumulation."""
+    ao = pytest.importorskip("torchao.float8")
+    model = tiny_llama()
+    config = ao.Float8LinearConfig(emulate=True)
+    ao.convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn != "lm_head")
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=BATCH,
+                             gradient_accumulation_steps=ACCUM, max_steps=STEPS, learning_rate=1e-3,
+                             logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                             disable_tqdm=True, seed=0, run_name="hf-torchao")  # fmt: skip
+    seen = Seen(model)
+    cb = Fp8ScopeCallback(server.url, spool_path=tmp_path / "s.jsonl", **FAST)
+    Trainer(model=model, args=args, train_dataset=Tokens(BATCH * ACCUM * STEPS), callbacks=[cb, seen]).train()
+    run_id = next(r["id"] for r in get(server.url, "/runs") if r["name"] == "hf-torchao")
+    assert get(server.url, f"/runs/{run_id}")["config"]["fp8_source"] == "torchao"
+    assert_stored(server.url, run_id, seen, fp8=True)
