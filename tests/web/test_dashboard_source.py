@@ -10,10 +10,13 @@ from tests.web.dashboard_data import create_run
 
 pytestmark = pytest.mark.slow  # a real browser and server: several seconds each
 
+IMG = "<img src=x onerror=alert(1)>"
+
 
 def test_shadow_runs_are_marked(server, page):
     what_if = create_run(server.url, "bf16-what-if", config={"fp8_source": "shadow"})
     real = create_run(server.url, "fp8-real")
+    odd = create_run(server.url, "odd-source", config={"fp8_source": IMG})  # the job's own text: stays text
 
     page.goto(f"{server.url}/#/")
     page.wait_for_selector(f"#runs-table tr[data-run-id='{real['id']}']")
@@ -22,6 +25,8 @@ def test_shadow_runs_are_marked(server, page):
     assert page.text_content(badge) == "shadow"
     assert "what-if" in page.get_attribute(badge, "title")
     assert page.query_selector(f"#runs-table tr[data-run-id='{real['id']}'] td.name .badge") is None
+    assert page.text_content(f"#runs-table tr[data-run-id='{odd['id']}'] td.name .badge.source") == IMG
+    assert page.evaluate("document.querySelectorAll('img').length") == 0
 
     page.goto(f"{server.url}/#/runs/{what_if['id']}")
     page.wait_for_selector("#run-name")
