@@ -9,13 +9,15 @@ the layers as they are. Hooks read the three tensors an FP8 layer would quantize
     weight       the same forward hook: the layer's weight
     grad_output  a tensor hook on the layer's output: the gradient flowing into the layer in backward
 
-and runs them through the runtime's own quantize-with-statistics call under the recipe's scaling state
-(delayed scaling with its amax history, or current scaling), then drops the FP8 tensor. The step's amaxes
-enter the history when backward ends, exactly as for an FP8 model, so ``step_stats``, ``StatsReader``,
-``set_layer_recipe`` and ``Monitor`` work unchanged: the statistics say what each tensor's amax, scale,
-overflow and underflow *would be* under the recipe, while the model trains in its own precision. Nothing
-is read on the host in the step; the hooks return nothing, so forward and backward values are bit for bit
-those of the model without shadow.
+and records their statistics under the recipe's scaling state (delayed scaling with its amax history, or
+current scaling): on a GPU with the runtime's own quantize-with-statistics call (the fused kernel; the FP8
+tensor is dropped, nothing is read on the host), on the CPU with ``cpu_stats_row``, which gives the same
+row bit for bit without making the FP8 tensor. The step's amaxes enter the history when backward ends,
+exactly as for an FP8 model, so ``step_stats``, ``StatsReader``, ``set_layer_recipe`` and ``Monitor`` work
+unchanged: the statistics say what each tensor's amax, scale, overflow and underflow *would be* under the
+recipe, while the model trains in its own precision. The hooks return nothing, so forward and backward
+values are bit for bit those of the model without shadow. Activation checkpointing's recompute is not
+counted twice.
 
 The hook machinery (``HookedState``) is shared with the torchao watcher (``integrations/torchao.py``),
 which reads the same three tensors of torchao's ``Float8Linear`` layers and records them with the scales
