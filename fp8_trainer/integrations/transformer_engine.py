@@ -25,7 +25,9 @@ the previous copy: the amaxes that entered are the step's casts (several under g
 rolls once per ``fp8_autocast``), reported as their max with the scale that cast used (the previous copy's
 scale for the first, recomputed with TE's rule for the next ones). TE counts no overflow, underflow or
 non-finite elements and keeps no element count: those columns are 0 (``numel`` 0 says "not counted").
-A history of length 1 keeps no amax after the roll: ``amax_history_len >= 2`` is required.
+A history of length 1 keeps no amax after the roll: ``amax_history_len >= 2`` is required. Only TE's
+``DelayedScaling`` keeps such state; under its other recipes (current scaling, MXFP8, block scaling) there is
+nothing to read and no statistics are reported.
 
 Recipe commands: TE's recipe belongs to the ``fp8_autocast`` region, so changes are model-wide;
 ``margin`` and ``amax_compute_algo`` are set on the ``DelayedScaling`` object the modules hold (TE reads it
