@@ -15,6 +15,7 @@ from .convert import (
 )
 from .linear import Linear
 from .recipe import CurrentScaling, DelayedScaling, Format
+from .shadow import shadow, unshadow
 from .state import TensorInfo
 from .stats import StatsReader, step_stats
 
@@ -36,8 +37,10 @@ __all__ = [
     "is_fp8_enabled",
     "recipe",
     "set_layer_recipe",
+    "shadow",
     "step_stats",
     "tensor_table",
+    "unshadow",
 ]
 
 

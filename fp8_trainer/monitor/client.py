@@ -61,6 +61,7 @@ from ..stats import StatsReader
 from .control import CommandInbox, apply_commands
 from .detect import DetectConfig, Detector, FlightRecorder, amax_movers
 from .env import env_token, service_url
+from .external import attach_source
 from .ranks import RankSync, reduce_rank_stats
 from .sender import Sender, SenderConfig, StepRecord, wire_float
 from .spool import SpoolWriter
@@ -155,6 +156,12 @@ class Monitor:
             ``./fp8scope-spool/<run_name>-<time>.jsonl``; only created when needed).
         fail_fast: register the run before returning and raise ``MonitorRefused`` if the service refuses it
             (a rejected token, a wrong URL) instead of spooling; an unreachable service still spools.
+        tensors: for statistics computed by the training script (another runtime): the tensors, as
+            ``"<layer>.<role>"`` names or dicts (``external.declare_tensors``); each step's block then goes
+            to ``step(step, stats=block)``.
+        shadow: a recipe: attach shadow mode to a model not in FP8 (``fp8_trainer.shadow``) and report its
+            FP8 what-if statistics. Without either, a torchao or Transformer Engine model is recognised and
+            watched from its own state.
         **tuning: ``flush_interval`` (1 s), ``max_batch_steps`` (64), ``max_buffered_steps`` (4096),
             ``retry_delays`` ((0.2, 0.5, 1.0) s), ``probe_interval`` (1 s), ``http_timeout`` (5 s),
             ``alerts_refresh`` (3 s), ``gzip`` (True), ``close_timeout`` (15 s), ``loss_window`` (50),
@@ -181,6 +188,8 @@ class Monitor:
         tokens_per_step: int | None = None,
         spool_path: str | Path | None = None,
         fail_fast: bool = False,
+        tensors=None,
+        shadow=None,
         **tuning: Any,
     ):
         sender_cfg, detect_cfg, self.rank_sample_interval = _parse_tuning(dict(tuning))
@@ -191,11 +200,15 @@ class Monitor:
         self._last_step_at: float | None = None
         url = service_url(url)
         token = token if token is not None else env_token()
+        # statistics not from fp8scope's own layers: the caller's, shadow mode's, torchao's (external.py)
+        recipe, self._caller = attach_source(model, recipe, tensors=tensors, shadow=shadow)
         self.model = model
         self.recipe = recipe
         self._logged: set[str] = set()
         self._closed = False
-        if recipe is not None:
+        if self._caller is not None:
+            self.tensors = self._caller.tensors
+        elif recipe is not None:
             state = get_fp8_state(model)
             if state.n_layers == 0:
                 raise ValueError(
@@ -212,7 +225,10 @@ class Monitor:
         self.world_size = dist.get_world_size() if distributed else 1
         self.rank = dist.get_rank() if distributed else 0
         self._ranks = RankSync(self.n_tensors) if distributed else None
-        self._reader = StatsReader(model) if recipe is not None else None
+        if self._caller is not None:
+            self._reader = self._caller
+        else:
+            self._reader = StatsReader(model) if recipe is not None else None
         self._prev: tuple[int, Any] | None = None  # (step, scalars) of a run without FP8 layers, one late
         # (step, scalars, FP8 ran) in step order, waiting for the host copy of their statistics: a step
         # whose copy is in flight holds back the later ones, so the service gets every step, in order
@@ -230,7 +246,7 @@ class Monitor:
             client_key = uuid.uuid4().hex
             run_body = {
                 "name": run_name,
-                "config": dict(config or {}),
+                "config": {**dict(config or {}), **_source_config(model, self._caller)},
                 "recipe": _recipe_dict(recipe),
                 "world_size": self.world_size,
                 "host": socket.gethostname()[:200],
@@ -283,12 +299,18 @@ class Monitor:
         return self.sender.spool.path if self.sender else None
 
     # ----- the training-loop API -----
-    def step(self, step: int, loss=None, lr=None, **scalars: Any) -> None:
+    def step(self, step: int, loss=None, lr=None, stats=None, **scalars: Any) -> None:
         """Report optimizer step ``step`` (1-based, just completed) and apply pending recipe commands.
 
         ``loss`` and other scalars may be 0-dim tensors: they are read one step late, like the FP8
-        statistics. Never raises because of the monitor.
+        statistics. ``stats``: this step's statistics block when the tensors were declared with
+        ``Monitor(..., tensors=...)`` (see ``external.py`` for its shape and columns). Never raises because
+        of the monitor, except ValueError for a ``stats`` block of the wrong shape.
         """
+        if stats is not None:
+            if not hasattr(self._caller, "put"):
+                raise ValueError("stats: only for a Monitor made with tensors=[...] (the caller's own)")
+            self._caller.put(stats)
         if self._closed:
             self._log_once("closed", "fp8scope monitor: step() after close() is ignored")
             return
@@ -413,10 +435,15 @@ class Monitor:
             self._emit(step, stats, holder)
 
     def _say_no_fp8(self, step: int) -> None:
+        if hasattr(self._caller, "put"):  # the caller's own statistics
+            how = "no statistics block was given with step(%s, stats=...)"
+        elif self._caller is not None:  # another runtime's state (Transformer Engine)
+            how = "no FP8 cast ran in step %s"
+        else:
+            how = "no FP8 layer ran in step %s: wrap the forward in fp8_autocast"
         self._log_once(
             "no-fp8-step",
-            "fp8scope monitor: no FP8 layer ran in step %s: wrap the forward in fp8_autocast. Steps without "
-            "FP8 are reported with their scalars only.",
+            f"fp8scope monitor: {how}. Steps without FP8 statistics are reported with their scalars only.",
             step,
         )
 
@@ -482,6 +509,8 @@ class Monitor:
             )
 
     def _apply(self, commands: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
+        if self._caller is not None:  # the caller's statistics, Transformer Engine's state
+            return self._caller.apply_commands(commands, step)
         if self.recipe is None:
             reason = "this run has no FP8 layers (Monitor recipe=None): recipe changes do not apply"
             return [{"command_id": c.get("id"), "state": "rejected", "reason": reason} for c in commands]
@@ -577,6 +606,14 @@ class Monitor:
                     output.register_hook(grad_hook)
 
             handle = module.register_forward_hook(fwd_hook)
+
+
+def _source_config(model: nn.Module, caller) -> dict[str, Any]:
+    """Where the run's statistics come from, when not from fp8scope's FP8 layers (the dashboard shows it)."""
+    if caller is not None:
+        return {"fp8_source": caller.source}
+    source = getattr(getattr(model, "_fp8_state", None), "source", None)
+    return {"fp8_source": source} if source else {}
 
 
 def _capture(values: dict[str, Any]):

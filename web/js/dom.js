@@ -103,6 +103,22 @@ export function statusBadge(status) {
   return badge(status, kind[status] || "");
 }
 
+const SOURCES = {
+  shadow: "shadow mode: FP8 what-if statistics; the model itself trains in its own precision",
+  torchao: "statistics of torchao's Float8Linear layers, with the scales torchao used",
+  caller: "statistics computed by the training script (another runtime)",
+  transformer_engine: "read from Transformer Engine's amax histories and scales (no element counts)",
+};
+
+/** A badge naming where a run's FP8 statistics come from, unless from fp8scope's own FP8 layers. */
+export function sourceBadge(run) {
+  const source = run && run.config && run.config.fp8_source;
+  if (typeof source !== "string" || !source) return null;
+  const b = badge(source, "source");
+  b.title = SOURCES[source] || "FP8 statistics source";
+  return b;
+}
+
 let plotlyLoading = null;
 
 /** plotly.js, loaded once. It is a 4.8 MB script: loading it without blocking lets the page's data

@@ -3,7 +3,7 @@
 // the recipe editor and the post-mortem, all kept live by the run's event stream.
 
 import { api, auth, num, subscribe } from "./api.js";
-import { badge, el, fmt, mark, panel, plotly, plotlyText, replace, statusBadge, throttle } from "./dom.js";
+import { badge, el, fmt, mark, panel, plotly, plotlyText, replace, sourceBadge, statusBadge, throttle } from "./dom.js";
 import { Heatmap, fetchHeatmap } from "./heatmap.js";
 import { IncidentsPanel, SEVERITY_KIND } from "./incidents.js";
 import { PostMortem } from "./postmortem.js";
@@ -479,6 +479,7 @@ export async function mountRun(container, { runId, incident = null }) {
       header,
       el("h1", { id: "run-name" }, r.name),
       statusBadge(r.status),
+      sourceBadge(r),
       el("span", { id: "run-tags-list", class: "tags" }, (r.tags || []).map((t) => el("a", { class: "tag", href: `#/?tag=${encodeURIComponent(t)}` }, t))),
       el("dl", { class: "facts" },
         el("dt", {}, "last step"), el("dd", { id: "run-last-step" }, r.last_step === null ? "–" : String(r.last_step)),

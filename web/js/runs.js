@@ -3,7 +3,7 @@
 // value), a page at a time; rename, retag and delete (control scope); up to 8 runs picked for a comparison.
 
 import { api, auth, num, qs, subscribe } from "./api.js";
-import { ago, badge, el, fmt, replace, statusBadge, throttle } from "./dom.js";
+import { ago, badge, el, fmt, replace, sourceBadge, statusBadge, throttle } from "./dom.js";
 import { TAG_RE, configText, configValue } from "./config.js";
 
 export const MAX_COMPARE = 8;
@@ -177,7 +177,7 @@ export async function mountRuns(container) {
   function addRow(run) {
     const check = el("input", { type: "checkbox", title: `pick for comparison (up to ${MAX_COMPARE})`, onchange: (ev) => pick(run.id, ev.target.checked) });
     const cells = {
-      name: el("td", { class: "name" }, el("a", { href: `#/runs/${run.id}` }, run.name)),
+      name: el("td", { class: "name" }, el("a", { href: `#/runs/${run.id}` }, run.name), " ", sourceBadge(run)),
       status: el("td"),
       tags: el("td", { class: "tags-cell" }),
       step: el("td", { class: "num step" }),

@@ -1,0 +1,107 @@
+"""``Fp8ScopeCallback`` for the Hugging Face ``Trainer``: FP8 health of every optimizer step, no subclass.
+
+    from fp8_trainer import DelayedScaling
+    from fp8_trainer.integrations.hf import Fp8ScopeCallback
+
+    trainer = Trainer(model=model, args=args, train_dataset=ds,
+                      callbacks=[Fp8ScopeCallback(recipe=DelayedScaling())])     # train in FP8
+    # or Fp8ScopeCallback(shadow=DelayedScaling()): the model trains as it is, FP8 what-if statistics
+    # or Fp8ScopeCallback(): a torchao model is watched as it is; any other model sends its loss
+    trainer.train()
+
+At ``on_train_begin`` the callback prepares the model (``integrations/common.py``), registers the run with
+the ``TrainingArguments`` as its config, and wraps the model's ``forward`` so that it runs in the FP8
+region and hands its loss over. Every optimizer step (``on_step_end``, not only at ``logging_steps``) the
+step's statistics and loss go to the monitor. The loss is the one the Trainer itself reports for that step:
+the micro-batch losses as ``training_step`` returns them (divided by ``gradient_accumulation_steps`` unless
+the model takes ``num_items_in_batch``), summed over the step's micro-batches. The learning rate is the one
+the step used. Under torch.distributed every rank runs the callback and rank 0 reports.
+
+The URL and token come from the arguments or ``FP8SCOPE_URL`` / ``FP8SCOPE_TOKEN`` (``Monitor``'s rules).
+Saving checkpoints with FP8 layers: their scaling state is module extra state, which safetensors cannot
+hold; use ``save_safetensors=False`` (or ``save_strategy="no"``) with ``recipe``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+from transformers import TrainerCallback
+
+from .common import TrainerBridge
+
+__all__ = ["Fp8ScopeCallback"]
+
+
+class Fp8ScopeCallback(TrainerCallback):
+    """Monitor a Hugging Face ``Trainer`` run with fp8scope (see the module docstring).
+
+    Args:
+        url: the monitor service root; ``None``: ``FP8SCOPE_URL``.
+        run_name: the run's name; default ``TrainingArguments.run_name`` (else its ``output_dir``).
+        recipe: train in FP8 with this recipe (the model is converted with ``convert_to_fp8`` unless it
+            has FP8 layers already).
+        shadow: keep the model as it is and record FP8 what-if statistics under this recipe.
+        module_filter_fn: ``(module, fqn) -> bool``: the layers to convert or shadow (e.g. not ``lm_head``).
+        token: bearer token; ``None``: ``FP8SCOPE_TOKEN`` / ``FP8SCOPE_TOKEN_FILE``.
+        **monitor_kwargs: passed to ``Monitor`` (``spool_path``, ``fail_fast``, tuning).
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        run_name: str | None = None,
+        recipe=None,
+        shadow=None,
+        module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+        token: str | None = None,
+        **monitor_kwargs: Any,
+    ):
+        self.bridge = TrainerBridge(url, run_name, recipe, shadow, module_filter_fn, token, **monitor_kwargs)
+        self._grad_accum = 1
+        self._lr: float | None = None
+
+    @property
+    def monitor(self):
+        """The run's ``Monitor`` (``None`` before training starts and after it ends)."""
+        return self.bridge.monitor
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        config = json.loads(args.to_json_string())  # JSON-able, tokens already masked
+        name = args.run_name or str(args.output_dir).rstrip("/").rsplit("/", 1)[-1] or "hf-trainer"
+        self.bridge.start(model, config, name)
+        self._grad_accum = max(1, int(args.gradient_accumulation_steps))
+        self._wrap_forward(model)
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        if optimizer is not None:  # before the scheduler steps: the rate this step used
+            self._lr = float(optimizer.param_groups[0]["lr"])
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.bridge.step_end(state.global_step, lr=self._lr)
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        if model is not None and "forward" in model.__dict__ and hasattr(model.forward, "__fp8scope__"):
+            del model.forward  # the class's forward again
+        self.bridge.close("finished")
+
+    def _wrap_forward(self, model: nn.Module) -> None:
+        forward = model.forward
+        bridge, grad_accum = self.bridge, self._grad_accum
+
+        @functools.wraps(forward)
+        def fp8scope_forward(*args, **kwargs):
+            with bridge.region():
+                out = forward(*args, **kwargs)
+            loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+            if loss is not None and model.training and loss.requires_grad:
+                # training_step's normalisation: a model given num_items_in_batch normalises itself
+                bridge.add_loss(loss if "num_items_in_batch" in kwargs else loss / grad_accum)
+            return out
+
+        fp8scope_forward.__fp8scope__ = True
+        model.forward = fp8scope_forward

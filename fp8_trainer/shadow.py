@@ -1,0 +1,300 @@
+"""Shadow mode: FP8 what-if statistics for a model that is not (yet) in FP8, without changing its numerics.
+
+``shadow(model, recipe)`` registers every ``nn.Linear`` (and transformers ``Conv1D``) of a bf16/fp32 model
+the way ``convert_to_fp8`` registers FP8 layers (same tensor table, ``<module path>.<role>``), but leaves
+the layers as they are. Hooks read the three tensors an FP8 layer would quantize:
+
+    input        forward hook: the layer's input (in the autocast dtype where autocast is on, as an FP8
+                 ``Linear`` would see it)
+    weight       the same forward hook: the layer's weight
+    grad_output  a tensor hook on the layer's output: the gradient flowing into the layer in backward
+
+and records their statistics under the recipe's scaling state (delayed scaling with its amax history, or
+current scaling): on a GPU with the runtime's own quantize-with-statistics call (the fused kernel; the FP8
+tensor is dropped, nothing is read on the host), on the CPU with ``cpu_stats_row``, which gives the same
+row bit for bit without making the FP8 tensor. The step's amaxes enter the history when backward ends,
+exactly as for an FP8 model, so ``step_stats``, ``StatsReader``, ``set_layer_recipe`` and ``Monitor`` work
+unchanged: the statistics say what each tensor's amax, scale, overflow and underflow *would be* under the
+recipe, while the model trains in its own precision. The hooks return nothing, so forward and backward
+values are bit for bit those of the model without shadow. Activation checkpointing's recompute is not
+counted twice.
+
+The hook machinery (``HookedState``) is shared with the torchao watcher (``integrations/torchao.py``),
+which reads the same three tensors of torchao's ``Float8Linear`` layers and records them with the scales
+torchao computes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from functools import partial
+
+import numpy as np
+import torch
+from fp8_kernels import current_scale_reference, overflow_threshold, underflow_threshold
+from torch import nn
+
+from .distributed import resolve_amax_group
+from .linear import Linear
+from .recipe import DelayedScaling, Recipe
+from .state import FP8State
+
+__all__ = ["HookedState", "ShadowState", "is_conv1d", "shadow", "unshadow"]
+
+log = logging.getLogger(__name__)
+
+
+def is_conv1d(mod: nn.Module) -> bool:
+    """A transformers ``Conv1D`` (GPT-2's linear layer, weight stored as (in, out)), without importing it."""
+    cls = type(mod)
+    return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers")
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class HookedState(FP8State):
+    """An ``FP8State`` fed by hooks on layers that stay as they are (see the module docstring).
+
+    ``step_boundary`` (default True) closes the step when a backward pass ends; the trainer integrations set
+    it False and call ``fp8_trainer.end_step(model)`` at each optimizer step, so micro-batches of one step
+    accumulate (amax max, counts summed) into one history entry.
+    """
+
+    #: what the monitor registers the run as (its ``config["fp8_source"]``)
+    source = "hooked"
+
+    def __init__(self, layers: list[tuple[str, nn.Module]], recipe: Recipe, device=None):
+        self._host_rows: dict[int, list[float]] = {}  # CPU rows of the step in progress (record)
+        self._scale_view = None
+        super().__init__([name for name, _ in layers], recipe, device=device)
+        self.step_boundary = True
+        self.handles = [
+            m.register_forward_hook(partial(_forward_hook, self, k)) for k, (_, m) in enumerate(layers)
+        ]
+
+    def layer_input(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The input the layer's FP8 cast sees (overridden where a runtime casts first)."""
+        if torch.is_autocast_enabled(x.device.type):
+            return x.to(torch.get_autocast_dtype(x.device.type))
+        return x
+
+    def record(self, i: int, x: torch.Tensor) -> None:
+        """Tensor ``i``'s statistics into this step's row (the FP8 tensor itself is dropped)."""
+        if x.device.type != "cpu":
+            self.quantize(i, x, True)  # the fused kernel: statistics in the pass that casts
+            return
+        dtype = self.dtypes[i]
+        # a CPU tensor: reading the delayed scale waits for nothing (None: current scaling)
+        scale = None if self.current[i // 3] else np.float32(self.scale_host()[i])
+        row = cpu_stats_row(x, scale, dtype, power_2_scale=self.power_2_scale)
+        old = self._host_rows.get(i)
+        if old is None:
+            self._host_rows[i] = row
+        else:  # as accumulate_stats: amax the max with the scale that scaled it, counts summed
+            if row[0] >= old[0] or old[0] != old[0]:
+                old[0], old[1] = row[0], row[1]
+            for c in range(2, 6):
+                old[c] += row[c]
+
+    def scale_host(self) -> np.ndarray:
+        """The scales as a numpy view (CPU state only), refreshed when the scale tensor is replaced."""
+        if self._scale_view is None or self._scale_view[0] is not self.scale:
+            self._scale_view = (self.scale, self.scale.numpy())
+        return self._scale_view[1]
+
+    def _flush_host_rows(self) -> None:
+        """The step's CPU rows into the statistics buffer, in one write (before anyone reads it)."""
+        if self._host_rows:
+            idx = list(self._host_rows)
+            # the buffer's rows are untouched this step (amax 0, counts 0): accumulating is assigning
+            self.stats[idx] = torch.tensor([self._host_rows[i] for i in idx], dtype=torch.float64)
+            self._host_rows = {}
+
+    def end_step(self) -> None:
+        self._flush_host_rows()
+        super().end_step()
+
+    def remove(self) -> None:
+        """Remove the hooks (the statistics recorded so far stay readable)."""
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+def cpu_stats_row(
+    x: torch.Tensor, scale: np.float32 | None, fp8_dtype: torch.dtype, *, power_2_scale: bool = False
+) -> list[float]:
+    """The statistics row ``quantize_with_stats`` records for ``x`` on the CPU, without making the FP8 tensor.
+
+    Shadow mode needs only the row, and on the CPU it can look at values (nothing to synchronise with), so
+    the counting passes run only where the maximum and minimum say they can find something: most tensors
+    of a healthy step need an absolute value, a max and a min. ``scale=None``: current scaling's scale from
+    this tensor's amax. Bit for bit the reference's row (``tests/trainer/test_shadow.py`` checks edge cases).
+    """
+    with np.errstate(over="ignore", invalid="ignore"):  # Inf products are what the counts are about
+        return _cpu_stats_row(x, scale, fp8_dtype, power_2_scale)
+
+
+def _cpu_stats_row(x: torch.Tensor, scale, fp8_dtype: torch.dtype, power_2_scale: bool) -> list[float]:
+    xf = x.detach() if x.dtype == torch.float32 else x.detach().to(torch.float32)
+    a = np.abs(xf.contiguous().numpy())
+    numel = a.size
+    if numel == 0:
+        return [0.0, float(1.0 if scale is None else scale), 0.0, 0.0, 0.0, 0.0]
+    top = a.max()  # propagates NaN: finite means no NaN and no Inf
+    n_nan = n_inf = 0
+    if not np.isfinite(top):
+        n_nan = int(np.count_nonzero(np.isnan(a)))
+        n_inf = int(np.count_nonzero(np.isinf(a)))
+        top = np.fmax.reduce(a, axis=None)  # NaN ignored, as the kernels' amax
+        top = np.float32(0.0) if np.isnan(top) else top
+    amax = np.float32(top)
+    if scale is None:
+        scale_t = current_scale_reference(torch.tensor(amax), fp8_dtype, power_2_scale=power_2_scale)
+        scale = np.float32(scale_t.item())
+    threshold, inclusive = overflow_threshold(fp8_dtype)
+    zero_at = np.float32(underflow_threshold(fp8_dtype))
+    scale = np.float32(scale)
+    # |x|*scale (float32) is monotonic in |x|: the max decides whether the overflow pass can find anything,
+    # and each count compares |x| with the float32 bound that is exactly equivalent to the product's test
+    over = 0
+    scaled_top = amax * scale
+    if n_inf or (scaled_top >= threshold if inclusive else scaled_top > threshold):
+        keeps = _largest_factor(scale, np.float32(threshold), strict=inclusive)  # largest |x| not saturating
+        over = int(np.count_nonzero(a > keeps)) - n_inf  # Inf inputs are non-finite, not overflow
+    # one counting pass finds the elements at or below the bound; zeros (no underflow) only if it found any
+    vanishes = _largest_factor(scale, zero_at, strict=False)  # largest |x| that quantizes to zero
+    under = int(np.count_nonzero(a <= vanishes))  # NaN compares false
+    if under:
+        under -= int(np.count_nonzero(a == 0))
+    return [float(amax), float(scale), float(over), float(under), float(n_nan + n_inf), float(numel)]
+
+
+def _largest_factor(scale: np.float32, bound: np.float32, *, strict: bool) -> np.float32:
+    """The largest float32 ``a >= 0`` with ``float32(a * scale) <= bound`` (``< bound`` if ``strict``).
+
+    The products are monotonic in ``a``, so ``float32(|x| * scale) <= bound`` holds exactly for
+    ``|x| <= a``: one comparison instead of a multiplication pass and a comparison.
+    """
+
+    def ok(a: np.float32) -> bool:
+        p = np.float32(a * scale)
+        return p < bound if strict else p <= bound
+
+    inf = np.float32(np.inf)
+    a = np.float32(bound / scale)  # within an ulp or two of the answer
+    while a > 0 and not ok(a):
+        a = np.nextafter(a, np.float32(0))
+    while a < inf and ok(np.nextafter(a, inf)):
+        a = np.nextafter(a, inf)
+    return a
+
+
+def _forward_hook(state: HookedState, k: int, module: nn.Module, args, output) -> None:
+    x = args[0] if args else None
+    if not isinstance(x, torch.Tensor) or not state.enabled[k]:
+        return
+    weight = module.weight
+    if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad):
+        return  # evaluation: nothing to record (as an FP8 layer under no_grad)
+    recompute = _in_backward()  # activation checkpointing's recompute, inside backward
+    if recompute and (0, k) in state.forward_recorded:
+        return  # non-reentrant mode: the original forward was counted, and its graph gets the gradient
+    x = state.layer_input(module, x)
+    if state.device != x.device:
+        state.to(x.device)
+    if not state.pending:  # the step's first recorded forward
+        state.pending = True
+        state.group = resolve_amax_group(None, state.reduce_amax)
+    state.step_complete = state.step_boundary
+    state.forward_recorded.add((0, k))
+    # detached: the statistics build no graph
+    state.record(3 * k, x.detach().reshape(-1, x.shape[-1]))
+    state.record(3 * k + 1, weight.detach())
+    if recompute:
+        # reentrant mode: the gradients flow through a nested backward pass; queue the end of the step on
+        # the outer one, which is running now, so that the step closes once, when the whole backward ends
+        _queue_end(state)
+    if isinstance(output, torch.Tensor) and output.requires_grad:
+        output.register_hook(partial(_grad_hook, state, k))
+
+
+def _grad_hook(state: HookedState, k: int, grad: torch.Tensor) -> None:
+    # returns None: the gradient flows on unchanged
+    if not state.enabled[k]:
+        return
+    state.record(3 * k + 2, grad.detach().reshape(-1, grad.shape[-1]))
+    _queue_end(state)
+
+
+def _queue_end(state: HookedState) -> None:
+    """Close the step when the running backward pass ends (once per pass)."""
+    if state.step_complete and not state.callback_queued:
+        state.callback_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(state.on_backward_end)
+
+
+class ShadowState(HookedState):
+    """Scaling state and what-if statistics of a model in shadow mode."""
+
+    source = "shadow"
+
+
+def _shadow_layers(model: nn.Module, module_filter_fn) -> list[tuple[str, nn.Module]]:
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, Linear):
+            raise ValueError(
+                f"model: {name or '<root>'} is already an FP8 layer; shadow mode is for models not in FP8 "
+                "(monitor an FP8 model with Monitor(..., recipe) instead)"
+            )
+        if (isinstance(m, nn.Linear) or is_conv1d(m)) and (
+            module_filter_fn is None or module_filter_fn(m, name)
+        ):
+            out.append((name, m))
+    return out
+
+
+def shadow(
+    model: nn.Module,
+    recipe: Recipe | None = None,
+    module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+) -> ShadowState:
+    """Attach FP8 what-if statistics to every ``nn.Linear`` and transformers ``Conv1D`` of ``model``.
+
+    The model's numerics do not change. Afterwards ``tensor_table(model)``, ``step_stats(model)``,
+    ``StatsReader(model)`` and ``Monitor(url, name, model, recipe)`` see the shadow statistics as they
+    would an FP8 model's, and ``set_layer_recipe`` changes the what-if recipe (a margin, a history length,
+    current scaling, a layer left out).
+
+    Args:
+        model: a model in bf16 / fp32 (no FP8 layers).
+        recipe: the FP8 recipe to evaluate (default ``DelayedScaling()``).
+        module_filter_fn: ``(module, fqn) -> bool``; only layers it accepts are watched.
+    Returns:
+        The model's ``ShadowState`` (``.remove()`` detaches the hooks).
+    Raises:
+        ValueError: the model has FP8 layers, is shadowed already, or has no linear layer.
+    """
+    old = getattr(model, "_fp8_state", None)
+    if old is not None and old.n_layers:
+        raise ValueError("model: already has an FP8 scaling state (converted, watched or shadowed)")
+    layers = _shadow_layers(model, module_filter_fn)
+    if not layers:
+        raise ValueError("model: no nn.Linear or Conv1D layer to shadow")
+    device = next((p.device for p in model.parameters() if p.device.type != "meta"), None)
+    state = ShadowState(layers, recipe if recipe is not None else DelayedScaling(), device=device)
+    model._fp8_state = state
+    log.info("shadow: FP8 what-if statistics on %d layer(s)", len(layers))
+    return state
+
+
+def unshadow(model: nn.Module) -> None:
+    """Detach shadow mode from ``model`` (hooks removed, scaling state dropped)."""
+    state = getattr(model, "_fp8_state", None)
+    if isinstance(state, ShadowState):
+        state.remove()
+        del model._fp8_state

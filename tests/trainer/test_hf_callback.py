@@ -1,0 +1,141 @@
+"""``Fp8ScopeCallback`` in a real Hugging Face ``Trainer`` (tiny Llama, CPU) streaming into a real
+`fp8-monitor serve`: every optimizer step stored once, with the statistics the runtime computed at that
+step and the loss the Trainer reports for it, under gradient accumulation; in FP8 and in shadow mode."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from monitor_utils import FAST, get, running_server, stored_stats  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+from fp8_trainer import DelayedScaling, Linear, step_stats, tensor_table  # noqa: E402
+from fp8_trainer.integrations.hf import Fp8ScopeCallback  # noqa: E402
+
+STEPS, ACCUM, BATCH, SEQ = 4, 2, 4, 16
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    db = tmp_path_factory.mktemp("monitor") / "monitor.db"
+    with running_server(f"sqlite:///{db}") as srv:
+        yield srv
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, 64, (n, SEQ), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)  # fmt: skip
+    return LlamaForCausalLM(cfg)
+
+
+class Seen(TrainerCallback):
+    """After fp8scope's callback at each step: the runtime's statistics; and the loss the Trainer logs."""
+
+    def __init__(self, model):
+        self.model, self.stats, self.losses = model, {}, {}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        s = step_stats(self.model) if hasattr(self.model, "_fp8_state") else None
+        self.stats[state.global_step] = None if s is None else s.clone().numpy()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.losses[state.global_step] = logs["loss"]
+
+
+def run(tmp_path, callback=None):
+    model = tiny_llama()
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=BATCH,
+                             gradient_accumulation_steps=ACCUM, max_steps=STEPS, learning_rate=1e-3,
+                             logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                             disable_tqdm=True, seed=0, run_name="hf-tiny")  # fmt: skip
+    seen = Seen(model)
+    callbacks = [callback, seen] if callback is not None else [seen]
+    trainer = Trainer(
+        model=model, args=args, train_dataset=Tokens(BATCH * ACCUM * STEPS), callbacks=callbacks
+    )
+    trainer.train()
+    return model, seen
+
+
+def assert_stored(url, run_id, seen, fp8: bool):
+    run = get(url, f"/runs/{run_id}")
+    assert run["steps_stored"] == STEPS and (run["first_step"], run["last_step"]) == (1, STEPS)
+    assert run["status"] == "finished"
+    assert run["config"]["gradient_accumulation_steps"] == ACCUM and run["config"]["learning_rate"] == 1e-3
+    series = get(url, f"/runs/{run_id}/series", name="loss")
+    assert series["steps"] == list(range(1, STEPS + 1))
+    assert series["values"] == [seen.losses[s] for s in range(1, STEPS + 1)]  # the Trainer's own loss
+    lr = get(url, f"/runs/{run_id}/series", name="lr")["values"]
+    assert lr[0] == 1e-3 and lr[-1] < lr[0]  # the rate each step used (linear decay)
+    if not fp8:
+        return
+    got = stored_stats(url, run_id)
+    for c, metric in enumerate(("amax", "scale", "overflow", "underflow", "nonfinite")):
+        want = np.stack([seen.stats[s][:, c] for s in range(1, STEPS + 1)], axis=1)
+        np.testing.assert_array_equal(got[metric], want, err_msg=metric)
+    # one FP8 step per optimizer step: the input's numel counts both micro-batches
+    assert seen.stats[1][0, 5] == ACCUM * BATCH * SEQ * 32
+
+
+def test_trainer_in_fp8(server, tmp_path):
+    cb = Fp8ScopeCallback(server.url, recipe=DelayedScaling(amax_history_len=4),
+                          module_filter_fn=lambda m, fqn: fqn != "lm_head", spool_path=tmp_path / "s.jsonl",
+                          **FAST)  # fmt: skip
+    model, seen = run(tmp_path, cb)
+    assert sum(isinstance(m, Linear) for m in model.modules()) == 14  # 7 per decoder layer
+    assert "forward" not in model.__dict__  # the forward wrapper is gone after training
+    run_id = next(r["id"] for r in get(server.url, "/runs") if r["name"] == "hf-tiny")  # TrainingArguments
+    assert_stored(server.url, run_id, seen, fp8=True)
+    assert len(get(server.url, f"/runs/{run_id}/tensors")) == len(tensor_table(model)) == 42
+    assert seen.stats[STEPS][:, 1].min() != 1.0  # the delayed scales moved: the FP8 region was active
+
+
+def test_trainer_in_shadow_mode_keeps_the_numerics(server, tmp_path):
+    plain, plain_seen = run(tmp_path / "plain")
+    cb = Fp8ScopeCallback(server.url, run_name="hf-shadow", shadow=DelayedScaling(),
+                          spool_path=tmp_path / "s.jsonl", **FAST)  # fmt: skip
+    model, seen = run(tmp_path / "shadow", cb)
+    assert seen.losses == plain_seen.losses  # bit for bit the same training
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p, q)
+    run_id = next(r["id"] for r in get(server.url, "/runs") if r["name"] == "hf-shadow")
+    assert get(server.url, f"/runs/{run_id}")["config"]["fp8_source"] == "shadow"
+    assert_stored(server.url, run_id, seen, fp8=True)
+    assert len(tensor_table(model)) == 45  # every nn.Linear, lm_head included
+
+
+def test_trainer_with_a_torchao_model(server, tmp_path):
+    """A model converted by torchao before the Trainer is made: the callback needs no recipe; the statistics
+    are torchao's, one step per optimizer step under gradient accumulation."""
+    ao = pytest.importorskip("torchao.float8")
+    model = tiny_llama()
+    config = ao.Float8LinearConfig(emulate=True)
+    ao.convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn != "lm_head")
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=BATCH,
+                             gradient_accumulation_steps=ACCUM, max_steps=STEPS, learning_rate=1e-3,
+                             logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                             disable_tqdm=True, seed=0, run_name="hf-torchao")  # fmt: skip
+    seen = Seen(model)
+    cb = Fp8ScopeCallback(server.url, spool_path=tmp_path / "s.jsonl", **FAST)
+    Trainer(model=model, args=args, train_dataset=Tokens(BATCH * ACCUM * STEPS), callbacks=[cb, seen]).train()
+    run_id = next(r["id"] for r in get(server.url, "/runs") if r["name"] == "hf-torchao")
+    assert get(server.url, f"/runs/{run_id}")["config"]["fp8_source"] == "torchao"
+    assert_stored(server.url, run_id, seen, fp8=True)
