@@ -192,7 +192,8 @@ def apply_retention(db: Database, now: datetime, days: float) -> list[int]:
 def maintain(ctx: AppContext, now: datetime) -> None:
     """The periodic upkeep of runs: close abandoned ones, delete those past the retention period; the
     dashboards hear of both."""
-    for run_id in close_abandoned(ctx.db, now, ctx.settings.close_after_seconds):
+    after = ctx.settings.close_after_seconds
+    for run_id in close_abandoned(ctx.db, now, ctx.settings.stall_seconds if after is None else after):
         ctx.detection.forget(run_id)
         ctx.broker.publish(run_id, "run", {"id": run_id, "status": "crashed"})
     for run_id in apply_retention(ctx.db, now, ctx.settings.retention_days):

@@ -97,7 +97,7 @@ class Settings(BaseSettings):
         stall_check_seconds: how often the stall check (and the runs' maintenance below) runs.
         close_after_seconds: a running run with no telemetry for this long is closed as ``crashed``: its
             client is gone (killed without closing its Monitor); telemetry arriving later reopens it.
-            0 = never.
+            None (the default): the stall period, ``stall_seconds``; 0 = never.
         retention_days: runs that ended and were last updated more than this many days ago are deleted
             with their telemetry. 0 = keep every run.
         detectors: passed through to the detector engine's ``DetectorConfig`` (thresholds); checked when the
@@ -138,7 +138,7 @@ class Settings(BaseSettings):
     public_url: str = ""
     stall_seconds: float = 300.0
     stall_check_seconds: float = 15.0
-    close_after_seconds: float = Field(3600.0, ge=0)
+    close_after_seconds: float | None = Field(None, ge=0)
     retention_days: float = Field(0.0, ge=0)
     detectors: dict[str, Any] = {}
     sse_keepalive_seconds: float = 15.0

@@ -170,3 +170,17 @@ def test_the_run_lists_the_scalars_it_sent(client):
     assert client.post(f"{API}/runs/{rid}/telemetry", json=body).status_code == 200
     names = client.get(f"{API}/runs").json()[0]["scalar_names"]
     assert names == ["accuracy", "loss", "lr", "tokens_per_s"]
+
+
+def test_maintenance_closes_after_the_stall_period_by_default(make_client):
+    client = make_client(stall_seconds=30, stall_check_seconds=3600)
+    ctx = client.app.state.ctx
+    run = create_run(client)
+    run_admin.maintain(ctx, utcnow() + timedelta(seconds=20))
+    assert client.get(f"{API}/runs/{run['id']}").json()["status"] == "running"
+    run_admin.maintain(ctx, utcnow() + timedelta(seconds=40))
+    assert client.get(f"{API}/runs/{run['id']}").json()["status"] == "crashed"
+    never = make_client(stall_seconds=30, stall_check_seconds=3600, close_after_seconds=0)
+    other = create_run(never)
+    run_admin.maintain(never.app.state.ctx, utcnow() + timedelta(days=30))
+    assert never.get(f"{API}/runs/{other['id']}").json()["status"] == "running"
