@@ -73,7 +73,7 @@ def upload(args: argparse.Namespace) -> int:
 
     import httpx
 
-    from monitor_server.upload import upload_spool
+    from fp8_protocol.spool import upload_spool
 
     token = args.token or os.environ.get("FP8SCOPE_TOKEN")
     try:

@@ -1,16 +1,7 @@
 """The local spool: what the monitor could not deliver, in a file that ``fp8-monitor upload`` replays.
 
-The format (JSON lines, appended and flushed one record at a time) and the replay live in the torch-free
-``monitor_server.upload``, so the service's command line can read spools without importing torch:
-
-* ``{"type": "run", "version": 1, "client_key": K, "body": {...}}`` first: the ``POST /runs`` body.
-  ``client_key`` makes registering idempotent, so a run the service saw before the outage is found again;
-* ``{"type": "batch", "body": {...}}``: a telemetry body exactly as it would have been posted, with its
-  ``idempotency_key`` (the service stores a key once, so replaying a batch delivered before is harmless);
-* ``{"type": "status", "status": "finished" | "crashed"}``: the run's final status.
-
-Replaying the whole file in order is therefore always correct: uploading a spool twice, or one whose
-batches were partly delivered already, stores every step exactly once.
+The file's records, their meaning and the replay are defined once, in the torch-free ``fp8_protocol.spool``
+(the service's command line reads spools from there without torch); this module only writes them.
 """
 
 from __future__ import annotations
@@ -22,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from monitor_server.upload import API, SPOOL_VERSION, read_spool, upload_spool
+from fp8_protocol.spool import API, SPOOL_VERSION, read_spool, upload_spool
 
 __all__ = ["API", "SPOOL_VERSION", "SpoolWriter", "read_spool", "upload_spool"]
 
