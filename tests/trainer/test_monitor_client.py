@@ -154,7 +154,9 @@ def test_bad_scalars_never_reach_the_loop(server, tmp_path, caplog):
 
 
 def _events(url, run_id, kind):
-    return get(url, f"/runs/{run_id}/events", kind=kind)
+    """The run's events of `kind`, each read whole (a list carries big details as their summary)."""
+    listed = get(url, f"/runs/{run_id}/events", kind=kind)
+    return [get(url, f"/runs/{run_id}/events/{e['id']}") for e in listed]
 
 
 def test_loss_spike_event_with_flight_recorder(server, tmp_path):
