@@ -13,6 +13,11 @@ Goals: every attack answered with the expected status within 1 s (the slow-clien
 configured timeout plus 1 s), peak RSS under 200 MB above idle, `/healthz` under 100 ms throughout,
 nothing stored from a rejected request. `--smoke` runs smaller attacks on SQLite only (for CI; its numbers
 are not measurements).
+
+Measured on a shared 2-core machine: 32 of 34 attacks meet every goal on SQLite and PostgreSQL (each
+answered in at most 0.25 s, peak RSS at most 29 MB above idle). The two misses are the same attack: while
+a thousand slow clients connect at once, /healthz waits 120-280 ms, the time asyncio takes to accept the
+burst in one turn of the event loop; every slow client is refused with 408 at its timeout.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import random
 import time
 from typing import Any
 
@@ -58,7 +59,7 @@ def bounded_protocol(max_header_bytes: int, header_timeout_s: float) -> type[asy
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             # a client that connects and sends nothing holds a connection too
-            self._head_timer = self.loop.call_later(header_timeout_s, self._head_timed_out)
+            self._arm_head_timer()
 
         def data_received(self, data: bytes) -> None:
             if self._refused:
@@ -76,7 +77,7 @@ def bounded_protocol(max_header_bytes: int, header_timeout_s: float) -> type[asy
                     self._head_bytes = size
                     self._tail = window[-(len(_END_OF_HEAD) - 1) :]
                 if self._head_timer is None:
-                    self._head_timer = self.loop.call_later(header_timeout_s, self._head_timed_out)
+                    self._arm_head_timer()
             super().data_received(data)
 
         def on_headers_complete(self) -> None:
@@ -91,6 +92,12 @@ def bounded_protocol(max_header_bytes: int, header_timeout_s: float) -> type[asy
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_head_timer()
             super().connection_lost(exc)
+
+        def _arm_head_timer(self) -> None:
+            # up to 10 % later at random: a thousand slow clients that connected together time out spread
+            # over a while, between other requests, not all in one turn of the event loop
+            delay = header_timeout_s * random.uniform(1.0, 1.1)
+            self._head_timer = self.loop.call_later(delay, self._head_timed_out)
 
         def _cancel_head_timer(self) -> None:
             if self._head_timer is not None:

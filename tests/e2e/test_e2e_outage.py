@@ -31,8 +31,9 @@ def test_server_killed_mid_run_and_restarted_stores_every_step_once(server, api,
         wait_for(lambda: any(r["name"] == "e2e-kill" and (r["steps_stored"] or 0) >= 10
                              for r in api.get("/runs").json()), what="10 stored steps")  # fmt: skip
         server.stop(signal.SIGKILL)
-        # the job goes on while the server is down: it has noticed when it starts its spool
-        wait_for(lambda: list((tmp_path / "fp8scope-spool").glob("*.jsonl")), what="the job to spool")
+        # an outage of a set length, not a wait for something to happen: the job goes on meanwhile (waiting
+        # for its spool instead made the outage longer than the rest of the job on a fast machine)
+        time.sleep(1.5)
         restarted = ServerProcess(server.db_url, log_path=server.log_path, port=server.port).start()
         try:
             out, _ = proc.communicate(timeout=240)

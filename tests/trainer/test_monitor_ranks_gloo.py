@@ -110,7 +110,8 @@ def test_two_ranks_report_reduced_stats_rank_amax_and_apply_commands_together(tm
             got = np.array([decode(row) for row in h["values"]]).T  # (S, T)
             np.testing.assert_array_equal(got, want, err_msg=metric)
 
-        events = get(server.url, f"/runs/{run_id}/events", kind="rank_amax")
+        listed = get(server.url, f"/runs/{run_id}/events", kind="rank_amax")
+        events = [get(server.url, f"/runs/{run_id}/events/{e['id']}") for e in listed]  # each whole
         assert [e["step"] for e in events] == [s for s in steps if s % SAMPLE == 0]
         for e in events:
             assert e["details"]["world_size"] == WORLD

@@ -202,7 +202,7 @@ def ingest(
             try:
                 ctx.detection.after_ingest(run_id, result.new_steps, batch.events)
             except Exception:  # the batch is stored; a detector fault must not fail the ingest
-                log.exception("detectors failed on run %s", run_id)
+                log.exception("detectors failed on run %s; the batch is run again with the next one", run_id)
     return {"stored_steps": stored, "duplicate": result.duplicate, "commands": delivered}
 
 
@@ -212,8 +212,11 @@ def ingest(
     openapi_extra=TELEMETRY_BODY,
     responses={
         400: {"description": "malformed JSON or gzip"},
-        413: {"description": "body too large"},
-        415: {"description": "unsupported Content-Encoding"},
+        403: {"description": "the token lacks the ingest scope, or the run belongs to another token"},
+        408: {"description": "the body stalled (body_timeout_seconds)"},
+        413: {"description": "body too large (max_body_bytes) or over the parse budget (max_json_elements)"},
+        415: {"description": "unsupported Content-Encoding, or (without tokens) not application/json"},
+        422: {"description": "invalid content, named; nothing is stored"},
     },
 )
 async def post_telemetry(run_id: RunId, request: Request, ctx: CtxDep, principal: IngestDep) -> Response:
