@@ -73,7 +73,7 @@ class Receiver(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     server: Receiver
 
-    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+    def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         with self.server.lock:
             self.server.posts.append(body)

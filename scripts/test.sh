@@ -12,4 +12,5 @@ if command -v pg_ctlcluster >/dev/null 2>&1 && ! pg_isready -q -h 127.0.0.1 -p 5
 fi
 
 .venv/bin/ruff check .
+.venv/bin/ruff format --check .
 exec .venv/bin/python -m pytest "$@"

@@ -50,7 +50,7 @@ def make_engine(db_url: str) -> Engine:
         )
 
         @event.listens_for(engine, "connect")
-        def _on_connect(dbapi_connection, _record):  # noqa: ANN001
+        def _on_connect(dbapi_connection, _record):
             # take transaction control away from pysqlite so BEGIN IMMEDIATE can be issued (SQLAlchemy recipe)
             dbapi_connection.isolation_level = None
             cursor = dbapi_connection.cursor()
@@ -64,7 +64,7 @@ def make_engine(db_url: str) -> Engine:
             cursor.close()
 
         @event.listens_for(engine, "begin")
-        def _on_begin(conn):  # noqa: ANN001
+        def _on_begin(conn):
             immediate = conn.get_execution_options().get("fp8scope_write", False)
             conn.exec_driver_sql(_BEGIN_IMMEDIATE if immediate else _BEGIN)
 

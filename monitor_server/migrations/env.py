@@ -11,7 +11,7 @@ config = context.config
 target_metadata = Base.metadata
 
 
-def _run(connection) -> None:  # noqa: ANN001
+def _run(connection) -> None:
     context.configure(
         connection=connection,
         target_metadata=target_metadata,

@@ -43,7 +43,7 @@ def pg_database() -> Iterator[str]:
     database = fresh_pg_database(PG_URL, "fp8scope_test")
     try:
         url = database.__enter__()
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         where = make_url(PG_URL).render_as_string(hide_password=True)
         message = f"PostgreSQL not reachable at {where}: {exc}"
         if REQUIRE_PG:

@@ -47,7 +47,7 @@ class Hook(ThreadingHTTPServer):
 class HookHandler(BaseHTTPRequestHandler):
     server: Hook
 
-    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+    def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers["Content-Length"]))
         self.server.first_arrived.set()
         self.server.release.wait(10)

@@ -10,11 +10,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-from monitor_utils import FAST, get, running_server, stored_stats  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from monitor_utils import FAST, get, running_server, stored_stats
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-from fp8_trainer import DelayedScaling, Linear, step_stats, tensor_table  # noqa: E402
-from fp8_trainer.integrations.hf import Fp8ScopeCallback  # noqa: E402
+from fp8_trainer import DelayedScaling, Linear, step_stats, tensor_table
+from fp8_trainer.integrations.hf import Fp8ScopeCallback
 
 STEPS, ACCUM, BATCH, SEQ = 4, 2, 4, 16
 

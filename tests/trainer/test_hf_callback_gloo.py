@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 pytest.importorskip("transformers")
 
-from monitor_utils import FAST, decode, free_port, get, running_server  # noqa: E402
+from monitor_utils import FAST, decode, free_port, get, running_server
 
 WORLD, STEPS, ACCUM = 2, 3, 2
 

@@ -33,7 +33,7 @@ def server(request, tmp_path_factory):
     try:
         database = fresh_pg_database(PG_URL, "fp8scope_read")
         url = database.__enter__()
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         if os.environ.get("FP8SCOPE_REQUIRE_PG") == "1":
             pytest.fail(f"PostgreSQL not reachable: {exc}")
         pytest.skip(f"PostgreSQL not reachable at {PG_URL}: {exc}")
@@ -153,7 +153,7 @@ def test_readme_example_runs(server, job, capsys):
     section = text[text.index("## Getting data out") :]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     # the newest run on this server is the job's: the example names it, its loss and its largest amax
-    exec(compile(code.replace("http://127.0.0.1:8000", server.url), "README", "exec"), {})  # noqa: S102
+    exec(compile(code.replace("http://127.0.0.1:8000", server.url), "README", "exec"), {})
     run_id, seen, last_loss, names = job
     worst = names[int(seen[8][1][:, 0].argmax())]
     want = f"run {run_id}: 9 steps, last loss {last_loss:.4f}, largest amax in {worst}\n"

@@ -11,14 +11,14 @@ import torch
 
 pytest.importorskip("torchao.float8")
 
-import torchao.float8.float8_linear as ao_linear  # noqa: E402
-from monitor_utils import FAST, get, running_server, stored_stats  # noqa: E402
-from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: E402
+import torchao.float8.float8_linear as ao_linear
+from monitor_utils import FAST, get, running_server, stored_stats
+from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-from fp8_trainer import Monitor, step_stats, tensor_table  # noqa: E402
-from fp8_trainer.integrations.torchao import torchao_scale, watch_torchao  # noqa: E402
-from fp8_trainer.model import GPT, GPTConfig  # noqa: E402
-from fp8_trainer.monitor.control import apply_commands  # noqa: E402
+from fp8_trainer import Monitor, step_stats, tensor_table
+from fp8_trainer.integrations.torchao import torchao_scale, watch_torchao
+from fp8_trainer.model import GPT, GPTConfig
+from fp8_trainer.monitor.control import apply_commands
 
 ROLE = {"INPUT": "input", "WEIGHT": "weight", "GRAD_OUTPUT": "grad_output"}
 

@@ -10,9 +10,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel
 
-from fp8_trainer import DelayedScaling, shadow, step_stats, tensor_table  # noqa: E402
+from fp8_trainer import DelayedScaling, shadow, step_stats, tensor_table
 
 
 def gpt2():
