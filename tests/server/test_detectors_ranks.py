@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from detector_runs import make_tensors
 
+from monitor_server.detectors.config import DetectorConfig
 from monitor_server.detectors.ranks import parse_rank_amax, rank_divergence
 from monitor_server.detectors.types import EVENT_KINDS
 from monitor_server.schemas import EventKind
@@ -73,7 +74,7 @@ def test_rank_amax_event_opens_an_alert_on_the_tensor(client):
     run = create_run(client, n_layers=2)
     rid, n = run["id"], run["num_tensors"]
     amax = _amax(2, n)
-    amax[1, 3] *= 64.0
+    amax[1, 3] *= 256.0  # 8 binades: beyond twice the default threshold of 3
     events = [{"kind": "rank_amax", "step": 5, "details": {"world_size": 2, "amax": amax.tolist()}}]
     body = batch_body("r-1", [5], random_stats(np.random.default_rng(0), 1, n), events=events)
     r = client.post(f"{API}/runs/{rid}/telemetry", json=body)
@@ -91,3 +92,14 @@ def test_malformed_rank_amax_event_is_a_422_that_stores_nothing(client):
     r = client.post(f"{API}/runs/{rid}/telemetry", json=body)
     assert r.status_code == 422 and "events[0].details" in r.text and "row 1" in r.text
     assert client.get(f"{API}/runs/{rid}").json()["steps_stored"] == 0
+
+
+def test_healthy_ranks_on_different_data_raise_nothing_by_default():
+    """Two healthy ranks: a grad_output amax 4x apart (measured on a healthy two-rank run) is no divergence
+    at the default threshold; 8x and more is."""
+    tensors = make_tensors(1)
+    default = DetectorConfig().rank_divergence_log2
+    amax = np.array([[1.0, 0.5, 2.2e-4], [1.1, 0.5, 5.476e-5]])
+    assert rank_divergence(amax, tensors, 50, default) == []
+    amax[0, 2] = 9 * amax[1, 2]
+    assert [f.tensor_index for f in rank_divergence(amax, tensors, 50, default)] == [2]
