@@ -1,0 +1,78 @@
+"""The tracker views on real trainings: two `fp8-train` runs (tagged, evaluating, with different learning
+rates) streamed into the service, then what a user sees on the runs list, the run page and the comparison."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from tests.server.utils import API
+from tests.web.browser import no_page_errors, wait_drawn
+
+pytestmark = pytest.mark.slow  # real trainings, a real browser and server
+
+FLAGS = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--steps", "24", "--eval-interval", "8"]
+FLAGS += ["--eval-iters", "2", "--no-progress", "--log-interval", "1000"]
+
+
+def train(url: str, name: str, lr: str, tmp_path) -> None:
+    cmd = [sys.executable, "-m", "fp8_trainer.cli", *FLAGS, "--lr", lr, "--monitor-url", url]
+    cmd += ["--run-name", name, "--tag", "real-pair", "--tag", f"lr-{lr}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def test_real_runs_in_the_list_the_run_page_and_the_comparison(server, page, tmp_path):
+    train(server.url, "real-lr1e-3", "1e-3", tmp_path)
+    train(server.url, "real-lr3e-3", "3e-3", tmp_path)
+    runs = {r["name"]: r for r in httpx.get(f"{server.url}{API}/runs", params={"tag": "real-pair"}).json()}
+    assert set(runs) == {"real-lr1e-3", "real-lr3e-3"}
+
+    # the list, filtered by the tag, with the learning rate as a column
+    page.add_init_script("localStorage.setItem('fp8scope.runColumns', 'lr')")
+    page.goto(f"{server.url}/#/?tag=real-pair")
+    page.wait_for_function("() => document.querySelectorAll('#runs-table tbody tr').length === 2")
+    lrs = page.eval_on_selector_all(
+        "#runs-table tbody td.config-value", "tds => tds.map(td => td.textContent)"
+    )
+    assert lrs == ["0.003", "0.001"]
+
+    # the run page: every scalar the job sent on offer, the evaluations charted, the config listed
+    rid = runs["real-lr1e-3"]["id"]
+    page.goto(f"{server.url}/#/runs/{rid}")
+    wait_drawn(page, "heatmap", "curves")
+    page.wait_for_selector("#scalars-picker label[data-name='eval.val_loss']")
+    offered = set(page.eval_on_selector_all("#scalars-picker label", "ls => ls.map(l => l.dataset.name)"))
+    assert {
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "step_time_s",
+        "host_memory_mb",
+        "eval.val_loss",
+    } <= offered
+    page.wait_for_function(
+        "() => (document.getElementById('scalars-plot').data || []).some(t => t.name === 'eval.val_loss')"
+    )
+    val = page.evaluate("document.getElementById('curves').data.find(t => t.name === 'val loss').x")
+    assert val == [8, 16, 24]
+    assert page.text_content("#config-table tr[data-key='lr'] td:last-child") == "0.001"
+    assert sorted(page.eval_on_selector_all("#run-tags-list .tag", "ts => ts.map(t => t.textContent)")) == [
+        "lr-1e-3",
+        "real-pair",
+    ]
+
+    # the two compared: both losses, the learning rate in the config diff
+    other = runs["real-lr3e-3"]["id"]
+    page.goto(f"{server.url}/#/compare?runs={rid},{other}")
+    page.wait_for_function("() => window.fp8scope.drawn.compare !== undefined")
+    assert len(page.evaluate("document.getElementById('compare-loss').data")) == 2
+    diff = page.eval_on_selector_all("#compare-config tbody tr", "trs => trs.map(tr => tr.dataset.key)")
+    assert "lr" in diff and "run_name" in diff and "preset" not in diff
+    no_page_errors(page)
