@@ -33,12 +33,12 @@ import orjson
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from fp8_protocol.stats import FP8_MAX, STAT_COLUMNS  # noqa: E402
 from monitor_server.core.db import Database  # noqa: E402
 from monitor_server.ingest import DecodedBatch, store_batch  # noqa: E402
-from monitor_server.rollups import FP8_MAX  # noqa: E402
 from tests.server.utils import col, fresh_pg_database, running_server  # noqa: E402  (shared with the tests)
 
-STATS = ("amax", "scale", "overflow", "underflow", "nonfinite", "numel")
+STATS = STAT_COLUMNS
 PG_URL = os.environ.get("FP8SCOPE_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 
 

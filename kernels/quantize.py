@@ -39,6 +39,8 @@ import math
 
 import torch
 
+from fp8_protocol.stats import STAT_COLUMNS as _PROTOCOL_COLUMNS
+
 __all__ = [
     "KERNEL_MAX_NUMEL",
     "STAT_COLUMNS",
@@ -52,8 +54,8 @@ __all__ = [
     "underflow_threshold",
 ]
 
-#: Column order of every statistics row / table.
-STAT_COLUMNS = ("amax", "scale", "overflow", "underflow", "nonfinite", "numel")
+#: Column order of every statistics row / table (defined once, in the protocol both sides share).
+STAT_COLUMNS = _PROTOCOL_COLUMNS
 
 #: Largest element count the Triton kernels address (int32 offsets); larger tensors use the references.
 KERNEL_MAX_NUMEL = 2**31 - 2**24

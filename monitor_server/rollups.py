@@ -18,14 +18,12 @@ import numpy as np
 from sqlalchemy import and_, insert, select, update
 from sqlalchemy.orm import Session
 
-from monitor_server.detectors.types import STAT_COLUMNS
+from fp8_protocol.stats import STAT_COLUMNS
 from monitor_server.models import Rollup, StepStat
 
 #: the rollup block sizes, in steps (each divides the next)
 LEVELS: tuple[int, ...] = (8, 64, 512, 4096)
 
-#: largest finite value per FP8 format
-FP8_MAX: dict[str, float] = {"e4m3": 448.0, "e5m2": 57344.0}
 
 #: statistic name -> metric id of its `StepStat` rows
 STAT_IDS: dict[str, int] = {name: i for i, name in enumerate(STAT_COLUMNS)}

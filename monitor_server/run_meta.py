@@ -10,9 +10,9 @@ import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from fp8_protocol.stats import FP8_MAX
 from monitor_server.detectors.types import TensorMeta
 from monitor_server.models import Run, TensorRow
-from monitor_server.rollups import FP8_MAX
 
 
 @dataclass(frozen=True)

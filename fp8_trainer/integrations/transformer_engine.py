@@ -43,6 +43,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from fp8_protocol.stats import FP8_MAX
+
 from ..hostcopy import HostCopy
 
 __all__ = ["TEStats", "has_te_layers", "new_amaxes", "te_layers", "te_step_row"]
@@ -50,7 +52,7 @@ __all__ = ["TEStats", "has_te_layers", "new_amaxes", "te_layers", "te_step_row"]
 log = logging.getLogger(__name__)
 
 _GEMMS = {"Linear": 1, "LayerNormLinear": 1, "LayerNormMLP": 2}
-_FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+_FP8_MAX = FP8_MAX  # fp8_protocol.stats
 #: what a command may change in a running TE job (fields of TE's DelayedScaling read at every update)
 _TE_SETTINGS = ("margin", "amax_compute_algo")
 

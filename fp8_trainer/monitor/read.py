@@ -23,12 +23,14 @@ from typing import Any
 import httpx
 import numpy as np
 
+from fp8_protocol.stats import STAT_COLUMNS
+
 from .env import env_token, service_url
 
 __all__ = ["ReadError", "Reader"]
 
 API = "/api/v1"
-STATS = ("amax", "scale", "overflow", "underflow", "nonfinite", "numel")
+STATS = STAT_COLUMNS
 _PAGE = 10_000  # the service's largest events page
 
 

@@ -38,10 +38,12 @@ import httpx
 import numpy as np
 import orjson
 
+from fp8_protocol.stats import STAT_COLUMNS, encode_float
+
 from .spool import API, SpoolWriter
 
 log = logging.getLogger("fp8scope.monitor")
-STATS = ("amax", "scale", "overflow", "underflow", "nonfinite", "numel")
+STATS = STAT_COLUMNS  # the contract's column order (fp8_protocol.stats)
 
 
 @dataclass
@@ -78,13 +80,8 @@ class SenderConfig:
     extra_headers: dict[str, str] = field(default_factory=dict)
 
 
-def wire_float(x: float) -> float | str:
-    """A float in the wire encoding (NaN / infinities as strings)."""
-    if math.isnan(x):
-        return "NaN"
-    if math.isinf(x):
-        return "Infinity" if x > 0 else "-Infinity"
-    return x
+#: a float in the wire encoding (NaN / infinities as strings)
+wire_float = encode_float
 
 
 def pack_column(values: np.ndarray) -> dict[str, str]:

@@ -12,8 +12,11 @@ from typing import Any
 
 import numpy as np
 
-#: Per-tensor statistics, in the order the training runtime records them.
-STAT_COLUMNS: tuple[str, ...] = ("amax", "scale", "overflow", "underflow", "nonfinite", "numel")
+# the contract's definitions, re-exported for the detectors: statistic columns, FP8 maxima, NaN spelling
+from fp8_protocol.stats import FP8_MAX as FP8_MAX
+from fp8_protocol.stats import NONFINITE_SPELLING
+from fp8_protocol.stats import STAT_COLUMNS as STAT_COLUMNS
+from fp8_protocol.stats import encode_float as encode_float
 
 #: Roles of a quantized tensor.
 ROLES: tuple[str, ...] = ("input", "weight", "grad_output")
@@ -117,29 +120,14 @@ class Finding:
         return self.step if self.onset is None else self.onset
 
 
-def encode_float(x: float) -> float | str:
-    """A float as JSON can carry it: finite unchanged, NaN / ±inf as "NaN" / "Infinity" / "-Infinity"."""
-    x = float(x)
-    if x != x:
-        return "NaN"
-    if x == float("inf"):
-        return "Infinity"
-    if x == float("-inf"):
-        return "-Infinity"
-    return x
-
-
 def decode_float(x: float | int | str | None) -> float:
     """Inverse of `encode_float`: "NaN" / "Infinity" / "-Infinity" back to floats; None becomes NaN."""
     if x is None:
         return float("nan")
     if isinstance(x, str):
-        return {"NaN": float("nan"), "Infinity": float("inf"), "-Infinity": float("-inf")}[x]
+        return NONFINITE_SPELLING[x]
     return float(x)
 
-
-#: Largest finite value of each FP8 format (DESIGN.md: e5m2 is 57344, not 57334).
-FP8_MAX: dict[str, float] = {"e4m3": 448.0, "e5m2": 57344.0}
 
 #: Where a scaled value stops rounding to the FP8 max and saturates (the runtime's overflow threshold):
 #: above 464 for e4m3 (464 ties to even, 448), at or above 61440 for e5m2 (ties to 65536). Up to there
