@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fp8_protocol.stats import AMAX, NONFINITE, OVERFLOW, UNDERFLOW
+
 from .convert import tensor_table
 
 __all__ = ["fp8_summary", "health_table"]
@@ -14,8 +16,8 @@ def fp8_summary(stats: torch.Tensor) -> str:
     """One line over all tensors of a step: the largest amax and the summed counts."""
     s = stats.to("cpu", torch.float64)
     return (
-        f"fp8: max amax {s[:, 0].max():.3g}, overflow {int(s[:, 2].sum())}, "
-        f"underflow {int(s[:, 3].sum())}, nonfinite {int(s[:, 4].sum())}"
+        f"fp8: max amax {s[:, AMAX].max():.3g}, overflow {int(s[:, OVERFLOW].sum())}, "
+        f"underflow {int(s[:, UNDERFLOW].sum())}, nonfinite {int(s[:, NONFINITE].sum())}"
     )
 
 

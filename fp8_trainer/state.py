@@ -46,6 +46,8 @@ from fp8_kernels import (
     quantize_with_stats_transposed,
 )
 
+from fp8_protocol.stats import AMAX, SCALE
+
 from .distributed import all_reduce_amax
 from .formats import ROLES
 from .recipe import CurrentScaling, DelayedScaling, Recipe, validate_setting
@@ -99,8 +101,8 @@ def merge_step_stats(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Two FP8 steps' statistics ``(n, 6)`` as one: amax the max (NaN ignored), scale the one that scaled
     the larger amax (so headroom stays negative only where something overflowed), counts and numel summed."""
     out = a + b
-    out[:, 0] = torch.fmax(a[:, 0], b[:, 0])
-    out[:, 1] = torch.where(b[:, 0] > a[:, 0], b[:, 1], a[:, 1])
+    out[:, AMAX] = torch.fmax(a[:, AMAX], b[:, AMAX])
+    out[:, SCALE] = torch.where(b[:, AMAX] > a[:, AMAX], b[:, SCALE], a[:, SCALE])
     return out
 
 
@@ -276,7 +278,7 @@ class FP8State:
 
     def _new_stats_buffer(self) -> None:
         self.stats = torch.zeros(self.n_tensors, len(STAT_COLUMNS), dtype=torch.float64, device=self.device)
-        self.stats[:, 1] = self.scale
+        self.stats[:, SCALE] = self.scale
 
     def end_step(self) -> None:
         """Close the step in progress: reduce amaxes, push them into the history, update the scales.
@@ -289,7 +291,7 @@ class FP8State:
         self.step_complete = False
         self.forward_recorded.clear()
         stats = self.stats
-        amax = stats[:, 0].to(torch.float32)
+        amax = stats[:, AMAX].to(torch.float32)
         if self.group is not None:
             amax = all_reduce_amax(amax, self.group)
         self.step_t = self.step_t + 1

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from fp8_protocol.loss_spike import LossSpikeParams, LossSpikeRule
+from fp8_protocol.stats import AMAX, NONFINITE, OVERFLOW, UNDERFLOW
 
 from .sender import STATS, StepRecord, wire_float
 
@@ -62,8 +63,8 @@ class FlightRecorder:
         for r in self.records:
             row: dict[str, Any] = {"step": r.step, **{k: wire_float(float(v)) for k, v in r.scalars.items()}}
             if r.stats is not None and r.stats.size:
-                row["max_amax"] = wire_float(float(np.max(r.stats[:, 0])))
-                for j, name in ((2, "overflow"), (3, "underflow"), (4, "nonfinite")):
+                row["max_amax"] = wire_float(float(np.max(r.stats[:, AMAX])))
+                for j, name in ((OVERFLOW, "overflow"), (UNDERFLOW, "underflow"), (NONFINITE, "nonfinite")):
                     row[name] = wire_float(float(np.sum(r.stats[:, j])))
             out.append(row)
         return out
@@ -134,7 +135,7 @@ class Detector:
         return out
 
     def _check_stats(self, rec: StepRecord, out: list) -> None:
-        amax, nonfinite = rec.stats[:, 0], rec.stats[:, 4]
+        amax, nonfinite = rec.stats[:, AMAX], rec.stats[:, NONFINITE]
         if not self.bad_tensors and nonfinite.max() <= 0 and np.isfinite(amax.sum()):
             return  # the common case, checked in two vector operations
         bad = set(np.flatnonzero((nonfinite > 0) | ~np.isfinite(amax)).tolist())
@@ -166,11 +167,11 @@ class Detector:
 
 def amax_movers(recorder: FlightRecorder, rec: StepRecord, n: int) -> list[int]:
     """The ``n`` tensors whose log2 amax moved most from their median over the recorded steps."""
-    past = [r.stats[:, 0] for r in recorder.records if r.stats is not None]
+    past = [r.stats[:, AMAX] for r in recorder.records if r.stats is not None]
     if not past or rec.stats is None or not rec.stats.size:
         return []
     hist = np.stack(past)  # (K, T)
-    amax = rec.stats[:, 0]
+    amax = rec.stats[:, AMAX]
     with np.errstate(divide="ignore", invalid="ignore"):
         move = np.abs(np.log2(amax) - np.log2(np.median(hist, axis=0)))
     move = np.where(np.isnan(amax) | np.isposinf(amax), np.inf, move)

@@ -27,6 +27,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from fp8_protocol.stats import AMAX, OVERFLOW, SCALE
+
 from ..hostcopy import HostCopy
 
 __all__ = ["RankSync", "reduce_rank_stats"]
@@ -35,12 +37,12 @@ __all__ = ["RankSync", "reduce_rank_stats"]
 def reduce_rank_stats(block: np.ndarray) -> np.ndarray:
     """``(W, T, 6)`` per-rank stats -> ``(T, 6)``: amax max (NaN ignored), the scale of the rank with that
     amax (the one that scaled it: headroom stays negative only where something overflowed), counts summed."""
-    amax = block[:, :, 0]
+    amax = block[:, :, AMAX]
     out = np.empty(block.shape[1:], dtype=np.float64)
-    out[:, 0] = np.fmax.reduce(amax, axis=0)
+    out[:, AMAX] = np.fmax.reduce(amax, axis=0)
     top = np.argmax(np.where(np.isnan(amax), -np.inf, amax), axis=0)  # first rank with the max
-    out[:, 1] = block[top, np.arange(block.shape[1]), 1]
-    out[:, 2:] = np.sum(block[:, :, 2:], axis=0)
+    out[:, SCALE] = block[top, np.arange(block.shape[1]), SCALE]
+    out[:, OVERFLOW:] = np.sum(block[:, :, OVERFLOW:], axis=0)  # the counts and numel
     return out
 
 
