@@ -20,8 +20,6 @@ __all__ = [
     "FP8Format",
     "FLOAT32_MAX",
     "ROLES",
-    "format_by_name",
-    "format_of_dtype",
 ]
 
 
@@ -50,22 +48,3 @@ FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 #: The three quantized tensors of one FP8 Linear, in index order (layer k owns 3k, 3k+1, 3k+2).
 ROLES = ("input", "weight", "grad_output")
-
-_BY_NAME = {f.name: f for f in (E4M3, E5M2)}
-_BY_DTYPE = {f.dtype: f for f in (E4M3, E5M2)}
-
-
-def format_by_name(name: str) -> FP8Format:
-    """Return the format called ``"e4m3"`` or ``"e5m2"``."""
-    try:
-        return _BY_NAME[name.lower()]
-    except KeyError:
-        raise ValueError(f"unknown FP8 format {name!r}; expected one of {sorted(_BY_NAME)}") from None
-
-
-def format_of_dtype(dtype: torch.dtype) -> FP8Format:
-    """Return the format whose torch dtype is ``dtype``."""
-    try:
-        return _BY_DTYPE[dtype]
-    except KeyError:
-        raise ValueError(f"{dtype} is not a supported FP8 dtype") from None

@@ -198,7 +198,6 @@ class FP8State:
                 hist.append(s["amax_history_len"])
                 interval.append(s["interval"])
                 enabled.append(bool(s["fp8_enabled"]))
-        self.fp8_max_host = fp8_max
         dev = self.device
         self.fp8_max = torch.tensor(fp8_max, dtype=torch.float32, device=dev)
         self.margin = torch.tensor(margin, dtype=torch.float32, device=dev)

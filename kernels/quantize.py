@@ -215,14 +215,6 @@ def quantize_current_reference(
     return q, scale, row
 
 
-def accumulate_stats(stats: torch.Tensor, row: torch.Tensor) -> None:
-    """Fold one call's ``row`` into an accumulating ``stats`` row in place (see the module docstring)."""
-    takes = (row[0:1] >= stats[0:1]) | torch.isnan(stats[0:1])
-    stats[1:2].copy_(torch.where(takes, row[1:2], stats[1:2]))
-    torch.fmax(stats[0:1], row[0:1], out=stats[0:1])
-    stats[2:].add_(row[2:])
-
-
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``q * scale_inv`` in ``dtype``."""
     return (q.to(torch.float32) * scale_inv).to(dtype)

@@ -45,11 +45,6 @@ class DecodedBatch:
     acks: list[dict[str, Any]] = field(default_factory=list)
     has_stats: np.ndarray | None = None
 
-    @property
-    def num_values(self) -> int:
-        """Statistic values carried (steps x tensors x statistics)."""
-        return int(sum(m.size for m in self.stats.values()))
-
 
 @dataclass
 class StoreResult:

@@ -27,8 +27,6 @@ class SpoolWriter:
         self._client_key = client_key
         self._file = None
         self._lock = threading.Lock()
-        self.batches_written = 0
-        self.status_written = False
 
     @property
     def created(self) -> bool:
@@ -55,7 +53,6 @@ class SpoolWriter:
         with self._lock:
             if self._file is None:
                 self._open()
-            self.batches_written += 1
             return self._write({"type": "batch", "body": body})
 
     def write_status(self, status: str) -> None:
@@ -63,7 +60,6 @@ class SpoolWriter:
             if self._file is None:
                 self._open()
             self._write({"type": "status", "status": status})
-            self.status_written = True
 
     def read_batch(self, offset: int) -> dict[str, Any]:
         """The telemetry body written at ``offset``."""

@@ -7,7 +7,6 @@ Tokens are given as ``name:scope1+scope2:secret`` entries, comma-separated in ``
 from __future__ import annotations
 
 import difflib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -260,8 +259,3 @@ def describe_error(exc: Exception) -> str:
 def is_loopback(host: str) -> bool:
     """Whether `host` is a loopback address (the only kind allowed without tokens)."""
     return host in ("127.0.0.1", "::1", "localhost") or host.startswith("127.")
-
-
-def default_db_url() -> str:
-    """The embedded SQLite file in the current working directory."""
-    return f"sqlite:///{os.path.abspath(DEFAULT_SQLITE_FILE)}"
