@@ -14,12 +14,16 @@ Prints median step times, wall clock and this process's CPU time (on a machine s
 CPU time is the steadier measure of what a step costs), and the ratio shadow/plain, overall and paired by
 round (the median over rounds of each round's ratio); writes bench/results/shadow.json. Goal: ratio <= 1.10.
 
-Measured on a 2-core CPU machine shared with other jobs (load average 3-6), ``--rounds 10 --block 10``, one
-thread, four runs: plain 73-78 ms, shadow 81-91 ms of CPU time per step, ratio 1.11-1.16 (wall clock
-1.12-1.16 where the load allowed a reading). The goal of 1.10 is not met on the CPU. About a tenth of the
-cost is the hooks themselves, the rest the statistics (an absolute value, a max and one counting pass per
-tensor with numpy; no FP8 tensor made). On a GPU the statistics come from the fused quantize kernel (not
-measured here: no GPU).
+Measured with ``--rounds 10 --block 10``, one thread, on a 2-core CPU machine:
+
+* quiet (load average about 1.2-1.5), three runs: plain 68.9 ms, shadow 73.8 ms per step in the first;
+  ratio 1.07, 1.08, 1.09 (wall clock and CPU time alike): within the goal of 1.10;
+* shared with other jobs (load average 3-7), four runs: ratio 1.11-1.16 of CPU time (plain 73-78 ms, shadow
+  81-91 ms).
+
+About a tenth of the cost is the hooks themselves, the rest the statistics (an absolute value, a max and
+one counting pass per tensor with numpy; no FP8 tensor made). On a GPU the statistics come from the fused
+quantize kernel (not measured here: no GPU).
 """
 
 from __future__ import annotations
