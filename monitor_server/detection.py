@@ -24,11 +24,10 @@ from monitor_server.events import EventBroker
 from monitor_server.incidents import (
     SEVERITY_RANK,
     TensorOrder,
-    alert_tensor,
+    alert_summary,
     alerts_by_incident,
     assign_incidents,
     incident_public,
-    onset_of,
     worse,
 )
 from monitor_server.models import Alert, Incident, Run, as_utc, utcnow
@@ -39,22 +38,11 @@ log = logging.getLogger("fp8scope.monitor")
 
 
 def alert_public(alert: Alert, meta: RunMeta | None) -> dict[str, Any]:
-    """An alert as the API returns it (tensor name and layer resolved from the run's tensors)."""
-    tensor = alert_tensor(alert, meta)
+    """An alert as the API returns it: its summary within an incident (tensor name and layer resolved from
+    the run's tensors) and the rest of its record."""
     return {
-        "id": alert.id,
+        **alert_summary(alert, meta),
         "run_id": alert.run_id,
-        "kind": alert.kind,
-        "tensor_index": alert.tensor_index,
-        "tensor_name": tensor.name if tensor else None,
-        "layer": tensor.layer if tensor else None,
-        "state": alert.state,
-        "severity": alert.severity,
-        "message": alert.message,
-        "onset_step": onset_of(alert),
-        "first_step": alert.first_step,
-        "last_step": alert.last_step,
-        "count": alert.count,
         "incident_id": alert.incident_id,
         "evidence": alert.evidence,
         "created_at": as_utc(alert.created_at),

@@ -275,11 +275,10 @@ class TelemetryResult(BaseModel):
     commands: list[CommandPublic]
 
 
-class AlertPublic(BaseModel):
-    """An alert (one open alert per run, kind and tensor)."""
+class IncidentAlert(BaseModel):
+    """An alert as listed in its incident (no evidence: read the alert for that)."""
 
     id: int
-    run_id: int
     kind: str
     tensor_index: int | None
     tensor_name: str | None
@@ -292,6 +291,12 @@ class AlertPublic(BaseModel):
     first_step: int
     last_step: int
     count: int
+
+
+class AlertPublic(IncidentAlert):
+    """An alert (one open alert per run, kind and tensor): its summary within an incident and the rest."""
+
+    run_id: int
     #: the incident it belongs to (null for alerts stored before incidents existed)
     incident_id: int | None
     evidence: dict[str, Any]
@@ -299,23 +304,6 @@ class AlertPublic(BaseModel):
     updated_at: datetime
     acknowledged_at: datetime | None
     acknowledged_by: str | None
-
-
-class IncidentAlert(BaseModel):
-    """An alert as listed in its incident (no evidence: read the alert for that)."""
-
-    id: int
-    kind: str
-    tensor_index: int | None
-    tensor_name: str | None
-    layer: str | None
-    state: Literal["open", "acknowledged"]
-    severity: str
-    message: str
-    onset_step: int
-    first_step: int
-    last_step: int
-    count: int
 
 
 class IncidentPublic(BaseModel):
