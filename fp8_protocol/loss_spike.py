@@ -37,13 +37,25 @@ BASELINE_CLIP_SIGMAS = 3.0
 
 @dataclass(frozen=True)
 class LossSpikeParams:
-    """The rule's parameters; the defaults are the service's detector defaults."""
+    """The rule's parameters, and the defaults of both sides' detector configurations."""
 
     window: int = 50
     min_history: int = 20
     z_threshold: float = 6.0
     rel_floor: float = 1e-3
     ema_span: int = 10
+
+    @classmethod
+    def of(cls, config) -> LossSpikeParams:
+        """From a detector configuration's ``loss_window``, ``loss_min_history``, ``loss_z_threshold``,
+        ``loss_rel_floor`` and ``loss_ema_span`` (the client's and the service's are named alike)."""
+        return cls(
+            window=config.loss_window,
+            min_history=config.loss_min_history,
+            z_threshold=config.loss_z_threshold,
+            rel_floor=config.loss_rel_floor,
+            ema_span=config.loss_ema_span,
+        )
 
 
 @dataclass(frozen=True)

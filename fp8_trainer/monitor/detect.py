@@ -31,12 +31,12 @@ from .sender import STATS, StepRecord, wire_float
 
 @dataclass
 class DetectConfig:
-    # the service's defaults (monitor_server.detectors.config), so both sides agree on what a spike is
-    loss_window: int = 50
-    loss_min_history: int = 20
-    loss_z_threshold: float = 6.0
-    loss_rel_floor: float = 1e-3
-    loss_ema_span: int = 10
+    # the shared rule's defaults (the service's too), so both sides agree on what a spike is
+    loss_window: int = LossSpikeParams.window
+    loss_min_history: int = LossSpikeParams.min_history
+    loss_z_threshold: float = LossSpikeParams.z_threshold
+    loss_rel_floor: float = LossSpikeParams.rel_floor
+    loss_ema_span: int = LossSpikeParams.ema_span
     flight_steps: int = 64
     max_involved: int = 8
 
@@ -103,15 +103,7 @@ class Detector:
         # forward-then-backward order of the tensors (inputs and weights by layer, then gradients in reverse
         # layer order): the order in which a non-finite value spreads, so its first entry is the culprit
         self.rank = {t: r for r, t in enumerate(order or [])}
-        self.loss_rule = LossSpikeRule(
-            LossSpikeParams(
-                window=cfg.loss_window,
-                min_history=cfg.loss_min_history,
-                z_threshold=cfg.loss_z_threshold,
-                rel_floor=cfg.loss_rel_floor,
-                ema_span=cfg.loss_ema_span,
-            )
-        )
+        self.loss_rule = LossSpikeRule(LossSpikeParams.of(cfg))
         self.loss_nonfinite = False
         self.bad_tensors: set[int] = set()
 

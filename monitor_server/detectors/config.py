@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from fp8_protocol.loss_spike import LossSpikeParams
+
 
 class DetectorConfig(BaseModel):
     """Thresholds of every detector. Defaults are deliberately conservative: an alert should mean something.
@@ -55,12 +57,13 @@ class DetectorConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    loss_window: int = Field(50, ge=5, le=10_000)
-    loss_min_history: int = Field(20, ge=3)
-    loss_z_threshold: float = Field(6.0, gt=0)
+    # the loss-spike rule's defaults are the rule's own (the training client uses them too)
+    loss_window: int = Field(LossSpikeParams.window, ge=5, le=10_000)
+    loss_min_history: int = Field(LossSpikeParams.min_history, ge=3)
+    loss_z_threshold: float = Field(LossSpikeParams.z_threshold, gt=0)
     loss_z_critical: float = Field(12.0, gt=0)
-    loss_rel_floor: float = Field(1e-3, ge=0)
-    loss_ema_span: int = Field(10, ge=1, le=10_000)
+    loss_rel_floor: float = Field(LossSpikeParams.rel_floor, ge=0)
+    loss_ema_span: int = Field(LossSpikeParams.ema_span, ge=1, le=10_000)
 
     overflow_frac: float = Field(1e-3, ge=0, lt=1)
     overflow_consecutive: int = Field(3, ge=1)

@@ -24,15 +24,7 @@ class LossSpikeDetector:
 
     def __init__(self, config: DetectorConfig) -> None:
         self.config = config
-        self.rule = LossSpikeRule(
-            LossSpikeParams(
-                window=config.loss_window,
-                min_history=config.loss_min_history,
-                z_threshold=config.loss_z_threshold,
-                rel_floor=config.loss_rel_floor,
-                ema_span=config.loss_ema_span,
-            )
-        )
+        self.rule = LossSpikeRule(LossSpikeParams.of(config))
         self.steps: list[int] = []  # steps and losses of the last TAIL finite losses (evidence)
         self.losses: list[float] = []
         self.last_scored: int | None = None  # the latest step whose loss had enough history to be scored
