@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 from dataclasses import replace
 from urllib.parse import urlparse
 
 import torch
 
-from fp8_protocol.runs import TAG_PATTERN
+from fp8_protocol.runs import check_tags
 
 from .checkpoint import CheckpointError, check_compatible, load_checkpoint
 from .data import DataError, load_corpus
@@ -155,9 +154,10 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> Prepared:
             p.error(f"--monitor-url {a.monitor_url!r}: expected http://HOST:PORT or https://HOST")
     if a.token_file is not None and a.token is not None:
         p.error("--token and --token-file: give one")
-    for tag in a.tags:
-        if not re.match(TAG_PATTERN, tag):
-            p.error(f"--tag {tag!r}: 1-64 letters, digits or _-.:/=+@")
+    try:
+        check_tags(a.tags)
+    except ValueError as e:
+        p.error(f"--tag {str(e).removeprefix('tags: ')}")
     if a.token_file is not None:
         try:
             with open(a.token_file, encoding="utf-8") as f:

@@ -53,7 +53,7 @@ import torch.distributed as dist
 from fp8_kernels import exponent_histogram, histogram_to_dict
 from torch import nn
 
-from fp8_protocol.runs import MAX_TAGS, TAG_PATTERN
+from fp8_protocol.runs import check_tags
 
 from ..convert import get_fp8_state
 from ..hostcopy import HostCopy
@@ -121,18 +121,6 @@ class MonitorRefused(RuntimeError):
     """The service refused the run (``Monitor(..., fail_fast=True)``); the message says why."""
 
 
-def _check_tags(tags: Any) -> list[str]:
-    if isinstance(tags, str):
-        raise ValueError(f"tags: expected a list of strings, got the string {tags!r}")
-    tags = sorted(set(tags))
-    bad = [t for t in tags if not isinstance(t, str) or not re.match(TAG_PATTERN, t)]
-    if bad:
-        raise ValueError(f"tags: {bad[0]!r} is not a tag (1-64 letters, digits or _-.:/=+@)")
-    if len(tags) > MAX_TAGS:
-        raise ValueError(f"tags: at most {MAX_TAGS}, got {len(tags)}")
-    return tags
-
-
 class Monitor:
     """Telemetry client of one training run; see the module docstring for a complete loop.
 
@@ -193,7 +181,7 @@ class Monitor:
         **tuning: Any,
     ):
         sender_cfg, detect_cfg, self.rank_sample_interval = _parse_tuning(dict(tuning))
-        tags = _check_tags(tags)
+        tags = check_tags(tags)
         if tokens_per_step is not None and (isinstance(tokens_per_step, bool) or not tokens_per_step > 0):
             raise ValueError(f"tokens_per_step: must be a number > 0, got {tokens_per_step!r}")
         self.tokens_per_step = tokens_per_step

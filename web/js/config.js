@@ -3,6 +3,13 @@
 /** fp8_protocol.runs.TAG_PATTERN (the service checks it too). */
 export const TAG_RE = /^[\w.:/=+@-]{1,64}$/;
 
+/** Tags typed as text (space- or comma-separated): {tags} or {error} naming the first that is not a tag. */
+export function parseTags(text) {
+  const tags = text.split(/[\s,]+/).filter(Boolean);
+  const bad = tags.find((t) => !TAG_RE.test(t));
+  return bad === undefined ? { tags } : { error: `"${bad}" is not a tag (1-64 letters, digits or _-.:/=+@)` };
+}
+
 /** "a.b" -> value for every leaf of a nested config. */
 export function flattenConfig(config, prefix = "", out = []) {
   for (const [k, v] of Object.entries(config || {})) {

@@ -8,7 +8,7 @@ import { Heatmap, fetchHeatmap } from "./heatmap.js";
 import { IncidentsPanel, SEVERITY_KIND } from "./incidents.js";
 import { PostMortem } from "./postmortem.js";
 import { RecipeEditor } from "./recipe.js";
-import { TAG_RE, configText, flattenConfig } from "./config.js";
+import { configText, flattenConfig, parseTags } from "./config.js";
 
 function stepSeen(runId, step) {
   const key = `${runId}:${step}`;
@@ -299,13 +299,9 @@ class ConfigPanel {
   }
 
   async submit() {
-    const tags = this.tagsInput.value.split(/[\s,]+/).filter(Boolean);
-    this.error.textContent = "";
-    const bad = tags.find((t) => !TAG_RE.test(t));
-    if (bad !== undefined) {
-      this.error.textContent = `not saved: "${bad}" is not a tag (1-64 letters, digits or _-.:/=+@)`;
-      return;
-    }
+    const { tags, error } = parseTags(this.tagsInput.value);
+    this.error.textContent = error ? `not saved: ${error}` : "";
+    if (error) return;
     try {
       const run = await api(`/runs/${this.runId}`, { method: "PATCH", body: { name: this.nameInput.value.trim(), tags } });
       this.onSaved(run);

@@ -4,7 +4,7 @@
 
 import { api, auth, num, qs, subscribe } from "./api.js";
 import { ago, badge, el, fmt, replace, sourceBadge, statusBadge, throttle } from "./dom.js";
-import { TAG_RE, configText, configValue } from "./config.js";
+import { configText, configValue, parseTags } from "./config.js";
 
 export const MAX_COMPARE = 8;
 const PAGE = 100;
@@ -152,12 +152,12 @@ export async function mountRuns(container) {
       } else if (what === "tags") {
         const text = window.prompt(`Tags of run #${r.id} (space-separated)`, (r.tags || []).join(" "));
         if (text === null) return;
-        const tags = text.split(/[\s,]+/).filter(Boolean);
-        const bad = tags.find((t) => !TAG_RE.test(t));
-        if (bad !== undefined) {
-          error.textContent = `"${bad}" is not a tag (1-64 letters, digits or _-.:/=+@)`;
+        const parsed = parseTags(text);
+        if (parsed.error) {
+          error.textContent = parsed.error;
           return;
         }
+        const tags = parsed.tags;
         row.run = await api(`/runs/${r.id}`, { method: "PATCH", body: { tags } });
       } else if (what === "delete") {
         if (!window.confirm(`Delete run #${r.id} "${r.name}" and all its telemetry? This cannot be undone.`)) return;
