@@ -271,6 +271,7 @@ def store_batch(session: Session, run_id: int, batch: DecodedBatch, fp8_max: np.
     new_stats = {name: m[keep] for name, m in batch.stats.items()} if not keep.all() else batch.stats
     has_stats = batch.has_stats[keep] if batch.has_stats is not None else np.ones(len(new_steps), bool)
     new_scalars = [sc for sc, k in zip(batch.scalars, keep.tolist(), strict=True) if k]
+    scalar_names = sorted({k for sc in new_scalars for k in sc})
     now = utcnow()
     if len(new_steps):
         step_rows = []
@@ -298,9 +299,9 @@ def store_batch(session: Session, run_id: int, batch: DecodedBatch, fp8_max: np.
         if run.first_step is None or first < run.first_step:
             run.first_step = first
         run.steps_stored += len(new_steps)
-        names = {k for sc in new_scalars for k in sc}
-        if not names <= set(run.scalar_names or ()):
-            run.scalar_names = sorted(names | set(run.scalar_names or ()))
+        known = set(run.scalar_names or ())
+        if not known.issuperset(scalar_names):
+            run.scalar_names = sorted(known.union(scalar_names))
         if run.status == "crashed":  # closed by the server as abandoned, and its client is back
             run.status = "running"
     if batch.events:
@@ -316,7 +317,6 @@ def store_batch(session: Session, run_id: int, batch: DecodedBatch, fp8_max: np.
     )
     commands, fresh = command_ops.deliver_pending(session, run)
     changed = changed + fresh
-    scalar_names = sorted({k for sc in new_scalars for k in sc})
     new_batch = StepBatch(
         steps=new_steps,
         scalars={
