@@ -44,6 +44,7 @@ import orjson
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.ingest import tensors_for  # noqa: E402  (the ingest benchmark's run shape)
 from tests.server.utils import ServerProcess, fresh_pg_database  # noqa: E402  (shared with the tests)
 
 PG_URL = os.environ.get("FP8SCOPE_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
@@ -177,20 +178,6 @@ def zeros(total: int, chunk: int = MIB) -> Iterator[bytes]:
 
 def nested_json(depth: int) -> bytes:
     return b'{"a":' * (depth - 1) + b'{"leaf":1}' + b"}" * (depth - 1)
-
-
-def tensors_for(n: int) -> list[dict]:
-    roles = (("input", "e4m3"), ("weight", "e4m3"), ("grad_output", "e5m2"))
-    return [
-        {
-            "index": i,
-            "name": f"layers.{i // 3}.{roles[i % 3][0]}",
-            "layer": f"layers.{i // 3}",
-            "role": roles[i % 3][0],
-            "format": roles[i % 3][1],
-        }
-        for i in range(n)
-    ]
 
 
 @dataclass
