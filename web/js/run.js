@@ -38,11 +38,15 @@ export function eventSeries(events, name, key) {
 /** The chartable numbers of the run's custom events, as "<event name>.<detail key>". */
 function eventScalarNames(events) {
   const names = new Set();
-  for (const e of events) {
-    if (e.kind !== "custom" || !e.details || typeof e.details.name !== "string" || "histogram" in e.details) continue;
+  for (const e of jobEvents(events)) {
     for (const [k, v] of Object.entries(e.details)) if (k !== "name" && typeof v === "number") names.add(`${e.details.name}.${k}`);
   }
   return [...names].sort();
+}
+
+/** The job's own named events (checkpoints, evaluations, injections), not the monitor's histogram captures. */
+function jobEvents(events) {
+  return events.filter((e) => e.kind === "custom" && e.details && typeof e.details.name === "string" && !("histogram" in e.details));
 }
 
 function eventText(e) {
@@ -93,7 +97,7 @@ class Curves {
     for (const a of alerts) if (a.kind === "loss_spike") spikes.set(a.first_step, a.message);
     const others = alerts.filter((a) => a.kind !== "loss_spike");
     // the job's own events (checkpoints, injected faults, ...) as markers; evaluations as the val loss curve
-    const custom = events.filter((e) => e.kind === "custom" && e.details && typeof e.details.name === "string" && !("histogram" in e.details));
+    const custom = jobEvents(events);
     const val = eventSeries(events, "eval", "val_loss");
     const marks = custom.filter((e) => e.details.name !== "eval").map((e) => ({ step: e.step, text: eventText(e) }));
     this.markers = { spikes: [...spikes.entries()], others, marks, val };
