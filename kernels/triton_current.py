@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_launch import amax_bits, as_kernel_input, block_1d, grid_cap, load_f32
+from .triton_launch import amax_bits, as_kernel_input, block_1d, grid_cap, launch, load_f32
 from .triton_quantize import MAX_NUMEL, launch_quantize
 
 __all__ = ["quantize_current_transposed_triton", "quantize_current_triton", "tensor_amax_triton"]
@@ -47,8 +47,8 @@ def tensor_amax_triton(x: torch.Tensor) -> torch.Tensor:
     out = torch.zeros((), dtype=torch.float32, device=x.device)
     n = xc.numel()
     block, warps = block_1d(x.device)
-    grid = (max(1, min(triton.cdiv(n, block), grid_cap(x.device))),)
-    _amax_kernel[grid](xc, out, n, IS_BF16=is_bf16, BLOCK=block, num_warps=warps)
+    grid = max(1, min(triton.cdiv(n, block), grid_cap(x.device)))
+    launch(_amax_kernel, grid, xc, out, n, IS_BF16=is_bf16, BLOCK=block, num_warps=warps)
     return out
 
 

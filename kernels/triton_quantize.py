@@ -35,6 +35,7 @@ from .triton_launch import (
     block_1d,
     divisor,
     format_constants,
+    launch,
     load_f32,
     persistent_grid,
     tile_2d,
@@ -321,17 +322,18 @@ def launch_quantize(
     if not transpose:
         n = xc.numel()
         block, warps = block_1d(x.device)
-        grid = (persistent_grid(triton.cdiv(n, block), x.device),)
-        _quantize_kernel[grid](
-            xc, q, scale_t, amax_arg, row, precast_arg, scale_t, n, BLOCK=block, num_warps=warps, **flags
-        )
+        grid = persistent_grid(triton.cdiv(n, block), x.device)
+        launch(
+            _quantize_kernel, grid, xc, q, scale_t, amax_arg, row, precast_arg, scale_t, n,
+            BLOCK=block, num_warps=warps, **flags,
+        )  # fmt: skip
         return q, None, row, scale_t
     m, n = xc.shape
     qt = torch.empty((n, m), dtype=fp8_dtype, device=x.device)
     bm, bn, warps = tile_2d(x.device)
-    grid = (persistent_grid(triton.cdiv(m, bm) * triton.cdiv(n, bn), x.device),)
-    _quantize_t_kernel[grid](
-        xc, q, qt, scale_t, amax_arg, row, precast_arg, scale_t, m, n,
+    grid = persistent_grid(triton.cdiv(m, bm) * triton.cdiv(n, bn), x.device)
+    launch(
+        _quantize_t_kernel, grid, xc, q, qt, scale_t, amax_arg, row, precast_arg, scale_t, m, n,
         DIV_M=divisor(m), DIV_N=divisor(n), BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, **flags,
     )  # fmt: skip
     return q, qt, row, scale_t

@@ -134,6 +134,7 @@ print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, triton {triton.__v
     ln -s "$ROOT/kernels" "$site/fp8_kernels"
     ln -s "$ROOT/fp8_trainer" "$site/fp8_trainer"
     ln -s "$ROOT/monitor_server" "$site/monitor_server"
+    ln -s "$ROOT/fp8_protocol" "$site/fp8_protocol"
     local wheels=""
     if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
         wheels=$(cd "$ROOT/.whl" && ls ./*.whl | sed 's|^\./||' | tr '\n' ' ')
@@ -196,6 +197,8 @@ EOF
     bench_detail "$RESULTS/kernels.json"
     run_part bench-linear 120 "$PY" bench/linear.py --device cuda --reps 10 --out "$RESULTS/linear.json"
     bench_detail "$RESULTS/linear.json"
+    run_part profile 90 "$PY" bench/profile_gpu.py --out "$RESULTS/profile.txt"
+    set_detail "tables in $RESULTS/profile.txt"
     run_part bench-gpt 200 "$PY" bench/gpt_throughput.py --preset 124m --batch-size 16 --seq-len 1024 \
         --warmup 5 --steps 20 --rounds 2 --out "$RESULTS/gpt_throughput.json"
     bench_detail "$RESULTS/gpt_throughput.json"

@@ -173,3 +173,28 @@ def test_current_scaling_is_one_fused_call_per_tensor():
     assert torch.equal(qt.view(torch.uint8), q_ref.t().contiguous().view(torch.uint8))
     assert torch.equal(scale, scale_ref) and torch.equal(scale_t, scale_ref)
     assert torch.equal(row, row_ref) and torch.equal(row_t, row_ref)
+
+
+def test_cached_launch_matches_the_generic_launch_bit_for_bit():
+    """The second and later launches of a specialisation skip Triton's generic path (``triton_launch.launch``):
+    their outputs equal the first launch's, for the 1-D and the transposed kernel, a misaligned view (another
+    specialisation) included, and the handle is kept per specialisation."""
+    from fp8_kernels import triton_launch
+    from fp8_kernels.triton_quantize import launch_quantize
+
+    triton_launch._HANDLES.clear()
+    torch.manual_seed(0)
+    base = torch.randn(4097 * 33 + 1, device="cuda", dtype=torch.bfloat16) * 50
+    scale = torch.tensor(3.0, device="cuda")
+    for x in (base[:-1].view(4097, 33)[:, :32].contiguous(), base[1:].view(4097, 33)):  # aligned; offset by 2 B
+        for transpose in (False, True):
+            first = launch_quantize(x, scale, torch.float8_e4m3fn, None, transpose=transpose)
+            n_handles = len(triton_launch._HANDLES)
+            again = [launch_quantize(x, scale, torch.float8_e4m3fn, None, transpose=transpose) for _ in range(3)]
+            assert len(triton_launch._HANDLES) == n_handles  # no new specialisation: the cached handle ran
+            for out in again:
+                assert torch.equal(out[0].view(torch.uint8), first[0].view(torch.uint8))
+                if transpose:
+                    assert torch.equal(out[1].view(torch.uint8), first[1].view(torch.uint8))
+                assert torch.equal(out[2], first[2])
+    assert len(triton_launch._HANDLES) == 4  # two kernels x (aligned, misaligned input)
