@@ -250,30 +250,70 @@ class FP8State:
                 out.append(TensorInfo(3 * k + r, name, layer, role, fmt.for_role(role).name))
         return out
 
+    # ----- per-tensor views -----
+    # The hot path takes tensor i's statistics row and scales as views; indexing a tensor costs an op
+    # dispatch each time (a few microseconds of host time, three times per quantize), so each vector's
+    # views are made once, in one unbind, when the vector is replaced (once per step).
+    @property
+    def stats(self) -> torch.Tensor:
+        return self._stats
+
+    @stats.setter
+    def stats(self, value: torch.Tensor) -> None:
+        self._stats, self._stats_rows = value, None
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self._scale
+
+    @scale.setter
+    def scale(self, value: torch.Tensor) -> None:
+        self._scale, self._scale_rows = value, None
+
+    @property
+    def scale_inv(self) -> torch.Tensor:
+        return self._scale_inv
+
+    @scale_inv.setter
+    def scale_inv(self, value: torch.Tensor) -> None:
+        self._scale_inv, self._scale_inv_rows = value, None
+
+    def _rows(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Tensor ``i``'s ``(stats row, scale, scale_inv)`` as views of the current vectors."""
+        if self._stats_rows is None:
+            self._stats_rows = self._stats.unbind(0)
+        if self._scale_rows is None:
+            self._scale_rows = self._scale.unbind(0)
+        if self._scale_inv_rows is None:
+            self._scale_inv_rows = self._scale_inv.unbind(0)
+        return self._stats_rows[i], self._scale_rows[i], self._scale_inv_rows[i]
+
     # ----- hot path -----
     def quantize(self, i: int, x: torch.Tensor, record: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantize tensor ``i``'s value ``x`` -> ``(q, scale_inv)``; stats go to row ``i`` if recording."""
-        stats = self.stats[i] if record else None
+        stats, scale, scale_inv = self._rows(i)
+        stats = stats if record else None
         if self.current[i // 3]:
             # one dispatch entry: amax pass, scale and quantize pass (fused Triton kernels on CUDA)
             q, scale, _ = quantize_current(x, self.dtypes[i], stats, power_2_scale=self.power_2_scale)
             return q, torch.reciprocal(scale)
-        q, _ = quantize_with_stats(x, self.scale[i], self.dtypes[i], stats)
-        return q, self.scale_inv[i]
+        q, _ = quantize_with_stats(x, scale, self.dtypes[i], stats)
+        return q, scale_inv
 
     def quantize_transposed(
         self, i: int, x: torch.Tensor, record: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """As ``quantize`` for a 2-D ``x``, also returning ``q.t().contiguous()`` (written by the same pass
         where a kernel is registered): ``(q, qt, scale_inv)``."""
-        stats = self.stats[i] if record else None
+        stats, scale, scale_inv = self._rows(i)
+        stats = stats if record else None
         if self.current[i // 3]:
             q, qt, scale, _ = quantize_current_transposed(
                 x, self.dtypes[i], stats, power_2_scale=self.power_2_scale
             )
             return q, qt, torch.reciprocal(scale)
-        q, qt, _ = quantize_with_stats_transposed(x, self.scale[i], self.dtypes[i], stats)
-        return q, qt, self.scale_inv[i]
+        q, qt, _ = quantize_with_stats_transposed(x, scale, self.dtypes[i], stats)
+        return q, qt, scale_inv
 
     def _new_stats_buffer(self) -> None:
         self.stats = torch.zeros(self.n_tensors, len(STAT_COLUMNS), dtype=torch.float64, device=self.device)

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # ops that only make views or allocate: no device work
 NO_LAUNCH = {
     *("view", "_unsafe_view", "reshape", "_reshape_alias", "t", "transpose", "permute", "select", "slice"),
-    *("expand", "as_strided", "alias", "detach", "unsqueeze", "squeeze", "empty", "empty_strided"),
+    *("expand", "as_strided", "alias", "detach", "unsqueeze", "squeeze", "unbind", "empty", "empty_strided"),
 }
 
 
