@@ -19,13 +19,13 @@ measurement. Three parts, each printed as a table:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import cProfile
 import io
 import pstats
 import sys
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -83,7 +83,10 @@ def host_time(device, dtype, calls: int, out) -> None:
             linear_step(layer, recipe, x, g)
         sync(device)
     print("\n-- fp8scope delayed, 10 calls: host operations by self time --", file=out)
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70), file=out)
+    print(
+        prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70),
+        file=out,
+    )
 
 
 def host_python(device, dtype, calls: int, out) -> None:
@@ -111,7 +114,10 @@ def host_python(device, dtype, calls: int, out) -> None:
     x2 = x.detach()
     for label, fn in (
         ("quantize_with_stats", lambda: quantize_with_stats(x2, scale, torch.float8_e4m3fn)),
-        ("quantize_with_stats_transposed", lambda: quantize_with_stats_transposed(x2, scale, torch.float8_e4m3fn)),
+        (
+            "quantize_with_stats_transposed",
+            lambda: quantize_with_stats_transposed(x2, scale, torch.float8_e4m3fn),
+        ),
         ("torch.empty_like", lambda: torch.empty_like(x2)),
         ("x.abs()", lambda: x2.abs()),
     ):
@@ -147,7 +153,10 @@ def linear_kernels(device, dtype, shape, out) -> None:
                 linear_step(layer, recipe, x, g)
             sync(device)
         print(f"\n== {name}, {m}x{k}x{n}, 5 calls: operations by device self time ==", file=out)
-        print(prof.key_averages().table(sort_by=sort_key(device), row_limit=25, max_name_column_width=90), file=out)
+        print(
+            prof.key_averages().table(sort_by=sort_key(device), row_limit=25, max_name_column_width=90),
+            file=out,
+        )
 
 
 def gpt_step(device, preset: str, batch: int, seq: int, out) -> None:
@@ -176,8 +185,11 @@ def gpt_step(device, preset: str, batch: int, seq: int, out) -> None:
     for _ in range(3):
         step()
     sync(device)
-    print(f"\n== GPT {preset}, batch {batch}x{seq}, delayed: {(time.perf_counter() - t0) / 3 * 1e3:.1f} ms per step ==",
-          file=out)
+    print(
+        f"\n== GPT {preset}, batch {batch}x{seq}, delayed: "
+        f"{(time.perf_counter() - t0) / 3 * 1e3:.1f} ms per step ==",
+        file=out,
+    )
     with profile(activities=activities(device)) as prof:
         for _ in range(2):
             step()
@@ -193,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=None, help="also write the tables to this file")
-    p.add_argument("--only", default=None, help="comma-separated parts: python,host,linear,gpt (default: all)")
+    p.add_argument(
+        "--only", default=None, help="comma-separated parts: python,host,linear,gpt (default: all)"
+    )
     a = p.parse_args(argv)
     device = torch.device("cpu" if a.smoke or not torch.cuda.is_available() else "cuda")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -210,14 +224,25 @@ def main(argv: list[str] | None = None) -> int:
             for f in self.files:
                 f.flush()
 
-    fh = open(a.out, "w") if a.out else None
-    out = Tee(sys.stdout, *([fh] if fh else []))
+    with open(a.out, "w") if a.out else contextlib.nullcontext() as fh:
+        return run_parts(a, device, dtype, Tee(sys.stdout, *([fh] if fh else [])))
+
+
+def run_parts(a: argparse.Namespace, device: torch.device, dtype: torch.dtype, out) -> int:
+    """Each part asked for, its tables to ``out``; 1 where one failed (the others still ran)."""
     parts = [
         ("python", lambda: host_python(device, dtype, 5 if a.smoke else 200, out)),
         ("host", lambda: host_time(device, dtype, 5 if a.smoke else 200, out)),
-        ("linear", lambda: linear_kernels(device, dtype, (64, 32, 48) if a.smoke else (8192, 4096, 14336), out)),
-        ("gpt", lambda: gpt_step(device, "tiny" if a.smoke else "124m", 2 if a.smoke else 16,
-                                 32 if a.smoke else 1024, out)),
+        (
+            "linear",
+            lambda: linear_kernels(device, dtype, (64, 32, 48) if a.smoke else (8192, 4096, 14336), out),
+        ),
+        (
+            "gpt",
+            lambda: gpt_step(
+                device, "tiny" if a.smoke else "124m", 2 if a.smoke else 16, 32 if a.smoke else 1024, out
+            ),
+        ),
     ]
     if a.only:
         parts = [(name, part) for name, part in parts if name in a.only.split(",")]
@@ -229,8 +254,6 @@ def main(argv: list[str] | None = None) -> int:
             failed += 1
             print(f"\n== {name}: failed: {type(e).__name__}: {e}", file=out)
         out.flush()
-    if fh:
-        fh.close()
     return 1 if failed else 0
 
 

@@ -44,7 +44,7 @@ fi
 BUDGET=${GPU_CHECK_BUDGET:-300}
 RESULTS=${OUT:-$ROOT/bench/results/gpu-check}
 mkdir -p "$RESULTS"
-rm -f "$RESULTS"/{kernels,linear,gpt_throughput}.json "$RESULTS/gpu-tests.xml" # none left from an earlier run
+rm -f "$RESULTS"/{kernels,linear,gpt_throughput,kernel_configs}.json "$RESULTS/gpu-tests.xml" # none left from an earlier run
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 START=$(date +%s)
@@ -197,11 +197,15 @@ EOF
     bench_detail "$RESULTS/kernels.json"
     run_part bench-linear 120 "$PY" bench/linear.py --device cuda --reps 10 --out "$RESULTS/linear.json"
     bench_detail "$RESULTS/linear.json"
-    run_part profile 90 "$PY" bench/profile_gpu.py --out "$RESULTS/profile.txt"
-    set_detail "tables in $RESULTS/profile.txt"
     run_part bench-gpt 200 "$PY" bench/gpt_throughput.py --preset 124m --batch-size 16 --seq-len 1024 \
         --warmup 5 --steps 20 --rounds 2 --out "$RESULTS/gpt_throughput.json"
     bench_detail "$RESULTS/gpt_throughput.json"
+
+    # ----- diagnostics: where the time goes, and the kernels' launch configurations side by side -----
+    run_part profile 60 "$PY" bench/profile_gpu.py --only "${PROFILE_PARTS:-host,linear}" --out "$RESULTS/profile.txt"
+    set_detail "$(grep -E '^fp8scope delayed .* ms per call' "$WORK/profile.log" | head -1 | tr -s ' ') (host, 512^3 fwd+bwd)"
+    run_part kernel-configs 90 "$PY" bench/kernel_configs.py --reps 5 --out "$RESULTS/kernel_configs.json"
+    set_detail "$(grep -A3 '^best per kernel' "$WORK/kernel-configs.log" | tail -3 | tr -s ' ' | tr '\n' ';')"
 }
 
 summary() {

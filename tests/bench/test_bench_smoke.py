@@ -111,3 +111,32 @@ def test_gpu_check_without_cuda_exits_2(python, tmp_path):
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     assert "no CUDA GPU" in proc.stdout and "nothing run" in proc.stdout
     assert proc.stdout.strip().count("\n") == 0, proc.stdout  # one line: no part started
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed (pip install '.[dev]')")
+def test_kernel_configs_smoke(tmp_path):
+    # every candidate configuration is run through the shipped kernels and checked (statistics here; bits too
+    # on a GPU); the smoke mode runs two per kernel under the interpreter
+    out = tmp_path / "kernel_configs.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "kernel_configs.py"), "--smoke", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    results = json.loads(out.read_text())["results"]
+    assert {r["kernel"] for r in results} == {"1-D", "transposed"} and len(results) == 4
+    assert all(r["exact"] and r["error"] is None for r in results), results
+
+
+def test_profile_gpu_smoke(tmp_path):
+    out = tmp_path / "profile.txt"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "profile_gpu.py"), "--smoke", "--only", "host", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    text = out.read_text()
+    for name in ("nn.Linear", "fp8scope delayed", "fp8scope current"):
+        assert f"{name}" in text and "ms per call" in text
+    assert "_FP8LinearFn" in text  # the profiler table of the FP8 layer's host operations
