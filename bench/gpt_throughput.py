@@ -12,13 +12,19 @@ in their block Linears:
   ``fp8_autocast``, with statistics on: every tensor's statistics are recorded in each step and read one
   step late through ``StatsReader.poll()``, as the monitor client does;
 * ``torchao``: ``torchao.float8.convert_to_float8_training`` with the ``tensorwise`` recipe (the same
-  layers: everything but ``lm_head``), compiled with torch.compile where that works (where torchao imports).
+  layers: everything but ``lm_head``), compiled with torch.compile where that works (where torchao imports);
+* ``bf16+graph`` / ``delayed+graph``: the whole step (forward, backward, clipping, AdamW with
+  ``capturable=True``) captured in a CUDA graph by ``fp8_trainer.graphs.GraphedStep`` after three eager
+  steps and replayed, inputs copied into static buffers (CUDA only): what is left once the host's launch
+  overhead is gone, for both.
 
 The batch is random token ids already on the device (the data loader is not what is measured), rotating
 over a few batches. Each configuration first runs ``--warmup`` steps (compilation, autotuning, allocator),
 then ``--steps`` steps timed with one synchronisation before and one after (host clock; CUDA events give
 the same within a few microseconds); rounds alternate over the configurations and the table shows the
-median over rounds. Goals (CUDA): fp8scope delayed >= 1.3x the tokens/s of bf16, and >= torchao.
+median over rounds. Goals (CUDA): fp8scope delayed >= 1.3x the tokens/s of bf16, and >= torchao; the same
+1.3x for fp8scope delayed in a CUDA graph (against eager bf16, the issue's baseline; the table also shows
+bf16 in a graph).
 
     python bench/gpt_throughput.py [--preset 124m] [--batch-size 16] [--seq-len 1024] [--warmup 5]
         [--steps 20] [--rounds 2] [--configs bf16,delayed,current,torchao]
@@ -41,9 +47,10 @@ import torch
 from gpu_timing import goal, sync
 
 from fp8_trainer import CurrentScaling, DelayedScaling, StatsReader, convert_to_fp8, fp8_autocast
+from fp8_trainer.graphs import GraphedStep
 from fp8_trainer.model import GPT, fp8_filter, preset_config
 
-CONFIGS = ("bf16", "delayed", "current", "torchao")
+CONFIGS = ("bf16", "delayed", "current", "torchao", "bf16+graph", "delayed+graph")
 GPT2_VOCAB = 50304  # GPT-2's 50257 padded to a multiple of 64
 
 
@@ -57,9 +64,13 @@ class Job:
         self.recipe = None
         self.reader = None
         self.note = ""
+        self.graphed = None
         forward = self.model
-        if config in ("delayed", "current"):
-            self.recipe = DelayedScaling() if config == "delayed" else CurrentScaling()
+        base, graph = config.removesuffix("+graph"), config.endswith("+graph")
+        if graph and device.type != "cuda":
+            raise RuntimeError("CUDA graphs need a CUDA GPU")
+        if base in ("delayed", "current"):
+            self.recipe = DelayedScaling() if base == "delayed" else CurrentScaling()
             convert_to_fp8(self.model, recipe=self.recipe, module_filter_fn=fp8_filter)
             self.reader = StatsReader(self.model)
         elif config == "torchao":
@@ -78,13 +89,40 @@ class Job:
                 forward = torch.compile(self.model)
                 self.note += ", compiled"
         self.forward = forward
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0)
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0, capturable=graph
+        )
+        if graph:
+            shape = (args.batch_size, args.seq_len)
+            self.x = torch.zeros(shape, dtype=torch.long, device=device)
+            self.y = torch.zeros(shape, dtype=torch.long, device=device)
+            self.graphed = GraphedStep(self._graph_step, self.model, warmup=3, optimizer=self.opt)
+            self.note = "CUDA graph" + (", " + self.note if self.note else "")
         self.losses: list[torch.Tensor] = []
         self.tokens_per_s: list[float] = []
         self.step_ms: list[float] = []
         self.polled = 0
 
+    def _graph_step(self) -> torch.Tensor:
+        """The step GraphedStep captures: inputs from the static buffers, gradients written afresh (set to
+        None before capture, not zeroed here), autocast without its cast cache (as capture requires)."""
+        fp8 = fp8_autocast(fp8_recipe=self.recipe) if self.recipe is not None else nullcontext()
+        with fp8, torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=False):
+            _, loss = self.model(self.x, self.y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        return loss.detach()
+
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        if self.graphed is not None:
+            self.x.copy_(x)
+            self.y.copy_(y)
+            loss = self.graphed().clone()  # the graph's output buffer is overwritten by the next replay
+            if self.reader is not None and self.reader.poll() is not None:
+                self.polled += 1
+            self.losses.append(loss)
+            return
         fp8 = fp8_autocast(fp8_recipe=self.recipe) if self.recipe is not None else nullcontext()
         with fp8, torch.autocast(self.device.type, dtype=torch.bfloat16):
             _, loss = self.forward(x, y)
@@ -137,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     for config in configs:
         try:
             jobs[config] = Job(config, a, device, vocab)
-        except Exception as e:  # torchao missing or not working with this torch: measure the others
-            if config != "torchao":
+        except Exception as e:  # torchao missing or not working with this torch, no CUDA for a graph
+            if config != "torchao" and not config.endswith("+graph"):
                 raise
             skipped[config] = f"unavailable ({type(e).__name__}: {e})"
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -195,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             "note": note,
         }
         ratio = f"{tps / base:7.2f}" if base else f"{'n/a':>7}"
-        label = config if config in ("bf16", "torchao") else f"fp8scope {config}"
+        label = config if config.startswith(("bf16", "torchao")) else f"fp8scope {config}"
         print(f"{label:<18} {tps:12,.0f} {results[config]['step_ms']:9.2f} {ratio} {final:10.4f}  {note}")
     for config, why in skipped.items():
         print(f"{config:<18} {'n/a':>12}  {why}")
@@ -204,6 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and "delayed" in results:
         if base:
             goals["delayed_1.3x_bf16"] = goal(results["delayed"]["x_bf16"], 1.3, "tokens/s vs bf16 autocast")
+        if base and "delayed+graph" in results:
+            goals["graphed_1.3x_bf16"] = goal(
+                results["delayed+graph"]["x_bf16"], 1.3, "tokens/s, fp8scope delayed in a CUDA graph vs bf16"
+            )
         if "torchao" in results:
             goals["delayed_vs_torchao"] = goal(
                 results["delayed"]["tokens_per_s"] / results["torchao"]["tokens_per_s"], 1.0,

@@ -141,6 +141,11 @@ class FP8State:
         self.forward_recorded: set[tuple[int, int]] = set()  # (region id, layer) recorded in this step
         self.callback_queued = False
         self.group = None
+        self.version = 0  # set before _rebuild (below), which bumps it
+        # capturable: end_step updates the scaling state in place (fixed buffers, what a CUDA graph replays;
+        # see fp8_trainer.graphs); version: bumped whenever buffers are replaced outside a step (recipe
+        # change, checkpoint load, move), which a captured graph must be re-captured for
+        self.capturable = False
         # one [statistics of the FP8 steps closed since the reader last took them, how many] per reader
         self._inboxes: list[list] = []
         self._new_stats_buffer()
@@ -214,6 +219,7 @@ class FP8State:
         rows = torch.arange(length, device=dev).unsqueeze(1)
         self.amax_history = torch.where(rows < self.history_len, h, torch.zeros((), device=dev))
         self.reduce_amax = any(self.layer_settings(k)["reduce_amax"] for k in range(self.n_layers))
+        self.version += 1
 
     def to(self, device) -> FP8State:
         """Move every tensor to ``device`` (done automatically at the first forward on a new device)."""
@@ -238,6 +244,7 @@ class FP8State:
             if box[0] is not None:
                 box[0] = box[0].to(device)
         self.device = device
+        self.version += 1
         return self
 
     # ----- registry -----
@@ -333,10 +340,13 @@ class FP8State:
         amax = stats[:, AMAX].to(torch.float32)
         if self.group is not None:
             amax = all_reduce_amax(amax, self.group)
-        self.step_t = self.step_t + 1
+        if self.capturable:
+            self.step_t.add_(1)
+        else:
+            self.step_t = self.step_t + 1
         # one launch for all tensors where a kernel is registered (Triton on CUDA), the reference elsewhere
         update = fused_scale_update(self.device) or _scale_update_reference
-        self.amax_history, scale, scale_inv = update(
+        history, scale, scale_inv = update(
             self.amax_history,
             amax,
             self.scale,
@@ -348,14 +358,49 @@ class FP8State:
             step=self.step_t,
             enabled=self.enabled_t,
         )
-        self.scale, self.scale_inv = as_aligned_scales(scale), as_aligned_scales(scale_inv)
-        self.last_stats = stats
+        if not self.capturable:
+            self.amax_history = history
+            self.scale, self.scale_inv = as_aligned_scales(scale), as_aligned_scales(scale_inv)
+            self.last_stats = stats
+            self._new_stats_buffer()
+            self._deliver(stats)
+            return
+        # the same values into the same buffers: a replayed graph reads and writes these addresses
+        self.amax_history.copy_(history)
+        self.scale.copy_(scale)
+        self.scale_inv.copy_(scale_inv)
+        if self.last_stats is None or self.last_stats.shape != stats.shape:
+            self.last_stats = torch.empty_like(stats)
+        self.last_stats.copy_(stats)
+        stats.zero_()
+        stats[:, SCALE] = self.scale
+        self.replayed()
+
+    def replayed(self) -> None:
+        """The host side of a step whose device side ran in place (``capturable``): count it and hand its
+        statistics to the readers, as a copy (the buffer is overwritten by the next step). ``end_step``
+        calls it; after a CUDA graph replay, nothing runs ``end_step`` and ``GraphedStep`` calls this."""
+        self._deliver(self.last_stats.clone())
+
+    def _deliver(self, stats: torch.Tensor) -> None:
         for box in self._inboxes:
             # a reader that did not take the last step (a step per micro-batch) gets both, merged
             box[0] = stats if box[0] is None else merge_step_stats(box[0], stats)
             box[1] += 1
         self.steps += 1
-        self._new_stats_buffer()
+
+    def set_capturable(self, enabled: bool = True) -> None:
+        """Switch in-place step updates on or off (see ``capturable``). Off again, ``last_stats`` handed out
+        from now on are fresh buffers once more."""
+        if self.pending:
+            raise RuntimeError("set_capturable: a step is pending; switch between steps")
+        self.capturable = bool(enabled)
+        if self.capturable:
+            # the scale vectors must be the aligned layout, which the in-place copies then keep
+            self.scale, self.scale_inv = as_aligned_scales(self.scale), as_aligned_scales(self.scale_inv)
+            self.amax_history = self.amax_history.contiguous()
+            self.step_t = self.step_t.clone()
+            self.version += 1
 
     def open_inbox(self) -> list:
         """A reader's inbox ``[stats or None, n_steps]``: every step closed from now on lands in it, merged
@@ -446,6 +491,7 @@ class FP8State:
         self.steps = step
         self.step_t = torch.full((), step, dtype=torch.int64, device=self.device)
         self._new_stats_buffer()  # its scale column must show the restored scales
+        self.version += 1
 
     def check_not_pending(self, where: str) -> None:
         """Raise if a step is pending: loading a checkpoint then is not supported."""

@@ -173,7 +173,10 @@ EOF
 
     # ----- GPU tests -----
     local tests=(tests/kernels/test_kernels_gpu.py tests/trainer/test_fp8_linear_gpu.py)
-    [ -f tests/kernels/test_ptx.py ] && tests+=(tests/kernels/test_ptx.py)
+    local extra
+    for extra in tests/kernels/test_ptx.py tests/kernels/test_launch_key.py tests/trainer/test_cuda_graph_gpu.py; do
+        [ -f "$extra" ] && tests+=("$extra")
+    done
     # fp8-train's own GPU test is left to the train-* parts below, which run the 124m preset per recipe
     run_part gpu-tests 120 "$PY" -m pytest -q -p no:cacheprovider -o addopts=-rfEs -k "not fp8_train_cli" \
         --junitxml="$RESULTS/gpu-tests.xml" "${tests[@]}"
@@ -205,7 +208,7 @@ EOF
     run_part profile 60 "$PY" bench/profile_gpu.py --only "${PROFILE_PARTS:-host,linear}" --out "$RESULTS/profile.txt"
     set_detail "$(grep -E '^fp8scope delayed .* ms per call' "$WORK/profile.log" | head -1 | tr -s ' ') (host, 512^3 fwd+bwd)"
     run_part kernel-configs 90 "$PY" bench/kernel_configs.py --reps 5 --out "$RESULTS/kernel_configs.json"
-    set_detail "$(grep -A3 '^best per kernel' "$WORK/kernel-configs.log" | tail -3 | tr -s ' ' | tr '\n' ';')"
+    set_detail "$(grep -A5 '^best per kernel' "$WORK/kernel-configs.log" | tail -5 | tr -s ' ' | tr '\n' ';')"
 }
 
 summary() {

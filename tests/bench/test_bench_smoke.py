@@ -132,9 +132,20 @@ def test_kernel_configs_smoke(tmp_path):
 def test_profile_gpu_smoke(tmp_path):
     out = tmp_path / "profile.txt"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "profile_gpu.py"), "--smoke", "--only", "host", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "bench" / "profile_gpu.py"),
+            "--smoke",
+            "--only",
+            "host",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     text = out.read_text()
     for name in ("nn.Linear", "fp8scope delayed", "fp8scope current"):

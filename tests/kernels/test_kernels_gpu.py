@@ -176,7 +176,7 @@ def test_current_scaling_is_one_fused_call_per_tensor():
 
 
 def test_cached_launch_matches_the_generic_launch_bit_for_bit():
-    """The second and later launches of a specialisation skip Triton's generic path (``triton_launch.launch``):
+    """Launches after the first of a specialisation skip Triton's generic path (``triton_launch.launch``):
     their outputs equal the first launch's, for the 1-D and the transposed kernel, a misaligned view (another
     specialisation) included, and the handle is kept per specialisation."""
     from fp8_kernels import triton_launch
@@ -186,11 +186,14 @@ def test_cached_launch_matches_the_generic_launch_bit_for_bit():
     torch.manual_seed(0)
     base = torch.randn(4097 * 33 + 1, device="cuda", dtype=torch.bfloat16) * 50
     scale = torch.tensor(3.0, device="cuda")
-    for x in (base[:-1].view(4097, 33)[:, :32].contiguous(), base[1:].view(4097, 33)):  # aligned; offset by 2 B
+    aligned, offset = base[:-1].view(4097, 33)[:, :32].contiguous(), base[1:].view(4097, 33)  # 2 B off
+    for x in (aligned, offset):
         for transpose in (False, True):
             first = launch_quantize(x, scale, torch.float8_e4m3fn, None, transpose=transpose)
             n_handles = len(triton_launch._HANDLES)
-            again = [launch_quantize(x, scale, torch.float8_e4m3fn, None, transpose=transpose) for _ in range(3)]
+            again = [
+                launch_quantize(x, scale, torch.float8_e4m3fn, None, transpose=t) for t in [transpose] * 3
+            ]
             assert len(triton_launch._HANDLES) == n_handles  # no new specialisation: the cached handle ran
             for out in again:
                 assert torch.equal(out[0].view(torch.uint8), first[0].view(torch.uint8))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from fp8_kernels import triton_available
 
-pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed (pip install '.[dev]')")
+pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed (pip install .[dev])")
 
 
 def _key(*args, **kwargs):

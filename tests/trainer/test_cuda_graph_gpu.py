@@ -1,0 +1,115 @@
+"""``GraphedStep`` on a GPU: a whole FP8 training step (forward, backward, scale update, optimizer step)
+captured in a CUDA graph and replayed trains as the same steps run eagerly, the monitor's reader gets every
+replayed step, and a recipe change between replays is captured again and takes effect. Skips without an
+sm_89+ GPU."""
+
+import fp8_kernels
+import pytest
+import torch
+from torch import nn
+
+import fp8_trainer
+from fp8_trainer.convert import get_fp8_state
+from fp8_trainer.graphs import GraphedStep
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not (
+            torch.cuda.is_available()
+            and torch.cuda.get_device_capability() >= (8, 9)
+            and fp8_kernels.triton_available()
+        ),
+        reason="needs a CUDA GPU with FP8 support (sm_89+) and triton",
+    ),
+]
+
+STEPS = 7
+BUFFERS = ("amax_history", "scale", "scale_inv", "last_stats", "step_t")
+
+
+def _setup(recipe):
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)).cuda()
+    model = fp8_trainer.convert_to_fp8(mlp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
+    x = torch.empty(512, 256, device="cuda")
+
+    def train_step():
+        with (
+            fp8_trainer.fp8_autocast(fp8_recipe=recipe),
+            torch.autocast("cuda", torch.bfloat16, cache_enabled=False),
+        ):
+            loss = model(x).float().square().mean()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return model, opt, x, train_step
+
+
+def _inputs():
+    g = torch.Generator(device="cuda").manual_seed(1)
+    return [torch.randn(512, 256, device="cuda", generator=g) * (1 + i % 3) for i in range(STEPS)]
+
+
+def _run(recipe, graphed: bool, change_at: int | None = None):
+    """STEPS steps of the same inputs, eager (in-place updates, the arithmetic a replay runs) or through
+    ``GraphedStep``; at ``change_at`` layer 0 gets margin 2. Returns the model, what the reader got per step,
+    the losses, and the GraphedStep (or None)."""
+    model, opt, x, step = _setup(recipe)
+    state = get_fp8_state(model)
+    reader = fp8_trainer.StatsReader(model)
+    runner = GraphedStep(step, model, warmup=3, optimizer=opt) if graphed else None
+    if not graphed:
+        state.set_capturable(True)
+    losses, stats = [], []
+    for i, xi in enumerate(_inputs()):
+        if i == change_at:
+            fp8_trainer.set_layer_recipe(model, "0", margin=2)
+        x.copy_(xi)
+        if graphed:
+            loss = runner()
+        else:
+            loss = step()
+            opt.zero_grad(set_to_none=True)
+        losses.append(loss.clone())
+        got = reader.take()
+        assert got is not None and got[1] == 1, f"step {i}: the reader got {got and got[1]} steps"
+        stats.append(got[0].clone())
+    return model, stats, losses, runner
+
+
+def _assert_same(eager, graphed):
+    (model_e, stats_e, losses_e, _), (model_g, stats_g, losses_g, _) = eager, graphed
+    state_e, state_g = get_fp8_state(model_e), get_fp8_state(model_g)
+    assert state_g.steps == state_e.steps == STEPS
+    for i, (a, b) in enumerate(zip(losses_e, losses_g, strict=True)):
+        assert torch.equal(a, b), f"loss of step {i}: {a.item()} vs {b.item()}"
+    for i, (a, b) in enumerate(zip(stats_e, stats_g, strict=True)):
+        assert torch.equal(a, b), f"statistics of step {i}"
+    for name in BUFFERS:
+        assert torch.equal(getattr(state_e, name), getattr(state_g, name)), name
+    for p, q in zip(model_e.parameters(), model_g.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize(
+    "recipe", [fp8_trainer.DelayedScaling(), fp8_trainer.CurrentScaling()], ids=["delayed", "current"]
+)
+def test_replayed_steps_train_as_eager_steps(recipe):
+    graphed = _run(recipe, graphed=True)
+    assert graphed[3].captures == 1
+    _assert_same(_run(recipe, graphed=False), graphed)
+
+
+def test_recipe_change_between_replays_is_captured_again():
+    recipe = fp8_trainer.DelayedScaling()
+    graphed = _run(recipe, graphed=True, change_at=5)
+    assert graphed[3].captures == 2  # once after the warm-up, again after the change
+    _assert_same(_run(recipe, graphed=False, change_at=5), graphed)
+    # the change took effect: layer 0's input and weight were scaled with 2**-2 of the step before
+    stats = graphed[1]
+    for col in (0, 1):
+        ratio = stats[4][col, 1].item() / stats[6][col, 1].item()
+        assert 3.0 < ratio < 5.0, (col, ratio)
