@@ -167,7 +167,7 @@ class FP8State:
 
     def set_recipe(self, recipe: Recipe) -> None:
         """Make ``recipe`` the base recipe (layer overrides stay on top of it)."""
-        if recipe != self.recipe:
+        if recipe is not self.recipe and recipe != self.recipe:  # identity first: the usual case, per layer
             self.recipe = recipe
             self._rebuild()
 
