@@ -15,6 +15,7 @@ the same tensor measured in the same run.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -28,10 +29,11 @@ if "--smoke" in sys.argv:
 import torch
 from gpu_timing import ms_per_call
 
-SHAPES_1D = [(16384, 3072), (8192, 14336)]
-SHAPES_2D = [(16384, 768), (16384, 3072), (8192, 14336)]
+SHAPES_1D = [(16384, 3072)]
+SHAPES_2D = [(16384, 768), (8192, 14336)]
 SMOKE_SHAPES = [(48, 80)]
-# (BLOCK, num_warps); (BLOCK_M, BLOCK_N, num_warps); programs per SM of the persistent grid
+# (BLOCK, num_warps); (BLOCK_M, BLOCK_N, num_warps); programs per SM of the persistent grid; whether a
+# program loads its next block before working on the current one
 CONFIGS_1D = [(4096, 8), (2048, 4), (4096, 4), (8192, 8), (1024, 4)]
 CONFIGS_2D = [
     (128, 64, 16),
@@ -42,7 +44,8 @@ CONFIGS_2D = [
     (128, 128, 16),
     (32, 64, 4),
 ]
-PROGRAMS_PER_SM = [4, 8, 16]
+PROGRAMS_PER_SM = [4, 8]
+PREFETCH = [True, False]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,7 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     fp8 = torch.float8_e4m3fn
     scale = torch.tensor(3.7, device=device)
-    shipped = (triton_launch.block_1d(device), triton_launch.tile_2d(device), triton_launch.grid_cap(device))
+    shipped = (
+        triton_launch.block_1d(device),
+        triton_launch.tile_2d(device),
+        triton_launch.grid_cap(device),
+        triton_launch.prefetch(device),
+    )
     results = []
 
     def timed(fn, n_bufs) -> float:
@@ -81,56 +89,61 @@ def main(argv: list[str] | None = None) -> int:
             copy_ms = timed(lambda i, o=outs, x=xs, k=n_bufs: o[i % k].copy_(x[i % k]), n_bufs)
             copy_gbs = 4 * m * n / (copy_ms * 1e-3) / 1e9
             useful = (4 if transpose else 3) * m * n
-            for cfg in configs if not a.smoke else configs[:2]:
-                for per_sm in PROGRAMS_PER_SM if not a.smoke else [4]:
-                    if transpose:
-                        triton_quantize.tile_2d = lambda dev, c=cfg: c if dev.type == "cuda" else (16, 16, 4)
-                    else:
-                        triton_quantize.block_1d = lambda dev, c=cfg: c if dev.type == "cuda" else (64, 4)
-                    triton_launch.grid_cap = lambda dev, k=per_sm: k * sms if dev.type == "cuda" else 3
-                    try:
-                        q, qt, row, _ = triton_quantize.launch_quantize(
-                            xs[0], scale, fp8, None, transpose=transpose
-                        )
-                        # the FP8 bits on a GPU only: the interpreter's own cast is not the hardware's
-                        exact = torch.equal(row, row_ref)
-                        if device.type == "cuda":
-                            exact = exact and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
-                            if transpose:
-                                exact = exact and torch.equal(
-                                    qt.view(torch.uint8), q_ref.t().contiguous().view(torch.uint8)
-                                )
-                        ms = timed(
-                            lambda i, x=xs, k=n_bufs, t=transpose: triton_quantize.launch_quantize(
-                                x[i % k], scale, fp8, None, transpose=t
-                            ),
-                            n_bufs,
-                        )
-                        err = None
-                    except Exception as e:  # a configuration that does not compile or run: say so, go on
-                        exact, ms, err = False, float("nan"), f"{type(e).__name__}: {e}"[:300]
-                    gbs = useful / (ms * 1e-3) / 1e9
-                    res = {
-                        "kernel": "transposed" if transpose else "1-D",
-                        "shape": f"{m}x{n}",
-                        "config": list(cfg),
-                        "programs_per_sm": per_sm,
-                        "ms": ms,
-                        "GB/s": gbs,
-                        "of_copy": gbs / copy_gbs,
-                        "exact": exact,
-                        "shipped": (cfg == (shipped[1] if transpose else shipped[0]))
-                        and per_sm * sms == shipped[2],
-                        "error": err,
-                    }
-                    results.append(res)
-                    print(
-                        f"{res['kernel']:<10} {res['shape']:<12} {str(cfg):<16} x{per_sm:<3} {ms:8.4f} ms "
-                        f"{gbs:8.0f} GB/s {res['of_copy']:6.1%} of copy ({copy_gbs:.0f})  exact={exact}"
-                        + ("  <- shipped" if res["shipped"] else "")
-                        + (f"  {err}" if err else ""),
-                        flush=True,
+            for cfg, per_sm, pre in itertools.product(
+                configs if not a.smoke else configs[:2], PROGRAMS_PER_SM if not a.smoke else [4], PREFETCH
+            ):
+                if transpose:
+                    triton_quantize.tile_2d = lambda dev, c=cfg: c if dev.type == "cuda" else (16, 16, 4)
+                else:
+                    triton_quantize.block_1d = lambda dev, c=cfg: c if dev.type == "cuda" else (64, 4)
+                triton_launch.grid_cap = lambda dev, k=per_sm: k * sms if dev.type == "cuda" else 3
+                triton_quantize.prefetch = lambda dev, f=pre: f
+                try:
+                    q, qt, row, _ = triton_quantize.launch_quantize(
+                        xs[0], scale, fp8, None, transpose=transpose
                     )
+                    # the FP8 bits on a GPU only: the interpreter's own cast is not the hardware's
+                    exact = torch.equal(row, row_ref)
+                    if device.type == "cuda":
+                        exact = exact and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+                        if transpose:
+                            exact = exact and torch.equal(
+                                qt.view(torch.uint8), q_ref.t().contiguous().view(torch.uint8)
+                            )
+                    ms = timed(
+                        lambda i, x=xs, k=n_bufs, t=transpose: triton_quantize.launch_quantize(
+                            x[i % k], scale, fp8, None, transpose=t
+                        ),
+                        n_bufs,
+                    )
+                    err = None
+                except Exception as e:  # a configuration that does not compile or run: say so, go on
+                    exact, ms, err = False, float("nan"), f"{type(e).__name__}: {e}"[:300]
+                gbs = useful / (ms * 1e-3) / 1e9
+                res = {
+                    "kernel": "transposed" if transpose else "1-D",
+                    "shape": f"{m}x{n}",
+                    "config": list(cfg),
+                    "programs_per_sm": per_sm,
+                    "prefetch": pre,
+                    "ms": ms,
+                    "GB/s": gbs,
+                    "of_copy": gbs / copy_gbs,
+                    "exact": exact,
+                    "shipped": (cfg == (shipped[1] if transpose else shipped[0]))
+                    and per_sm * sms == shipped[2]
+                    and pre == shipped[3],
+                    "error": err,
+                }
+                results.append(res)
+                print(
+                    f"{res['kernel']:<10} {res['shape']:<12} {str(cfg):<16} x{per_sm:<3} "
+                    f"{'prefetch' if pre else 'no-pref.':<8} {ms:8.4f} ms "
+                    f"{gbs:8.0f} GB/s {res['of_copy']:6.1%} of copy ({copy_gbs:.0f})  exact={exact}"
+                    + ("  <- shipped" if res["shipped"] else "")
+                    + (f"  {err}" if err else ""),
+                    flush=True,
+                )
     best = {}
     for r in results:
         if r["exact"] and not math.isnan(r["ms"]):
@@ -139,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
                 best[k] = r
     print("best per kernel and shape:")
     for (kernel, shape), r in best.items():
-        print(f"  {kernel:<10} {shape:<12} {r['config']} x{r['programs_per_sm']}: {r['of_copy']:.1%} of copy")
+        print(
+            f"  {kernel:<10} {shape:<12} {r['config']} x{r['programs_per_sm']} prefetch={r['prefetch']}: "
+            f"{r['of_copy']:.1%} of copy"
+        )
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"device": str(device), "results": results}, indent=1))
     return 0 if all(r["exact"] for r in results) else 1

@@ -42,7 +42,9 @@ __all__ = [
     "grid_cap",
     "load_f32",
     "persistent_grid",
+    "prefetch",
     "tile_2d",
+    "to_f32",
 ]
 
 #: Largest finite float32: a scale that would be larger (tiny amax) is clamped to it.
@@ -86,6 +88,15 @@ def tile_2d(device: torch.device) -> tuple[int, int, int]:
     whole 16-byte FP8 vectors. On CUDA 16 elements per thread (the 16-byte FP8 vector), no register spills
     on sm_90 (about 120 registers, ``test_ptx.py``)."""
     return (128, 64, 16) if device.type == "cuda" else (32, 32, 4)
+
+
+def prefetch(device: torch.device) -> bool:
+    """Whether the quantize kernels load a program's next block (tile) before working on the current one,
+    so that two are in flight per program: a program's loads would otherwise wait alone for memory (one
+    128 x 64 tile per SM in flight is about a third of what an H200 needs to stream at full bandwidth).
+    On every device, so that the interpreter tests run the code the GPU runs; ``bench/kernel_configs.py``
+    measures both forms side by side."""
+    return True
 
 
 def block_scale_update(device: torch.device) -> tuple[int, int]:
@@ -193,6 +204,12 @@ def load_f32(ptr, offs, mask, IS_BF16: tl.constexpr):
     from its bits (``bits << 16``): exact for every value on every backend, where Triton 3.9's interpreter
     flushes bfloat16 subnormals to zero in a plain conversion."""
     raw = tl.load(ptr + offs) if mask is None else tl.load(ptr + offs, mask=mask, other=0)
+    return to_f32(raw, IS_BF16)
+
+
+@triton.jit
+def to_f32(raw, IS_BF16: tl.constexpr):
+    """Loaded values as float32 (``load_f32``'s conversion, for values loaded ahead of their use)."""
     if IS_BF16:
         return (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
     else:

@@ -38,7 +38,9 @@ from .triton_launch import (
     launch,
     load_f32,
     persistent_grid,
+    prefetch,
     tile_2d,
+    to_f32,
 )
 
 __all__ = ["launch_quantize", "quantize_with_stats_transposed_triton", "quantize_with_stats_triton"]
@@ -137,6 +139,19 @@ def _quantize_block(
     """One block of the 1-D kernel (``mask=None``: a full block); returns the updated accumulators.
     Masked-out elements load as 0, which counts as nothing."""
     x = load_f32(x_ptr, offs, mask, IS_BF16)
+    return _quantize_values(
+        x, q_ptr, precast_ptr, offs, mask, scale, amax_acc, count_acc,
+        FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, STORE_PRECAST,
+    )  # fmt: skip
+
+
+@triton.jit
+def _quantize_values(
+    x, q_ptr, precast_ptr, offs, mask, scale, amax_acc, count_acc,
+    FMAX: tl.constexpr, UNDERFLOW: tl.constexpr, OVF_THRESHOLD: tl.constexpr, OVF_INCLUSIVE: tl.constexpr,
+    STORE_PRECAST: tl.constexpr,
+):  # fmt: skip
+    """``_quantize_block`` on values already loaded (float32)."""
     bits, counts, v = _scale_and_count(x, scale, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE)
     tl.store(q_ptr + offs, v.to(q_ptr.dtype.element_ty), mask=mask)
     if STORE_PRECAST:
@@ -149,7 +164,7 @@ def _quantize_kernel(
     x_ptr, q_ptr, scale_ptr, amax_ptr, stats_ptr, precast_ptr, scale_out_ptr, n,
     FMAX: tl.constexpr, UNDERFLOW: tl.constexpr, OVF_THRESHOLD: tl.constexpr, OVF_INCLUSIVE: tl.constexpr,
     HAS_AMAX: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr, POW2_SCALE: tl.constexpr,
-    STORE_PRECAST: tl.constexpr, IS_BF16: tl.constexpr, BLOCK: tl.constexpr,
+    STORE_PRECAST: tl.constexpr, IS_BF16: tl.constexpr, PREFETCH: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -157,11 +172,25 @@ def _quantize_kernel(
     amax_acc = tl.zeros([BLOCK], dtype=tl.int32)
     count_acc = tl.zeros([BLOCK], dtype=tl.int32)
     n_full = n // BLOCK
-    for b in range(pid, n_full, nprog):  # full blocks: no mask
-        amax_acc, count_acc = _quantize_block(
-            x_ptr, q_ptr, precast_ptr, b * BLOCK + tl.arange(0, BLOCK), None, scale, amax_acc, count_acc,
-            FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, STORE_PRECAST, IS_BF16,
-        )  # fmt: skip
+    lanes = tl.arange(0, BLOCK)
+    if PREFETCH:
+        # two blocks in flight per program: the loads of a program's next block are issued before it works
+        # on the current one (the last iteration re-reads its own block: clamped, never out of bounds)
+        first = tl.maximum(tl.minimum(pid, n_full - 1), 0) * BLOCK + lanes
+        raw = tl.load(x_ptr + first, mask=first < n, other=0)
+        for b in range(pid, n_full, nprog):  # full blocks: no mask
+            cur = raw
+            raw = tl.load(x_ptr + tl.minimum(b + nprog, n_full - 1) * BLOCK + lanes)
+            amax_acc, count_acc = _quantize_values(
+                to_f32(cur, IS_BF16), q_ptr, precast_ptr, b * BLOCK + lanes, None, scale, amax_acc, count_acc,
+                FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, STORE_PRECAST,
+            )  # fmt: skip
+    else:
+        for b in range(pid, n_full, nprog):  # full blocks: no mask
+            amax_acc, count_acc = _quantize_block(
+                x_ptr, q_ptr, precast_ptr, b * BLOCK + lanes, None, scale, amax_acc, count_acc,
+                FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, STORE_PRECAST, IS_BF16,
+            )  # fmt: skip
     tail = n_full * BLOCK
     if (pid == n_full % nprog) & (tail < n):  # the partial block, by the program whose turn comes next
         offs = tail + tl.arange(0, BLOCK)
@@ -196,6 +225,27 @@ def _quantize_tile(
         mask = None
         mask_t = None
     x = load_f32(x_ptr, offs, mask, IS_BF16)
+    return _quantize_tile_values(
+        x, q_ptr, qt_ptr, precast_ptr, offs, offs_t, mask, mask_t, scale, amax_acc, count_acc,
+        FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, STORE_PRECAST,
+    )  # fmt: skip
+
+
+@triton.jit
+def _tile_offsets(tm, tn, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Offsets of tile ``(tm, tn)`` in ``x`` / ``q`` (row-major ``(M, N)``) and in ``qt`` (``(N, M)``)."""
+    rm = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rm[:, None] * N + rn[None, :], rn[:, None] * M + rm[None, :]
+
+
+@triton.jit
+def _quantize_tile_values(
+    x, q_ptr, qt_ptr, precast_ptr, offs, offs_t, mask, mask_t, scale, amax_acc, count_acc,
+    FMAX: tl.constexpr, UNDERFLOW: tl.constexpr, OVF_THRESHOLD: tl.constexpr, OVF_INCLUSIVE: tl.constexpr,
+    STORE_PRECAST: tl.constexpr,
+):  # fmt: skip
+    """``_quantize_tile`` on values already loaded (float32)."""
     bits, counts, v = _scale_and_count(x, scale, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE)
     q = v.to(q_ptr.dtype.element_ty)
     tl.store(q_ptr + offs, q, mask=mask)
@@ -211,7 +261,7 @@ def _quantize_t_kernel(
     FMAX: tl.constexpr, UNDERFLOW: tl.constexpr, OVF_THRESHOLD: tl.constexpr, OVF_INCLUSIVE: tl.constexpr,
     HAS_AMAX: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr, POW2_SCALE: tl.constexpr,
     STORE_PRECAST: tl.constexpr, IS_BF16: tl.constexpr, DIV_M: tl.constexpr, DIV_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -224,12 +274,32 @@ def _quantize_t_kernel(
     full_m = M // BLOCK_M
     full_n = N // BLOCK_N
     n_full = full_m * full_n
-    for t in range(pid, n_full, nprog):  # full tiles: no mask
-        tm = t // full_n
-        amax_acc, count_acc = _quantize_tile(
-            x_ptr, q_ptr, qt_ptr, precast_ptr, tm, t - tm * full_n, M, N, scale, amax_acc, count_acc, False,
-            FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, STORE_PRECAST, IS_BF16, BLOCK_M, BLOCK_N,
-        )  # fmt: skip
+    if PREFETCH:
+        # two tiles in flight per program, as in the 1-D kernel (the last iteration re-reads its own tile)
+        cols = tl.maximum(full_n, 1)  # no full tile at all: the prologue's load is masked off entirely
+        first = tl.maximum(tl.minimum(pid, n_full - 1), 0)
+        offs, _ = _tile_offsets(first // cols, first % cols, M, N, BLOCK_M, BLOCK_N)
+        valid = tl.where(n_full > 0, M * N, 0)  # elements the prologue may read: none without a full tile
+        raw = tl.load(x_ptr + offs, mask=offs < valid, other=0)
+        for t in range(pid, n_full, nprog):  # full tiles: no mask
+            nxt = tl.minimum(t + nprog, n_full - 1)
+            offs_next, _ = _tile_offsets(nxt // full_n, nxt % full_n, M, N, BLOCK_M, BLOCK_N)
+            cur = raw
+            raw = tl.load(x_ptr + offs_next)
+            tm = t // full_n
+            offs, offs_t = _tile_offsets(tm, t - tm * full_n, M, N, BLOCK_M, BLOCK_N)
+            amax_acc, count_acc = _quantize_tile_values(
+                to_f32(cur, IS_BF16), q_ptr, qt_ptr, precast_ptr, offs, offs_t, None, None, scale,
+                amax_acc, count_acc, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, STORE_PRECAST,
+            )  # fmt: skip
+    else:
+        for t in range(pid, n_full, nprog):  # full tiles: no mask
+            tm = t // full_n
+            tn = t - tm * full_n
+            amax_acc, count_acc = _quantize_tile(
+                x_ptr, q_ptr, qt_ptr, precast_ptr, tm, tn, M, N, scale, amax_acc, count_acc, False,
+                FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, STORE_PRECAST, IS_BF16, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
     # edge tiles, masked: the last tile column (every tile row), then the last tile row (full columns)
     tiles_m = tl.cdiv(M, BLOCK_M)
     right = (tl.cdiv(N, BLOCK_N) - full_n) * tiles_m
@@ -316,6 +386,7 @@ def launch_quantize(
         POW2_SCALE=power_2_scale,
         STORE_PRECAST=precast is not None,
         IS_BF16=is_bf16,
+        PREFETCH=prefetch(x.device),
     )
     amax_arg = amax if amax is not None else scale_t
     precast_arg = precast if precast is not None else q
