@@ -85,7 +85,8 @@ class GraphedStep:
         steps, boxes = state.steps, [(box, box[0], box[1]) for box in state._inboxes]
         self._zero_grads()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: a monitor's background thread may call CUDA meanwhile (it never touches this stream)
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self.output = self.train_step()
         state.steps = steps
         for box, stats, n in boxes:
