@@ -34,16 +34,8 @@ SHAPES_2D = [(16384, 768), (8192, 14336)]
 SMOKE_SHAPES = [(48, 80)]
 # (BLOCK, num_warps); (BLOCK_M, BLOCK_N, num_warps); programs per SM of the persistent grid; whether a
 # program loads its next block before working on the current one
-CONFIGS_1D = [(4096, 8), (2048, 4), (4096, 4), (8192, 8), (1024, 4)]
-CONFIGS_2D = [
-    (128, 64, 16),
-    (64, 64, 8),
-    (64, 64, 4),
-    (128, 64, 8),
-    (64, 128, 8),
-    (128, 128, 16),
-    (32, 64, 4),
-]
+CONFIGS_1D = [(4096, 8), (2048, 4), (4096, 4), (8192, 8)]
+CONFIGS_2D = [(128, 64, 16), (64, 64, 8), (64, 64, 4), (128, 64, 8), (64, 128, 8)]
 PROGRAMS_PER_SM = [4, 8]
 PREFETCH = [True, False]
 

@@ -205,10 +205,10 @@ EOF
     bench_detail "$RESULTS/gpt_throughput.json"
 
     # ----- diagnostics: where the time goes, and the kernels' launch configurations side by side -----
-    run_part profile 60 "$PY" bench/profile_gpu.py --only "${PROFILE_PARTS:-host,linear}" --out "$RESULTS/profile.txt"
-    set_detail "$(grep -E '^fp8scope delayed .* ms per call' "$WORK/profile.log" | head -1 | tr -s ' ') (host, 512^3 fwd+bwd)"
     run_part kernel-configs 90 "$PY" bench/kernel_configs.py --reps 5 --out "$RESULTS/kernel_configs.json"
-    set_detail "$(grep -A5 '^best per kernel' "$WORK/kernel-configs.log" | tail -5 | tr -s ' ' | tr '\n' ';')"
+    set_detail "$(grep -A3 '^best per kernel' "$WORK/kernel-configs.log" | tail -3 | tr -s ' ' | tr '\n' ';')"
+    run_part profile 60 "$PY" bench/profile_gpu.py --only "${PROFILE_PARTS:-host}" --out "$RESULTS/profile.txt"
+    set_detail "$(grep -E '^fp8scope delayed .* ms per call' "$WORK/profile.log" | head -1 | tr -s ' ') (host, 512^3 fwd+bwd)"
 }
 
 summary() {
