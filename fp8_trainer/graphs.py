@@ -14,7 +14,10 @@ history, scales, step counter and statistics *in place*, so every replay reads a
 capture saw; the host side of a step (its count, the statistics handed to ``StatsReader``s and so to the
 monitor) is done by ``GraphedStep`` after each replay, exactly as ``end_step`` does it eagerly. A recipe
 change (``set_layer_recipe``, a command from the dashboard), a checkpoint load or a move replaces buffers;
-the next call sees the state's ``version`` change and captures again before replaying.
+the next call sees the state's ``version`` change and captures again before replaying. A captured step
+should close one FP8 step (gradient accumulation with ``step_boundary=False`` on all but the last
+micro-batch, the usual way): the statistics a replay hands on are those of the last step it closed. A model
+without FP8 layers can be graphed too (the bf16 baseline of ``bench/gpt_throughput.py``).
 
 Rules of CUDA graphs apply to ``train_step``: no host synchronisation (``.item()``, printing a tensor), the
 same shapes every call, inputs in tensors that stay put, an optimizer that is capturable
@@ -62,6 +65,7 @@ class GraphedStep:
         self.calls = 0
         self.captures = 0
         self._version = -1
+        self._fp8_steps = 0
 
     def _zero_grads(self) -> None:
         if self.optimizer is not None:
@@ -88,6 +92,8 @@ class GraphedStep:
         # thread_local: a monitor's background thread may call CUDA meanwhile (it never touches this stream)
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self.output = self.train_step()
+        # FP8 steps the captured step closes: 1 in the usual loop, 0 where no FP8 layer ran (a bf16 model)
+        self._fp8_steps = state.steps - steps
         state.steps = steps
         for box, stats, n in boxes:
             box[0], box[1] = stats, n
@@ -105,5 +111,6 @@ class GraphedStep:
         if self.graph is None or self._version != self.state.version:
             self._capture()
         self.graph.replay()
-        self.state.replayed()
+        if self._fp8_steps:
+            self.state.replayed()
         return self.output

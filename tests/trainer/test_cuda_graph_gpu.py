@@ -113,3 +113,22 @@ def test_recipe_change_between_replays_is_captured_again():
     for col in (0, 1):
         ratio = stats[4][col, 1].item() / stats[6][col, 1].item()
         assert 3.0 < ratio < 5.0, (col, ratio)
+
+
+def test_a_model_without_fp8_layers_is_graphed_too():
+    # the bf16 baseline of bench/gpt_throughput.py: no FP8 step closed, none counted, and replays train
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
+    x = torch.randn(32, 64, device="cuda")
+
+    def train_step():
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    graphed = GraphedStep(train_step, model, warmup=2, optimizer=opt)
+    losses = [graphed().item() for _ in range(6)]
+    assert graphed.captures == 1 and get_fp8_state(model).steps == 0
+    assert losses[-1] < losses[0]
