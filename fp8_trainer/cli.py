@@ -24,55 +24,77 @@ from .recipe import AMAX_COMPUTE_ALGOS
 from .report import health_table
 from .schedule import LR_SCHEDULES
 from .train import Prepared, dist_env, make_recipe, run_config, train
+from .train_config import HISTORY_LEN, TrainConfig
 
-__all__ = ["build_parser", "health_table", "main", "make_recipe", "prepare"]
+__all__ = ["TrainConfig", "build_parser", "health_table", "main", "make_recipe", "prepare"]
 
 DELAYED_ONLY = ("margin", "amax_history_len", "amax_compute_algo", "interval")
+
+
+_D = TrainConfig()  # the defaults the flags show
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fp8-train", description=__doc__.replace("``", ""))
     g = p.add_argument_group("model and data")
-    g.add_argument("--preset", choices=list(PRESETS), default="tiny", help="model size (default tiny)")
+    g.add_argument("--preset", choices=list(PRESETS), default=_D.preset, help="model size (default tiny)")
     g.add_argument("--data", help="text file (bytes) or .bin of uint16 token ids; default: stdlib source")
     g.add_argument(
-        "--batch-size", type=int, default=16, help="sequences per micro-batch and rank (default 16)"
+        "--batch-size",
+        type=int,
+        default=_D.batch_size,
+        help="sequences per micro-batch and rank (default 16)",
     )
-    g.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default 64)")
-    g.add_argument("--seed", type=int, default=0, help="weights, data order; a run is repeatable")
-    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    g.add_argument("--activation-checkpointing", choices=CHECKPOINT_MODES, default="none",
+    g.add_argument("--seq-len", type=int, default=_D.seq_len, help="tokens per sequence (default 64)")
+    g.add_argument("--seed", type=int, default=_D.seed, help="weights, data order; a run is repeatable")
+    g.add_argument("--device", choices=("cpu", "cuda"), default=_D.device)
+    g.add_argument("--activation-checkpointing", choices=CHECKPOINT_MODES,
+                   default=_D.activation_checkpointing,
                    help="recompute each block in backward (torch.utils.checkpoint); the FP8 layers recompute "
                         "in FP8 with the original scales (default none)")  # fmt: skip
 
     g = p.add_argument_group("FP8 recipe")
-    g.add_argument("--recipe", choices=("delayed", "current", "bf16", "fp32"), default="delayed",
+    g.add_argument("--recipe", choices=("delayed", "current", "bf16", "fp32"), default=_D.recipe,
                    help="FP8 scaling, or a baseline without FP8 (default delayed)")  # fmt: skip
     g.add_argument("--fp8-format", choices=("hybrid", "e4m3"), default=None, help="default: hybrid")
     g.add_argument("--margin", type=int, default=None, help="delayed scaling margin (default 0)")
-    g.add_argument("--amax-history-len", type=int, default=None, help="default 16")
+    g.add_argument("--amax-history-len", type=int, default=None, help=f"default {HISTORY_LEN}")
     g.add_argument("--amax-compute-algo", choices=AMAX_COMPUTE_ALGOS, default=None, help="default max")
     g.add_argument("--interval", type=int, default=None, help="steps between scale updates (default 1)")
     g.add_argument("--power-2-scale", action="store_true",
                    help="current scaling: round each scale down to a power of two")  # fmt: skip
 
     g = p.add_argument_group("optimization")
-    g.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
-    g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
+    g.add_argument("--steps", type=int, default=_D.steps, help="optimizer steps (default 200)")
+    g.add_argument("--grad-accum", type=int, default=_D.grad_accum, help="micro-batches per optimizer step")
+    g.add_argument("--lr", type=float, default=_D.lr, help="peak learning rate (AdamW)")
     g.add_argument("--min-lr", type=float, default=None, help="final learning rate (default lr / 10)")
     g.add_argument("--warmup-steps", type=int, default=None, help="default min(100, steps / 10)")
-    g.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="cosine", help="after warmup")
-    g.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0: no clipping)")
+    g.add_argument("--lr-schedule", choices=LR_SCHEDULES, default=_D.lr_schedule, help="after warmup")
+    g.add_argument("--grad-clip", type=float, default=_D.grad_clip, help="max gradient norm (0: no clipping)")
 
     g = p.add_argument_group("evaluation, logging, checkpoints")
-    g.add_argument("--eval-interval", type=int, default=100, help="steps between validation losses (0: none)")
-    g.add_argument("--eval-iters", type=int, default=8, help="validation batches (the same every time)")
-    g.add_argument("--log-interval", type=int, default=20, help="steps between log lines (no progress bar)")
+    g.add_argument(
+        "--eval-interval",
+        type=int,
+        default=_D.eval_interval,
+        help="steps between validation losses (0: none)",
+    )
+    g.add_argument(
+        "--eval-iters", type=int, default=_D.eval_iters, help="validation batches (the same every time)"
+    )
+    g.add_argument(
+        "--log-interval", type=int, default=_D.log_interval, help="steps between log lines (no progress bar)"
+    )
     g.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar (it is also off when stderr is not a terminal)")  # fmt: skip
     g.add_argument("--save", metavar="PATH", help="checkpoint file; '{step}' in it keeps one per save")
-    g.add_argument("--save-interval", type=int, default=0, help="steps between checkpoints (0: at the end)")
+    g.add_argument(
+        "--save-interval",
+        type=int,
+        default=_D.save_interval,
+        help="steps between checkpoints (0: at the end)",
+    )
     g.add_argument(
         "--halt-on-nonfinite",
         action="store_true",
@@ -107,6 +129,7 @@ def _fp8_layers(preset: str) -> list[str]:
 
 
 def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> Prepared:
+    """Refuse what cannot run (``p.error``: exit 2 with the message); fill in derived defaults (min_lr)."""
     for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_interval", "eval_iters"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -199,12 +222,16 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> Prepared:
     return Prepared(corpus=corpus, checkpoint=checkpoint)
 
 
-def prepare(argv: list[str] | None = None) -> tuple[argparse.Namespace, Prepared]:
-    """Parse and check ``fp8-train`` flags (exit 2 with a message on bad ones); return them and the data
-    and checkpoint they name, ready for ``train``."""
+def prepare(argv: list[str] | None = None) -> tuple[TrainConfig, Prepared]:
+    """Parse and check ``fp8-train`` flags (exit 2 with a message on bad ones); return the configuration
+    and the data and checkpoint they name, ready for ``train``."""
     p = build_parser()
     a = p.parse_args(argv)
-    return a, _check(p, a)
+    prepared = _check(p, a)
+    values = vars(a)
+    return TrainConfig(
+        **{**values, "tags": tuple(values["tags"]), "inject": tuple(values["inject"])}
+    ), prepared
 
 
 EXIT_INTERRUPTED = 130  # the shell's code for a process stopped by SIGINT

@@ -13,6 +13,7 @@ progress bar shows the loss of the step before (copied asynchronously), and the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -38,6 +39,7 @@ from .recipe import CurrentScaling, DelayedScaling, Format
 from .report import fp8_summary, health_table
 from .schedule import lr_at
 from .stats import read_newest, step_stats
+from .train_config import HISTORY_LEN, TrainConfig
 
 __all__ = ["Prepared", "TrainResult", "dist_env", "make_recipe", "run_config", "train"]
 
@@ -67,14 +69,14 @@ def dist_env() -> tuple[int, int, int]:
     return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
 
 
-def make_recipe(a: argparse.Namespace):
+def make_recipe(a: TrainConfig):
     """The FP8 recipe the flags describe (``None`` for fp32 / bf16)."""
     fmt = Format.parse(a.fp8_format or "hybrid")
     if a.recipe == "delayed":
         return DelayedScaling(
             fp8_format=fmt,
             margin=a.margin if a.margin is not None else 0,
-            amax_history_len=a.amax_history_len if a.amax_history_len is not None else 16,
+            amax_history_len=a.amax_history_len if a.amax_history_len is not None else HISTORY_LEN,
             amax_compute_algo=a.amax_compute_algo or "max",
             interval=a.interval if a.interval is not None else 1,
         )
@@ -83,13 +85,14 @@ def make_recipe(a: argparse.Namespace):
     return None
 
 
-def run_config(a: argparse.Namespace, vocab_size: int) -> dict[str, Any]:
+def run_config(a: TrainConfig, vocab_size: int) -> dict[str, Any]:
     """The flags as JSON-able data (for checkpoints and the monitor), without the secret token."""
-    cfg = {k: v for k, v in vars(a).items() if k != "token"}
+    values = vars(a) if isinstance(a, argparse.Namespace) else dataclasses.asdict(a)
+    cfg = {k: list(v) if isinstance(v, tuple) else v for k, v in values.items() if k != "token"}
     return {**cfg, "vocab_size": vocab_size}
 
 
-def warmup_steps(a: argparse.Namespace) -> int:
+def warmup_steps(a: TrainConfig) -> int:
     """``--warmup-steps``, by default a tenth of the run up to 100 steps."""
     return a.warmup_steps if a.warmup_steps is not None else min(100, a.steps // 10)
 
@@ -154,7 +157,7 @@ def _make_monitor(a, model, recipe, config, rank: int, world: int):
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches, a: argparse.Namespace, recipe, device) -> float:
+def evaluate(model: nn.Module, batches, a: TrainConfig, recipe, device) -> float:
     """Mean loss over the fixed validation batches (FP8 forwards under no_grad record no statistics)."""
     model.eval()
     losses = []
@@ -166,7 +169,7 @@ def evaluate(model: nn.Module, batches, a: argparse.Namespace, recipe, device) -
     return torch.stack(losses).mean().item()
 
 
-def _bf16(a: argparse.Namespace, device: torch.device):
+def _bf16(a: TrainConfig, device: torch.device):
     """bf16 autocast for the bf16 baseline, and on a GPU also around FP8 recipes: what is not an FP8 GEMM
     (attention, LayerNorm, the output head) then runs in bf16 as in FP8 training with Transformer Engine, and
     tokens/s compare with the bf16 baseline. On the CPU, FP8 runs keep float32 elsewhere (bf16 is slow)."""
@@ -174,7 +177,7 @@ def _bf16(a: argparse.Namespace, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.recipe == "bf16" or fp8_on_gpu)
 
 
-def train(a: argparse.Namespace, prepared: Prepared | None = None, *, on_step=None, out=print) -> TrainResult:
+def train(a: TrainConfig, prepared: Prepared | None = None, *, on_step=None, out=print) -> TrainResult:
     """Run the training the flags describe.
 
     Args:
@@ -229,7 +232,7 @@ def _build(a, prepared: Prepared, rank: int, device):
     return corpus, recipe, model, opt, ckpt["step"], len(streams)
 
 
-def step_lr(a: argparse.Namespace, step: int) -> float:
+def step_lr(a: TrainConfig, step: int) -> float:
     """The scheduled learning rate of optimizer step ``step`` (before any injected spike)."""
     return lr_at(
         step,

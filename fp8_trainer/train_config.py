@@ -1,0 +1,66 @@
+"""``fp8-train``'s settings: every one with its default, in one commented block (``TrainConfig``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["HISTORY_LEN", "TrainConfig"]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Every ``fp8-train`` setting and its default, in one place: the flags are made from these fields (a
+    field ``batch_size`` is the flag ``--batch-size``), ``prepare`` checks them and returns one of these,
+    and ``train`` reads nothing else. Frozen: what a run was started with is what it ran with."""
+
+    # ----- model and data -----
+    preset: str = "tiny"  # model size (fp8_trainer.model.PRESETS)
+    data: str | None = None  # text file (bytes) or .bin of uint16 token ids; None: the stdlib source, bytes
+    batch_size: int = 16  # sequences per micro-batch and rank
+    seq_len: int = 64  # tokens per sequence (at most the preset's block size)
+    seed: int = 0  # weights and data order: a run is repeatable
+    device: str = "cpu"  # or "cuda": FP8 recipes then run under bf16 autocast, as with Transformer Engine
+    activation_checkpointing: str = "none"  # recompute blocks in backward (model.CHECKPOINT_MODES)
+    # ----- FP8 recipe (None: the recipe's default, so a delayed-only flag given to another is refused) -----
+    recipe: str = "delayed"  # FP8 scaling "delayed" / "current", or a baseline "bf16" / "fp32"
+    fp8_format: str | None = None  # "hybrid" (E4M3 forward, E5M2 backward) or "e4m3"; None: hybrid
+    margin: int | None = None  # delayed scaling margin; None: 0
+    # amax history length; None: HISTORY_LEN (16), not DelayedScaling's 1024 (Transformer Engine's default,
+    # which the library keeps): an fp8-train run is hundreds of steps, and a 1024-step window would hold
+    # every scale at the largest amax seen since the start, so that the falling activation and gradient
+    # amaxes of early training underflow more and more; 16 steps let a scale follow its tensor
+    amax_history_len: int | None = None
+    amax_compute_algo: str | None = None  # "max" or "most_recent"; None: max
+    interval: int | None = None  # steps between scale updates; None: 1
+    power_2_scale: bool = False  # current scaling: scales rounded down to powers of two
+    # ----- optimization (AdamW) -----
+    steps: int = 200  # optimizer steps
+    grad_accum: int = 1  # micro-batches per optimizer step
+    lr: float = 1e-3  # peak learning rate
+    min_lr: float | None = None  # final learning rate; None: lr / 10
+    warmup_steps: int | None = None  # None: min(100, steps / 10)
+    lr_schedule: str = "cosine"  # after the warmup (fp8_trainer.schedule.LR_SCHEDULES)
+    grad_clip: float = 1.0  # max gradient norm; 0: measured, not clipped
+    # ----- evaluation, logging, checkpoints -----
+    eval_interval: int = 100  # steps between validation losses; 0: none
+    eval_iters: int = 8  # validation batches (the same every time)
+    log_interval: int = 20  # steps between log lines (without a progress bar)
+    progress: bool = True  # a progress bar (also off when stderr is not a terminal)
+    save: str | None = None  # checkpoint file; "{step}" in it keeps one per save
+    save_interval: int = 0  # steps between checkpoints; 0: at the end only
+    halt_on_nonfinite: bool = False  # stop at the first non-finite loss, before the update (exit code 3)
+    resume: str | None = None  # continue the run saved in this checkpoint
+    stats_dump: str | None = None  # every step's FP8 statistics and loss to this .npz (synchronous copies)
+    # ----- monitoring and fault injection -----
+    monitor_url: str | None = None  # fp8-monitor root; the flag's default is $FP8SCOPE_URL
+    run_name: str | None = None  # None: preset-recipe-time
+    tags: tuple[str, ...] = field(default_factory=tuple)  # the run's tags in the monitor
+    token: str | None = None  # API token (visible in the process list: prefer token_file or $FP8SCOPE_TOKEN)
+    token_file: str | None = None  # file whose first line is the API token
+    inject: tuple[str, ...] = field(
+        default_factory=tuple
+    )  # faults: overflow:LAYER@STEP[xF], nan:..., lr-spike@...
+
+
+#: fp8-train's amax history length where --amax-history-len is not given (see TrainConfig.amax_history_len)
+HISTORY_LEN = 16
