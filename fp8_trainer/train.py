@@ -115,6 +115,68 @@ def _terminal_width() -> int:
         return 0
 
 
+class _Progress:
+    """What a run shows per step: a progress bar on a terminal, else a log line every ``log_interval`` steps
+    (with the FP8 summary of the newest step), rank 0 only. ``say`` prints a line either way."""
+
+    def __init__(self, a: TrainConfig, start: int, tokens_per_step: int, lead: bool, out):
+        self.a, self.start, self.tokens_per_step, self.lead, self.out = a, start, tokens_per_step, lead, out
+        show_bar = lead and a.progress and sys.stderr.isatty()
+        width = _terminal_width() if show_bar else 0
+        self.bar = tqdm(
+            total=a.steps, initial=start, unit="step", file=sys.stderr, disable=not show_bar,
+            # a terminal that reports no size (some ptys) would hide the bar: assume 100 x 24 there
+            dynamic_ncols=width > 0, ncols=None if width > 0 else 100, nrows=None if width > 0 else 24,
+        )  # fmt: skip
+        self.lagged, self.smooth_tps = _Lagged(), None
+        self.t_start = time.perf_counter()
+
+    def say(self, line: str) -> None:
+        if self.lead and self.bar.disable:
+            self.out(line)
+        elif self.lead:
+            tqdm.write(line, file=sys.stdout)
+
+    def show(
+        self,
+        step: int,
+        loss: torch.Tensor,
+        lr: float,
+        now: float,
+        tokens_per_s: float,
+        monitor,
+        model,
+        recipe,
+    ):
+        """After optimizer step ``step`` (``now``: the host clock then)."""
+        a = self.a
+        if not self.bar.disable:
+            shown = self.lagged.push(loss)  # the loss of the step before: no stall
+            tps = self.smooth_tps
+            self.smooth_tps = tokens_per_s if tps is None else 0.9 * tps + 0.1 * tokens_per_s
+            postfix = {"tok/s": f"{self.smooth_tps:,.0f}", "alerts": monitor.open_alerts}
+            if shown is not None:
+                postfix = {"loss": f"{shown:.4f}", **postfix}
+            self.bar.set_postfix(postfix, refresh=False)
+            self.bar.update()
+        elif self.lead and (step % a.log_interval == 0 or step == a.steps):
+            elapsed = now - self.t_start  # averages since the start: steady numbers
+            done = step - self.start
+            line = f"step {step:5d}  loss {loss.item():.4f}  lr {lr:.3g}"
+            line += f"  {elapsed / done * 1e3:.0f} ms/step"
+            line += f"  {self.tokens_per_step * done / elapsed:,.0f} tok/s"
+            if a.monitor_url:
+                line += f"  alerts {monitor.open_alerts}"
+            self.say(line)
+            if recipe is not None and step != a.steps:
+                got = read_newest(model)  # synchronous, at log intervals only
+                if got is not None:
+                    self.say("           " + fp8_summary(got[1]))
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 class _NoMonitor:
     """Stands in for ``fp8_trainer.Monitor`` when no ``--monitor-url`` is given."""
 
@@ -257,20 +319,8 @@ def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -
     val_batches = corpus.val_batches(a.eval_iters, a.batch_size, a.seq_len) if a.eval_interval else []
     tokens_per_step = a.batch_size * a.seq_len * a.grad_accum * world
     lead = rank == 0
-
-    show_bar = lead and a.progress and sys.stderr.isatty()
-    width = _terminal_width() if show_bar else 0
-    bar = tqdm(
-        total=a.steps, initial=start, unit="step", file=sys.stderr, disable=not show_bar,
-        # a terminal that reports no size (some ptys) would hide the bar: assume 100 x 24 there
-        dynamic_ncols=width > 0, ncols=None if width > 0 else 100, nrows=None if width > 0 else 24,
-    )  # fmt: skip
-
-    def say(line: str) -> None:
-        if lead and bar.disable:
-            out(line)
-        elif lead:
-            tqdm.write(line, file=sys.stdout)
+    progress = _Progress(a, start, tokens_per_step, lead, out)
+    say = progress.say
 
     n_params = sum(p.numel() for p in model.parameters())
     say(
@@ -286,9 +336,8 @@ def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -
     shown_url = False
     losses = torch.zeros(a.steps - start, device=device)  # one slot per step: no allocation per step
     dumped: list[torch.Tensor] = []  # --stats-dump: every step's statistics, copied synchronously
-    lagged, smooth_tps = _Lagged(), None
     with _make_monitor(a, model, recipe, config, rank, world) as monitor:
-        t_start = t_last = time.perf_counter()
+        t_last = progress.t_start = time.perf_counter()
         try:
             for step in range(start + 1, a.steps + 1):
                 # ----- learning rate and this step's injected faults -----
@@ -310,11 +359,7 @@ def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -
                     opt.zero_grad(set_to_none=True)
                     break
 
-                # ----- clip, step -----
-                max_norm = a.grad_clip if a.grad_clip > 0 else math.inf  # inf: only measure the norm
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                grad_norm = _optimizer_step(a, model, opt)
                 result.step = step  # at once: an interrupt from here on leaves the weights of this step
                 now = time.perf_counter()
                 tokens_per_s = tokens_per_step / max(now - t_last, 1e-9)  # this step's (host clock)
@@ -329,36 +374,9 @@ def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -
                 if on_step is not None:
                     on_step(step, model, {"loss": step_loss, "lr": lr, "grad_norm": grad_norm})
 
-                # ----- log -----
-                if not bar.disable:
-                    shown = lagged.push(step_loss)
-                    smooth_tps = tokens_per_s if smooth_tps is None else 0.9 * smooth_tps + 0.1 * tokens_per_s
-                    postfix = {"tok/s": f"{smooth_tps:,.0f}", "alerts": monitor.open_alerts}
-                    if shown is not None:
-                        postfix = {"loss": f"{shown:.4f}", **postfix}
-                    bar.set_postfix(postfix, refresh=False)
-                    bar.update()
-                elif lead and (step % a.log_interval == 0 or step == a.steps):
-                    elapsed = now - t_start  # averages since the start: steady numbers
-                    line = f"step {step:5d}  loss {step_loss.item():.4f}  lr {lr:.3g}"
-                    line += f"  {elapsed / (step - start) * 1e3:.0f} ms/step"
-                    line += f"  {tokens_per_step * (step - start) / elapsed:,.0f} tok/s"
-                    if a.monitor_url:
-                        line += f"  alerts {monitor.open_alerts}"
-                    say(line)
-                    if recipe is not None and step != a.steps:
-                        got = read_newest(model)  # synchronous, at log intervals only
-                        if got is not None:
-                            say("           " + fp8_summary(got[1]))
-
-                # ----- evaluate, checkpoint -----
-                if a.eval_interval and (step % a.eval_interval == 0 or step == a.steps) and lead:
-                    val = evaluate(model, val_batches, a, recipe, device)
-                    result.val_losses.append((step, val))
-                    say(f"step {step:5d}  val loss {val:.4f}")
-                    monitor.event("eval", step, val_loss=val)
-                if a.save and ((a.save_interval and step % a.save_interval == 0) or step == a.steps):
-                    _save(a, model, opt, step, config, corpus, world, lead, say)
+                progress.show(step, step_loss, lr, now, tokens_per_s, monitor, model, recipe)
+                _evaluate_and_save(a, step, model, opt, val_batches, recipe, device, monitor, result, config,
+                                   corpus, world, lead, say)  # fmt: skip
         except KeyboardInterrupt:  # Ctrl-C: one line, a checkpoint if asked for, the run "interrupted"
             result.status = "interrupted"
             say(f"fp8-train: interrupted after step {result.step}")
@@ -367,7 +385,7 @@ def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -
             monitor.close(result.status)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        bar.close()
+        progress.close()
 
     if recipe is not None and lead:
         got = read_newest(model)
@@ -381,6 +399,42 @@ def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -
     if not all(math.isfinite(v) for v in result.losses):
         say("warning: non-finite training loss")
     return result
+
+
+def _optimizer_step(a: TrainConfig, model: nn.Module, opt) -> torch.Tensor:
+    """Clip (or only measure) the gradient norm, step, drop the gradients; the norm, on the device."""
+    max_norm = a.grad_clip if a.grad_clip > 0 else math.inf  # inf: only measure the norm
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+def _evaluate_and_save(
+    a: TrainConfig,
+    step,
+    model,
+    opt,
+    val_batches,
+    recipe,
+    device,
+    monitor,
+    result,
+    config,
+    corpus,
+    world,
+    lead,
+    say,
+) -> None:
+    """The validation loss at ``eval_interval`` and at the end (rank 0), a checkpoint at ``save_interval``
+    and at the end."""
+    if a.eval_interval and (step % a.eval_interval == 0 or step == a.steps) and lead:
+        val = evaluate(model, val_batches, a, recipe, device)
+        result.val_losses.append((step, val))
+        say(f"step {step:5d}  val loss {val:.4f}")
+        monitor.event("eval", step, val_loss=val)
+    if a.save and ((a.save_interval and step % a.save_interval == 0) or step == a.steps):
+        _save(a, model, opt, step, config, corpus, world, lead, say)
 
 
 def _forward_backward(a, net: nn.Module, corpus: Corpus, recipe, device, world: int) -> torch.Tensor:
