@@ -114,6 +114,26 @@ def check_scaled_mm_args(
             raise ValueError(f"bias: expected {out_dtype} ({n},), got {bias.dtype} {tuple(bias.shape)}")
 
 
+#: argument layouts ``check_scaled_mm_args`` passed: shapes, strides, dtypes, devices (not the pointers)
+_CHECKED: set[tuple] = set()
+
+
+def _check_fast(a, b, scale_a, scale_b, out_dtype, bias) -> None:
+    """``check_scaled_mm_args`` for the hot path: the full check once per layout, then only the pointers'
+    alignment (which changes from call to call); the same errors either way."""
+    key = (
+        a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
+        scale_a.dtype, scale_a.shape, scale_a.device, scale_b.dtype, scale_b.shape, scale_b.device,
+        out_dtype, None if bias is None else (bias.dtype, bias.shape),
+    )  # fmt: skip
+    if key not in _CHECKED:
+        check_scaled_mm_args(a, b, scale_a, scale_b, out_dtype, bias)
+        _CHECKED.add(key)
+        return
+    if (a.data_ptr() | b.data_ptr() | scale_a.data_ptr() | scale_b.data_ptr()) % SCALE_ALIGN_BYTES:
+        check_scaled_mm_args(a, b, scale_a, scale_b, out_dtype, bias)  # raises, naming the argument
+
+
 def _pad_k(t: torch.Tensor, kp: int) -> torch.Tensor:
     """Row-major ``t`` ``(R, K)`` zero-padded to ``(R, kp)`` in its own dtype (zeros add nothing)."""
     out = t.new_zeros((t.shape[0], kp))
@@ -133,8 +153,11 @@ def _scaled_mm(a, scale_inv_a, b, scale_inv_b, out_dtype, bias, fast_accum: bool
         b = b if b.stride(0) == 1 else b.t().contiguous().t()
     gemm_dtype = out_dtype if out_dtype in _OUT_DTYPES else torch.float32
     # the bias is added in the GEMM's epilogue where cuBLASLt takes one (a bfloat16 / float16 output)
-    mm_bias = None if bias is None or gemm_dtype == torch.float32 else bias.to(gemm_dtype)
-    check_scaled_mm_args(a, b, scale_inv_a, scale_inv_b, gemm_dtype, mm_bias)
+    if bias is None or gemm_dtype == torch.float32:
+        mm_bias = None
+    else:
+        mm_bias = bias if bias.dtype == gemm_dtype else bias.to(gemm_dtype)
+    _check_fast(a, b, scale_inv_a, scale_inv_b, gemm_dtype, mm_bias)
     out = torch._scaled_mm(
         a, b, scale_a=scale_inv_a, scale_b=scale_inv_b, bias=mm_bias, out_dtype=gemm_dtype,
         use_fast_accum=fast_accum,

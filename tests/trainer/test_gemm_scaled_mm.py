@@ -117,6 +117,20 @@ def test_float64_output_is_computed_in_float32_and_cast(scaled_mm_calls):
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
 
 
+def test_hot_path_checks_every_call_not_only_the_first(scaled_mm_calls):
+    # the full check runs once per layout; a later call with the same layout but a scale 4 bytes off its
+    # 16-byte boundary (a packed vector's second element) must still be refused, naming the argument
+    a, b = _fp8((5, 32)), _fp8((16, 32), seed=1).t()
+    fp8_mm(a, _scale(), b, _scale(), torch.bfloat16)
+    packed = torch.ones(4)  # 16-byte aligned buffer: element 1 sits at byte offset 4
+    with pytest.raises(ValueError, match="scale_b: data pointer at byte offset 4"):
+        fp8_mm(a, _scale(), b, packed[1], torch.bfloat16)
+    assert len(scaled_mm_calls) == 1
+    # and a new layout gets the whole check: K not a multiple of 16 in an operand of another shape
+    with pytest.raises(ValueError, match="multiples of 16"):
+        fp8_mm(_fp8((5, 32)), _scale(), _fp8((24, 32), seed=2).t(), _scale(), torch.bfloat16)
+
+
 # ----- the model's state -----
 
 
