@@ -4,14 +4,17 @@ Everything the runtime and the monitor read from a GPU on the host (statistics, 
 scalars) goes through ``HostCopy``: a non-blocking copy into pinned memory, followed by an event recorded on
 the current stream *of the tensor's device* (the stream the copy was queued on; the current device may be
 another one in a multi-GPU process). ``wait()`` a step later finds the event complete and returns at once.
-CPU tensors are cloned (a snapshot, as the copy would be).
+CPU tensors are cloned (a snapshot, as the copy would be). ``LateCopy`` is the one-step-late pipeline built
+on it: one copy in flight, swapped for the next each step.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-__all__ = ["HostCopy"]
+__all__ = ["HostCopy", "LateCopy"]
 
 
 class HostCopy:
@@ -40,3 +43,31 @@ class HostCopy:
         if self._event is not None:
             self._event.synchronize()
         return self.host
+
+
+class LateCopy:
+    """At most one ``HostCopy`` in flight, with a tag saying what it holds (a step number, a count).
+
+    ``swap(t, tag)`` starts copying ``t`` and hands back ``(tag, host tensor)`` of the copy the previous
+    swap started, which a step later has long completed; ``t`` None starts nothing (the pipeline empties).
+    """
+
+    __slots__ = ("_held",)
+
+    def __init__(self) -> None:
+        self._held: tuple[Any, HostCopy] | None = None
+
+    def swap(self, t: torch.Tensor | None, tag: Any = None) -> tuple[Any, torch.Tensor] | None:
+        previous = self._held
+        self._held = None if t is None else (tag, HostCopy(t))  # started before the previous is read
+        if previous is None:
+            return None
+        return previous[0], previous[1].wait()
+
+    def flush(self) -> tuple[Any, torch.Tensor] | None:
+        """The copy in flight, waited for (nothing new started)."""
+        return self.swap(None)
+
+    def clear(self) -> None:
+        """Drop the copy in flight unread."""
+        self._held = None

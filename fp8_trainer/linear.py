@@ -51,12 +51,6 @@ from .state import FP8State
 __all__ = ["Linear"]
 
 
-def _queue_end_of_backward(state: FP8State) -> None:
-    if not state.callback_queued and state.step_complete:
-        state.callback_queued = True
-        torch.autograd.Variable._execution_engine.queue_callback(state.on_backward_end)
-
-
 def _in_backward() -> bool:
     """True while the autograd engine executes a backward pass (in this thread)."""
     return torch._C._current_graph_task_id() != -1
@@ -107,7 +101,7 @@ class _FP8LinearFn(torch.autograd.Function):
         qg, qgt, sinv_g = _quantize(state, 3 * k + 2, g2, ctx.record, fused_t)
         ag = gemm_operand(qg)
         if ctx.record:
-            _queue_end_of_backward(state)
+            state.tracker.queue_end_of_backward(state.on_backward_end)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             grad_x = fp8_mm(ag, sinv_g, bw, sinv_w, ctx.x_dtype).reshape(ctx.shape)
@@ -177,7 +171,7 @@ class Linear(nn.Linear):
         state = self._fp8_state
         recompute = state is not None and _in_backward()
         # a forward inside backward is activation checkpointing's recompute: the original forward's region
-        region = state.last_region if recompute else current_region()
+        region = state.tracker.last_region if recompute else current_region()
         if region is None or not region.enabled:
             return F.linear(x, self.weight, self.bias)
         if state is None:
@@ -187,23 +181,24 @@ class Linear(nn.Linear):
             state.to(x.device)
         if region.recipe is not None:
             state.set_recipe(region.recipe)
-        state.last_region = region
+        tracker = state.tracker
+        tracker.last_region = region
         k = self._fp8_index
         if not state.enabled[k]:
             return F.linear(x, self.weight, self.bias)
         record = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
         if recompute:
-            record = record and (region.id, k) not in state.forward_recorded  # count a forward once
+            record = record and (region.id, k) not in tracker.forward_recorded  # count a forward once
         if record:
-            if state.pending and state.step_complete and state.region_id != region.id:
+            if tracker.pending and tracker.step_complete and tracker.region_id != region.id:
                 state.end_step()  # the previous step had no backward: close it now
-            state.region_id = region.id
-            state.step_complete = region.step_boundary
-            state.pending = True
+            tracker.region_id = region.id
+            tracker.step_complete = region.step_boundary
+            tracker.pending = True
             state.group = resolve_amax_group(region.group, state.reduce_amax)
-            state.forward_recorded.add((region.id, k))
+            tracker.forward_recorded.add((region.id, k))
             if recompute:  # queued on the outer backward, not on a reentrant checkpoint's nested one
-                _queue_end_of_backward(state)
+                tracker.queue_end_of_backward(state.on_backward_end)
         # grad mode, not record, decides (a checkpoint's recompute must save what its original forward saved);
         # read here: inside an autograd Function's forward grad mode is always off
         fused_t = torch.is_grad_enabled() and fused_transposes(state, k, x.device)

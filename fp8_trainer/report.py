@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fp8_protocol.stats import AMAX, NONFINITE, OVERFLOW, UNDERFLOW
+from fp8_protocol.stats import AMAX, NONFINITE, NUMEL, OVERFLOW, SCALE, UNDERFLOW
 
 from .convert import tensor_table
 
@@ -32,12 +32,16 @@ def health_table(model: nn.Module, stats: torch.Tensor) -> str:
     worst, worst_key = None, (0.0, 0.0, 0.0)
     for i in range(0, len(table), 3):
         rows = s[i : i + 3]
-        cells = " ".join(f"{rows[r, 0]:9.3g} {rows[r, 1]:9.3g}" for r in range(3))
-        ovf, unf, nf = (int(rows[:, c].sum()) for c in (2, 3, 4))
+        cells = " ".join(f"{rows[r, AMAX]:9.3g} {rows[r, SCALE]:9.3g}" for r in range(3))
+        ovf, unf, nf = (int(rows[:, c].sum()) for c in (OVERFLOW, UNDERFLOW, NONFINITE))
         lines.append(f"{table[i].layer:<22} {cells} {ovf:9d} {unf:9d} {nf:9d}")
         for r in range(3):
-            numel = max(float(rows[r, 5]), 1.0)
-            key = (float(rows[r, 4]), float(rows[r, 2]) / numel, float(rows[r, 3]) / numel)
+            numel = max(float(rows[r, NUMEL]), 1.0)
+            key = (
+                float(rows[r, NONFINITE]),
+                float(rows[r, OVERFLOW]) / numel,
+                float(rows[r, UNDERFLOW]) / numel,
+            )
             if key > worst_key:
                 worst, worst_key = table[i + r].name, key
     if worst is None:

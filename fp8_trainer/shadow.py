@@ -35,6 +35,8 @@ import torch
 from fp8_kernels import current_scale_reference, overflow_threshold, underflow_threshold
 from torch import nn
 
+from fp8_protocol.stats import AMAX, OVERFLOW, SCALE, STAT_COLUMNS
+
 from .distributed import resolve_amax_group
 from .linear import Linear
 from .recipe import DelayedScaling, Recipe
@@ -94,9 +96,9 @@ class HookedState(FP8State):
         if old is None:
             self._host_rows[i] = row
         else:  # as accumulate_stats: amax the max with the scale that scaled it, counts summed
-            if row[0] >= old[0] or old[0] != old[0]:
-                old[0], old[1] = row[0], row[1]
-            for c in range(2, 6):
+            if row[AMAX] >= old[AMAX] or old[AMAX] != old[AMAX]:
+                old[AMAX], old[SCALE] = row[AMAX], row[SCALE]
+            for c in range(OVERFLOW, len(STAT_COLUMNS)):  # the counts and numel
                 old[c] += row[c]
 
     def scale_host(self) -> np.ndarray:
@@ -201,16 +203,17 @@ def _forward_hook(state: HookedState, k: int, module: nn.Module, args, output) -
     if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad):
         return  # evaluation: nothing to record (as an FP8 layer under no_grad)
     recompute = _in_backward()  # activation checkpointing's recompute, inside backward
-    if recompute and (0, k) in state.forward_recorded:
+    tracker = state.tracker
+    if recompute and (0, k) in tracker.forward_recorded:
         return  # non-reentrant mode: the original forward was counted, and its graph gets the gradient
     x = state.layer_input(module, x)
     if state.device != x.device:
         state.to(x.device)
-    if not state.pending:  # the step's first recorded forward
-        state.pending = True
+    if not tracker.pending:  # the step's first recorded forward
+        tracker.pending = True
         state.group = resolve_amax_group(None, state.reduce_amax)
-    state.step_complete = state.step_boundary
-    state.forward_recorded.add((0, k))
+    tracker.step_complete = state.step_boundary
+    tracker.forward_recorded.add((0, k))
     # detached: the statistics build no graph
     state.record(3 * k, x.detach().reshape(-1, x.shape[-1]))
     state.record(3 * k + 1, weight.detach())
@@ -232,9 +235,7 @@ def _grad_hook(state: HookedState, k: int, grad: torch.Tensor) -> None:
 
 def _queue_end(state: HookedState) -> None:
     """Close the step when the running backward pass ends (once per pass)."""
-    if state.step_complete and not state.callback_queued:
-        state.callback_queued = True
-        torch.autograd.Variable._execution_engine.queue_callback(state.on_backward_end)
+    state.tracker.queue_end_of_backward(state.on_backward_end)
 
 
 class ShadowState(HookedState):

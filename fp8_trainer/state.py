@@ -31,7 +31,7 @@ model-wide overrides, so loading any layer restores them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -53,7 +53,14 @@ from .formats import ROLES
 from .recipe import CurrentScaling, DelayedScaling, Recipe, validate_setting
 from .scaling import delayed_scaling_update
 
-__all__ = ["EXTRA_STATE_VERSION", "FP8State", "LAYER_SETTINGS", "TensorInfo", "merge_step_stats"]
+__all__ = [
+    "EXTRA_STATE_VERSION",
+    "FP8State",
+    "LAYER_SETTINGS",
+    "StepTracker",
+    "TensorInfo",
+    "merge_step_stats",
+]
 
 #: Settings that ``set_layer_recipe`` can change per layer (or for the whole model).
 LAYER_SETTINGS = ("margin", "amax_history_len", "amax_compute_algo", "interval", "scaling", "fp8_enabled")
@@ -80,6 +87,31 @@ class TensorInfo:
             "role": self.role,
             "format": self.format,
         }
+
+
+@dataclass
+class StepTracker:
+    """Where the step in progress stands, as the FP8 layers' forwards and the autograd engine see it (host
+    bookkeeping only, never a tensor): the step boundary logic of ``end_step`` (module docstring)."""
+
+    pending: bool = False  # statistics recorded since the last end_step
+    step_complete: bool = False  # the pending forward belongs to a step_boundary=True region
+    region_id: int = -1  # the fp8_autocast region of the pending step's last recorded forward
+    last_region: Any = None  # the fp8_autocast region of the last FP8 forward (for checkpoint recomputes)
+    forward_recorded: set[tuple[int, int]] = field(default_factory=set)  # (region id, layer) in this step
+    callback_queued: bool = False  # the end of the running backward pass will close the step
+
+    def closed(self) -> None:
+        """The pending step was closed (``end_step``)."""
+        self.pending = False
+        self.step_complete = False
+        self.forward_recorded.clear()
+
+    def queue_end_of_backward(self, on_end) -> None:
+        """Have ``on_end`` run when the running backward pass ends, once per pass, if the step is complete."""
+        if self.step_complete and not self.callback_queued:
+            self.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(on_end)
 
 
 def _base_settings(recipe: Recipe) -> dict[str, Any]:
@@ -134,12 +166,7 @@ class FP8State:
         self.step_t = torch.zeros((), dtype=torch.int64, device=self.device)
         self.last_stats: torch.Tensor | None = None
         self.steps = 0  # completed steps (host-side bookkeeping, never read from a tensor)
-        self.pending = False  # statistics recorded since the last end_step
-        self.step_complete = False  # the pending forward belongs to a step_boundary=True region
-        self.region_id = -1
-        self.last_region = None  # the fp8_autocast region of the last FP8 forward (for checkpoint recomputes)
-        self.forward_recorded: set[tuple[int, int]] = set()  # (region id, layer) recorded in this step
-        self.callback_queued = False
+        self.tracker = StepTracker()  # the step in progress: pending, region, recorded forwards
         self.group = None
         self.version = 0  # set before _rebuild (below), which bumps it
         # capturable: end_step updates the scaling state in place (fixed buffers, what a CUDA graph replays;
@@ -150,6 +177,15 @@ class FP8State:
         self._inboxes: list[list] = []
         self._new_stats_buffer()
         self._rebuild()
+
+    @property
+    def pending(self) -> bool:
+        """Statistics were recorded since the last ``end_step`` (``tracker.pending``)."""
+        return self.tracker.pending
+
+    @pending.setter
+    def pending(self, value: bool) -> None:
+        self.tracker.pending = value
 
     # ----- recipe and settings (host side; never on the hot path) -----
     def _base(self) -> dict[str, Any]:
@@ -331,11 +367,9 @@ class FP8State:
 
         Does nothing when nothing was recorded since the last call. Never reads a tensor on the host.
         """
-        if not self.pending:
+        if not self.tracker.pending:
             return
-        self.pending = False
-        self.step_complete = False
-        self.forward_recorded.clear()
+        self.tracker.closed()
         stats = self.stats
         amax = stats[:, AMAX].to(torch.float32)
         if self.group is not None:
@@ -413,8 +447,8 @@ class FP8State:
         self._inboxes = [b for b in self._inboxes if b is not box]
 
     def on_backward_end(self) -> None:
-        self.callback_queued = False
-        if self.step_complete:
+        self.tracker.callback_queued = False
+        if self.tracker.step_complete:
             self.end_step()
 
     # ----- checkpoint (host side; copies to the CPU, never on the hot path) -----

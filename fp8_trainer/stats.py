@@ -13,14 +13,16 @@ the scale that scaled it, counts summed), so a micro-batch that saturated is nev
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from fp8_kernels import STAT_COLUMNS
 from torch import nn
 
 from .convert import get_fp8_state
-from .hostcopy import HostCopy
+from .hostcopy import LateCopy
 
-__all__ = ["STAT_COLUMNS", "StatsReader", "read_newest", "step_stats"]
+__all__ = ["STAT_COLUMNS", "LateReader", "StatsReader", "read_newest", "step_stats"]
 
 
 def step_stats(model: nn.Module) -> torch.Tensor | None:
@@ -43,15 +45,67 @@ def read_newest(model: nn.Module) -> tuple[int, torch.Tensor] | None:
     return state.steps, state.last_stats.to("cpu", copy=True)
 
 
-class StatsReader:
+class LateReader:
+    """The one-step-late part of the reader interface ``Monitor`` uses: ``poll``, ``advance`` and ``flush``
+    over a subclass's ``take()``, which returns ``(device statistics, n)`` of what is new since the last
+    take (``n``: how many steps it covers) or None, without a copy or a synchronisation.
+
+    Each copy travels with a tag (``_tag(n)``, by default ``n``); a landed copy is handed out as
+    ``_hand_out(tag, host)`` -> ``(step, host statistics)``. The copy itself is a ``LateCopy``.
+    """
+
+    def __init__(self) -> None:
+        self._late = LateCopy()
+
+    def take(self) -> tuple[torch.Tensor, Any] | None:
+        raise NotImplementedError
+
+    def _tag(self, n: Any) -> Any:
+        return n
+
+    def _hand_out(self, tag: Any, host: torch.Tensor) -> tuple[int, torch.Tensor]:
+        raise NotImplementedError
+
+    def _landed(self, landed: tuple[Any, torch.Tensor] | None) -> tuple[int, torch.Tensor] | None:
+        return None if landed is None else self._hand_out(*landed)
+
+    def poll(self) -> tuple[int, torch.Tensor] | None:
+        """Start copying what is new since the last poll; return ``(step, host_stats)`` of the copy started
+        by the previous poll, None when none is pending. Calling twice without anything new in between
+        starts no second copy."""
+        got = self.take()
+        if got is None:
+            return None
+        return self._landed(self._late.swap(got[0], self._tag(got[1])))
+
+    def advance(self) -> tuple[bool, tuple[int, torch.Tensor] | None]:
+        """Once per training-loop step: start copying what is new since the last call, and hand back the
+        copy an earlier call started, whether or not anything is new. Returns ``(new, previous)``."""
+        got = self.take()
+        landed = self._late.swap(None) if got is None else self._late.swap(got[0], self._tag(got[1]))
+        return got is not None, self._landed(landed)  # started a call ago: already complete
+
+    def flush(self) -> tuple[int, torch.Tensor] | None:
+        """The copy in flight, waited for (for the end of a run, not the training loop)."""
+        return self._landed(self._late.flush())
+
+
+class StatsReader(LateReader):
     """One-step-late host copies of the steps completed between polls, with no host synchronisation on the
-    hot path. ``merged`` is how many FP8 steps the statistics last handed out by ``poll`` cover."""
+    hot path. ``merged`` is how many FP8 steps the statistics last handed out by ``poll`` cover.
+
+    ``poll()`` starts copying the steps completed since the last poll and returns ``(step, host_stats)`` of
+    the copy the previous poll started (``step``: the 1-based number of the newest FP8 step in it), or None.
+    ``advance()``, once per training-loop step, returns ``(fp8_ran, previous)``: ``fp8_ran`` is False when
+    no FP8 step completed since the last call (no FP8 layer ran), ``previous`` as from ``poll``. ``flush()``
+    hands out the copy still in flight (at the end of a run).
+    """
 
     def __init__(self, model: nn.Module):
+        super().__init__()
         self._model = model
         self._state = get_fp8_state(model)
         self._box = self._state.open_inbox()
-        self._inflight: tuple[int, int, HostCopy] | None = None
         self.merged = 0
 
     def take(self) -> tuple[torch.Tensor, int] | None:
@@ -63,44 +117,12 @@ class StatsReader:
         self._box[0], self._box[1] = None, 0
         return stats, n
 
-    def poll(self) -> tuple[int, torch.Tensor] | None:
-        """Start copying the steps completed since the last poll; return ``(step, host_stats)`` of the copy
-        started by the previous poll.
+    def _tag(self, n: int) -> tuple[int, int]:
+        return self._state.steps, n  # the newest FP8 step in the copy, and how many it merges
 
-        ``step`` is the 1-based number of the newest FP8 step in it. Returns ``None`` when no earlier copy
-        is pending. Calling twice without a new step in between starts no second copy.
-        """
-        got = self.take()
-        if got is None:
-            return None
-        previous, self._inflight = self._inflight, (self._state.steps, got[1], HostCopy(got[0]))
-        if previous is None:
-            return None
-        step, self.merged, copy = previous
-        return step, copy.wait()  # started a poll ago: already complete, returns at once
-
-    def advance(self) -> tuple[bool, tuple[int, torch.Tensor] | None]:
-        """Once per training-loop step: start copying the FP8 steps completed since the last call, and hand
-        back the copy an earlier call started, whether or not an FP8 step completed since.
-
-        Returns ``(fp8_ran, previous)``: ``fp8_ran`` is False when no FP8 step completed since the last call
-        (no FP8 layer ran); ``previous`` is ``(step, host_stats)`` as from `poll`, or None.
-        """
-        got = self.take()
-        previous = self._inflight
-        self._inflight = (self._state.steps, got[1], HostCopy(got[0])) if got is not None else None
-        if previous is None:
-            return got is not None, None
-        step, self.merged, copy = previous
-        return got is not None, (step, copy.wait())  # started a call ago: already complete
-
-    def flush(self) -> tuple[int, torch.Tensor] | None:
-        """The copy started by the last poll, waited for (for the end of a run, not the training loop)."""
-        previous, self._inflight = self._inflight, None
-        if previous is None:
-            return None
-        step, self.merged, copy = previous
-        return step, copy.wait()
+    def _hand_out(self, tag: tuple[int, int], host: torch.Tensor) -> tuple[int, torch.Tensor]:
+        step, self.merged = tag
+        return step, host
 
     def read_now(self) -> tuple[int, torch.Tensor] | None:
         """The newest completed step, copied synchronously (for the end of a run, not the training loop)."""

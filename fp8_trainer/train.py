@@ -32,7 +32,7 @@ from .autocast import fp8_autocast
 from .checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from .convert import convert_to_fp8
 from .data import Corpus, load_corpus
-from .hostcopy import HostCopy
+from .hostcopy import LateCopy
 from .inject import Injector, parse_injection
 from .model import GPT, fp8_filter, preset_config
 from .recipe import CurrentScaling, DelayedScaling, Format
@@ -101,11 +101,11 @@ class _Lagged:
     """A device scalar read on the host one step late, so showing it never stalls the GPU."""
 
     def __init__(self):
-        self._pending: HostCopy | None = None
+        self._late = LateCopy()
 
     def push(self, t: torch.Tensor) -> float | None:
-        previous, self._pending = self._pending, HostCopy(t)
-        return None if previous is None else previous.wait().item()  # started a step ago: complete
+        previous = self._late.swap(t)
+        return None if previous is None else previous[1].item()  # started a step ago: complete
 
 
 def _terminal_width() -> int:

@@ -43,9 +43,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from fp8_protocol.stats import FP8_MAX
+from fp8_protocol.stats import FP8_MAX, STAT_COLUMNS
 
-from ..hostcopy import HostCopy
+from ..stats import LateReader
 
 __all__ = ["TEStats", "has_te_layers", "new_amaxes", "te_layers", "te_step_row"]
 
@@ -118,11 +118,12 @@ def te_step_row(
     return [float(best), float(best_scale), 0.0, 0.0, 0.0, 0.0]
 
 
-class TEStats:
+class TEStats(LateReader):
     """Per-step statistics of a model's TE modules, read from TE's state (module docstring); the reader
     interface ``Monitor`` uses (``take``, ``poll``, ``flush``, ``read_now``, ``close``, ``merged``)."""
 
     def __init__(self, model: nn.Module):
+        super().__init__()
         self.layers = te_layers(model)
         if not self.layers:
             raise ValueError(
@@ -147,7 +148,6 @@ class TEStats:
             m.register_forward_pre_hook(self._counter(k)) for k, (_, m, _) in enumerate(self.layers)
         ]
         self._prev: tuple[np.ndarray, np.ndarray, list[int]] | None = None
-        self._inflight: tuple[HostCopy, list[int]] | None = None
         self._last: torch.Tensor | None = None
         self.merged = 1
         self.recipe = None
@@ -183,7 +183,7 @@ class TEStats:
         e4m3_only = "E4M3" in str(getattr(r, "fp8_format", "")) and "HYBRID" not in str(
             getattr(r, "fp8_format", "")
         )
-        out = np.zeros((len(self.tensors), 6))
+        out = np.zeros((len(self.tensors), len(STAT_COLUMNS)))
         for j, (k, _, _) in enumerate(self._where):
             fmt = "e4m3" if e4m3_only else self.tensors[j]["format"]
             # a resized history: compare against an empty queue (its newest entries count as new)
@@ -201,33 +201,18 @@ class TEStats:
         self._last = snap
         return snap, counted
 
-    def poll(self):
-        got = self.take()
-        if got is None:
-            return None
-        previous, self._inflight = self._inflight, (HostCopy(got[0]), got[1])
-        return None if previous is None else self._step_from(previous)
+    # poll, advance (as ``StatsReader.advance``: whether TE cast anything since the last call, the previous
+    # copy) and flush: ``LateReader``'s, each copy tagged with the forwards counted in its step
 
-    def advance(self):
-        """As ``StatsReader.advance``: (whether TE cast anything since the last call, the previous copy)."""
-        got = self.take()
-        previous = self._inflight
-        self._inflight = (HostCopy(got[0]), got[1]) if got is not None else None
-        return got is not None, (None if previous is None else self._step_from(previous))
-
-    def flush(self):
-        previous, self._inflight = self._inflight, None
-        return None if previous is None else self._step_from(previous)
-
-    def _step_from(self, copy: tuple[HostCopy, list[int]]) -> tuple[int, torch.Tensor]:
-        """The step whose end ``copy`` holds, against the copy before it (one step late: ready by now)."""
-        cur = copy[0].wait().numpy()
+    def _hand_out(self, counted: list[int], host: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """The step whose end ``host`` holds, against the copy before it (one step late: ready by now)."""
+        cur = host.numpy()
         prev = self._prev
         if prev is None:  # TE's initial state: an empty history, scales of 1
             prev = np.zeros_like(cur)
             prev[-1] = 1.0
         self._prev = cur
-        return 0, torch.from_numpy(self._rows(prev, cur, copy[1]))
+        return 0, torch.from_numpy(self._rows(prev, cur, counted))
 
     def read_now(self):
         return None

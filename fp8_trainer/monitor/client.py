@@ -26,50 +26,44 @@ to a spool file (``fp8-monitor upload PATH`` sends it later) and training goes o
 and non-finite detection sends events at once with a flight recorder (see ``detect.py``); recipe commands
 from the dashboard are applied at the next ``step()`` and acknowledged (see ``control.py``). In a
 torch.distributed job every rank constructs the Monitor alike and rank 0 reports (see ``ranks.py``).
+Events carry exponent histograms of the tensors they name (see ``histograms.py``).
 
-Flight-recorder histograms: a weight's exponent histogram is taken at once (the weight after the step in
-which the event was seen); for an ``input`` or ``grad_output`` tensor a one-shot hook on its layer
-captures the tensor at the next forward (input) or backward (gradient of the layer's output, i.e. the
-grad_output before quantization) and sends its histogram as a follow-up ``custom`` event
-``{"histogram_for": kind, "event_step", "tensor", "captured": "next forward"|"next backward",
-"histogram"}``: keeping a copy of every activation just in case would cost memory on every step.
+This module is the Monitor's surface: its arguments, its public state, ``step`` / ``event`` / ``close``.
+The work is done by one module each: registering the run (``register.py``), a step's scalars
+(``scalars.py``), the step path of one rank (``single_rank.py``) or of several (``multi_rank.py``),
+detection and events (``events.py``, ``detect.py``), the wire (``sender.py``), and the log (``notices.py``).
 """
 
 from __future__ import annotations
 
-import logging
-import re
-import socket
 import time
-import uuid
-from collections import deque
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
 import torch.distributed as dist
-from fp8_kernels import exponent_histogram, histogram_to_dict
 from torch import nn
 
 from fp8_protocol.runs import check_tags
 
 from ..convert import get_fp8_state
-from ..hostcopy import HostCopy
 from ..stats import StatsReader
-from .control import CommandInbox, apply_commands
-from .detect import DetectConfig, Detector, FlightRecorder, amax_movers
+from .control import CommandInbox, commands_applier
+from .detect import DetectConfig
 from .env import env_token, service_url
+from .events import StepReporter, custom_event
 from .external import attach_source
-from .ranks import RankSync, reduce_rank_stats
-from .sender import Sender, SenderConfig, StepRecord, wire_float
-from .spool import SpoolWriter
-from .system import SystemSampler
+from .histograms import Histograms
+from .multi_rank import MultiRankSteps
+from .notices import Notices
+from .ranks import RankSync
+from .register import MonitorRefused, run_body, start_sender
+from .scalars import capture as capture_scalars
+from .sender import Sender, SenderConfig
+from .single_rank import SingleRankSteps
 
 __all__ = ["Monitor", "MonitorRefused"]
 
-log = logging.getLogger("fp8scope.monitor")
 _SENDER_KEYS = {f.name for f in fields(SenderConfig)} - {"extra_headers"}
 _DETECT_KEYS = {f.name for f in fields(DetectConfig)}
 
@@ -108,17 +102,6 @@ def _parse_tuning(tuning: dict[str, Any]) -> tuple[SenderConfig, DetectConfig, i
     sender = SenderConfig(**{k: v for k, v in tuning.items() if k in _SENDER_KEYS})
     detect = DetectConfig(**{k: v for k, v in tuning.items() if k in _DETECT_KEYS})
     return sender, detect, int(tuning.get("rank_sample_interval", 50))
-
-
-def _recipe_dict(recipe) -> dict[str, Any]:
-    if recipe is None:
-        return {}
-    # the service's effective recipe needs the scaling mode spelled out (its default is "delayed")
-    return {**recipe.to_dict(), "scaling": recipe.scaling}
-
-
-class MonitorRefused(RuntimeError):
-    """The service refused the run (``Monitor(..., fail_fast=True)``); the message says why."""
 
 
 class Monitor:
@@ -192,7 +175,7 @@ class Monitor:
         recipe, self._caller = attach_source(model, recipe, tensors=tensors, shadow=shadow)
         self.model = model
         self.recipe = recipe
-        self._logged: set[str] = set()
+        self._notices = Notices(self._caller)
         self._closed = False
         if self._caller is not None:
             self.tensors = self._caller.tensors
@@ -207,57 +190,59 @@ class Monitor:
         else:
             self.tensors = []
         self.n_tensors = len(self.tensors)
-        self._names = [t["name"] for t in self.tensors]
-        self._modules = dict(model.named_modules())
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.world_size = dist.get_world_size() if distributed else 1
         self.rank = dist.get_rank() if distributed else 0
-        self._ranks = RankSync(self.n_tensors) if distributed else None
         if self._caller is not None:
             self._reader = self._caller
         else:
             self._reader = StatsReader(model) if recipe is not None else None
-        self._prev: tuple[int, Any] | None = None  # (step, scalars) of a run without FP8 layers, one late
-        # (step, scalars, FP8 ran) in step order, waiting for the host copy of their statistics: a step
-        # whose copy is in flight holds back the later ones, so the service gets every step, in order
-        self._waiting: deque[tuple[int, Any, bool]] = deque()
-        self._scalars_by_step: dict[int, Any] = {}
-        self._announced: list[list[dict[str, Any]]] = []
         self.inbox = CommandInbox()
-        forward = [t["index"] for t in self.tensors if t["role"] != "grad_output"]
-        backward = [t["index"] for t in reversed(self.tensors) if t["role"] == "grad_output"]
-        self.detector = Detector(detect_cfg, forward + backward)
-        self.recorder = FlightRecorder(detect_cfg.flight_steps)
         self.detect_cfg = detect_cfg
         self.sender: Sender | None = None
         if self.rank == 0:
-            client_key = uuid.uuid4().hex
-            run_body = {
-                "name": run_name,
-                "config": {**dict(config or {}), **_source_config(model, self._caller)},
-                "recipe": _recipe_dict(recipe),
-                "world_size": self.world_size,
-                "host": socket.gethostname()[:200],
-                "tensors": self.tensors,
-            }
-            if tags:  # only when used: a service from before tags registers the run as it always did
-                run_body["tags"] = tags
-            if spool_path is None:
-                safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", run_name)[:80] or "run"
-                spool_path = (
-                    Path("fp8scope-spool") / f"{safe}-{time.strftime('%Y%m%d-%H%M%S')}-{client_key[:6]}.jsonl"
-                )
-            spool = SpoolWriter(spool_path, run_body, client_key)
-            self.sender = Sender(url, token, run_body, client_key, spool, sender_cfg, self.inbox.add)
-            device = next((p.device for p in model.parameters()), None)
-            gpu = None
-            if device is not None and device.type == "cuda":
-                gpu = device.index if device.index is not None else torch.cuda.current_device()
-            self.sender.sampler = SystemSampler(gpu)
-            if fail_fast and not self.sender.register_now() and self.sender.refused:
-                self.sender.http.close()
-                raise MonitorRefused(f"fp8scope monitor: {self.sender.refused}")
-            self.sender.start()
+            body = run_body(
+                run_name,
+                model,
+                recipe,
+                self._caller,
+                config=config,
+                tags=tags,
+                world_size=self.world_size,
+                tensors=self.tensors,
+            )
+            self.sender = start_sender(
+                url,
+                token,
+                body,
+                model,
+                cfg=sender_cfg,
+                on_commands=self.inbox.add,
+                spool_path=spool_path,
+                fail_fast=fail_fast,
+            )
+        once = self._notices.once
+        histograms = Histograms(self.tensors, model, self.sender, once)
+        self._reporter = StepReporter(self.tensors, detect_cfg, histograms, self.sender, once)
+        self.detector, self.recorder = self._reporter.detector, self._reporter.recorder
+        apply = commands_applier(model, recipe, self._caller)
+        report = self._reporter.report
+        if distributed:
+            self._steps = MultiRankSteps(
+                RankSync(self.n_tensors),
+                self._reader,
+                self.inbox,
+                apply,
+                report,
+                self.sender,
+                self._notices,
+                model=model,
+                recipe=recipe,
+                n_tensors=self.n_tensors,
+                rank_sample_interval=self.rank_sample_interval,
+            )
+        else:
+            self._steps = SingleRankSteps(self._reader, self.inbox, apply, report, self.sender, self._notices)
 
     # ----- public state -----
     @property
@@ -300,7 +285,7 @@ class Monitor:
                 raise ValueError("stats: only for a Monitor made with tensors=[...] (the caller's own)")
             self._caller.put(stats)
         if self._closed:
-            self._log_once("closed", "fp8scope monitor: step() after close() is ignored")
+            self._notices.once("closed", "fp8scope monitor: step() after close() is ignored")
             return
         try:
             now = time.perf_counter()
@@ -311,13 +296,9 @@ class Monitor:
                     scalars.setdefault("tokens_per_s", self.tokens_per_step / max(step_time, 1e-9))
             self._last_step_at = now
             values = {"loss": loss, "lr": lr, **scalars}
-            holder = _capture({k: v for k, v in values.items() if v is not None})
-            if self._ranks is None:
-                self._step_single(int(step), holder)
-            else:
-                self._step_multi(int(step), holder)
+            self._steps.step(int(step), capture_scalars({k: v for k, v in values.items() if v is not None}))
         except Exception:  # the monitor must never take training down
-            self._log_once(
+            self._notices.once(
                 "step-error", "fp8scope monitor: step() failed; telemetry may be incomplete", exc=True
             )
 
@@ -327,14 +308,12 @@ class Monitor:
         if self.sender is None or self._closed:
             return
         try:
-            kind = str(kind)
-            if kind not in ("loss_spike", "nonfinite"):
-                details = {"name": kind, **details}
-                kind = "custom"
             # made JSON-safe here, on the caller's thread: a Path or numpy value must not reach the sender
-            self.sender.put_event({"kind": kind, "step": int(step), "details": _json_safe(details)})
+            self.sender.put_event(custom_event(kind, step, details))
         except Exception:  # the monitor must never take training down
-            self._log_once("event-error", "fp8scope monitor: event() failed; the event is left out", exc=True)
+            self._notices.once(
+                "event-error", "fp8scope monitor: event() failed; the event is left out", exc=True
+            )
 
     def close(self, status: str = "finished") -> None:
         """Report the last step, flush (within ``close_timeout``), set the run's status (``finished``,
@@ -342,25 +321,14 @@ class Monitor:
         if self._closed:
             return
         try:
-            if self._ranks is None:
-                if self._prev is not None:
-                    self._emit(self._prev[0], None, self._prev[1])
-                    self._prev = None
-                if self._reader is not None:
-                    got = self._reader.flush()
-                    if got is None and any(fp8 for _, _, fp8 in self._waiting):
-                        got = self._reader.read_now()
-                    self._release(got, closing=True)
-            else:
-                for s, block in self._ranks.flush():
-                    self._handle_block(s, block, closing=True)
+            self._steps.close()
         except Exception:
-            self._log_once("close-error", "fp8scope monitor: reading the last step failed", exc=True)
+            self._notices.once("close-error", "fp8scope monitor: reading the last step failed", exc=True)
         self._closed = True
         if self._reader is not None:
             self._reader.close()
         if self.sender is not None:
-            leftover = [c for batch in self._announced for c in batch] + self.inbox.take()
+            leftover = self._steps.unapplied() + self.inbox.take()
             for c in leftover:
                 self.sender.put_ack(
                     {
@@ -384,266 +352,3 @@ class Monitor:
             status = "crashed"
         self.close(status)
         return False
-
-    # ----- internals -----
-    def _log_once(self, kind: str, msg: str, *args: Any, exc: bool = False) -> None:
-        if kind not in self._logged:
-            self._logged.add(kind)
-            log.warning(msg, *args, exc_info=exc)
-
-    def _step_single(self, step: int, holder) -> None:
-        commands = self.inbox.take()
-        if commands:
-            for ack in self._apply(commands, step):
-                self.sender.put_ack(ack)
-        if self._reader is None:
-            prev, self._prev = self._prev, (step, holder)
-            if prev is not None:
-                self._emit(prev[0], None, prev[1])
-            return
-        fp8_ran, got = self._reader.advance()
-        if got is not None:
-            self._say_merged(self._reader.merged)
-        if not fp8_ran:
-            self._say_no_fp8(step)
-        self._waiting.append((step, holder, fp8_ran))
-        self._release(got)
-
-    def _release(self, got: tuple[int, torch.Tensor] | None, closing: bool = False) -> None:
-        """Emit the waiting steps, in order, up to the first whose statistics are still being copied; ``got``
-        is the copy that just completed (the statistics of the first waiting step in which FP8 ran)."""
-        while self._waiting:
-            step, holder, fp8_ran = self._waiting[0]
-            stats = None
-            if fp8_ran:
-                if got is None and not closing:
-                    return
-                stats, got = (got[1] if got is not None else None), None
-            self._waiting.popleft()
-            self._emit(step, stats, holder)
-
-    def _say_no_fp8(self, step: int) -> None:
-        if hasattr(self._caller, "put"):  # the caller's own statistics
-            how = "no statistics block was given with step(%s, stats=...)"
-        elif self._caller is not None:  # another runtime's state (Transformer Engine)
-            how = "no FP8 cast ran in step %s"
-        else:
-            how = "no FP8 layer ran in step %s: wrap the forward in fp8_autocast"
-        self._log_once(
-            "no-fp8-step",
-            f"fp8scope monitor: {how}. Steps without FP8 statistics are reported with their scalars only.",
-            step,
-        )
-
-    def _say_merged(self, n: int) -> None:
-        if n > 1:
-            self._log_once(
-                "merged-steps",
-                "fp8scope monitor: %d FP8 steps closed between two monitor.step() calls (one per "
-                "micro-batch, as in Transformer Engine's loop); each monitor step reports them merged: amax "
-                "the max with the scale that scaled it, counts summed. For one amax-history entry per "
-                "optimizer step, use fp8_autocast(step_boundary=False) for all micro-batches but the last.",
-                n,
-            )
-
-    def _step_multi(self, step: int, holder) -> None:
-        n_commands = 0
-        if self.rank == 0:
-            self._scalars_by_step[step] = holder
-            new = self.inbox.take()
-            if new:
-                self._announced.append(new)
-                n_commands = len(new)
-        taken = self._reader.take() if self._reader is not None else None
-        stats = None
-        if taken is not None:
-            stats, merged = taken
-            self._say_merged(merged)
-        if stats is not None:
-            device = stats.device
-        else:  # a bf16/fp32 baseline: the gather still needs the backend's device (NCCL: the GPU)
-            device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
-        for s, block in self._ranks.step(step, stats, n_commands, device):
-            self._handle_block(s, block, closing=False, now=step)
-
-    def _handle_block(self, s: int, block: np.ndarray, closing: bool, now: int | None = None) -> None:
-        header = block[0, self.n_tensors]
-        if self.rank == 0:
-            try:
-                self._report_block(s, block, header)
-            except Exception:  # never skip the broadcast below: the other ranks would wait in it forever
-                self._log_once("report-error", "fp8scope monitor: reporting a step failed", exc=True)
-        if header[1] and not closing:
-            # every rank sees this header at the same call: all enter the broadcast together
-            commands = self._ranks.broadcast_commands(self._announced.pop(0) if self.rank == 0 else None)
-            acks = self._apply(commands, now)
-            if self.sender is not None:
-                for ack in acks:
-                    self.sender.put_ack(ack)
-
-    def _report_block(self, s: int, block: np.ndarray, header: np.ndarray) -> None:
-        """Rank 0: step ``s``'s reduced statistics to the sender, and every rank's amaxes now and then."""
-        T = self.n_tensors
-        holder = self._scalars_by_step.pop(s, None)
-        if not (header[0] or self.recipe is None):  # no FP8 layer ran in this step on any rank
-            self._say_no_fp8(s)
-            self._emit(s, None, holder)
-            return
-        self._emit(s, reduce_rank_stats(block[:, :T]) if T else None, holder)
-        if T and s % self.rank_sample_interval == 0:
-            amax = [[wire_float(float(v)) for v in block[r, :T, 0]] for r in range(block.shape[0])]
-            self.sender.put_event(
-                {"kind": "rank_amax", "step": s, "details": {"world_size": self.world_size, "amax": amax}}
-            )
-
-    def _apply(self, commands: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
-        if self._caller is not None:  # the caller's statistics, Transformer Engine's state
-            return self._caller.apply_commands(commands, step)
-        if self.recipe is None:
-            reason = "this run has no FP8 layers (Monitor recipe=None): recipe changes do not apply"
-            return [{"command_id": c.get("id"), "state": "rejected", "reason": reason} for c in commands]
-        return apply_commands(self.model, commands, step)
-
-    def _emit(self, step: int, stats, holder) -> None:
-        """One step's host data -> detection, flight recorder, the sender queue (rank 0 only)."""
-        if stats is None:  # no FP8 layer ran in this step (or the run has none): its scalars only
-            arr = np.zeros((0, 6)) if self.n_tensors == 0 else None
-        elif isinstance(stats, np.ndarray):
-            arr = stats
-        else:
-            arr = stats.numpy()
-        rec = StepRecord(step, arr, _read(holder, self._log_once))
-        events = self.detector.check(rec)
-        movers = None
-        if any(kind == "loss_spike" for kind, _, _ in events):  # against the history before this step
-            movers = amax_movers(self.recorder, rec, min(3, self.detect_cfg.max_involved))
-        self.recorder.push(rec)
-        events_out = []
-        for kind, details, involved in events:
-            if kind == "loss_spike":
-                involved = movers
-            if "tensor_index" in details:
-                details["tensor"] = self._names[details["tensor_index"]]
-            details = {
-                **details,
-                "tensors": [self._names[i] for i in involved],
-                "last_steps": self.recorder.last_steps(),
-                "flight_recorder": self.recorder.dump(self._names, involved),
-                "histograms": self._histograms(kind, step, involved),
-            }
-            events_out.append({"kind": kind, "step": step, "details": details})
-        # the step first: the service then sees its statistics no later than the events about it
-        self.sender.put_step(rec)
-        for event in events_out:
-            self.sender.put_event(event)
-
-    def _histograms(self, kind: str, step: int, involved: list[int]) -> dict[str, Any]:
-        """Exponent histograms of the involved weights now; one-shot hooks for inputs and gradients."""
-        out = {}
-        for i in involved:
-            info = self.tensors[i]
-            module = self._modules.get(info["layer"])
-            if module is None:
-                continue
-            try:
-                if info["role"] == "weight":
-                    out[info["name"]] = histogram_to_dict(exponent_histogram(module.weight))
-                else:
-                    self._capture_once(module, kind, step, info)
-            except Exception:
-                self._log_once("histogram", "fp8scope monitor: exponent histogram failed", exc=True)
-        return out
-
-    def _capture_once(self, module: nn.Module, kind: str, step: int, info: dict[str, Any]) -> None:
-        sender = self.sender
-
-        def send(x: torch.Tensor, captured: str) -> None:
-            try:  # runs inside the user's forward / backward: never raise there
-                details = {
-                    "histogram_for": kind,
-                    "event_step": step,
-                    "tensor": info["name"],
-                    "captured": captured,
-                    "histogram": histogram_to_dict(exponent_histogram(x)),
-                }
-                sender.put_event({"kind": "custom", "step": step, "details": details})
-            except Exception:
-                self._log_once("histogram", "fp8scope monitor: exponent histogram failed", exc=True)
-
-        if info["role"] == "input":
-
-            def pre_hook(m, args):
-                if not torch.is_grad_enabled():  # an evaluation forward: wait for the next training one
-                    return
-                handle.remove()
-                if args and isinstance(args[0], torch.Tensor):
-                    send(args[0], "next forward")
-
-            handle = module.register_forward_pre_hook(pre_hook)
-        else:
-
-            def fwd_hook(m, args, output):
-                if not torch.is_grad_enabled():  # an evaluation forward has no backward
-                    return
-                handle.remove()
-                if isinstance(output, torch.Tensor) and output.requires_grad:
-
-                    def grad_hook(g):
-                        send(g, "next backward")
-
-                    output.register_hook(grad_hook)
-
-            handle = module.register_forward_hook(fwd_hook)
-
-
-def _source_config(model: nn.Module, caller) -> dict[str, Any]:
-    """Where the run's statistics come from, when not from fp8scope's FP8 layers (the dashboard shows it)."""
-    if caller is not None:
-        return {"fp8_source": caller.source}
-    source = getattr(getattr(model, "_fp8_state", None), "source", None)
-    return {"fp8_source": source} if source else {}
-
-
-def _capture(values: dict[str, Any]):
-    """Scalars of this step without a host sync: device tensors start a pinned copy read next step."""
-    if not values:
-        return None
-    dev = [k for k, v in values.items() if isinstance(v, torch.Tensor) and v.device.type != "cpu"]
-    if not dev:
-        return ({k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in values.items()}, None)
-    rest = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in values.items() if k not in dev}
-    stacked = torch.stack([values[k].detach().reshape(()).to(torch.float64) for k in dev])
-    return (rest, (dev, HostCopy(stacked)))
-
-
-def _read(holder, log_once) -> dict[str, float]:
-    """The floats of a ``_capture`` holder (a step later: the device copy is complete by then)."""
-    if holder is None:
-        return {}
-    rest, dev = holder
-    out = {}
-    for k, v in rest.items():
-        try:
-            out[str(k)] = float(v)
-        except (TypeError, ValueError, RuntimeError):
-            log_once(f"scalar-{k}", "fp8scope monitor: scalar %r is not a number (%r); it is left out", k, v)
-    if dev is not None:
-        names, copy = dev
-        out.update(zip(names, copy.wait().tolist(), strict=True))
-    return out
-
-
-def _json_safe(value: Any) -> Any:
-    """Event details as JSON can carry them: non-finite floats as the wire strings, numpy scalars as
-    Python numbers, anything else unknown (a Path, an object) as its ``str``."""
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    if value is None or isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, (int, np.integer)):
-        return int(value)
-    if isinstance(value, (float, np.floating)):
-        return wire_float(float(value))
-    return str(value)

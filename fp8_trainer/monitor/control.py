@@ -18,7 +18,7 @@ from torch import nn
 
 from ..convert import set_layer_recipe
 
-__all__ = ["CommandInbox", "apply_commands"]
+__all__ = ["CommandInbox", "apply_commands", "commands_applier"]
 
 
 class CommandInbox:
@@ -62,3 +62,17 @@ def apply_commands(model: nn.Module, commands: list[dict[str, Any]], step: int) 
         else:
             acks.append({"command_id": cid, "state": "applied", "step": step + 1})
     return acks
+
+
+def commands_applier(model: nn.Module, recipe, caller):
+    """How a Monitor's run applies commands, ``(commands, step) -> acks``: through the statistics source
+    when it is not fp8scope's own layers (the caller's statistics, Transformer Engine's state), rejected
+    for a run without FP8 layers, else ``apply_commands`` on the model."""
+    if caller is not None:
+        return caller.apply_commands
+    if recipe is None:
+        reason = "this run has no FP8 layers (Monitor recipe=None): recipe changes do not apply"
+        return lambda commands, step: [
+            {"command_id": c.get("id"), "state": "rejected", "reason": reason} for c in commands
+        ]
+    return lambda commands, step: apply_commands(model, commands, step)

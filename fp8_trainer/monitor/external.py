@@ -24,9 +24,9 @@ from fp8_kernels import STAT_COLUMNS
 from torch import nn
 
 from ..formats import ROLES
-from ..hostcopy import HostCopy
 from ..shadow import HookedState
 from ..state import merge_step_stats
+from ..stats import LateReader
 
 __all__ = ["CallerStats", "attach_source", "declare_tensors"]
 
@@ -66,7 +66,7 @@ def declare_tensors(tensors) -> list[dict[str, Any]]:
     return out
 
 
-class CallerStats:
+class CallerStats(LateReader):
     """Per-step statistics blocks handed to ``Monitor.step(step, stats=...)``, read one step late.
 
     Two blocks put before one poll (a step per micro-batch) are merged as the runtime merges steps
@@ -74,12 +74,12 @@ class CallerStats:
     """
 
     def __init__(self, tensors):
+        super().__init__()
         self.tensors = declare_tensors(tensors)
         self.source = "caller"
         self.n = len(self.tensors)
         self._box: torch.Tensor | None = None
         self._n_box = 0
-        self._inflight: tuple[int, HostCopy] | None = None
         self._last: torch.Tensor | None = None
         self.merged = 0
 
@@ -107,38 +107,18 @@ class CallerStats:
         got, self._box, self._n_box = (self._box, self._n_box), None, 0
         return got
 
-    def poll(self) -> tuple[int, torch.Tensor] | None:
-        got = self.take()
-        if got is None:
-            return None
-        previous, self._inflight = self._inflight, (got[1], HostCopy(got[0]))
-        if previous is None:
-            return None
-        self.merged = previous[0]
-        return 0, previous[1].wait()
+    def _hand_out(self, n: int, host: torch.Tensor) -> tuple[int, torch.Tensor]:
+        self.merged = n
+        return 0, host  # the caller's blocks carry no step number
 
-    def advance(self) -> tuple[bool, tuple[int, torch.Tensor] | None]:
-        """As ``StatsReader.advance``: (whether a block was put since the last call, the previous copy)."""
-        got = self.take()
-        previous = self._inflight
-        self._inflight = (got[1], HostCopy(got[0])) if got is not None else None
-        if previous is None:
-            return got is not None, None
-        self.merged = previous[0]
-        return got is not None, (0, previous[1].wait())
-
-    def flush(self) -> tuple[int, torch.Tensor] | None:
-        previous, self._inflight = self._inflight, None
-        if previous is None:
-            return None
-        self.merged = previous[0]
-        return 0, previous[1].wait()
-
+    # poll, advance (as ``StatsReader.advance``: whether a block was put since the last call, the previous
+    # copy) and flush: ``LateReader``'s
     def read_now(self) -> tuple[int, torch.Tensor] | None:
         return None if self._last is None else (0, self._last.to("cpu", copy=True))
 
     def close(self) -> None:
-        self._box = self._inflight = None
+        self._box = None
+        self._late.clear()
 
     def apply_commands(self, commands: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
         reason = (

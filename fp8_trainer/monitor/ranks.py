@@ -2,9 +2,10 @@
 
 Every rank calls ``RankSync.step`` once per optimizer step (inside ``Monitor.step``). It launches one
 ``all_gather`` (``async_op=True``) of a ``(T + 1, 6)`` float64 buffer: rows ``0..T-1`` are this rank's
-``step_stats`` (its own amaxes), row ``T`` a header ``[has_stats, commands_announced, 0, 0, 0, 0]``. The
-gather is waited for at the next call, a step later, when it has long completed, so nothing waits on the
-other ranks; on a GPU the result then takes one more step to reach the host through a pinned copy.
+``step_stats`` (its own amaxes), row ``T`` a header ``[has_stats, commands_announced, 0, 0, 0, 0]``
+(columns ``HAS_STATS`` and ``N_COMMANDS``). The gather is waited for at the next call, a step later, when
+it has long completed, so nothing waits on the other ranks; on a GPU the result then takes one more step
+to reach the host through a pinned copy.
 
 From the gathered ``(W, T + 1, 6)`` block rank 0 reports the *reduced* statistics (amax: max over ranks,
 NaN ignored, as the kernels' amaxes ignore it; scale: the one of the rank whose amax is the max, so the pair
@@ -27,11 +28,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fp8_protocol.stats import AMAX, OVERFLOW, SCALE
+from fp8_protocol.stats import AMAX, OVERFLOW, SCALE, STAT_COLUMNS
 
 from ..hostcopy import HostCopy
 
-__all__ = ["RankSync", "reduce_rank_stats"]
+__all__ = ["HAS_STATS", "N_COMMANDS", "RankSync", "reduce_rank_stats"]
+
+#: Columns of the header row (row ``T``) of a gathered block: whether the rank had statistics in the step,
+#: and how many commands rank 0 announced in it.
+HAS_STATS, N_COMMANDS = 0, 1
 
 
 def reduce_rank_stats(block: np.ndarray) -> np.ndarray:
@@ -66,11 +71,11 @@ class RankSync:
         """
         ready = self._collect()
         T = self.n_tensors
-        buf = torch.zeros(T + 1, 6, dtype=torch.float64, device=device)
+        buf = torch.zeros(T + 1, len(STAT_COLUMNS), dtype=torch.float64, device=device)
         if stats is not None:
             buf[:T] = stats
-            buf[T, 0] = 1.0
-        buf[T, 1] = float(n_commands)
+            buf[T, HAS_STATS] = 1.0
+        buf[T, N_COMMANDS] = float(n_commands)
         gathered = [torch.empty_like(buf) for _ in range(self.world)]
         work = dist.all_gather(gathered, buf, group=self.group, async_op=True)
         self._inflight.append((step, work, gathered))

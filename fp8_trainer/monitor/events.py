@@ -1,0 +1,111 @@
+"""From one step's host data to what the service hears about it: client detection, the flight recorder, and
+the events they raise (``detect.py`` holds the rules), queued on the sender after the step itself.
+``json_safe`` makes the details of an event the caller sends (``Monitor.event``) fit for JSON."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from fp8_protocol.stats import STAT_COLUMNS
+
+from . import scalars
+from .detect import DetectConfig, Detector, FlightRecorder, amax_movers
+from .histograms import Histograms
+from .sender import StepRecord, wire_float
+
+__all__ = ["StepReporter", "custom_event", "json_safe"]
+
+
+class StepReporter:
+    """Rank 0's step pipeline after the host copy: ``report`` runs detection on a step, keeps it in the
+    flight recorder, and queues the step and then its events on the sender.
+
+    Args:
+        tensors: the run's tensor table (dicts with ``index``, ``name``, ``role``, ``layer``).
+        detect_cfg: the detection and flight-recorder settings.
+        histograms: exponent histograms for the events.
+        sender: the run's sender.
+        log_once: ``Notices.once``.
+    """
+
+    def __init__(
+        self,
+        tensors: list[dict[str, Any]],
+        detect_cfg: DetectConfig,
+        histograms: Histograms,
+        sender,
+        log_once,
+    ):
+        self.n_tensors = len(tensors)
+        self._names = [t["name"] for t in tensors]
+        # tensors in the order a step reaches them: the forward ones, then the gradients backwards
+        forward = [t["index"] for t in tensors if t["role"] != "grad_output"]
+        backward = [t["index"] for t in reversed(tensors) if t["role"] == "grad_output"]
+        self.detector = Detector(detect_cfg, forward + backward)
+        self.recorder = FlightRecorder(detect_cfg.flight_steps)
+        self.cfg = detect_cfg
+        self.histograms = histograms
+        self.sender = sender
+        self._log_once = log_once
+
+    def report(self, step: int, stats, holder) -> None:
+        """One step's host data (``stats`` None: no FP8 statistics, its scalars only) -> detection, flight
+        recorder, the sender queue."""
+        if stats is None:  # no FP8 layer ran in this step (or the run has none): its scalars only
+            arr = np.zeros((0, len(STAT_COLUMNS))) if self.n_tensors == 0 else None
+        elif isinstance(stats, np.ndarray):
+            arr = stats
+        else:
+            arr = stats.numpy()
+        rec = StepRecord(step, arr, scalars.read(holder, self._log_once))
+        events = self.detector.check(rec)
+        movers = None
+        if any(kind == "loss_spike" for kind, _, _ in events):  # against the history before this step
+            movers = amax_movers(self.recorder, rec, min(3, self.cfg.max_involved))
+        self.recorder.push(rec)
+        events_out = []
+        for kind, details, involved in events:
+            if kind == "loss_spike":
+                involved = movers
+            if "tensor_index" in details:
+                details["tensor"] = self._names[details["tensor_index"]]
+            details = {
+                **details,
+                "tensors": [self._names[i] for i in involved],
+                "last_steps": self.recorder.last_steps(),
+                "flight_recorder": self.recorder.dump(self._names, involved),
+                "histograms": self.histograms.for_event(kind, step, involved),
+            }
+            events_out.append({"kind": kind, "step": step, "details": details})
+        # the step first: the service then sees its statistics no later than the events about it
+        self.sender.put_step(rec)
+        for event in events_out:
+            self.sender.put_event(event)
+
+
+def custom_event(kind: str, step: int, details: dict[str, Any]) -> dict[str, Any]:
+    """The event ``Monitor.event`` sends: ``"loss_spike"`` or ``"nonfinite"`` as such, anything else as a
+    ``custom`` event with ``details["name"] = kind``; details made JSON-safe (``json_safe``)."""
+    kind = str(kind)
+    if kind not in ("loss_spike", "nonfinite"):
+        details = {"name": kind, **details}
+        kind = "custom"
+    return {"kind": kind, "step": int(step), "details": json_safe(details)}
+
+
+def json_safe(value: Any) -> Any:
+    """Event details as JSON can carry them: non-finite floats as the wire strings, numpy scalars as
+    Python numbers, anything else unknown (a Path, an object) as its ``str``."""
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        return wire_float(float(value))
+    return str(value)

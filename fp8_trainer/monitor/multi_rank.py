@@ -1,0 +1,132 @@
+"""The step path of a torch.distributed job: every rank calls ``Monitor.step`` alike; rank 0 reports.
+
+Each call hands this rank's statistics to ``RankSync`` (one asynchronous gather per step, see ``ranks.py``)
+and gets back the gathered blocks of earlier steps. From each block rank 0 reports the reduced statistics
+with the scalars it kept for that step, and now and then every rank's amaxes; and when rank 0 announced
+commands in a block's header, every rank enters the broadcast that carries them at the same call and applies
+them there, so all ranks change their recipe between the same two optimizer steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from fp8_protocol.stats import AMAX
+
+from .control import CommandInbox
+from .notices import Notices
+from .ranks import HAS_STATS, N_COMMANDS, RankSync, reduce_rank_stats
+from .sender import wire_float
+
+__all__ = ["MultiRankSteps"]
+
+
+class MultiRankSteps:
+    """Steps of one rank of a distributed job (module docstring).
+
+    Args:
+        ranks: this rank's gather pipeline.
+        reader: the statistics reader, None for a run without FP8 layers.
+        inbox: the commands from the service (only rank 0 hears any).
+        apply: ``(commands, step) -> acks`` (``control.commands_applier``).
+        report: ``(step, host statistics or None, scalars holder)`` (``StepReporter.report``; rank 0).
+        sender: rank 0's sender; None on the other ranks.
+        notices: the run's ``Notices``.
+        model: the model (a run without FP8 still gathers on its device).
+        recipe: the run's recipe (None: a step without statistics on any rank is no news).
+        n_tensors: rows of a statistics block.
+        rank_sample_interval: every how many steps rank 0 sends the per-rank amaxes.
+    """
+
+    def __init__(
+        self,
+        ranks: RankSync,
+        reader,
+        inbox: CommandInbox,
+        apply,
+        report,
+        sender,
+        notices: Notices,
+        *,
+        model: nn.Module,
+        recipe,
+        n_tensors: int,
+        rank_sample_interval: int,
+    ):
+        self._ranks = ranks
+        self.rank = ranks.rank
+        self._reader = reader
+        self._inbox = inbox
+        self._apply = apply
+        self._report = report
+        self._sender = sender
+        self._notices = notices
+        self._model = model
+        self._recipe = recipe
+        self.n_tensors = n_tensors
+        self.rank_sample_interval = rank_sample_interval
+        self._scalars_by_step: dict[int, Any] = {}  # rank 0: the scalars of steps not reported yet
+        self._announced: list[list[dict[str, Any]]] = []  # rank 0: commands announced, not yet broadcast
+
+    def step(self, step: int, holder) -> None:
+        n_commands = 0
+        if self.rank == 0:
+            self._scalars_by_step[step] = holder
+            new = self._inbox.take()
+            if new:
+                self._announced.append(new)
+                n_commands = len(new)
+        taken = self._reader.take() if self._reader is not None else None
+        stats = None
+        if taken is not None:
+            stats, merged = taken
+            self._notices.merged(merged)
+        if stats is not None:
+            device = stats.device
+        else:  # a bf16/fp32 baseline: the gather still needs the backend's device (NCCL: the GPU)
+            device = next((p.device for p in self._model.parameters()), torch.device("cpu"))
+        for s, block in self._ranks.step(step, stats, n_commands, device):
+            self._handle_block(s, block, closing=False, now=step)
+
+    def close(self) -> None:
+        """Report every step still in flight (commands announced in them are not applied any more)."""
+        for s, block in self._ranks.flush():
+            self._handle_block(s, block, closing=True)
+
+    def unapplied(self) -> list[dict[str, Any]]:
+        """Commands rank 0 announced that no step boundary applied (at close)."""
+        return [c for batch in self._announced for c in batch]
+
+    def _handle_block(self, s: int, block: np.ndarray, closing: bool, now: int | None = None) -> None:
+        header = block[0, self.n_tensors]
+        if self.rank == 0:
+            try:
+                self._report_block(s, block, header)
+            except Exception:  # never skip the broadcast below: the other ranks would wait in it forever
+                self._notices.once("report-error", "fp8scope monitor: reporting a step failed", exc=True)
+        if header[N_COMMANDS] and not closing:
+            # every rank sees this header at the same call: all enter the broadcast together
+            commands = self._ranks.broadcast_commands(self._announced.pop(0) if self.rank == 0 else None)
+            acks = self._apply(commands, now)
+            if self._sender is not None:
+                for ack in acks:
+                    self._sender.put_ack(ack)
+
+    def _report_block(self, s: int, block: np.ndarray, header: np.ndarray) -> None:
+        """Rank 0: step ``s``'s reduced statistics to the reporter, and every rank's amaxes now and then."""
+        T = self.n_tensors
+        holder = self._scalars_by_step.pop(s, None)
+        if not (header[HAS_STATS] or self._recipe is None):  # no FP8 layer ran in this step on any rank
+            self._notices.no_fp8(s)
+            self._report(s, None, holder)
+            return
+        self._report(s, reduce_rank_stats(block[:, :T]) if T else None, holder)
+        if T and s % self.rank_sample_interval == 0:
+            amax = [[wire_float(float(v)) for v in block[r, :T, AMAX]] for r in range(block.shape[0])]
+            self._sender.put_event(
+                {"kind": "rank_amax", "step": s, "details": {"world_size": self._ranks.world, "amax": amax}}
+            )
