@@ -40,6 +40,7 @@ __all__ = [
     "array_state",
     "nested_state",
     "registered",
+    "state_fields",
     "value_state",
 ]
 
@@ -121,7 +122,8 @@ def nested_state(*, flatten: bool = False, stored_as: str | None = None, **kwarg
     return _state_field(codec, **kwargs)
 
 
-def _state_fields(cls: type) -> list[tuple[str, _Codec]]:
+def state_fields(cls: type) -> list[tuple[str, Any]]:
+    """(name, codec) of each persistent field of a dataclass, in declaration order."""
     return [(f.name, f.metadata[_META]) for f in dataclasses.fields(cls) if _META in f.metadata]
 
 
@@ -132,7 +134,7 @@ class Stateful:
     def state_dict(self) -> dict[str, Any]:
         """The marked fields as JSON (non-finite floats as "NaN" / "Infinity" / "-Infinity")."""
         out: dict[str, Any] = {}
-        for name, codec in _state_fields(type(self)):
+        for name, codec in state_fields(type(self)):
             value = codec.encode(getattr(self, name))
             if codec.flatten:
                 out.update(value)
@@ -142,7 +144,7 @@ class Stateful:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a `state_dict()`; a missing key raises KeyError unless its field is optional."""
-        for name, codec in _state_fields(type(self)):
+        for name, codec in state_fields(type(self)):
             if codec.flatten:
                 stored = state
             else:
