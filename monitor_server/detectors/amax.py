@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 
-from .config import DetectorConfig
+from .base import BatchView, Detector, array_state, nested_state
 from .episodes import advance
-from .state import decode_array, encode_array, encode_evidence
+from .state import encode_evidence
 from .tensors import Tail
-from .types import Finding, TensorMeta
+from .types import Finding
 
 # log2 amax is kept in fixed point (2^-20 resolution) so that window sums are exact integer arithmetic:
 # the same steps give bit-identical means however the run was split into batches.
 FIXED_POINT = float(2**20)
 
 
-class AmaxDivergenceDetector:
+@dataclass(eq=False)
+class AmaxDivergenceDetector(Detector, key="divergence", order=50):
     """Rule: ``growth = log2(amax_s) - mean(log2 amax over the previous W steps)`` with
     ``W = min(amax_history_len, divergence_window)`` per tensor (the recompute interval, usually 1, for
     ``amax_compute_algo="most_recent"``; see `recipe.growth_window`). Only steps where the tensor is
@@ -30,23 +31,36 @@ class AmaxDivergenceDetector:
     growth of about ``r * (W + 1) / 2``.
     """
 
-    def __init__(self, config: DetectorConfig, tensors: list[TensorMeta]) -> None:
-        self.config = config
-        self.tensors = tensors
-        n, w = len(tensors), config.divergence_window
-        # previous log2 amax per tensor, fixed point, oldest first; (T, W) so window sums run along rows
+    # previous log2 amax per tensor, fixed point, oldest first; (T, W) so window sums run along rows. A
+    # changed divergence_window restarts the window.
+    ring_q: np.ndarray = array_state(np.int32, keep_on_reshape=True)
+    ring_ok: np.ndarray = array_state(bool, keep_on_reshape=True)  # (T, W) ring_q holds a usable amax
+    run: np.ndarray = array_state(np.int64)  # (T,) length of the open episode
+    fired: np.ndarray = array_state(bool)  # (T,) fired in the open episode
+    last_growth: np.ndarray = array_state(np.float64)  # (T,) latest growth, for layer health
+    tail: Tail = nested_state()  # amaxes, for evidence
+
+    def __post_init__(self) -> None:
+        cfg = self.config
+        n, w = len(self.tensors), cfg.divergence_window
         self.ring_q = np.zeros((n, w), dtype=np.int32)
         self.ring_ok = np.zeros((n, w), dtype=bool)
         self.run = np.zeros(n, dtype=np.int64)
         self.fired = np.zeros(n, dtype=bool)
-        self.last_growth = np.full(n, np.nan)  # for layer health
+        self.last_growth = np.full(n, np.nan)
         self.tol = np.array(
             [
-                config.divergence_log2_grad if m.role == "grad_output" else config.divergence_log2
-                for m in tensors
+                cfg.divergence_log2_grad if m.role == "grad_output" else cfg.divergence_log2
+                for m in self.tensors
             ]
         )
         self.tail = Tail(n)
+
+    def observe(self, view: BatchView) -> list[Finding]:
+        amax = view.stats.get("amax")
+        if amax is None:
+            return []
+        return self.process(view.steps, amax, view.watched, view.margin, view.window)
 
     def process(self, steps, amax, watched, margin, window) -> list[Finding]:
         cfg = self.config
@@ -123,28 +137,9 @@ class AmaxDivergenceDetector:
             )
         return findings
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "ring_q": encode_array(self.ring_q),
-            "ring_ok": encode_array(self.ring_ok),
-            "run": encode_array(self.run),
-            "fired": encode_array(self.fired),
-            "last_growth": encode_array(self.last_growth),
-            "tail": self.tail.state_dict(),
-        }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        ring_q = decode_array(state["ring_q"], np.int32)
-        if ring_q.shape == self.ring_q.shape:  # a changed divergence_window restarts the window
-            self.ring_q = ring_q
-            self.ring_ok = decode_array(state["ring_ok"], bool)
-        self.run = decode_array(state["run"], np.int64)
-        self.fired = decode_array(state["fired"], bool)
-        self.last_growth = decode_array(state["last_growth"], np.float64)
-        self.tail.load_state_dict(state["tail"])
-
-
-class ScaleCollapseDetector:
+@dataclass(eq=False)
+class ScaleCollapseDetector(Detector, key="scale_collapse", order=30):
     """Rule: a step's scale has collapsed when ``max(log2 scale over the previous scale_window steps) -
     log2(scale) > scale_drop_log2`` (warning: one amax spike in a ``"max"`` history pins a tiny scale for
     amax_history_len steps, flushing everything else to zero), or when the scale is NaN/±inf, <= 0 or below
@@ -153,15 +148,26 @@ class ScaleCollapseDetector:
     a broken scale counts wherever the tensor is `enabled`.
     """
 
-    def __init__(self, config: DetectorConfig, tensors: list[TensorMeta]) -> None:
-        self.config = config
-        self.tensors = tensors
-        n = len(tensors)
-        self.ring = np.full((config.scale_window, n), np.nan)  # previous scales, NaN where unusable
+    # (scale_window, T) previous scales, NaN where unusable; a changed scale_window restarts the window
+    ring: np.ndarray = array_state(np.float64, keep_on_reshape=True)
+    run: np.ndarray = array_state(np.int64)  # (T,) length of the open episode
+    fired: np.ndarray = array_state(bool)  # (T,) fired in the open episode
+    fired_critical: np.ndarray = array_state(bool)  # (T,) fired as critical in the open episode
+    tail: Tail = nested_state()  # scales, for evidence
+
+    def __post_init__(self) -> None:
+        n = len(self.tensors)
+        self.ring = np.full((self.config.scale_window, n), np.nan)
         self.run = np.zeros(n, dtype=np.int64)
         self.fired = np.zeros(n, dtype=bool)
         self.fired_critical = np.zeros(n, dtype=bool)
         self.tail = Tail(n)
+
+    def observe(self, view: BatchView) -> list[Finding]:
+        scale = view.stats.get("scale")
+        if scale is None:
+            return []
+        return self.process(view.steps, scale, view.enabled, view.watched)
 
     def process(self, steps, scale, enabled, watched=None) -> list[Finding]:
         cfg = self.config
@@ -217,21 +223,3 @@ class ScaleCollapseDetector:
                 )
             )
         return findings
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "ring": encode_array(self.ring),
-            "run": encode_array(self.run),
-            "fired": encode_array(self.fired),
-            "fired_critical": encode_array(self.fired_critical),
-            "tail": self.tail.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        ring = decode_array(state["ring"], np.float64)
-        if ring.shape == self.ring.shape:
-            self.ring = ring
-        self.run = decode_array(state["run"], np.int64)
-        self.fired = decode_array(state["fired"], bool)
-        self.fired_critical = decode_array(state["fired_critical"], bool)
-        self.tail.load_state_dict(state["tail"])

@@ -37,20 +37,18 @@ Conventions:
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .amax import AmaxDivergenceDetector, ScaleCollapseDetector
+from .base import BatchView, Detector, Stateful, array_state, registered
 from .config import DetectorConfig
 from .health import TensorSnapshot, layer_health
-from .loss import LossSpikeDetector
-from .nonfinite import NonfiniteDetector
 from .ranks import parse_rank_amax, rank_divergence
 from .recipe import merge_recipe, per_tensor, split_recipe
 from .stall import check_stalled
 from .state import decode_array, encode_array, encode_evidence
-from .tensors import OverflowBurstDetector, UnderflowExcessDetector
 from .types import ALERT_KINDS, FP8_MAX, FP8_ROUNDING_THRESHOLD, SEVERITIES, Finding, StepBatch, TensorMeta
 
 __all__ = ["DetectorConfig", "DetectorEngine", "check_stalled"]
@@ -71,9 +69,29 @@ def _dense(tensors: list[TensorMeta]) -> list[TensorMeta]:
     ]
 
 
+@dataclass(eq=False)
+class TensorSummary(Stateful):
+    """Running per-tensor values for layer health; all (T,) float64, indexed by tensor index."""
+
+    n: int
+    last_amax: np.ndarray = array_state(np.float64)
+    last_scale: np.ndarray = array_state(np.float64)
+    overflow_total: np.ndarray = array_state(np.float64)
+    underflow_total: np.ndarray = array_state(np.float64)
+    nonfinite_total: np.ndarray = array_state(np.float64)
+
+    def __post_init__(self) -> None:
+        self.last_amax = np.full(self.n, np.nan)
+        self.last_scale = np.full(self.n, np.nan)
+        self.overflow_total = np.zeros(self.n)
+        self.underflow_total = np.zeros(self.n)
+        self.nonfinite_total = np.zeros(self.n)
+
+
 class DetectorEngine:
-    """All detectors of one run. See the module docstring for the conventions and each detector's class
-    docstring (or `DetectorConfig`) for its rule and thresholds.
+    """All detectors of one run: every registered detector (`base.registered`), in their order. See the
+    module docstring for the conventions and each detector's class docstring (or `DetectorConfig`) for its
+    rule and thresholds.
 
     Args:
         config: thresholds.
@@ -103,19 +121,10 @@ class DetectorEngine:
         self._base: dict[str, Any] = {}
         self._overrides: dict[str, dict[str, Any]] = {}
         self.set_recipe(recipe)
-        self.loss = LossSpikeDetector(config)
-        self.nonfinite = NonfiniteDetector(self.tensors)
-        self.overflow = OverflowBurstDetector(config, self.tensors)
-        self.underflow = UnderflowExcessDetector(config, self.tensors)
-        self.divergence = AmaxDivergenceDetector(config, self.tensors)
-        self.scale_collapse = ScaleCollapseDetector(config, self.tensors)
+        self.detectors: dict[str, Detector] = {cls.key: cls(config, self.tensors) for cls in registered()}
         self.last_step: int | None = None
         self.amax_seen = np.zeros(n, dtype=np.int64)  # steps with a non-zero finite amax, per tensor
-        self.last_amax = np.full(n, np.nan)
-        self.last_scale = np.full(n, np.nan)
-        self.overflow_total = np.zeros(n)
-        self.underflow_total = np.zeros(n)
-        self.nonfinite_total = np.zeros(n)
+        self.summary = TensorSummary(n)
         if state is not None:
             self.load_state_dict(state)
 
@@ -160,7 +169,7 @@ class DetectorEngine:
         steps = steps[rows]
         n = len(self.tensors)
         cols = {name: self._column(batch, name, rows, n) for name in batch.stats}
-        amax, scale, numel = cols.get("amax"), cols.get("scale"), cols.get("numel")
+        amax, scale = cols.get("amax"), cols.get("scale")
         overflow, underflow, nonfinite = cols.get("overflow"), cols.get("underflow"), cols.get("nonfinite")
         enabled = self.enabled[None, :]
         loss = self._scalar(batch, "loss", rows)
@@ -181,8 +190,6 @@ class DetectorEngine:
             loss_bad = present[rows] & ~np.isfinite(loss)
         else:
             loss_bad = np.isinf(loss)
-        nan_cols = np.full((steps.size, n), np.nan)
-        loss_or_nan = loss if loss is not None else np.full(steps.size, np.nan)
         # warm-up grace: watched once the amax history has filled (steps before this one, per tensor)
         if amax is not None:
             usable = np.isfinite(amax) & (amax > 0)
@@ -191,36 +198,31 @@ class DetectorEngine:
         else:
             seen_before = np.broadcast_to(self.amax_seen, (steps.size, n))
         watched = enabled & (seen_before >= self.warmup[None, :])
-        findings = self.nonfinite.process(
-            steps,
-            bad,
-            loss_bad,
-            counts,
-            amax if amax is not None else nan_cols,
-            numel if numel is not None else nan_cols,
-            loss_or_nan,
+        view = BatchView(
+            steps=steps,
+            stats=cols,
+            loss=loss,
+            bad=bad,
+            loss_bad=loss_bad,
+            nonfinite=counts,
+            enabled=enabled,
+            watched=watched,
+            margin=self.margin,
+            window=self.window,
         )
-        if loss is not None:
-            findings += self.loss.process(steps, loss)
-        if scale is not None:
-            findings += self.scale_collapse.process(steps, scale, enabled, watched)
-        if overflow is not None and numel is not None:
-            findings += self.overflow.process(steps, overflow, numel, watched)
-        if amax is not None:
-            findings += self.divergence.process(steps, amax, watched, self.margin, self.window)
-        if underflow is not None and numel is not None:
-            findings += self.underflow.process(steps, underflow, numel, watched)
+        findings = [f for detector in self.detectors.values() for f in detector.observe(view)]
 
         # running per-tensor summary for layer health
+        summary = self.summary
         if amax is not None:
-            self.last_amax = amax[-1].copy()
+            summary.last_amax = amax[-1].copy()
         if scale is not None:
-            self.last_scale = scale[-1].copy()
+            summary.last_scale = scale[-1].copy()
         if overflow is not None:
-            self.overflow_total += np.nansum(overflow, axis=0)
+            summary.overflow_total += np.nansum(overflow, axis=0)
         if underflow is not None:
-            self.underflow_total += np.nansum(underflow, axis=0)
-        self.nonfinite_total += np.maximum(counts, amax_bad).sum(axis=0)
+            summary.underflow_total += np.nansum(underflow, axis=0)
+        summary.nonfinite_total += np.maximum(counts, amax_bad).sum(axis=0)
         self.last_step = int(steps[-1])
         findings.sort(key=lambda f: f.step)  # stable: keeps the per-step order documented above
         return findings
@@ -266,7 +268,8 @@ class DetectorEngine:
         severity = details.get("severity")
         evidence = encode_evidence({"source": "client", "details": details})
         if kind == "loss_spike":
-            if self.loss.last_scored is not None and step <= self.loss.last_scored:
+            last_scored = self.detectors["loss"].last_scored
+            if last_scored is not None and step <= last_scored:
                 return None  # the engine scored this loss itself (see the module docstring)
             loss = details.get("loss")
             extra = f" (loss {loss})" if loss is not None else ""
@@ -313,18 +316,19 @@ class DetectorEngine:
     # ---- summaries ----------------------------------------------------------------------------------------
     def layer_health(self, open_alerts: list[dict]) -> list[dict]:
         """Per-layer health, worst first (see `health.layer_health`)."""
+        summary, divergence = self.summary, self.detectors["divergence"]
         snap = TensorSnapshot(
-            last_amax=self.last_amax,
-            last_scale=self.last_scale,
+            last_amax=summary.last_amax,
+            last_scale=summary.last_scale,
             fp8_max=self.fp8_max,
             fp8_rounding=self.fp8_rounding,
-            overflow_total=self.overflow_total,
-            underflow_total=self.underflow_total,
-            nonfinite_total=self.nonfinite_total,
-            growth_log2=self.divergence.last_growth,
+            overflow_total=summary.overflow_total,
+            underflow_total=summary.underflow_total,
+            nonfinite_total=summary.nonfinite_total,
+            growth_log2=divergence.last_growth,
             margin=self.margin,
             window=self.window,
-            divergence_log2=self.divergence.tol,
+            divergence_log2=divergence.tol,
             saturation_log2=self.config.saturation_log2,
             warming_up=self.amax_seen < self.warmup,
         )
@@ -332,26 +336,16 @@ class DetectorEngine:
 
     # ---- state --------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """JSON-serialisable state (non-finite floats as "NaN" / "Infinity" / "-Infinity")."""
+        """JSON-serialisable state (non-finite floats as "NaN" / "Infinity" / "-Infinity"): the engine's own,
+        then each detector's under its key."""
         return {
             "version": STATE_VERSION,
             "n_tensors": len(self.tensors),
             "last_step": self.last_step,
             "amax_seen": encode_array(self.amax_seen),
             "recipe": {"base": self._base, "overrides": self._overrides},
-            "summary": {
-                "last_amax": encode_array(self.last_amax),
-                "last_scale": encode_array(self.last_scale),
-                "overflow_total": encode_array(self.overflow_total),
-                "underflow_total": encode_array(self.underflow_total),
-                "nonfinite_total": encode_array(self.nonfinite_total),
-            },
-            "loss": self.loss.state_dict(),
-            "nonfinite": self.nonfinite.state_dict(),
-            "overflow": self.overflow.state_dict(),
-            "underflow": self.underflow.state_dict(),
-            "divergence": self.divergence.state_dict(),
-            "scale_collapse": self.scale_collapse.state_dict(),
+            "summary": self.summary.state_dict(),
+            **{key: detector.state_dict() for key, detector in self.detectors.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -367,12 +361,6 @@ class DetectorEngine:
         else:  # a state saved before warm-up grace existed: that run is past its warm-up
             self.amax_seen = np.full(len(self.tensors), np.iinfo(np.int32).max, dtype=np.int64)
         self._apply_recipe(dict(state["recipe"]["base"]), dict(state["recipe"]["overrides"]))
-        summary = state["summary"]
-        for name in ("last_amax", "last_scale", "overflow_total", "underflow_total", "nonfinite_total"):
-            setattr(self, name, decode_array(summary[name], np.float64))
-        self.loss.load_state_dict(state["loss"])
-        self.nonfinite.load_state_dict(state["nonfinite"])
-        self.overflow.load_state_dict(state["overflow"])
-        self.underflow.load_state_dict(state["underflow"])
-        self.divergence.load_state_dict(state["divergence"])
-        self.scale_collapse.load_state_dict(state["scale_collapse"])
+        self.summary.load_state_dict(state["summary"])
+        for key, detector in self.detectors.items():
+            detector.load_state_dict(state[key])

@@ -5,29 +5,48 @@ its trend) turned into findings with evidence, and its state kept across batches
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from fp8_protocol.loss_spike import LossSpikeParams, LossSpikeRule, Score
 
-from .config import DetectorConfig
-from .state import decode_array, encode_array, encode_evidence
+from .base import BatchView, Detector, Stateful, array_state, nested_state, value_state
+from .state import encode_evidence
 from .types import Finding
 
 TAIL = 10  # evidence carries this many previous losses
 
 
-class LossSpikeDetector:
+@dataclass
+class _PersistentRule(LossSpikeRule, Stateful):
+    """The shared rule with its running state marked for the detector's state dict. baseline and resid
+    are optional: the raw-window detector saved neither (`LossSpikeDetector.load_state_dict`)."""
+
+    baseline: float | None = value_state(optional=True, default=None)
+    resid: list[float] = array_state(np.float64, as_list=True, optional=True, default_factory=list)
+    active: bool = value_state(bool, default=False)
+
+
+@dataclass(eq=False)
+class LossSpikeDetector(Detector, key="loss", order=20):
     """Runs `fp8_protocol.loss_spike.LossSpikeRule` with the run's detector config; a spike is a finding,
     critical when ``z >= loss_z_critical``."""
 
-    def __init__(self, config: DetectorConfig) -> None:
-        self.config = config
-        self.rule = LossSpikeRule(LossSpikeParams.of(config))
-        self.steps: list[int] = []  # steps and losses of the last TAIL finite losses (evidence)
-        self.losses: list[float] = []
-        self.last_scored: int | None = None  # the latest step whose loss had enough history to be scored
+    # the rule's keys (baseline, resid, active) sit beside the detector's own in its state dict
+    rule: _PersistentRule = nested_state(flatten=True)
+    # steps and losses of the last TAIL finite losses (evidence)
+    steps: list[int] = array_state(np.int64, as_list=True, default_factory=list)
+    losses: list[float] = array_state(np.float64, as_list=True, stored_as="loss", default_factory=list)
+    # the latest step whose loss had enough history to be scored
+    last_scored: int | None = value_state(optional=True, default=None)
+
+    def __post_init__(self) -> None:
+        self.rule = _PersistentRule(LossSpikeParams.of(self.config))
+
+    def observe(self, view: BatchView) -> list[Finding]:
+        return [] if view.loss is None else self.process(view.steps, view.loss)
 
     def process(self, steps: np.ndarray, loss: np.ndarray) -> list[Finding]:
         findings = []
@@ -77,24 +96,8 @@ class LossSpikeDetector:
             ),
         )
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "baseline": self.rule.baseline,
-            "resid": encode_array(np.asarray(self.rule.resid, dtype=np.float64)),
-            "steps": encode_array(np.asarray(self.steps, dtype=np.int64)),
-            "loss": encode_array(np.asarray(self.losses, dtype=np.float64)),
-            "active": self.rule.active,
-            "last_scored": self.last_scored,
-        }
-
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.steps = decode_array(state["steps"], np.int64).tolist()[-TAIL:]
-        losses = decode_array(state["loss"], np.float64).tolist()
-        self.rule.active = bool(state["active"])
-        self.last_scored = state.get("last_scored")
-        if "resid" in state:
-            self.rule.baseline = state["baseline"]
-            self.rule.resid = decode_array(state["resid"], np.float64).tolist()
-        else:  # saved by the raw-window detector: rebuild the baseline from the losses it kept
-            self.rule.replay(losses)
-        self.losses = losses[-TAIL:]
+        super().load_state_dict(state)
+        if "resid" not in state:  # saved by the raw-window detector: rebuild the baseline from its losses
+            self.rule.replay(self.losses)
+        del self.steps[:-TAIL], self.losses[:-TAIL]

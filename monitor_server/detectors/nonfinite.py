@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from .base import BatchView, Detector, array_state, value_state
 from .episodes import advance
-from .state import decode_array, encode_array, encode_evidence
+from .state import encode_evidence
 from .types import Finding, TensorMeta, encode_float
 
 ROLE_RANK = {"input": 0, "weight": 1}
@@ -35,7 +37,8 @@ def forward_backward_order(tensors: list[TensorMeta]) -> np.ndarray:
     return np.array(sorted(range(len(tensors)), key=key), dtype=np.int64)
 
 
-class NonfiniteDetector:
+@dataclass(eq=False)
+class NonfiniteDetector(Detector, key="nonfinite", order=10):
     """Rule: a tensor is non-finite at a step when its `nonfinite` count is > 0 or its amax is NaN/±inf; the
     loss when it is NaN/±inf. Fires once per episode (a run of consecutive non-finite steps) per tensor, at
     the episode's first step, severity critical. At each firing step the affected tensors are ordered
@@ -45,18 +48,30 @@ class NonfiniteDetector:
     it and give their position).
     """
 
-    def __init__(self, tensors: list[TensorMeta]) -> None:
-        self.tensors = tensors
-        order = forward_backward_order(tensors)
-        self.rank = np.empty(len(tensors), dtype=np.int64)
-        self.rank[order] = np.arange(len(tensors))
-        n_forward = sum(1 for t in tensors if t.role != "grad_output")
+    run: np.ndarray = array_state(np.int64)  # (T,) length of the open episode
+    fired: np.ndarray = array_state(bool)  # (T,) fired in the open episode
+    loss_active: bool = value_state(bool, default=False)  # the previous step's loss was non-finite
+    # the run's first non-finite: {"step", "tensor_index", "name"}
+    first: dict[str, Any] | None = value_state(default=None)
+
+    def __post_init__(self) -> None:
+        n = len(self.tensors)
+        self.rank = np.empty(n, dtype=np.int64)
+        self.rank[forward_backward_order(self.tensors)] = np.arange(n)
+        n_forward = sum(1 for t in self.tensors if t.role != "grad_output")
         self.loss_rank = n_forward - 0.5
-        self.run = np.zeros(len(tensors), dtype=np.int64)
-        self.fired = np.zeros(len(tensors), dtype=bool)
-        self.loss_active = False
-        self.first: dict[str, Any] | None = (
-            None  # the run's first non-finite: {"step", "tensor_index", "name"}
+        self.run = np.zeros(n, dtype=np.int64)
+        self.fired = np.zeros(n, dtype=bool)
+
+    def observe(self, view: BatchView) -> list[Finding]:
+        return self.process(
+            view.steps,
+            view.bad,
+            view.loss_bad,
+            view.nonfinite,
+            view.column_or_nan("amax"),
+            view.column_or_nan("numel"),
+            view.loss if view.loss is not None else np.full(view.steps.size, np.nan),
         )
 
     def process(
@@ -157,17 +172,3 @@ class NonfiniteDetector:
         return Finding(
             kind="nonfinite", step=step, severity="critical", message=msg, tensor_index=t, evidence=evidence
         )
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "run": encode_array(self.run),
-            "fired": encode_array(self.fired),
-            "loss_active": self.loss_active,
-            "first": self.first,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.run = decode_array(state["run"], np.int64)
-        self.fired = decode_array(state["fired"], bool)
-        self.loss_active = bool(state["loss_active"])
-        self.first = state["first"]

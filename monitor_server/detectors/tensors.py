@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 
-from .config import DetectorConfig
+from .base import BatchView, Detector, Stateful, array_state, nested_state
 from .episodes import advance
-from .state import decode_array, encode_array, encode_evidence
-from .types import Finding, TensorMeta
+from .state import encode_evidence
+from .types import Finding
 
 TAIL = 8  # evidence carries this many recent values of the series that fired
 
@@ -26,15 +26,20 @@ def _f32(values: np.ndarray) -> np.ndarray:
         return values.astype(np.float32)
 
 
-class Tail:
+@dataclass(eq=False)
+class Tail(Stateful):
     """The last TAIL values of one series for every tensor, kept across batches so that a finding's
     evidence tail does not depend on where the run was cut into batches. Values are kept as float32
     (context for a human, and half the persisted state)."""
 
-    def __init__(self, n: int) -> None:
-        self.n = n
+    n: int
+    steps: np.ndarray = array_state(np.int64)
+    values: np.ndarray = array_state(np.float32)
+
+    def __post_init__(self) -> None:
         self.steps = np.zeros(0, dtype=np.int64)
-        self.values = np.zeros((0, n), dtype=np.float32)
+        self.values = np.zeros((0, self.n), dtype=np.float32)
+        # the last pushed batch, for `get` within that batch only
         self._batch: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
         self._ext: tuple[np.ndarray, np.ndarray] | None = None
 
@@ -60,15 +65,9 @@ class Tail:
         lo = max(0, p - TAIL + 1)
         return {"steps": ext_steps[lo : p + 1], "values": ext_values[lo : p + 1, t]}
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"steps": encode_array(self.steps), "values": encode_array(self.values)}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.steps = decode_array(state["steps"], np.int64)
-        self.values = decode_array(state["values"], np.float32)
-
-
-class OverflowBurstDetector:
+@dataclass(eq=False)
+class OverflowBurstDetector(Detector, key="overflow", order=40):
     """Rule: ``frac = overflow / numel``; a step overflows when ``frac > overflow_frac``. Fires once per
     episode of consecutive overflowing steps: severity warning when the episode reaches
     `overflow_consecutive` steps, critical at once when ``frac >= overflow_jump_frac`` (grad_output:
@@ -76,20 +75,29 @@ class OverflowBurstDetector:
     later jumps fires once more, as critical.
     """
 
-    def __init__(self, config: DetectorConfig, tensors: list[TensorMeta]) -> None:
-        self.config = config
-        self.tensors = tensors
-        n = len(tensors)
+    run: np.ndarray = array_state(np.int64)  # (T,) length of the open episode
+    fired: np.ndarray = array_state(bool)  # (T,) fired in the open episode
+    fired_critical: np.ndarray = array_state(bool)  # (T,) fired as critical in the open episode
+    tail: Tail = nested_state()  # overflow fractions, for evidence
+
+    def __post_init__(self) -> None:
+        cfg, n = self.config, len(self.tensors)
         self.jump_frac = np.array(
             [
-                config.overflow_jump_frac_grad if m.role == "grad_output" else config.overflow_jump_frac
-                for m in tensors
+                cfg.overflow_jump_frac_grad if m.role == "grad_output" else cfg.overflow_jump_frac
+                for m in self.tensors
             ]
         )
         self.run = np.zeros(n, dtype=np.int64)
         self.fired = np.zeros(n, dtype=bool)
         self.fired_critical = np.zeros(n, dtype=bool)
         self.tail = Tail(n)
+
+    def observe(self, view: BatchView) -> list[Finding]:
+        overflow, numel = view.stats.get("overflow"), view.stats.get("numel")
+        if overflow is None or numel is None:
+            return []
+        return self.process(view.steps, overflow, numel, view.watched)
 
     def process(self, steps, overflow, numel, enabled) -> list[Finding]:
         cfg = self.config
@@ -139,40 +147,33 @@ class OverflowBurstDetector:
             )
         return findings
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "run": encode_array(self.run),
-            "fired": encode_array(self.fired),
-            "fired_critical": encode_array(self.fired_critical),
-            "tail": self.tail.state_dict(),
-        }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.run = decode_array(state["run"], np.int64)
-        self.fired = decode_array(state["fired"], bool)
-        self.fired_critical = decode_array(state["fired_critical"], bool)
-        self.tail.load_state_dict(state["tail"])
-
-
-class UnderflowExcessDetector:
+@dataclass(eq=False)
+class UnderflowExcessDetector(Detector, key="underflow", order=60):
     """Rule: ``frac = underflow / numel``; fires (severity info) once per episode when ``frac`` stays above
     `underflow_frac` (input, weight) or `underflow_frac_grad` (grad_output) for `underflow_consecutive`
     consecutive steps. Gradients have many tiny values that flush to zero in normal training, hence the
     separate, higher threshold for them.
     """
 
-    def __init__(self, config: DetectorConfig, tensors: list[TensorMeta]) -> None:
-        self.config = config
-        self.tensors = tensors
+    run: np.ndarray = array_state(np.int64)  # (T,) length of the open episode
+    fired: np.ndarray = array_state(bool)  # (T,) fired in the open episode
+    tail: Tail = nested_state()  # underflow fractions, for evidence
+
+    def __post_init__(self) -> None:
+        cfg, n = self.config, len(self.tensors)
         self.threshold = np.array(
-            [
-                config.underflow_frac_grad if m.role == "grad_output" else config.underflow_frac
-                for m in tensors
-            ]
+            [cfg.underflow_frac_grad if m.role == "grad_output" else cfg.underflow_frac for m in self.tensors]
         )
-        self.run = np.zeros(len(tensors), dtype=np.int64)
-        self.fired = np.zeros(len(tensors), dtype=bool)
-        self.tail = Tail(len(tensors))
+        self.run = np.zeros(n, dtype=np.int64)
+        self.fired = np.zeros(n, dtype=bool)
+        self.tail = Tail(n)
+
+    def observe(self, view: BatchView) -> list[Finding]:
+        underflow, numel = view.stats.get("underflow"), view.stats.get("numel")
+        if underflow is None or numel is None:
+            return []
+        return self.process(view.steps, underflow, numel, view.watched)
 
     def process(self, steps, underflow, numel, enabled) -> list[Finding]:
         cfg = self.config
@@ -210,15 +211,3 @@ class UnderflowExcessDetector:
                 )
             )
         return findings
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "run": encode_array(self.run),
-            "fired": encode_array(self.fired),
-            "tail": self.tail.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.run = decode_array(state["run"], np.int64)
-        self.fired = decode_array(state["fired"], bool)
-        self.tail.load_state_dict(state["tail"])
