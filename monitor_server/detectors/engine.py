@@ -15,8 +15,9 @@ Conventions:
 - Persistent conditions fire once per *episode* (consecutive steps in which the condition holds), at the
   step the detector's rule first holds, so an open alert is updated when the problem recurs, not every step.
   Overflow bursts and scale collapses fire once more if an episode escalates from warning to critical.
-- Findings come out ordered by step; within a step: nonfinite (in forward-then-backward order), loss_spike,
-  scale_collapse, overflow_burst, amax_divergence, underflow_excess.
+- Findings come out ordered by step; within a step in the registered detectors' ``order`` (``base.py``):
+  nonfinite (in forward-then-backward order), loss_spike, scale_collapse, overflow_burst, amax_divergence,
+  underflow_excess.
 - A NaN loss counts as non-finite only where ``batch.present["loss"]`` says the step carried a loss (types.py
   documents NaN as "missing" otherwise); an infinite loss always counts.
 - Tensors of layers with FP8 turned off in the recipe are ignored by the tensor detectors.
