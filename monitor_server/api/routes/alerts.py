@@ -7,9 +7,9 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, HTTPException, Query, status
 from sqlalchemy import select
 
+from monitor_server.alerting import alert_public
 from monitor_server.api.deps import AlertId, ControlDep, CtxDep, ReadDep, RunId, SessionDep
 from monitor_server.api.routes.runs import get_run_or_404
-from monitor_server.detection import alert_public
 from monitor_server.incidents import settle_incident
 from monitor_server.models import Alert, utcnow
 from monitor_server.schemas import AlertPublic

@@ -7,10 +7,10 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, HTTPException, Path, Query, status
 from sqlalchemy import select
 
+from monitor_server.alerting import alert_public
 from monitor_server.api.deps import ControlDep, CtxDep, ReadDep, RunId, SessionDep
 from monitor_server.api.routes.runs import get_run_or_404
 from monitor_server.context import AppContext
-from monitor_server.detection import alert_public
 from monitor_server.incidents import acknowledge, order_key
 from monitor_server.models import Alert, Incident, utcnow
 from monitor_server.schemas import AckAllResult, IncidentDetail, IncidentPublic

@@ -9,9 +9,9 @@ import orjson
 from fastapi import APIRouter, HTTPException, Query, Response, status
 from sqlalchemy import case, null, select
 
+from monitor_server.alerting import alert_public
 from monitor_server.api.deps import CtxDep, EventId, ReadDep, RunId, SessionDep
 from monitor_server.api.routes.runs import get_run_or_404
-from monitor_server.detection import alert_public
 from monitor_server.models import Alert, EventRow, as_utc
 from monitor_server.rollups import HEATMAP_METRICS, plan_heatmap, read_heatmap
 from monitor_server.run_meta import RunMeta
