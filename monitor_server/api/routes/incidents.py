@@ -8,8 +8,7 @@ from fastapi import APIRouter, HTTPException, Path, Query, status
 from sqlalchemy import select
 
 from monitor_server.alerting import alert_public
-from monitor_server.api.deps import ControlDep, CtxDep, ReadDep, RunId, SessionDep
-from monitor_server.api.routes.runs import get_run_or_404
+from monitor_server.api.deps import ControlDep, CtxDep, ReadDep, RunDep, RunId, SessionDep, run_or_404
 from monitor_server.context import AppContext
 from monitor_server.incidents import acknowledge, order_key
 from monitor_server.models import Alert, Incident, utcnow
@@ -23,6 +22,7 @@ IncidentId = Annotated[int, Path(ge=1, le=2**31 - 1, description="incident id")]
 @router.get("/{run_id}/incidents", response_model=list[IncidentPublic])
 def list_incidents(
     run_id: RunId,
+    _run: RunDep,
     ctx: CtxDep,
     session: SessionDep,
     _principal: ReadDep,
@@ -30,7 +30,6 @@ def list_incidents(
     limit: Annotated[int, Query(ge=1, le=1000)] = 200,
 ) -> list[dict[str, Any]]:
     """The run's incidents, newest first; each lists its alerts root cause first."""
-    get_run_or_404(session, run_id)
     query = select(Incident).where(Incident.run_id == run_id).order_by(Incident.id.desc()).limit(limit)
     if state is not None:
         query = query.where(Incident.state == state)
@@ -59,7 +58,7 @@ def _ack(ctx: AppContext, run_id: int, ids: list[int] | None, who: str) -> tuple
     """Acknowledge under the run's lock (ingest holds it while it adds alerts to open incidents), then
     publish; returns the incidents as the API shows them, their ids and the number of alerts acknowledged."""
     with ctx.db.run_lock(run_id), ctx.db.write() as session:
-        get_run_or_404(session, run_id)
+        run_or_404(session, run_id)
         incidents, alerts = acknowledge(session, run_id, ids, who, utcnow())
         if ids is not None:  # already acknowledged ones are returned as they are (idempotent)
             incidents = list(session.scalars(select(Incident).where(Incident.id.in_(ids))))

@@ -11,7 +11,17 @@ from sqlalchemy.orm import Session
 
 from fp8_protocol.runs import MAX_TAGS
 from monitor_server import run_admin
-from monitor_server.api.deps import ControlDep, CtxDep, ReadDep, RunId, RunWriteDep, SessionDep, check_owner
+from monitor_server.api.deps import (
+    ControlDep,
+    CtxDep,
+    ReadDep,
+    RunDep,
+    RunId,
+    RunWriteDep,
+    SessionDep,
+    check_owner,
+    run_or_404,
+)
 from monitor_server.commands import command_public, effective_recipe, end_commands
 from monitor_server.context import AppContext
 from monitor_server.models import Alert, Incident, Run, TensorRow, as_utc, utcnow
@@ -50,14 +60,6 @@ def run_public(
         "tags": list(tags or ()),
         "scalar_names": list(run.scalar_names or ()),
     }
-
-
-def get_run_or_404(session: Session, run_id: int) -> Run:
-    """The run, or 404 naming it."""
-    run = session.get(Run, run_id)
-    if run is None:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id} not found")
-    return run
 
 
 def count_open_alerts(session: Session, run_id: int) -> int:
@@ -202,9 +204,8 @@ def list_runs(
 
 
 @router.get("/{run_id}", response_model=RunPublic)
-def get_run(run_id: RunId, session: SessionDep, _principal: ReadDep) -> dict[str, Any]:
+def get_run(run_id: RunId, run: RunDep, session: SessionDep, _principal: ReadDep) -> dict[str, Any]:
     """One run, including its effective recipe (base recipe + applied overrides)."""
-    run = get_run_or_404(session, run_id)
     return _public(session, run)
 
 
@@ -214,7 +215,7 @@ def update_run(run_id: RunId, body: RunUpdate, ctx: CtxDep, principal: RunWriteD
     An `ingest` token changes only its own runs. A run that ends rejects its commands not yet applied."""
     ended_public: list[dict[str, Any]] = []
     with ctx.db.write() as session:
-        run = get_run_or_404(session, run_id)
+        run = run_or_404(session, run_id)
         check_owner(principal, run.owner, run_id)
         if body.status is not None:
             run.status = body.status

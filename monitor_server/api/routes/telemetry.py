@@ -13,7 +13,7 @@ from fastapi import APIRouter, HTTPException, Request, Response, status
 from starlette.concurrency import run_in_threadpool
 
 from monitor_server.api.deps import CtxDep, IngestDep, RunId, check_owner
-from monitor_server.api.routes.queries import event_light
+from monitor_server.client_events import event_light
 from monitor_server.commands import CommandError, command_public
 from monitor_server.context import AppContext
 from monitor_server.ingest import (
