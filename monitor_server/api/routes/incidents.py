@@ -73,10 +73,10 @@ def _ack(ctx: AppContext, run_id: int, ids: list[int] | None, who: str) -> tuple
 
 
 @router.post("/{run_id}/incidents/ack", response_model=AckAllResult)
-def ack_all(run_id: RunId, ctx: CtxDep, principal: ControlDep) -> dict[str, Any]:
+def ack_all(run_id: RunId, ctx: CtxDep, principal: ControlDep) -> AckAllResult:
     """Acknowledge every open incident of the run and every open alert (also those in no incident)."""
     _, ids, n_alerts = _ack(ctx, run_id, None, principal.name)
-    return {"incidents": ids, "alerts": n_alerts}
+    return AckAllResult(incidents=ids, alerts=n_alerts)
 
 
 @router.post("/{run_id}/incidents/{incident_id}/ack", response_model=IncidentPublic)

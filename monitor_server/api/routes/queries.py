@@ -41,9 +41,9 @@ router = APIRouter(prefix="/runs", tags=["queries"])
 
 
 @router.get("/{run_id}/tensors", response_model=list[TensorSpec])
-def list_tensors(run_id: RunId, meta: RunMetaDep, _principal: ReadDep) -> list[dict[str, Any]]:
+def list_tensors(run_id: RunId, meta: RunMetaDep, _principal: ReadDep) -> list[TensorSpec]:
     """The run's quantized tensors, by index."""
-    return [asdict(t) for t in meta.tensors]
+    return [TensorSpec(**asdict(t)) for t in meta.tensors]
 
 
 @router.get("/{run_id}/series", response_model=SeriesPublic)
