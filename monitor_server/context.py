@@ -1,4 +1,4 @@
-"""Everything one app instance owns: settings, database, event broker, metrics, caches and detectors."""
+"""Everything one app instance owns: settings, database, event broker, metrics, caches, alert service."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 from sqlalchemy import func, select
 
+from monitor_server.alerting import AlertService
 from monitor_server.core.config import Settings
 from monitor_server.core.db import Database
-from monitor_server.detection import Detection
 from monitor_server.events import EventBroker
 from monitor_server.metrics import Metrics
 from monitor_server.models import Alert, Run
@@ -28,7 +28,8 @@ class AppContext:
     broker: EventBroker
     metrics: Metrics
     run_meta: RunMetaCache
-    detection: Detection
+    #: the detectors and the alerts they raise (`monitor_server.alerting`)
+    detection: AlertService
     #: bounds concurrent telemetry decoding; made on first use, on the event loop
     decode_slots: asyncio.Semaphore | None = field(default=None, repr=False)
 
@@ -38,7 +39,7 @@ class AppContext:
         db = Database(settings.db_url)
         broker = EventBroker(settings.sse_queue_bytes)
         run_meta = RunMetaCache(settings.cache_runs)
-        ctx = cls(settings, db, broker, Metrics(), run_meta, Detection(settings, db, broker, run_meta))
+        ctx = cls(settings, db, broker, Metrics(), run_meta, AlertService(settings, db, broker, run_meta))
         ctx.metrics.attach_database(ctx.metrics_snapshot)
         ctx.metrics.attach_caches(lambda: {"meta": len(run_meta), "detectors": ctx.detection.cached_runs})
         return ctx

@@ -4,6 +4,7 @@ Publishers may be worker threads (ingest runs in the threadpool); delivery hops 
 `call_soon_threadsafe`. Each subscriber's queue is bounded by count (a subscriber that falls behind loses its
 oldest events) and by bytes: a subscriber holding more than `max_queue_bytes` of unsent events (a client
 that stopped reading) is dropped, with a final `dropped` event saying why, and its queue freed.
+`stream_events` turns a subscription into the frames of a streaming response.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,3 +174,20 @@ class EventBroker:
             self._loop.call_soon_threadsafe(self.close)
         else:
             self.closed = True
+
+
+async def stream_events(sub: Subscription, keepalive_s: float) -> AsyncIterator[bytes]:
+    """Yield SSE frames until the broker closes (shutdown); the response cancels us on disconnect."""
+    try:
+        # a first event: a client (or a test) knows from it that it is subscribed and will miss nothing
+        yield b"retry: 2000\nevent: subscribed\ndata: {}\n\n"
+        while True:
+            event = await sub.get(keepalive_s)
+            if event is None:
+                yield b": keep-alive\n\n"
+            elif event is CLOSED:
+                return
+            else:
+                yield event
+    finally:
+        sub.close()

@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 
-from monitor_server.detection import alert_public
+from monitor_server.alerting import alert_public
 from monitor_server.detectors.types import STAT_COLUMNS
 from monitor_server.models import Alert, EventRow, StepRow, StepStat, as_utc
 from monitor_server.rollups import STAT_IDS

@@ -47,6 +47,8 @@ Role = Literal["input", "weight", "grad_output"]
 Fp8Format = Literal["e4m3", "e5m2"]
 # keep in step with monitor_server.detectors.types.EVENT_KINDS (a test checks)
 EventKind = Literal["loss_spike", "nonfinite", "rank_amax", "custom"]
+# keep in step with monitor_server.rollups.HEATMAP_METRICS (a test checks)
+HeatmapMetric = Literal["amax", "scale", "overflow", "underflow", "nonfinite", "headroom"]
 
 
 class TensorSpec(BaseModel):
@@ -363,7 +365,7 @@ class SeriesPublic(BaseModel):
 class HeatmapPublic(BaseModel):
     """A tensors x buckets matrix; `values[t][c]` is null where bucket c holds no stored step."""
 
-    metric: str
+    metric: HeatmapMetric
     aggregation: Literal["max", "min", "sum"]
     tensors: list[TensorSpec]
     bucket_width: int

@@ -49,3 +49,23 @@ def test_the_protocol_is_torch_free_and_imports_neither_side():
         for p, n in _imports("fp8_protocol").items()
     }
     assert {p: n for p, n in bad.items() if n} == {}
+
+
+def test_no_route_module_imports_another():
+    """What routes share lives in `monitor_server/api/deps.py` or a service module, not in a route."""
+    routes = {
+        p: {n for n in _module_imports(ROOT / p) if n.startswith("monitor_server.api.routes")}
+        for p in _imports("monitor_server/api/routes")
+    }
+    assert {p: n for p, n in routes.items() if n} == {}
+
+
+def _module_imports(path: Path) -> set[str]:
+    """The modules a file imports absolutely, dotted (``from a.b import c`` gives ``a.b`` and ``a.b.c``)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return names

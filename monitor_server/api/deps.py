@@ -1,4 +1,5 @@
-"""Dependencies shared by the routes: the app context, DB sessions and bearer-token scopes.
+"""Dependencies shared by the routes: the app context, DB sessions, bearer-token scopes, the run a path
+names and the step-range query parameters.
 
 Authentication: ``Authorization: Bearer <secret>``. With no tokens configured every request is allowed
 (as "anonymous"). A missing or unknown token is 401, a known token without the needed scope 403.
@@ -12,12 +13,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, Path, Request, status
+from fastapi import Depends, HTTPException, Path, Query, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
 from monitor_server.context import AppContext
 from monitor_server.core.config import Settings
+from monitor_server.models import Run
+from monitor_server.run_meta import RunMeta
 
 bearer_scheme = HTTPBearer(auto_error=False, description="Bearer token with scopes ingest / read / control")
 
@@ -125,3 +128,46 @@ RunWriteDep = Annotated[Principal, Depends(require_scope("ingest", "control"))]
 RunId = Annotated[int, Path(ge=1, le=2**31 - 1, description="run id")]
 AlertId = Annotated[int, Path(ge=1, le=2**31 - 1, description="alert id")]
 EventId = Annotated[int, Path(ge=1, le=2**31 - 1, description="event id")]
+
+#: query parameters bounding a step range (`check_order` refuses one that ends before it starts)
+FromQ = Annotated[
+    int | None, Query(alias="from", ge=0, le=2**62, description="first step (default: the run's first)")
+]
+ToQ = Annotated[
+    int | None, Query(alias="to", ge=0, le=2**62, description="last step (default: the run's last)")
+]
+
+
+def check_order(lo: int | None, hi: int | None) -> None:
+    """422 when the requested `to` step comes before `from`."""
+    if lo is not None and hi is not None and hi < lo:
+        raise HTTPException(422, f"to ({hi}) is before from ({lo})")
+
+
+def run_or_404(session: Session, run_id: int) -> Run:
+    """The run, or 404 naming it; for a route that reads it in a session of its own (a write transaction,
+    or a short read before a stream). The others take `RunDep`."""
+    run = session.get(Run, run_id)
+    if run is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id} not found")
+    return run
+
+
+def get_run_or_404(run_id: RunId, session: SessionDep) -> Run:
+    """The run the path names, read in the request's session (404 when there is none). FastAPI caches a
+    dependency per request: a route and its other dependencies that take `RunDep` share one read."""
+    return run_or_404(session, run_id)
+
+
+RunDep = Annotated[Run, Depends(get_run_or_404)]
+
+
+def get_run_meta_or_404(run: RunDep, ctx: CtxDep, session: SessionDep) -> RunMeta:
+    """The run's cached meta (its tensors), 404 when it has none."""
+    meta = ctx.run_meta.get(session, run.id)
+    if meta is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run.id} has no tensors")
+    return meta
+
+
+RunMetaDep = Annotated[RunMeta, Depends(get_run_meta_or_404)]

@@ -4,10 +4,13 @@ the limit), and buckets without stored steps cost nothing but their cells in the
 from __future__ import annotations
 
 import struct
+import typing
 
 import numpy as np
 import orjson
 
+from monitor_server.rollups import HEATMAP_METRICS
+from monitor_server.schemas import HeatmapMetric
 from tests.server.utils import API, batch_body, create_run, random_stats, run_body
 
 
@@ -50,3 +53,7 @@ def test_heatmap_cells_capped(make_client):
     assert head["bucket_steps"] == hm["bucket_steps"]
     assert np.isnan(matrix[:, 1:-1]).all()
     np.testing.assert_array_equal(matrix[:, 0], stats["amax"][0])
+
+
+def test_the_heatmap_metric_type_names_every_rollup_metric():
+    assert set(typing.get_args(HeatmapMetric)) == set(HEATMAP_METRICS)

@@ -7,9 +7,8 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, HTTPException, Query, status
 from sqlalchemy import select
 
-from monitor_server.api.deps import AlertId, ControlDep, CtxDep, ReadDep, RunId, SessionDep
-from monitor_server.api.routes.runs import get_run_or_404
-from monitor_server.detection import alert_public
+from monitor_server.alerting import alert_public
+from monitor_server.api.deps import AlertId, ControlDep, CtxDep, ReadDep, RunDep, RunId, SessionDep
 from monitor_server.incidents import settle_incident
 from monitor_server.models import Alert, utcnow
 from monitor_server.schemas import AlertPublic
@@ -21,6 +20,7 @@ router = APIRouter(prefix="/runs", tags=["alerts"])
 @router.get("/{run_id}/alerts", response_model=list[AlertPublic])
 def list_alerts(
     run_id: RunId,
+    _run: RunDep,
     ctx: CtxDep,
     session: SessionDep,
     _principal: ReadDep,
@@ -29,7 +29,6 @@ def list_alerts(
     limit: Annotated[int, Query(ge=1, le=5000)] = 500,
 ) -> list[dict[str, Any]]:
     """The run's alerts, newest first (most recently updated first), optionally filtered by state and kind."""
-    get_run_or_404(session, run_id)
     meta = ctx.run_meta.get(session, run_id)
     query = select(Alert).where(Alert.run_id == run_id).order_by(Alert.updated_at.desc(), Alert.id.desc())
     if state is not None:

@@ -7,8 +7,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, HTTPException, Query, status
 from sqlalchemy import select
 
-from monitor_server.api.deps import ControlDep, CtxDep, ReadDep, RunId, SessionDep
-from monitor_server.api.routes.runs import get_run_or_404
+from monitor_server.api.deps import ControlDep, CtxDep, ReadDep, RunDep, RunId, SessionDep
 from monitor_server.commands import CommandError, command_public, create_command
 from monitor_server.models import Command, Run
 from monitor_server.schemas import CommandCreate, CommandPublic
@@ -41,12 +40,12 @@ def post_command(run_id: RunId, body: CommandCreate, ctx: CtxDep, principal: Con
 @router.get("/{run_id}/commands", response_model=list[CommandPublic])
 def list_commands(
     run_id: RunId,
+    _run: RunDep,
     session: SessionDep,
     _principal: ReadDep,
     state: Annotated[Literal["pending", "delivered", "applied", "rejected"] | None, Query()] = None,
 ) -> list[dict[str, Any]]:
     """The run's commands, newest first."""
-    get_run_or_404(session, run_id)
     query = select(Command).where(Command.run_id == run_id).order_by(Command.id.desc())
     if state is not None:
         query = query.where(Command.state == state)

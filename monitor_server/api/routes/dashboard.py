@@ -5,23 +5,32 @@ scalar series from one pass over the steps, and the heatmap as packed float64 (a
 from __future__ import annotations
 
 import struct
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import numpy as np
 import orjson
 from fastapi import APIRouter, Depends, HTTPException, Query, Response
 from fastapi.responses import StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials
-from sqlalchemy import Text, select, type_coerce
 
-from monitor_server.api.deps import CtxDep, ReadDep, RunId, SessionDep, authenticate, bearer_scheme
-from monitor_server.api.routes.queries import FromQ, ToQ, check_order, heatmap_buckets, step_range
-from monitor_server.api.routes.runs import get_run_or_404
-from monitor_server.api.routes.stream import stream_events
+from monitor_server.api.deps import (
+    CtxDep,
+    FromQ,
+    ReadDep,
+    RunDep,
+    RunId,
+    RunMetaDep,
+    SessionDep,
+    ToQ,
+    authenticate,
+    bearer_scheme,
+    check_order,
+)
 from monitor_server.core.config import SCOPES
-from monitor_server.events import ALL_RUNS
-from monitor_server.models import StepRow
-from monitor_server.series import downsample_minmax, scalar_value
+from monitor_server.events import ALL_RUNS, stream_events
+from monitor_server.heatmap import HeatmapTooLarge, heatmap_buckets
+from monitor_server.schemas import HeatmapMetric
+from monitor_server.series import downsample_minmax, read_series, step_range
 from monitor_server.wire import jsonable
 
 router = APIRouter(tags=["dashboard"])
@@ -64,10 +73,12 @@ async def stream_all(ctx: CtxDep, _principal: ReadDep) -> StreamingResponse:
 )
 def get_heatmap_packed(
     run_id: RunId,
+    run: RunDep,
+    meta: RunMetaDep,
     ctx: CtxDep,
     session: SessionDep,
     _principal: ReadDep,
-    metric: Literal["amax", "scale", "overflow", "underflow", "nonfinite", "headroom"] = "amax",
+    metric: HeatmapMetric = "amax",
     from_: FromQ = None,
     to: ToQ = None,
     max_cols: Annotated[int, Query(ge=1, le=10_000)] = 1000,
@@ -76,7 +87,13 @@ def get_heatmap_packed(
     little-endian uint32 N, N bytes of JSON (the JSON answer's fields without `values`, plus `rows`, `cols`,
     `dtype`: "float64"), zero bytes up to a multiple of 8, then rows x cols little-endian float64 in row
     (tensor) order. NaN and infinities are native; cells of empty buckets (`bucket_steps` 0) are NaN."""
-    meta, head, hm = heatmap_buckets(ctx, session, run_id, metric, from_, to, max_cols)
+    check_order(from_, to)
+    try:
+        head, hm = heatmap_buckets(
+            session, run, meta, metric, from_, to, max_cols, ctx.settings.max_heatmap_cells
+        )
+    except HeatmapTooLarge as exc:
+        raise HTTPException(422, str(exc)) from None
     head.update(rows=meta.num_tensors, dtype="float64")
     if hm is None:
         matrix = np.zeros((meta.num_tensors, 0))
@@ -92,6 +109,7 @@ def get_heatmap_packed(
 @router.get("/runs/{run_id}/series/multi")
 def get_series_multi(
     run_id: RunId,
+    run: RunDep,
     session: SessionDep,
     _principal: ReadDep,
     name: Annotated[list[str], Query(min_length=1, max_length=16, description="scalar names, repeated")],
@@ -105,25 +123,15 @@ def get_series_multi(
     if any(not 1 <= len(n) <= 200 for n in name):
         raise HTTPException(422, "name: each scalar name must have 1 to 200 characters")
     check_order(from_, to)
-    run = get_run_or_404(session, run_id)
     rng = step_range(run.first_step, run.last_step, from_, to)
     names = list(dict.fromkeys(name))
     out: dict[str, Any] = {"from": None, "to": None, "series": {}}
-    rows = []
-    if rng is not None:
-        lo, hi = rng
-        out.update({"from": lo, "to": hi})
-        # the JSON as text, parsed here by orjson: several times faster than the driver's json.loads
-        raw = session.execute(
-            select(StepRow.step, type_coerce(StepRow.scalars, Text))
-            .where(StepRow.run_id == run_id, StepRow.step.between(lo, hi))
-            .order_by(StepRow.step)
-        ).all()
-        rows = [(s, orjson.loads(sc) if isinstance(sc, str | bytes) else sc) for s, sc in raw]
-    for n in names:
-        pairs = [(s, v) for s, sc in rows if (v := scalar_value((sc or {}).get(n))) is not None]
-        steps = np.fromiter((p[0] for p in pairs), np.int64, len(pairs))
-        values = np.fromiter((p[1] for p in pairs), np.float64, len(pairs))
+    if rng is None:
+        series = {n: (np.zeros(0, np.int64), np.zeros(0, np.float64)) for n in names}
+    else:
+        out.update({"from": rng[0], "to": rng[1]})
+        series = read_series(session, run_id, names, *rng)
+    for n, (steps, values) in series.items():
         kept_steps, kept_values, width = downsample_minmax(steps, values, max_points)
         out["series"][n] = {
             "bucket_width": width,

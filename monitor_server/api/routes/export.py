@@ -8,9 +8,7 @@ from fastapi import APIRouter, HTTPException, Query
 from fastapi.responses import StreamingResponse
 
 from monitor_server import export
-from monitor_server.api.deps import CtxDep, ReadDep, RunId, SessionDep
-from monitor_server.api.routes.queries import FromQ, ToQ, check_order
-from monitor_server.api.routes.runs import get_run_or_404
+from monitor_server.api.deps import CtxDep, FromQ, ReadDep, RunDep, RunId, SessionDep, ToQ, check_order
 
 router = APIRouter(prefix="/runs", tags=["export"])
 
@@ -25,6 +23,7 @@ _MAX_STEP = 2**62
 )
 def export_run(
     run_id: RunId,
+    _run: RunDep,
     ctx: CtxDep,
     session: SessionDep,
     _principal: ReadDep,
@@ -47,7 +46,6 @@ def export_run(
     check_order(from_, to)
     if layout is not None and table != "stats":
         raise HTTPException(422, f"layout: only table=stats has a layout (long or wide), got table={table!r}")
-    get_run_or_404(session, run_id)
     meta = ctx.run_meta.get(session, run_id)
     if meta is None:
         raise HTTPException(404, f"run {run_id} not found")

@@ -7,10 +7,9 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, HTTPException, Path, Query, status
 from sqlalchemy import select
 
-from monitor_server.api.deps import ControlDep, CtxDep, ReadDep, RunId, SessionDep
-from monitor_server.api.routes.runs import get_run_or_404
+from monitor_server.alerting import alert_public
+from monitor_server.api.deps import ControlDep, CtxDep, ReadDep, RunDep, RunId, SessionDep, run_or_404
 from monitor_server.context import AppContext
-from monitor_server.detection import alert_public
 from monitor_server.incidents import acknowledge, order_key
 from monitor_server.models import Alert, Incident, utcnow
 from monitor_server.schemas import AckAllResult, IncidentDetail, IncidentPublic
@@ -23,6 +22,7 @@ IncidentId = Annotated[int, Path(ge=1, le=2**31 - 1, description="incident id")]
 @router.get("/{run_id}/incidents", response_model=list[IncidentPublic])
 def list_incidents(
     run_id: RunId,
+    _run: RunDep,
     ctx: CtxDep,
     session: SessionDep,
     _principal: ReadDep,
@@ -30,7 +30,6 @@ def list_incidents(
     limit: Annotated[int, Query(ge=1, le=1000)] = 200,
 ) -> list[dict[str, Any]]:
     """The run's incidents, newest first; each lists its alerts root cause first."""
-    get_run_or_404(session, run_id)
     query = select(Incident).where(Incident.run_id == run_id).order_by(Incident.id.desc()).limit(limit)
     if state is not None:
         query = query.where(Incident.state == state)
@@ -59,7 +58,7 @@ def _ack(ctx: AppContext, run_id: int, ids: list[int] | None, who: str) -> tuple
     """Acknowledge under the run's lock (ingest holds it while it adds alerts to open incidents), then
     publish; returns the incidents as the API shows them, their ids and the number of alerts acknowledged."""
     with ctx.db.run_lock(run_id), ctx.db.write() as session:
-        get_run_or_404(session, run_id)
+        run_or_404(session, run_id)
         incidents, alerts = acknowledge(session, run_id, ids, who, utcnow())
         if ids is not None:  # already acknowledged ones are returned as they are (idempotent)
             incidents = list(session.scalars(select(Incident).where(Incident.id.in_(ids))))
@@ -74,10 +73,10 @@ def _ack(ctx: AppContext, run_id: int, ids: list[int] | None, who: str) -> tuple
 
 
 @router.post("/{run_id}/incidents/ack", response_model=AckAllResult)
-def ack_all(run_id: RunId, ctx: CtxDep, principal: ControlDep) -> dict[str, Any]:
+def ack_all(run_id: RunId, ctx: CtxDep, principal: ControlDep) -> AckAllResult:
     """Acknowledge every open incident of the run and every open alert (also those in no incident)."""
     _, ids, n_alerts = _ack(ctx, run_id, None, principal.name)
-    return {"incidents": ids, "alerts": n_alerts}
+    return AckAllResult(incidents=ids, alerts=n_alerts)
 
 
 @router.post("/{run_id}/incidents/{incident_id}/ack", response_model=IncidentPublic)

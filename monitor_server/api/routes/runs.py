@@ -11,7 +11,17 @@ from sqlalchemy.orm import Session
 
 from fp8_protocol.runs import MAX_TAGS
 from monitor_server import run_admin
-from monitor_server.api.deps import ControlDep, CtxDep, ReadDep, RunId, RunWriteDep, SessionDep, check_owner
+from monitor_server.api.deps import (
+    ControlDep,
+    CtxDep,
+    ReadDep,
+    RunDep,
+    RunId,
+    RunWriteDep,
+    SessionDep,
+    check_owner,
+    run_or_404,
+)
 from monitor_server.commands import command_public, effective_recipe, end_commands
 from monitor_server.context import AppContext
 from monitor_server.models import Alert, Incident, Run, TensorRow, as_utc, utcnow
@@ -25,39 +35,31 @@ NEXT_CURSOR = "X-Next-Cursor"
 
 def run_public(
     run: Run, open_alerts: int, open_incidents: int = 0, tags: list[str] | None = None
-) -> dict[str, Any]:
+) -> RunPublic:
     """A run as the API returns it."""
-    return {
-        "id": run.id,
-        "name": run.name,
-        "config": run.config,
-        "recipe": run.recipe,
-        "recipe_overrides": run.recipe_overrides,
-        "effective_recipe": effective_recipe(run),
-        "world_size": run.world_size,
-        "host": run.host,
-        "status": run.status,
-        "num_tensors": run.num_tensors,
-        "created_at": as_utc(run.created_at),
-        "updated_at": as_utc(run.updated_at),
-        "first_step": run.first_step,
-        "last_step": run.last_step,
-        "last_loss": run.last_loss,
-        "steps_stored": run.steps_stored,
-        "last_telemetry_at": as_utc(run.last_telemetry_at),
-        "open_alerts": open_alerts,
-        "open_incidents": open_incidents,
-        "tags": list(tags or ()),
-        "scalar_names": list(run.scalar_names or ()),
-    }
-
-
-def get_run_or_404(session: Session, run_id: int) -> Run:
-    """The run, or 404 naming it."""
-    run = session.get(Run, run_id)
-    if run is None:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id} not found")
-    return run
+    return RunPublic(
+        id=run.id,
+        name=run.name,
+        config=run.config,
+        recipe=run.recipe,
+        recipe_overrides=run.recipe_overrides,
+        effective_recipe=effective_recipe(run),
+        world_size=run.world_size,
+        host=run.host,
+        status=run.status,
+        num_tensors=run.num_tensors,
+        created_at=as_utc(run.created_at),
+        updated_at=as_utc(run.updated_at),
+        first_step=run.first_step,
+        last_step=run.last_step,
+        last_loss=run.last_loss,
+        steps_stored=run.steps_stored,
+        last_telemetry_at=as_utc(run.last_telemetry_at),
+        open_alerts=open_alerts,
+        open_incidents=open_incidents,
+        tags=list(tags or ()),
+        scalar_names=list(run.scalar_names or ()),
+    )
 
 
 def count_open_alerts(session: Session, run_id: int) -> int:
@@ -75,7 +77,7 @@ def _by_index(t: Any) -> int:
     return t.index
 
 
-def _existing_run(ctx: AppContext, body: RunCreate) -> dict[str, Any] | None:
+def _existing_run(ctx: AppContext, body: RunCreate) -> RunPublic | None:
     """The run registered earlier with `body.client_key`, or None; 409 if it has other tensors."""
     if body.client_key is None:
         return None
@@ -103,7 +105,7 @@ def _existing_run(ctx: AppContext, body: RunCreate) -> dict[str, Any] | None:
         409: {"description": "client_key already used for a run with another number of tensors"},
     },
 )
-def create_run(body: RunCreate, ctx: CtxDep, principal: RunWriteDep, response: Response) -> dict[str, Any]:
+def create_run(body: RunCreate, ctx: CtxDep, principal: RunWriteDep, response: Response) -> RunPublic:
     """Register a run and its quantized tensors (dense indices 0..T-1).
 
     With a `client_key`, registering is idempotent: a retried or replayed registration gets the run
@@ -163,8 +165,8 @@ def create_run(body: RunCreate, ctx: CtxDep, principal: RunWriteDep, response: R
         response.status_code = status.HTTP_200_OK
         return existing
     # after the commit: the runs list (all-runs stream) shows a new run before its first step arrives
-    announce = {"id": created["id"], "status": created["status"], "created": True}
-    ctx.broker.publish(created["id"], "run", announce)
+    announce = {"id": created.id, "status": created.status, "created": True}
+    ctx.broker.publish(created.id, "run", announce)
     return created
 
 
@@ -187,7 +189,7 @@ def list_runs(
         int | None, Query(ge=1, le=MAX_ID, description="the cursor of the previous page")
     ] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-) -> list[dict[str, Any]]:
+) -> list[RunPublic]:
     """Runs, newest first, with status, last step, last loss and the number of open alerts. When more runs
     match than `limit`, the `X-Next-Cursor` header holds the `before` of the next page."""
     try:
@@ -202,19 +204,18 @@ def list_runs(
 
 
 @router.get("/{run_id}", response_model=RunPublic)
-def get_run(run_id: RunId, session: SessionDep, _principal: ReadDep) -> dict[str, Any]:
+def get_run(run_id: RunId, run: RunDep, session: SessionDep, _principal: ReadDep) -> RunPublic:
     """One run, including its effective recipe (base recipe + applied overrides)."""
-    run = get_run_or_404(session, run_id)
     return _public(session, run)
 
 
 @router.patch("/{run_id}", response_model=RunPublic)
-def update_run(run_id: RunId, body: RunUpdate, ctx: CtxDep, principal: RunWriteDep) -> dict[str, Any]:
+def update_run(run_id: RunId, body: RunUpdate, ctx: CtxDep, principal: RunWriteDep) -> RunPublic:
     """Change a run's status (one of `fp8_protocol.runs.RUN_STATUSES`), name or tags (replaced as a whole).
     An `ingest` token changes only its own runs. A run that ends rejects its commands not yet applied."""
     ended_public: list[dict[str, Any]] = []
     with ctx.db.write() as session:
-        run = get_run_or_404(session, run_id)
+        run = run_or_404(session, run_id)
         check_owner(principal, run.owner, run_id)
         if body.status is not None:
             run.status = body.status
@@ -227,7 +228,7 @@ def update_run(run_id: RunId, body: RunUpdate, ctx: CtxDep, principal: RunWriteD
         run.updated_at = utcnow()
         session.flush()
         result = _public(session, run)
-    ctx.broker.publish(run_id, "run", {"id": run_id, "status": result["status"], "name": result["name"]})
+    ctx.broker.publish(run_id, "run", {"id": run_id, "status": result.status, "name": result.name})
     for command in ended_public:
         ctx.broker.publish(run_id, "command", iso_dates(command))
     if body.status is not None and body.status != "running":  # a finished run's caches go now
@@ -247,7 +248,7 @@ def delete_run(run_id: RunId, ctx: CtxDep, _principal: ControlDep) -> Response:
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
-def _public(session: Session, run: Run) -> dict[str, Any]:
+def _public(session: Session, run: Run) -> RunPublic:
     return run_public(
         run,
         count_open_alerts(session, run.id),

@@ -1,34 +1,24 @@
-"""POST /runs/{id}/telemetry: the ingest endpoint (decoded by hand for speed; see docs/wire-format.md)."""
+"""POST /runs/{id}/telemetry: the ingest endpoint. The body is inflated, counted and decoded here (by hand
+for speed; see docs/wire-format.md); storing it and what follows is `monitor_server.telemetry_service`."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 import zlib
-from typing import Any
 
-import numpy as np
 from fastapi import APIRouter, HTTPException, Request, Response, status
 from starlette.concurrency import run_in_threadpool
 
 from monitor_server.api.deps import CtxDep, IngestDep, RunId, check_owner
-from monitor_server.api.routes.queries import event_light
-from monitor_server.commands import CommandError, command_public
+from monitor_server.commands import CommandError
 from monitor_server.context import AppContext
-from monitor_server.ingest import (
-    DecodedBatch,
-    EventLimits,
-    UnknownRun,
-    decode_batch,
-    parse_json,
-    store_batch,
-)
+from monitor_server.ingest import DecodedBatch, EventLimits, UnknownRun, decode_batch, parse_json
 from monitor_server.run_meta import RunMeta
 from monitor_server.schemas import TelemetryResult
-from monitor_server.wire import JsonValueBudget, WireError, dumps, encode_float, iso_dates, jsonable
+from monitor_server.telemetry_service import ingest_batch
+from monitor_server.wire import JsonValueBudget, WireError, dumps, iso_dates, jsonable
 
-log = logging.getLogger("fp8scope.monitor")
 router = APIRouter(prefix="/runs", tags=["telemetry"])
 
 TELEMETRY_BODY = {
@@ -37,34 +27,6 @@ TELEMETRY_BODY = {
         "content": {"application/json": {"schema": {"$ref": "#/components/schemas/TelemetryBatch"}}},
     }
 }
-
-
-def _step_summaries(batch: Any) -> list[dict[str, Any]]:
-    """Per stored step: loss, max amax over tensors and total overflow / nonfinite counts (for SSE); the
-    statistics are None for a step that carried none (no FP8 layer ran in it, or a run without tensors)."""
-    S = len(batch.steps)
-    if not S:
-        return []
-    amax = batch.stats.get("amax")
-    with_stats = np.ones(S, bool) if batch.has_stats is None else np.asarray(batch.has_stats, bool)
-    if amax is None or amax.shape[1] == 0:
-        with_stats = np.zeros(S, bool)
-        max_amax = overflow = nonfinite = np.zeros(S)
-    else:
-        max_amax = np.max(amax, axis=1)
-        overflow = np.sum(batch.stats["overflow"], axis=1)
-        nonfinite = np.sum(batch.stats["nonfinite"], axis=1)
-    loss = batch.scalars.get("loss")
-    return [
-        {
-            "step": int(s),
-            "loss": encode_float(loss[i]) if loss is not None else None,
-            "max_amax": encode_float(max_amax[i]) if with_stats[i] else None,
-            "overflow": encode_float(overflow[i]) if with_stats[i] else None,
-            "nonfinite": encode_float(nonfinite[i]) if with_stats[i] else None,
-        }
-        for i, s in enumerate(batch.steps.tolist())
-    ]
 
 
 def run_meta(ctx: AppContext, run_id: int) -> RunMeta | None:
@@ -162,50 +124,6 @@ def decode(ctx: AppContext, run_id: RunId, body: bytes | bytearray) -> tuple[Run
         raise HTTPException(422, str(exc)) from None
 
 
-def ingest(
-    ctx: AppContext, run_id: RunId, meta: RunMeta, batch: DecodedBatch, started: float
-) -> dict[str, Any]:
-    """Store and post-process one decoded batch; runs in a worker thread.
-
-    Raises:
-        HTTPException: 404 unknown run, 422 an ack naming an unknown command (nothing written).
-    """
-    with ctx.db.run_lock(run_id):
-        try:
-            with ctx.db.write() as session:
-                result = store_batch(session, run_id, batch, meta.fp8_max)
-                delivered = [command_public(c) for c in result.commands]
-                changed = [command_public(c) for c in result.changed_commands]
-        except UnknownRun:
-            raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id} not found") from None
-        except CommandError as exc:
-            ctx.metrics.batches.labels("rejected").inc()
-            raise HTTPException(exc.status, exc.message) from None
-        stored = len(result.new_steps.steps)
-        ctx.metrics.batches.labels("duplicate" if result.duplicate else "stored").inc()
-        ctx.metrics.steps.inc(stored)
-        has_stats = result.new_steps.has_stats
-        with_stats = stored if has_stats is None else int(np.sum(has_stats))
-        ctx.metrics.values.inc(with_stats * meta.num_tensors * len(result.new_steps.stats))
-        ctx.metrics.latency.observe(time.perf_counter() - started)
-        if ctx.broker.has_subscribers(run_id):
-            for summary in _step_summaries(result.new_steps):
-                ctx.broker.publish(run_id, "step", summary)
-            for command in changed:
-                ctx.broker.publish(run_id, "command", iso_dates(command))
-            if not result.duplicate:
-                for event in batch.events:  # light, as lists show them: a stream never carries megabytes
-                    ctx.broker.publish(run_id, "event", event_light(event))
-        if any(c["state"] == "applied" for c in changed):
-            ctx.detection.forget(run_id)  # rebuilt with the new recipe
-        if not result.duplicate:
-            try:
-                ctx.detection.after_ingest(run_id, result.new_steps, batch.events)
-            except Exception:  # the batch is stored; a detector fault must not fail the ingest
-                log.exception("detectors failed on run %s; the batch is run again with the next one", run_id)
-    return {"stored_steps": stored, "duplicate": result.duplicate, "commands": delivered}
-
-
 @router.post(
     "/{run_id}/telemetry",
     response_model=TelemetryResult,
@@ -253,6 +171,15 @@ async def post_telemetry(run_id: RunId, request: Request, ctx: CtxDep, principal
             raise
         meta, batch = await run_in_threadpool(decode, ctx, run_id, body)
         del body
-    result = await run_in_threadpool(ingest, ctx, run_id, meta, batch, started)
-    result["commands"] = [jsonable(iso_dates(c)) for c in result["commands"]]
+    try:
+        outcome = await run_in_threadpool(ingest_batch, ctx, run_id, meta, batch, started)
+    except UnknownRun:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id} not found") from None
+    except CommandError as exc:
+        raise HTTPException(exc.status, exc.message) from None
+    result = {
+        "stored_steps": outcome.stored_steps,
+        "duplicate": outcome.duplicate,
+        "commands": [jsonable(iso_dates(c)) for c in outcome.commands],
+    }
     return Response(dumps(result), media_type="application/json")

@@ -1,7 +1,10 @@
-"""Wiring of the detector engine: engines per run, findings -> alerts -> incidents, stalls, webhook, SSE.
+"""The alert service: runs the detectors on each ingested batch and records what they find as alerts,
+grouped into incidents (`monitor_server.incidents`); stalled runs, the webhook and the alert / incident
+events of the stream.
 
-The engine itself lives in `monitor_server.detectors.engine`. Engines are cached per run and rebuilt from
-the state persisted in `runs.detector_state` after a restart (or after a recipe change was applied).
+The detectors themselves live in `monitor_server.detectors` (the engine in `detectors/engine.py`). Engines
+are cached per run and rebuilt from the state persisted in `runs.detector_state` after a restart (or after
+a recipe change was applied).
 """
 
 from __future__ import annotations
@@ -111,7 +114,7 @@ def store_findings(session: Session, run_id: int, findings: list[Finding]) -> li
 MAX_PENDING_BATCHES = 64
 
 
-class Detection:
+class AlertService:
     """Runs the detector engine for each run and turns its findings into alerts and incidents; sends one
     webhook message per incident (rate-limited per run)."""
 

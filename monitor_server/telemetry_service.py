@@ -1,0 +1,113 @@
+"""What happens to a telemetry batch once it is decoded: it is stored in one transaction under the run's
+lock (`monitor_server.ingest.store_batch`), counted in the metrics, published to the run's stream (a summary
+per new step, the commands whose state changed, the client events) and handed to the alert service
+(`monitor_server.alerting`), which runs the detectors on the new steps.
+
+The route (`monitor_server/api/routes/telemetry.py`) reads, inflates and decodes the body and turns the
+outcome, or the errors below, into the HTTP answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from monitor_server.client_events import event_light
+from monitor_server.commands import CommandError, command_public
+from monitor_server.context import AppContext
+from monitor_server.detectors.types import StepBatch
+from monitor_server.ingest import DecodedBatch, store_batch
+from monitor_server.run_meta import RunMeta
+from monitor_server.wire import encode_float, iso_dates
+
+log = logging.getLogger("fp8scope.monitor")
+
+
+@dataclass(frozen=True)
+class IngestOutcome:
+    """What storing a batch did, as the telemetry answer reports it."""
+
+    #: steps newly stored (those stored before are skipped)
+    stored_steps: int
+    #: the batch's idempotency key was seen before: nothing was stored
+    duplicate: bool
+    #: the run's unacknowledged commands (`command_public`), for the training job to apply
+    commands: list[dict[str, Any]]
+
+
+def step_summaries(batch: StepBatch) -> list[dict[str, Any]]:
+    """Per stored step: loss, max amax over tensors and total overflow / nonfinite counts (for SSE); the
+    statistics are None for a step that carried none (no FP8 layer ran in it, or a run without tensors)."""
+    S = len(batch.steps)
+    if not S:
+        return []
+    amax = batch.stats.get("amax")
+    with_stats = np.ones(S, bool) if batch.has_stats is None else np.asarray(batch.has_stats, bool)
+    if amax is None or amax.shape[1] == 0:
+        with_stats = np.zeros(S, bool)
+        max_amax = overflow = nonfinite = np.zeros(S)
+    else:
+        max_amax = np.max(amax, axis=1)
+        overflow = np.sum(batch.stats["overflow"], axis=1)
+        nonfinite = np.sum(batch.stats["nonfinite"], axis=1)
+    loss = batch.scalars.get("loss")
+    return [
+        {
+            "step": int(s),
+            "loss": encode_float(loss[i]) if loss is not None else None,
+            "max_amax": encode_float(max_amax[i]) if with_stats[i] else None,
+            "overflow": encode_float(overflow[i]) if with_stats[i] else None,
+            "nonfinite": encode_float(nonfinite[i]) if with_stats[i] else None,
+        }
+        for i, s in enumerate(batch.steps.tolist())
+    ]
+
+
+def ingest_batch(
+    ctx: AppContext, run_id: int, meta: RunMeta, batch: DecodedBatch, started: float
+) -> IngestOutcome:
+    """Store one decoded batch and post-process it (metrics, stream, detectors); runs in a worker thread.
+
+    Args:
+        started: `time.perf_counter()` when the request arrived (for the ingest latency metric).
+
+    Raises:
+        monitor_server.ingest.UnknownRun: no such run (nothing written).
+        CommandError: an ack names an unknown command (nothing written; counted as a rejected batch).
+    """
+    with ctx.db.run_lock(run_id):
+        try:
+            with ctx.db.write() as session:
+                result = store_batch(session, run_id, batch, meta.fp8_max)
+                delivered = [command_public(c) for c in result.commands]
+                changed = [command_public(c) for c in result.changed_commands]
+        except CommandError:
+            ctx.metrics.batches.labels("rejected").inc()
+            raise
+        stored = len(result.new_steps.steps)
+        ctx.metrics.batches.labels("duplicate" if result.duplicate else "stored").inc()
+        ctx.metrics.steps.inc(stored)
+        has_stats = result.new_steps.has_stats
+        with_stats = stored if has_stats is None else int(np.sum(has_stats))
+        ctx.metrics.values.inc(with_stats * meta.num_tensors * len(result.new_steps.stats))
+        ctx.metrics.latency.observe(time.perf_counter() - started)
+        if ctx.broker.has_subscribers(run_id):
+            for summary in step_summaries(result.new_steps):
+                ctx.broker.publish(run_id, "step", summary)
+            for command in changed:
+                ctx.broker.publish(run_id, "command", iso_dates(command))
+            if not result.duplicate:
+                for event in batch.events:  # light, as lists show them: a stream never carries megabytes
+                    ctx.broker.publish(run_id, "event", event_light(event))
+        if any(c["state"] == "applied" for c in changed):
+            ctx.detection.forget(run_id)  # rebuilt with the new recipe
+        if not result.duplicate:
+            try:
+                ctx.detection.after_ingest(run_id, result.new_steps, batch.events)
+            except Exception:  # the batch is stored; a detector fault must not fail the ingest
+                log.exception("detectors failed on run %s; the batch is run again with the next one", run_id)
+    return IngestOutcome(stored, result.duplicate, delivered)
