@@ -7,20 +7,14 @@ cores) and returns the finished process; `api` is an httpx client of the running
 from __future__ import annotations
 
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from e2e_utils import API, train_cmd
 
-_ROOT = Path(__file__).resolve().parents[2]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
-
-from e2e_utils import API, train_cmd  # noqa: E402
-
-from tests.server.utils import ServerProcess  # noqa: E402
+from tests.server.utils import ServerProcess
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ unless FP8SCOPE_REQUIRE_PG=1 (CI), which makes them fail.
 from __future__ import annotations
 
 import os
-import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,13 +19,7 @@ from sqlalchemy import create_engine, make_url, text
 
 from monitor_server.app import create_app
 from monitor_server.core.config import Settings
-
-# make `tests.server.utils` importable however pytest is started (no __init__.py files under tests/)
-_ROOT = str(Path(__file__).resolve().parents[2])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-from tests.server.utils import fresh_pg_database  # noqa: E402
+from tests.server.utils import fresh_pg_database
 
 PG_URL = os.environ.get("FP8SCOPE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REQUIRE_PG = os.environ.get("FP8SCOPE_REQUIRE_PG") == "1"
