@@ -3,8 +3,9 @@
 // the recipe editor and the post-mortem, all kept live by the run's event stream.
 
 import { api, auth, num, subscribe } from "./api.js";
-import { badge, el, fmt, mark, panel, plotly, plotlyText, replace, sourceBadge, statusBadge, throttle } from "./dom.js";
+import { badge, deferPlotly, el, fmt, mark, panel, plotly, plotlyText, replace, sourceBadge, statusBadge, throttle } from "./dom.js";
 import { Heatmap, fetchHeatmap } from "./heatmap.js";
+import { afterPaint, curvesPreview } from "./preview.js";
 import { IncidentsPanel, SEVERITY_KIND } from "./incidents.js";
 import { PostMortem } from "./postmortem.js";
 import { RecipeEditor } from "./recipe.js";
@@ -54,11 +55,18 @@ function eventText(e) {
   return `${e.details.name} at step ${e.step}${rest.length ? `: ${rest.join(", ")}` : ""}`;
 }
 
+const CURVES_HEIGHT = 340;
+const CURVES_MARGIN = { l: 60, r: 60, t: 10, b: 40 };
+
 /** Loss, lr and grad-norm curves; live loss points are appended; markers for spikes and alerts. */
 class Curves {
-  constructor(container, runId, onDrawn) {
+  /** With `firstPaint`, the first data is drawn on a canvas at once (before plotly.js loads), then
+   * `firstPaint(painted)` is called. */
+  constructor(container, runId, onDrawn, firstPaint = null) {
     this.runId = runId;
     this.onDrawn = onDrawn;
+    this.firstPaint = firstPaint;
+    this.container = container;
     this.plot = el("div", { id: "curves", class: "curves-plot" });
     container.append(this.plot);
     this.loss = { steps: [], values: [] };
@@ -73,7 +81,26 @@ class Curves {
     this.loss = take("loss");
     this.lr = take("lr");
     this.grad = take("grad_norm");
+    if (this.firstPaint && !this.drawn) {
+      const painted = this.firstPaint;
+      this.firstPaint = null;
+      this.paintPreview();
+      painted(Boolean(this.preview));
+    }
     await this.draw();
+  }
+
+  /** The first frame: loss and grad norm in the places plotly draws them (layout below); no interaction. */
+  paintPreview() {
+    if (this.dead) return;
+    this.preview = curvesPreview({
+      width: this.plot.clientWidth || 900, height: CURVES_HEIGHT, margin: CURVES_MARGIN,
+      lines: [
+        { ...this.loss, colour: "#1f77b4", domain: [0.4, 1] },
+        { ...this.grad, colour: "#2ca02c", domain: [0, 0.32] },
+      ],
+    });
+    this.plot.before(this.preview);
   }
 
   /** Loss near `step` (for placing a marker on the curve). */
@@ -138,8 +165,8 @@ class Curves {
     ];
     const shapes = nonfinite.map((s) => ({ type: "line", x0: s, x1: s, yref: "paper", y0: 0.4, y1: 1, line: { color: "#ff00ff", width: 1, dash: "dash" } }));
     const layout = {
-      height: 340,
-      margin: { l: 60, r: 60, t: 10, b: 40 },
+      height: CURVES_HEIGHT,
+      margin: CURVES_MARGIN,
       xaxis: { title: { text: "step" }, anchor: "y2" },
       yaxis: { title: { text: "loss" }, domain: [0.4, 1] },
       yaxis2: { title: { text: "grad norm" }, domain: [0, 0.32] },
@@ -152,6 +179,8 @@ class Curves {
       this.inflight = Plotly.newPlot(this.plot, traces, layout, { displaylogo: false, responsive: true });
       await this.inflight;
       this.drawn = true;
+      if (this.preview) this.preview.remove(); // hand over to plotly's plot, drawn in the same place
+      this.preview = null;
       this.plot.on("plotly_afterplot", () => this.onDrawn("curves"));
       this.onDrawn("curves");
     } else {
@@ -438,13 +467,35 @@ async function drillDown(container, runId, layer, tensors) {
 export async function mountRun(container, { runId, incident = null }) {
   const runRequest = api(`/runs/${runId}`); // in flight while the page is laid out
   const drawnAt = {};
+  const paintedAt = {};
+  // the moment a plot's pixels are on screen: after the frame that follows drawing it (canvas or plotly)
+  const onPainted = (kind) => {
+    if (kind in paintedAt) return;
+    paintedAt[kind] = null;
+    afterPaint(() => {
+      paintedAt[kind] = performance.now();
+      window.fp8scope.painted[kind] = paintedAt[kind];
+    });
+  };
   const onDrawn = (kind) => {
     if (!(kind in drawnAt) && dataLoaded[kind]) {
       drawnAt[kind] = performance.now();
       window.fp8scope.drawn[kind] = drawnAt[kind];
+      onPainted(kind);
     }
   };
   const dataLoaded = {};
+  // first paint without plotly.js: the heatmap and the curves on canvases as soon as their data is here;
+  // plotly.js (loaded meanwhile by the page's preload) is compiled only after that frame is on screen
+  const preview = window.fp8scope.preview && !window.Plotly;
+  const firstFrames = { heatmap: null, curves: null };
+  const framed = Object.fromEntries(Object.keys(firstFrames).map((kind) => [kind, new Promise((resolve) => {
+    firstFrames[kind] = (painted) => {
+      if (painted) onPainted(kind);
+      resolve();
+    };
+  })]));
+  if (preview) deferPlotly(Promise.all(Object.values(framed)).then(() => new Promise(afterPaint)));
   const header = el("div", { class: "run-head" });
   const postPanel = panel("Post-mortem");
   postPanel.id = "postmortem";
@@ -492,14 +543,14 @@ export async function mountRun(container, { runId, incident = null }) {
       el("a", { href: `#/compare?a=${r.id}`, class: "small" }, "Compare with another run…"),
     );
   }
-  const curves = new Curves(curvesPanel, runId, onDrawn);
+  const curves = new Curves(curvesPanel, runId, onDrawn, preview ? firstFrames.curves : null);
   const scalars = new Scalars(scalarsPanel, runId);
   const config = new ConfigPanel(configPanel, runId, (run) => {
     state.run = run;
     renderHeader();
     config.fill(run);
   });
-  const heatmap = new Heatmap(heatPanel, { runId, onDrawn });
+  const heatmap = new Heatmap(heatPanel, { runId, onDrawn, firstPaint: preview ? firstFrames.heatmap : null });
   const drillTensors = { list: null };
   const layers = new Layers(layersPanel, runId, async (layer) => {
     drillPanel.hidden = false;
@@ -564,9 +615,10 @@ export async function mountRun(container, { runId, incident = null }) {
     dataLoaded.curves = true;
     onDrawn("curves");
   });
-  // when the run itself cannot be read (e.g. 401) these fail too; that failure is reported once, below
-  heatLoad.catch(() => {});
-  curvesLoad.catch(() => {});
+  // when the run itself cannot be read (e.g. 401) these fail too; that failure is reported once, below.
+  // A failed load has no first frame: plotly.js is not held back for it.
+  heatLoad.catch(() => firstFrames.heatmap(false));
+  curvesLoad.catch(() => firstFrames.curves(false));
   let run;
   try {
     run = state.run = await runRequest;
