@@ -42,6 +42,9 @@ export async function fetchHeatmap(runId, params) {
   return { ...head, T, C, vals, emptyCol };
 }
 
+/** Side in pixels of the square marking a non-finite cell, for rows `rowH` pixels high. */
+const markerSize = (rowH) => Math.max(6, Math.min(14, rowH + 2));
+
 /** Aggregate cells the way the server's buckets do (NaN propagates). */
 function aggregate(how, values) {
   let out = how === "sum" ? 0 : how === "max" ? -Infinity : Infinity;
@@ -263,10 +266,10 @@ export class Heatmap {
     const { rows, z, specials } = this.matrix();
     const cells = [];
     for (const [code, list] of specials) for (const [r, c] of list) cells.push([r, c, SPECIAL[code][1]]);
-    const { height, labels } = this.geometry(rows);
+    const { rowH, height, labels } = this.geometry(rows);
     const canvas = heatmapPreview({
       width: this.scroller.clientWidth || 900, height, z, C: this.data.C, specials: cells, labels,
-      margin: MARGIN, right: COLORBAR_PX, metric: this.metric,
+      margin: MARGIN, right: COLORBAR_PX, metric: this.metric, markerSize: markerSize(rowH),
     });
     if (this.previewCanvas) this.previewCanvas.replaceWith(canvas);
     else this.scroller.prepend(canvas);
@@ -312,7 +315,7 @@ export class Heatmap {
         colorscale: scale, zmin: 0.5, zmax: codes.length + 0.5, showscale: false, hoverinfo: "none", zsmooth: false,
       });
     }
-    const size = Math.max(6, Math.min(14, rowH + 2));
+    const size = markerSize(rowH);
     for (const code of codes) {
       const cells = nSpecial > MAX_MARKERS ? [] : specials.get(code);
       traces.push({

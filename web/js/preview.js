@@ -51,10 +51,11 @@ function canvas(id, width, height) {
  *
  * Args:
  *   z: rows of colour values (null: no data), as the plotly trace gets them; `specials`: [[r, c, colour]]
- *   (non-finite cells, drawn in their own colours as plotly's marker traces are); `labels`: [[row, text]];
- *   `margin` {l, r, t, b} and `right` (pixels right of the cells: the colour bar) as the plotly layout.
+ *   (non-finite cells, drawn in their own colours as squares of `markerSize` px, as plotly's marker traces
+ *   are); `labels`: [[row, text]]; `margin` {l, r, t, b} and `right` (pixels right of the cells: the
+ *   colour bar) as the plotly layout.
  */
-export function heatmapPreview({ width, height, z, C, specials, labels, margin, right, metric }) {
+export function heatmapPreview({ width, height, z, C, specials, labels, margin, right, metric, markerSize }) {
   const R = z.length;
   const [c, ctx] = canvas("heatmap-preview", width, height);
   const cellsW = Math.max(1, width - margin.l - margin.r - right);
@@ -81,20 +82,21 @@ export function heatmapPreview({ width, height, z, C, specials, labels, margin, 
         px[o + 3] = 255;
       }
     }
-    for (const [r, k, colour] of specials) {
-      const [cr, cg, cb] = hexRgb(colour);
-      const o = (r * C + k) * 4;
-      px[o] = cr;
-      px[o + 1] = cg;
-      px[o + 2] = cb;
-      px[o + 3] = 255;
-    }
     const cells = document.createElement("canvas");
     cells.width = C;
     cells.height = R;
     cells.getContext("2d").putImageData(image, 0, 0);
     ctx.imageSmoothingEnabled = false;
     ctx.drawImage(cells, margin.l, margin.t, cellsW, cellsH);
+    // non-finite cells as plotly's markers: squares of `markerSize` px over the cell's centre
+    const cellW = cellsW / C;
+    const cellH = cellsH / R;
+    for (const [r, k, colour] of specials) {
+      const w = Math.max(cellW, markerSize);
+      const h = Math.max(cellH, markerSize);
+      ctx.fillStyle = colour;
+      ctx.fillRect(margin.l + (k + 0.5) * cellW - w / 2, margin.t + (r + 0.5) * cellH - h / 2, w, h);
+    }
   }
   ctx.fillStyle = "#444";
   ctx.textAlign = "right";
