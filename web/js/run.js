@@ -9,6 +9,7 @@ import { afterPaint, curvesPreview } from "./preview.js";
 import { IncidentsPanel, SEVERITY_KIND } from "./incidents.js";
 import { PostMortem } from "./postmortem.js";
 import { RecipeEditor } from "./recipe.js";
+import { RunStore } from "./store.js";
 import { configText, flattenConfig, parseTags } from "./config.js";
 
 function stepSeen(runId, step) {
@@ -265,7 +266,18 @@ class Scalars {
     const got = {};
     if (fromRun.length) {
       const query = fromRun.map((n) => `name=${encodeURIComponent(n)}`).join("&");
-      const { series } = await api(`/runs/${this.runId}/series/multi?${query}&max_points=1500`);
+      let series;
+      try {
+        ({ series } = await api(`/runs/${this.runId}/series/multi?${query}&max_points=1500`));
+      } catch (err) {
+        this.empty.hidden = false;
+        this.empty.className = "error";
+        this.empty.textContent = `Could not load the scalars: ${err.message}`;
+        return;
+      }
+      this.empty.className = "muted";
+      this.empty.textContent = "Pick the values to chart.";
+      this.empty.hidden = true;
       for (const n of fromRun) got[n] = { steps: series[n].steps, values: series[n].values.map(num) };
     }
     for (const n of chosen.filter((c) => !(c in got) && this.eventNames.includes(c))) {
@@ -368,9 +380,9 @@ class Layers {
   async load() {
     try {
       this.layers = await api(`/runs/${this.runId}/layers`);
+      this.error = null;
     } catch (err) {
-      this.layers = [];
-      console.warn("layers", err);
+      this.error = err; // the last ranking stays, under the error
     }
     this.fill();
   }
@@ -399,6 +411,7 @@ class Layers {
     this.more.textContent = this.showAll ? "Show the 25 worst" : `Show all ${layers.length} layers`;
     replace(
       this.body,
+      this.error ? errorRow(3, "layers-error", `Could not load the layers: ${this.error.message}`) : null,
       shown.map((l) =>
         el(
           "tr",
@@ -410,6 +423,11 @@ class Layers {
       ),
     );
   }
+}
+
+/** A table row that says a request failed (instead of an empty table). */
+export function errorRow(colspan, id, text) {
+  return el("tr", { class: "error-row" }, el("td", { colspan, class: "error", id }, text));
 }
 
 /** A layer's reasons: the first three, the rest folded (a layer can collect dozens). */
@@ -465,7 +483,9 @@ async function drillDown(container, runId, layer, tensors) {
 }
 
 export async function mountRun(container, { runId, incident = null }) {
-  const runRequest = api(`/runs/${runId}`); // in flight while the page is laid out
+  // the page's shared state (run, tensors, events); the panels render from it
+  const store = new RunStore(runId);
+  const runRequest = store.loadRun(); // in flight while the page is laid out
   const drawnAt = {};
   const paintedAt = {};
   // the moment a plot's pixels are on screen: after the frame that follows drawing it (canvas or plotly)
@@ -523,9 +543,8 @@ export async function mountRun(container, { runId, incident = null }) {
     el("div", { class: "two-col" }, configPanel, recipePanel),
   );
 
-  const state = { run: null };
   function renderHeader() {
-    const r = state.run;
+    const r = store.get("run");
     replace(
       header,
       el("h1", { id: "run-name" }, r.name),
@@ -545,48 +564,48 @@ export async function mountRun(container, { runId, incident = null }) {
   }
   const curves = new Curves(curvesPanel, runId, onDrawn, preview ? firstFrames.curves : null);
   const scalars = new Scalars(scalarsPanel, runId);
-  const config = new ConfigPanel(configPanel, runId, (run) => {
-    state.run = run;
-    renderHeader();
-    config.fill(run);
-  });
+  const config = new ConfigPanel(configPanel, runId, (run) => store.set("run", run));
   const heatmap = new Heatmap(heatPanel, { runId, onDrawn, firstPaint: preview ? firstFrames.heatmap : null });
-  const drillTensors = { list: null };
   const layers = new Layers(layersPanel, runId, async (layer) => {
     drillPanel.hidden = false;
     try {
-      if (!drillTensors.list) drillTensors.list = await api(`/runs/${runId}/tensors`);
-      await drillDown(drillPanel, runId, layer, drillTensors.list);
+      await drillDown(drillPanel, runId, layer, await store.tensors());
       drillPanel.scrollIntoView({ behavior: "smooth", block: "start" });
     } catch (err) {
       replace(drillPanel, el("p", { class: "error" }, `drill-down failed: ${err.message}`));
     }
   }, () => alerts.all());
-  let events = [];
   const post = new PostMortem(postPanel, runId, heatmap);
   const alerts = new IncidentsPanel(alertsPanel, runId, {
     focus: incident,
     onChange: (list) => {
-      curves.setMarkers(list, events);
-      post.update(state.run, list, events);
+      curves.setMarkers(list, store.get("events"));
+      post.update(store.get("run"), list, store.get("events"));
     },
   });
-  const recipe = new RecipeEditor(recipePanel, runId);
+  const recipe = new RecipeEditor(recipePanel, runId, () => store.tensors());
 
-  const loadEvents = async () => {
-    try {
-      events = await api(`/runs/${runId}/events?limit=1000`);
-    } catch (err) {
-      console.warn("events", err);
-    }
-  };
-  const refreshRun = throttle(async () => {
-    state.run = await api(`/runs/${runId}`);
-    if (state.run.last_step !== null) stepSeen(runId, state.run.last_step);
+  // until the first loads are done only the header follows the run; the panels are filled in order below
+  let ready = false;
+  store.subscribe("run", (run) => {
+    if (!run) return; // the first request failed: the page reports it
     renderHeader();
-    recipe.setRun(state.run);
-    config.fill(state.run);
-    scalars.setSources(state.run, events);
+    if (!ready) return;
+    recipe.setRun(run);
+    config.fill(run);
+    scalars.setSources(run, store.get("events"));
+    post.update(run, alerts.all(), store.get("events"));
+  });
+  store.subscribe("events", (events, s) => {
+    if (s.error("events")) console.warn("events", s.error("events"));
+    if (!ready) return;
+    post.update(s.get("run"), alerts.all(), events);
+    curves.setMarkers(alerts.all(), events);
+    scalars.setSources(s.get("run"), events);
+  });
+  const refreshRun = throttle(async () => {
+    const run = await store.loadRun();
+    if (run.last_step !== null) stepSeen(runId, run.last_step);
   }, 1000);
   // every trace follows a live run: the curves and the picked scalars are re-read every few seconds
   const refreshCurves = throttle(() => {
@@ -603,7 +622,7 @@ export async function mountRun(container, { runId, incident = null }) {
   const onAuth = () => {
     alerts.fill();
     recipe.fill();
-    if (state.run) config.fill(state.run);
+    if (store.get("run")) config.fill(store.get("run"));
   };
   auth.listeners.add(onAuth);
   // first paint: heatmap and curves in parallel with the panels
@@ -621,26 +640,28 @@ export async function mountRun(container, { runId, incident = null }) {
   curvesLoad.catch(() => firstFrames.curves(false));
   let run;
   try {
-    run = state.run = await runRequest;
+    run = await runRequest;
   } catch (err) {
     auth.listeners.delete(onAuth);
     heatmap.close();
     curves.close();
     throw err;
   }
-  renderHeader();
   // the panels' requests go out once the plots have their data: they would compete with those for the
   // server's time and delay the first full paint
   await Promise.all([heatLoad, curvesLoad]);
+  // the heatmap's header carries the tensor list: the page needs no request of its own for it
+  if (heatmap.data && !store.get("tensors")) store.set("tensors", heatmap.data.tensors);
   config.fill(run);
   await Promise.all([
-    Promise.all([loadEvents(), post.loadNonfinite()]).then(() => {
-      scalars.setSources(state.run, events);
+    Promise.all([store.loadEvents(), post.loadNonfinite()]).then(() => {
+      scalars.setSources(store.get("run"), store.get("events"));
       return Promise.all([alerts.load(), scalars.load()]);
     }),
     layers.load(),
     recipe.load(run),
   ]);
+  ready = true;
 
   let opens = 0;
   const pendingLoss = [];
@@ -651,7 +672,7 @@ export async function mountRun(container, { runId, incident = null }) {
     `/runs/${runId}/stream`,
     {
       step(d) {
-        const r = state.run;
+        const r = store.get("run");
         if (r.last_step === null || d.step > r.last_step) {
           r.last_step = d.step;
           r.last_loss = d.loss;
@@ -681,18 +702,11 @@ export async function mountRun(container, { runId, incident = null }) {
         if (c.state === "applied") refreshRun();
       },
       event(e) {
-        events.push({ ...e, id: `live-${events.length}` });
-        post.update(state.run, alerts.all(), events);
-        curves.setMarkers(alerts.all(), events);
-        scalars.setSources(state.run, events);
+        store.pushEvent(e);
         refreshCurves();
       },
       run(d) {
-        if (d.status) state.run.status = d.status;
-        if (d.name) state.run.name = d.name;
-        renderHeader();
-        recipe.setRun(state.run);
-        post.update(state.run, alerts.all(), events);
+        store.set("run", { ...store.get("run"), ...(d.status ? { status: d.status } : {}), ...(d.name ? { name: d.name } : {}) });
         refreshRun(); // tags, scalar names
       },
     },
@@ -702,7 +716,7 @@ export async function mountRun(container, { runId, incident = null }) {
         if (opens++) {
           // reconnected: catch up on what the stream missed meanwhile
           alerts.load();
-          recipe.load(state.run);
+          recipe.load(store.get("run"));
           refreshHeatmap();
         }
       },
