@@ -574,14 +574,18 @@ export async function mountRun(container, { runId, incident = null }) {
     } catch (err) {
       replace(drillPanel, el("p", { class: "error" }, `drill-down failed: ${err.message}`));
     }
-  }, () => alerts.all());
+  }, () => store.get("alerts"));
   const post = new PostMortem(postPanel, runId, heatmap);
   const alerts = new IncidentsPanel(alertsPanel, runId, {
     focus: incident,
-    onChange: (list) => {
-      curves.setMarkers(list, store.get("events"));
-      post.update(store.get("run"), list, store.get("events"));
-    },
+    onChange: (list) => store.set("alerts", list),
+  });
+  // the alerts (kept by the incidents panel, which loads them and takes the live ones) as markers on the
+  // curves, in the post-mortem, and counted at once in the layers' ranking
+  store.subscribe("alerts", (list, s) => {
+    curves.setMarkers(list, s.get("events"));
+    post.update(s.get("run"), list, s.get("events"));
+    layers.fill();
   });
   const recipe = new RecipeEditor(recipePanel, runId, () => store.tensors());
 
@@ -594,13 +598,13 @@ export async function mountRun(container, { runId, incident = null }) {
     recipe.setRun(run);
     config.fill(run);
     scalars.setSources(run, store.get("events"));
-    post.update(run, alerts.all(), store.get("events"));
+    post.update(run, store.get("alerts"), store.get("events"));
   });
   store.subscribe("events", (events, s) => {
     if (s.error("events")) console.warn("events", s.error("events"));
     if (!ready) return;
-    post.update(s.get("run"), alerts.all(), events);
-    curves.setMarkers(alerts.all(), events);
+    post.update(s.get("run"), s.get("alerts"), events);
+    curves.setMarkers(s.get("alerts"), events);
     scalars.setSources(s.get("run"), events);
   });
   const refreshRun = throttle(async () => {
@@ -689,7 +693,6 @@ export async function mountRun(container, { runId, incident = null }) {
       },
       alert(a) {
         alerts.upsertAlert(a);
-        layers.fill(); // at once, from the alert itself; the ranking follows
         refreshLayers();
         refreshRun();
       },

@@ -1,4 +1,4 @@
-// The run page's shared state: the run, its tensors and its events, each with the error of its last failed
+// The run page's shared state: the run, its tensors, events and alerts, each with the error of its last failed
 // request; panels subscribe to the keys they render from and are notified on every change, so no panel
 // keeps a private copy (as TodoMVC's store). The tensor list is fetched once per page (or taken from the
 // heatmap's header, which carries it) and shared by the recipe editor and the drill-down.
@@ -8,7 +8,7 @@ import { api } from "./api.js";
 export class RunStore {
   constructor(runId) {
     this.runId = runId;
-    this.state = { run: null, tensors: null, events: [] };
+    this.state = { run: null, tensors: null, events: [], alerts: [] };
     this.errors = {}; // key -> the Error of its last failed request (cleared by the next set)
     this.listeners = new Map(); // key -> Set of fn(value, store)
     this.tensorsRequest = null;
