@@ -67,7 +67,6 @@ class Curves {
     this.runId = runId;
     this.onDrawn = onDrawn;
     this.firstPaint = firstPaint;
-    this.container = container;
     this.plot = el("div", { id: "curves", class: "curves-plot" });
     container.append(this.plot);
     this.loss = { steps: [], values: [] };
