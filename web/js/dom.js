@@ -120,13 +120,20 @@ export function sourceBadge(run) {
 }
 
 let plotlyLoading = null;
+let plotlyGate = Promise.resolve();
+
+/** Hold plotly.js back until `promise` settles (the run page's first frame is painted first: compiling
+ * plotly blocks the page for a good part of a second). No effect once loading has started. */
+export function deferPlotly(promise) {
+  if (!plotlyLoading) plotlyGate = Promise.allSettled([promise]);
+}
 
 /** plotly.js, loaded once. It is a 4.8 MB script: loading it without blocking lets the page's data
  * requests run while the browser compiles it. */
 export function plotly() {
   if (window.Plotly) return Promise.resolve(window.Plotly);
   if (!plotlyLoading) {
-    plotlyLoading = new Promise((resolve, reject) => {
+    plotlyLoading = plotlyGate.then(() => new Promise((resolve, reject) => {
       const script = document.createElement("script");
       script.src = "/static/vendor/plotly.min.js";
       script.onload = () => {
@@ -135,7 +142,7 @@ export function plotly() {
       };
       script.onerror = () => reject(new Error("plotly.js could not be loaded"));
       document.head.appendChild(script);
-    });
+    }));
   }
   return plotlyLoading;
 }

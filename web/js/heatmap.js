@@ -5,6 +5,7 @@
 
 import { apiBinary, qs } from "./api.js";
 import { el, fmt, mark, plotly, plotlyText, replace } from "./dom.js";
+import { heatmapPreview } from "./preview.js";
 
 export const METRICS = {
   amax: { label: "amax (log2)", agg: "max", colorscale: "Viridis", colorbar: "log2 amax" },
@@ -41,6 +42,9 @@ export async function fetchHeatmap(runId, params) {
   return { ...head, T, C, vals, emptyCol };
 }
 
+/** Side in pixels of the square marking a non-finite cell, for rows `rowH` pixels high. */
+const markerSize = (rowH) => Math.max(6, Math.min(14, rowH + 2));
+
 /** Aggregate cells the way the server's buckets do (NaN propagates). */
 function aggregate(how, values) {
   let out = how === "sum" ? 0 : how === "max" ? -Infinity : Infinity;
@@ -65,10 +69,12 @@ export function cellColour(metric, v, isEmpty) {
 }
 
 export class Heatmap {
-  /** `opts`: {runId, onDrawn(kind), title}. Call `load()` to fetch and draw. */
+  /** `opts`: {runId, onDrawn(kind), firstPaint(painted)}. Call `load()` to fetch and draw. With `firstPaint`,
+   * the first data is drawn on a canvas at once (before plotly.js loads) and `firstPaint` is called. */
   constructor(container, opts) {
     this.runId = opts.runId;
     this.onDrawn = opts.onDrawn || (() => {});
+    this.firstPaint = opts.firstPaint || null;
     this.metric = "amax";
     this.groupBy = "layer";
     this.filter = "";
@@ -154,6 +160,13 @@ export class Heatmap {
     if (seq !== this.seq || this.dead) return; // a newer request superseded this one
     this.data = data;
     this.companions = new Map([[this.metric, data]]);
+    if (this.firstPaint && !this.plotted) {
+      // the first frame now; plotly.js is held back until it is painted
+      const painted = this.firstPaint;
+      this.firstPaint = null;
+      this.paintPreview();
+      painted(Boolean(this.previewCanvas));
+    }
     await this.render();
   }
 
@@ -195,11 +208,11 @@ export class Heatmap {
     return [aggregate(METRICS[metric].agg, row.indices.map((t) => d.vals[t * C + c])), false];
   }
 
-  async render() {
+  /** The colour matrix of the displayed rows: z (rows of colour values, null where no data) and the cells
+   * drawn in their own colours, by overlay code. */
+  matrix() {
     const d = this.data;
-    if (!d) return;
-    const Plotly = await plotly();
-    const rows = (this.rows = this.computeRows());
+    const rows = this.computeRows();
     const R = rows.length;
     const C = d.C;
     const z = new Array(R);
@@ -231,23 +244,56 @@ export class Heatmap {
       }
       z[r] = zr;
     }
+    return { rows, z, specials, nSpecial };
+  }
+
+  /** Row height in pixels, plot height, and the rows labelled on the y axis ([[row, label]]). */
+  geometry(rows) {
+    const R = rows.length;
+    const rowH = R > 0 ? Math.max(3, Math.min(18, Math.floor(640 / R))) : 18;
+    const height = Math.max(160, R * rowH + MARGIN.t + MARGIN.b);
+    const every = Math.max(1, Math.ceil(11 / rowH)); // keep tick labels at least 11 px apart
+    const labels = [];
+    rows.forEach((row, i) => {
+      if (i % every === 0) labels.push([i, row.label.length > 34 ? `…${row.label.slice(-33)}` : row.label]);
+    });
+    return { rowH, height, labels };
+  }
+
+  /** The first frame on a canvas, before plotly.js has loaded; removed once plotly has drawn. */
+  paintPreview() {
+    if (!this.data || this.plotted || this.dead) return;
+    const { rows, z, specials } = this.matrix();
+    const cells = [];
+    for (const [code, list] of specials) for (const [r, c] of list) cells.push([r, c, SPECIAL[code][1]]);
+    const { rowH, height, labels } = this.geometry(rows);
+    const canvas = heatmapPreview({
+      width: this.scroller.clientWidth || 900, height, z, C: this.data.C, specials: cells, labels,
+      margin: MARGIN, right: COLORBAR_PX, metric: this.metric, markerSize: markerSize(rowH),
+    });
+    if (this.previewCanvas) this.previewCanvas.replaceWith(canvas);
+    else this.scroller.prepend(canvas);
+    this.previewCanvas = canvas;
+  }
+
+  async render() {
+    const d = this.data;
+    if (!d) return;
+    const Plotly = await plotly();
+    if (!this.data || this.dead) return;
+    const { rows, z, specials, nSpecial } = this.matrix();
+    this.rows = rows;
+    const R = rows.length;
+    const C = d.C;
     // buckets are aligned to multiples of the width: a regular grid, which plotly draws an order of magnitude
     // faster than bricks of irregular widths (the clipped first and last buckets are drawn full width)
     const w = d.bucket_width;
     const firstBucket = C ? Math.floor(d.bucket_start[0] / w) : 0;
     const x0 = firstBucket * w;
     const centre = (c) => x0 + (c + 0.5) * w;
-    const rowH = R > 0 ? Math.max(3, Math.min(18, Math.floor(640 / R))) : 18;
-    const height = Math.max(160, R * rowH + MARGIN.t + MARGIN.b);
-    const every = Math.max(1, Math.ceil(11 / rowH)); // keep tick labels at least 11 px apart
-    const tickvals = [];
-    const ticktext = [];
-    rows.forEach((row, i) => {
-      if (i % every === 0) {
-        tickvals.push(i);
-        ticktext.push(plotlyText(row.label.length > 34 ? `…${row.label.slice(-33)}` : row.label));
-      }
-    });
+    const { rowH, height, labels } = this.geometry(rows);
+    const tickvals = labels.map(([i]) => i);
+    const ticktext = labels.map(([, label]) => plotlyText(label));
     const m = METRICS[this.metric];
     const traces = [
       {
@@ -269,7 +315,7 @@ export class Heatmap {
         colorscale: scale, zmin: 0.5, zmax: codes.length + 0.5, showscale: false, hoverinfo: "none", zsmooth: false,
       });
     }
-    const size = Math.max(6, Math.min(14, rowH + 2));
+    const size = markerSize(rowH);
     for (const code of codes) {
       const cells = nSpecial > MAX_MARKERS ? [] : specials.get(code);
       traces.push({
@@ -307,6 +353,9 @@ export class Heatmap {
       this.inflight = Plotly.newPlot(this.plot, traces, layout, { displaylogo: false, responsive: true, modeBarButtonsToRemove: ["lasso2d", "select2d"] });
       await this.inflight;
       this.plotted = true;
+      // hand over: plotly's plot takes the first frame's place (the same size, the same cells)
+      if (this.previewCanvas) this.previewCanvas.remove();
+      this.previewCanvas = null;
       this.bindEvents();
     } else {
       this.inflight = Plotly.react(this.plot, traces, layout, { displaylogo: false, responsive: true });

@@ -30,12 +30,17 @@ export class IncidentsPanel {
   }
 
   async load() {
-    const [incidents, alerts] = await Promise.all([
-      api(`/runs/${this.runId}/incidents?limit=200`),
-      api(`/runs/${this.runId}/alerts?limit=500`),
-    ]);
-    this.incidents = new Map(incidents.map((i) => [i.id, i]));
-    this.alerts = new Map(alerts.map((a) => [a.id, a]));
+    try {
+      const [incidents, alerts] = await Promise.all([
+        api(`/runs/${this.runId}/incidents?limit=200`),
+        api(`/runs/${this.runId}/alerts?limit=500`),
+      ]);
+      this.incidents = new Map(incidents.map((i) => [i.id, i]));
+      this.alerts = new Map(alerts.map((a) => [a.id, a]));
+      this.loadError = null;
+    } catch (err) {
+      this.loadError = err; // shown in the list; what was loaded before (and live alerts) stay
+    }
     this.fill();
     if (this.focus !== null) {
       const item = this.list.querySelector(`li.incident[data-incident-id='${this.focus}']`);
@@ -84,10 +89,11 @@ export class IncidentsPanel {
     this.summary.textContent = incidents.length || orphans.length ? `${open} open, ${incidents.length + orphans.length} in all` : "";
     this.ackAll.disabled = Boolean(reason) || open === 0;
     this.ackAll.title = reason || (open ? "acknowledge every open incident and alert of this run" : "nothing open");
+    const failed = this.loadError ? el("li", { class: "error", id: "incidents-error" }, `Could not load the incidents: ${this.loadError.message}`) : null;
     if (!incidents.length && !orphans.length) {
-      replace(this.list, el("li", { class: "muted" }, "No incidents."));
+      replace(this.list, failed || el("li", { class: "muted" }, "No incidents."));
     } else {
-      replace(this.list, incidents.map((i) => this.incidentItem(i, reason)), orphans.map((a) => el("li", { class: "incident orphan" }, el("ul", { class: "alerts" }, this.alertItem(a, reason, false)))));
+      replace(this.list, failed, incidents.map((i) => this.incidentItem(i, reason)), orphans.map((a) => el("li", { class: "incident orphan" }, el("ul", { class: "alerts" }, this.alertItem(a, reason, false)))));
     }
     this.onChange(this.all().sort((a, b) => b.id - a.id));
   }

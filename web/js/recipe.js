@@ -27,8 +27,11 @@ export function stateText(c) {
 }
 
 export class RecipeEditor {
-  constructor(container, runId) {
+  /** `tensors()`: the run's tensor list (a promise; the page's store fetches it once). */
+  constructor(container, runId, tensors) {
     this.runId = runId;
+    this.tensors = tensors;
+    this.loadError = null;
     this.commands = new Map();
     this.layers = [];
     this.effective = el("div", { id: "recipe-effective" });
@@ -126,12 +129,14 @@ export class RecipeEditor {
   }
 
   async load(run) {
-    const [commands, tensors] = await Promise.all([
-      api(`/runs/${this.runId}/commands`),
-      this.layers.length ? null : api(`/runs/${this.runId}/tensors`),
-    ]);
-    if (tensors) this.layers = [...new Set(tensors.map((t) => t.layer))];
-    this.commands = new Map(commands.map((c) => [c.id, c]));
+    try {
+      const [commands, tensors] = await Promise.all([api(`/runs/${this.runId}/commands`), this.tensors()]);
+      this.layers = [...new Set(tensors.map((t) => t.layer))];
+      this.commands = new Map(commands.map((c) => [c.id, c]));
+      this.loadError = null;
+    } catch (err) {
+      this.loadError = err; // shown in the audit trail; what was loaded before stays
+    }
     this.setRun(run);
   }
 
@@ -170,24 +175,32 @@ export class RecipeEditor {
       input.title = reason || "";
     }
     const commands = [...this.commands.values()].sort((a, b) => b.id - a.id);
+    if (this.loadError) {
+      replace(this.trail, el("tr", { class: "error-row" }, el("td", { colspan: 8, class: "error", id: "commands-error" }, `Could not load the audit trail: ${this.loadError.message}`)),
+        commands.map((c) => this.row(c, reason)));
+      return;
+    }
     if (!commands.length) {
       replace(this.trail, el("tr", {}, el("td", { colspan: 8, class: "muted" }, "No changes yet.")));
       return;
     }
-    replace(this.trail, commands.map((c) => {
-      const back = c.state === "applied"
-        ? el("button", { type: "button", class: "small rollback", disabled: Boolean(reason), title: reason || `undo command ${c.id}` }, "Roll back")
-        : null;
-      if (back) back.addEventListener("click", () => this.rollback(c));
-      return el("tr", { dataset: { commandId: c.id, state: c.state } },
-        el("td", {}, String(c.id)),
-        el("td", { class: "muted" }, new Date(c.created_at).toLocaleTimeString()),
-        el("td", {}, c.created_by),
-        el("td", { class: "name" }, c.target),
-        el("td", {}, c.kind === "rollback" ? `rollback of #${c.rollback_of}: ` : "", changesText(c.changes)),
-        el("td", { class: "muted" }, changesText(c.previous)),
-        el("td", { class: "command-state" }, badge(stateText(c), STATE_KIND[c.state] || "")),
-        el("td", {}, back));
-    }));
+    replace(this.trail, commands.map((c) => this.row(c, reason)));
+  }
+
+  /** One command of the audit trail, with its rollback button when it was applied. */
+  row(c, reason) {
+    const back = c.state === "applied"
+      ? el("button", { type: "button", class: "small rollback", disabled: Boolean(reason), title: reason || `undo command ${c.id}` }, "Roll back")
+      : null;
+    if (back) back.addEventListener("click", () => this.rollback(c));
+    return el("tr", { dataset: { commandId: c.id, state: c.state } },
+      el("td", {}, String(c.id)),
+      el("td", { class: "muted" }, new Date(c.created_at).toLocaleTimeString()),
+      el("td", {}, c.created_by),
+      el("td", { class: "name" }, c.target),
+      el("td", {}, c.kind === "rollback" ? `rollback of #${c.rollback_of}: ` : "", changesText(c.changes)),
+      el("td", { class: "muted" }, changesText(c.previous)),
+      el("td", { class: "command-state" }, badge(stateText(c), STATE_KIND[c.state] || "")),
+      el("td", {}, back));
   }
 }

@@ -3,11 +3,13 @@
 // the recipe editor and the post-mortem, all kept live by the run's event stream.
 
 import { api, auth, num, subscribe } from "./api.js";
-import { badge, el, fmt, mark, panel, plotly, plotlyText, replace, sourceBadge, statusBadge, throttle } from "./dom.js";
+import { badge, deferPlotly, el, fmt, mark, panel, plotly, plotlyText, replace, sourceBadge, statusBadge, throttle } from "./dom.js";
 import { Heatmap, fetchHeatmap } from "./heatmap.js";
+import { afterPaint, curvesPreview } from "./preview.js";
 import { IncidentsPanel, SEVERITY_KIND } from "./incidents.js";
 import { PostMortem } from "./postmortem.js";
 import { RecipeEditor } from "./recipe.js";
+import { RunStore } from "./store.js";
 import { configText, flattenConfig, parseTags } from "./config.js";
 
 function stepSeen(runId, step) {
@@ -54,11 +56,17 @@ function eventText(e) {
   return `${e.details.name} at step ${e.step}${rest.length ? `: ${rest.join(", ")}` : ""}`;
 }
 
+const CURVES_HEIGHT = 340;
+const CURVES_MARGIN = { l: 60, r: 60, t: 10, b: 40 };
+
 /** Loss, lr and grad-norm curves; live loss points are appended; markers for spikes and alerts. */
 class Curves {
-  constructor(container, runId, onDrawn) {
+  /** With `firstPaint`, the first data is drawn on a canvas at once (before plotly.js loads), then
+   * `firstPaint(painted)` is called. */
+  constructor(container, runId, onDrawn, firstPaint = null) {
     this.runId = runId;
     this.onDrawn = onDrawn;
+    this.firstPaint = firstPaint;
     this.plot = el("div", { id: "curves", class: "curves-plot" });
     container.append(this.plot);
     this.loss = { steps: [], values: [] };
@@ -73,7 +81,26 @@ class Curves {
     this.loss = take("loss");
     this.lr = take("lr");
     this.grad = take("grad_norm");
+    if (this.firstPaint && !this.drawn) {
+      const painted = this.firstPaint;
+      this.firstPaint = null;
+      this.paintPreview();
+      painted(Boolean(this.preview));
+    }
     await this.draw();
+  }
+
+  /** The first frame: loss and grad norm in the places plotly draws them (layout below); no interaction. */
+  paintPreview() {
+    if (this.dead) return;
+    this.preview = curvesPreview({
+      width: this.plot.clientWidth || 900, height: CURVES_HEIGHT, margin: CURVES_MARGIN,
+      lines: [
+        { ...this.loss, colour: "#1f77b4", domain: [0.4, 1] },
+        { ...this.grad, colour: "#2ca02c", domain: [0, 0.32] },
+      ],
+    });
+    this.plot.before(this.preview);
   }
 
   /** Loss near `step` (for placing a marker on the curve). */
@@ -138,8 +165,8 @@ class Curves {
     ];
     const shapes = nonfinite.map((s) => ({ type: "line", x0: s, x1: s, yref: "paper", y0: 0.4, y1: 1, line: { color: "#ff00ff", width: 1, dash: "dash" } }));
     const layout = {
-      height: 340,
-      margin: { l: 60, r: 60, t: 10, b: 40 },
+      height: CURVES_HEIGHT,
+      margin: CURVES_MARGIN,
       xaxis: { title: { text: "step" }, anchor: "y2" },
       yaxis: { title: { text: "loss" }, domain: [0.4, 1] },
       yaxis2: { title: { text: "grad norm" }, domain: [0, 0.32] },
@@ -152,6 +179,8 @@ class Curves {
       this.inflight = Plotly.newPlot(this.plot, traces, layout, { displaylogo: false, responsive: true });
       await this.inflight;
       this.drawn = true;
+      if (this.preview) this.preview.remove(); // hand over to plotly's plot, drawn in the same place
+      this.preview = null;
       this.plot.on("plotly_afterplot", () => this.onDrawn("curves"));
       this.onDrawn("curves");
     } else {
@@ -236,7 +265,18 @@ class Scalars {
     const got = {};
     if (fromRun.length) {
       const query = fromRun.map((n) => `name=${encodeURIComponent(n)}`).join("&");
-      const { series } = await api(`/runs/${this.runId}/series/multi?${query}&max_points=1500`);
+      let series;
+      try {
+        ({ series } = await api(`/runs/${this.runId}/series/multi?${query}&max_points=1500`));
+      } catch (err) {
+        this.empty.hidden = false;
+        this.empty.className = "error";
+        this.empty.textContent = `Could not load the scalars: ${err.message}`;
+        return;
+      }
+      this.empty.className = "muted";
+      this.empty.textContent = "Pick the values to chart.";
+      this.empty.hidden = true;
       for (const n of fromRun) got[n] = { steps: series[n].steps, values: series[n].values.map(num) };
     }
     for (const n of chosen.filter((c) => !(c in got) && this.eventNames.includes(c))) {
@@ -339,9 +379,9 @@ class Layers {
   async load() {
     try {
       this.layers = await api(`/runs/${this.runId}/layers`);
+      this.error = null;
     } catch (err) {
-      this.layers = [];
-      console.warn("layers", err);
+      this.error = err; // the last ranking stays, under the error
     }
     this.fill();
   }
@@ -370,6 +410,7 @@ class Layers {
     this.more.textContent = this.showAll ? "Show the 25 worst" : `Show all ${layers.length} layers`;
     replace(
       this.body,
+      this.error ? errorRow(3, "layers-error", `Could not load the layers: ${this.error.message}`) : null,
       shown.map((l) =>
         el(
           "tr",
@@ -381,6 +422,11 @@ class Layers {
       ),
     );
   }
+}
+
+/** A table row that says a request failed (instead of an empty table). */
+export function errorRow(colspan, id, text) {
+  return el("tr", { class: "error-row" }, el("td", { colspan, class: "error", id }, text));
 }
 
 /** A layer's reasons: the first three, the rest folded (a layer can collect dozens). */
@@ -436,15 +482,39 @@ async function drillDown(container, runId, layer, tensors) {
 }
 
 export async function mountRun(container, { runId, incident = null }) {
-  const runRequest = api(`/runs/${runId}`); // in flight while the page is laid out
+  // the page's shared state (run, tensors, events); the panels render from it
+  const store = new RunStore(runId);
+  const runRequest = store.loadRun(); // in flight while the page is laid out
   const drawnAt = {};
+  const paintedAt = {};
+  // the moment a plot's pixels are on screen: after the frame that follows drawing it (canvas or plotly)
+  const onPainted = (kind) => {
+    if (kind in paintedAt) return;
+    paintedAt[kind] = null;
+    afterPaint(() => {
+      paintedAt[kind] = performance.now();
+      window.fp8scope.painted[kind] = paintedAt[kind];
+    });
+  };
   const onDrawn = (kind) => {
     if (!(kind in drawnAt) && dataLoaded[kind]) {
       drawnAt[kind] = performance.now();
       window.fp8scope.drawn[kind] = drawnAt[kind];
+      onPainted(kind);
     }
   };
   const dataLoaded = {};
+  // first paint without plotly.js: the heatmap and the curves on canvases as soon as their data is here;
+  // plotly.js (loaded meanwhile by the page's preload) is compiled only after that frame is on screen
+  const preview = window.fp8scope.preview && !window.Plotly;
+  const firstFrames = { heatmap: null, curves: null };
+  const framed = Object.fromEntries(Object.keys(firstFrames).map((kind) => [kind, new Promise((resolve) => {
+    firstFrames[kind] = (painted) => {
+      if (painted) onPainted(kind);
+      resolve();
+    };
+  })]));
+  if (preview) deferPlotly(Promise.all(Object.values(framed)).then(() => new Promise(afterPaint)));
   const header = el("div", { class: "run-head" });
   const postPanel = panel("Post-mortem");
   postPanel.id = "postmortem";
@@ -472,9 +542,8 @@ export async function mountRun(container, { runId, incident = null }) {
     el("div", { class: "two-col" }, configPanel, recipePanel),
   );
 
-  const state = { run: null };
   function renderHeader() {
-    const r = state.run;
+    const r = store.get("run");
     replace(
       header,
       el("h1", { id: "run-name" }, r.name),
@@ -492,50 +561,54 @@ export async function mountRun(container, { runId, incident = null }) {
       el("a", { href: `#/compare?a=${r.id}`, class: "small" }, "Compare with another run…"),
     );
   }
-  const curves = new Curves(curvesPanel, runId, onDrawn);
+  const curves = new Curves(curvesPanel, runId, onDrawn, preview ? firstFrames.curves : null);
   const scalars = new Scalars(scalarsPanel, runId);
-  const config = new ConfigPanel(configPanel, runId, (run) => {
-    state.run = run;
-    renderHeader();
-    config.fill(run);
-  });
-  const heatmap = new Heatmap(heatPanel, { runId, onDrawn });
-  const drillTensors = { list: null };
+  const config = new ConfigPanel(configPanel, runId, (run) => store.set("run", run));
+  const heatmap = new Heatmap(heatPanel, { runId, onDrawn, firstPaint: preview ? firstFrames.heatmap : null });
   const layers = new Layers(layersPanel, runId, async (layer) => {
     drillPanel.hidden = false;
     try {
-      if (!drillTensors.list) drillTensors.list = await api(`/runs/${runId}/tensors`);
-      await drillDown(drillPanel, runId, layer, drillTensors.list);
+      await drillDown(drillPanel, runId, layer, await store.tensors());
       drillPanel.scrollIntoView({ behavior: "smooth", block: "start" });
     } catch (err) {
       replace(drillPanel, el("p", { class: "error" }, `drill-down failed: ${err.message}`));
     }
-  }, () => alerts.all());
-  let events = [];
+  }, () => store.get("alerts"));
   const post = new PostMortem(postPanel, runId, heatmap);
   const alerts = new IncidentsPanel(alertsPanel, runId, {
     focus: incident,
-    onChange: (list) => {
-      curves.setMarkers(list, events);
-      post.update(state.run, list, events);
-    },
+    onChange: (list) => store.set("alerts", list),
   });
-  const recipe = new RecipeEditor(recipePanel, runId);
+  // the alerts (kept by the incidents panel, which loads them and takes the live ones) as markers on the
+  // curves, in the post-mortem, and counted at once in the layers' ranking
+  store.subscribe("alerts", (list, s) => {
+    curves.setMarkers(list, s.get("events"));
+    post.update(s.get("run"), list, s.get("events"));
+    layers.fill();
+  });
+  const recipe = new RecipeEditor(recipePanel, runId, () => store.tensors());
 
-  const loadEvents = async () => {
-    try {
-      events = await api(`/runs/${runId}/events?limit=1000`);
-    } catch (err) {
-      console.warn("events", err);
-    }
-  };
-  const refreshRun = throttle(async () => {
-    state.run = await api(`/runs/${runId}`);
-    if (state.run.last_step !== null) stepSeen(runId, state.run.last_step);
+  // until the first loads are done only the header follows the run; the panels are filled in order below
+  let ready = false;
+  store.subscribe("run", (run) => {
+    if (!run) return; // the first request failed: the page reports it
     renderHeader();
-    recipe.setRun(state.run);
-    config.fill(state.run);
-    scalars.setSources(state.run, events);
+    if (!ready) return;
+    recipe.setRun(run);
+    config.fill(run);
+    scalars.setSources(run, store.get("events"));
+    post.update(run, store.get("alerts"), store.get("events"));
+  });
+  store.subscribe("events", (events, s) => {
+    if (s.error("events")) console.warn("events", s.error("events"));
+    if (!ready) return;
+    post.update(s.get("run"), s.get("alerts"), events);
+    curves.setMarkers(s.get("alerts"), events);
+    scalars.setSources(s.get("run"), events);
+  });
+  const refreshRun = throttle(async () => {
+    const run = await store.loadRun();
+    if (run.last_step !== null) stepSeen(runId, run.last_step);
   }, 1000);
   // every trace follows a live run: the curves and the picked scalars are re-read every few seconds
   const refreshCurves = throttle(() => {
@@ -552,7 +625,7 @@ export async function mountRun(container, { runId, incident = null }) {
   const onAuth = () => {
     alerts.fill();
     recipe.fill();
-    if (state.run) config.fill(state.run);
+    if (store.get("run")) config.fill(store.get("run"));
   };
   auth.listeners.add(onAuth);
   // first paint: heatmap and curves in parallel with the panels
@@ -564,31 +637,34 @@ export async function mountRun(container, { runId, incident = null }) {
     dataLoaded.curves = true;
     onDrawn("curves");
   });
-  // when the run itself cannot be read (e.g. 401) these fail too; that failure is reported once, below
-  heatLoad.catch(() => {});
-  curvesLoad.catch(() => {});
+  // when the run itself cannot be read (e.g. 401) these fail too; that failure is reported once, below.
+  // A failed load has no first frame: plotly.js is not held back for it.
+  heatLoad.catch(() => firstFrames.heatmap(false));
+  curvesLoad.catch(() => firstFrames.curves(false));
   let run;
   try {
-    run = state.run = await runRequest;
+    run = await runRequest;
   } catch (err) {
     auth.listeners.delete(onAuth);
     heatmap.close();
     curves.close();
     throw err;
   }
-  renderHeader();
   // the panels' requests go out once the plots have their data: they would compete with those for the
   // server's time and delay the first full paint
   await Promise.all([heatLoad, curvesLoad]);
+  // the heatmap's header carries the tensor list: the page needs no request of its own for it
+  if (heatmap.data && !store.get("tensors")) store.set("tensors", heatmap.data.tensors);
   config.fill(run);
   await Promise.all([
-    Promise.all([loadEvents(), post.loadNonfinite()]).then(() => {
-      scalars.setSources(state.run, events);
+    Promise.all([store.loadEvents(), post.loadNonfinite()]).then(() => {
+      scalars.setSources(store.get("run"), store.get("events"));
       return Promise.all([alerts.load(), scalars.load()]);
     }),
     layers.load(),
     recipe.load(run),
   ]);
+  ready = true;
 
   let opens = 0;
   const pendingLoss = [];
@@ -599,7 +675,7 @@ export async function mountRun(container, { runId, incident = null }) {
     `/runs/${runId}/stream`,
     {
       step(d) {
-        const r = state.run;
+        const r = store.get("run");
         if (r.last_step === null || d.step > r.last_step) {
           r.last_step = d.step;
           r.last_loss = d.loss;
@@ -616,7 +692,6 @@ export async function mountRun(container, { runId, incident = null }) {
       },
       alert(a) {
         alerts.upsertAlert(a);
-        layers.fill(); // at once, from the alert itself; the ranking follows
         refreshLayers();
         refreshRun();
       },
@@ -629,18 +704,11 @@ export async function mountRun(container, { runId, incident = null }) {
         if (c.state === "applied") refreshRun();
       },
       event(e) {
-        events.push({ ...e, id: `live-${events.length}` });
-        post.update(state.run, alerts.all(), events);
-        curves.setMarkers(alerts.all(), events);
-        scalars.setSources(state.run, events);
+        store.pushEvent(e);
         refreshCurves();
       },
       run(d) {
-        if (d.status) state.run.status = d.status;
-        if (d.name) state.run.name = d.name;
-        renderHeader();
-        recipe.setRun(state.run);
-        post.update(state.run, alerts.all(), events);
+        store.set("run", { ...store.get("run"), ...(d.status ? { status: d.status } : {}), ...(d.name ? { name: d.name } : {}) });
         refreshRun(); // tags, scalar names
       },
     },
@@ -650,7 +718,7 @@ export async function mountRun(container, { runId, incident = null }) {
         if (opens++) {
           // reconnected: catch up on what the stream missed meanwhile
           alerts.load();
-          recipe.load(state.run);
+          recipe.load(store.get("run"));
           refreshHeatmap();
         }
       },

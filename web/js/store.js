@@ -1,0 +1,93 @@
+// The run page's shared state: the run, its tensors, events and alerts, each with the error of its last failed
+// request; panels subscribe to the keys they render from and are notified on every change, so no panel
+// keeps a private copy (as TodoMVC's store). The tensor list is fetched once per page (or taken from the
+// heatmap's header, which carries it) and shared by the recipe editor and the drill-down.
+
+import { api } from "./api.js";
+
+export class RunStore {
+  constructor(runId) {
+    this.runId = runId;
+    this.state = { run: null, tensors: null, events: [], alerts: [] };
+    this.errors = {}; // key -> the Error of its last failed request (cleared by the next set)
+    this.listeners = new Map(); // key -> Set of fn(value, store)
+    this.tensorsRequest = null;
+  }
+
+  get(key) {
+    return this.state[key];
+  }
+
+  error(key) {
+    return this.errors[key] || null;
+  }
+
+  set(key, value) {
+    this.state[key] = value;
+    delete this.errors[key];
+    this.notify(key);
+  }
+
+  /** Record a failed request for `key` (its panels show an error state); the value is kept. */
+  fail(key, err) {
+    this.errors[key] = err;
+    this.notify(key);
+  }
+
+  /** Call `fn(value, store)` on every change of one of `keys`; returns the unsubscribe function. */
+  subscribe(keys, fn) {
+    for (const key of [].concat(keys)) {
+      if (!this.listeners.has(key)) this.listeners.set(key, new Set());
+      this.listeners.get(key).add(fn);
+    }
+    return () => {
+      for (const key of [].concat(keys)) this.listeners.get(key).delete(fn);
+    };
+  }
+
+  notify(key) {
+    for (const fn of this.listeners.get(key) || []) fn(this.state[key], this);
+  }
+
+  /** The run's tensors, fetched at most once (a failed request is retried on the next call). */
+  tensors() {
+    if (this.state.tensors) return Promise.resolve(this.state.tensors);
+    this.tensorsRequest ||= api(`/runs/${this.runId}/tensors`).then(
+      (tensors) => {
+        if (!this.state.tensors) this.set("tensors", tensors);
+        return this.state.tensors;
+      },
+      (err) => {
+        this.tensorsRequest = null;
+        this.fail("tensors", err);
+        throw err;
+      },
+    );
+    return this.tensorsRequest;
+  }
+
+  /** GET /runs/{id}; failures are recorded and rethrown. */
+  async loadRun() {
+    try {
+      this.set("run", await api(`/runs/${this.runId}`));
+    } catch (err) {
+      this.fail("run", err);
+      throw err;
+    }
+    return this.state.run;
+  }
+
+  /** The run's events (the newest 1000); a failure is recorded, not thrown. */
+  async loadEvents() {
+    try {
+      this.set("events", await api(`/runs/${this.runId}/events?limit=1000`));
+    } catch (err) {
+      this.fail("events", err);
+    }
+  }
+
+  /** A live event from the stream. */
+  pushEvent(e) {
+    this.set("events", [...this.state.events, { ...e, id: `live-${this.state.events.length}` }]);
+  }
+}
