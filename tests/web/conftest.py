@@ -9,19 +9,14 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-_ROOT = str(Path(__file__).resolve().parents[2])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-from tests.server.utils import ServerProcess  # noqa: E402
-from tests.web.browser import CHROMIUM, CHROMIUM_ARGS, VIEWPORT  # noqa: E402
+from tests.server.utils import ServerProcess
+from tests.web.browser import CHROMIUM, CHROMIUM_ARGS, VIEWPORT
 
 REQUIRE_BROWSER = os.environ.get("FP8SCOPE_REQUIRE_BROWSER") == "1"
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
