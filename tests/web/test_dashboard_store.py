@@ -45,6 +45,7 @@ def test_tensor_list_is_not_fetched_per_panel(server, page):
         ("/layers", "#layers-error", "Could not load the layers"),
         ("/incidents", "#incidents-error", "Could not load the incidents"),
         ("/commands", "#commands-error", "Could not load the audit trail"),
+        ("/events", "#events-error", "Could not load the run's events"),
     ],
 )
 def test_failed_request_shows_error_in_its_panel(server, page, path, selector, text):

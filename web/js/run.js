@@ -599,8 +599,14 @@ export async function mountRun(container, { runId, incident = null }) {
     scalars.setSources(run, store.get("events"));
     post.update(run, store.get("alerts"), store.get("events"));
   });
+  // the events feed the curves' markers and evaluation curve, the scalars picker and the post-mortem: a
+  // failed request says so under the curves (the rest still draws, without them)
+  const eventsError = el("p", { class: "error", id: "events-error", hidden: true });
+  curvesPanel.append(eventsError);
   store.subscribe("events", (events, s) => {
-    if (s.error("events")) console.warn("events", s.error("events"));
+    const failed = s.error("events");
+    eventsError.hidden = !failed;
+    eventsError.textContent = failed ? `Could not load the run's events (markers, evaluations): ${failed.message}` : "";
     if (!ready) return;
     post.update(s.get("run"), s.get("alerts"), events);
     curves.setMarkers(s.get("alerts"), events);
