@@ -27,18 +27,17 @@ export function stateText(c) {
 }
 
 export class RecipeEditor {
-  /** `tensors()`: the run's tensor list (a promise; the page's store fetches it once). */
-  constructor(container, runId, tensors) {
+  /** `store`: the page's RunStore; its tensor list (fetched once) and its commands, which this renders. */
+  constructor(container, runId, store) {
     this.runId = runId;
-    this.tensors = tensors;
-    this.loadError = null;
-    this.commands = new Map();
+    this.store = store;
     this.layers = [];
     this.effective = el("div", { id: "recipe-effective" });
     this.note = el("p", { class: "muted readonly-note", id: "recipe-readonly" });
     this.error = el("p", { class: "error", id: "recipe-error" });
     this.trail = el("tbody");
     this.form = this.buildForm();
+    store.subscribe("commands", () => this.fill()); // POST answers, the stream and reloads all land there
     container.append(
       el("div", { class: "two-col" },
         el("div", {}, el("h3", {}, "In force"), this.effective),
@@ -110,7 +109,7 @@ export class RecipeEditor {
     this.submit.disabled = true;
     try {
       const command = await api(`/runs/${this.runId}/commands`, { method: "POST", body: { target: this.inputs.target.value, changes } });
-      this.upsert(command);
+      this.store.upsertCommand(command);
       this.form.reset();
     } catch (err) {
       this.error.textContent = `The server refused the change: ${err.detail || err.message}`;
@@ -122,34 +121,24 @@ export class RecipeEditor {
   async rollback(command) {
     this.error.textContent = "";
     try {
-      this.upsert(await api(`/runs/${this.runId}/commands`, { method: "POST", body: { rollback: command.id } }));
+      this.store.upsertCommand(await api(`/runs/${this.runId}/commands`, { method: "POST", body: { rollback: command.id } }));
     } catch (err) {
       this.error.textContent = `Rollback refused: ${err.detail || err.message}`;
     }
   }
 
   async load(run) {
+    await this.store.loadCommands(); // a failure is shown in the audit trail; what was loaded before stays
     try {
-      const [commands, tensors] = await Promise.all([api(`/runs/${this.runId}/commands`), this.tensors()]);
-      this.layers = [...new Set(tensors.map((t) => t.layer))];
-      this.commands = new Map(commands.map((c) => [c.id, c]));
-      this.loadError = null;
-    } catch (err) {
-      this.loadError = err; // shown in the audit trail; what was loaded before stays
+      this.layers = [...new Set((await this.store.tensors()).map((t) => t.layer))];
+    } catch {
+      // the tensor list failed: the store has it as an error; the model stays a target
     }
     this.setRun(run);
   }
 
   setRun(run) {
     this.run = run;
-    this.fill();
-  }
-
-  upsert(command) {
-    const old = this.commands.get(command.id);
-    // stream events may arrive out of order with the POST answer: never step a state back
-    const rank = { pending: 0, delivered: 1, applied: 2, rejected: 2 };
-    if (!old || rank[command.state] >= rank[old.state]) this.commands.set(command.id, command);
     this.fill();
   }
 
@@ -174,9 +163,10 @@ export class RecipeEditor {
       input.disabled = Boolean(reason);
       input.title = reason || "";
     }
-    const commands = [...this.commands.values()].sort((a, b) => b.id - a.id);
-    if (this.loadError) {
-      replace(this.trail, el("tr", { class: "error-row" }, el("td", { colspan: 8, class: "error", id: "commands-error" }, `Could not load the audit trail: ${this.loadError.message}`)),
+    const commands = [...this.store.get("commands").values()].sort((a, b) => b.id - a.id);
+    const loadError = this.store.error("commands");
+    if (loadError) {
+      replace(this.trail, el("tr", { class: "error-row" }, el("td", { colspan: 8, class: "error", id: "commands-error" }, `Could not load the audit trail: ${loadError.message}`)),
         commands.map((c) => this.row(c, reason)));
       return;
     }

@@ -586,7 +586,7 @@ export async function mountRun(container, { runId, incident = null }) {
     post.update(s.get("run"), list, s.get("events"));
     layers.fill();
   });
-  const recipe = new RecipeEditor(recipePanel, runId, () => store.tensors());
+  const recipe = new RecipeEditor(recipePanel, runId, store);
 
   // until the first loads are done only the header follows the run; the panels are filled in order below
   let ready = false;
@@ -706,7 +706,7 @@ export async function mountRun(container, { runId, incident = null }) {
         refreshRun();
       },
       command(c) {
-        recipe.upsert(c);
+        store.upsertCommand(c);
         if (c.state === "applied") refreshRun();
       },
       event(e) {
@@ -724,7 +724,7 @@ export async function mountRun(container, { runId, incident = null }) {
         if (opens++) {
           // reconnected: catch up on what the stream missed meanwhile
           alerts.load();
-          recipe.load(store.get("run"));
+          store.loadCommands();
           refreshHeatmap();
         }
       },

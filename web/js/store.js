@@ -1,4 +1,4 @@
-// The run page's shared state: the run, its tensors, events and alerts, each with the error of its last failed
+// The run page's shared state: the run, its tensors, events, alerts and recipe commands, each with the error of its last failed
 // request; panels subscribe to the keys they render from and are notified on every change, so no panel
 // keeps a private copy (as TodoMVC's store). The tensor list is fetched once per page (or taken from the
 // heatmap's header, which carries it) and shared by the recipe editor and the drill-down.
@@ -8,7 +8,7 @@ import { api } from "./api.js";
 export class RunStore {
   constructor(runId) {
     this.runId = runId;
-    this.state = { run: null, tensors: null, events: [], alerts: [] };
+    this.state = { run: null, tensors: null, events: [], alerts: [], commands: new Map() };
     this.errors = {}; // key -> the Error of its last failed request (cleared by the next set)
     this.listeners = new Map(); // key -> Set of fn(value, store)
     this.tensorsRequest = null;
@@ -84,6 +84,27 @@ export class RunStore {
     } catch (err) {
       this.fail("events", err);
     }
+  }
+
+  /** The run's recipe commands (id -> command); a failure is recorded (the audit trail shows it), not thrown. */
+  async loadCommands() {
+    try {
+      const commands = await api(`/runs/${this.runId}/commands`);
+      this.set("commands", new Map(commands.map((c) => [c.id, c])));
+    } catch (err) {
+      this.fail("commands", err);
+    }
+  }
+
+  /** A command from a POST answer or the stream. The two may arrive in either order: a state is never
+   * stepped back (pending -> delivered -> applied / rejected). */
+  upsertCommand(command) {
+    const commands = this.state.commands;
+    const old = commands.get(command.id);
+    const rank = { pending: 0, delivered: 1, applied: 2, rejected: 2 };
+    if (old && rank[command.state] < rank[old.state]) return;
+    this.state.commands = new Map(commands).set(command.id, command);
+    this.notify("commands"); // a failed load stays reported: the trail may still lack older commands
   }
 
   /** A live event from the stream. */
