@@ -451,11 +451,19 @@ class Sender(threading.Thread):
     def _finish(self) -> None:
         """Final status: PATCH it, or keep it in the spool; close or delete the spool."""
         status = self.final_status
-        if (
+        if self.spooling and self.run_id is not None:
+            # the service answered earlier in this run and is away now (a restart, say): keep trying to
+            # deliver what was spooled, and the status, until close_timeout, instead of one last try
+            while time.monotonic() < self._stop_at:
+                if self._drain_spool():
+                    self.spooling = False
+                    break
+                time.sleep(min(0.25, max(0.0, self._stop_at - time.monotonic())))
+        elif (
             self.spooling
             and time.monotonic() < self._stop_at
-            and (self.run_id is not None or self._register())
-            and self._drain_spool()  # one last try to deliver what was spooled during this run
+            and self._register()
+            and self._drain_spool()  # never reached during the run: one last try
         ):
             self.spooling = False
         patched = False

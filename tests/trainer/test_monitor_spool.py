@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
 
 import httpx
@@ -194,3 +195,36 @@ def test_stalled_service_caps_buffered_steps_and_loses_nothing(tmp_path, caplog)
         assert get(server.url, f"/runs/{run_id}")["status"] == "finished"
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_job_that_ends_while_the_service_restarts_still_delivers_everything(tmp_path):
+    """The job ends during an outage of a service that answered earlier in the run (killed, restarting):
+    close keeps trying until close_timeout instead of one last try, so the spooled steps and the final
+    status reach the service once it is back, and no spool is left behind."""
+    server = ServerProcess(f"sqlite:///{tmp_path / 'm.db'}").start()
+    spool = tmp_path / "run.jsonl"
+    model, recipe = tiny_model()
+    restarted = None
+    try:
+        mon = Monitor(
+            server.url, "ends-in-outage", model, recipe, spool_path=spool, close_timeout=30.0, **FAST
+        )
+        seen = train(model, recipe, mon, 5)
+        assert wait_until(lambda: any(r["steps_stored"] >= 3 for r in get(server.url, "/runs")))
+        server.stop(signal.SIGKILL)
+        seen |= train(model, recipe, mon, 5, start=6)
+        assert wait_until(lambda: mon.spooling)  # the outage is noticed before the job ends
+        # the job ends now, while the service is down; the service comes back only afterwards
+        closing = threading.Thread(target=mon.close)
+        closing.start()
+        restarted = ServerProcess(server.db_url, log_path=server.log_path, port=server.port).start()
+        closing.join(60)
+        assert not closing.is_alive()
+        run = get(restarted.url, "/runs")[0]
+        assert run["status"] == "finished"
+        assert_stored_equal(restarted.url, run["id"], seen)
+        assert not spool.exists()  # everything delivered: nothing for a later upload
+    finally:
+        if restarted is not None:
+            restarted.stop()
