@@ -31,7 +31,7 @@ from ..convert import convert_to_fp8
 from ..linear import Linear
 from ..shadow import HookedState
 
-__all__ = ["TrainerBridge"]
+__all__ = ["BridgeCallback", "TrainerBridge"]
 
 log = logging.getLogger("fp8scope.integrations")
 
@@ -113,3 +113,37 @@ class TrainerBridge:
         if self.monitor is not None:
             self.monitor.close(status)
             self.monitor = None
+
+
+class BridgeCallback:
+    """The constructor and ``monitor`` of the trainer callbacks (Hugging Face, Lightning): each owns one
+    ``TrainerBridge``; a trainer's own callback base comes after this one in the class's bases.
+
+    Args:
+        url: the monitor service root; ``None``: ``FP8SCOPE_URL``.
+        run_name: the run's name; ``None``: the trainer's own name for the run (see each callback).
+        recipe: train in FP8 with this recipe (the model is converted with ``convert_to_fp8`` unless it
+            has FP8 layers already).
+        shadow: keep the model as it is and record FP8 what-if statistics under this recipe.
+        module_filter_fn: ``(module, fqn) -> bool``: the layers to convert or shadow (e.g. not ``lm_head``).
+        token: bearer token; ``None``: ``FP8SCOPE_TOKEN`` / ``FP8SCOPE_TOKEN_FILE``.
+        **monitor_kwargs: passed to ``Monitor`` (``spool_path``, ``fail_fast``, tuning).
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        run_name: str | None = None,
+        recipe=None,
+        shadow=None,
+        module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+        token: str | None = None,
+        **monitor_kwargs: Any,
+    ):
+        self.bridge = TrainerBridge(url, run_name, recipe, shadow, module_filter_fn, token, **monitor_kwargs)
+        self._lr: float | None = None  # the learning rate of the optimizer step in progress
+
+    @property
+    def monitor(self):
+        """The run's ``Monitor`` (``None`` before training starts and after it ends)."""
+        return self.bridge.monitor

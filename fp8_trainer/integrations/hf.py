@@ -26,49 +26,21 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable
-from typing import Any
 
 from torch import nn
 from transformers import TrainerCallback
 
-from .common import TrainerBridge
+from .common import BridgeCallback
 
 __all__ = ["Fp8ScopeCallback"]
 
 
-class Fp8ScopeCallback(TrainerCallback):
-    """Monitor a Hugging Face ``Trainer`` run with fp8scope (see the module docstring).
-
-    Args:
-        url: the monitor service root; ``None``: ``FP8SCOPE_URL``.
-        run_name: the run's name; default ``TrainingArguments.run_name`` (else its ``output_dir``).
-        recipe: train in FP8 with this recipe (the model is converted with ``convert_to_fp8`` unless it
-            has FP8 layers already).
-        shadow: keep the model as it is and record FP8 what-if statistics under this recipe.
-        module_filter_fn: ``(module, fqn) -> bool``: the layers to convert or shadow (e.g. not ``lm_head``).
-        token: bearer token; ``None``: ``FP8SCOPE_TOKEN`` / ``FP8SCOPE_TOKEN_FILE``.
-        **monitor_kwargs: passed to ``Monitor`` (``spool_path``, ``fail_fast``, tuning).
+class Fp8ScopeCallback(BridgeCallback, TrainerCallback):
+    """Monitor a Hugging Face ``Trainer`` run with fp8scope (see the module docstring). Arguments: those of
+    ``BridgeCallback``; ``run_name`` defaults to ``TrainingArguments.run_name`` (else its ``output_dir``).
     """
 
-    def __init__(
-        self,
-        url: str | None = None,
-        run_name: str | None = None,
-        recipe=None,
-        shadow=None,
-        module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
-        token: str | None = None,
-        **monitor_kwargs: Any,
-    ):
-        self.bridge = TrainerBridge(url, run_name, recipe, shadow, module_filter_fn, token, **monitor_kwargs)
-        self._grad_accum = 1
-        self._lr: float | None = None
-
-    @property
-    def monitor(self):
-        """The run's ``Monitor`` (``None`` before training starts and after it ends)."""
-        return self.bridge.monitor
+    _grad_accum = 1  # TrainingArguments.gradient_accumulation_steps, read at train begin
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         config = json.loads(args.to_json_string())  # JSON-able, tokens already masked

@@ -21,50 +21,21 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable
-from typing import Any
 
 from lightning.pytorch.callbacks import Callback
-from torch import nn
 
-from .common import TrainerBridge
+from .common import BridgeCallback
 
 __all__ = ["Fp8ScopeCallback"]
 
 
-class Fp8ScopeCallback(Callback):
-    """Monitor a Lightning run with fp8scope (see the module docstring).
-
-    Args:
-        url: the monitor service root; ``None``: ``FP8SCOPE_URL``.
-        run_name: the run's name; default the LightningModule's class name.
-        recipe: train in FP8 with this recipe (the module is converted with ``convert_to_fp8`` unless it
-            has FP8 layers already).
-        shadow: keep the model as it is and record FP8 what-if statistics under this recipe.
-        module_filter_fn: ``(module, fqn) -> bool``: the layers to convert or shadow.
-        token: bearer token; ``None``: ``FP8SCOPE_TOKEN`` / ``FP8SCOPE_TOKEN_FILE``.
-        **monitor_kwargs: passed to ``Monitor`` (``spool_path``, ``fail_fast``, tuning).
+class Fp8ScopeCallback(BridgeCallback, Callback):
+    """Monitor a Lightning run with fp8scope (see the module docstring). Arguments: those of
+    ``BridgeCallback``; ``run_name`` defaults to the LightningModule's class name.
     """
 
-    def __init__(
-        self,
-        url: str | None = None,
-        run_name: str | None = None,
-        recipe=None,
-        shadow=None,
-        module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
-        token: str | None = None,
-        **monitor_kwargs: Any,
-    ):
-        self.bridge = TrainerBridge(url, run_name, recipe, shadow, module_filter_fn, token, **monitor_kwargs)
-        self._region: contextlib.ExitStack | None = None
-        self._reported = 0
-        self._lr: float | None = None
-
-    @property
-    def monitor(self):
-        """The run's ``Monitor`` (``None`` before fitting starts and after it ends)."""
-        return self.bridge.monitor
+    _region: contextlib.ExitStack | None = None  # the FP8 region of the batch in progress
+    _reported = 0  # the last global step reported
 
     def on_fit_start(self, trainer, pl_module) -> None:
         config = {
