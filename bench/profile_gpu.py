@@ -28,6 +28,7 @@ import sys
 import time
 
 import torch
+from gpu_timing import sync
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
@@ -35,11 +36,6 @@ import fp8_trainer
 from fp8_trainer.model import GPT, fp8_filter, preset_config
 
 RECIPES = {"delayed": fp8_trainer.DelayedScaling, "current": fp8_trainer.CurrentScaling}
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def linear_step(layer: nn.Module, recipe, x: torch.Tensor, g: torch.Tensor) -> None:

@@ -37,25 +37,29 @@ _D = TrainConfig()  # the defaults the flags show
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fp8-train", description=__doc__.replace("``", ""))
     g = p.add_argument_group("model and data")
-    g.add_argument("--preset", choices=list(PRESETS), default=_D.preset, help="model size (default tiny)")
+    g.add_argument(
+        "--preset", choices=list(PRESETS), default=_D.preset, help="model size (default %(default)s)"
+    )
     g.add_argument("--data", help="text file (bytes) or .bin of uint16 token ids; default: stdlib source")
     g.add_argument(
         "--batch-size",
         type=int,
         default=_D.batch_size,
-        help="sequences per micro-batch and rank (default 16)",
+        help="sequences per micro-batch and rank (default %(default)s)",
     )
-    g.add_argument("--seq-len", type=int, default=_D.seq_len, help="tokens per sequence (default 64)")
+    g.add_argument(
+        "--seq-len", type=int, default=_D.seq_len, help="tokens per sequence (default %(default)s)"
+    )
     g.add_argument("--seed", type=int, default=_D.seed, help="weights, data order; a run is repeatable")
     g.add_argument("--device", choices=("cpu", "cuda"), default=_D.device)
     g.add_argument("--activation-checkpointing", choices=CHECKPOINT_MODES,
                    default=_D.activation_checkpointing,
                    help="recompute each block in backward (torch.utils.checkpoint); the FP8 layers recompute "
-                        "in FP8 with the original scales (default none)")  # fmt: skip
+                        "in FP8 with the original scales (default %(default)s)")  # fmt: skip
 
     g = p.add_argument_group("FP8 recipe")
     g.add_argument("--recipe", choices=("delayed", "current", "bf16", "fp32"), default=_D.recipe,
-                   help="FP8 scaling, or a baseline without FP8 (default delayed)")  # fmt: skip
+                   help="FP8 scaling, or a baseline without FP8 (default %(default)s)")  # fmt: skip
     g.add_argument("--fp8-format", choices=("hybrid", "e4m3"), default=None, help="default: hybrid")
     g.add_argument("--margin", type=int, default=None, help="delayed scaling margin (default 0)")
     g.add_argument("--amax-history-len", type=int, default=None, help=f"default {HISTORY_LEN}")
@@ -65,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="current scaling: round each scale down to a power of two")  # fmt: skip
 
     g = p.add_argument_group("optimization")
-    g.add_argument("--steps", type=int, default=_D.steps, help="optimizer steps (default 200)")
+    g.add_argument("--steps", type=int, default=_D.steps, help="optimizer steps (default %(default)s)")
     g.add_argument("--grad-accum", type=int, default=_D.grad_accum, help="micro-batches per optimizer step")
     g.add_argument("--lr", type=float, default=_D.lr, help="peak learning rate (AdamW)")
     g.add_argument("--min-lr", type=float, default=None, help="final learning rate (default lr / 10)")
