@@ -16,20 +16,11 @@ from torch import nn
 import fp8_trainer
 from fp8_trainer.convert import get_fp8_state
 from fp8_trainer.linear import fused_transposes
+from tests.gpu_support import FP8_GPU
 
 RECIPES = {"delayed": fp8_trainer.DelayedScaling(), "current": fp8_trainer.CurrentScaling()}
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not (
-            torch.cuda.is_available()
-            and torch.cuda.get_device_capability() >= (8, 9)
-            and fp8_kernels.triton_available()
-        ),
-        reason="needs a CUDA GPU with FP8 support (sm_89+) and triton",
-    ),
-]
+pytestmark = FP8_GPU
 
 
 @pytest.mark.parametrize("case", kernel_cases.case_names("cuda"))

@@ -3,7 +3,6 @@ captured in a CUDA graph and replayed trains as the same steps run eagerly, the 
 replayed step, and a recipe change between replays is captured again and takes effect. Skips without an
 sm_89+ GPU."""
 
-import fp8_kernels
 import pytest
 import torch
 from torch import nn
@@ -11,18 +10,9 @@ from torch import nn
 import fp8_trainer
 from fp8_trainer.convert import get_fp8_state
 from fp8_trainer.graphs import GraphedStep
+from tests.gpu_support import FP8_GPU
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not (
-            torch.cuda.is_available()
-            and torch.cuda.get_device_capability() >= (8, 9)
-            and fp8_kernels.triton_available()
-        ),
-        reason="needs a CUDA GPU with FP8 support (sm_89+) and triton",
-    ),
-]
+pytestmark = FP8_GPU
 
 STEPS = 7
 BUFFERS = ("amax_history", "scale", "scale_inv", "last_stats", "step_t")
