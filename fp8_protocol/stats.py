@@ -4,13 +4,44 @@ from __future__ import annotations
 
 import math
 
-#: The columns of every statistics row, table and telemetry step, in this order.
-STAT_COLUMNS: tuple[str, ...] = ("amax", "scale", "overflow", "underflow", "nonfinite", "numel")
+import numpy as np
+
+#: The columns every statistics row has and every telemetry step with statistics must carry, in this order.
+BASE_COLUMNS: tuple[str, ...] = ("amax", "scale", "overflow", "underflow", "nonfinite", "numel")
+#: Quantization-quality columns, computed in the same pass that quantizes (all four or none in a step):
+#: ``sum_sq`` Σx² and ``err_sq`` Σ(q(x)−x)² over the finite values, in the tensor's own units (q(x) is the
+#: value after the FP8 round trip: scaled, cast with saturation, unscaled); ``subnormal`` how many values land
+#: on a non-zero FP8 subnormal (|x·scale| below the format's smallest normal, not flushed to zero);
+#: ``min_abs`` the smallest non-zero finite |x| (+inf when there is none). A sender that does not compute
+#: them (an older client, a caller's own statistics) leaves them out; the service accepts either.
+QUALITY_COLUMNS: tuple[str, ...] = ("sum_sq", "err_sq", "subnormal", "min_abs")
+#: The columns of a statistics row, table and telemetry step, in this order.
+STAT_COLUMNS: tuple[str, ...] = BASE_COLUMNS
 #: Column positions, by name (``row[AMAX]``).
-AMAX, SCALE, OVERFLOW, UNDERFLOW, NONFINITE, NUMEL = range(len(STAT_COLUMNS))
+AMAX, SCALE, OVERFLOW, UNDERFLOW, NONFINITE, NUMEL = range(len(BASE_COLUMNS))
+SUM_SQ, ERR_SQ, SUBNORMAL, MIN_ABS = range(len(BASE_COLUMNS), len(BASE_COLUMNS) + len(QUALITY_COLUMNS))
+#: How each column merges over micro-steps and ranks: the largest, the smallest, or the sum.
+#: (``scale`` is the scale used, the same on every rank and micro-step of a step: max keeps it.)
+MERGE: dict[str, str] = {
+    "amax": "max",
+    "scale": "max",
+    "overflow": "sum",
+    "underflow": "sum",
+    "nonfinite": "sum",
+    "numel": "sum",
+    "sum_sq": "sum",
+    "err_sq": "sum",
+    "subnormal": "sum",
+    "min_abs": "min",
+}
 
 #: Largest finite value of each FP8 format (E5M2: 57344, not 57334).
 FP8_MAX: dict[str, float] = {"e4m3": 448.0, "e5m2": 57344.0}
+#: Smallest normal and smallest subnormal magnitude of each FP8 format.
+FP8_MIN_NORMAL: dict[str, float] = {"e4m3": 2.0**-6, "e5m2": 2.0**-14}
+FP8_MIN_SUBNORMAL: dict[str, float] = {"e4m3": 2.0**-9, "e5m2": 2.0**-16}
+#: The range a format spans, in binades: log2(max / smallest subnormal) (E4M3 17.8, E5M2 31.8).
+FP8_RANGE_BINADES: dict[str, float] = {f: math.log2(FP8_MAX[f] / FP8_MIN_SUBNORMAL[f]) for f in FP8_MAX}
 
 #: How JSON spells the non-finite floats (JSON itself has no NaN or Infinity).
 NONFINITE_SPELLING: dict[str, float] = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
@@ -26,3 +57,42 @@ def encode_float(x: float) -> float | str:
     if x == -math.inf:
         return "-Infinity"
     return x
+
+
+# The quantities the quality columns stand for, as the dashboard and the detectors show them. Each takes
+# numpy arrays (or floats) of the stored columns and answers NaN where the inputs do not define it.
+
+
+def sqnr_db(sum_sq, err_sq):
+    """Signal-to-quantization-noise ratio in dB, 10·log10(Σx² / Σ(q(x)−x)²): +inf for an exact round trip
+    of a non-zero tensor, NaN for an all-zero one."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return 10.0 * np.log10(np.asarray(sum_sq, dtype=np.float64) / np.asarray(err_sq, dtype=np.float64))
+
+
+def rms(sum_sq, numel, nonfinite):
+    """Root mean square of the finite values."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        n = np.asarray(numel, dtype=np.float64) - np.asarray(nonfinite, dtype=np.float64)
+        return np.sqrt(np.asarray(sum_sq, dtype=np.float64) / n)
+
+
+def outlier_ratio(amax, sum_sq, numel, nonfinite):
+    """amax / RMS: how far the largest value stands above the bulk (1 for a constant tensor; an outlier
+    feature shows as hundreds or thousands)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.asarray(amax, dtype=np.float64) / rms(sum_sq, numel, nonfinite)
+
+
+def dynamic_range(amax, min_abs):
+    """log2(amax / smallest non-zero |x|): the binades the tensor spans, to compare with the format's
+    (`FP8_RANGE_BINADES`). NaN when the tensor has no non-zero value (`min_abs` +inf)."""
+    smallest = np.asarray(min_abs, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(np.isposinf(smallest), np.nan, np.log2(np.asarray(amax, dtype=np.float64) / smallest))
+
+
+def subnormal_fraction(subnormal, numel):
+    """The share of values that land on FP8 subnormals (≤ 3 significant bits in E4M3, ≤ 2 in E5M2)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.asarray(subnormal, dtype=np.float64) / np.asarray(numel, dtype=np.float64)

@@ -35,8 +35,8 @@ import pyarrow.parquet as pq
 from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 
+from fp8_protocol.stats import BASE_COLUMNS as STAT_COLUMNS  # the quality columns are not exported
 from monitor_server.alerting import alert_public
-from monitor_server.detectors.types import STAT_COLUMNS
 from monitor_server.models import Alert, EventRow, StepRow, StepStat, as_utc
 from monitor_server.rollups import STAT_IDS
 from monitor_server.run_meta import RunMeta

@@ -12,9 +12,10 @@ import orjson
 from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
 
+from fp8_protocol.stats import BASE_COLUMNS, QUALITY_COLUMNS
 from monitor_server import commands as command_ops
 from monitor_server.detectors.ranks import parse_rank_amax
-from monitor_server.detectors.types import EVENT_KINDS, STAT_COLUMNS, StepBatch
+from monitor_server.detectors.types import EVENT_KINDS, StepBatch
 from monitor_server.models import Command, EventRow, IngestBatch, Run, StepRow, StepStat, utcnow
 from monitor_server.rollups import step_stat_rows, update_rollups
 from monitor_server.schemas import MAX_ID
@@ -29,13 +30,15 @@ from monitor_server.wire import (
 
 _TOP_KEYS = {"idempotency_key", "steps", "events", "acks"}
 _STEP_KEYS = {"step", "scalars", "stats"}
-_STAT_SET = set(STAT_COLUMNS)
+_BASE_SET = frozenset(BASE_COLUMNS)
+_WITH_QUALITY = _BASE_SET | frozenset(QUALITY_COLUMNS)
 
 
 @dataclass
 class DecodedBatch:
-    """A validated telemetry batch. Steps ascending; `stats[name]` is (S, T) float64; `has_stats` (S,) is
-    False for a step sent without statistics (no FP8 layer ran in it; its `stats` rows are NaN)."""
+    """A validated telemetry batch. Steps ascending; `stats[name]` is (S, T) float64 for each base column
+    and, when the batch's steps carried them, each quality column; `has_stats` (S,) is False for a step sent
+    without statistics (no FP8 layer ran in it; its `stats` rows are NaN)."""
 
     idempotency_key: str
     steps: np.ndarray
@@ -113,7 +116,8 @@ def decode_batch(payload: Any, num_tensors: int, limits: EventLimits = EventLimi
         raise WireError("steps: expected an array")
     S, T = len(steps_in), num_tensors
     steps = np.empty(S, dtype=np.int64)
-    stats = {name: np.empty((S, T), dtype=np.float64) for name in STAT_COLUMNS}
+    columns: frozenset[str] | None = None  # the statistics the batch's steps carry (one set per batch)
+    stats: dict[str, np.ndarray] = {}
     has_stats = np.ones(S, dtype=bool)
     scalars: list[dict[str, float]] = []
     for i, entry in enumerate(steps_in):
@@ -130,25 +134,23 @@ def decode_batch(payload: Any, num_tensors: int, limits: EventLimits = EventLimi
         scalars.append({str(k): decode_float(v, f"{where}.scalars.{k}") for k, v in sc.items()})
         if "stats" not in entry:  # a step in which no FP8 layer ran: its scalars only
             has_stats[i] = False
-            for name in STAT_COLUMNS:
-                stats[name][i] = np.nan
             continue
         st = entry["stats"]
         if not isinstance(st, dict):
-            raise WireError(f"{where}.stats: an object with columns {list(STAT_COLUMNS)} (or left out)")
-        if st.keys() != _STAT_SET:
-            unknown_stats = sorted(set(st) - _STAT_SET)
-            missing = sorted(_STAT_SET - set(st))
+            raise WireError(f"{where}.stats: an object with columns {list(BASE_COLUMNS)} (or left out)")
+        keys = _stat_columns(frozenset(st), where)
+        if columns is None:
+            columns = keys
+            stats = {name: np.full((S, T), np.nan) for name in columns}
+        elif keys != columns:
             raise WireError(
-                f"{where}.stats: "
-                + (
-                    f"unknown statistic(s) {unknown_stats}"
-                    if unknown_stats
-                    else f"missing statistic(s) {missing}"
-                )
+                f"{where}.stats: columns {sorted(keys)} differ from the batch's first step {sorted(columns)}"
+                " (every step of a batch carries the same statistics)"
             )
-        for name in STAT_COLUMNS:
+        for name in columns:
             stats[name][i] = decode_column(st[name], T, f"{where}.stats.{name}")
+    if columns is None:  # no step carried statistics
+        stats = {name: np.full((S, T), np.nan) for name in BASE_COLUMNS}
     if S and len(np.unique(steps)) != S:
         raise WireError("steps: the same step number appears twice in one batch")
     order = np.argsort(steps, kind="stable")
@@ -160,6 +162,22 @@ def decode_batch(payload: Any, num_tensors: int, limits: EventLimits = EventLimi
     events = _decode_events(payload.get("events", []), T, limits)
     acks = _decode_acks(payload.get("acks", []))
     return DecodedBatch(key, steps, scalars, stats, events, acks, has_stats)
+
+
+def _stat_columns(keys: frozenset[str], where: str) -> frozenset[str]:
+    """The statistics a step carries: every base column, and the quality columns all or none."""
+    if keys in (_BASE_SET, _WITH_QUALITY):
+        return keys
+    unknown = sorted(keys - _WITH_QUALITY)
+    if unknown:
+        raise WireError(f"{where}.stats: unknown statistic(s) {unknown}")
+    missing = sorted(_BASE_SET - keys)
+    if missing:
+        raise WireError(f"{where}.stats: missing statistic(s) {missing}")
+    raise WireError(
+        f"{where}.stats: the quality statistics {list(QUALITY_COLUMNS)} come all together or not at all;"
+        f" missing {sorted(_WITH_QUALITY - keys)}"
+    )
 
 
 def _decode_events(events: Any, num_tensors: int, limits: EventLimits) -> list[dict[str, Any]]:

@@ -18,15 +18,18 @@ import numpy as np
 from sqlalchemy import and_, insert, select, update
 from sqlalchemy.orm import Session
 
-from fp8_protocol.stats import STAT_COLUMNS
+from fp8_protocol.stats import BASE_COLUMNS, QUALITY_COLUMNS
 from monitor_server.models import Rollup, StepStat
 
 #: the rollup block sizes, in steps (each divides the next)
 LEVELS: tuple[int, ...] = (8, 64, 512, 4096)
 
 
-#: statistic name -> metric id of its `StepStat` rows
-STAT_IDS: dict[str, int] = {name: i for i, name in enumerate(STAT_COLUMNS)}
+#: statistic name -> metric id of its `StepStat` rows (stored ids: never renumber). The base columns are
+#: 0-5, 6 is the derived headroom (rollups only), the quality columns follow it.
+STAT_IDS: dict[str, int] = {name: i for i, name in enumerate(BASE_COLUMNS)} | {
+    name: 7 + i for i, name in enumerate(QUALITY_COLUMNS)
+}
 HEADROOM_ID = 6
 
 #: heatmap metric -> (rollup metric id, how buckets aggregate)
@@ -81,10 +84,12 @@ def _group_starts(keys: np.ndarray) -> np.ndarray:
 
 
 def step_stat_rows(run_id: int, steps: np.ndarray, stats: dict[str, np.ndarray]) -> list[dict]:
-    """The `StepStat` rows (as insert parameters) for newly stored steps."""
+    """The `StepStat` rows (as insert parameters) for new steps: one per statistic the steps carry."""
     rows = []
     step_list = steps.tolist()
     for name, metric in STAT_IDS.items():
+        if name not in stats:  # the quality columns, from a sender that does not compute them
+            continue
         matrix = np.ascontiguousarray(stats[name], dtype=_F8)
         rows.extend(
             {"run_id": run_id, "metric": metric, "step": s, "values": matrix[i].tobytes()}
