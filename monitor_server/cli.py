@@ -9,6 +9,7 @@ Flags override ``FP8SCOPE_*`` environment variables. Without tokens the server o
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import sys
@@ -154,6 +155,15 @@ def serve(args: argparse.Namespace) -> int:
     broker = app.state.ctx.broker
 
     class Server(uvicorn.Server):
+        async def startup(self, sockets: list | None = None) -> None:
+            await super().startup(sockets)
+            # Everything alive now (modules, the app, the engine, caches) lives as long as the process:
+            # freeze it out of the cyclic garbage collector. Otherwise a burst of new objects (a thousand
+            # connections at once) sets off a full collection that walks all of it, on the event loop: a
+            # pause of ~100 ms for every request in flight.
+            gc.collect()
+            gc.freeze()
+
         def handle_exit(self, sig: int, frame: object) -> None:
             # end SSE streams first: uvicorn waits for open connections before the lifespan shutdown
             broker.close_threadsafe()
