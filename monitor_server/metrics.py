@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -47,11 +48,22 @@ class _CacheCollector(Collector):
         yield gauge
 
 
+class _FrozenHeapCollector(Collector):
+    """Objects frozen out of the cyclic garbage collector (`fp8-monitor serve` freezes its startup heap, so
+    a burst of connections does not set off a full collection that walks it on the event loop)."""
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        yield GaugeMetricFamily(
+            "fp8scope_gc_frozen_objects", "Objects frozen out of the cyclic GC", value=gc.get_freeze_count()
+        )
+
+
 class Metrics:
     """Ingest counters and latency, plus the database-backed gauges."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self.registry.register(_FrozenHeapCollector())
         self.batches = Counter(
             "fp8scope_ingest_batches", "Telemetry batches received", ["result"], registry=self.registry
         )
