@@ -1,0 +1,403 @@
+"""Benchmark: a lab's worth of runs on two monitor instances sharing one PostgreSQL database.
+
+R simulated runs (T tensors each, one step per second, the wire format of the real client: packed float32
+columns, an idempotency key per batch) post to instance A or B (half each); an all-runs dashboard stream
+(`GET /api/v1/stream`) is open on each instance. A few runs get a NaN at one step. Halfway through, instance
+B is killed with SIGKILL and started again after a pause; while it is down its runs post to A (what a load
+balancer would do), with the same idempotency keys, and B's stream reconnects once B is back.
+
+Printed: values/s stored, the latency from a step's POST (sent to one instance) to its `step` event on the
+*other* instance's stream (p50 / p99), steps lost or stored twice, alerts / incidents / webhook messages
+against what the injected NaNs call for, bytes stored per value, and, with `--sweep`, the largest R whose
+p99 stays within 2 s.
+
+    .venv/bin/python bench/fleet.py [--runs 50] [--tensors 512] [--seconds 300] [--sweep 50,100,200]
+
+Needs PostgreSQL (FP8SCOPE_BENCH_PG_URL, default postgresql+psycopg://postgres@127.0.0.1:5432/postgres);
+writes bench/results/fleet.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import json
+import os
+import re
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import numpy as np
+import orjson
+from sqlalchemy import create_engine, text
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from fp8_protocol.stats import BASE_COLUMNS  # noqa: E402
+from tests.server.utils import API, ServerProcess, fresh_pg_database  # noqa: E402  (shared with the tests)
+
+PG_URL = os.environ.get("FP8SCOPE_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+GOAL_P99_S = 2.0
+GOAL_BYTES_PER_VALUE = 4.0
+NAME = re.compile(r"fleet-\d{4}")
+
+
+class Receiver(ThreadingHTTPServer):
+    """A webhook endpoint on loopback that counts messages per run name."""
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _ReceiverHandler)
+        self.messages: dict[str, int] = {}
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}/hook"
+
+    def close(self) -> None:
+        self.shutdown()
+        self.server_close()
+
+
+class _ReceiverHandler(BaseHTTPRequestHandler):
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("content-length", 0)))
+        server: Receiver = self.server  # type: ignore[assignment]
+        with server.lock:
+            for name in set(NAME.findall(body.decode(errors="replace"))):
+                server.messages[name] = server.messages.get(name, 0) + 1
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+class StreamWatcher:
+    """The all-runs stream of one instance, reconnecting when it drops: first arrival time per (run, step)."""
+
+    def __init__(self, url: str):
+        self.url, self.arrived, self.reconnects = url, {}, 0
+        self.stop = threading.Event()
+        self.connected = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        connections = 0
+        while not self.stop.is_set():
+            with (
+                contextlib.suppress(httpx.HTTPError),
+                httpx.stream("GET", f"{self.url}{API}/stream", timeout=httpx.Timeout(5, read=30)) as r,
+            ):
+                connections += 1
+                self.reconnects = connections - 1
+                self.connected.set()
+                event = None
+                for line in r.iter_lines():
+                    if self.stop.is_set():
+                        return
+                    if line.startswith("event: "):
+                        event = line[7:]
+                    elif line.startswith("data: ") and event == "step":
+                        data = orjson.loads(line[6:])
+                        self.arrived.setdefault((data["run_id"], data["step"]), time.time())
+            self.stop.wait(0.5)
+
+    def close(self) -> None:
+        self.stop.set()
+
+
+def tensors(n: int) -> list[dict]:
+    roles = (("input", "e4m3"), ("weight", "e4m3"), ("grad_output", "e5m2"))
+    return [
+        {
+            "index": i,
+            "name": f"blocks.{i // 3}.{roles[i % 3][0]}",
+            "layer": f"blocks.{i // 3}",
+            "role": roles[i % 3][0],
+            "format": roles[i % 3][1],
+        }
+        for i in range(n)
+    ]
+
+
+def packed(values: np.ndarray) -> dict:
+    return {"dtype": "float32", "b64": base64.b64encode(values.astype("<f4").tobytes()).decode()}
+
+
+class SimRun:
+    """One simulated training run: healthy statistics (steady amax, scale from it, no saturation), a loss
+    that falls slowly, and optionally a NaN in one tensor at `nan_step`."""
+
+    def __init__(self, run_id: int, name: str, home: int, T: int, seed: int, nan_step: int | None):
+        rng = np.random.default_rng(seed)
+        self.run_id, self.name, self.home, self.nan_step = run_id, name, home, nan_step
+        base = np.exp(rng.normal(0.0, 1.5, T))
+        # a few variants with 1 % noise, cycled: packing a fresh block every step would cost the client
+        # more CPU than the service spends storing it on this 2-core machine
+        self.variants = []
+        for _ in range(8):
+            amax = base * np.exp(rng.normal(0.0, 0.01, T))
+            scale = 2.0 ** np.floor(np.log2(448.0 / amax))
+            cols = {
+                "amax": amax,
+                "scale": scale,
+                "overflow": np.zeros(T),
+                "underflow": rng.poisson(2.0, T).astype(np.float64),
+                "nonfinite": np.zeros(T),
+                "numel": np.full(T, 1 << 20, dtype=np.float64),
+            }
+            self.variants.append({k: packed(cols[k]) for k in BASE_COLUMNS})
+        nan_amax = base.copy()
+        nan_amax[0] = np.nan
+        nonfinite = np.zeros(T)
+        nonfinite[0] = 1
+        self.nan_cols = {**self.variants[0], "amax": packed(nan_amax), "nonfinite": packed(nonfinite)}
+
+    def body(self, step: int) -> bytes:
+        stats = self.nan_cols if step == self.nan_step else self.variants[step % len(self.variants)]
+        loss = 4.0 * 0.999**step
+        item = {"step": step, "scalars": {"loss": loss, "lr": 3e-4}, "stats": stats}
+        return orjson.dumps({"idempotency_key": f"{self.run_id}-{step}", "steps": [item]})
+
+
+@dataclass
+class Result:
+    runs: int
+    tensors: int
+    seconds: float
+    steps_sent: int = 0
+    steps_stored: int = 0
+    steps_lost: int = 0
+    steps_twice: int = 0
+    values_per_s: float = 0.0
+    latency_p50_s: float | None = None
+    latency_p99_s: float | None = None
+    latency_samples: int = 0
+    local_p50_s: float | None = None  # the same, on the stream of the instance that took the POST
+    local_p99_s: float | None = None
+    failovers: int = 0
+    reconnects: int = 0
+    nan_runs: int = 0
+    incidents_expected: int = 0
+    incidents: int = 0
+    nonfinite_alerts: int = 0
+    other_alerts: int = 0
+    webhook_messages: int = 0
+    bytes_per_value: float | None = None
+    killed: bool = False
+    alert_kinds: dict = field(default_factory=dict)
+
+
+def simulate(db_url: str, R: int, T: int, seconds: float, nan_runs: int, kill: bool, tmp: Path) -> Result:
+    receiver = Receiver()
+    env = {
+        "FP8SCOPE_WEBHOOK_URL": receiver.url,
+        "FP8SCOPE_WEBHOOK_SETTLE_SECONDS": "1",
+        "FP8SCOPE_WEBHOOK_MIN_INTERVAL_SECONDS": "0",
+        "FP8SCOPE_SSE_KEEPALIVE_SECONDS": "5",
+    }
+    servers = [ServerProcess(db_url, log_path=tmp / f"server-{i}.log", env=env) for i in range(2)]
+    for s in servers:
+        s.start(timeout=120)
+    watchers = [StreamWatcher(s.url) for s in servers]
+    for w in watchers:
+        w.connected.wait(30)
+    result = Result(runs=R, tensors=T, seconds=seconds, killed=kill)
+    http = httpx.Client(timeout=30, headers={"content-type": "application/json"})
+    runs: list[SimRun] = []
+    nan_every = max(1, R // max(1, nan_runs)) if nan_runs else 0
+    for i in range(R):
+        name = f"fleet-{i:04d}"
+        body = {"name": name, "config": {"bench": "fleet"}, "world_size": 1, "tensors": tensors(T)}
+        r = http.post(f"{servers[i % 2].url}{API}/runs", json=body)
+        r.raise_for_status()
+        nan_step = (
+            int(seconds // 3) if nan_every and i % nan_every == 0 and i // nan_every < nan_runs else None
+        )
+        runs.append(SimRun(r.json()["id"], name, i % 2, T, seed=i, nan_step=nan_step))
+    result.nan_runs = sum(run.nan_step is not None for run in runs)
+
+    sent: dict[tuple[int, int], tuple[float, int]] = {}  # (run, step) -> (send time, instance that took it)
+    down = threading.Event()
+    lock = threading.Lock()
+
+    def post(run: SimRun, step: int) -> None:
+        data = run.body(step)
+        target = run.home
+        for _attempt in range(60):
+            if target == 1 and down.is_set():
+                target = 0
+            t0 = time.time()
+            try:
+                r = http.post(f"{servers[target].url}{API}/runs/{run.run_id}/telemetry", content=data)
+                if r.status_code == 200:
+                    with lock:
+                        sent[(run.run_id, step)] = (t0, target)
+                        if target != run.home:
+                            result.failovers += 1
+                    return
+            except httpx.HTTPError:
+                pass
+            target = 1 - target  # the load balancer tries the other instance
+            time.sleep(0.2)
+
+    pool = ThreadPoolExecutor(max_workers=min(64, 2 * R))
+    start = time.time()
+    kill_at, back_at = seconds / 2, seconds / 2 + 10
+    step = 0
+    while time.time() - start < seconds:
+        tick = start + step
+        time.sleep(max(0.0, tick - time.time()))
+        for run in runs:
+            pool.submit(post, run, step)
+        elapsed = time.time() - start
+        if kill and not down.is_set() and elapsed >= kill_at:
+            down.set()
+            servers[1].stop(signal.SIGKILL)
+        if kill and down.is_set() and elapsed >= back_at and servers[1].proc.poll() is not None:
+            servers[1].start(timeout=120)
+            down.clear()
+        step += 1
+    pool.shutdown(wait=True)
+    steps_sent = step
+    # the last events may still be on their way: wait until every stored step has been seen, or 10 s
+    deadline = time.time() + 10
+    while time.time() < deadline and not all(
+        all(key in w.arrived for key in sent) for w in watchers if not w.stop.is_set()
+    ):
+        time.sleep(0.2)
+    latencies, local = [], []
+    for key, (t0, instance) in sent.items():
+        other = watchers[1 - instance].arrived.get(key)
+        if other is not None:
+            latencies.append(other - t0)
+        same = watchers[instance].arrived.get(key)
+        if same is not None:
+            local.append(same - t0)
+    if local:
+        local.sort()
+        result.local_p50_s = statistics.median(local)
+        result.local_p99_s = local[min(len(local) - 1, int(0.99 * len(local)))]
+    result.steps_sent = steps_sent * R
+    for w in watchers:
+        w.close()
+        result.reconnects += w.reconnects
+    if latencies:
+        latencies.sort()
+        result.latency_p50_s = statistics.median(latencies)
+        result.latency_p99_s = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
+        result.latency_samples = len(latencies)
+
+    # what the service kept: every step once, the alerts the NaNs call for and nothing else
+    time.sleep(3)  # the webhook's settle time (1 s) and its delivery: the messages are counted below
+    a = servers[0].url
+    for run in runs:
+        info = http.get(f"{a}{API}/runs/{run.run_id}").json()
+        stored = info["steps_stored"]
+        result.steps_stored += stored
+        result.steps_lost += max(0, steps_sent - stored)
+        result.steps_twice += max(0, stored - steps_sent)
+        alerts = http.get(f"{a}{API}/runs/{run.run_id}/alerts", params={"limit": 1000}).json()
+        for alert in alerts:
+            result.alert_kinds[alert["kind"]] = result.alert_kinds.get(alert["kind"], 0) + 1
+            if alert["kind"] == "nonfinite" and run.nan_step is not None:
+                result.nonfinite_alerts += 1
+            else:
+                result.other_alerts += 1
+        incidents = http.get(f"{a}{API}/runs/{run.run_id}/incidents").json()
+        result.incidents += len(incidents)
+    result.incidents_expected = result.nan_runs
+    with receiver.lock:
+        result.webhook_messages = sum(receiver.messages.values())
+    result.values_per_s = result.steps_stored * T * len(BASE_COLUMNS) / seconds
+    engine = create_engine(db_url)
+    with engine.connect() as conn:
+        size = conn.execute(
+            text("SELECT pg_total_relation_size('step_stats') + pg_total_relation_size('rollups')")
+        ).scalar_one()
+    engine.dispose()
+    result.bytes_per_value = size / max(1, result.steps_stored * T * len(BASE_COLUMNS))
+    http.close()
+    for s in servers:
+        s.stop()
+    receiver.close()
+    return result
+
+
+def report(r: Result) -> str:
+    def s(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
+    ok_latency = r.latency_p99_s is not None and r.latency_p99_s <= GOAL_P99_S
+    return "\n".join(
+        [
+            f"R = {r.runs} runs x {r.tensors} tensors, {r.seconds:.0f} s, "
+            f"instance B killed mid-run: {r.killed}",
+            f"  values/s stored            {r.values_per_s:,.0f}",
+            f"  latency A->B stream p50    {s(r.latency_p50_s)} s   p99 {s(r.latency_p99_s)} s "
+            f"(goal <= {GOAL_P99_S} s: {'ok' if ok_latency else 'MISS'}; {r.latency_samples} samples)",
+            f"  latency on the same one    p50 {s(r.local_p50_s)} s   p99 {s(r.local_p99_s)} s",
+            f"  steps sent / stored        {r.steps_sent} / {r.steps_stored} "
+            f"(lost {r.steps_lost}, stored twice {r.steps_twice}); {r.failovers} posts failed over",
+            f"  stream reconnects          {r.reconnects}",
+            f"  NaN runs                   {r.nan_runs}: incidents {r.incidents} "
+            f"(expected {r.incidents_expected}),"
+            f" nonfinite alerts {r.nonfinite_alerts}, webhook messages {r.webhook_messages},"
+            f" other alerts {r.other_alerts} {r.alert_kinds}",
+            f"  bytes stored per value     {s(r.bytes_per_value)} (goal <= {GOAL_BYTES_PER_VALUE} after"
+            " compaction; no compaction yet)",
+        ]
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=50)
+    parser.add_argument("--tensors", type=int, default=512)
+    parser.add_argument("--seconds", type=float, default=300.0)
+    parser.add_argument("--nan-runs", type=int, default=3)
+    parser.add_argument("--no-kill", action="store_true", help="keep both instances up")
+    parser.add_argument("--sweep", default="", help="R values for short rounds, e.g. 50,100,200")
+    parser.add_argument("--sweep-seconds", type=float, default=60.0)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "fleet.json")
+    args = parser.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        with fresh_pg_database(PG_URL, "fleet") as url:
+            main_run = simulate(
+                url, args.runs, args.tensors, args.seconds, args.nan_runs, not args.no_kill, Path(tmp)
+            )
+        print(report(main_run), flush=True)
+        results.append(main_run)
+        largest = None
+        for R in [int(x) for x in args.sweep.split(",") if x]:
+            with fresh_pg_database(PG_URL, "fleet") as url:
+                r = simulate(url, R, args.tensors, args.sweep_seconds, 0, False, Path(tmp))
+            print(report(r), flush=True)
+            results.append(r)
+            if r.latency_p99_s is not None and r.latency_p99_s <= GOAL_P99_S and r.steps_lost == 0:
+                largest = R
+        if args.sweep:
+            print(f"largest R holding p99 <= {GOAL_P99_S} s: {largest}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps([asdict(r) for r in results], indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
