@@ -21,11 +21,14 @@ from .state import encode_evidence
 from .tensors import Tail
 from .types import Finding
 
-_CHUNK_CELLS = 1 << 21  # steps x tensors x window values sorted at once: bounds the memory of a long batch
+_CHUNK_CELLS = 1 << 18  # window values sorted at once: a long batch sorts in cache-sized pieces
 
 
 def rolling_median(ext: np.ndarray, window: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
     """For i < rows, the median and the count of the non-NaN values in ``ext[i : i + window]`` (per column).
+
+    The windows are sorted as float32 (numpy sorts float32 rows of a few dozen values an order of magnitude
+    faster than float64 ones; an SQNR in dB keeps 1e-6 dB of it), so the median is float32-exact.
 
     Args:
         ext: (window + rows, T) float64, NaN where there is no value.
@@ -34,19 +37,24 @@ def rolling_median(ext: np.ndarray, window: int, rows: int) -> tuple[np.ndarray,
         median (rows, T) float64 (NaN where the count is 0) and count (rows, T) int64.
     """
     n = ext.shape[1]
-    median = np.full((rows, n), np.nan)
-    count = np.zeros((rows, n), dtype=np.int64)
-    views = np.lib.stride_tricks.sliding_window_view(ext, window, axis=0)  # (window + rows + 1 - w, T, w)
+    median = np.full((n, rows), np.nan)
+    # tensor-major, so each window is a contiguous run of `window` values
+    with np.errstate(over="ignore"):
+        by_tensor = np.ascontiguousarray(ext.T, dtype=np.float32)  # (T, window + rows)
+    present = np.zeros((n, window + rows + 1), dtype=np.int64)  # present[:, p]: values in by_tensor[:, :p]
+    np.cumsum(~np.isnan(by_tensor), axis=1, out=present[:, 1:])
+    count = present[:, window : window + rows] - present[:, :rows]
+    views = np.lib.stride_tricks.sliding_window_view(by_tensor, window, axis=1)  # (T, rows + 1, window)
     step = max(1, _CHUNK_CELLS // max(1, n * window))
     for lo in range(0, rows, step):
         hi = min(rows, lo + step)
-        block = np.sort(views[lo:hi], axis=-1)  # NaN sorts last
-        k = np.sum(~np.isnan(block), axis=-1)
-        low = np.take_along_axis(block, np.maximum(k - 1, 0)[..., None] // 2, axis=-1)[..., 0]
+        block = np.sort(views[:, lo:hi], axis=-1)  # NaN sorts last
+        k = count[:, lo:hi]
+        low = np.take_along_axis(block, (np.maximum(k - 1, 0) // 2)[..., None], axis=-1)[..., 0]
         high = np.take_along_axis(block, (k // 2)[..., None], axis=-1)[..., 0]
-        median[lo:hi] = np.where(k > 0, (low + high) / 2.0, np.nan)
-        count[lo:hi] = k
-    return median, count
+        mid = (low.astype(np.float64) + high.astype(np.float64)) / 2.0
+        median[:, lo:hi] = np.where(k > 0, mid, np.nan)
+    return median.T, count.T
 
 
 @dataclass(eq=False)

@@ -130,7 +130,7 @@ def test_rolling_median_matches_numpy():
         window = ext[i : i + w]
         np.testing.assert_array_equal(count[i], np.sum(~np.isnan(window), axis=0))
         with np.errstate(all="ignore"), pytest.warns(RuntimeWarning):
-            expected = np.nanmedian(window, axis=0)
+            expected = np.nanmedian(window.astype(np.float32).astype(np.float64), axis=0)
         np.testing.assert_allclose(median[i], expected, rtol=1e-15, equal_nan=True)
 
 
