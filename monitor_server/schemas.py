@@ -392,3 +392,5 @@ class LayerHealth(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     layer: str
+    #: the worst latest SQNR (dB) of the layer's tensors; null when the run sends no quality statistics
+    sqnr_db: WireFloat | None = None

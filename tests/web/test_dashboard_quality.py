@@ -25,14 +25,14 @@ LOW, HIGH = "#a50026", "#006837"  # the SQNR scale's ends: worst (red) and best 
 def quality_stats(seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     stats = smooth_stats(STEPS, 3 * N_LAYERS, seed=seed)
-    sum_sq = (stats["amax"] / 20.0) ** 2 * stats["numel"]
+    sum_sq = (stats["amax"] / rng.uniform(5.0, 50.0, size=stats["amax"].shape)) ** 2 * stats["numel"]
     sqnr = rng.uniform(25.0, 35.0, size=(1, 3 * N_LAYERS)) + rng.normal(0.0, 1.0, size=sum_sq.shape)
     sqnr[DIP_STEP, DIP_TENSOR] = DIP_DB
     return stats | {
         "sum_sq": sum_sq,
         "err_sq": sum_sq * 10.0 ** (-sqnr / 10.0),
         "subnormal": rng.poisson(10.0, size=sum_sq.shape).astype(np.float64),
-        "min_abs": stats["amax"] * 2.0**-12,
+        "min_abs": stats["amax"] * 2.0 ** -rng.uniform(8.0, 16.0, size=sum_sq.shape),
     }
 
 
@@ -156,6 +156,24 @@ def test_sqnr_heatmap_hover_first_frame_and_layers_column(server, page):
     assert header == ["Layer", "Severity", "SQNR (dB)", "Reasons"]
     expected = {f"blocks.{k}.mlp.fc": f"{sqnr[-1, 3 * k : 3 * k + 3].min():.1f}" for k in range(N_LAYERS)}
     assert dict(rows) == expected
+
+    # the other quality metrics: their colour bars, and cells that are the API's values as the legend says
+    # (subnormal in percent, outlier ratio in log10)
+    shown = {
+        "subnormal": ("% subnormal", lambda v: 100.0 * v),
+        "dynamic_range": ("binades", lambda v: v),
+        "outlier_ratio": ("log10(amax/RMS)", np.log10),
+    }
+    for metric, (title, colour_of) in shown.items():
+        page.select_option("#heatmap-metric", metric)
+        page.wait_for_function(
+            "t => document.getElementById('heatmap').data[0].colorbar.title.text === t", arg=title
+        )
+        query = {k: v for k, v in page.evaluate("window.fp8scope.heatmapQuery").items() if v is not None}
+        api = httpx.get(f"{server.url}{API}/runs/{run['id']}/heatmap", params=query).json()
+        assert api["metric"] == metric and api["aggregation"] == "max"
+        z = np.array(page.evaluate("document.getElementById('heatmap').data[0].z"), dtype=np.float64)
+        np.testing.assert_allclose(z, colour_of(np.array(api["values"], dtype=np.float64)), rtol=1e-12)
     no_page_errors(page)
 
 
