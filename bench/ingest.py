@@ -206,7 +206,10 @@ def bench_heatmap(
         "steps": total_steps,
         "tensors": T,
         "fill_seconds": fill_s,
-        "fill_values_per_s": total_steps * T * 6 / fill_s,
+        "fill_values_per_s": total_steps
+        * T
+        * (len(STATS) + (len(QUALITY_COLUMNS) if quality else 0))
+        / fill_s,
     }
     cases = {
         "amax_full": {"metric": "amax", "max_cols": 1000},
