@@ -5,20 +5,33 @@ Storage: one `StepStat` row per (run, statistic, step) holding T float64 values,
 [block*level, (block+1)*level). Levels are 8, 64, 512 and 4096 steps.
 
 Aggregation never averages: amax and scale keep the bucket max, headroom the bucket min, overflow /
-underflow / nonfinite the bucket sum. NaN propagates through max, min and sum (a bucket holding a NaN shows
-NaN) and so does an infinity.
+underflow / nonfinite the bucket sum; of the quantization-quality metrics SQNR keeps the bucket min (the
+worst), subnormal fraction, dynamic range and outlier ratio the bucket max. NaN propagates through max, min
+and sum (a bucket holding a NaN shows NaN) and so does an infinity.
+
+Derived metrics (headroom and the quality metrics) are computed per step from the stored columns: at ingest
+into the rollups, and on raw reads from the `StepStat` rows. A step stored without the quality columns has
+no quality rows and no quality rollup contribution: its buckets hold only the steps that carried them.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 from sqlalchemy import and_, insert, select, update
 from sqlalchemy.orm import Session
 
-from fp8_protocol.stats import BASE_COLUMNS, QUALITY_COLUMNS
+from fp8_protocol.stats import (
+    BASE_COLUMNS,
+    QUALITY_COLUMNS,
+    dynamic_range,
+    outlier_ratio,
+    sqnr_db,
+    subnormal_fraction,
+)
 from monitor_server.models import Rollup, StepStat
 
 #: the rollup block sizes, in steps (each divides the next)
@@ -31,6 +44,8 @@ STAT_IDS: dict[str, int] = {name: i for i, name in enumerate(BASE_COLUMNS)} | {
     name: 7 + i for i, name in enumerate(QUALITY_COLUMNS)
 }
 HEADROOM_ID = 6
+#: rollup-only metric ids of the derived quantization-quality metrics (stored ids: never renumber)
+SQNR_ID, SUBNORMAL_FRACTION_ID, DYNAMIC_RANGE_ID, OUTLIER_RATIO_ID = 11, 12, 13, 14
 
 #: heatmap metric -> (rollup metric id, how buckets aggregate)
 HEATMAP_METRICS: dict[str, tuple[int, str]] = {
@@ -40,6 +55,10 @@ HEATMAP_METRICS: dict[str, tuple[int, str]] = {
     "underflow": (STAT_IDS["underflow"], "sum"),
     "nonfinite": (STAT_IDS["nonfinite"], "sum"),
     "headroom": (HEADROOM_ID, "min"),
+    "sqnr": (SQNR_ID, "min"),  # dB; the worst of the bucket
+    "subnormal": (SUBNORMAL_FRACTION_ID, "max"),  # subnormal / numel
+    "dynamic_range": (DYNAMIC_RANGE_ID, "max"),  # binades, log2(amax / min_abs)
+    "outlier_ratio": (OUTLIER_RATIO_ID, "max"),  # amax / RMS
 }
 
 _F8 = np.dtype("<f8")
@@ -62,6 +81,19 @@ def headroom(amax: np.ndarray, scale: np.ndarray, fp8_max: np.ndarray) -> np.nda
     """
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         return np.log2(fp8_max / (amax * scale))
+
+
+#: derived metric id -> (the stored columns it is computed from, f(fp8_max, *columns) -> (S, T) per step)
+DERIVED: dict[int, tuple[tuple[str, ...], Callable[..., np.ndarray]]] = {
+    HEADROOM_ID: (("amax", "scale"), lambda fp8_max, amax, scale: headroom(amax, scale, fp8_max)),
+    SQNR_ID: (("sum_sq", "err_sq"), lambda _, sum_sq, err_sq: sqnr_db(sum_sq, err_sq)),
+    SUBNORMAL_FRACTION_ID: (("subnormal", "numel"), lambda _, sub, numel: subnormal_fraction(sub, numel)),
+    DYNAMIC_RANGE_ID: (("amax", "min_abs"), lambda _, amax, min_abs: dynamic_range(amax, min_abs)),
+    OUTLIER_RATIO_ID: (
+        ("amax", "sum_sq", "numel", "nonfinite"),
+        lambda _, amax, sum_sq, numel, nonfinite: outlier_ratio(amax, sum_sq, numel, nonfinite),
+    ),
+}
 
 
 def _reduce(how: str):
@@ -106,12 +138,14 @@ def update_rollups(
     Reads the touched blocks once per level, merges, and writes them back; the caller holds the run's
     write lock, so the read-modify-write cannot race.
     """
-    metrics: dict[int, tuple[np.ndarray, str]] = {
-        metric: (np.asarray(stats[name], dtype=np.float64), how)
-        for name, (metric, how) in HEATMAP_METRICS.items()
-        if metric != HEADROOM_ID
-    }
-    metrics[HEADROOM_ID] = (headroom(stats["amax"], stats["scale"], fp8_max), "min")
+    metrics: dict[int, tuple[np.ndarray, str]] = {}
+    for name, (metric, how) in HEATMAP_METRICS.items():
+        if metric not in DERIVED:
+            metrics[metric] = (np.asarray(stats[name], dtype=np.float64), how)
+            continue
+        columns, derive = DERIVED[metric]
+        if all(c in stats for c in columns):  # the quality metrics only for steps that carried them
+            metrics[metric] = (derive(fp8_max, *(stats[c] for c in columns)), how)
     for level in LEVELS:
         blocks = steps // level
         starts = _group_starts(blocks)
@@ -257,22 +291,25 @@ def read_heatmap(
 def _read_raw(
     session: Session, run_id: int, metric_id: int, lo: int, hi: int, fp8_max: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Per-step values of one heatmap metric for steps [lo, hi] (headroom computed from amax and scale)."""
+    """Per-step values of one heatmap metric for steps [lo, hi] (a derived one computed from its columns, for
+    the steps that stored all of them)."""
     T = len(fp8_max)
-    if metric_id != HEADROOM_ID:
+    if metric_id not in DERIVED:
         steps, matrices = read_step_stats(session, run_id, [metric_id], lo, hi, T)
         return steps, matrices[metric_id]
-    amax_id, scale_id = STAT_IDS["amax"], STAT_IDS["scale"]
-    steps, m = read_step_stats(session, run_id, [amax_id, scale_id], lo, hi, T)
-    return steps, headroom(m[amax_id], m[scale_id], fp8_max)
+    columns, derive = DERIVED[metric_id]
+    ids = [STAT_IDS[c] for c in columns]
+    steps, m = read_step_stats(session, run_id, ids, lo, hi, T)
+    return steps, derive(fp8_max, *(m[i] for i in ids))
 
 
 def read_step_stats(
     session: Session, run_id: int, metric_ids: list[int], lo: int, hi: int, num_tensors: int
 ) -> tuple[np.ndarray, dict[int, np.ndarray]]:
-    """Raw per-step statistics for steps [lo, hi]: (steps (S,), metric id -> (S, T))."""
+    """Raw per-step statistics for steps [lo, hi]: (steps (S,), metric id -> (S, T)), for the steps that
+    stored every one of `metric_ids` (a step sent without the quality columns has none of theirs)."""
     out: dict[int, np.ndarray] = {}
-    steps = np.zeros(0, dtype=np.int64)
+    steps_of: dict[int, np.ndarray] = {}
     for metric_id in metric_ids:
         rows = session.execute(
             select(StepStat.step, StepStat.values)
@@ -281,7 +318,16 @@ def read_step_stats(
             )
             .order_by(StepStat.step)
         ).all()
-        steps = np.fromiter((r.step for r in rows), np.int64, len(rows))
+        steps_of[metric_id] = np.fromiter((r.step for r in rows), np.int64, len(rows))
         blob = b"".join(r.values for r in rows)
         out[metric_id] = np.frombuffer(blob, _F8).reshape(len(rows), num_tensors)
+    if not metric_ids:
+        return np.zeros(0, dtype=np.int64), out
+    steps = steps_of[metric_ids[0]]
+    for other in steps_of.values():
+        if not np.array_equal(other, steps):  # some metric lacks some steps: keep the steps all have
+            steps = np.intersect1d(steps, other, assume_unique=True)
+    for metric_id, own in steps_of.items():
+        if len(own) != len(steps):
+            out[metric_id] = out[metric_id][np.isin(own, steps, assume_unique=True)]
     return steps, out
