@@ -38,10 +38,15 @@ def expected_per_step(stats: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     with np.errstate(divide="ignore", invalid="ignore"):
         finite = stats["numel"] - stats["nonfinite"]
         return {
-            "sqnr": 10.0 * np.log10(stats["sum_sq"] / stats["err_sq"]),
+            # nothing to measure (all zero): the neutral value, which a bucket's worst-of never picks
+            "sqnr": np.where(
+                (stats["sum_sq"] == 0) & (stats["err_sq"] == 0),
+                np.inf,
+                10.0 * np.log10(stats["sum_sq"] / stats["err_sq"]),
+            ),
             "subnormal": stats["subnormal"] / stats["numel"],
             "dynamic_range": np.where(
-                np.isinf(stats["min_abs"]), np.nan, np.log2(stats["amax"] / stats["min_abs"])
+                np.isinf(stats["min_abs"]), 0.0, np.log2(stats["amax"] / stats["min_abs"])
             ),
             "outlier_ratio": stats["amax"] / np.sqrt(stats["sum_sq"] / finite),
         }
@@ -105,8 +110,9 @@ def test_quality_heatmaps_match_numpy_at_every_width(client):
     S = 3001
     rng = np.random.default_rng(17)
     stats = quality_stats(rng, S, T)
-    stats["sum_sq"][400, 2] = stats["err_sq"][400, 2] = 0.0  # an all-zero tensor: SQNR undefined, NaN
-    stats["min_abs"][401, 3] = np.inf  # no non-zero value: dynamic range undefined, NaN
+    stats["sum_sq"][400, 2] = stats["err_sq"][400, 2] = 0.0  # an all-zero tensor: SQNR +inf (nothing lost)
+    stats["min_abs"][401, 3] = np.inf  # no non-zero value: dynamic range 0
+    stats["err_sq"][402, 4] = np.nan  # a real NaN: it shows
     stats["err_sq"][2500, 5] = stats["sum_sq"][2500, 5] * 1e-1  # a one-step SQNR dip to 10 dB
     stats["amax"][2700, 6] *= 1e4  # a one-step outlier
     steps = np.arange(S) + 5
@@ -135,11 +141,16 @@ def test_quality_heatmaps_match_numpy_at_every_width(client):
         np.testing.assert_allclose(got, expected, rtol=1e-12, equal_nan=True)
         empty = [c for c, n in enumerate(counts) if n == 0]
         assert all(hm["values"][t][c] is None for t in range(T) for c in empty)
-    # the marked cells survive the coarsest bucketing: NaN propagates, the dip and the outlier stay
+    # the marked cells survive the coarsest bucketing: NaN propagates, the dip and the outlier stay, and a
+    # step with nothing to measure neither hides the tensor's worst step nor shows as a fault
     _, sqnr = heatmap(client, run["id"], metric="sqnr", max_cols=1)
-    assert np.isnan(sqnr[2, 0]) and sqnr[5, 0] == pytest.approx(10.0, abs=1e-9)
+    assert np.isnan(sqnr[4, 0]) and sqnr[5, 0] == pytest.approx(10.0, abs=1e-9)
+    assert sqnr[2, 0] == pytest.approx(
+        np.min(np.delete(per_step["sqnr"][with_quality][:, 2], 400)), rel=1e-12
+    )
     _, dyn = heatmap(client, run["id"], metric="dynamic_range", max_cols=1)
-    assert np.isnan(dyn[3, 0]) and np.isfinite(np.delete(dyn[:, 0], 3)).all()
+    assert np.isfinite(dyn[:, 0]).all()
+    assert dyn[3, 0] == pytest.approx(np.max(per_step["dynamic_range"][with_quality][:, 3]), rel=1e-12)
     _, outlier = heatmap(client, run["id"], metric="outlier_ratio", max_cols=1)
     assert outlier[6, 0] == pytest.approx(per_step["outlier_ratio"][2700, 6], rel=1e-12)
     assert outlier[6, 0] > 1e5
