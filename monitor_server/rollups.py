@@ -1,8 +1,9 @@
 """Per-tensor statistics storage, block rollups and the heatmap read path.
 
-Storage: one `StepStat` row per (run, statistic, step) holding T float64 values, and one `Rollup` row per
+Storage: one `StepStat` row per (run, statistic, step) holding T values, and one `Rollup` row per
 (run, level, heatmap metric, block) holding the block's aggregate over the aligned steps
-[block*level, (block+1)*level). Levels are 8, 64, 512 and 4096 steps.
+[block*level, (block+1)*level). Levels are 8, 64, 512 and 4096 steps. A row's T values are stored as
+float32 when every one of them survives the round trip exactly, float64 otherwise (`pack`).
 
 Aggregation never averages: amax and scale keep the bucket max, headroom the bucket min, overflow /
 underflow / nonfinite the bucket sum; of the quantization-quality metrics SQNR keeps the bucket min (the
@@ -62,16 +63,45 @@ HEATMAP_METRICS: dict[str, tuple[int, str]] = {
 }
 
 _F8 = np.dtype("<f8")
+_F4 = np.dtype("<f4")
+
+
+def _exact_in_float32(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the rows of a float64 matrix as float32, per row: does every value survive that exactly?)"""
+    narrow = matrix.astype(_F4)
+    with np.errstate(invalid="ignore"):
+        same = (narrow.astype(_F8) == matrix) | np.isnan(matrix)
+    return narrow, same.all(axis=-1)
 
 
 def pack(values: np.ndarray) -> bytes:
-    """A float vector as stored: little-endian float64 bytes."""
-    return np.ascontiguousarray(values, dtype=_F8).tobytes()
+    """A float vector as stored: little-endian float32 when every value survives that exactly (an amax or
+    scale of a float32 or bf16 tensor, counts up to 2^24, NaN, ±inf: nearly every row, at half the bytes),
+    float64 otherwise (larger counts, sums). Nothing is rounded; `unpack` tells the two apart by length."""
+    wide = np.ascontiguousarray(values, dtype=_F8)
+    narrow, exact = _exact_in_float32(wide)
+    return narrow.tobytes() if exact else wide.tobytes()
 
 
-def unpack(blob: bytes) -> np.ndarray:
-    """Inverse of `pack` (read-only view)."""
+def unpack(blob: bytes, num_tensors: int) -> np.ndarray:
+    """Inverse of `pack`: the T values as float64."""
+    if len(blob) == 4 * num_tensors:
+        return np.frombuffer(blob, dtype=_F4).astype(_F8)
     return np.frombuffer(blob, dtype=_F8)
+
+
+def unpack_rows(blobs: list[bytes], num_tensors: int) -> np.ndarray:
+    """Many packed rows as one (n, T) float64 matrix; one join and one conversion when they share a width."""
+    n = len(blobs)
+    joined = b"".join(blobs)
+    if len(joined) == 4 * num_tensors * n:  # every row float32 (a row is 4T or 8T bytes)
+        return np.frombuffer(joined, dtype=_F4).astype(_F8).reshape(n, num_tensors)
+    if len(joined) == 8 * num_tensors * n:
+        return np.frombuffer(joined, dtype=_F8).reshape(n, num_tensors)
+    out = np.empty((n, num_tensors), dtype=_F8)
+    for i, blob in enumerate(blobs):
+        out[i] = unpack(blob, num_tensors)
+    return out
 
 
 def headroom(amax: np.ndarray, scale: np.ndarray, fp8_max: np.ndarray) -> np.ndarray:
@@ -123,8 +153,14 @@ def step_stat_rows(run_id: int, steps: np.ndarray, stats: dict[str, np.ndarray])
         if name not in stats:  # the quality columns, from a sender that does not compute them
             continue
         matrix = np.ascontiguousarray(stats[name], dtype=_F8)
+        narrow, exact = _exact_in_float32(matrix)
         rows.extend(
-            {"run_id": run_id, "metric": metric, "step": s, "values": matrix[i].tobytes()}
+            {
+                "run_id": run_id,
+                "metric": metric,
+                "step": s,
+                "values": narrow[i].tobytes() if exact[i] else matrix[i].tobytes(),
+            }
             for i, s in enumerate(step_list)
         )
     return rows
@@ -138,6 +174,7 @@ def update_rollups(
     Reads the touched blocks once per level, merges, and writes them back; the caller holds the run's
     write lock, so the read-modify-write cannot race.
     """
+    T = len(fp8_max)
     metrics: dict[int, tuple[np.ndarray, str]] = {}
     for name, (metric, how) in HEATMAP_METRICS.items():
         if metric not in DERIVED:
@@ -173,7 +210,8 @@ def update_rollups(
                     inserts.append(row)
                 else:
                     row.update(
-                        values=pack(combine(unpack(old.values), agg[j], how)), n_steps=old.n_steps + counts[j]
+                        values=pack(combine(unpack(old.values, T), agg[j], how)),
+                        n_steps=old.n_steps + counts[j],
                     )
                     updates.append(row)
         if inserts:
@@ -260,7 +298,7 @@ def read_heatmap(
         ).all()
         if rows:
             starts_list.append(np.fromiter((r.block for r in rows), np.int64, len(rows)) * level)
-            values_list.append(np.frombuffer(b"".join(r.values for r in rows), _F8).reshape(len(rows), T))
+            values_list.append(unpack_rows([r.values for r in rows], T))
             weights_list.append(np.fromiter((r.n_steps for r in rows), np.int64, len(rows)))
     n = plan.n_buckets
     # the answer itself, tensor-major as it is sent; an empty bucket is never computed, only left NaN
@@ -319,8 +357,7 @@ def read_step_stats(
             .order_by(StepStat.step)
         ).all()
         steps_of[metric_id] = np.fromiter((r.step for r in rows), np.int64, len(rows))
-        blob = b"".join(r.values for r in rows)
-        out[metric_id] = np.frombuffer(blob, _F8).reshape(len(rows), num_tensors)
+        out[metric_id] = unpack_rows([r.values for r in rows], num_tensors)
     if not metric_ids:
         return np.zeros(0, dtype=np.int64), out
     steps = steps_of[metric_ids[0]]
