@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from sqlalchemy import and_, insert, select, update
+from sqlalchemy import and_, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from fp8_protocol.stats import (
@@ -37,6 +37,8 @@ from monitor_server.models import Rollup, StepStat
 
 #: the rollup block sizes, in steps (each divides the next)
 LEVELS: tuple[int, ...] = (8, 64, 512, 4096)
+#: compaction drops per-step rows in whole blocks of the smallest level, so the rollups still cover them
+COMPACT_BLOCK = LEVELS[0]
 
 
 #: statistic name -> metric id of its `StepStat` rows (stored ids: never renumber). The base columns are
@@ -230,14 +232,14 @@ class HeatmapPlan:
     n_buckets: int
 
 
-def plan_heatmap(lo: int, hi: int, max_cols: int) -> HeatmapPlan:
+def plan_heatmap(lo: int, hi: int, max_cols: int, min_width: int = 1) -> HeatmapPlan:
     """Choose the bucket width for steps [lo, hi] and at most `max_cols` columns.
 
-    The width is ceil(span / max_cols) rounded up to a multiple of the largest rollup level not above it,
-    so every bucket is made of whole rollup blocks (plus raw steps at the range's ends).
+    The width is ceil(span / max_cols) (at least `min_width`) rounded up to a multiple of the largest rollup
+    level not above it, so every bucket is made of whole rollup blocks (plus raw steps at the range's ends).
     """
     span = hi - lo + 1
-    want = max(1, math.ceil(span / max_cols))
+    want = max(min_width, math.ceil(span / max_cols))
     level = max([lv for lv in LEVELS if lv <= want], default=1)
     width = math.ceil(want / level) * level
     while hi // width - lo // width + 1 > max_cols:
@@ -272,13 +274,14 @@ def read_heatmap(
     (`heatmap_cells`) before calling.
     """
     metric_id, how = HEATMAP_METRICS[metric]
-    plan = plan_heatmap(lo, hi, max_cols)
+    kept_from = raw_kept_from(session, run_id)
+    plan = plan_heatmap(lo, hi, max_cols, heatmap_min_width(lo, kept_from))
     T = len(fp8_max)
     starts_list: list[np.ndarray] = []
     values_list: list[np.ndarray] = []
     weights_list: list[np.ndarray] = []
     usable = [lv for lv in reversed(LEVELS) if lv <= plan.level]
-    for level, first, last in cover(lo, hi, usable):
+    for level, first, last in _compacted_to_blocks(cover(lo, hi, usable), kept_from):
         if level == 1:
             steps, matrix = _read_raw(session, run_id, metric_id, first, last, fp8_max)
             if len(steps):
@@ -324,6 +327,46 @@ def read_heatmap(
         "values": values,
         "empty": counts == 0,
     }
+
+
+def raw_kept_from(session: Session, run_id: int) -> int:
+    """The first step whose statistics are still kept per step: below it, compaction (`retention.py`) left
+    only the rollups. A multiple of `COMPACT_BLOCK`; 0 when nothing was compacted."""
+    amax = STAT_IDS["amax"]  # stored for every step that carried statistics
+    first = session.scalar(
+        select(func.min(StepStat.step)).where(StepStat.run_id == run_id, StepStat.metric == amax)
+    )
+    blocks = (Rollup.run_id == run_id, Rollup.level == COMPACT_BLOCK, Rollup.metric == amax)
+    if first is None:  # no step kept: all compacted (the blocks after the last rollup are not)
+        last = session.scalar(select(func.max(Rollup.block)).where(*blocks))
+        return 0 if last is None else (int(last) + 1) * COMPACT_BLOCK
+    aligned = int(first) // COMPACT_BLOCK * COMPACT_BLOCK
+    older = session.scalar(
+        select(Rollup.block).where(*blocks, Rollup.block < aligned // COMPACT_BLOCK).limit(1)
+    )
+    return 0 if older is None else aligned
+
+
+def heatmap_min_width(lo: int, kept_from: int) -> int:
+    """A range that reaches below the steps kept per step is drawn at no finer than the compacted blocks."""
+    return COMPACT_BLOCK if lo < kept_from else 1
+
+
+def _compacted_to_blocks(pieces: list[tuple[int, int, int]], kept_from: int) -> list[tuple[int, int, int]]:
+    """The raw pieces of a `cover` below `kept_from` read from the smallest rollup blocks instead (the
+    steps' own rows are gone); a range's edge there is read at the block's resolution."""
+    if kept_from <= 0:
+        return pieces
+    out = []
+    for level, first, last in pieces:
+        if level != 1 or first >= kept_from:
+            out.append((level, first, last))
+            continue
+        top = min(last, kept_from - 1)
+        out.append((COMPACT_BLOCK, first // COMPACT_BLOCK, top // COMPACT_BLOCK))
+        if last >= kept_from:
+            out.append((1, kept_from, last))
+    return out
 
 
 def _read_raw(
