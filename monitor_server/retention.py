@@ -3,8 +3,9 @@
 With ``raw_steps_kept`` = N, a run keeps its statistics per step for its last N steps (at least; the cut
 falls on a block of `rollups.COMPACT_BLOCK` steps); older steps are kept only in the rollups, which were
 written at ingest and cover the whole run at 8 steps and coarser. The heatmap of a compacted range reads them
-(max / min / sum, NaN kept, as before), at 8-step resolution or coarser. The steps' scalars (loss, lr, ...)
-are small and stay. The service runs `compact` in its periodic maintenance.
+(max / min / sum, NaN kept, as before), at 8-step resolution or coarser; the per-step export
+(`export.py`) has the kept steps only. The steps' scalars (loss, lr, ...) are small and stay, with their
+series. The service runs `compact` in its periodic maintenance.
 """
 
 from __future__ import annotations
