@@ -6,7 +6,11 @@ batch, posted to a real `fp8-monitor serve` (uvicorn subprocess) with the packed
 several GET /heatmap?max_cols=1000 over a run of 512 tensors x 100,000 steps, filled through the same storage
 code as ingest (`monitor_server.ingest.store_batch`) in large batches.
 
-    .venv/bin/python bench/ingest.py [--batches 40] [--heatmap-steps 100000] [--skip-pg]
+    .venv/bin/python bench/ingest.py [--batches 40] [--heatmap-steps 100000] [--skip-pg] [--quality]
+
+With --quality the run also posts the quantization-quality columns (sum_sq, err_sq, subnormal, min_abs:
+10 columns a step instead of 6) in the packed encoding ("packed+quality", compared per step with "packed" in
+the same run), fills the heatmap run with them and times the SQNR heatmap beside the amax one.
 
 Prints a table and writes bench/results/ingest.json. Goals on a 2-core machine: >= 1,000,000 values/s into
 SQLite, heatmap <= 150 ms median.
@@ -33,7 +37,7 @@ import orjson
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fp8_protocol.stats import FP8_MAX, STAT_COLUMNS  # noqa: E402
+from fp8_protocol.stats import FP8_MAX, QUALITY_COLUMNS, STAT_COLUMNS  # noqa: E402
 from monitor_server.core.db import Database  # noqa: E402
 from monitor_server.ingest import DecodedBatch, store_batch  # noqa: E402
 from tests.server.utils import col, fresh_pg_database, running_server  # noqa: E402  (shared with the tests)
@@ -66,10 +70,22 @@ class StatStream:
         self.scale = 2.0 ** np.floor(np.log2(448.0 / (self.base * 1.1)))
         self.T = T
 
-    def steps(self, n: int) -> dict[str, np.ndarray]:
-        """Statistics of n steps, each (n, T)."""
+    def steps(self, n: int, quality: bool = False) -> dict[str, np.ndarray]:
+        """Statistics of n steps, each (n, T); with `quality` the quality columns too (SQNR about 30 dB)."""
         amax = self.base * (1.0 + 0.01 * self.rng.random((n, self.T)))
-        return {
+        if quality:
+            numel = float(1 << 20)
+            sum_sq = (amax / 20.0) ** 2 * numel
+            sqnr = 30.0 + self.rng.normal(0.0, 1.0, (n, self.T))
+            extra = {
+                "sum_sq": sum_sq,
+                "err_sq": sum_sq * 10.0 ** (-sqnr / 10.0),
+                "subnormal": self.rng.integers(0, 100, (n, self.T)).astype(np.float64),
+                "min_abs": amax * 2.0**-14,
+            }
+        else:
+            extra = {}
+        return extra | {
             "amax": amax,
             "scale": np.broadcast_to(self.scale, (n, self.T)).copy(),
             "overflow": np.zeros((n, self.T)),
@@ -82,9 +98,10 @@ class StatStream:
 def batch_bytes(key: str, first_step: int, stats: dict[str, np.ndarray], encoding: str) -> bytes:
     """A telemetry body, already serialised (the client's cost is not what is measured)."""
     steps = []
+    names = [*STATS, *QUALITY_COLUMNS] if encoding == "packed+quality" else STATS
     for i in range(len(stats["amax"])):
-        if encoding == "packed":
-            cols = {n: col(stats[n][i], "float32" if n in ("amax", "scale") else "float64") for n in STATS}
+        if encoding.startswith("packed"):
+            cols = {n: col(stats[n][i], "float32" if n in ("amax", "scale") else "float64") for n in names}
         else:
             cols = {n: stats[n][i].tolist() for n in STATS}
         steps.append(
@@ -111,7 +128,8 @@ def bench_ingest(url: str, encoding: str, T: int, S: int, batches: int, senders:
     """Post `batches` batches from `senders` threads; values/s over the whole wall time."""
     run_id = create_run(url, T, f"bench-{encoding}")
     stream = StatStream(T)
-    bodies = [batch_bytes(f"b{i}", i * S, stream.steps(S), encoding) for i in range(batches + 2)]
+    quality = encoding == "packed+quality"
+    bodies = [batch_bytes(f"b{i}", i * S, stream.steps(S, quality), encoding) for i in range(batches + 2)]
     endpoint = f"{url}/api/v1/runs/{run_id}/telemetry"
     headers = {"content-type": "application/json"}
     with httpx.Client(timeout=60) as client:  # warm-up (engine, caches, connections)
@@ -139,17 +157,20 @@ def bench_ingest(url: str, encoding: str, T: int, S: int, batches: int, senders:
     wall = time.perf_counter() - t0
     if errors:
         raise RuntimeError(f"ingest errors: {errors[:3]}")
-    values = len(work) * S * T * len(STATS)
+    values = len(work) * S * T * (len(STATS) + (len(QUALITY_COLUMNS) if quality else 0))
     return {
         "values": values,
         "seconds": wall,
         "values_per_s": values / wall,
+        "steps_per_s": len(work) * S / wall,
         "batch_bytes": len(work[0]),
         "batch_latency_median_ms": 1000 * statistics.median(latencies),
     }
 
 
-def fill_direct(db_url: str, run_id: int, T: int, total_steps: int, chunk: int = 2000) -> float:
+def fill_direct(
+    db_url: str, run_id: int, T: int, total_steps: int, chunk: int = 2000, quality: bool = False
+) -> float:
     """Store `total_steps` steps through `store_batch` (the ingest storage code), no HTTP; returns seconds."""
     db = Database(db_url)
     stream = StatStream(T, seed=1)
@@ -157,7 +178,7 @@ def fill_direct(db_url: str, run_id: int, T: int, total_steps: int, chunk: int =
     t0 = time.perf_counter()
     for first in range(0, total_steps, chunk):
         n = min(chunk, total_steps - first)
-        stats = stream.steps(n)
+        stats = stream.steps(n, quality)
         # a few spikes and non-finite values, as a real run would have
         stats["amax"][n // 2, (first // chunk) % T] *= 1e3
         if first // chunk % 7 == 3:
@@ -175,21 +196,28 @@ def fill_direct(db_url: str, run_id: int, T: int, total_steps: int, chunk: int =
     return seconds
 
 
-def bench_heatmap(url: str, db_url: str, T: int, total_steps: int, repeats: int = 9) -> dict:
+def bench_heatmap(
+    url: str, db_url: str, T: int, total_steps: int, repeats: int = 9, quality: bool = False
+) -> dict:
     """Fill a T x total_steps run and time heatmap requests at max_cols=1000."""
     run_id = create_run(url, T, "bench-heatmap")
-    fill_s = fill_direct(db_url, run_id, T, total_steps)
+    fill_s = fill_direct(db_url, run_id, T, total_steps, quality=quality)
     out = {
         "steps": total_steps,
         "tensors": T,
         "fill_seconds": fill_s,
-        "fill_values_per_s": total_steps * T * 6 / fill_s,
+        "fill_values_per_s": total_steps
+        * T
+        * (len(STATS) + (len(QUALITY_COLUMNS) if quality else 0))
+        / fill_s,
     }
     cases = {
         "amax_full": {"metric": "amax", "max_cols": 1000},
         "headroom_full": {"metric": "headroom", "max_cols": 1000},
         "amax_last_5000": {"metric": "amax", "max_cols": 1000, "from": total_steps - 5000},
     }
+    if quality:
+        cases["sqnr_full"] = {"metric": "sqnr", "max_cols": 1000}
     with httpx.Client(timeout=120) as client:
         for name, params in cases.items():
             times = []
@@ -223,6 +251,7 @@ def main() -> int:
     parser.add_argument("--skip-pg", action="store_true")
     parser.add_argument("--backends", default="sqlite,postgresql", help="comma-separated: sqlite,postgresql")
     parser.add_argument("--skip-heatmap", action="store_true")
+    parser.add_argument("--quality", action="store_true", help="also post and read the quality columns")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "ingest.json")
     args = parser.parse_args()
 
@@ -246,7 +275,7 @@ def main() -> int:
             )
             with ctx as db_url, running_server(db_url) as srv:
                 url = srv.url
-                for encoding in ("packed", "json"):
+                for encoding in ("packed", "json", *(["packed+quality"] if args.quality else [])):
                     r = bench_ingest(
                         url, encoding, args.tensors, args.steps_per_batch, args.batches, args.senders
                     )
@@ -256,7 +285,7 @@ def main() -> int:
                         flush=True,
                     )
                 if not args.skip_heatmap:
-                    r = bench_heatmap(url, db_url, args.tensors, args.heatmap_steps)
+                    r = bench_heatmap(url, db_url, args.tensors, args.heatmap_steps, quality=args.quality)
                     results["heatmap"][backend] = r
                     print(
                         f"  heatmap {backend:10s} amax {r['amax_full']['median_ms']:.1f} ms median",
@@ -268,12 +297,14 @@ def main() -> int:
         f"ingest: {args.tensors} tensors x 6 statistics x {args.steps_per_batch} steps per batch, "
         f"{args.batches} batches, {args.senders} concurrent senders, over HTTP"
     )
-    print(f"{'backend':<12}{'encoding':<10}{'values/s':>14}{'batch p50 ms':>14}{'batch MB':>10}")
+    print(
+        f"{'backend':<12}{'encoding':<16}{'values/s':>14}{'steps/s':>10}{'batch p50 ms':>14}{'batch MB':>10}"
+    )
     for key, r in results["ingest"].items():
         backend, encoding = key.split("/")
         print(
-            f"{backend:<12}{encoding:<10}{r['values_per_s']:>14,.0f}{r['batch_latency_median_ms']:>14.1f}"
-            f"{r['batch_bytes'] / 1e6:>10.2f}"
+            f"{backend:<12}{encoding:<16}{r['values_per_s']:>14,.0f}{r['steps_per_s']:>10,.0f}"
+            f"{r['batch_latency_median_ms']:>14.1f}{r['batch_bytes'] / 1e6:>10.2f}"
         )
     if results["heatmap"]:
         print()
@@ -283,7 +314,9 @@ def main() -> int:
             f"{'fill values/s':>15}"
         )
         for backend, r in results["heatmap"].items():
-            for name in ("amax_full", "headroom_full", "amax_last_5000"):
+            for name in ("amax_full", "headroom_full", "amax_last_5000", "sqnr_full"):
+                if name not in r:
+                    continue
                 q = r[name]
                 print(
                     f"{backend:<12}{name:<18}{q['median_ms']:>10.1f}{q['min_ms']:>9.1f}{q['columns']:>9}"

@@ -60,39 +60,46 @@ def encode_float(x: float) -> float | str:
 
 
 # The quantities the quality columns stand for, as the dashboard and the detectors show them. Each takes
-# numpy arrays (or floats) of the stored columns and answers NaN where the inputs do not define it.
+# numpy arrays (or floats) of the stored columns. A tensor with nothing to measure (all zero, or a layer that
+# did not run: numel 0) gets the neutral value, never NaN: NaN stays the sign of a real non-finite value (or
+# a missing column), and a neutral value cannot win a bucket's worst-of aggregation (min SQNR, max of the
+# others) over a real one.
 
 
 def sqnr_db(sum_sq, err_sq):
     """Signal-to-quantization-noise ratio in dB, 10·log10(Σx² / Σ(q(x)−x)²): +inf for an exact round trip
-    of a non-zero tensor, NaN for an all-zero one."""
+    (an all-zero tensor included: nothing was lost)."""
+    signal, noise = np.asarray(sum_sq, dtype=np.float64), np.asarray(err_sq, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
-        return 10.0 * np.log10(np.asarray(sum_sq, dtype=np.float64) / np.asarray(err_sq, dtype=np.float64))
+        return np.where((signal == 0) & (noise == 0), np.inf, 10.0 * np.log10(signal / noise))
 
 
 def rms(sum_sq, numel, nonfinite):
-    """Root mean square of the finite values."""
+    """Root mean square of the finite values (NaN when there are none)."""
     with np.errstate(divide="ignore", invalid="ignore"):
         n = np.asarray(numel, dtype=np.float64) - np.asarray(nonfinite, dtype=np.float64)
         return np.sqrt(np.asarray(sum_sq, dtype=np.float64) / n)
 
 
 def outlier_ratio(amax, sum_sq, numel, nonfinite):
-    """amax / RMS: how far the largest value stands above the bulk (1 for a constant tensor; an outlier
-    feature shows as hundreds or thousands)."""
+    """amax / RMS: how far the largest value stands above the bulk (1 for a constant tensor, an all-zero one
+    included; an outlier feature shows as hundreds or thousands)."""
+    top = np.asarray(amax, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
-        return np.asarray(amax, dtype=np.float64) / rms(sum_sq, numel, nonfinite)
+        return np.where(top == 0, 1.0, top / rms(sum_sq, numel, nonfinite))
 
 
 def dynamic_range(amax, min_abs):
     """log2(amax / smallest non-zero |x|): the binades the tensor spans, to compare with the format's
-    (`FP8_RANGE_BINADES`). NaN when the tensor has no non-zero value (`min_abs` +inf)."""
+    (`FP8_RANGE_BINADES`); 0 when the tensor has no non-zero value (`min_abs` +inf)."""
     smallest = np.asarray(min_abs, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(np.isposinf(smallest), np.nan, np.log2(np.asarray(amax, dtype=np.float64) / smallest))
+        return np.where(np.isposinf(smallest), 0.0, np.log2(np.asarray(amax, dtype=np.float64) / smallest))
 
 
 def subnormal_fraction(subnormal, numel):
-    """The share of values that land on FP8 subnormals (≤ 3 significant bits in E4M3, ≤ 2 in E5M2)."""
+    """The share of values that land on FP8 subnormals (≤ 3 significant bits in E4M3, ≤ 2 in E5M2); 0 for a
+    tensor with no values."""
+    count, n = np.asarray(subnormal, dtype=np.float64), np.asarray(numel, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
-        return np.asarray(subnormal, dtype=np.float64) / np.asarray(numel, dtype=np.float64)
+        return np.where(n == 0, 0.0, count / n)

@@ -38,7 +38,7 @@ from sqlalchemy.orm import Session
 from fp8_protocol.stats import BASE_COLUMNS as STAT_COLUMNS  # the quality columns are not exported
 from monitor_server.alerting import alert_public
 from monitor_server.models import Alert, EventRow, StepRow, StepStat, as_utc
-from monitor_server.rollups import STAT_IDS
+from monitor_server.rollups import STAT_IDS, unpack_rows
 from monitor_server.run_meta import RunMeta
 from monitor_server.series import scalar_value
 
@@ -170,7 +170,7 @@ def _stat_chunks(
         if not rows:
             return
         steps = np.fromiter((r.step for r in rows[::n_stats]), np.int64, len(rows) // n_stats)
-        cube = np.frombuffer(b"".join(r.values for r in rows), "<f8").reshape(len(steps), n_stats, T)
+        cube = unpack_rows([r.values for r in rows], T).reshape(len(steps), n_stats, T)
         yield steps, cube
         if last is None:
             return

@@ -40,9 +40,10 @@ KIND_RANK = {
     "scale_collapse": 2,
     "amax_divergence": 3,
     "rank_divergence": 4,
-    "loss_spike": 5,
-    "underflow_excess": 6,
-    "stalled": 7,
+    "sqnr_drop": 5,
+    "loss_spike": 6,
+    "underflow_excess": 7,
+    "stalled": 8,
 }
 KIND_LABEL = {
     "nonfinite": "non-finite values",
@@ -50,6 +51,7 @@ KIND_LABEL = {
     "scale_collapse": "scale collapse",
     "amax_divergence": "amax divergence",
     "rank_divergence": "rank divergence",
+    "sqnr_drop": "SQNR drop",
     "loss_spike": "loss spike",
     "underflow_excess": "excess underflow",
     "stalled": "run stalled",

@@ -120,7 +120,7 @@ class StepRow(Base):
 
 
 class StepStat(Base):
-    """One statistic of one step for all T tensors: packed little-endian float64, length T."""
+    """One statistic of one step for all T tensors: T little-endian float32 or float64 (`rollups.pack`)."""
 
     __tablename__ = "step_stats"
 

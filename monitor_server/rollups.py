@@ -1,28 +1,44 @@
 """Per-tensor statistics storage, block rollups and the heatmap read path.
 
-Storage: one `StepStat` row per (run, statistic, step) holding T float64 values, and one `Rollup` row per
+Storage: one `StepStat` row per (run, statistic, step) holding T values, and one `Rollup` row per
 (run, level, heatmap metric, block) holding the block's aggregate over the aligned steps
-[block*level, (block+1)*level). Levels are 8, 64, 512 and 4096 steps.
+[block*level, (block+1)*level). Levels are 8, 64, 512 and 4096 steps. A row's T values are stored as
+float32 when every one of them survives the round trip exactly, float64 otherwise (`pack`).
 
 Aggregation never averages: amax and scale keep the bucket max, headroom the bucket min, overflow /
-underflow / nonfinite the bucket sum. NaN propagates through max, min and sum (a bucket holding a NaN shows
-NaN) and so does an infinity.
+underflow / nonfinite the bucket sum; of the quantization-quality metrics SQNR keeps the bucket min (the
+worst), subnormal fraction, dynamic range and outlier ratio the bucket max. NaN propagates through max, min
+and sum (a bucket holding a NaN shows NaN) and so does an infinity.
+
+Derived metrics (headroom and the quality metrics) are computed per step from the stored columns: at ingest
+into the rollups, and on raw reads from the `StepStat` rows. A step stored without the quality columns has
+no quality rows and no quality rollup contribution: its buckets hold only the steps that carried them.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from sqlalchemy import and_, insert, select, update
+from sqlalchemy import and_, func, insert, select, update
 from sqlalchemy.orm import Session
 
-from fp8_protocol.stats import BASE_COLUMNS, QUALITY_COLUMNS
+from fp8_protocol.stats import (
+    BASE_COLUMNS,
+    QUALITY_COLUMNS,
+    dynamic_range,
+    outlier_ratio,
+    sqnr_db,
+    subnormal_fraction,
+)
 from monitor_server.models import Rollup, StepStat
 
 #: the rollup block sizes, in steps (each divides the next)
 LEVELS: tuple[int, ...] = (8, 64, 512, 4096)
+#: compaction drops per-step rows in whole blocks of the smallest level, so the rollups still cover them
+COMPACT_BLOCK = LEVELS[0]
 
 
 #: statistic name -> metric id of its `StepStat` rows (stored ids: never renumber). The base columns are
@@ -31,6 +47,8 @@ STAT_IDS: dict[str, int] = {name: i for i, name in enumerate(BASE_COLUMNS)} | {
     name: 7 + i for i, name in enumerate(QUALITY_COLUMNS)
 }
 HEADROOM_ID = 6
+#: rollup-only metric ids of the derived quantization-quality metrics (stored ids: never renumber)
+SQNR_ID, SUBNORMAL_FRACTION_ID, DYNAMIC_RANGE_ID, OUTLIER_RATIO_ID = 11, 12, 13, 14
 
 #: heatmap metric -> (rollup metric id, how buckets aggregate)
 HEATMAP_METRICS: dict[str, tuple[int, str]] = {
@@ -40,19 +58,52 @@ HEATMAP_METRICS: dict[str, tuple[int, str]] = {
     "underflow": (STAT_IDS["underflow"], "sum"),
     "nonfinite": (STAT_IDS["nonfinite"], "sum"),
     "headroom": (HEADROOM_ID, "min"),
+    "sqnr": (SQNR_ID, "min"),  # dB; the worst of the bucket
+    "subnormal": (SUBNORMAL_FRACTION_ID, "max"),  # subnormal / numel
+    "dynamic_range": (DYNAMIC_RANGE_ID, "max"),  # binades, log2(amax / min_abs)
+    "outlier_ratio": (OUTLIER_RATIO_ID, "max"),  # amax / RMS
 }
 
 _F8 = np.dtype("<f8")
+_F4 = np.dtype("<f4")
+
+
+def _exact_in_float32(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the rows of a float64 matrix as float32, per row: does every value survive that exactly?)"""
+    narrow = matrix.astype(_F4)
+    with np.errstate(invalid="ignore"):
+        same = (narrow.astype(_F8) == matrix) | np.isnan(matrix)
+    return narrow, same.all(axis=-1)
 
 
 def pack(values: np.ndarray) -> bytes:
-    """A float vector as stored: little-endian float64 bytes."""
-    return np.ascontiguousarray(values, dtype=_F8).tobytes()
+    """A float vector as stored: little-endian float32 when every value survives that exactly (an amax or
+    scale of a float32 or bf16 tensor, counts up to 2^24, NaN, ±inf: nearly every row, at half the bytes),
+    float64 otherwise (larger counts, sums). Nothing is rounded; `unpack` tells the two apart by length."""
+    wide = np.ascontiguousarray(values, dtype=_F8)
+    narrow, exact = _exact_in_float32(wide)
+    return narrow.tobytes() if exact else wide.tobytes()
 
 
-def unpack(blob: bytes) -> np.ndarray:
-    """Inverse of `pack` (read-only view)."""
+def unpack(blob: bytes, num_tensors: int) -> np.ndarray:
+    """Inverse of `pack`: the T values as float64."""
+    if len(blob) == 4 * num_tensors:
+        return np.frombuffer(blob, dtype=_F4).astype(_F8)
     return np.frombuffer(blob, dtype=_F8)
+
+
+def unpack_rows(blobs: list[bytes], num_tensors: int) -> np.ndarray:
+    """Many packed rows as one (n, T) float64 matrix; one join and one conversion when they share a width."""
+    n = len(blobs)
+    joined = b"".join(blobs)
+    if len(joined) == 4 * num_tensors * n:  # every row float32 (a row is 4T or 8T bytes)
+        return np.frombuffer(joined, dtype=_F4).astype(_F8).reshape(n, num_tensors)
+    if len(joined) == 8 * num_tensors * n:
+        return np.frombuffer(joined, dtype=_F8).reshape(n, num_tensors)
+    out = np.empty((n, num_tensors), dtype=_F8)
+    for i, blob in enumerate(blobs):
+        out[i] = unpack(blob, num_tensors)
+    return out
 
 
 def headroom(amax: np.ndarray, scale: np.ndarray, fp8_max: np.ndarray) -> np.ndarray:
@@ -62,6 +113,19 @@ def headroom(amax: np.ndarray, scale: np.ndarray, fp8_max: np.ndarray) -> np.nda
     """
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         return np.log2(fp8_max / (amax * scale))
+
+
+#: derived metric id -> (the stored columns it is computed from, f(fp8_max, *columns) -> (S, T) per step)
+DERIVED: dict[int, tuple[tuple[str, ...], Callable[..., np.ndarray]]] = {
+    HEADROOM_ID: (("amax", "scale"), lambda fp8_max, amax, scale: headroom(amax, scale, fp8_max)),
+    SQNR_ID: (("sum_sq", "err_sq"), lambda _, sum_sq, err_sq: sqnr_db(sum_sq, err_sq)),
+    SUBNORMAL_FRACTION_ID: (("subnormal", "numel"), lambda _, sub, numel: subnormal_fraction(sub, numel)),
+    DYNAMIC_RANGE_ID: (("amax", "min_abs"), lambda _, amax, min_abs: dynamic_range(amax, min_abs)),
+    OUTLIER_RATIO_ID: (
+        ("amax", "sum_sq", "numel", "nonfinite"),
+        lambda _, amax, sum_sq, numel, nonfinite: outlier_ratio(amax, sum_sq, numel, nonfinite),
+    ),
+}
 
 
 def _reduce(how: str):
@@ -91,8 +155,14 @@ def step_stat_rows(run_id: int, steps: np.ndarray, stats: dict[str, np.ndarray])
         if name not in stats:  # the quality columns, from a sender that does not compute them
             continue
         matrix = np.ascontiguousarray(stats[name], dtype=_F8)
+        narrow, exact = _exact_in_float32(matrix)
         rows.extend(
-            {"run_id": run_id, "metric": metric, "step": s, "values": matrix[i].tobytes()}
+            {
+                "run_id": run_id,
+                "metric": metric,
+                "step": s,
+                "values": narrow[i].tobytes() if exact[i] else matrix[i].tobytes(),
+            }
             for i, s in enumerate(step_list)
         )
     return rows
@@ -106,12 +176,15 @@ def update_rollups(
     Reads the touched blocks once per level, merges, and writes them back; the caller holds the run's
     write lock, so the read-modify-write cannot race.
     """
-    metrics: dict[int, tuple[np.ndarray, str]] = {
-        metric: (np.asarray(stats[name], dtype=np.float64), how)
-        for name, (metric, how) in HEATMAP_METRICS.items()
-        if metric != HEADROOM_ID
-    }
-    metrics[HEADROOM_ID] = (headroom(stats["amax"], stats["scale"], fp8_max), "min")
+    T = len(fp8_max)
+    metrics: dict[int, tuple[np.ndarray, str]] = {}
+    for name, (metric, how) in HEATMAP_METRICS.items():
+        if metric not in DERIVED:
+            metrics[metric] = (np.asarray(stats[name], dtype=np.float64), how)
+            continue
+        columns, derive = DERIVED[metric]
+        if all(c in stats for c in columns):  # the quality metrics only for steps that carried them
+            metrics[metric] = (derive(fp8_max, *(stats[c] for c in columns)), how)
     for level in LEVELS:
         blocks = steps // level
         starts = _group_starts(blocks)
@@ -139,7 +212,8 @@ def update_rollups(
                     inserts.append(row)
                 else:
                     row.update(
-                        values=pack(combine(unpack(old.values), agg[j], how)), n_steps=old.n_steps + counts[j]
+                        values=pack(combine(unpack(old.values, T), agg[j], how)),
+                        n_steps=old.n_steps + counts[j],
                     )
                     updates.append(row)
         if inserts:
@@ -158,14 +232,14 @@ class HeatmapPlan:
     n_buckets: int
 
 
-def plan_heatmap(lo: int, hi: int, max_cols: int) -> HeatmapPlan:
+def plan_heatmap(lo: int, hi: int, max_cols: int, min_width: int = 1) -> HeatmapPlan:
     """Choose the bucket width for steps [lo, hi] and at most `max_cols` columns.
 
-    The width is ceil(span / max_cols) rounded up to a multiple of the largest rollup level not above it,
-    so every bucket is made of whole rollup blocks (plus raw steps at the range's ends).
+    The width is ceil(span / max_cols) (at least `min_width`) rounded up to a multiple of the largest rollup
+    level not above it, so every bucket is made of whole rollup blocks (plus raw steps at the range's ends).
     """
     span = hi - lo + 1
-    want = max(1, math.ceil(span / max_cols))
+    want = max(min_width, math.ceil(span / max_cols))
     level = max([lv for lv in LEVELS if lv <= want], default=1)
     width = math.ceil(want / level) * level
     while hi // width - lo // width + 1 > max_cols:
@@ -200,13 +274,14 @@ def read_heatmap(
     (`heatmap_cells`) before calling.
     """
     metric_id, how = HEATMAP_METRICS[metric]
-    plan = plan_heatmap(lo, hi, max_cols)
+    kept_from = raw_kept_from(session, run_id)
+    plan = plan_heatmap(lo, hi, max_cols, heatmap_min_width(lo, kept_from))
     T = len(fp8_max)
     starts_list: list[np.ndarray] = []
     values_list: list[np.ndarray] = []
     weights_list: list[np.ndarray] = []
     usable = [lv for lv in reversed(LEVELS) if lv <= plan.level]
-    for level, first, last in cover(lo, hi, usable):
+    for level, first, last in _compacted_to_blocks(cover(lo, hi, usable), kept_from):
         if level == 1:
             steps, matrix = _read_raw(session, run_id, metric_id, first, last, fp8_max)
             if len(steps):
@@ -226,7 +301,7 @@ def read_heatmap(
         ).all()
         if rows:
             starts_list.append(np.fromiter((r.block for r in rows), np.int64, len(rows)) * level)
-            values_list.append(np.frombuffer(b"".join(r.values for r in rows), _F8).reshape(len(rows), T))
+            values_list.append(unpack_rows([r.values for r in rows], T))
             weights_list.append(np.fromiter((r.n_steps for r in rows), np.int64, len(rows)))
     n = plan.n_buckets
     # the answer itself, tensor-major as it is sent; an empty bucket is never computed, only left NaN
@@ -254,25 +329,68 @@ def read_heatmap(
     }
 
 
+def raw_kept_from(session: Session, run_id: int) -> int:
+    """The first step whose statistics are still kept per step: below it, compaction (`retention.py`) left
+    only the rollups. A multiple of `COMPACT_BLOCK`; 0 when nothing was compacted."""
+    amax = STAT_IDS["amax"]  # stored for every step that carried statistics
+    first = session.scalar(
+        select(func.min(StepStat.step)).where(StepStat.run_id == run_id, StepStat.metric == amax)
+    )
+    blocks = (Rollup.run_id == run_id, Rollup.level == COMPACT_BLOCK, Rollup.metric == amax)
+    if first is None:  # no step kept: all compacted (the blocks after the last rollup are not)
+        last = session.scalar(select(func.max(Rollup.block)).where(*blocks))
+        return 0 if last is None else (int(last) + 1) * COMPACT_BLOCK
+    aligned = int(first) // COMPACT_BLOCK * COMPACT_BLOCK
+    older = session.scalar(
+        select(Rollup.block).where(*blocks, Rollup.block < aligned // COMPACT_BLOCK).limit(1)
+    )
+    return 0 if older is None else aligned
+
+
+def heatmap_min_width(lo: int, kept_from: int) -> int:
+    """A range that reaches below the steps kept per step is drawn at no finer than the compacted blocks."""
+    return COMPACT_BLOCK if lo < kept_from else 1
+
+
+def _compacted_to_blocks(pieces: list[tuple[int, int, int]], kept_from: int) -> list[tuple[int, int, int]]:
+    """The raw pieces of a `cover` below `kept_from` read from the smallest rollup blocks instead (the
+    steps' own rows are gone); a range's edge there is read at the block's resolution."""
+    if kept_from <= 0:
+        return pieces
+    out = []
+    for level, first, last in pieces:
+        if level != 1 or first >= kept_from:
+            out.append((level, first, last))
+            continue
+        top = min(last, kept_from - 1)
+        out.append((COMPACT_BLOCK, first // COMPACT_BLOCK, top // COMPACT_BLOCK))
+        if last >= kept_from:
+            out.append((1, kept_from, last))
+    return out
+
+
 def _read_raw(
     session: Session, run_id: int, metric_id: int, lo: int, hi: int, fp8_max: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Per-step values of one heatmap metric for steps [lo, hi] (headroom computed from amax and scale)."""
+    """Per-step values of one heatmap metric for steps [lo, hi] (a derived one computed from its columns, for
+    the steps that stored all of them)."""
     T = len(fp8_max)
-    if metric_id != HEADROOM_ID:
+    if metric_id not in DERIVED:
         steps, matrices = read_step_stats(session, run_id, [metric_id], lo, hi, T)
         return steps, matrices[metric_id]
-    amax_id, scale_id = STAT_IDS["amax"], STAT_IDS["scale"]
-    steps, m = read_step_stats(session, run_id, [amax_id, scale_id], lo, hi, T)
-    return steps, headroom(m[amax_id], m[scale_id], fp8_max)
+    columns, derive = DERIVED[metric_id]
+    ids = [STAT_IDS[c] for c in columns]
+    steps, m = read_step_stats(session, run_id, ids, lo, hi, T)
+    return steps, derive(fp8_max, *(m[i] for i in ids))
 
 
 def read_step_stats(
     session: Session, run_id: int, metric_ids: list[int], lo: int, hi: int, num_tensors: int
 ) -> tuple[np.ndarray, dict[int, np.ndarray]]:
-    """Raw per-step statistics for steps [lo, hi]: (steps (S,), metric id -> (S, T))."""
+    """Raw per-step statistics for steps [lo, hi]: (steps (S,), metric id -> (S, T)), for the steps that
+    stored every one of `metric_ids` (a step sent without the quality columns has none of theirs)."""
     out: dict[int, np.ndarray] = {}
-    steps = np.zeros(0, dtype=np.int64)
+    steps_of: dict[int, np.ndarray] = {}
     for metric_id in metric_ids:
         rows = session.execute(
             select(StepStat.step, StepStat.values)
@@ -281,7 +399,15 @@ def read_step_stats(
             )
             .order_by(StepStat.step)
         ).all()
-        steps = np.fromiter((r.step for r in rows), np.int64, len(rows))
-        blob = b"".join(r.values for r in rows)
-        out[metric_id] = np.frombuffer(blob, _F8).reshape(len(rows), num_tensors)
+        steps_of[metric_id] = np.fromiter((r.step for r in rows), np.int64, len(rows))
+        out[metric_id] = unpack_rows([r.values for r in rows], num_tensors)
+    if not metric_ids:
+        return np.zeros(0, dtype=np.int64), out
+    steps = steps_of[metric_ids[0]]
+    for other in steps_of.values():
+        if not np.array_equal(other, steps):  # some metric lacks some steps: keep the steps all have
+            steps = np.intersect1d(steps, other, assume_unique=True)
+    for metric_id, own in steps_of.items():
+        if len(own) != len(steps):
+            out[metric_id] = out[metric_id][np.isin(own, steps, assume_unique=True)]
     return steps, out

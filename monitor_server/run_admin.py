@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
+from monitor_server import retention
 from monitor_server.commands import end_commands
 from monitor_server.core.db import Database
 from monitor_server.models import Alert, Incident, Run, RunTag, as_utc
@@ -190,8 +191,8 @@ def apply_retention(db: Database, now: datetime, days: float) -> list[int]:
 
 
 def maintain(ctx: AppContext, now: datetime) -> None:
-    """The periodic upkeep of runs: close abandoned ones, delete those past the retention period; the
-    dashboards hear of both."""
+    """The periodic upkeep of runs: close abandoned ones, delete those past the retention period (the
+    dashboards hear of both), compact old per-step statistics into the rollups."""
     after = ctx.settings.close_after_seconds
     for run_id in close_abandoned(ctx.db, now, ctx.settings.stall_seconds if after is None else after):
         ctx.detection.forget(run_id)
@@ -199,3 +200,4 @@ def maintain(ctx: AppContext, now: datetime) -> None:
     for run_id in apply_retention(ctx.db, now, ctx.settings.retention_days):
         ctx.forget_run(run_id)
         ctx.broker.publish(run_id, "run", {"id": run_id, "deleted": True})
+    retention.compact(ctx.db, ctx.settings.raw_steps_kept)

@@ -48,7 +48,18 @@ Fp8Format = Literal["e4m3", "e5m2"]
 # keep in step with monitor_server.detectors.types.EVENT_KINDS (a test checks)
 EventKind = Literal["loss_spike", "nonfinite", "rank_amax", "custom"]
 # keep in step with monitor_server.rollups.HEATMAP_METRICS (a test checks)
-HeatmapMetric = Literal["amax", "scale", "overflow", "underflow", "nonfinite", "headroom"]
+HeatmapMetric = Literal[
+    "amax",
+    "scale",
+    "overflow",
+    "underflow",
+    "nonfinite",
+    "headroom",
+    "sqnr",
+    "subnormal",
+    "dynamic_range",
+    "outlier_ratio",
+]
 
 
 class TensorSpec(BaseModel):
@@ -381,3 +392,5 @@ class LayerHealth(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     layer: str
+    #: the worst latest SQNR (dB) of the layer's tensors; null when the run sends no quality statistics
+    sqnr_db: WireFloat | None = None

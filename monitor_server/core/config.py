@@ -99,6 +99,9 @@ class Settings(BaseSettings):
             None (the default): the stall period, ``stall_seconds``; 0 = never.
         retention_days: runs that ended and were last updated more than this many days ago are deleted
             with their telemetry. 0 = keep every run.
+        raw_steps_kept: per run, the statistics of (at least) the last this many steps are kept per step;
+            older steps only in the rollups (the heatmap reads them at 8-step resolution and coarser), by
+            the periodic maintenance. 0 = keep every step (see ``monitor_server/retention.py``).
         detectors: passed through to the detector engine's ``DetectorConfig`` (thresholds); checked when the
             settings are built, so an unknown key or a bad value stops the service at start-up.
         sse_keepalive_seconds: interval of keep-alive comments on ``/stream``.
@@ -139,6 +142,7 @@ class Settings(BaseSettings):
     stall_check_seconds: float = 15.0
     close_after_seconds: float | None = Field(None, ge=0)
     retention_days: float = Field(0.0, ge=0)
+    raw_steps_kept: int = Field(0, ge=0)
     detectors: dict[str, Any] = {}
     sse_keepalive_seconds: float = 15.0
     sse_queue_bytes: int = Field(8 * 1024 * 1024, ge=4096)

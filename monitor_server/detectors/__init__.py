@@ -1,7 +1,7 @@
 """Training-health detectors: pure, incremental, numpy-vectorised; the API layer stores their findings."""
 
 # the modules that define detectors: importing them registers the detectors the engine runs (base.py)
-from . import amax, loss, nonfinite, tensors  # noqa: F401
+from . import amax, loss, nonfinite, quality, tensors  # noqa: F401
 from .config import DetectorConfig
 from .engine import DetectorEngine, check_stalled
 from .types import ALERT_KINDS, Finding, StepBatch, TensorMeta

@@ -41,6 +41,11 @@ class DetectorConfig(BaseModel):
     Rank divergence (per tensor, from the client's sampled per-rank amaxes): one rank's log2 amax more than
     `rank_divergence_log2` from the median of the other ranks' (warning; critical beyond twice that).
 
+    SQNR drop (per tensor, from the quality columns ``sum_sq`` and ``err_sq``): the SQNR in dB more than
+    `sqnr_drop_db` below the tensor's own recent level, the median over its previous `sqnr_window` usable
+    steps (at least `sqnr_min_history` of them), for `sqnr_consecutive` consecutive steps (warning;
+    critical beyond twice `sqnr_drop_db`; see `quality.SqnrDropDetector`).
+
     Stalled (run-level): no telemetry for `stall_seconds` (warning; critical after 10x that).
 
     Incidents: a new alert joins the run's open incident when its onset is within `incident_window_steps`
@@ -85,6 +90,12 @@ class DetectorConfig(BaseModel):
 
     saturation_log2: float = Field(0.5, ge=0)
 
+    # a healthy tensor's SQNR moves by a dB or two from step to step; 10 dB is a tenfold rise in the error
+    sqnr_drop_db: float = Field(10.0, gt=0)
+    sqnr_window: int = Field(32, ge=2, le=1024)
+    sqnr_min_history: int = Field(16, ge=1, le=1024)
+    sqnr_consecutive: int = Field(3, ge=1)
+
     stall_seconds: float = Field(120.0, gt=0)
 
     incident_window_steps: int = Field(50, ge=0, le=1_000_000)
@@ -102,6 +113,8 @@ class DetectorConfig(BaseModel):
             raise ValueError("loss_min_history must be <= loss_window")
         if self.loss_z_critical < self.loss_z_threshold:
             raise ValueError("loss_z_critical must be >= loss_z_threshold")
+        if self.sqnr_min_history > self.sqnr_window:
+            raise ValueError("sqnr_min_history must be <= sqnr_window")
         if min(self.overflow_jump_frac, self.overflow_jump_frac_grad) <= self.overflow_frac:
             raise ValueError("overflow_jump_frac and overflow_jump_frac_grad must be > overflow_frac")
         return self

@@ -17,7 +17,7 @@ Conventions:
   Overflow bursts and scale collapses fire once more if an episode escalates from warning to critical.
 - Findings come out ordered by step; within a step in the registered detectors' ``order`` (``base.py``):
   nonfinite (in forward-then-backward order), loss_spike, scale_collapse, overflow_burst, amax_divergence,
-  underflow_excess.
+  sqnr_drop, underflow_excess.
 - A NaN loss counts as non-finite only where ``batch.present["loss"]`` says the step carried a loss (types.py
   documents NaN as "missing" otherwise); an infinite loss always counts.
 - Tensors of layers with FP8 turned off in the recipe are ignored by the tensor detectors.
@@ -317,7 +317,7 @@ class DetectorEngine:
     # ---- summaries ----------------------------------------------------------------------------------------
     def layer_health(self, open_alerts: list[dict]) -> list[dict]:
         """Per-layer health, worst first (see `health.layer_health`)."""
-        summary, divergence = self.summary, self.detectors["divergence"]
+        summary, divergence, sqnr = self.summary, self.detectors["divergence"], self.detectors["sqnr_drop"]
         snap = TensorSnapshot(
             last_amax=summary.last_amax,
             last_scale=summary.last_scale,
@@ -332,6 +332,8 @@ class DetectorEngine:
             divergence_log2=divergence.tol,
             saturation_log2=self.config.saturation_log2,
             warming_up=self.amax_seen < self.warmup,
+            sqnr_db=sqnr.last_sqnr,
+            sqnr_level_db=sqnr.level,
         )
         return layer_health(self.tensors, snap, open_alerts)
 
@@ -364,4 +366,5 @@ class DetectorEngine:
         self._apply_recipe(dict(state["recipe"]["base"]), dict(state["recipe"]["overrides"]))
         self.summary.load_state_dict(state["summary"])
         for key, detector in self.detectors.items():
-            detector.load_state_dict(state[key])
+            if key in state:  # a detector added since the state was saved starts fresh
+                detector.load_state_dict(state[key])

@@ -32,6 +32,8 @@ class TensorSnapshot:
     divergence_log2: np.ndarray  # (T,) the divergence tolerance of each tensor (grad_output's is wider)
     saturation_log2: float
     warming_up: np.ndarray  # (T,) bool: the tensor's amax history has not filled yet
+    sqnr_db: np.ndarray | None = None  # (T,) latest SQNR in dB (NaN: none, the run sends no quality columns)
+    sqnr_level_db: np.ndarray | None = None  # (T,) its recent level (the SQNR-drop detector's median)
 
 
 def headroom_log2(amax: np.ndarray, scale: np.ndarray, fp8_max: np.ndarray) -> np.ndarray:
@@ -77,8 +79,13 @@ def layer_health(
     severity = the worst reason ("ok" if none); score = sum of reason weights (info 1,
     warning 10, critical 100) plus a small term for the least headroom, so healthy layers rank by headroom.
     Alerts without a tensor (loss_spike, stalled) belong to no layer and are ignored here.
+    ``sqnr_db`` is the layer's worst (lowest) latest tensor SQNR in dB, None when none of its tensors has
+    one (a run without the quality columns).
     """
     head = headroom_log2(snap.last_amax, snap.last_scale, snap.fp8_max)
+    n = len(tensors)
+    sqnr = snap.sqnr_db if snap.sqnr_db is not None else np.full(n, np.nan)
+    sqnr_level = snap.sqnr_level_db if snap.sqnr_level_db is not None else np.full(n, np.nan)
     sat = saturation_state(head, snap.fp8_max, snap.fp8_rounding, snap.saturation_log2)
     layers: dict[str, list[int]] = {}
     for i, meta in enumerate(tensors):
@@ -140,6 +147,7 @@ def layer_health(
             np.clip(16.0 - least, 0.0, 32.0)
         )
         reasons.sort(key=lambda r: -SEVERITY_RANK[r[0]])
+        known = sqnr[idx][~np.isnan(sqnr[idx])]
         out.append(
             {
                 "layer": layer,
@@ -147,7 +155,8 @@ def layer_health(
                 "score": score,
                 "diverging": diverging,
                 "reasons": [text for _, text in reasons],
-                "tensors": [_tensor_entry(tensors[i], i, snap, head, sat) for i in idx],
+                "sqnr_db": encode_float(known.min()) if known.size else None,
+                "tensors": [_tensor_entry(tensors[i], i, snap, head, sat, sqnr, sqnr_level) for i in idx],
                 "_order": order,
             }
         )
@@ -158,7 +167,13 @@ def layer_health(
 
 
 def _tensor_entry(
-    meta: TensorMeta, i: int, snap: TensorSnapshot, head: np.ndarray, sat: np.ndarray
+    meta: TensorMeta,
+    i: int,
+    snap: TensorSnapshot,
+    head: np.ndarray,
+    sat: np.ndarray,
+    sqnr: np.ndarray,
+    sqnr_level: np.ndarray,
 ) -> dict[str, Any]:
     return {
         "index": meta.index,
@@ -173,6 +188,8 @@ def _tensor_entry(
         "overflow_total": encode_float(snap.overflow_total[i]),
         "underflow_total": encode_float(snap.underflow_total[i]),
         "nonfinite_total": encode_float(snap.nonfinite_total[i]),
+        "sqnr_db": None if np.isnan(sqnr[i]) else encode_float(sqnr[i]),
+        "sqnr_level_db": None if np.isnan(sqnr_level[i]) else encode_float(sqnr_level[i]),
     }
 
 

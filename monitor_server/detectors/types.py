@@ -31,6 +31,7 @@ ALERT_KINDS: tuple[str, ...] = (
     "scale_collapse",
     "stalled",
     "rank_divergence",
+    "sqnr_drop",
 )
 
 #: Kinds of client-reported events (telemetry ``events[].kind``).

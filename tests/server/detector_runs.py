@@ -157,3 +157,30 @@ def keys(findings: list) -> list[tuple]:
 
 def of_kind(findings: list, kind: str) -> list:
     return [f for f in findings if f.kind == kind]
+
+
+def add_quality(run: Run, seed: int = 0, level_db: float = 30.0, noise_db: float = 1.0) -> Run:
+    """Give `run` the quantization-quality columns of healthy FP8 training: each tensor's SQNR at `level_db`
+    (± a per-tensor 3 dB) with `noise_db` Gaussian noise per step, an RMS 5-50x below amax, a few
+    subnormals, and the smallest non-zero |x| 10-20 binades below amax. Returns the run."""
+    rng = np.random.default_rng(seed)
+    amax, numel = run.stats["amax"], run.stats["numel"]
+    s_len, n = amax.shape
+    rms = amax / rng.uniform(5.0, 50.0, size=(1, n)) / rng.uniform(1.0, 1.2, size=(s_len, n))
+    sum_sq = rms**2 * (numel - run.stats["nonfinite"])
+    sqnr = level_db + rng.uniform(-3.0, 3.0, size=(1, n)) + noise_db * rng.standard_normal((s_len, n))
+    run.stats |= {
+        "sum_sq": sum_sq,
+        "err_sq": sum_sq * 10.0 ** (-sqnr / 10.0),
+        "subnormal": rng.poisson(50.0, size=(s_len, n)).astype(np.float64),
+        "min_abs": amax * 2.0 ** -rng.uniform(10.0, 20.0, size=(s_len, n)),
+    }
+    return run
+
+
+def set_sqnr(run: Run, rows: slice, tensor: int, level_db: float, noise_db: float, seed: int = 0) -> None:
+    """Make `tensor`'s SQNR `level_db` ± `noise_db` (Gaussian) over `rows`, by its quantization error."""
+    rng = np.random.default_rng(seed)
+    sum_sq = run.stats["sum_sq"][rows, tensor]
+    sqnr = level_db + noise_db * rng.standard_normal(sum_sq.shape)
+    run.stats["err_sq"][rows, tensor] = sum_sq * 10.0 ** (-sqnr / 10.0)

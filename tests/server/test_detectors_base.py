@@ -34,6 +34,7 @@ STORED_LAYOUT = {
     "overflow": {"run", "fired", "fired_critical", "tail"},
     "divergence": {"ring_q", "ring_ok", "run", "fired", "last_growth", "tail"},
     "underflow": {"run", "fired", "tail"},
+    "sqnr_drop": {"ring", "run", "fired", "last_sqnr", "level", "tail"},
 }
 
 
@@ -84,7 +85,7 @@ def restored(detector: Detector, state: dict) -> Detector:
 
 
 def test_the_registry_holds_the_detectors_in_the_order_of_their_findings_within_a_step():
-    assert KEYS == ["nonfinite", "loss", "scale_collapse", "overflow", "divergence", "underflow"]
+    assert KEYS == ["nonfinite", "loss", "scale_collapse", "overflow", "divergence", "sqnr_drop", "underflow"]
 
 
 # stops in an open overflow episode, an underflow one, a non-finite one (divergence rising), after a NaN loss
@@ -111,7 +112,7 @@ def test_the_stored_layout_is_the_persisted_one():
     state = processed_engine(331).state_dict()
     assert set(state) == {"version", "n_tensors", "last_step", "amax_seen", "recipe", *STORED_LAYOUT}
     assert {key: set(state[key]) for key in STORED_LAYOUT} == STORED_LAYOUT
-    for key in ("scale_collapse", "overflow", "divergence", "underflow"):
+    for key in ("scale_collapse", "overflow", "divergence", "underflow", "sqnr_drop"):
         assert set(state[key]["tail"]) == {"steps", "values"}
 
 

@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 import numpy as np
 import pytest
-from detector_runs import healthy_run, index_of, keys, run_engine
+from detector_runs import add_quality, healthy_run, index_of, keys, run_engine, set_sqnr
 from pydantic import ValidationError
 
 from monitor_server.detectors.engine import DetectorConfig, DetectorEngine, check_stalled
@@ -31,6 +31,8 @@ def faulty_run(n_layers: int = 4):
     run.stats["nonfinite"][300:305, index_of(t, 2, "grad_output")] = 4
     run.stats["nonfinite"][302, index_of(t, 0, "input")] = 1
     run.loss[330] = np.nan
+    add_quality(run, seed=3)
+    set_sqnr(run, slice(295, None), index_of(t, 1, "input"), level_db=8.0, noise_db=1.0)
     return run
 
 

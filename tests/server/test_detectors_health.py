@@ -12,7 +12,7 @@ from monitor_server.detectors.health import findings_as_open_alerts
 
 TENSOR_KEYS = {"index", "name", "role", "last_amax", "last_scale", "headroom_log2", "amax_growth_log2",
                "overflow_total", "underflow_total", "nonfinite_total",
-               "saturation", "warming_up"}  # fmt: skip
+               "saturation", "warming_up", "sqnr_db", "sqnr_level_db"}  # fmt: skip
 
 
 def troubled_engine():

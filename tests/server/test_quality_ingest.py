@@ -9,7 +9,7 @@ from sqlalchemy import select
 
 from fp8_protocol.stats import BASE_COLUMNS, QUALITY_COLUMNS
 from monitor_server.models import StepStat
-from monitor_server.rollups import STAT_IDS
+from monitor_server.rollups import STAT_IDS, unpack
 from tests.server.utils import API, col, create_run, random_stats
 
 
@@ -41,7 +41,7 @@ def _stored(client, run_id: int, name: str) -> tuple[list[int], np.ndarray]:
             .where(StepStat.run_id == run_id, StepStat.metric == STAT_IDS[name])
             .order_by(StepStat.step)
         ).all()
-    return [r.step for r in rows], np.array([np.frombuffer(r.values, "<f8") for r in rows])
+    return [r.step for r in rows], np.array([unpack(r.values, 3) for r in rows])
 
 
 def test_quality_columns_are_stored_with_their_values(client):

@@ -26,7 +26,8 @@ function route() {
   const parts = path.split("/").filter(Boolean);
   if (parts[0] === "runs" && /^\d+$/.test(parts[1] || "")) {
     const incident = /^\d+$/.test(params.get("incident") || "") ? Number(params.get("incident")) : null;
-    return { view: mountRun, args: { runId: Number(parts[1]), incident } };
+    // ?metric=sqnr: the heatmap opens on that metric (an unknown name: amax)
+    return { view: mountRun, args: { runId: Number(parts[1]), incident, metric: params.get("metric") } };
   }
   if (parts[0] === "compare") {
     const runs = (params.get("runs") || "").split(",").filter((id) => /^\d+$/.test(id));

@@ -7,13 +7,24 @@ import { apiBinary, qs } from "./api.js";
 import { el, fmt, mark, plotly, plotlyText, replace } from "./dom.js";
 import { heatmapPreview } from "./preview.js";
 
+// the quantization-quality scales, as plotly colour scales so that the canvas first frame draws the same
+// colours: ColorBrewer RdYlGn (SQNR: low, the bad end, is red) and YlOrRd (the others: high is bad)
+const RED_YELLOW_GREEN = [[0, "#a50026"], [0.25, "#f46d43"], [0.5, "#fee08b"], [0.75, "#66bd63"], [1, "#006837"]];
+const YELLOW_ORANGE_RED = [[0, "#ffffcc"], [0.25, "#fed976"], [0.5, "#fd8d3c"], [0.75, "#e31a1c"], [1, "#800026"]];
+
+/** Each heatmap metric: label, the server's bucket aggregation, colour scale and bar title, and the unit
+ * its raw values are shown in (hover). */
 export const METRICS = {
-  amax: { label: "amax (log2)", agg: "max", colorscale: "Viridis", colorbar: "log2 amax" },
-  scale: { label: "scale (log2)", agg: "max", colorscale: "Cividis", colorbar: "log2 scale" },
-  overflow: { label: "overflow (count)", agg: "sum", colorscale: "Reds", colorbar: "log10(1+count)" },
-  underflow: { label: "underflow (count)", agg: "sum", colorscale: "Blues", colorbar: "log10(1+count)" },
-  nonfinite: { label: "non-finite (count)", agg: "sum", colorscale: "Purples", colorbar: "log10(1+count)" },
-  headroom: { label: "headroom log2(FP8_MAX/(amax·scale))", agg: "min", colorscale: "YlGnBu", colorbar: "headroom (binades)" },
+  amax: { label: "amax (log2)", agg: "max", colorscale: "Viridis", colorbar: "log2 amax", unit: "" },
+  scale: { label: "scale (log2)", agg: "max", colorscale: "Cividis", colorbar: "log2 scale", unit: "" },
+  overflow: { label: "overflow (count)", agg: "sum", colorscale: "Reds", colorbar: "log10(1+count)", unit: "" },
+  underflow: { label: "underflow (count)", agg: "sum", colorscale: "Blues", colorbar: "log10(1+count)", unit: "" },
+  nonfinite: { label: "non-finite (count)", agg: "sum", colorscale: "Purples", colorbar: "log10(1+count)", unit: "" },
+  headroom: { label: "headroom log2(FP8_MAX/(amax·scale))", agg: "min", colorscale: "YlGnBu", colorbar: "headroom (binades)", unit: " binades" },
+  sqnr: { label: "SQNR (dB, worst of bucket)", agg: "min", colorscale: RED_YELLOW_GREEN, colorbar: "SQNR (dB)", unit: " dB" },
+  subnormal: { label: "subnormal (% of values, max)", agg: "max", colorscale: YELLOW_ORANGE_RED, colorbar: "% subnormal", unit: "" },
+  dynamic_range: { label: "dynamic range log2(amax/min|x|) (binades, max)", agg: "max", colorscale: YELLOW_ORANGE_RED, colorbar: "binades", unit: " binades" },
+  outlier_ratio: { label: "outlier ratio amax/RMS (log10, max)", agg: "max", colorscale: YELLOW_ORANGE_RED, colorbar: "log10(amax/RMS)", unit: "× RMS" },
 };
 export const ROLE_ORDER = { input: 0, weight: 1, grad_output: 2 };
 /** overlay categories: code -> [legend name, colour] */
@@ -65,17 +76,20 @@ export function cellColour(metric, v, isEmpty) {
   if (v === -Infinity) return [null, 3];
   if (metric === "amax" || metric === "scale") return [v > 0 ? Math.log2(v) : null, null];
   if (metric === "headroom") return v <= 0 ? [v, 4] : [v, null];
+  if (metric === "sqnr" || metric === "dynamic_range") return [v, null];
+  if (metric === "subnormal") return [100 * v, null];
+  if (metric === "outlier_ratio") return [v > 0 ? Math.log10(v) : null, null];
   return [Math.log10(1 + Math.max(0, v)), null];
 }
 
 export class Heatmap {
-  /** `opts`: {runId, onDrawn(kind), firstPaint(painted)}. Call `load()` to fetch and draw. With `firstPaint`,
+  /** `opts`: {runId, metric (the first one shown; default amax), onDrawn(kind), firstPaint(painted)}. Call `load()` to fetch and draw. With `firstPaint`,
    * the first data is drawn on a canvas at once (before plotly.js loads) and `firstPaint` is called. */
   constructor(container, opts) {
     this.runId = opts.runId;
     this.onDrawn = opts.onDrawn || (() => {});
     this.firstPaint = opts.firstPaint || null;
-    this.metric = "amax";
+    this.metric = Object.hasOwn(METRICS, opts.metric || "") ? opts.metric : "amax";
     this.groupBy = "layer";
     this.filter = "";
     this.collapsed = new Set();
@@ -90,6 +104,7 @@ export class Heatmap {
   build(container) {
     const metricSelect = el("select", { id: "heatmap-metric", "aria-label": "metric" },
       ...Object.entries(METRICS).map(([k, m]) => el("option", { value: k }, m.label)));
+    metricSelect.value = this.metric;
     metricSelect.addEventListener("change", () => {
       this.metric = metricSelect.value;
       this.load();
@@ -269,7 +284,8 @@ export class Heatmap {
     const { rowH, height, labels } = this.geometry(rows);
     const canvas = heatmapPreview({
       width: this.scroller.clientWidth || 900, height, z, C: this.data.C, specials: cells, labels,
-      margin: MARGIN, right: COLORBAR_PX, metric: this.metric, markerSize: markerSize(rowH),
+      margin: MARGIN, right: COLORBAR_PX, metric: this.metric, colorscale: METRICS[this.metric].colorscale,
+      markerSize: markerSize(rowH),
     });
     if (this.previewCanvas) this.previewCanvas.replaceWith(canvas);
     else this.scroller.prepend(canvas);
@@ -447,7 +463,7 @@ export class Heatmap {
       else lines.push([row.layer, `${row.indices.length} tensors (collapsed; bucket ${METRICS[this.metric].agg})`]);
       lines.push(["steps", `${d.bucket_start[c]}–${d.bucket_end[c]} (${d.bucket_steps[c]} stored)`]);
       const [v, isEmpty] = this.rowValue(d, row, c, this.metric);
-      lines.push([this.metric, isEmpty ? "no data" : fmt(v)]);
+      lines.push([this.metric, isEmpty ? "no data" : `${fmt(v)}${Number.isFinite(v) ? METRICS[this.metric].unit : ""}`]);
       for (const metric of HOVER_METRICS) {
         if (metric === this.metric) continue;
         const comp = this.companions.get(metric);

@@ -11,7 +11,7 @@ const VIRIDIS = [
   [0.6274509803921569, "#28ae80"], [0.6901960784313725, "#3fbc73"], [0.7529411764705882, "#5ec962"],
   [0.8156862745098039, "#84d44b"], [0.8784313725490196, "#addc30"], [0.9411764705882353, "#d8e219"], [1, "#fde725"],
 ];
-const GREY = [[0, "#dddddd"], [1, "#333333"]]; // other metrics never get a first frame; a neutral fallback
+const GREY = [[0, "#dddddd"], [1, "#333333"]]; // a named plotly scale other than Viridis: a neutral fallback
 
 const hexRgb = (h) => [1, 3, 5].map((i) => parseInt(h.slice(i, i + 2), 16));
 
@@ -53,9 +53,10 @@ function canvas(id, width, height) {
  *   z: rows of colour values (null: no data), as the plotly trace gets them; `specials`: [[r, c, colour]]
  *   (non-finite cells, drawn in their own colours as squares of `markerSize` px, as plotly's marker traces
  *   are); `labels`: [[row, text]]; `margin` {l, r, t, b} and `right` (pixels right of the cells: the
- *   colour bar) as the plotly layout.
+ *   colour bar) as the plotly layout; `colorscale`: the plotly trace's, drawn as it is when given as
+ *   [[fraction, "#rrggbb"], ...] (a named one: Viridis for amax, else grey).
  */
-export function heatmapPreview({ width, height, z, C, specials, labels, margin, right, metric, markerSize }) {
+export function heatmapPreview({ width, height, z, C, specials, labels, margin, right, metric, colorscale, markerSize }) {
   const R = z.length;
   const [c, ctx] = canvas("heatmap-preview", width, height);
   const cellsW = Math.max(1, width - margin.l - margin.r - right);
@@ -65,7 +66,7 @@ export function heatmapPreview({ width, height, z, C, specials, labels, margin, 
     let hi = -Infinity;
     for (const row of z) for (const v of row) if (v !== null) { if (v < lo) lo = v; if (v > hi) hi = v; }
     const span = hi > lo ? hi - lo : 1;
-    const table = lut(metric === "amax" ? VIRIDIS : GREY);
+    const table = lut(Array.isArray(colorscale) ? colorscale : metric === "amax" ? VIRIDIS : GREY);
     // one pixel per cell, scaled up without smoothing: the same blocks plotly draws with zsmooth false
     const image = new ImageData(C, R);
     const px = image.data;

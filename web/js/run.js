@@ -371,7 +371,9 @@ class Layers {
       this.fill();
     });
     container.append(
-      el("table", { id: "layers-table", class: "layers" }, el("thead", {}, el("tr", {}, el("th", {}, "Layer"), el("th", {}, "Severity"), el("th", {}, "Reasons"))), this.body),
+      el("table", { id: "layers-table", class: "layers" }, el("thead", {}, el("tr", {}, el("th", {}, "Layer"), el("th", {}, "Severity"),
+        el("th", { title: "the worst latest SQNR of the layer's tensors (blank: the run sends no quality statistics)" }, "SQNR (dB)"),
+        el("th", {}, "Reasons"))), this.body),
       this.more,
     );
   }
@@ -410,18 +412,26 @@ class Layers {
     this.more.textContent = this.showAll ? "Show the 25 worst" : `Show all ${layers.length} layers`;
     replace(
       this.body,
-      this.error ? errorRow(3, "layers-error", `Could not load the layers: ${this.error.message}`) : null,
+      this.error ? errorRow(4, "layers-error", `Could not load the layers: ${this.error.message}`) : null,
       shown.map((l) =>
         el(
           "tr",
           { class: "clickable", onclick: () => this.onPick(l.layer), title: "open the drill-down" },
           el("td", { class: "name" }, l.layer),
           el("td", {}, badge(l.severity, SEVERITY_KIND[l.severity] || "")),
+          el("td", { class: "num sqnr" }, sqnrText(l.sqnr_db)),
           el("td", {}, reasonsList(l.reasons || [])),
         ),
       ),
     );
   }
+}
+
+/** A layer's SQNR in dB to one decimal ("" when it has none, "+Inf" for an exact round trip). */
+function sqnrText(value) {
+  if (value === null || value === undefined) return "";
+  const v = num(value);
+  return Number.isFinite(v) ? v.toFixed(1) : fmt(v);
 }
 
 /** A table row that says a request failed (instead of an empty table). */
@@ -481,7 +491,7 @@ async function drillDown(container, runId, layer, tensors) {
   await (await plotly()).newPlot(plot, traces, layout, { displaylogo: false, responsive: true });
 }
 
-export async function mountRun(container, { runId, incident = null }) {
+export async function mountRun(container, { runId, incident = null, metric = null }) {
   // the page's shared state (run, tensors, events); the panels render from it
   const store = new RunStore(runId);
   const runRequest = store.loadRun(); // in flight while the page is laid out
@@ -564,7 +574,7 @@ export async function mountRun(container, { runId, incident = null }) {
   const curves = new Curves(curvesPanel, runId, onDrawn, preview ? firstFrames.curves : null);
   const scalars = new Scalars(scalarsPanel, runId);
   const config = new ConfigPanel(configPanel, runId, (run) => store.set("run", run));
-  const heatmap = new Heatmap(heatPanel, { runId, onDrawn, firstPaint: preview ? firstFrames.heatmap : null });
+  const heatmap = new Heatmap(heatPanel, { runId, metric, onDrawn, firstPaint: preview ? firstFrames.heatmap : null });
   const layers = new Layers(layersPanel, runId, async (layer) => {
     drillPanel.hidden = false;
     try {

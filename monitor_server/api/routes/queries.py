@@ -94,9 +94,9 @@ def get_heatmap(
     to: ToQ = None,
     max_cols: Annotated[int, Query(ge=1, le=10_000)] = 1000,
 ) -> Response:
-    """Tensors x step-buckets matrix of one metric; buckets keep the max (amax, scale), the min (headroom)
-    or the sum (counts), so no spike is averaged away. Bucket width is a multiple of a rollup block,
-    so there are at most `max_cols` columns.
+    """Tensors x step-buckets matrix of one metric; buckets keep the max (amax, scale, subnormal fraction,
+    dynamic range, outlier ratio), the min (headroom, SQNR) or the sum (counts), so no spike is averaged
+    away. Bucket width is a multiple of a rollup block, so there are at most `max_cols` columns.
     """
     check_order(from_, to)
     try:
