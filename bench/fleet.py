@@ -45,6 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fp8_protocol.stats import BASE_COLUMNS  # noqa: E402
+from monitor_server.core.db import Database  # noqa: E402
+from monitor_server.retention import compact  # noqa: E402
 from tests.server.utils import API, ServerProcess, fresh_pg_database  # noqa: E402  (shared with the tests)
 
 PG_URL = os.environ.get("FP8SCOPE_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
@@ -199,11 +201,14 @@ class Result:
     other_alerts: int = 0
     webhook_messages: int = 0
     bytes_per_value: float | None = None
+    bytes_per_value_compacted: float | None = None
     killed: bool = False
     alert_kinds: dict = field(default_factory=dict)
 
 
-def simulate(db_url: str, R: int, T: int, seconds: float, nan_runs: int, kill: bool, tmp: Path) -> Result:
+def simulate(
+    db_url: str, R: int, T: int, seconds: float, nan_runs: int, kill: bool, tmp: Path, keep: int = 0
+) -> Result:
     receiver = Receiver()
     env = {
         "FP8SCOPE_WEBHOOK_URL": receiver.url,
@@ -325,18 +330,32 @@ def simulate(db_url: str, R: int, T: int, seconds: float, nan_runs: int, kill: b
     with receiver.lock:
         result.webhook_messages = sum(receiver.messages.values())
     result.values_per_s = result.steps_stored * T * len(BASE_COLUMNS) / seconds
-    engine = create_engine(db_url)
-    with engine.connect() as conn:
-        size = conn.execute(
-            text("SELECT pg_total_relation_size('step_stats') + pg_total_relation_size('rollups')")
-        ).scalar_one()
-    engine.dispose()
-    result.bytes_per_value = size / max(1, result.steps_stored * T * len(BASE_COLUMNS))
     http.close()
     for s in servers:
         s.stop()
     receiver.close()
+    # storage: the tables' size per value stored, then after compacting all but each run's last `keep` steps
+    # (what FP8SCOPE_RAW_STEPS_KEPT has the service do) and letting PostgreSQL give the space back
+    values = max(1, result.steps_stored * T * len(BASE_COLUMNS))
+    result.bytes_per_value = _stats_bytes(db_url) / values
+    if keep:
+        db = Database(db_url)
+        compact(db, keep)
+        db.dispose()
+        result.bytes_per_value_compacted = _stats_bytes(db_url, vacuum=True) / values
     return result
+
+
+def _stats_bytes(db_url: str, vacuum: bool = False) -> int:
+    engine = create_engine(db_url, isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+        if vacuum:
+            conn.execute(text("VACUUM FULL step_stats, rollups"))
+        size = conn.execute(
+            text("SELECT pg_total_relation_size('step_stats') + pg_total_relation_size('rollups')")
+        ).scalar_one()
+    engine.dispose()
+    return int(size)
 
 
 def report(r: Result) -> str:
@@ -359,8 +378,8 @@ def report(r: Result) -> str:
             f"(expected {r.incidents_expected}),"
             f" nonfinite alerts {r.nonfinite_alerts}, webhook messages {r.webhook_messages},"
             f" other alerts {r.other_alerts} {r.alert_kinds}",
-            f"  bytes stored per value     {s(r.bytes_per_value)} (goal <= {GOAL_BYTES_PER_VALUE} after"
-            " compaction; no compaction yet)",
+            f"  bytes stored per value     {s(r.bytes_per_value)}, after compaction "
+            f"{s(r.bytes_per_value_compacted)} (goal <= {GOAL_BYTES_PER_VALUE})",
         ]
     )
 
@@ -372,6 +391,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=300.0)
     parser.add_argument("--nan-runs", type=int, default=3)
     parser.add_argument("--no-kill", action="store_true", help="keep both instances up")
+    parser.add_argument(
+        "--keep-steps", type=int, default=60, help="steps kept per step by the final compaction (0: none)"
+    )
     parser.add_argument("--sweep", default="", help="R values for short rounds, e.g. 50,100,200")
     parser.add_argument("--sweep-seconds", type=float, default=60.0)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "fleet.json")
@@ -380,7 +402,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         with fresh_pg_database(PG_URL, "fleet") as url:
             main_run = simulate(
-                url, args.runs, args.tensors, args.seconds, args.nan_runs, not args.no_kill, Path(tmp)
+                url,
+                args.runs,
+                args.tensors,
+                args.seconds,
+                args.nan_runs,
+                not args.no_kill,
+                Path(tmp),
+                keep=args.keep_steps,
             )
         print(report(main_run), flush=True)
         results.append(main_run)
