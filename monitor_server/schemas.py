@@ -7,6 +7,7 @@ documented schema cannot drift apart (an undeclared key is an error, not a key s
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -58,6 +59,11 @@ class PublicModel(BaseModel):
     """Base of the response models: an undeclared field is an error, so the answer is what the schema says."""
 
     model_config = ConfigDict(extra="forbid")
+
+
+def attributes(row: object, names: Iterable[str]) -> dict[str, Any]:
+    """The named attributes of `row` (a database record), for the fields a response model shows as stored."""
+    return {name: getattr(row, name) for name in names}
 
 
 class TensorSpec(BaseModel):

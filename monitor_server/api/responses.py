@@ -1,4 +1,5 @@
-"""Answers serialized from the response models (`monitor_server.schemas`) by the routes themselves.
+"""Answers the routes build themselves: JSON serialized from the response models (`monitor_server.schemas`),
+and the server-sent event streams.
 
 Returning a model lets FastAPI validate it once more and write datetimes with a "Z"; the routes whose
 answers have always carried `datetime.isoformat`'s "+00:00" (as the event stream and the webhook do), or
@@ -10,10 +11,15 @@ models already (`WireFloat`: "NaN", "Infinity", "-Infinity").
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import orjson
 from fastapi import Response
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
+
+from monitor_server.context import AppContext
+from monitor_server.events import stream_events
 
 
 def model_json(model: BaseModel) -> bytes:
@@ -30,3 +36,21 @@ def json_response(value: BaseModel | Sequence[BaseModel] | bytes) -> Response:
     else:
         body = orjson.dumps([m.model_dump(by_alias=True) for m in value])
     return Response(body, media_type="application/json")
+
+
+#: the route decorator's arguments for a server-sent event stream (its OpenAPI entry)
+EVENT_STREAM: dict[str, Any] = {
+    "response_class": StreamingResponse,
+    "responses": {200: {"content": {"text/event-stream": {}}, "description": "server-sent events"}},
+}
+
+
+def event_stream(ctx: AppContext, key: Any) -> StreamingResponse:
+    """Server-sent events of the broker's subscription `key` (a run id, or `events.ALL_RUNS`), with
+    keep-alive comments, not buffered by proxies."""
+    sub = ctx.broker.subscribe(key)
+    return StreamingResponse(
+        stream_events(sub, ctx.settings.sse_keepalive_seconds),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )

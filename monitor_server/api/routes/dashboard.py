@@ -25,9 +25,9 @@ from monitor_server.api.deps import (
     bearer_scheme,
     clipped_range,
 )
-from monitor_server.api.responses import json_response, model_json
+from monitor_server.api.responses import EVENT_STREAM, event_stream, json_response, model_json
 from monitor_server.core.config import SCOPES
-from monitor_server.events import ALL_RUNS, stream_events
+from monitor_server.events import ALL_RUNS
 from monitor_server.schemas import HeatmapPackedHeader, SeriesMulti, WhoAmI
 from monitor_server.series import read_series, series_points
 
@@ -45,20 +45,11 @@ def whoami(
     return WhoAmI(name=principal.name, scopes=scopes, auth=ctx.settings.auth_enabled)
 
 
-@router.get(
-    "/stream",
-    response_class=StreamingResponse,
-    responses={200: {"content": {"text/event-stream": {}}, "description": "server-sent events"}},
-)
+@router.get("/stream", **EVENT_STREAM)
 async def stream_all(ctx: CtxDep, _principal: ReadDep) -> StreamingResponse:
     """Live events of all runs for the runs list: `step`, `alert` and `run` (each with `run_id`); a newly
     registered run is announced at once as a `run` event with `"created": true`."""
-    sub = ctx.broker.subscribe(ALL_RUNS)
-    return StreamingResponse(
-        stream_events(sub, ctx.settings.sse_keepalive_seconds),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
+    return event_stream(ctx, ALL_RUNS)
 
 
 @router.get(
