@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import orjson
@@ -13,6 +14,8 @@ from sqlalchemy.orm import Session
 from monitor_server.models import StepRow
 from monitor_server.schemas import SeriesPoints
 from monitor_server.wire import NONFINITE_STRINGS, jsonable
+
+P = TypeVar("P", bound=SeriesPoints)
 
 
 def scalar_value(raw: object) -> float | None:
@@ -107,11 +110,15 @@ def downsample_minmax(
     return steps[idx], values[idx], width
 
 
-def series_points(steps: np.ndarray, values: np.ndarray, max_points: int) -> SeriesPoints:
+def series_points(
+    steps: np.ndarray, values: np.ndarray, max_points: int, model: type[P] = SeriesPoints, **fields: Any
+) -> P:
     """A scalar's points as the API answers them: downsampled to at most `max_points` (`downsample_minmax`),
-    non-finite values as their wire strings."""
+    non-finite values as their wire strings; as `model` (`SeriesPoints`, or `SeriesPublic` given its other
+    `fields`), so a long series is validated once."""
     kept_steps, kept_values, width = downsample_minmax(steps, values, max_points)
-    return SeriesPoints(
+    return model(
+        **fields,
         bucket_width=width,
         downsampled=len(kept_steps) < len(steps),
         steps=kept_steps.tolist(),
