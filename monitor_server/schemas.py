@@ -369,6 +369,21 @@ class AckAllResult(PublicModel):
     alerts: int = Field(description="how many alerts were acknowledged (also those in no incident)")
 
 
+class Health(PublicModel):
+    """Response of GET /healthz (status "ok") and GET /readyz (status "ready")."""
+
+    status: Literal["ok", "ready"]
+    database: str = Field(description="the database's SQLAlchemy dialect: sqlite or postgresql")
+
+
+class NotReady(PublicModel):
+    """The 503 answer of GET /readyz: the database does not take a write."""
+
+    status: Literal["unavailable"]
+    database: str = Field(description="the database's SQLAlchemy dialect: sqlite or postgresql")
+    detail: str = Field(description="the type of the error the write met, e.g. OperationalError")
+
+
 class WhoAmI(PublicModel):
     """Response of GET /whoami."""
 

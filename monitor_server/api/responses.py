@@ -27,7 +27,7 @@ def model_json(model: BaseModel) -> bytes:
     return orjson.dumps(model.model_dump(by_alias=True))
 
 
-def json_response(value: BaseModel | Sequence[BaseModel] | bytes) -> Response:
+def json_response(value: BaseModel | Sequence[BaseModel] | bytes, status_code: int = 200) -> Response:
     """An `application/json` answer: a model, a list of models, or bytes already serialized from one."""
     if isinstance(value, BaseModel):
         body = model_json(value)
@@ -35,7 +35,7 @@ def json_response(value: BaseModel | Sequence[BaseModel] | bytes) -> Response:
         body = value
     else:
         body = orjson.dumps([m.model_dump(by_alias=True) for m in value])
-    return Response(body, media_type="application/json")
+    return Response(body, status_code=status_code, media_type="application/json")
 
 
 #: the route decorator's arguments for a server-sent event stream (its OpenAPI entry)

@@ -28,7 +28,9 @@ from monitor_server.core.config import Settings
 from monitor_server.schemas import (
     AckAllResult,
     AlertPublic,
+    CommandPublic,
     EventPublic,
+    Health,
     HeatmapPackedHeader,
     HeatmapPublic,
     IncidentDetail,
@@ -128,11 +130,13 @@ def realistic(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
         yield {"client": client, "rid": rid, "doc": client.get("/openapi.json").json(), "telemetry": answers}
 
 
-def check_answer(realistic: dict, method: str, path: str, response: Any, model: Any) -> Any:
-    """`response` (to `method path`, a path as the OpenAPI names it) has the keys its documented schema
-    lists and validates against `model`; returns the parsed answer."""
+def check_answer(
+    realistic: dict, method: str, path: str, response: Any, model: Any, prefix: str = API
+) -> Any:
+    """`response` (to `method path`, a path as the OpenAPI names it, after `prefix`) has the keys its
+    documented schema lists and validates against `model`; returns the parsed answer."""
     assert response.status_code in (200, 201), response.text
-    schema = realistic["doc"]["paths"][API + path][method]["responses"][str(response.status_code)]
+    schema = realistic["doc"]["paths"][prefix + path][method]["responses"][str(response.status_code)]
     answer = response.json()
     problems, compared = schema_mismatches(
         realistic["doc"], schema["content"]["application/json"]["schema"], answer
@@ -222,6 +226,23 @@ def test_layer_health_answer_matches_its_schema(realistic):
     assert len(layers) == 3 and sum(len(layer["tensors"]) for layer in layers) == 9
 
 
+def test_health_answers_match_their_schema(realistic):
+    client = realistic["client"]
+    for path in ("/healthz", "/readyz"):
+        check_answer(realistic, "get", path, client.get(path), Health, prefix="")
+
+
+def test_command_answers_match_their_schema(realistic):
+    client, rid = realistic["client"], realistic["rid"]
+    r = client.post(
+        f"{API}/runs/{rid}/commands", json={"target": "blocks.1.mlp.fc", "changes": {"margin": 2}}
+    )
+    posted = check_answer(realistic, "post", "/runs/{run_id}/commands", r, CommandPublic)
+    path = "/runs/{run_id}/commands"
+    listed = check_answer(realistic, "get", path, get(realistic, path), list[CommandPublic])
+    assert posted["id"] in [c["id"] for c in listed]
+
+
 def test_whoami_and_run_answers_match_their_schema(realistic):
     check_answer(realistic, "get", "/whoami", get(realistic, "/whoami"), WhoAmI)
     check_answer(realistic, "get", "/runs/{run_id}", get(realistic, "/runs/{run_id}"), RunPublic)
@@ -281,5 +302,5 @@ def test_every_response_model_refuses_undeclared_fields():
         if isinstance(route, APIRoute)
         for m in _models(route.response_model)
     }
-    assert len(models) >= 12
+    assert len(models) >= 15
     assert sorted(m.__name__ for m in models if m.model_config.get("extra") != "forbid") == []
