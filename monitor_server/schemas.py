@@ -347,7 +347,9 @@ class IncidentPublic(PublicModel):
     layers: list[str] = Field(description="layers of its alerts, in the same order")
     created_at: datetime
     updated_at: datetime
-    notified_at: datetime | None = Field(description="when the webhook announced it (null: not yet, or none)")
+    notified_at: datetime | None = Field(
+        description="when it first merited a webhook message (null: not yet)"
+    )
     acknowledged_at: datetime | None
     acknowledged_by: str | None
     url: str | None = Field(

@@ -45,14 +45,20 @@ from monitor_server.schemas import (
 from tests.server.utils import API, batch_body, random_stats, run_body
 
 
-def schema_mismatches(doc: dict, schema: dict, value: Any, where: str = "") -> tuple[list[str], int]:
-    """Where `value` (parsed JSON) has other keys than `schema` (an OpenAPI / JSON schema, `$ref`s resolved
-    in `doc`) lists, at any depth; and how many objects with listed properties were compared."""
+def resolve(doc: dict, schema: dict) -> dict:
+    """`schema` with its `$ref` (``#/components/schemas/X``, ``#/$defs/X``) followed within `doc`."""
     while "$ref" in schema:
         node: Any = doc
         for part in schema["$ref"].removeprefix("#/").split("/"):
             node = node[part]
         schema = node
+    return schema
+
+
+def schema_mismatches(doc: dict, schema: dict, value: Any, where: str = "") -> tuple[list[str], int]:
+    """Where `value` (parsed JSON) has other keys than `schema` (an OpenAPI / JSON schema, `$ref`s resolved
+    in `doc`) lists, at any depth; and how many objects with listed properties were compared."""
+    schema = resolve(doc, schema)
     if "anyOf" in schema:  # a union (most often `X | None`): the branch of the value's JSON type
         kind = {dict: "object", list: "array", type(None): "null"}.get(type(value))
         branches = [s for s in schema["anyOf"] if kind is not None and _json_type(doc, s) == kind]
@@ -83,11 +89,7 @@ def schema_mismatches(doc: dict, schema: dict, value: Any, where: str = "") -> t
 
 
 def _json_type(doc: dict, schema: dict) -> str | None:
-    while "$ref" in schema:
-        node: Any = doc
-        for part in schema["$ref"].removeprefix("#/").split("/"):
-            node = node[part]
-        schema = node
+    schema = resolve(doc, schema)
     if "properties" in schema or "additionalProperties" in schema:
         return "object"
     return schema.get("type")
@@ -96,7 +98,7 @@ def _json_type(doc: dict, schema: dict) -> str | None:
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
 def realistic(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     """A run of 300 steps with non-finite statistics and losses, a loss spike, a small and a large event,
-    commands queued before and during the run, and the alerts and incidents its detectors raised."""
+    a command queued before its first step, and the alerts and incidents its detectors raised."""
     if request.param == "sqlite":
         db_url = f"sqlite:///{tmp_path_factory.mktemp('responses') / 'm.db'}"
     else:
