@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from monitor_server.models import EventRow, as_utc
-from monitor_server.wire import iso_dates
+from monitor_server.schemas import EventPublic, attributes
 
 #: event details up to this size (as JSON) travel whole in lists and on the stream; larger ones as their
 #: summary, the whole details from `GET /runs/{id}/events/{event_id}`
@@ -23,17 +23,11 @@ def event_light(event: dict[str, Any]) -> dict[str, Any]:
     return {**out, "details": details, "details_bytes": size, "details_complete": complete}
 
 
-def event_public(event: EventRow) -> dict[str, Any]:
+def event_public(event: EventRow) -> EventPublic:
     """An event whole, as `GET /runs/{id}/events/{event_id}` returns it."""
-    return iso_dates(
-        {
-            "id": event.id,
-            "run_id": event.run_id,
-            "kind": event.kind,
-            "step": event.step,
-            "details": event.details,
-            "details_bytes": event.details_bytes or 0,
-            "details_complete": True,
-            "created_at": as_utc(event.created_at),
-        }
+    return EventPublic(
+        **attributes(event, ("id", "run_id", "kind", "step", "details")),
+        details_bytes=event.details_bytes or 0,
+        details_complete=True,
+        created_at=as_utc(event.created_at),
     )

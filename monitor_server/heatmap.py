@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 from monitor_server.models import Run
 from monitor_server.rollups import HEATMAP_METRICS, plan_heatmap, read_heatmap
 from monitor_server.run_meta import RunMeta
-from monitor_server.schemas import HeatmapMetric
+from monitor_server.schemas import HeatmapHead, HeatmapMetric
 from monitor_server.series import step_range
 
 
@@ -29,10 +29,9 @@ def heatmap_buckets(
     hi: int | None,
     max_cols: int,
     max_cells: int,
-) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """The answer's fields other than the values (`metric, aggregation, tensors, bucket_width,
-    bucket_start, bucket_end, bucket_steps`) and the buckets of `read_heatmap`, None when the clipped step
-    range is empty (then the bucket fields are empty).
+) -> tuple[HeatmapHead, dict[str, Any] | None]:
+    """The answer's fields other than the values and the buckets of `read_heatmap`, None when the clipped
+    step range is empty (then the bucket fields are empty).
 
     Raises:
         HeatmapTooLarge: tensors x columns above `max_cells`.
@@ -44,8 +43,7 @@ def heatmap_buckets(
         "tensors": [asdict(t) for t in meta.tensors],
     }
     if rng is None:
-        head.update(bucket_width=1, bucket_start=[], bucket_end=[], bucket_steps=[])
-        return head, None
+        return HeatmapHead(**head, bucket_width=1, bucket_start=[], bucket_end=[], bucket_steps=[]), None
     n_cols = plan_heatmap(rng[0], rng[1], max_cols).n_buckets
     if n_cols * meta.num_tensors > max_cells:
         raise HeatmapTooLarge(
@@ -54,10 +52,11 @@ def heatmap_buckets(
             "(max_cols) or a narrower step range"
         )
     hm = read_heatmap(session, run.id, metric, rng[0], rng[1], max_cols, meta.fp8_max)
-    head.update(
+    buckets = HeatmapHead(
+        **head,
         bucket_width=hm["width"],
         bucket_start=hm["starts"].tolist(),
         bucket_end=hm["ends"].tolist(),
         bucket_steps=hm["steps"].tolist(),
     )
-    return head, hm
+    return buckets, hm

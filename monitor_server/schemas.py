@@ -1,10 +1,13 @@
 """Pydantic models of the HTTP API (request bodies and responses), families in the Base/Create/Public style.
 
 Floats that may be non-finite travel as `WireFloat`: a JSON number or "NaN" / "Infinity" / "-Infinity".
+Every response is built from a `PublicModel`, which refuses a field it does not declare: an answer and its
+documented schema cannot drift apart (an undeclared key is an error, not a key silently dropped).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -60,6 +63,18 @@ HeatmapMetric = Literal[
     "dynamic_range",
     "outlier_ratio",
 ]
+AlertState = Literal["open", "acknowledged"]
+
+
+class PublicModel(BaseModel):
+    """Base of the response models: an undeclared field is an error, so the answer is what the schema says."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def attributes(row: object, names: Iterable[str]) -> dict[str, Any]:
+    """The named attributes of `row` (a database record), for the fields a response model shows as stored."""
+    return {name: getattr(row, name) for name in names}
 
 
 class TensorSpec(BaseModel):
@@ -116,7 +131,7 @@ class RunUpdate(BaseModel):
         return self
 
 
-class RunPublic(BaseModel):
+class RunPublic(PublicModel):
     """A run as the API returns it."""
 
     id: int
@@ -187,18 +202,17 @@ class EventIn(BaseModel):
     details: dict[str, Any] = Field(default_factory=dict)
 
 
-class EventPublic(BaseModel):
+class EventPublic(PublicModel):
     """A stored client event. In lists (and on the stream) `details` is whole only up to 4 KiB of JSON,
     else its summary (top-level numbers and texts) with `details_complete` false."""
 
     id: int
     run_id: int
     kind: EventKind
-    step: int
-    details: dict[str, Any]
-    #: size of the whole details as JSON, and whether `details` here is all of it
-    details_bytes: int
-    details_complete: bool
+    step: int = Field(description="the training step the client reported it at")
+    details: dict[str, Any] = Field(description="the details the client sent, or their summary")
+    details_bytes: int = Field(description="size of the whole details as JSON")
+    details_complete: bool = Field(description="whether `details` here is all of them (false: a summary)")
     created_at: datetime
 
 
@@ -261,7 +275,7 @@ class CommandCreate(BaseModel):
         return self
 
 
-class CommandPublic(BaseModel):
+class CommandPublic(PublicModel):
     """A command and its audit trail."""
 
     id: int
@@ -280,71 +294,78 @@ class CommandPublic(BaseModel):
     resolved_at: datetime | None
 
 
-class TelemetryResult(BaseModel):
+class TelemetryResult(PublicModel):
     """Response of POST /runs/{id}/telemetry."""
 
-    stored_steps: int
-    duplicate: bool
-    commands: list[CommandPublic]
+    stored_steps: int = Field(description="steps of the batch newly stored (steps stored before are skipped)")
+    duplicate: bool = Field(description="whether the batch's idempotency key was seen before")
+    commands: list[CommandPublic] = Field(
+        description="the run's unacknowledged commands, oldest first, for the training job to apply"
+    )
 
 
-class IncidentAlert(BaseModel):
+class IncidentAlert(PublicModel):
     """An alert as listed in its incident (no evidence: read the alert for that)."""
 
     id: int
     kind: str
-    tensor_index: int | None
+    tensor_index: int | None = Field(description="the tensor it is about (null: a run-level alert)")
     tensor_name: str | None
     layer: str | None
-    state: Literal["open", "acknowledged"]
+    state: AlertState
     severity: str
     message: str
-    #: the step its condition began (before first_step when a rule waited for consecutive steps)
-    onset_step: int
+    onset_step: int = Field(
+        description="the step its condition began (before first_step when a rule waited for steps in a row)"
+    )
     first_step: int
     last_step: int
-    count: int
+    count: int = Field(description="findings folded into it")
 
 
 class AlertPublic(IncidentAlert):
     """An alert (one open alert per run, kind and tensor): its summary within an incident and the rest."""
 
     run_id: int
-    #: the incident it belongs to (null for alerts stored before incidents existed)
-    incident_id: int | None
-    evidence: dict[str, Any]
+    incident_id: int | None = Field(
+        description="the incident it belongs to (null for alerts stored before incidents existed)"
+    )
+    evidence: dict[str, Any] = Field(description="the detector's numbers behind the finding")
     created_at: datetime
     updated_at: datetime
     acknowledged_at: datetime | None
     acknowledged_by: str | None
 
 
-class IncidentPublic(BaseModel):
+class IncidentPublic(PublicModel):
     """Alerts that share a cause, root cause first (see monitor_server.incidents)."""
 
     id: int
     run_id: int
-    state: Literal["open", "acknowledged"]
+    state: AlertState
     severity: str
-    #: the root cause's kind, and a one-line description of the incident
-    kind: str | None
-    title: str
+    kind: str | None = Field(description="the root cause's kind")
+    title: str = Field(description="a one-line description of the incident")
     root_alert_id: int | None
     root: IncidentAlert | None
     first_step: int
     last_step: int
     alert_count: int
     open_alerts: int
-    #: tensor names and layers of its alerts, root cause first (forward-then-backward order)
-    tensors: list[str]
-    layers: list[str]
+    tensors: list[str] = Field(
+        description="tensor names of its alerts, root cause first (forward-then-backward order)"
+    )
+    layers: list[str] = Field(description="layers of its alerts, in the same order")
     created_at: datetime
     updated_at: datetime
-    notified_at: datetime | None
+    notified_at: datetime | None = Field(
+        description="when it first merited a webhook message (null: not yet)"
+    )
     acknowledged_at: datetime | None
     acknowledged_by: str | None
-    #: the run's dashboard page with this incident open, under the configured public URL
-    url: str | None
+    url: str | None = Field(
+        description="the run's dashboard page with this incident open, under the configured public URL"
+    )
     alerts: list[IncidentAlert]
 
 
@@ -354,43 +375,133 @@ class IncidentDetail(IncidentPublic):
     alerts_full: list[AlertPublic]
 
 
-class AckAllResult(BaseModel):
+class AckAllResult(PublicModel):
     """What POST /runs/{id}/incidents/ack acknowledged."""
 
-    incidents: list[int]
-    alerts: int
+    incidents: list[int] = Field(description="ids of the incidents acknowledged")
+    alerts: int = Field(description="how many alerts were acknowledged (also those in no incident)")
 
 
-class SeriesPublic(BaseModel):
+class Health(PublicModel):
+    """Response of GET /healthz (status "ok") and GET /readyz (status "ready")."""
+
+    status: Literal["ok", "ready"]
+    database: str = Field(description="the database's SQLAlchemy dialect: sqlite or postgresql")
+
+
+class NotReady(PublicModel):
+    """The 503 answer of GET /readyz: the database does not take a write."""
+
+    status: Literal["unavailable"]
+    database: str = Field(description="the database's SQLAlchemy dialect: sqlite or postgresql")
+    detail: str = Field(description="the type of the error the write met, e.g. OperationalError")
+
+
+class WhoAmI(PublicModel):
+    """Response of GET /whoami."""
+
+    name: str = Field(description='the token\'s name ("anonymous" without tokens)')
+    scopes: list[str] = Field(description="the scopes it holds, in the order ingest, read, control")
+    auth: bool = Field(description="whether the server checks tokens (false: everyone holds every scope)")
+
+
+class SeriesPoints(PublicModel):
+    """A scalar's points after min/max-preserving downsampling: each bucket of `bucket_width` steps keeps
+    its min and its max point (a NaN point in place of the min when it holds one)."""
+
+    bucket_width: int = Field(description="steps per bucket; 1 when no point was dropped")
+    downsampled: bool = Field(description="whether points were dropped (more stored than max_points)")
+    steps: list[int] = Field(description="steps of the kept points, ascending")
+    values: list[WireFloat] = Field(description="the scalar at those steps")
+
+
+class SeriesRange(PublicModel):
+    """The step range a series answer covers: the request clipped to the stored steps."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    from_step: int | None = Field(alias="from", description="first step (null: nothing stored in range)")
+    to_step: int | None = Field(alias="to", description="last step (null: nothing stored in range)")
+
+
+class SeriesName(PublicModel):
+    """The scalar a series answer is of."""
+
+    name: str = Field(description="the scalar's name, e.g. loss")
+
+
+# fields come base by base from the last base to the first: name, from, to, then the points
+class SeriesPublic(SeriesPoints, SeriesRange, SeriesName):
     """A downsampled scalar series: each bucket contributes its min and max points (NaN first if any)."""
 
-    name: str
-    from_step: int | None = Field(alias="from")
-    to_step: int | None = Field(alias="to")
-    bucket_width: int
-    downsampled: bool
-    steps: list[int]
-    values: list[WireFloat]
+
+class SeriesMulti(SeriesRange):
+    """Several scalars over one step range, each downsampled as `GET /runs/{id}/series` does it."""
+
+    series: dict[str, SeriesPoints] = Field(description="by scalar name, in the order asked (repeats once)")
 
 
-class HeatmapPublic(BaseModel):
-    """A tensors x buckets matrix; `values[t][c]` is null where bucket c holds no stored step."""
+class HeatmapHead(PublicModel):
+    """The heatmap's fields other than its values: the metric, the tensors (rows) and the step buckets
+    (columns)."""
 
     metric: HeatmapMetric
-    aggregation: Literal["max", "min", "sum"]
-    tensors: list[TensorSpec]
-    bucket_width: int
-    bucket_start: list[int]
-    bucket_end: list[int]
-    bucket_steps: list[int]
-    values: list[list[WireFloat | None]]
+    aggregation: Literal["max", "min", "sum"] = Field(description="how a bucket folds its steps")
+    tensors: list[TensorSpec] = Field(description="the rows, by tensor index")
+    bucket_width: int = Field(description="steps per bucket (a multiple of a rollup block)")
+    bucket_start: list[int] = Field(description="first step of each bucket")
+    bucket_end: list[int] = Field(description="last step of each bucket")
+    bucket_steps: list[int] = Field(description="stored steps in each bucket (0: an empty bucket)")
 
 
-class LayerHealth(BaseModel):
-    """One layer's health as ranked by the detector engine (fields beyond these pass through)."""
+class HeatmapPublic(HeatmapHead):
+    """A tensors x buckets matrix; `values[t][c]` is null where bucket c holds no stored step."""
 
-    model_config = ConfigDict(extra="allow")
+    values: list[list[WireFloat | None]] = Field(description="rows (tensors) of columns (buckets)")
+
+
+class HeatmapPackedHeader(HeatmapHead):
+    """The JSON header of GET /runs/{id}/heatmap/packed, before its float64 matrix."""
+
+    rows: int = Field(description="rows of the matrix (the run's tensors)")
+    dtype: Literal["float64"] = Field(description="the matrix's cells: little-endian float64")
+    cols: int = Field(description="columns of the matrix (buckets)")
+
+
+class TensorHealth(PublicModel):
+    """One tensor within a layer's health: its last statistics and running totals."""
+
+    index: int
+    name: str
+    role: Role
+    last_amax: WireFloat
+    last_scale: WireFloat
+    headroom_log2: WireFloat = Field(description="log2 of FP8 max / (amax * scale): room before overflow")
+    saturation: str = Field(description="unknown, none, at_max, clipping or saturating (detectors.health)")
+    warming_up: bool = Field(description="whether its amax history has not filled yet")
+    amax_growth_log2: WireFloat = Field(description="log2 of the amax growth over the delayed-scaling window")
+    overflow_total: WireFloat
+    underflow_total: WireFloat
+    nonfinite_total: WireFloat
+    sqnr_db: WireFloat | None = Field(
+        None, description="its latest SQNR in dB; null without quality statistics"
+    )
+    sqnr_level_db: WireFloat | None = Field(
+        None,
+        description="its recent SQNR level (median of recent steps) the sqnr_drop detector compares with",
+    )
+
+
+class LayerHealth(PublicModel):
+    """One layer's health as ranked by the detector engine, worst first."""
 
     layer: str
-    #: the worst latest SQNR (dB) of the layer's tensors; null when the run sends no quality statistics
-    sqnr_db: WireFloat | None = None
+    severity: str = Field(description="the worst of its reasons: ok, info, warning or critical")
+    score: float = Field(description="sum of its reasons' weights plus a small term for the least headroom")
+    diverging: bool = Field(description="an open alert on one of its tensors, or a saturating/growing amax")
+    reasons: list[str] = Field(description="why it is flagged, worst first")
+    sqnr_db: WireFloat | None = Field(
+        None,
+        description="the worst latest SQNR (dB) of its tensors; null when the run sends no quality columns",
+    )
+    tensors: list[TensorHealth]

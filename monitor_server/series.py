@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import orjson
@@ -11,7 +12,10 @@ from sqlalchemy import Text, case, select, type_coerce
 from sqlalchemy.orm import Session
 
 from monitor_server.models import StepRow
-from monitor_server.wire import NONFINITE_STRINGS
+from monitor_server.schemas import SeriesPoints
+from monitor_server.wire import NONFINITE_STRINGS, jsonable
+
+P = TypeVar("P", bound=SeriesPoints)
 
 
 def scalar_value(raw: object) -> float | None:
@@ -36,14 +40,17 @@ def step_range(first: int | None, last: int | None, lo: int | None, hi: int | No
 
 
 def read_series(
-    session: Session, run_id: int, names: Sequence[str], lo: int, hi: int
+    session: Session, run_id: int, names: Sequence[str], rng: tuple[int, int] | None
 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Per scalar name, (steps, values) for the stored steps in [lo, hi]; steps lacking it are left out.
+    """Per scalar name, (steps, values) for the stored steps in `rng` = [lo, hi] (None: no step); steps
+    lacking it are left out.
 
     One pass over the steps whatever the number of names. The loss alone reads its own column (the finite
     loss) and parses the scalars only of the rows without one (a non-finite loss).
     """
-    where = (StepRow.run_id == run_id, StepRow.step.between(lo, hi))
+    if rng is None:
+        return {name: (np.zeros(0, np.int64), np.zeros(0, np.float64)) for name in names}
+    where = (StepRow.run_id == run_id, StepRow.step.between(*rng))
     if list(names) == ["loss"]:
         rows = session.execute(
             select(StepRow.step, StepRow.loss, case((StepRow.loss.is_(None), StepRow.scalars), else_=None))
@@ -101,3 +108,19 @@ def downsample_minmax(
                 keep.append(order[e - k])  # the largest non-NaN point
     idx = np.unique(np.array(keep, dtype=np.int64))
     return steps[idx], values[idx], width
+
+
+def series_points(
+    steps: np.ndarray, values: np.ndarray, max_points: int, model: type[P] = SeriesPoints, **fields: Any
+) -> P:
+    """A scalar's points as the API answers them: downsampled to at most `max_points` (`downsample_minmax`),
+    non-finite values as their wire strings; as `model` (`SeriesPoints`, or `SeriesPublic` given its other
+    `fields`), so a long series is validated once."""
+    kept_steps, kept_values, width = downsample_minmax(steps, values, max_points)
+    return model(
+        **fields,
+        bucket_width=width,
+        downsampled=len(kept_steps) < len(steps),
+        steps=kept_steps.tolist(),
+        values=jsonable(kept_values.tolist()),
+    )

@@ -1,5 +1,5 @@
 """Dependencies shared by the routes: the app context, DB sessions, bearer-token scopes, the run a path
-names and the step-range query parameters.
+names, the step-range query parameters and the heatmap both heatmap routes answer from.
 
 Authentication: ``Authorization: Bearer <secret>``. With no tokens configured every request is allowed
 (as "anonymous"). A missing or unknown token is 401, a known token without the needed scope 403.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, Path, Query, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -19,8 +19,11 @@ from sqlalchemy.orm import Session
 
 from monitor_server.context import AppContext
 from monitor_server.core.config import Settings
+from monitor_server.heatmap import HeatmapTooLarge, heatmap_buckets
 from monitor_server.models import Run
 from monitor_server.run_meta import RunMeta
+from monitor_server.schemas import AlertState, HeatmapHead, HeatmapMetric
+from monitor_server.series import step_range
 
 bearer_scheme = HTTPBearer(auto_error=False, description="Bearer token with scopes ingest / read / control")
 
@@ -138,10 +141,21 @@ ToQ = Annotated[
 ]
 
 
+#: the state filter of the alert and incident lists
+AlertStateQ = Annotated[AlertState | None, Query(description="only those in this state")]
+
+
 def check_order(lo: int | None, hi: int | None) -> None:
     """422 when the requested `to` step comes before `from`."""
     if lo is not None and hi is not None and hi < lo:
         raise HTTPException(422, f"to ({hi}) is before from ({lo})")
+
+
+def clipped_range(run: Run, lo: int | None, hi: int | None) -> tuple[int, int] | None:
+    """The requested steps [lo, hi] (422 when hi < lo) clipped to the run's stored ones; None when that
+    leaves nothing."""
+    check_order(lo, hi)
+    return step_range(run.first_step, run.last_step, lo, hi)
 
 
 def run_or_404(session: Session, run_id: int) -> Run:
@@ -162,6 +176,15 @@ def get_run_or_404(run_id: RunId, session: SessionDep) -> Run:
 RunDep = Annotated[Run, Depends(get_run_or_404)]
 
 
+def get_readable_run(run: RunDep, _principal: ReadDep) -> Run:
+    """The run the path names (404 first), for a caller holding the read scope (401/403 after)."""
+    return run
+
+
+#: the run the path names, read by a caller with the read scope
+ReadRunDep = Annotated[Run, Depends(get_readable_run)]
+
+
 def get_run_meta_or_404(run: RunDep, ctx: CtxDep, session: SessionDep) -> RunMeta:
     """The run's cached meta (its tensors), 404 when it has none."""
     meta = ctx.run_meta.get(session, run.id)
@@ -171,3 +194,28 @@ def get_run_meta_or_404(run: RunDep, ctx: CtxDep, session: SessionDep) -> RunMet
 
 
 RunMetaDep = Annotated[RunMeta, Depends(get_run_meta_or_404)]
+
+
+def get_heatmap(
+    run: RunDep,
+    meta: RunMetaDep,
+    ctx: CtxDep,
+    session: SessionDep,
+    _principal: ReadDep,
+    metric: HeatmapMetric = "amax",
+    from_: FromQ = None,
+    to: ToQ = None,
+    max_cols: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+) -> tuple[HeatmapHead, dict[str, Any] | None]:
+    """The heatmap's fields but its values, and its buckets (`heatmap_buckets`); 422 when it has more
+    cells than `max_heatmap_cells` or `to` comes before `from`."""
+    check_order(from_, to)
+    try:
+        cells = ctx.settings.max_heatmap_cells
+        return heatmap_buckets(session, run, meta, metric, from_, to, max_cols, cells)
+    except HeatmapTooLarge as exc:
+        raise HTTPException(422, str(exc)) from None
+
+
+#: the heatmap both heatmap routes answer from (its parameters are theirs)
+HeatmapDep = Annotated[tuple[HeatmapHead, dict[str, Any] | None], Depends(get_heatmap)]

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, status
 from sqlalchemy import select
 
 from monitor_server.alerting import alert_public
-from monitor_server.api.deps import AlertId, ControlDep, CtxDep, ReadDep, RunDep, RunId, SessionDep
+from monitor_server.api.deps import AlertId, AlertStateQ, ControlDep, CtxDep, ReadRunDep, RunId, SessionDep
 from monitor_server.incidents import settle_incident
 from monitor_server.models import Alert, utcnow
 from monitor_server.schemas import AlertPublic
@@ -20,14 +20,13 @@ router = APIRouter(prefix="/runs", tags=["alerts"])
 @router.get("/{run_id}/alerts", response_model=list[AlertPublic])
 def list_alerts(
     run_id: RunId,
-    _run: RunDep,
+    _run: ReadRunDep,
     ctx: CtxDep,
     session: SessionDep,
-    _principal: ReadDep,
-    state: Annotated[Literal["open", "acknowledged"] | None, Query()] = None,
-    kind: Annotated[str | None, Query(max_length=32)] = None,
+    state: AlertStateQ = None,
+    kind: Annotated[str | None, Query(max_length=32, description="only alerts of this kind")] = None,
     limit: Annotated[int, Query(ge=1, le=5000)] = 500,
-) -> list[dict[str, Any]]:
+) -> list[AlertPublic]:
     """The run's alerts, newest first (most recently updated first), optionally filtered by state and kind."""
     meta = ctx.run_meta.get(session, run_id)
     query = select(Alert).where(Alert.run_id == run_id).order_by(Alert.updated_at.desc(), Alert.id.desc())
@@ -35,11 +34,11 @@ def list_alerts(
         query = query.where(Alert.state == state)
     if kind is not None:
         query = query.where(Alert.kind == kind)
-    return [alert_public(a, meta) for a in session.execute(query.limit(limit)).scalars()]
+    return [AlertPublic(**alert_public(a, meta)) for a in session.execute(query.limit(limit)).scalars()]
 
 
 @router.post("/{run_id}/alerts/{alert_id}/ack", response_model=AlertPublic)
-def ack_alert(run_id: RunId, alert_id: AlertId, ctx: CtxDep, principal: ControlDep) -> dict[str, Any]:
+def ack_alert(run_id: RunId, alert_id: AlertId, ctx: CtxDep, principal: ControlDep) -> AlertPublic:
     """Acknowledge an alert (idempotent). A later finding of the same kind and tensor opens a new alert.
     Acknowledging the last open alert of an incident acknowledges the incident."""
     incident_out = None
@@ -60,4 +59,4 @@ def ack_alert(run_id: RunId, alert_id: AlertId, ctx: CtxDep, principal: ControlD
     ctx.broker.publish(run_id, "alert", iso_dates(public))
     if incident_out is not None:
         ctx.broker.publish(run_id, "incident", iso_dates(incident_out))
-    return public
+    return AlertPublic(**public)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, HTTPException, Query, status
 from sqlalchemy import select
@@ -17,7 +17,7 @@ router = APIRouter(prefix="/runs", tags=["commands"])
 
 
 @router.post("/{run_id}/commands", status_code=status.HTTP_201_CREATED, response_model=CommandPublic)
-def post_command(run_id: RunId, body: CommandCreate, ctx: CtxDep, principal: ControlDep) -> dict[str, Any]:
+def post_command(run_id: RunId, body: CommandCreate, ctx: CtxDep, principal: ControlDep) -> CommandPublic:
     """Queue a recipe change for the whole model or one layer, or a rollback of an applied command.
 
     The training job receives it in its next telemetry response, applies it at a step boundary and acks it.
@@ -34,7 +34,7 @@ def post_command(run_id: RunId, body: CommandCreate, ctx: CtxDep, principal: Con
             raise HTTPException(exc.status, exc.message) from None
         public = command_public(command)
     ctx.broker.publish(run_id, "command", iso_dates(public))
-    return public
+    return CommandPublic(**public)
 
 
 @router.get("/{run_id}/commands", response_model=list[CommandPublic])
@@ -44,9 +44,9 @@ def list_commands(
     session: SessionDep,
     _principal: ReadDep,
     state: Annotated[Literal["pending", "delivered", "applied", "rejected"] | None, Query()] = None,
-) -> list[dict[str, Any]]:
+) -> list[CommandPublic]:
     """The run's commands, newest first."""
     query = select(Command).where(Command.run_id == run_id).order_by(Command.id.desc())
     if state is not None:
         query = query.where(Command.state == state)
-    return [command_public(c) for c in session.execute(query).scalars()]
+    return [CommandPublic(**command_public(c)) for c in session.execute(query).scalars()]

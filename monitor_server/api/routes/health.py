@@ -2,25 +2,30 @@
 
 from __future__ import annotations
 
-import orjson
 from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 
 from monitor_server.api.deps import CtxDep, ReadDep
+from monitor_server.api.responses import json_response
+from monitor_server.schemas import Health, NotReady
 
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz")
-def healthz(ctx: CtxDep) -> dict[str, str]:
+@router.get("/healthz", response_model=Health)
+def healthz(ctx: CtxDep) -> Health:
     """Liveness: the process is up and the database answers."""
     with ctx.db.read_session() as session:
         session.execute(text("SELECT 1"))
-    return {"status": "ok", "database": ctx.db.engine.dialect.name}
+    return Health(status="ok", database=ctx.db.engine.dialect.name)
 
 
-@router.get("/readyz", responses={503: {"description": "the database does not take writes"}})
+@router.get(
+    "/readyz",
+    response_model=Health,
+    responses={503: {"model": NotReady, "description": "the database does not take writes"}},
+)
 def readyz(ctx: CtxDep) -> Response:
     """Readiness: the database takes a write (a no-op update inside a transaction that is rolled back), so
     a database that answers reads but refuses writes (read-only, full, locked) is not ready."""
@@ -30,10 +35,9 @@ def readyz(ctx: CtxDep) -> Response:
             session.rollback()
     except Exception as exc:
         reason = type(getattr(exc, "orig", None) or exc).__name__
-        body = {"status": "unavailable", "database": ctx.db.engine.dialect.name, "detail": reason}
-        return Response(orjson.dumps(body), status_code=503, media_type="application/json")
-    body = {"status": "ready", "database": ctx.db.engine.dialect.name}
-    return Response(orjson.dumps(body), media_type="application/json")
+        body = NotReady(status="unavailable", database=ctx.db.engine.dialect.name, detail=reason)
+        return json_response(body, status_code=503)
+    return json_response(Health(status="ready", database=ctx.db.engine.dialect.name))
 
 
 @router.get("/metrics", response_class=Response)

@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Path, Query, status
 from sqlalchemy import select
 
 from monitor_server.alerting import alert_public
-from monitor_server.api.deps import ControlDep, CtxDep, ReadDep, RunDep, RunId, SessionDep, run_or_404
+from monitor_server.api.deps import (
+    AlertStateQ,
+    ControlDep,
+    CtxDep,
+    ReadDep,
+    ReadRunDep,
+    RunId,
+    SessionDep,
+    run_or_404,
+)
 from monitor_server.context import AppContext
 from monitor_server.incidents import acknowledge, order_key
 from monitor_server.models import Alert, Incident, utcnow
-from monitor_server.schemas import AckAllResult, IncidentDetail, IncidentPublic
+from monitor_server.schemas import AckAllResult, AlertPublic, IncidentDetail, IncidentPublic
 from monitor_server.wire import iso_dates
 
 router = APIRouter(prefix="/runs", tags=["incidents"])
@@ -22,24 +31,24 @@ IncidentId = Annotated[int, Path(ge=1, le=2**31 - 1, description="incident id")]
 @router.get("/{run_id}/incidents", response_model=list[IncidentPublic])
 def list_incidents(
     run_id: RunId,
-    _run: RunDep,
+    _run: ReadRunDep,
     ctx: CtxDep,
     session: SessionDep,
-    _principal: ReadDep,
-    state: Annotated[Literal["open", "acknowledged"] | None, Query()] = None,
+    state: AlertStateQ = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 200,
-) -> list[dict[str, Any]]:
+) -> list[IncidentPublic]:
     """The run's incidents, newest first; each lists its alerts root cause first."""
     query = select(Incident).where(Incident.run_id == run_id).order_by(Incident.id.desc()).limit(limit)
     if state is not None:
         query = query.where(Incident.state == state)
-    return ctx.detection.incidents_public(session, run_id, list(session.scalars(query)))
+    incidents = ctx.detection.incidents_public(session, run_id, list(session.scalars(query)))
+    return [IncidentPublic(**incident) for incident in incidents]
 
 
 @router.get("/{run_id}/incidents/{incident_id}", response_model=IncidentDetail)
 def get_incident(
     run_id: RunId, incident_id: IncidentId, ctx: CtxDep, session: SessionDep, _principal: ReadDep
-) -> dict[str, Any]:
+) -> IncidentDetail:
     """One incident, with its alerts in full (evidence included) as ``alerts_full``, root cause first."""
     incident = session.get(Incident, incident_id)
     if incident is None or incident.run_id != run_id:
@@ -51,10 +60,12 @@ def get_incident(
         session.scalars(select(Alert).where(Alert.incident_id == incident_id)),
         key=lambda a: order_key(a, order),
     )
-    return {**public, "alerts_full": [alert_public(a, meta) for a in alerts]}
+    return IncidentDetail(**public, alerts_full=[AlertPublic(**alert_public(a, meta)) for a in alerts])
 
 
-def _ack(ctx: AppContext, run_id: int, ids: list[int] | None, who: str) -> tuple[list[dict], list[int], int]:
+def _ack(
+    ctx: AppContext, run_id: int, ids: list[int] | None, who: str
+) -> tuple[list[IncidentPublic], list[int], int]:
     """Acknowledge under the run's lock (ingest holds it while it adds alerts to open incidents), then
     publish; returns the incidents as the API shows them, their ids and the number of alerts acknowledged."""
     with ctx.db.run_lock(run_id), ctx.db.write() as session:
@@ -69,7 +80,7 @@ def _ack(ctx: AppContext, run_id: int, ids: list[int] | None, who: str) -> tuple
         ctx.broker.publish(run_id, "alert", iso_dates(public))
     for public in incidents_out:
         ctx.broker.publish(run_id, "incident", iso_dates(public))
-    return incidents_out, [i["id"] for i in incidents_out], len(alerts_out)
+    return [IncidentPublic(**i) for i in incidents_out], [i["id"] for i in incidents_out], len(alerts_out)
 
 
 @router.post("/{run_id}/incidents/ack", response_model=AckAllResult)
@@ -82,7 +93,7 @@ def ack_all(run_id: RunId, ctx: CtxDep, principal: ControlDep) -> AckAllResult:
 @router.post("/{run_id}/incidents/{incident_id}/ack", response_model=IncidentPublic)
 def ack_incident(
     run_id: RunId, incident_id: IncidentId, ctx: CtxDep, principal: ControlDep
-) -> dict[str, Any]:
+) -> IncidentPublic:
     """Acknowledge an incident and its open alerts (idempotent). Later findings open a new incident."""
     with ctx.db.read_session() as session:
         incident = session.get(Incident, incident_id)

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Annotated, Any
+from typing import Annotated
 
-import orjson
 from fastapi import APIRouter, HTTPException, Query, Response, status
 from sqlalchemy import case, null, select
 
@@ -14,27 +13,28 @@ from monitor_server.api.deps import (
     CtxDep,
     EventId,
     FromQ,
+    HeatmapDep,
     ReadDep,
-    RunDep,
+    ReadRunDep,
     RunId,
     RunMetaDep,
     SessionDep,
     ToQ,
     check_order,
+    clipped_range,
 )
+from monitor_server.api.responses import json_response, model_json
 from monitor_server.client_events import INLINE_DETAIL_BYTES, event_light, event_public
-from monitor_server.heatmap import HeatmapTooLarge, heatmap_buckets
 from monitor_server.models import Alert, EventRow, as_utc
 from monitor_server.schemas import (
     EventKind,
     EventPublic,
-    HeatmapMetric,
     HeatmapPublic,
     LayerHealth,
     SeriesPublic,
     TensorSpec,
 )
-from monitor_server.series import downsample_minmax, read_series, step_range
+from monitor_server.series import read_series, series_points
 from monitor_server.wire import iso_dates, jsonable, matrix_json
 
 router = APIRouter(prefix="/runs", tags=["queries"])
@@ -49,9 +49,8 @@ def list_tensors(run_id: RunId, meta: RunMetaDep, _principal: ReadDep) -> list[T
 @router.get("/{run_id}/series", response_model=SeriesPublic)
 def get_series(
     run_id: RunId,
-    run: RunDep,
+    run: ReadRunDep,
     session: SessionDep,
-    _principal: ReadDep,
     name: Annotated[
         str, Query(min_length=1, max_length=200, description="scalar name, e.g. loss, lr, grad_norm")
     ],
@@ -60,67 +59,35 @@ def get_series(
     max_points: Annotated[int, Query(ge=2, le=100_000)] = 2000,
 ) -> Response:
     """A scalar over steps, downsampled to at most `max_points` keeping each bucket's min and max point."""
-    check_order(from_, to)
-    rng = step_range(run.first_step, run.last_step, from_, to)
-    out: dict[str, Any] = {"name": name, "from": None, "to": None, "bucket_width": 1, "downsampled": False}
-    if rng is None:
-        out.update(steps=[], values=[])
-    else:
-        steps, values = read_series(session, run_id, [name], *rng)[name]
-        kept_steps, kept_values, width = downsample_minmax(steps, values, max_points)
-        out.update(
-            {
-                "from": rng[0],
-                "to": rng[1],
-                "bucket_width": width,
-                "downsampled": len(kept_steps) < len(steps),
-            },
-            steps=kept_steps.tolist(),
-            values=jsonable(kept_values.tolist()),
-        )
-    return Response(orjson.dumps(out), media_type="application/json")
+    rng = clipped_range(run, from_, to)
+    steps, values = read_series(session, run_id, [name], rng)[name]
+    lo, hi = rng or (None, None)
+    series = series_points(steps, values, max_points, SeriesPublic, name=name, from_step=lo, to_step=hi)
+    return json_response(series)
 
 
 @router.get("/{run_id}/heatmap", response_model=HeatmapPublic)
-def get_heatmap(
-    run_id: RunId,
-    run: RunDep,
-    meta: RunMetaDep,
-    ctx: CtxDep,
-    session: SessionDep,
-    _principal: ReadDep,
-    metric: HeatmapMetric = "amax",
-    from_: FromQ = None,
-    to: ToQ = None,
-    max_cols: Annotated[int, Query(ge=1, le=10_000)] = 1000,
-) -> Response:
+def get_heatmap(run_id: RunId, heatmap: HeatmapDep) -> Response:
     """Tensors x step-buckets matrix of one metric; buckets keep the max (amax, scale, subnormal fraction,
     dynamic range, outlier ratio), the min (headroom, SQNR) or the sum (counts), so no spike is averaged
     away. Bucket width is a multiple of a rollup block, so there are at most `max_cols` columns.
     """
-    check_order(from_, to)
-    try:
-        head, hm = heatmap_buckets(
-            session, run, meta, metric, from_, to, max_cols, ctx.settings.max_heatmap_cells
-        )
-    except HeatmapTooLarge as exc:
-        raise HTTPException(422, str(exc)) from None
+    head, hm = heatmap
     if hm is None:
-        return Response(
-            orjson.dumps({**head, "values": [[] for _ in meta.tensors]}), media_type="application/json"
-        )
-    # splice the pre-rendered matrix into the JSON object (avoids building 10^5..10^6 Python floats)
-    head_json = orjson.dumps(head)
-    body = head_json[:-1] + b',"values":' + matrix_json(hm["values"], hm["empty"]) + b"}"
+        return json_response(HeatmapPublic(**dict(head), values=[[] for _ in head.tensors]))
+    # The fields but the values are validated by `HeatmapHead`; the matrix is spliced in as matrix_json
+    # renders it (numbers, "NaN"/"Infinity"/"-Infinity", null), not through `HeatmapPublic`: for 512
+    # tensors x 2000 buckets the whole model takes about 5x as long (bench/responses.py: ~215 ms against
+    # ~43 ms), while tests/server/test_response_models.py checks the spliced answer against `HeatmapPublic`.
+    body = model_json(head)[:-1] + b',"values":' + matrix_json(hm["values"], hm["empty"]) + b"}"
     return Response(body, media_type="application/json")
 
 
 @router.get("/{run_id}/events", response_model=list[EventPublic])
 def list_events(
     run_id: RunId,
-    _run: RunDep,
+    _run: ReadRunDep,
     session: SessionDep,
-    _principal: ReadDep,
     kind: EventKind | None = None,
     from_: FromQ = None,
     to: ToQ = None,
@@ -150,8 +117,8 @@ def list_events(
     if to is not None:
         query = query.where(EventRow.step <= to)
     rows = session.execute(query.order_by(EventRow.step, EventRow.id).limit(limit)).mappings()
-    out = [event_light(iso_dates({**row, "created_at": as_utc(row["created_at"])})) for row in rows]
-    return Response(orjson.dumps(out), media_type="application/json")
+    events = [EventPublic(**event_light({**row, "created_at": as_utc(row["created_at"])})) for row in rows]
+    return json_response(events)
 
 
 @router.get("/{run_id}/events/{event_id}", response_model=EventPublic)
@@ -160,7 +127,7 @@ def get_event(run_id: RunId, event_id: EventId, session: SessionDep, _principal:
     event = session.get(EventRow, event_id)
     if event is None or event.run_id != run_id:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"event {event_id} of run {run_id} not found")
-    return Response(orjson.dumps(event_public(event)), media_type="application/json")
+    return json_response(event_public(event))
 
 
 @router.get("/{run_id}/layers", response_model=list[LayerHealth])
@@ -175,4 +142,4 @@ def get_layers(
     ranked = ctx.detection.layer_health(session, run_id, open_alerts)
     if ranked is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id} not found")
-    return Response(orjson.dumps(ranked), media_type="application/json")
+    return json_response([LayerHealth(**layer) for layer in ranked])

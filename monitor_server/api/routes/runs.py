@@ -26,11 +26,27 @@ from monitor_server.commands import command_public, effective_recipe, end_comman
 from monitor_server.context import AppContext
 from monitor_server.models import Alert, Incident, Run, TensorRow, as_utc, utcnow
 from monitor_server.run_admin import RunFilter, parse_config_filter, set_tags, tags_of
-from monitor_server.schemas import MAX_ID, RunCreate, RunPublic, RunStatus, RunUpdate, Tag
+from monitor_server.schemas import MAX_ID, RunCreate, RunPublic, RunStatus, RunUpdate, Tag, attributes
 from monitor_server.wire import first_nonfinite, iso_dates, json_too_deep
 
 router = APIRouter(prefix="/runs", tags=["runs"])
 NEXT_CURSOR = "X-Next-Cursor"
+#: the fields of `RunPublic` shown as the run stores them
+RUN_COLUMNS = (
+    "id",
+    "name",
+    "config",
+    "recipe",
+    "recipe_overrides",
+    "world_size",
+    "host",
+    "status",
+    "num_tensors",
+    "first_step",
+    "last_step",
+    "last_loss",
+    "steps_stored",
+)
 
 
 def run_public(
@@ -38,22 +54,10 @@ def run_public(
 ) -> RunPublic:
     """A run as the API returns it."""
     return RunPublic(
-        id=run.id,
-        name=run.name,
-        config=run.config,
-        recipe=run.recipe,
-        recipe_overrides=run.recipe_overrides,
+        **attributes(run, RUN_COLUMNS),
         effective_recipe=effective_recipe(run),
-        world_size=run.world_size,
-        host=run.host,
-        status=run.status,
-        num_tensors=run.num_tensors,
         created_at=as_utc(run.created_at),
         updated_at=as_utc(run.updated_at),
-        first_step=run.first_step,
-        last_step=run.last_step,
-        last_loss=run.last_loss,
-        steps_stored=run.steps_stored,
         last_telemetry_at=as_utc(run.last_telemetry_at),
         open_alerts=open_alerts,
         open_incidents=open_incidents,

@@ -7,16 +7,12 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from monitor_server.api.deps import CtxDep, ReadDep, RunId, run_or_404
-from monitor_server.events import stream_events
+from monitor_server.api.responses import EVENT_STREAM, event_stream
 
 router = APIRouter(prefix="/runs", tags=["stream"])
 
 
-@router.get(
-    "/{run_id}/stream",
-    response_class=StreamingResponse,
-    responses={200: {"content": {"text/event-stream": {}}, "description": "server-sent events"}},
-)
+@router.get("/{run_id}/stream", **EVENT_STREAM)
 async def stream(run_id: RunId, ctx: CtxDep, _principal: ReadDep) -> StreamingResponse:
     """Live events of a run: `step` (summary of each stored step), `alert`, `command` and `run` (status)."""
 
@@ -27,9 +23,4 @@ async def stream(run_id: RunId, ctx: CtxDep, _principal: ReadDep) -> StreamingRe
             run_or_404(session, run_id)
 
     await run_in_threadpool(check)
-    sub = ctx.broker.subscribe(run_id)
-    return StreamingResponse(
-        stream_events(sub, ctx.settings.sse_keepalive_seconds),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
+    return event_stream(ctx, run_id)

@@ -11,13 +11,14 @@ from fastapi import APIRouter, HTTPException, Request, Response, status
 from starlette.concurrency import run_in_threadpool
 
 from monitor_server.api.deps import CtxDep, IngestDep, RunId, check_owner
+from monitor_server.api.responses import json_response
 from monitor_server.commands import CommandError
 from monitor_server.context import AppContext
 from monitor_server.ingest import DecodedBatch, EventLimits, UnknownRun, decode_batch, parse_json
 from monitor_server.run_meta import RunMeta
-from monitor_server.schemas import TelemetryResult
+from monitor_server.schemas import CommandPublic, TelemetryResult
 from monitor_server.telemetry_service import ingest_batch
-from monitor_server.wire import JsonValueBudget, WireError, dumps, iso_dates, jsonable
+from monitor_server.wire import JsonValueBudget, WireError
 
 router = APIRouter(prefix="/runs", tags=["telemetry"])
 
@@ -177,9 +178,7 @@ async def post_telemetry(run_id: RunId, request: Request, ctx: CtxDep, principal
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id} not found") from None
     except CommandError as exc:
         raise HTTPException(exc.status, exc.message) from None
-    result = {
-        "stored_steps": outcome.stored_steps,
-        "duplicate": outcome.duplicate,
-        "commands": [jsonable(iso_dates(c)) for c in outcome.commands],
-    }
-    return Response(dumps(result), media_type="application/json")
+    commands = [CommandPublic(**c) for c in outcome.commands]
+    return json_response(
+        TelemetryResult(stored_steps=outcome.stored_steps, duplicate=outcome.duplicate, commands=commands)
+    )
