@@ -1,0 +1,290 @@
+"""Several server instances on one PostgreSQL database: real `fp8-monitor serve` processes, a real database
+(fresh per test) and a real local webhook receiver.
+
+- detectors: batches of one run alternating between two instances raise what the same run raises through
+  one instance (one incident, one non-finite alert, one webhook message), never duplicated nor lost;
+- the stall check fires once per stall, however many instances sweep;
+- live events: a stream on one instance sees what was ingested through the other, once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from sqlalchemy import create_engine, text
+
+from tests.server.utils import API, ServerProcess, batch_body, fresh_pg_database, run_body
+
+PG_URL = os.environ.get("FP8SCOPE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+REQUIRE_PG = os.environ.get("FP8SCOPE_REQUIRE_PG") == "1"
+N_LAYERS = 3
+STEPS_PER_BATCH = 5
+
+
+class Receiver(ThreadingHTTPServer):
+    """A webhook endpoint that records every message it is sent."""
+
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _ReceiverHandler)
+        self.messages: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}/hook"
+
+    def texts(self) -> list[str]:
+        with self.lock:
+            return [m["text"] for m in self.messages]
+
+
+class _ReceiverHandler(BaseHTTPRequestHandler):
+    server: Receiver
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        with self.server.lock:
+            self.server.messages.append(json.loads(body))
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    server = Receiver()
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    """A fresh PostgreSQL database for this test (dropped at the end)."""
+    yield from _fresh_pg()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def shared_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """One database file (SQLite) or a fresh PostgreSQL database, for several processes."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'shared.db'}"
+    else:
+        yield from _fresh_pg()
+
+
+def _fresh_pg() -> Iterator[str]:
+    try:
+        database = fresh_pg_database(PG_URL, "fp8scope_scale")
+        url = database.__enter__()
+    except Exception as exc:
+        if REQUIRE_PG:
+            pytest.fail(f"PostgreSQL not reachable: {exc} (FP8SCOPE_REQUIRE_PG=1)")
+        pytest.skip(f"PostgreSQL not reachable: {exc}")
+    try:
+        yield url
+    finally:
+        database.__exit__(None, None, None)
+
+
+def _instances(url: str, tmp_path: Path) -> Iterator[Callable[..., list[ServerProcess]]]:
+    with ExitStack() as stack:
+
+        def start(n: int = 2, **env: str) -> list[ServerProcess]:
+            servers = []
+            for i in range(n):
+                server = ServerProcess(url, log_path=tmp_path / f"server-{i}.log", env=env).start()
+                stack.callback(server.stop)
+                servers.append(server)
+            return servers
+
+        yield start
+
+
+@pytest.fixture
+def instances(pg_url: str, tmp_path: Path) -> Iterator[Callable[..., list[ServerProcess]]]:
+    """Factory: start `n` server processes on the test's PostgreSQL database with `env` (FP8SCOPE_*)."""
+    yield from _instances(pg_url, tmp_path)
+
+
+@pytest.fixture
+def shared_instances(shared_url: str, tmp_path: Path) -> Iterator[Callable[..., list[ServerProcess]]]:
+    """`instances` on SQLite (one file, several processes) and on PostgreSQL."""
+    yield from _instances(shared_url, tmp_path)
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
+    """Poll `predicate` until it returns something truthy (returned) or fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def calm_stats(steps: int, tensors: int) -> dict[str, np.ndarray]:
+    """Statistics of a healthy run: steady amax, the scale that fits it, no overflow or underflow."""
+    amax = np.full((steps, tensors), 2.0)
+    return {
+        "amax": amax,
+        "scale": np.full((steps, tensors), 128.0),
+        "overflow": np.zeros((steps, tensors)),
+        "underflow": np.zeros((steps, tensors)),
+        "nonfinite": np.zeros((steps, tensors)),
+        "numel": np.full((steps, tensors), 4096.0),
+    }
+
+
+def post_run(server: ServerProcess, name: str) -> int:
+    """Register a run through `server`; returns its id."""
+    r = httpx.post(f"{server.url}{API}/runs", json=run_body(N_LAYERS, name=name), timeout=30)
+    assert r.status_code == 201, r.text
+    return r.json()["id"]
+
+
+def nan_batches(nan_from: int, batches: int) -> list[dict[str, Any]]:
+    """Telemetry of a run whose tensor 4 goes non-finite at `nan_from` and stays so."""
+    tensors = 3 * N_LAYERS
+    bodies = []
+    for b in range(batches):
+        steps = list(range(b * STEPS_PER_BATCH, (b + 1) * STEPS_PER_BATCH))
+        stats = calm_stats(len(steps), tensors)
+        for i, step in enumerate(steps):
+            if step >= nan_from:
+                stats["amax"][i, 4] = np.nan
+                stats["nonfinite"][i, 4] = 17.0
+        bodies.append(batch_body(f"batch-{b}", steps, stats, losses=[2.0] * len(steps)))
+    return bodies
+
+
+def alerts_of(server: ServerProcess, run_id: int) -> list[dict[str, Any]]:
+    r = httpx.get(f"{server.url}{API}/runs/{run_id}/alerts", timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def incidents_of(server: ServerProcess, run_id: int) -> list[dict[str, Any]]:
+    r = httpx.get(f"{server.url}{API}/runs/{run_id}/incidents", timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def comparable(alert: dict[str, Any]) -> dict[str, Any]:
+    """An alert without what differs between two runs of the same telemetry (ids, times)."""
+    drop = {"id", "run_id", "incident_id", "created_at", "updated_at", "acknowledged_at", "acknowledged_by"}
+    return {k: v for k, v in alert.items() if k not in drop}
+
+
+def test_detectors_across_instances_match_one_instance(shared_instances, receiver: Receiver):
+    a, b = shared_instances(
+        2,
+        FP8SCOPE_WEBHOOK_URL=receiver.url,
+        FP8SCOPE_WEBHOOK_SETTLE_SECONDS="0",
+        FP8SCOPE_WEBHOOK_MIN_INTERVAL_SECONDS="0",
+    )
+    bodies = nan_batches(nan_from=12, batches=8)
+    alternating = post_run(a, "alternating")
+    single = post_run(a, "single")
+    for i, body in enumerate(bodies):
+        for server, run_id in (((a, b)[i % 2], alternating), (a, single)):
+            r = httpx.post(f"{server.url}{API}/runs/{run_id}/telemetry", json=body, timeout=30)
+            assert r.status_code == 200, r.text
+
+    reference = alerts_of(a, single)
+    assert [(x["kind"], x["first_step"], x["count"]) for x in reference] == [("nonfinite", 12, 1)]
+    for server in (a, b):
+        assert [comparable(x) for x in alerts_of(server, alternating)] == [comparable(x) for x in reference]
+        incidents = incidents_of(server, alternating)
+        assert len(incidents) == 1 and incidents[0]["alert_count"] == 1
+    # a stopped server has sent what it queued: every message that will ever come has come
+    a.stop()
+    b.stop()
+    texts = receiver.texts()
+    assert sum("run alternating" in t for t in texts) == 1, texts
+    assert sum("run single" in t for t in texts) == 1, texts
+
+
+def test_stall_check_fires_once_across_instances(instances, pg_url: str, tmp_path: Path, receiver: Receiver):
+    # runs registered (one step each) through a first server, which then stops: they go quiet together
+    (first,) = instances(1)
+    run_ids = []
+    for i in range(30):
+        run_id = post_run(first, f"quiet-{i}")
+        body = batch_body("only", [0], calm_stats(1, 3 * N_LAYERS), losses=[2.0])
+        r = httpx.post(f"{first.url}{API}/runs/{run_id}/telemetry", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        run_ids.append(run_id)
+    first.stop()
+    # two instances started together sweep for stalls every 50 ms
+    env = {
+        "FP8SCOPE_STALL_SECONDS": "2",
+        "FP8SCOPE_STALL_CHECK_SECONDS": "0.05",
+        "FP8SCOPE_CLOSE_AFTER_SECONDS": "0",
+        "FP8SCOPE_WEBHOOK_URL": receiver.url,
+        "FP8SCOPE_WEBHOOK_SETTLE_SECONDS": "0",
+        "FP8SCOPE_WEBHOOK_MIN_INTERVAL_SECONDS": "0",
+    }
+    servers = [ServerProcess(pg_url, log_path=tmp_path / f"sweeper-{i}.log", env=env) for i in range(2)]
+    starters = [threading.Thread(target=s.start) for s in servers]
+    for t in starters:
+        t.start()
+    for t in starters:
+        t.join()
+    try:
+        stalled: dict[int, dict[str, Any]] = {}
+
+        def all_stalled() -> bool:
+            for run_id in run_ids:
+                if run_id not in stalled:
+                    found = [x for x in alerts_of(servers[run_id % 2], run_id) if x["kind"] == "stalled"]
+                    if found:
+                        stalled[run_id] = found[0]
+            return len(stalled) == len(run_ids) and len(receiver.texts()) >= len(run_ids)
+
+        wait_for(all_stalled, timeout=60, what="a stalled alert and a webhook message for every run")
+    finally:
+        for server in servers:
+            server.stop()  # a stopped server has sent what it queued
+    for run_id in run_ids:
+        alerts = [x for x in alerts_of_db(pg_url, run_id) if x[0] == "stalled"]
+        assert len(alerts) == 1, alerts
+        _, severity, count = alerts[0]
+        # one stall, seen once (and once more if the run went critical meanwhile, at 10 x stall_seconds)
+        assert count == (1 if severity == "warning" else 2), (run_id, severity, count)
+    texts = receiver.texts()
+    for i in range(len(run_ids)):
+        assert sum(f"run quiet-{i}," in t for t in texts) == 1, [t for t in texts if f"quiet-{i}," in t]
+
+
+def alerts_of_db(url: str, run_id: int) -> list[tuple[str, str, int]]:
+    """(kind, severity, count) of a run's alerts, read from the database (the servers are stopped)."""
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(
+                text("SELECT kind, severity, count FROM alerts WHERE run_id = :r ORDER BY id"), {"r": run_id}
+            ).all()
+    finally:
+        engine.dispose()
+    return [tuple(row) for row in rows]
