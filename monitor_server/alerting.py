@@ -40,7 +40,7 @@ from monitor_server.incidents import (
     incident_public,
     worse,
 )
-from monitor_server.models import Alert, Incident, Run, as_utc, utcnow
+from monitor_server.models import Alert, Command, Incident, Run, as_utc, utcnow
 from monitor_server.run_meta import RunMeta, RunMetaCache
 from monitor_server.wire import iso_dates, jsonable
 
@@ -116,8 +116,10 @@ def store_findings(session: Session, run_id: int, findings: list[Finding]) -> li
     return touched
 
 
-#: `Database.exclusive_job` number of the stall check and the runs' maintenance
+#: `Database.exclusive_job` number of the stall check
 STALL_CHECK_JOB = 1
+#: `Database.exclusive_job` number of the runs' maintenance (close abandoned runs, retention)
+MAINTENANCE_JOB = 2
 
 
 @dataclass
@@ -445,6 +447,22 @@ class AlertService:
             if engine is None:
                 return None
             return jsonable(engine.layer_health(open_alerts))
+
+    def event_data(self, run_id: int, name: str, row_id: int) -> dict[str, Any] | None:
+        """The data of a stream event read back from its row (an event another server instance sent by
+        reference, `monitor_server.events_pg`): an alert, incident or command; None when gone."""
+        model = {"alert": Alert, "incident": Incident, "command": Command}.get(name)
+        if model is None:
+            return None
+        with self.db.read_session() as session:
+            row = session.get(model, row_id)
+            if row is None or row.run_id != run_id:
+                return None
+            if isinstance(row, Alert):
+                return iso_dates(alert_public(row, self.run_meta.get(session, run_id)))
+            if isinstance(row, Incident):
+                return iso_dates(self.incidents_public(session, run_id, [row])[0])
+            return iso_dates(command_ops.command_public(row))
 
     def close(self) -> None:
         """Stop the webhook notifier."""

@@ -288,3 +288,142 @@ def alerts_of_db(url: str, run_id: int) -> list[tuple[str, str, int]]:
     finally:
         engine.dispose()
     return [tuple(row) for row in rows]
+
+
+class Stream:
+    """A run's server-sent event stream, read on a thread: `events` holds (name, data) as they come."""
+
+    def __init__(self, server: ServerProcess, run_id: int) -> None:
+        self.url = f"{server.url}{API}/runs/{run_id}/stream"
+        self.events: list[tuple[str, Any]] = []
+        self.sizes: list[int] = []
+        self.ended = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+        wait_for(lambda: self.names() or self.ended.is_set(), what="the stream's first event")
+        assert self.names()[:1] == ["subscribed"], self.events
+
+    def _read(self) -> None:
+        try:
+            with httpx.stream("GET", self.url, timeout=httpx.Timeout(30, read=None)) as resp:
+                name = None
+                for line in resp.iter_lines():
+                    if self._stop.is_set():
+                        return
+                    if line.startswith("event: "):
+                        name = line[len("event: ") :]
+                    elif line.startswith("data: ") and name is not None:
+                        self.sizes.append(len(line) - len("data: "))
+                        self.events.append((name, json.loads(line[len("data: ") :])))
+                        name = None
+        except httpx.HTTPError:
+            pass
+        finally:
+            self.ended.set()
+
+    def names(self) -> list[str]:
+        return [name for name, _ in list(self.events)]
+
+    def steps(self) -> list[int]:
+        return [data["step"] for name, data in list(self.events) if name == "step"]
+
+    def of(self, name: str) -> list[Any]:
+        return [data for n, data in list(self.events) if n == name]
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def post_steps(server: ServerProcess, run_id: int, steps: list[int], key: str) -> None:
+    body = batch_body(key, steps, calm_stats(len(steps), 3 * N_LAYERS), losses=[2.0] * len(steps))
+    r = httpx.post(f"{server.url}{API}/runs/{run_id}/telemetry", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def test_stream_on_one_instance_sees_steps_ingested_through_another(instances):
+    a, b = instances(2)
+    run_id = post_run(a, "live")
+    on_a, on_b = Stream(a, run_id), Stream(b, run_id)
+
+    post_steps(a, run_id, [0], "a-0")
+    wait_for(lambda: on_b.steps() == [0], what="step 0, posted to A, on B's stream")
+    post_steps(b, run_id, [1], "b-1")
+    wait_for(lambda: 1 in on_a.steps(), what="step 1, posted to B, on A's stream")
+    # the instance that published an event delivers it once: its own copy from the database comes back to
+    # it before the other instance's later one would, and is not delivered again
+    assert on_a.steps() == [0, 1]
+    wait_for(lambda: 1 in on_b.steps(), what="step 1 on B's stream")
+    assert on_b.steps() == [0, 1]
+    on_a.close()
+    on_b.close()
+
+
+def test_large_events_travel_by_reference(instances):
+    """An incident of hundreds of tensors is over NOTIFY's 8000 bytes: the other instance reads it back."""
+    a, b = instances(2)
+    layers = 100
+    r = httpx.post(f"{a.url}{API}/runs", json=run_body(layers, name="wide"), timeout=30)
+    assert r.status_code == 201, r.text
+    run_id = r.json()["id"]
+    on_a, on_b = Stream(a, run_id), Stream(b, run_id)
+    stats = calm_stats(2, 3 * layers)
+    stats["amax"][1, :] = np.nan
+    stats["nonfinite"][1, :] = 5.0
+    body = batch_body("wide-0", [0, 1], stats, losses=[2.0, 2.0])
+    assert httpx.post(f"{a.url}{API}/runs/{run_id}/telemetry", json=body, timeout=30).status_code == 200
+    wait_for(lambda: on_a.of("incident") and on_a.of("alert"), what="the incident on A's stream")
+    wait_for(lambda: on_b.of("incident") and on_b.of("alert"), what="the incident on B's stream")
+    assert max(on_b.sizes) > 8000  # what B got could not have travelled in a notification
+    for name in ("alert", "incident"):
+        mine, theirs = on_a.of(name), on_b.of(name)
+        assert [x["id"] for x in theirs] == [x["id"] for x in mine]
+        assert theirs[0].keys() == mine[0].keys()
+        assert theirs[0]["severity"] == mine[0]["severity"] == "critical"
+    assert on_b.of("incident")[0]["alert_count"] == on_a.of("incident")[0]["alert_count"]
+    on_a.close()
+    on_b.close()
+
+
+def test_lost_event_connections_never_block_ingest_and_come_back(instances, pg_url: str):
+    a, b = instances(2)
+    run_id = post_run(a, "outage")
+    on_b = Stream(b, run_id)
+    post_steps(a, run_id, [0], "before")
+    wait_for(lambda: on_b.steps() == [0], what="step 0 on B's stream")
+
+    engine = create_engine(pg_url)
+    try:
+        with engine.connect() as conn:
+            killed = conn.execute(
+                text(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE application_name = 'fp8scope-events' AND datname = current_database()"
+                )
+            ).scalar()
+    finally:
+        engine.dispose()
+    assert killed == 3  # both listeners and A's sender (B has sent nothing yet: it connects when it does)
+    started = time.monotonic()
+    post_steps(a, run_id, [1], "during")  # the sender's connection is gone: ingest does not wait for it
+    assert time.monotonic() - started < 10
+    # B's listener comes back and tells its streams they may have missed events
+    wait_for(lambda: "dropped" in on_b.names() and on_b.ended.is_set(), what="B's stream told to reload")
+    on_b = Stream(b, run_id)
+    for step in range(2, 30):
+        # an event queued while the connections were down may be lost; a later one arrives
+        post_steps(a, run_id, [step], f"after-{step}")
+        if wait_for_quiet(lambda s=step: s in on_b.steps(), timeout=2.0):
+            break
+    else:
+        raise AssertionError("no event from A reached B's stream after the outage")
+    on_b.close()
+
+
+def wait_for_quiet(predicate: Callable[[], Any], timeout: float) -> bool:
+    """Whether `predicate` becomes true within `timeout` seconds (no failure when it does not)."""
+    try:
+        wait_for(predicate, timeout)
+    except AssertionError:
+        return False
+    return True
