@@ -29,9 +29,10 @@ _BEGIN = "BEGIN"
 PG_RUN_LOCK_CLASS = 0x66703872
 #: first key of the advisory locks of periodic jobs that one instance at a time runs ("fp8j")
 PG_JOB_LOCK_CLASS = 0x6670386A
-#: connections kept for advisory locks (one is held per run being ingested, beside the session's own)
-LOCK_POOL_SIZE = 4
-LOCK_POOL_OVERFLOW = 64
+#: connections for advisory locks (one is held per run being ingested, beside the session's own); a thread
+#: that waits for one holds no other connection
+LOCK_POOL_SIZE = 2
+LOCK_POOL_OVERFLOW = 14
 
 log = logging.getLogger("fp8scope.monitor")
 
