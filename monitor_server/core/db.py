@@ -33,6 +33,15 @@ PG_JOB_LOCK_CLASS = 0x6670386A
 #: that waits for one holds no other connection
 LOCK_POOL_SIZE = 2
 LOCK_POOL_OVERFLOW = 14
+#: session settings of the lock connections: the server drops the connection (and with it the locks it
+#: holds) of an instance that vanished within ~25 s rather than the operating system's two hours, and a
+#: wait for a run's lock ends in an error (a 503: the client retries) instead of holding a thread for ever
+LOCK_SESSION_SETTINGS = {
+    "tcp_keepalives_idle": "10",
+    "tcp_keepalives_interval": "5",
+    "tcp_keepalives_count": "3",
+    "lock_timeout": "60s",
+}
 
 log = logging.getLogger("fp8scope.monitor")
 
@@ -117,7 +126,16 @@ class Database:
                 pool_size=LOCK_POOL_SIZE,
                 max_overflow=LOCK_POOL_OVERFLOW,
                 pool_pre_ping=True,
+                # and our side notices a vanished server
+                connect_args={"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5},
             )
+
+            @event.listens_for(self._lock_engine, "connect")
+            def _on_lock_connect(dbapi_connection, _record):
+                with dbapi_connection.cursor() as cursor:
+                    for name, value in LOCK_SESSION_SETTINGS.items():
+                        cursor.execute("SELECT set_config(%s, %s, false)", (name, value))
+                dbapi_connection.commit()
 
     def read_session(self) -> Session:
         """A session for reads (and the occasional small write that needs no ordering)."""
