@@ -291,10 +291,12 @@ def alerts_of_db(url: str, run_id: int) -> list[tuple[str, str, int]]:
 
 
 class Stream:
-    """A run's server-sent event stream, read on a thread: `events` holds (name, data) as they come."""
+    """A run's server-sent event stream (`run_id` None: every run's, as the runs list follows them), read
+    on a thread: `events` holds (name, data) as they come."""
 
-    def __init__(self, server: ServerProcess, run_id: int) -> None:
-        self.url = f"{server.url}{API}/runs/{run_id}/stream"
+    def __init__(self, server: ServerProcess, run_id: int | None) -> None:
+        where = "/stream" if run_id is None else f"/runs/{run_id}/stream"
+        self.url = f"{server.url}{API}{where}"
         self.events: list[tuple[str, Any]] = []
         self.sizes: list[int] = []
         self.ended = threading.Event()
@@ -343,7 +345,13 @@ def post_steps(server: ServerProcess, run_id: int, steps: list[int], key: str) -
 
 def test_stream_on_one_instance_sees_steps_ingested_through_another(instances):
     a, b = instances(2)
+    runs_list_on_b = Stream(b, None)
     run_id = post_run(a, "live")
+    # the runs list on B hears of the run registered through A
+    wait_for(
+        lambda: any(d.get("run_id") == run_id and d.get("created") for d in runs_list_on_b.of("run")),
+        what="the new run on B's runs-list stream",
+    )
     on_a, on_b = Stream(a, run_id), Stream(b, run_id)
 
     post_steps(a, run_id, [0], "a-0")
@@ -355,8 +363,10 @@ def test_stream_on_one_instance_sees_steps_ingested_through_another(instances):
     assert on_a.steps() == [0, 1]
     wait_for(lambda: 1 in on_b.steps(), what="step 1 on B's stream")
     assert on_b.steps() == [0, 1]
-    on_a.close()
-    on_b.close()
+    wait_for(lambda: runs_list_on_b.steps() == [0, 1], what="both steps on B's runs-list stream")
+    assert {d["run_id"] for d in runs_list_on_b.of("step")} == {run_id}
+    for stream in (on_a, on_b, runs_list_on_b):
+        stream.close()
 
 
 def test_large_events_travel_by_reference(instances):
