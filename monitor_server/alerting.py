@@ -3,8 +3,13 @@ grouped into incidents (`monitor_server.incidents`); stalled runs, the webhook a
 events of the stream.
 
 The detectors themselves live in `monitor_server.detectors` (the engine in `detectors/engine.py`). Engines
-are cached per run and rebuilt from the state persisted in `runs.detector_state` after a restart (or after
-a recipe change was applied).
+are cached per run and rebuilt from the state persisted in `runs.detector_state` after a restart, after a
+recipe change was applied, or when `runs.detector_version` says another server instance sharing the
+database has run the detectors since. A batch is evaluated inside one write transaction that holds the
+run's row lock (`SELECT ... FOR UPDATE`; on SQLite the database's write lock): the state is read, advanced
+and written back, and the alerts stored, by one instance at a time. Each incident's webhook message is
+claimed with an atomic ``UPDATE ... WHERE notified_at IS NULL``, so it is sent once whichever instance
+raised it; the stall check is a job one instance at a time runs (`Database.exclusive_job`).
 """
 
 from __future__ import annotations
@@ -12,11 +17,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
+from sqlalchemy.orm.attributes import set_committed_value
 
 from monitor_server import commands as command_ops
 from monitor_server.core.config import Settings
@@ -33,7 +40,7 @@ from monitor_server.incidents import (
     incident_public,
     worse,
 )
-from monitor_server.models import Alert, Incident, Run, as_utc, utcnow
+from monitor_server.models import Alert, Command, Incident, Run, as_utc, utcnow
 from monitor_server.run_meta import RunMeta, RunMetaCache
 from monitor_server.wire import iso_dates, jsonable
 
@@ -109,6 +116,21 @@ def store_findings(session: Session, run_id: int, findings: list[Finding]) -> li
     return touched
 
 
+#: `Database.exclusive_job` number of the stall check
+STALL_CHECK_JOB = 1
+#: `Database.exclusive_job` number of the runs' maintenance (close abandoned runs, retention)
+MAINTENANCE_JOB = 2
+
+
+@dataclass
+class _CachedEngine:
+    """A run's engine and what it was built from: the persisted state's version and the recipe."""
+
+    engine: DetectorEngine
+    version: int
+    recipe: dict[str, Any]
+
+
 #: batches of one run kept for a retry of the detectors (the oldest go beyond it: a database that fails
 #: for that long has lost those alerts, and says so in the log)
 MAX_PENDING_BATCHES = 64
@@ -126,7 +148,7 @@ class AlertService:
         self._config: DetectorConfig = settings.detector_config
         # engines of the runs used last (each holds per-tensor state, ~1 KB per tensor); an evicted one is
         # rebuilt from the state persisted after every batch
-        self._engines: OrderedDict[int, Any] = OrderedDict()
+        self._engines: OrderedDict[int, _CachedEngine] = OrderedDict()
         self._engines_lock = threading.Lock()
         self.max_runs = settings.cache_runs
         # per run, batches stored whose findings could not be (see `after_ingest`)
@@ -149,19 +171,30 @@ class AlertService:
         return self._config
 
     def engine_for(self, session: Session, run_id: int) -> DetectorEngine | None:
-        """The cached engine of a run, built from its persisted state when not cached; None for no run."""
-        with self._engines_lock:
-            engine = self._engines.get(run_id)
-            if engine is not None:
-                self._engines.move_to_end(run_id)
-                return engine
-        meta = self.run_meta.get(session, run_id)
-        run = session.get(Run, run_id)
-        if meta is None or run is None:
+        """The engine of a run as its persisted state stands: the cached one when it was built from the
+        current `detector_version` and recipe, else one built from the state; None for no run."""
+        found = self._engine(session, run_id, lock=False)
+        return None if found is None else found[0]
+
+    def _engine(self, session: Session, run_id: int, *, lock: bool) -> tuple[DetectorEngine, int] | None:
+        """`engine_for` and the version it stands at; `lock` takes the run's row lock while reading (the
+        caller advances the state and writes it back in the same transaction)."""
+        query = select(Run.detector_version, Run.recipe, Run.recipe_overrides).where(Run.id == run_id)
+        row = session.execute(query.with_for_update() if lock else query).first()
+        if row is None:
             return None
-        effective = command_ops.effective_recipe(run)
-        recipe = {**effective["model"], "overrides": (run.recipe_overrides or {}).get("layers", {})}
-        state = run.detector_state
+        version, base, overrides = row
+        effective = command_ops.effective_recipe(Run(recipe=base, recipe_overrides=overrides))
+        recipe = {**effective["model"], "overrides": (overrides or {}).get("layers", {})}
+        with self._engines_lock:
+            cached = self._engines.get(run_id)
+            if cached is not None and cached.version == version and cached.recipe == recipe:
+                self._engines.move_to_end(run_id)
+                return cached.engine, version
+        meta = self.run_meta.get(session, run_id)
+        if meta is None:
+            return None
+        state = session.scalar(select(Run.detector_state).where(Run.id == run_id))
         try:
             engine = DetectorEngine(self.detector_config(), list(meta.tensors), recipe, state)
         except ValueError:
@@ -170,11 +203,19 @@ class AlertService:
         # the database's recipe (with every applied command) is the truth, also over a restored state
         engine.set_recipe(recipe)
         with self._engines_lock:
-            self._engines[run_id] = engine
+            self._engines[run_id] = _CachedEngine(engine, version, recipe)
+            self._engines.move_to_end(run_id)
             while len(self._engines) > self.max_runs:
                 evicted, _ = self._engines.popitem(last=False)
                 self._orders.pop(evicted, None)
-        return engine
+        return engine, version
+
+    def _advanced(self, run_id: int, engine: DetectorEngine, version: int) -> None:
+        # the engine's state was written as `version`: it stays the cached one (unless dropped meanwhile)
+        with self._engines_lock:
+            cached = self._engines.get(run_id)
+            if cached is not None and cached.engine is engine:
+                cached.version = version
 
     def tensor_order(self, meta: RunMeta | None) -> TensorOrder:
         """The run's forward-then-backward positions (cached with its meta)."""
@@ -213,7 +254,8 @@ class AlertService:
     ) -> list[dict[str, Any]]:
         """Run the engine on newly stored steps and client events; store, publish and notify alerts.
 
-        The caller holds the run's lock, so batches reach the engine in the order they were stored.
+        The caller holds the run's lock (`Database.run_lock`: on PostgreSQL across the server instances), so
+        batches reach the engine in the order they were stored.
         Returns the alerts created or updated. When storing the findings fails (the batch itself is
         stored), the batch is kept and the engine dropped: the next batch of the run first runs the kept
         ones again, from the state persisted before them, so their alerts come late but are not lost.
@@ -239,39 +281,67 @@ class AlertService:
     ) -> list[dict[str, Any]]:
         if not any(len(batch.steps) or events for batch, events in work):
             return []
-        with self.db.read_session() as session:
-            engine = self.engine_for(session, run_id)
-        if engine is None:
-            return []
-        findings: list[Finding] = []
-        for batch, events in work:
-            if len(batch.steps):
-                findings.extend(engine.process(batch))
-            if events:
-                findings.extend(engine.process_events(events))
-        state = engine.state_dict()  # already JSON-able (non-finite floats as strings)
-        return self._store_findings(run_id, findings, state)
+        # one transaction holding the run's row lock: the state read, advanced by this batch and written
+        # back, with the alerts it raised, by one server instance at a time
+        with self.db.write() as session:
+            found = self._engine(session, run_id, lock=True)
+            if found is None:
+                return []
+            engine, version = found
+            findings: list[Finding] = []
+            for batch, events in work:
+                if len(batch.steps):
+                    findings.extend(engine.process(batch))
+                if events:
+                    findings.extend(engine.process_events(events))
+            state = engine.state_dict()  # already JSON-able (non-finite floats as strings)
+            session.execute(
+                update(Run)
+                .where(Run.id == run_id)
+                .values(detector_state=state, detector_version=Run.detector_version + 1)
+            )
+            published = self._record(session, run_id, findings)
+        self._advanced(run_id, engine, version + 1)
+        return self._publish(run_id, *published)
 
-    def _store_findings(
-        self, run_id: int, findings: list[Finding], state: dict | None
-    ) -> list[dict[str, Any]]:
+    def _record(
+        self, session: Session, run_id: int, findings: list[Finding]
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[int]]:
+        """Store findings as alerts and incidents in `session`; claim the webhook message of each incident
+        that first deserves one. Returns the public alerts and incidents and the claimed incident ids."""
         now = utcnow()
         notify: list[int] = []
-        with self.db.write() as session:
-            changed = store_findings(session, run_id, findings)
-            meta = self.run_meta.get(session, run_id)
-            incidents = assign_incidents(
-                session, run_id, changed, self.tensor_order(meta), self._config.incident_window_steps, now
-            )
-            floor = SEVERITY_RANK[self.settings.webhook_min_severity]
-            for incident in incidents if self.notifier is not None else ():
-                if incident.notified_at is None and SEVERITY_RANK.get(incident.severity, 0) >= floor:
-                    incident.notified_at = now  # one message per incident, when it first deserves one
+        changed = store_findings(session, run_id, findings)
+        meta = self.run_meta.get(session, run_id)
+        incidents = assign_incidents(
+            session, run_id, changed, self.tensor_order(meta), self._config.incident_window_steps, now
+        )
+        floor = SEVERITY_RANK[self.settings.webhook_min_severity]
+        for incident in incidents if self.notifier is not None else ():
+            if incident.notified_at is None and SEVERITY_RANK.get(incident.severity, 0) >= floor:
+                # one message per incident, when it first deserves one: whichever transaction sets
+                # notified_at first sends it (another instance may have raced this one to it)
+                claimed = session.execute(
+                    update(Incident)
+                    .where(Incident.id == incident.id, Incident.notified_at.is_(None))
+                    .values(notified_at=now)
+                    .execution_options(synchronize_session=False)
+                )
+                if claimed.rowcount == 1:
+                    set_committed_value(incident, "notified_at", now)
                     notify.append(incident.id)
-            if state is not None:
-                session.execute(update(Run).where(Run.id == run_id).values(detector_state=state))
-            alerts_out = [alert_public(a, meta) for a, _ in changed]
-            incidents_out = self.incidents_public(session, run_id, incidents)
+        alerts_out = [alert_public(a, meta) for a, _ in changed]
+        incidents_out = self.incidents_public(session, run_id, incidents)
+        return alerts_out, incidents_out, notify
+
+    def _publish(
+        self,
+        run_id: int,
+        alerts_out: list[dict[str, Any]],
+        incidents_out: list[dict[str, Any]],
+        notify: list[int],
+    ) -> list[dict[str, Any]]:
+        """After the commit: alerts and incidents to the stream, claimed incidents to the webhook."""
         for public in alerts_out:
             self.broker.publish(run_id, "alert", iso_dates(public))
         for public in incidents_out:
@@ -312,9 +382,15 @@ class AlertService:
         """Raise `stalled` alerts for running runs without recent telemetry; returns how many findings.
 
         A stall already alerted (same last step, same or higher severity) is not counted again on every
-        check: the alert's count says how many separate stalls (or escalations) were seen.
+        check: the alert's count says how many separate stalls (or escalations) were seen. Server
+        instances sharing a PostgreSQL database take turns (one sweep at a time; an instance that finds
+        another sweeping skips the round), and each stall is checked again under the run's lock before
+        it is stored.
         """
-        now = now or utcnow()
+        with self.db.exclusive_job(STALL_CHECK_JOB) as mine:
+            return self._check_stalled_runs(now or utcnow()) if mine else 0
+
+    def _check_stalled_runs(self, now: datetime) -> int:
         config = self.detector_config()
         rank = SEVERITY_RANK
         with self.db.read_session() as session:
@@ -339,10 +415,28 @@ class AlertService:
             seen = alerted.get(run_id)
             if seen is not None and seen[0] == finding.step and rank[seen[1]] >= rank[finding.severity]:
                 continue
-            with self.db.run_lock(run_id):
-                self._store_findings(run_id, [finding], None)
+            with self.db.run_lock(run_id), self.db.write() as session:
+                if self._stall_seen(session, run_id, finding):
+                    continue  # stored meanwhile (by another instance), or the run ended
+                published = self._record(session, run_id, [finding])
+            self._publish(run_id, *published)
             count += 1
         return count
+
+    @staticmethod
+    def _stall_seen(session: Session, run_id: int, finding: Finding) -> bool:
+        """Whether the run's open `stalled` alert already says this (same step, same or worse severity),
+        or the run is no longer running; read under the run's row lock."""
+        status = session.scalar(select(Run.status).where(Run.id == run_id).with_for_update())
+        if status != "running":
+            return True
+        seen = session.execute(
+            select(Alert.last_step, Alert.severity).where(
+                Alert.run_id == run_id, Alert.kind == "stalled", Alert.state == "open"
+            )
+        ).first()
+        rank = SEVERITY_RANK
+        return seen is not None and seen[0] == finding.step and rank[seen[1]] >= rank[finding.severity]
 
     def layer_health(
         self, session: Session, run_id: int, open_alerts: list[dict[str, Any]]
@@ -353,6 +447,22 @@ class AlertService:
             if engine is None:
                 return None
             return jsonable(engine.layer_health(open_alerts))
+
+    def event_data(self, run_id: int, name: str, row_id: int) -> dict[str, Any] | None:
+        """The data of a stream event read back from its row (an event another server instance sent by
+        reference, `monitor_server.events_pg`): an alert, incident or command; None when gone."""
+        model = {"alert": Alert, "incident": Incident, "command": Command}.get(name)
+        if model is None:
+            return None
+        with self.db.read_session() as session:
+            row = session.get(model, row_id)
+            if row is None or row.run_id != run_id:
+                return None
+            if isinstance(row, Alert):
+                return iso_dates(alert_public(row, self.run_meta.get(session, run_id)))
+            if isinstance(row, Incident):
+                return iso_dates(self.incidents_public(session, run_id, [row])[0])
+            return iso_dates(command_ops.command_public(row))
 
     def close(self) -> None:
         """Stop the webhook notifier."""

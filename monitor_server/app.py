@@ -17,6 +17,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.concurrency import run_in_threadpool
 
 from monitor_server import run_admin
+from monitor_server.alerting import MAINTENANCE_JOB
 from monitor_server.api.routes import (
     alerts,
     commands,
@@ -56,6 +57,13 @@ def _database_unavailable(request: Request, exc: Exception) -> JSONResponse:
     )
 
 
+def _maintain(ctx: AppContext) -> None:
+    # several instances on one database: one at a time does the round (the others skip it)
+    with ctx.db.exclusive_job(MAINTENANCE_JOB) as mine:
+        if mine:
+            run_admin.maintain(ctx, utcnow())
+
+
 async def _stall_checker(ctx: AppContext) -> None:
     """Periodically raise `stalled` alerts for running runs that went quiet, close abandoned runs and
     delete those past the retention period."""
@@ -66,9 +74,21 @@ async def _stall_checker(ctx: AppContext) -> None:
         except Exception:
             log.exception("stall check failed")
         try:
-            await run_in_threadpool(run_admin.maintain, ctx, utcnow())
+            await run_in_threadpool(_maintain, ctx)
         except Exception:
             log.exception("runs maintenance failed")
+
+
+def _start_relay(ctx: AppContext) -> Any:
+    """On PostgreSQL, the LISTEN/NOTIFY link that carries live events between the instances sharing the
+    database; None on SQLite (one process: the in-process broker is all there is)."""
+    if ctx.db.sqlite:
+        return None
+    from monitor_server.events_pg import PgEventRelay
+
+    relay = PgEventRelay(ctx.db.engine, ctx.broker, resolve=ctx.detection.event_data)
+    relay.start()
+    return relay
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -83,6 +103,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await run_in_threadpool(upgrade_to_head, ctx.db.engine)
         ctx.broker.bind(asyncio.get_running_loop())
+        relay = _start_relay(ctx)
+        if relay is not None:  # serve once listening (or after a few seconds without: it keeps trying)
+            await run_in_threadpool(relay.listening.wait, 5.0)
         if not settings.auth_enabled:
             log.warning("no tokens configured: authentication is off; only loopback listening is allowed")
         checker = asyncio.create_task(_stall_checker(ctx))
@@ -92,6 +115,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             checker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await checker
+            if relay is not None:
+                await run_in_threadpool(relay.close)
             ctx.broker.close()
             ctx.detection.close()
             ctx.db.dispose()

@@ -5,6 +5,9 @@ Publishers may be worker threads (ingest runs in the threadpool); delivery hops 
 oldest events) and by bytes: a subscriber holding more than `max_queue_bytes` of unsent events (a client
 that stopped reading) is dropped, with a final `dropped` event saying why, and its queue freed.
 `stream_events` turns a subscription into the frames of a streaming response.
+
+Several server instances on one PostgreSQL database: a relay (`monitor_server.events_pg`) attached with
+`attach` gets every published event to send to the other instances, and hands theirs to `deliver`.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import contextlib
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -40,6 +43,12 @@ class Event:
 
 
 CLOSED = Event("__closed__", None)
+
+
+class Relay(Protocol):
+    """Where a broker sends its events for the other server instances."""
+
+    def send(self, run_id: int, name: str, data: Any) -> None: ...
 
 
 class Subscription:
@@ -75,17 +84,19 @@ class Subscription:
         self.queue.put_nowait(item)
         self.queued_bytes += len(item) if isinstance(item, bytes) else 0
 
-    def _drop(self) -> None:
+    def _drop(self, reason: str | None = None) -> None:
         """Free the queue, leave a last word and the end of the stream, and stop receiving."""
+        if self.dropped:
+            return
         self.dropped = True
         while not self.queue.empty():
             self.queue.get_nowait()
         self.queued_bytes = 0
-        reason = {
-            "reason": f"this client fell behind by more than {self.max_bytes} bytes of events "
+        reason = reason or (
+            f"this client fell behind by more than {self.max_bytes} bytes of events "
             "(sse_queue_bytes); reconnect and reload"
-        }
-        self.queue.put_nowait(Event("dropped", reason).encode())
+        )
+        self.queue.put_nowait(Event("dropped", {"reason": reason}).encode())
         self.queue.put_nowait(CLOSED)
         self._broker.unsubscribe(self)
 
@@ -112,7 +123,12 @@ class EventBroker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._subs: dict[int, set[Subscription]] = {}
         self._lock = threading.Lock()
+        self._relay: Relay | None = None
         self.closed = False
+
+    def attach(self, relay: Relay | None) -> None:
+        """Also send every published event to `relay` (the other server instances); None detaches."""
+        self._relay = relay
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         """Remember the event loop that subscribers live on (called at startup)."""
@@ -120,7 +136,12 @@ class EventBroker:
         self.closed = False
 
     def has_subscribers(self, run_id: int) -> bool:
-        """Whether anyone listens to `run_id` (lets publishers skip building events)."""
+        """Whether anyone may listen to `run_id` (lets publishers skip building events): with a relay
+        attached, someone on another instance may."""
+        return self._relay is not None or self.has_local_subscribers(run_id)
+
+    def has_local_subscribers(self, run_id: int) -> bool:
+        """Whether a stream of this instance listens to `run_id`."""
         return bool(self._subs.get(run_id) or self._subs.get(ALL_RUNS))
 
     def subscribe(self, run_id: int) -> Subscription:
@@ -144,7 +165,15 @@ class EventBroker:
                     del self._subs[sub.run_id]
 
     def publish(self, run_id: int, name: str, data: Any) -> None:
-        """Send an event to `run_id`'s subscribers; safe to call from any thread."""
+        """Send an event to `run_id`'s subscribers, here and (through the relay) on the other instances;
+        safe to call from any thread."""
+        self.deliver(run_id, name, data)
+        relay = self._relay
+        if relay is not None:
+            relay.send(run_id, name, data)
+
+    def deliver(self, run_id: int, name: str, data: Any) -> None:
+        """Send an event to `run_id`'s subscribers of this instance; safe to call from any thread."""
         with self._lock:
             subs = list(self._subs.get(run_id, ()))
             everyone = list(self._subs.get(ALL_RUNS, ()))
@@ -167,6 +196,19 @@ class EventBroker:
             subs = [s for group in self._subs.values() for s in group]
         for sub in subs:
             sub.put(CLOSED)
+
+    def resync(self, reason: str) -> None:
+        """End every open stream with a `dropped` event giving `reason` (events were missed: the clients
+        reconnect and reload); call on the loop thread or via `resync_threadsafe`."""
+        with self._lock:
+            subs = [s for group in self._subs.values() for s in group]
+        for sub in subs:
+            sub._drop(reason)
+
+    def resync_threadsafe(self, reason: str) -> None:
+        """`resync` from any thread."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.resync, reason)
 
     def close_threadsafe(self) -> None:
         """`close` from any thread (e.g. a signal handler)."""

@@ -74,6 +74,9 @@ class Run(Base):
     steps_stored: Mapped[int] = mapped_column(BigInteger, default=0)
     last_telemetry_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     detector_state: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    #: bumped with every write of `detector_state`: an instance whose cached engine was built from an older
+    #: version (another instance has run the detectors since) rebuilds it from the state
+    detector_version: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     #: the client's key for idempotent registration (a retried or replayed POST /runs finds this run)
     client_key: Mapped[str | None] = mapped_column(String(100), nullable=True)
     #: name of the token that registered the run (None: registered without tokens, or before owners were

@@ -2,23 +2,48 @@
 
 SQLite: WAL journal, ``busy_timeout``, foreign keys, ``synchronous=NORMAL``; write transactions start with
 ``BEGIN IMMEDIATE`` and are serialised by one in-process lock, so concurrent writers wait instead of seeing
-"database is locked". PostgreSQL: writers to one run are serialised by a per-run in-process lock plus a
-``SELECT ... FOR UPDATE`` on the run row (which also covers several server processes).
+"database is locked" (SQLite's write lock also orders several processes on one file).
+
+PostgreSQL, where several server instances may share the database: the work on one run (store a batch, then
+run the detectors on it) is ordered by a per-run in-process lock plus a per-run advisory lock held on a
+connection of its own for the whole section, so a run's batches reach its detectors in the order they were
+stored whichever instance received them; `exclusive_job` lets one instance at a time run a periodic sweep.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import orjson
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event, text
 from sqlalchemy.orm import Session, sessionmaker
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 _BEGIN_IMMEDIATE = "BEGIN IMMEDIATE"
 _BEGIN = "BEGIN"
+#: first key of the PostgreSQL advisory locks (two-int form) that order the work on one run ("fp8r");
+#: the second key is the run id
+PG_RUN_LOCK_CLASS = 0x66703872
+#: first key of the advisory locks of periodic jobs that one instance at a time runs ("fp8j")
+PG_JOB_LOCK_CLASS = 0x6670386A
+#: connections for advisory locks (one is held per run being ingested, beside the session's own); a thread
+#: that waits for one holds no other connection
+LOCK_POOL_SIZE = 2
+LOCK_POOL_OVERFLOW = 14
+#: session settings of the lock connections: the server drops the connection (and with it the locks it
+#: holds) of an instance that vanished within ~25 s rather than the operating system's two hours, and a
+#: wait for a run's lock ends in an error (a 503: the client retries) instead of holding a thread for ever
+LOCK_SESSION_SETTINGS = {
+    "tcp_keepalives_idle": "10",
+    "tcp_keepalives_interval": "5",
+    "tcp_keepalives_count": "3",
+    "lock_timeout": "60s",
+}
+
+log = logging.getLogger("fp8scope.monitor")
 
 
 def _json_dumps(value: object) -> str:
@@ -91,18 +116,86 @@ class Database:
         self._global_lock = threading.Lock()
         self._run_locks: dict[int, threading.Lock] = {}
         self._run_locks_guard = threading.Lock()
+        # advisory locks live on connections of their own, from a pool of their own: a thread holding one
+        # then takes a session connection, and the two pools never wait on each other
+        self._lock_engine: Engine | None = None
+        if not self.sqlite:
+            self._lock_engine = create_engine(
+                db_url,
+                isolation_level="AUTOCOMMIT",
+                pool_size=LOCK_POOL_SIZE,
+                max_overflow=LOCK_POOL_OVERFLOW,
+                pool_pre_ping=True,
+                # and our side notices a vanished server
+                connect_args={"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5},
+            )
+
+            @event.listens_for(self._lock_engine, "connect")
+            def _on_lock_connect(dbapi_connection, _record):
+                with dbapi_connection.cursor() as cursor:
+                    for name, value in LOCK_SESSION_SETTINGS.items():
+                        cursor.execute("SELECT set_config(%s, %s, false)", (name, value))
+                dbapi_connection.commit()
 
     def read_session(self) -> Session:
         """A session for reads (and the occasional small write that needs no ordering)."""
         return self._read()
 
-    def run_lock(self, run_id: int) -> threading.Lock:
-        """The in-process lock that orders ingest (and detector state) for one run."""
+    @contextmanager
+    def run_lock(self, run_id: int) -> Iterator[None]:
+        """Order the work on one run (ingest, then its detectors; alert changes): an in-process lock, and on
+        PostgreSQL also the run's advisory lock, which orders the instances sharing the database."""
         with self._run_locks_guard:
             lock = self._run_locks.get(run_id)
             if lock is None:
                 lock = self._run_locks[run_id] = threading.Lock()
-            return lock
+        with lock:
+            if self._lock_engine is None:
+                yield
+                return
+            with self._advisory(PG_RUN_LOCK_CLASS, run_id, wait=True):
+                yield
+
+    @contextmanager
+    def exclusive_job(self, job: int) -> Iterator[bool]:
+        """Yield whether this instance may run periodic job `job` now: on PostgreSQL only one instance at a
+        time holds its advisory lock (the others get False at once and skip the round); on SQLite, True."""
+        if self._lock_engine is None:
+            yield True
+            return
+        with self._advisory(PG_JOB_LOCK_CLASS, job, wait=False) as held:
+            yield held
+
+    @contextmanager
+    def _advisory(self, classid: int, objid: int, *, wait: bool) -> Iterator[bool]:
+        """A session-level advisory lock on a connection of its own, released (or, when the release fails,
+        dropped with its connection, which releases it too) on exit; yields whether it was taken."""
+        assert self._lock_engine is not None
+        keys = {"c": classid, "k": objid}
+        conn: Connection = self._lock_engine.connect()
+        try:
+            if wait:
+                conn.execute(text("SELECT pg_advisory_lock(:c, :k)"), keys)
+                held = True
+            else:
+                held = bool(conn.scalar(text("SELECT pg_try_advisory_lock(:c, :k)"), keys))
+        except BaseException:
+            conn.invalidate()
+            conn.close()
+            raise
+        try:
+            yield held
+        finally:
+            try:
+                if held:
+                    conn.execute(text("SELECT pg_advisory_unlock(:c, :k)"), keys)
+            except Exception:
+                log.warning(
+                    "could not release advisory lock (%d, %d); dropping its connection", classid, objid
+                )
+                conn.invalidate()
+            finally:
+                conn.close()
 
     @contextmanager
     def write(self) -> Iterator[Session]:
@@ -121,3 +214,5 @@ class Database:
     def dispose(self) -> None:
         """Close all pooled connections."""
         self.engine.dispose()
+        if self._lock_engine is not None:
+            self._lock_engine.dispose()
