@@ -7,6 +7,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from tests.support.server import ServerProcess, running_server
+
 
 @pytest.fixture
 def one_thread() -> Iterator[None]:
@@ -16,3 +18,11 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A real `fp8-monitor serve` on a fresh SQLite database, one per test module."""
+    db = tmp_path_factory.mktemp("monitor") / "monitor.db"
+    with running_server(f"sqlite:///{db}") as srv:
+        yield srv
