@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
-
-from tests.support.server import ServerProcess, running_server
 
 
 @pytest.fixture
@@ -21,8 +20,11 @@ def one_thread() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """A real `fp8-monitor serve` on a fresh SQLite database, one per test module."""
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real `fp8-monitor serve` (a `tests.support.server.ServerProcess`) on a fresh SQLite database, one per
+    test module (imported here: loading this conftest needs no service stack)."""
+    from tests.support.server import running_server
+
     db = tmp_path_factory.mktemp("monitor") / "monitor.db"
     with running_server(f"sqlite:///{db}") as srv:
         yield srv
