@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.ingest import tensors_for  # noqa: E402  (the ingest benchmark's run shape)
-from tests.server.utils import ServerProcess, fresh_pg_database  # noqa: E402  (shared with the tests)
+from tests.support.server import ServerProcess, fresh_pg_database  # noqa: E402  (shared with the tests)
 
 PG_URL = os.environ.get("FP8SCOPE_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 API = "/api/v1"

@@ -42,7 +42,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.server.utils import ServerProcess  # noqa: E402  (the tests' `fp8-monitor serve` launcher)
+from tests.support.server import ServerProcess  # noqa: E402  (the tests' `fp8-monitor serve` launcher)
 
 API = "/api/v1"
 ALARM = ("warning", "critical")

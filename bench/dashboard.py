@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.ingest import StatStream, tensors_for  # noqa: E402  (the ingest benchmark's run shape)
-from tests.server.utils import batch_body, running_server  # noqa: E402  (the tests' wire encoders)
+from tests.support.server import batch_body, running_server  # noqa: E402  (the tests' wire encoders)
 from tests.web.browser import CHROMIUM, CHROMIUM_ARGS, VIEWPORT  # noqa: E402  (as the browser tests)
 
 API = "/api/v1"

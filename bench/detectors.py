@@ -21,8 +21,8 @@ sys.path.insert(0, str(ROOT))
 
 from monitor_server.detectors.engine import DetectorConfig, DetectorEngine  # noqa: E402
 from monitor_server.ingest import decode_batch, parse_json  # noqa: E402
-from tests.server.detector_runs import healthy_run  # noqa: E402  (the detector tests' synthetic runs)
-from tests.server.utils import batch_body  # noqa: E402  (the wire encodings the tests use)
+from tests.server.detectors.runs import healthy_run  # noqa: E402  (the detector tests' synthetic runs)
+from tests.support.server import batch_body  # noqa: E402  (the wire encodings the tests use)
 
 STEPS = 50
 

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 from monitor_server.core.db import Database  # noqa: E402
 from monitor_server.models import StepRow, StepStat  # noqa: E402
 from monitor_server.rollups import step_stat_rows  # noqa: E402
-from tests.server.utils import API, ServerProcess, random_stats, run_body  # noqa: E402
+from tests.support.server import API, ServerProcess, random_stats, run_body  # noqa: E402
 
 CASES = (("csv", "stats", "long"), ("parquet", "stats", "long"), ("csv", "stats", "wide"),
          ("parquet", "stats", "wide"), ("parquet", "scalars", None))  # fmt: skip

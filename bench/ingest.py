@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from fp8_protocol.stats import FP8_MAX, QUALITY_COLUMNS, STAT_COLUMNS  # noqa: E402
 from monitor_server.core.db import Database  # noqa: E402
 from monitor_server.ingest import DecodedBatch, store_batch  # noqa: E402
-from tests.server.utils import col, fresh_pg_database, running_server  # noqa: E402  (shared with the tests)
+from tests.support.server import col, fresh_pg_database, running_server  # noqa: E402  (shared with the tests)
 
 STATS = STAT_COLUMNS
 PG_URL = os.environ.get("FP8SCOPE_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")

@@ -33,7 +33,7 @@ from monitor_server.context import AppContext  # noqa: E402
 from monitor_server.core.config import Settings  # noqa: E402
 from monitor_server.migrations import upgrade_to_head  # noqa: E402
 from monitor_server.models import Alert, Run, RunTag, utcnow  # noqa: E402
-from tests.server.utils import API, fresh_pg_database, running_server  # noqa: E402
+from tests.support.server import API, fresh_pg_database, running_server  # noqa: E402
 
 PG_URL = os.environ.get("FP8SCOPE_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 GOAL_MS = 100.0

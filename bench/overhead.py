@@ -39,7 +39,7 @@ from fp8_trainer.data import ByteCorpus  # noqa: E402
 from fp8_trainer.model import GPT, PRESETS, fp8_filter  # noqa: E402
 from fp8_trainer.monitor import Monitor  # noqa: E402
 from fp8_trainer.recipe import DelayedScaling  # noqa: E402
-from tests.server.utils import free_port, running_server  # noqa: E402
+from tests.support.server import free_port, running_server  # noqa: E402
 
 MODES = ("off", "on", "dead")
 

@@ -20,7 +20,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.server.utils import API, ServerProcess  # noqa: E402
+from tests.support.server import API, ServerProcess  # noqa: E402
 from tests.web.browser import CHROMIUM, CHROMIUM_ARGS, VIEWPORT, wait_drawn  # noqa: E402
 
 RUNS = [  # (name, learning rate, recipe, tags, extra flags)

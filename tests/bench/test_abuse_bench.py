@@ -5,11 +5,10 @@ the full benchmark's to measure, not this test's)."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import ROOT
 
 pytestmark = pytest.mark.slow  # about 20 s: two servers and seventeen attacks
 

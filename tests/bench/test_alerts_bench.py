@@ -5,11 +5,10 @@ root cause and exactly one webhook message."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import ROOT
 
 pytestmark = pytest.mark.slow  # about 40 s: an fp8-train run and four small in-process ones
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 from fp8_kernels import triton_available
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import ROOT
+
 GPU_CHECK = ROOT / "scripts" / "gpu-check.sh"
 
 

@@ -2,14 +2,14 @@
 grows by far less than the file it sends (the whole long table would be 66 MB in Arrow, 93 MB as CSV)."""
 
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import ROOT
+
 sys.path.insert(0, str(ROOT / "bench"))
 
-import export as export_bench  # noqa: E402  (bench/export.py)
+import export as export_bench
 
 
 @pytest.mark.slow

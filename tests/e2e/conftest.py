@@ -12,9 +12,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from e2e_utils import API, train_cmd
 
-from tests.server.utils import ServerProcess
+from tests.e2e.e2e_utils import train_cmd
+from tests.support.server import API, ServerProcess
 
 
 @pytest.fixture

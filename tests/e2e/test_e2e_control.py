@@ -4,11 +4,11 @@ reporting quantization."""
 
 from __future__ import annotations
 
-import subprocess
-
 import numpy as np
 import pytest
-from e2e_utils import run_by_name, train_cmd, wait_for
+
+from tests.e2e.e2e_utils import run_by_name, start_train
+from tests.support.polling import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -24,10 +24,8 @@ def _column(api, run_id: int, metric: str, steps: int) -> np.ndarray:
 
 def test_margin_change_and_fp8_off_are_applied_acked_and_visible(server, api, tmp_path):
     steps = 160
-    proc = subprocess.Popen(
-        train_cmd("--steps", str(steps), "--monitor-url", server.url, "--run-name", "e2e-control"),
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    args = ("--steps", str(steps), "--monitor-url", server.url, "--run-name", "e2e-control")
+    proc = start_train(tmp_path, *args)
     try:
         run = wait_for(
             lambda: next((r for r in api.get("/runs").json() if r["name"] == "e2e-control"

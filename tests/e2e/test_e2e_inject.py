@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from e2e_utils import run_by_name
+
+from tests.e2e.e2e_utils import run_by_name
 
 pytestmark = pytest.mark.slow
 

@@ -10,9 +10,10 @@ import time
 
 import httpx
 import pytest
-from e2e_utils import run_by_name, train_cmd, wait_for
 
-from tests.server.utils import ServerProcess, free_port
+from tests.e2e.e2e_utils import run_by_name, start_train, train_cmd
+from tests.support.polling import wait_for
+from tests.support.server import API, ServerProcess, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -23,10 +24,7 @@ def _loss_steps(api, run_id: int) -> list[int]:
 
 def test_server_killed_mid_run_and_restarted_stores_every_step_once(server, api, tmp_path):
     steps = 120
-    proc = subprocess.Popen(
-        train_cmd("--steps", str(steps), "--monitor-url", server.url, "--run-name", "e2e-kill"),
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    proc = start_train(tmp_path, "--steps", str(steps), "--monitor-url", server.url, "--run-name", "e2e-kill")
     try:
         wait_for(lambda: any(r["name"] == "e2e-kill" and (r["steps_stored"] or 0) >= 10
                              for r in api.get("/runs").json()), what="10 stored steps")  # fmt: skip
@@ -66,7 +64,7 @@ def test_server_down_for_the_whole_run_then_upload_once(tmp_path):
         for _ in range(2):  # a second upload stores nothing twice
             up = subprocess.run(upload, capture_output=True, text=True, timeout=120)
             assert up.returncode == 0, up.stderr
-        with httpx.Client(base_url=server.url + "/api/v1") as api:
+        with httpx.Client(base_url=server.url + API) as api:
             run = run_by_name(api, "e2e-offline")
             assert run["status"] == "finished" and run["steps_stored"] == steps
             assert _loss_steps(api, run["id"]) == list(range(1, steps + 1))

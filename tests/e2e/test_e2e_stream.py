@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from e2e_utils import run_by_name
 
 from fp8_trainer.stats import STAT_COLUMNS
+from tests.e2e.e2e_utils import run_by_name
 
 pytestmark = pytest.mark.slow
 

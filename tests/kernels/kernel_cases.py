@@ -2,9 +2,10 @@
 
 Each case is a function of the device. On the CPU the kernels run under ``TRITON_INTERPRET=1``, which must
 be set before triton is imported and holds for the whole process, so ``test_triton_interpreter.py`` runs
-this module as a script in a subprocess (``python kernel_cases.py --json OUT``) and turns each case's
-result into one parametrised test. ``test_kernels_gpu.py`` runs the same cases compiled on CUDA. The cases
-of the kernels inside the FP8 ``Linear`` live in ``linear_cases.py`` and are registered here.
+this module in a subprocess (``python -m tests.kernels.kernel_cases --json OUT`` from the repository root)
+and turns each case's result into one parametrised test. ``test_kernels_gpu.py`` runs the same cases
+compiled on CUDA. The cases of the kernels inside the FP8 ``Linear`` live in ``linear_cases.py``; both
+register theirs in ``case_registry.py``.
 
 What is compared, exactly (no tolerances): amax, scale, counts and numel of the statistics row; the
 pre-cast values ``clamp(x * scale)``; histograms; histories and scales of the scale update. Sizes cover the
@@ -25,18 +26,19 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
 from pathlib import Path
 
-import linear_cases
 import torch
-from exact_checks import same as _same
-from exact_checks import same_bits as _same_bits
 from fp8_kernels import (
     exponent_histogram_reference,
     quantize_with_stats_reference,
     tensor_amax_reference,
 )
+
+from tests.kernels import linear_cases  # noqa: F401  (registers the cases of the kernels inside the FP8 Linear)
+from tests.kernels.case_registry import CASES, case, case_names
+from tests.kernels.exact_checks import same as _same
+from tests.kernels.exact_checks import same_bits as _same_bits
 
 NAN, INF = float("nan"), float("inf")
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -54,21 +56,6 @@ SHAPES = {
     "0x7": (0, 7),
 }
 SCALE = 3.7  # not a power of two: products round
-
-#: name -> (function of the device, device types it runs on)
-CASES: dict[str, tuple[Callable[[torch.device], None], tuple[str, ...]]] = {}
-
-
-def case(name: str, devices: tuple[str, ...] = ("cpu", "cuda")):
-    def deco(fn):
-        CASES[name] = (fn, devices)
-        return fn
-
-    return deco
-
-
-def case_names(device_type: str) -> list[str]:
-    return [name for name, (_, devices) in CASES.items() if device_type in devices]
 
 
 # ----- inputs -----
@@ -645,11 +632,6 @@ def _training_step(device: torch.device) -> None:
         fp8_kernels.register("cpu")
 
 
-# ----- the kernels inside the FP8 Linear: current scaling, fused transposes (linear_cases.py) -----
-for _name, (_fn, _devices) in linear_cases.CASES.items():
-    case(_name, _devices)(_fn)
-
-
 @case("bench_kernels-smoke", devices=("cpu",))
 def _bench_smoke(device: torch.device) -> None:
     import importlib.util
@@ -696,7 +678,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") != "1":
         print(
-            "kernel_cases.py: set TRITON_INTERPRET=1 (Triton kernels run on the CPU only interpreted)",
+            "kernel_cases: set TRITON_INTERPRET=1 (Triton kernels run on the CPU only interpreted)",
             file=sys.stderr,
         )
         return 2

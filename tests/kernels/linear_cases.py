@@ -1,7 +1,8 @@
 """The Triton kernels inside the FP8 ``Linear``: current scaling through its one dispatch entry, and the
-transposed FP8 operands of the backward GEMMs written by the quantize pass. Registered as cases of
-``kernel_cases.py``, so they run under ``TRITON_INTERPRET=1`` on the CPU (kernels registered for the CPU
-device) and compiled on CUDA where a case allows it.
+transposed FP8 operands of the backward GEMMs written by the quantize pass. Registered in
+``case_registry.py`` with the cases of ``kernel_cases.py`` (which imports this module), so they run under
+``TRITON_INTERPRET=1`` on the CPU (kernels registered for the CPU device) and compiled on CUDA where a case
+allows it.
 
 What is compared exactly: statistics rows and scales against the references on the same inputs; outputs
 and gradients against GEMMs of the kernels' own FP8 tensors; whole runs against the references where every
@@ -11,12 +12,11 @@ transposes against the transposing copies they replace, with the same kernels.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import fp8_kernels
 import torch
-from exact_checks import same
 from fp8_kernels import quantize_current_reference, reference_kernels
 from torch import nn
 
@@ -24,17 +24,8 @@ import fp8_trainer
 import fp8_trainer.gemm
 import fp8_trainer.linear
 from fp8_trainer.gemm import fp8_mm, gemm_operand
-
-#: name -> (function of the device, device types it runs on); kernel_cases.py registers them
-CASES: dict[str, tuple[Callable[[torch.device], None], tuple[str, ...]]] = {}
-
-
-def case(name: str, devices: tuple[str, ...] = ("cpu", "cuda")):
-    def deco(fn):
-        CASES[name] = (fn, devices)
-        return fn
-
-    return deco
+from tests.kernels.case_registry import case
+from tests.kernels.exact_checks import same
 
 
 @contextmanager

@@ -7,7 +7,6 @@ Skips without an sm_89+ GPU."""
 import math
 
 import fp8_kernels
-import kernel_cases
 import pytest
 import torch
 from fp8_kernels import quantize_with_stats_reference
@@ -16,7 +15,8 @@ from torch import nn
 import fp8_trainer
 from fp8_trainer.convert import get_fp8_state
 from fp8_trainer.linear import fused_transposes
-from tests.gpu_support import FP8_GPU
+from tests.kernels import kernel_cases
+from tests.support.gpu import FP8_GPU
 
 RECIPES = {"delayed": fp8_trainer.DelayedScaling(), "current": fp8_trainer.CurrentScaling()}
 

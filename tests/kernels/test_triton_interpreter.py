@@ -9,18 +9,19 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-import kernel_cases
 import pytest
 from fp8_kernels import triton_available
+
+from tests.kernels import kernel_cases
+from tests.support import ROOT
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not triton_available(), reason="triton is not installed (pip install '.[dev]')"),
 ]
 
-RUNNER = Path(kernel_cases.__file__)
+RUNNER = [sys.executable, "-m", "tests.kernels.kernel_cases"]  # run from ROOT
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,8 @@ def results(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("interp") / "results.json"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run(
-        [sys.executable, str(RUNNER), "--json", str(out)],
+        [*RUNNER, "--json", str(out)],
+        cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
@@ -65,7 +67,8 @@ def test_interpreter_did_not_leak_into_this_process():
 def test_runner_refuses_to_run_compiled(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, str(RUNNER), "--json", str(tmp_path / "r.json"), "--only", "quantize-fp32-e4m3-17"],
+        [*RUNNER, "--json", str(tmp_path / "r.json"), "--only", "quantize-fp32-e4m3-17"],
+        cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,

@@ -8,7 +8,7 @@ unless FP8SCOPE_REQUIRE_PG=1 (CI), which makes them fail.
 
 from __future__ import annotations
 
-import os
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,10 +19,8 @@ from sqlalchemy import create_engine, make_url, text
 
 from monitor_server.app import create_app
 from monitor_server.core.config import Settings
-from tests.server.utils import fresh_pg_database
-
-PG_URL = os.environ.get("FP8SCOPE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
-REQUIRE_PG = os.environ.get("FP8SCOPE_REQUIRE_PG") == "1"
+from tests.server.webhook_receiver import Hook
+from tests.support.server import pg_database_or_skip
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -33,19 +31,8 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture(scope="session")
 def pg_database() -> Iterator[str]:
     """URL of a fresh PostgreSQL database for this test session (dropped at the end)."""
-    database = fresh_pg_database(PG_URL, "fp8scope_test")
-    try:
-        url = database.__enter__()
-    except Exception as exc:
-        where = make_url(PG_URL).render_as_string(hide_password=True)
-        message = f"PostgreSQL not reachable at {where}: {exc}"
-        if REQUIRE_PG:
-            pytest.fail(message + " (FP8SCOPE_REQUIRE_PG=1)")
-        pytest.skip(message)
-    try:
+    with pg_database_or_skip("fp8scope_test") as url:
         yield url
-    finally:
-        database.__exit__(None, None, None)
 
 
 def _pg_schema_url(database_url: str) -> str:
@@ -98,3 +85,15 @@ def make_client(db_url: str) -> Iterator[Callable[..., Any]]:
 def client(make_client: Callable[..., Any]) -> Any:
     """An in-process client without authentication."""
     return make_client()
+
+
+@pytest.fixture
+def hook(request: pytest.FixtureRequest) -> Iterator[Hook]:
+    """A local webhook receiver; parametrized indirectly, the statuses its first POSTs get (then 200)."""
+    server = Hook(getattr(request, "param", []))
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    yield server
+    server.release.set()
+    server.shutdown()
+    server.server_close()

@@ -10,37 +10,15 @@ from datetime import timedelta
 import numpy as np
 
 from monitor_server.models import utcnow
-from tests.server.utils import API, batch_body, create_run
-
-
-def _quiet(S: int, T: int = 6) -> dict[str, np.ndarray]:
-    """Healthy statistics: steady amax, matching scale, no overflow / underflow / non-finite."""
-    amax = np.tile(np.linspace(0.5, 3.0, T), (S, 1))
-    return {
-        "amax": amax,
-        "scale": 2.0 ** np.floor(np.log2(448.0 / (amax * 1.1))),
-        "overflow": np.zeros((S, T)),
-        "underflow": np.zeros((S, T)),
-        "nonfinite": np.zeros((S, T)),
-        "numel": np.full((S, T), 4096.0),
-    }
-
-
-def _post(client, rid, key, first, stats, **extra):
-    steps = list(range(first, first + len(stats["amax"])))
-    r = client.post(
-        f"{API}/runs/{rid}/telemetry", json=batch_body(key, steps, stats, losses=[2.0] * len(steps), **extra)
-    )
-    assert r.status_code == 200, r.text
-    return r.json()
+from tests.support.server import API, create_run, post_batch, quiet_stats
 
 
 def test_nonfinite_alert_updated_not_duplicated_then_ack(client):
     rid = create_run(client)["id"]  # 2 layers, T = 6
-    s = _quiet(10)
+    s = quiet_stats(10, 6)
     s["nonfinite"][5, 4] = 3  # layer 1 weight goes non-finite at step 5
     s["amax"][5, 4] = np.nan
-    _post(client, rid, "a", 0, s)
+    post_batch(client, rid, "a", 0, s)
     alerts = client.get(f"{API}/runs/{rid}/alerts").json()
     nonfinite = [a for a in alerts if a["kind"] == "nonfinite"]
     assert len(nonfinite) == 1
@@ -52,9 +30,9 @@ def test_nonfinite_alert_updated_not_duplicated_then_ack(client):
     )
     assert a["first_step"] == 5 and a["state"] == "open" and a["severity"] == "critical" and a["evidence"]
 
-    s2 = _quiet(10)
+    s2 = quiet_stats(10, 6)
     s2["nonfinite"][5, 4] = 1  # a second episode at step 15
-    _post(client, rid, "b", 10, s2)
+    post_batch(client, rid, "b", 10, s2)
     nonfinite = [x for x in client.get(f"{API}/runs/{rid}/alerts").json() if x["kind"] == "nonfinite"]
     assert len(nonfinite) == 1 and nonfinite[0]["id"] == a["id"]
     assert nonfinite[0]["count"] == 2 and nonfinite[0]["first_step"] == 5 and nonfinite[0]["last_step"] == 15
@@ -73,9 +51,9 @@ def test_nonfinite_alert_updated_not_duplicated_then_ack(client):
     assert client.get(f"{API}/runs/{rid}/alerts", params={"state": "open", "kind": "nonfinite"}).json() == []
     assert client.post(f"{API}/runs/{rid}/alerts/999999/ack").status_code == 404
 
-    s3 = _quiet(10)
+    s3 = quiet_stats(10, 6)
     s3["nonfinite"][2, 4] = 1  # after the ack, a new episode opens a new alert
-    _post(client, rid, "c", 20, s3)
+    post_batch(client, rid, "c", 20, s3)
     fresh = client.get(f"{API}/runs/{rid}/alerts", params={"state": "open", "kind": "nonfinite"}).json()
     assert len(fresh) == 1 and fresh[0]["id"] != a["id"] and fresh[0]["first_step"] == 22
 
@@ -87,7 +65,7 @@ def test_nonfinite_alert_updated_not_duplicated_then_ack(client):
 def test_client_events_and_detector_state_persisted(client):
     rid = create_run(client)["id"]
     events = [{"kind": "loss_spike", "step": 5, "details": {"loss": 40.0, "z": 9.0}}]  # no loss of its own
-    _post(client, rid, "a", 0, _quiet(5), events=events)
+    post_batch(client, rid, "a", 0, quiet_stats(5, 6), events=events)
     kinds = [a["kind"] for a in client.get(f"{API}/runs/{rid}/alerts").json()]
     assert "loss_spike" in kinds
     from sqlalchemy import select
@@ -102,7 +80,7 @@ def test_client_events_and_detector_state_persisted(client):
 def test_stalled_run_alert(make_client):
     client = make_client(stall_seconds=30, stall_check_seconds=3600)
     rid = create_run(client)["id"]
-    _post(client, rid, "a", 0, _quiet(3))
+    post_batch(client, rid, "a", 0, quiet_stats(3, 6))
     detection = client.app.state.ctx.detection
     assert detection.check_stalled_runs(now=utcnow()) == 0
     assert detection.check_stalled_runs(now=utcnow() + timedelta(seconds=60)) == 1
@@ -133,10 +111,10 @@ def test_new_alerts_go_to_the_webhook_once(client):
     detection = client.app.state.ctx.detection
     detection.notifier = Recorder()
     rid = create_run(client)["id"]
-    s = _quiet(10)
+    s = quiet_stats(10, 6)
     s["nonfinite"][3, 1] = 1
     s["nonfinite"][7, 1] = 1  # second episode: the open alert is updated, not re-sent
-    _post(client, rid, "a", 0, s)
+    post_batch(client, rid, "a", 0, s)
     assert len(detection.notifier.sent) == 1
     key, sent = detection.notifier.sent[0]
     assert key == rid and sent["kind"] == "nonfinite" and sent["run_name"] == "test-run"

@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from monitor_server.core.config import Settings, parse_token
-from tests.server.utils import API, batch_body, random_stats, run_body
+from tests.support.server import API, batch_body, random_stats, run_body
 
 TOKENS = [
     "trainer:ingest:trainer-secret-1",

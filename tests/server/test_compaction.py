@@ -14,7 +14,7 @@ from sqlalchemy import func, select
 from monitor_server import retention
 from monitor_server.models import StepStat
 from monitor_server.rollups import COMPACT_BLOCK, STAT_IDS, raw_kept_from
-from tests.server.utils import API, batch_body, create_run, decode, random_stats
+from tests.support.server import API, batch_body, create_run, decode, random_stats
 
 T = 6
 S = 700

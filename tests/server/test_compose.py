@@ -10,7 +10,6 @@ import re
 import subprocess
 import sys
 import tomllib
-from pathlib import Path
 
 import pytest
 import yaml
@@ -18,8 +17,7 @@ import yaml
 from fp8_trainer.cli import prepare
 from monitor_server.cli import build_parser, build_settings
 from monitor_server.core.config import parse_token
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import ROOT
 
 
 @pytest.fixture(scope="module")

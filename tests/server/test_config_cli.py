@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from monitor_server.core.config import Settings
-from tests.server.utils import free_port, running_server
+from tests.support.server import free_port, running_server
 
 
 def serve(tmp_path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:

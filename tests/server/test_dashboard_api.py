@@ -8,15 +8,14 @@ import threading
 import time
 import tomllib
 from fnmatch import fnmatch
-from pathlib import Path
 
 import httpx
 import numpy as np
 
 from monitor_server.web import plotly_js, web_root
-from tests.server.utils import API, batch_body, random_stats, run_body, running_server
+from tests.support import ROOT
+from tests.support.server import API, batch_body, random_stats, run_body, running_server
 
-ROOT = Path(__file__).resolve().parents[2]
 TOKENS = ["dash:read:dash-secret-1", "ops:read+control:ops-secret-1"]
 
 

@@ -9,7 +9,7 @@ import asyncio
 import orjson
 
 from monitor_server.events import EventBroker
-from tests.server.utils import API, create_run
+from tests.support.server import API, create_run
 
 
 def test_list_is_light_and_one_event_is_whole(client):

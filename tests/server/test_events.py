@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tests.server.utils import API, batch_body, create_run, random_stats
+from tests.support.server import API, batch_body, create_run, random_stats
 
 
 def _events(client, run_id: int, **params) -> list[dict]:

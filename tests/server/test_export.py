@@ -10,9 +10,9 @@ import math
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from utils import API, STATS, batch_body, create_run, make_tensors, random_stats
 
 from monitor_server import export
+from tests.support.server import API, STATS, batch_body, create_run, make_tensors, random_stats
 
 
 def _stats_run(client, steps=(1, 2, 3, 5, 8), n_layers=2, chunk_cells=None):

@@ -8,7 +8,7 @@ import re
 
 import httpx
 
-from tests.server.utils import running_server
+from tests.support.server import running_server
 
 
 def _frozen(metrics_text: str) -> float:

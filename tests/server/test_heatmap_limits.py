@@ -11,7 +11,7 @@ import orjson
 
 from monitor_server.rollups import HEATMAP_METRICS
 from monitor_server.schemas import HeatmapMetric
-from tests.server.utils import API, batch_body, create_run, random_stats, run_body
+from tests.support.server import API, batch_body, create_run, random_stats, run_body
 
 
 def test_tensors_per_run_capped_at_registration(make_client):

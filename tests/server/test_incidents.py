@@ -5,26 +5,14 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
-from test_webhook import Hook, wait_for
 
-from tests.server.utils import API, batch_body, create_run
+from tests.support.polling import wait_until
+from tests.support.server import API, create_run, post_batch, quiet_stats
 
-N_LAYERS = 4  # T = 12: layer k owns 3k (input), 3k+1 (weight), 3k+2 (grad_output)
+N_LAYERS = 4
+T = 3 * N_LAYERS  # layer k owns 3k (input), 3k+1 (weight), 3k+2 (grad_output)
 NUMEL = 4096.0
-
-
-def quiet(steps: int, t: int = 3 * N_LAYERS) -> dict[str, np.ndarray]:
-    amax = np.tile(np.linspace(0.5, 3.0, t), (steps, 1))
-    return {
-        "amax": amax,
-        "scale": 2.0 ** np.floor(np.log2(448.0 / (amax * 1.1))),
-        "overflow": np.zeros((steps, t)),
-        "underflow": np.zeros((steps, t)),
-        "nonfinite": np.zeros((steps, t)),
-        "numel": np.full((steps, t), NUMEL),
-    }
 
 
 def nan_in_layer(stats: dict, row: int, layer: int) -> None:
@@ -37,18 +25,21 @@ def nan_in_layer(stats: dict, row: int, layer: int) -> None:
     stats["nonfinite"][row + 1, :t] = 9
 
 
-def post(client, rid: int, key: str, first: int, stats: dict, losses=None) -> None:
-    n = len(stats["amax"])
-    losses = [2.0] * n if losses is None else losses
-    body = batch_body(key, range(first, first + n), stats, losses=losses)
-    r = client.post(f"{API}/runs/{rid}/telemetry", json=body)
-    assert r.status_code == 200, r.text
-
-
 def incidents(client, rid: int, **params) -> list[dict]:
     r = client.get(f"{API}/runs/{rid}/incidents", params=params)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def one_incident(client, nonfinite: list[int]) -> tuple[int, dict]:
+    """A run of 10 quiet steps with a non-finite value in each of the tensors `nonfinite` at step 4: its id
+    and its one incident."""
+    rid = create_run(client, n_layers=N_LAYERS)["id"]
+    s = quiet_stats(10, T)
+    s["nonfinite"][4, nonfinite] = 1
+    post_batch(client, rid, "a", 0, s)
+    (incident,) = incidents(client, rid)
+    return rid, incident
 
 
 class Recorder:
@@ -78,12 +69,13 @@ def recorded(client):
 def test_a_nan_that_spreads_is_one_incident_with_its_root_first(recorded):
     client = recorded
     rid = create_run(client, n_layers=N_LAYERS)["id"]
-    s = quiet(20)
+    s = quiet_stats(20, T)
     nan_in_layer(s, 10, layer=1)
     losses = [2.0] * 20
     losses[10] = losses[11] = float("nan")
-    post(client, rid, "a", 0, {k: v[:11] for k, v in s.items()}, losses[:11])  # step 11 in the next batch
-    post(client, rid, "b", 11, {k: v[11:] for k, v in s.items()}, losses[11:])
+    # step 11 in the next batch
+    post_batch(client, rid, "a", 0, {k: v[:11] for k, v in s.items()}, losses[:11])
+    post_batch(client, rid, "b", 11, {k: v[11:] for k, v in s.items()}, losses[11:])
 
     alerts = client.get(f"{API}/runs/{rid}/alerts").json()
     assert len(alerts) == 13  # 12 tensors + the loss: the detectors still say what each tensor did
@@ -119,11 +111,11 @@ def test_a_nan_that_spreads_is_one_incident_with_its_root_first(recorded):
 def test_an_earlier_onset_found_later_becomes_the_root(recorded):
     client = recorded
     rid = create_run(client, n_layers=N_LAYERS)["id"]
-    s = quiet(30)
+    s = quiet_stats(30, T)
     w1 = 4  # blocks.1 weight
     s["overflow"][20:30, w1] = 0.005 * NUMEL  # above 0.1%: a warning once it lasted 3 steps (step 22)
     s["nonfinite"][21, 9] = 1  # blocks.3 input at step 21: found first, but began after the overflow
-    post(client, rid, "a", 0, s)
+    post_batch(client, rid, "a", 0, s)
     (incident,) = incidents(client, rid)
     assert (
         incident["root"]["kind"] == "overflow_burst"
@@ -136,11 +128,11 @@ def test_an_earlier_onset_found_later_becomes_the_root(recorded):
 def test_faults_far_apart_are_separate_incidents(recorded):
     client = recorded
     rid = create_run(client, n_layers=N_LAYERS)["id"]
-    s = quiet(200)
+    s = quiet_stats(200, T)
     s["nonfinite"][20, 3] = 1
     s["nonfinite"][40, 9] = 1  # within the 50-step window of the first: same incident
     s["nonfinite"][150, 6] = 1  # far later: a new one
-    post(client, rid, "a", 0, s)
+    post_batch(client, rid, "a", 0, s)
     found = incidents(client, rid)
     assert [(i["root"]["onset_step"], i["alert_count"]) for i in found] == [(150, 1), (20, 2)]  # newest first
     assert len(client.app.state.ctx.detection.notifier.sent) == 2
@@ -149,9 +141,9 @@ def test_faults_far_apart_are_separate_incidents(recorded):
 def test_acknowledging_an_incident_acknowledges_its_alerts(recorded):
     client = recorded
     rid = create_run(client, n_layers=N_LAYERS)["id"]
-    s = quiet(20)
+    s = quiet_stats(20, T)
     nan_in_layer(s, 5, layer=2)
-    post(client, rid, "a", 0, s)
+    post_batch(client, rid, "a", 0, s)
     (incident,) = incidents(client, rid)
     r = client.post(f"{API}/runs/{rid}/incidents/{incident['id']}/ack")
     assert r.status_code == 200 and r.json()["state"] == "acknowledged" and r.json()["open_alerts"] == 0
@@ -159,9 +151,9 @@ def test_acknowledging_an_incident_acknowledges_its_alerts(recorded):
     assert client.get(f"{API}/runs/{rid}/alerts", params={"state": "open"}).json() == []
     assert client.post(f"{API}/runs/{rid}/incidents/{incident['id']}/ack").status_code == 200  # idempotent
     # the same tensors going bad again later: a new incident, a new message
-    s2 = quiet(5)
+    s2 = quiet_stats(5, T)
     s2["nonfinite"][2, 6] = 1
-    post(client, rid, "b", 20, s2)
+    post_batch(client, rid, "b", 20, s2)
     fresh = incidents(client, rid, state="open")
     assert len(fresh) == 1 and fresh[0]["id"] != incident["id"] and fresh[0]["alert_count"] == 1
     assert len(client.app.state.ctx.detection.notifier.sent) == 2
@@ -171,11 +163,7 @@ def test_acknowledging_an_incident_acknowledges_its_alerts(recorded):
 
 
 def test_acknowledging_its_last_open_alert_acknowledges_the_incident(client):
-    rid = create_run(client, n_layers=N_LAYERS)["id"]
-    s = quiet(10)
-    s["nonfinite"][4, [0, 3]] = 1
-    post(client, rid, "a", 0, s)
-    (incident,) = incidents(client, rid)
+    rid, incident = one_incident(client, nonfinite=[0, 3])
     first, second = (a["id"] for a in incident["alerts"])
     client.post(f"{API}/runs/{rid}/alerts/{first}/ack")
     assert incidents(client, rid)[0]["state"] == "open"
@@ -185,10 +173,10 @@ def test_acknowledging_its_last_open_alert_acknowledges_the_incident(client):
 
 def test_acknowledge_all(client):
     rid = create_run(client, n_layers=N_LAYERS)["id"]
-    s = quiet(200)
+    s = quiet_stats(200, T)
     s["nonfinite"][20, 3] = 1
     s["nonfinite"][150, [6, 9]] = 1
-    post(client, rid, "a", 0, s)
+    post_batch(client, rid, "a", 0, s)
     assert len(incidents(client, rid, state="open")) == 2
     assert all(i["notified_at"] is None for i in incidents(client, rid))  # no webhook configured
     r = client.post(f"{API}/runs/{rid}/incidents/ack")
@@ -206,15 +194,15 @@ def test_acknowledge_all(client):
 def test_an_info_incident_sends_nothing_until_it_escalates(recorded):
     client = recorded
     rid = create_run(client, n_layers=N_LAYERS)["id"]
-    s = quiet(40)
+    s = quiet_stats(40, T)
     s["underflow"][5:40, 3] = 0.3 * NUMEL  # excess underflow: info after 10 steps
-    post(client, rid, "a", 0, s)
+    post_batch(client, rid, "a", 0, s)
     (incident,) = incidents(client, rid)
     assert incident["severity"] == "info" and incident["notified_at"] is None
     assert client.app.state.ctx.detection.notifier.sent == []
-    s2 = quiet(5)
+    s2 = quiet_stats(5, T)
     s2["nonfinite"][1, 6] = 1
-    post(client, rid, "b", 40, s2)
+    post_batch(client, rid, "b", 40, s2)
     (incident,) = incidents(client, rid)
     assert incident["severity"] == "critical" and incident["notified_at"] is not None
     assert incident["root"]["kind"] == "underflow_excess"  # began first
@@ -222,11 +210,7 @@ def test_an_info_incident_sends_nothing_until_it_escalates(recorded):
 
 
 def test_incident_in_full_carries_the_evidence_root_first(client):
-    rid = create_run(client, n_layers=N_LAYERS)["id"]
-    s = quiet(10)
-    s["nonfinite"][4, [6, 0]] = 1
-    post(client, rid, "a", 0, s)
-    (incident,) = incidents(client, rid)
+    rid, incident = one_incident(client, nonfinite=[6, 0])
     full = client.get(f"{API}/runs/{rid}/incidents/{incident['id']}").json()
     assert [a["tensor_name"] for a in full["alerts_full"]] == [
         "blocks.0.mlp.fc.input",
@@ -234,18 +218,6 @@ def test_incident_in_full_carries_the_evidence_root_first(client):
     ]
     assert full["alerts_full"][0]["evidence"]["first_in_run"] is True
     assert all(a["incident_id"] == incident["id"] for a in full["alerts_full"])
-
-
-@pytest.fixture
-def hook():
-    import threading
-
-    server = Hook([])
-    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
 
 
 def test_the_webhook_gets_one_message_per_incident_with_the_run_link(hook, make_client):
@@ -257,10 +229,10 @@ def test_the_webhook_gets_one_message_per_incident_with_the_run_link(hook, make_
         webhook_min_interval_seconds=600,
     )
     rid = create_run(client, n_layers=N_LAYERS, name="nan-run")["id"]
-    s = quiet(20)
+    s = quiet_stats(20, T)
     nan_in_layer(s, 10, layer=1)
-    post(client, rid, "a", 0, s)
-    assert wait_for(lambda: len(hook.accepted) == 1)
+    post_batch(client, rid, "a", 0, s)
+    assert wait_until(lambda: len(hook.accepted) == 1, timeout=5.0)
     (incident,) = incidents(client, rid)
     link = f"https://fp8.example/monitor/#/runs/{rid}?incident={incident['id']}"
     assert incident["url"] == link
@@ -269,17 +241,17 @@ def test_the_webhook_gets_one_message_per_incident_with_the_run_link(hook, make_
     assert link in text and "(12 tensors affected)" in text
     assert link in json.dumps(hook.accepted[0]["blocks"])
     # a second incident of the same run within the interval waits (rate limit per run) ...
-    s2 = quiet(5)
+    s2 = quiet_stats(5, T)
     s2["overflow"][1, 6] = 0.5 * NUMEL
-    post(client, rid, "b", 200, s2)
+    post_batch(client, rid, "b", 200, s2)
     notifier = client.app.state.ctx.detection.notifier
-    assert wait_for(lambda: notifier.stats["queued"] == 1)
+    assert wait_until(lambda: notifier.stats["queued"] == 1, timeout=5.0)
     # ... while another run's incident goes out at once
     other = create_run(client, n_layers=N_LAYERS, name="other-run")["id"]
-    s3 = quiet(5)
+    s3 = quiet_stats(5, T)
     s3["nonfinite"][1, 6] = 1
-    post(client, other, "c", 0, s3)
-    assert wait_for(lambda: len(hook.accepted) == 2)
+    post_batch(client, other, "c", 0, s3)
+    assert wait_until(lambda: len(hook.accepted) == 2, timeout=5.0)
     assert "other-run" in hook.accepted[1]["text"] and len(incidents(client, rid)) == 2
 
 
@@ -289,16 +261,16 @@ def test_an_alert_stored_before_incidents_existed_joins_one_when_it_is_updated(c
     from monitor_server.models import Alert, Incident
 
     rid = create_run(client, n_layers=N_LAYERS)["id"]
-    s = quiet(10)
+    s = quiet_stats(10, T)
     s["nonfinite"][3, 0] = 1
-    post(client, rid, "a", 0, s)
+    post_batch(client, rid, "a", 0, s)
     with client.app.state.ctx.db.write() as session:  # as an upgraded database holds it
         session.execute(update(Alert).values(incident_id=None, onset_step=None))
         session.execute(delete(Incident))
     assert incidents(client, rid) == []
-    s2 = quiet(10)
+    s2 = quiet_stats(10, T)
     s2["nonfinite"][2, 0] = 1  # the same tensor again: the open alert is updated
-    post(client, rid, "b", 10, s2)
+    post_batch(client, rid, "b", 10, s2)
     (incident,) = incidents(client, rid)
     assert incident["alert_count"] == 1 and incident["root"]["first_step"] == 3
     assert incident["root"]["last_step"] == 12 and incident["last_step"] == 12

@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from tests.server.utils import API, batch_body, create_run, decode, random_stats
+from tests.support.server import API, batch_body, create_run, decode, random_stats
 
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 

@@ -7,7 +7,7 @@ import threading
 
 import httpx
 
-from tests.server.utils import API, ServerProcess, run_body
+from tests.support.server import API, ServerProcess, run_body
 
 
 def _start(server: ServerProcess, errors: list[str]) -> None:

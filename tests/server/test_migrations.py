@@ -2,12 +2,40 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from sqlalchemy import Connection, Engine, text
 
 from monitor_server.core.db import make_engine
-from monitor_server.migrations import upgrade_to_head
+from monitor_server.migrations import alembic_config, upgrade_to_head
 from monitor_server.models import Base
+
+
+@contextlib.contextmanager
+def at_revision(engine: Engine, revision: str) -> Iterator[Connection]:
+    """The database migrated up to `revision` only; yields the migration's transaction, to insert rows of
+    that schema in."""
+    cfg = alembic_config()
+    with engine.begin() as connection:
+        cfg.attributes["connection"] = connection
+        command.upgrade(cfg, revision)
+        yield connection
+
+
+def insert_run(connection: Connection, status: str, num_tensors: int, steps_stored: int) -> None:
+    """Run 1, named 'old', with the columns `runs` has had since the first revision."""
+    connection.execute(
+        text(
+            "INSERT INTO runs (name, config, recipe, recipe_overrides, world_size, host, status, "
+            "num_tensors, created_at, updated_at, steps_stored) VALUES ('old', '{}', '{}', '{}', 1, '', "
+            ":status, :num_tensors, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP, :steps_stored)"
+        ),
+        {"status": status, "num_tensors": num_tensors, "steps_stored": steps_stored},
+    )
 
 
 def test_migrations_match_models_and_are_idempotent(db_url):
@@ -24,24 +52,10 @@ def test_migrations_match_models_and_are_idempotent(db_url):
 
 
 def test_incidents_migration_keeps_existing_alerts_and_the_partial_index(db_url):
-    from alembic import command
-    from sqlalchemy import text
-
-    from monitor_server.migrations import alembic_config
-
     engine = make_engine(db_url)
     try:
-        cfg = alembic_config()
-        with engine.begin() as connection:
-            cfg.attributes["connection"] = connection
-            command.upgrade(cfg, "0002")
-            connection.execute(
-                text(
-                    "INSERT INTO runs (name, config, recipe, recipe_overrides, world_size, host, status, "
-                    "num_tensors, created_at, updated_at, steps_stored) VALUES ('old', '{}', '{}', '{}', 1, "
-                    "'', 'running', 3, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP, 0)"
-                )
-            )
+        with at_revision(engine, "0002") as connection:
+            insert_run(connection, "running", num_tensors=3, steps_stored=0)
             connection.execute(
                 text(
                     "INSERT INTO alerts (run_id, kind, tensor_index, tensor_key, state, severity, message, "
@@ -70,24 +84,10 @@ def test_incidents_migration_keeps_existing_alerts_and_the_partial_index(db_url)
 def test_run_tags_migration_keeps_runs_and_everything_that_hangs_off_them(db_url):
     """0006 adds a column to `runs`: on SQLite that must not rebuild the table (dropping it would cascade
     into every table that references it)."""
-    from alembic import command
-    from sqlalchemy import text
-
-    from monitor_server.migrations import alembic_config
-
     engine = make_engine(db_url)
     try:
-        cfg = alembic_config()
-        with engine.begin() as connection:
-            cfg.attributes["connection"] = connection
-            command.upgrade(cfg, "0005")
-            connection.execute(
-                text(
-                    "INSERT INTO runs (name, config, recipe, recipe_overrides, world_size, host, status, "
-                    "num_tensors, created_at, updated_at, steps_stored) VALUES ('old', '{}', '{}', '{}', 1, "
-                    "'', 'finished', 1, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP, 1)"
-                )
-            )
+        with at_revision(engine, "0005") as connection:
+            insert_run(connection, "finished", num_tensors=1, steps_stored=1)
             connection.execute(text("INSERT INTO tensors VALUES (1, 0, 'fc.input', 'fc', 'input', 'e4m3')"))
             connection.execute(
                 text("INSERT INTO steps (run_id, step, loss, scalars) VALUES (1, 7, 2.5, '{}')")

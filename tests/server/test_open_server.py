@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import orjson
 
-from tests.server.utils import API, batch_body, create_run, random_stats
+from tests.support.server import API, batch_body, create_run, random_stats
 
 TEXT = {"Content-Type": "text/plain"}
 

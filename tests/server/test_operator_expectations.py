@@ -10,8 +10,15 @@ from sqlalchemy import create_engine, make_url, text
 
 from monitor_server.app import create_app
 from monitor_server.core.config import Settings
-from tests.server.conftest import PG_URL
-from tests.server.utils import API, batch_body, create_run, fresh_pg_database, random_stats, run_body
+from tests.support.server import (
+    API,
+    PG_URL,
+    batch_body,
+    create_run,
+    fresh_pg_database,
+    random_stats,
+    run_body,
+)
 
 
 def test_nul_in_url_is_422(client):

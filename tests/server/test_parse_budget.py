@@ -10,7 +10,7 @@ import gzip
 import orjson
 import pytest
 
-from tests.server.utils import API, create_run, run_body
+from tests.support.server import API, create_run, run_body
 
 JSON = {"Content-Type": "application/json"}
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from detector_runs import Run, add_quality, healthy_run, index_of, set_sqnr
 
 from fp8_protocol.stats import BASE_COLUMNS, QUALITY_COLUMNS
-from tests.server.utils import API, col, create_run
+from tests.server.detectors.runs import Run, add_quality, healthy_run, index_of, set_sqnr
+from tests.support.server import API, col, create_run
 
 N_LAYERS, STEPS, DROP_AT = 8, 200, 150  # 24 tensors
 

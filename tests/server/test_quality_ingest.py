@@ -10,7 +10,7 @@ from sqlalchemy import select
 from fp8_protocol.stats import BASE_COLUMNS, QUALITY_COLUMNS
 from monitor_server.models import StepStat
 from monitor_server.rollups import STAT_IDS, unpack
-from tests.server.utils import API, col, create_run, random_stats
+from tests.support.server import API, col, create_run, random_stats
 
 
 def _quality(rng: np.random.Generator, steps: int, tensors: int) -> dict[str, np.ndarray]:

@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from fp8_protocol.stats import BASE_COLUMNS, QUALITY_COLUMNS
-from tests.server.utils import API, col, create_run, decode, random_stats
+from tests.support.server import API, col, create_run, decode, random_stats
 
 T = 9  # create_run(n_layers=3)
 

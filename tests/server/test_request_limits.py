@@ -13,7 +13,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.server.utils import API, raw_exchange, run_body, running_server
+from tests.support.server import API, raw_exchange, run_body, running_server
 
 TOKENS = "trainer:ingest:trainer-secret-1,ops:read+control:ops-secret-1"
 TRAINER = {"Authorization": "Bearer trainer-secret-1"}

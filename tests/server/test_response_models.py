@@ -42,7 +42,7 @@ from monitor_server.schemas import (
     TelemetryResult,
     WhoAmI,
 )
-from tests.server.utils import API, batch_body, random_stats, run_body
+from tests.support.server import API, batch_body, random_stats, run_body
 
 
 def resolve(doc: dict, schema: dict) -> dict:

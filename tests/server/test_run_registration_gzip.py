@@ -7,7 +7,7 @@ import gzip
 import numpy as np
 import orjson
 
-from tests.server.utils import API, STATS, batch_body, decode, random_stats, run_body
+from tests.support.server import API, STATS, batch_body, decode, random_stats, run_body
 
 
 def test_client_key_registers_once(client):

@@ -10,7 +10,7 @@ import pytest
 
 from monitor_server import run_admin
 from monitor_server.models import utcnow
-from tests.server.utils import API, batch_body, create_run, random_stats
+from tests.support.server import API, batch_body, create_run, random_stats
 
 AUTH = {"tokens": ["job:ingest:ingest-secret", "dash:read:read-secret", "ops:read+control:control-secret"]}
 

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from sqlalchemy import create_engine, text
 
-from tests.server.utils import API, ServerProcess, batch_body, fresh_pg_database, run_body
+from tests.support.server import API, ServerProcess, batch_body, fresh_pg_database, run_body
 
 PG_URL = os.environ.get("FP8SCOPE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REQUIRE_PG = os.environ.get("FP8SCOPE_REQUIRE_PG") == "1"

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-from tests.server.utils import API, ServerProcess, batch_body, random_stats, run_body
+from tests.support.server import API, ServerProcess, batch_body, random_stats, run_body
 
 pytestmark = pytest.mark.slow
 

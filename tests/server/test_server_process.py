@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.server.utils import API, batch_body, decode, random_stats, run_body, running_server
+from tests.support.server import API, batch_body, decode, random_stats, run_body, running_server
 
 pytestmark = pytest.mark.slow
 

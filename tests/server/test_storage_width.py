@@ -8,7 +8,7 @@ from sqlalchemy import func, select
 
 from monitor_server.models import Rollup, StepStat
 from monitor_server.rollups import STAT_IDS
-from tests.server.utils import API, batch_body, create_run, decode, random_stats
+from tests.support.server import API, batch_body, create_run, decode, random_stats
 
 T = 6
 

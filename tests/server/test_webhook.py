@@ -1,18 +1,16 @@
-"""WebhookNotifier against a real local HTTP server: retries, dead URLs, a full queue."""
+"""WebhookNotifier against a real local HTTP server (the `hook` fixture): retries, dead URLs, a full queue."""
 
 from __future__ import annotations
 
 import json
 import re
-import socket
-import threading
 import time
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from monitor_server.webhook import WebhookNotifier, slack_payload
+from tests.support.polling import wait_until
+from tests.support.server import free_port
 
 ALERT = {
     "kind": "nonfinite",
@@ -22,69 +20,6 @@ ALERT = {
     "severity": "critical",
     "message": "tensor blocks.2.fc.grad_output is non-finite at step 1200",
 }
-
-
-class Hook(ThreadingHTTPServer):
-    """Answers each POST with the next status of `statuses` (then 200), records the bodies it accepted."""
-
-    daemon_threads = True
-
-    def __init__(self, statuses: list[int]) -> None:
-        super().__init__(("127.0.0.1", 0), HookHandler)
-        self.statuses = list(statuses)
-        self.requests = 0
-        self.accepted: list[dict] = []
-        self.release = threading.Event()  # cleared: hold every request until set
-        self.release.set()
-        self.first_arrived = threading.Event()
-        self.lock = threading.Lock()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}/hook"
-
-
-class HookHandler(BaseHTTPRequestHandler):
-    server: Hook
-
-    def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        self.server.first_arrived.set()
-        self.server.release.wait(10)
-        with self.server.lock:
-            self.server.requests += 1
-            status = self.server.statuses.pop(0) if self.server.statuses else 200
-            if status == 200:
-                self.server.accepted.append(json.loads(body))
-        self.send_response(status)
-        if status == 429:
-            self.send_header("Retry-After", "0")
-        self.send_header("Content-Length", "2")
-        self.end_headers()
-        self.wfile.write(b"ok")
-
-    def log_message(self, *args) -> None:
-        pass
-
-
-@pytest.fixture
-def hook(request) -> Iterator[Hook]:
-    server = Hook(getattr(request, "param", []))
-    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
-    thread.start()
-    yield server
-    server.release.set()
-    server.shutdown()
-    server.server_close()
-
-
-def wait_for(predicate, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 @pytest.mark.parametrize("hook", [[500, 500]], indirect=True)
@@ -129,10 +64,7 @@ def test_gives_up_after_max_retries(hook, caplog):
 
 
 def dead_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}/hook"  # nothing listens there any more
+    return f"http://127.0.0.1:{free_port()}/hook"  # nothing listens there any more
 
 
 def test_dead_url_never_blocks_submit_and_ends_failed():
@@ -141,7 +73,7 @@ def test_dead_url_never_blocks_submit_and_ends_failed():
     for i in range(3):
         notifier.submit({**ALERT, "step": i})
     assert time.perf_counter() - started < 0.05
-    assert wait_for(lambda: notifier.stats["failed"] == 3)
+    assert wait_until(lambda: notifier.stats["failed"] == 3, timeout=5.0)
     notifier.close(timeout=2)
     assert notifier.stats == {"sent": 0, "failed": 3, "dropped": 0, "queued": 0, "merged": 0}
 
@@ -204,11 +136,11 @@ def test_incident_message_names_the_root_the_affected_tensors_and_the_link():
 def test_messages_of_one_key_are_rate_limited_into_one_post(hook):
     notifier = WebhookNotifier(hook.url, max_retries=0, min_interval_s=600.0)
     notifier.submit({**ALERT, "step": 1}, key=1)
-    assert wait_for(lambda: len(hook.accepted) == 1)
+    assert wait_until(lambda: len(hook.accepted) == 1, timeout=5.0)
     notifier.submit({**ALERT, "step": 2}, key=1)  # within the interval: held
     notifier.submit({**ALERT, "step": 3}, key=1)  # joins the held one
     notifier.submit({**ALERT, "step": 4, "run_name": "other"}, key=2)  # another run: not held
-    assert wait_for(lambda: len(hook.accepted) == 2)
+    assert wait_until(lambda: len(hook.accepted) == 2, timeout=5.0)
     assert "step 4" in hook.accepted[1]["text"]
     assert notifier.stats["queued"] == 2 and notifier.stats["merged"] == 1
     notifier.close(timeout=5)  # closing delivers the held message at once

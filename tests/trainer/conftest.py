@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -16,3 +17,14 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real `fp8-monitor serve` (a `tests.support.server.ServerProcess`) on a fresh SQLite database, one per
+    test module (imported here: loading this conftest needs no service stack)."""
+    from tests.support.server import running_server
+
+    db = tmp_path_factory.mktemp("monitor") / "monitor.db"
+    with running_server(f"sqlite:///{db}") as srv:
+        yield srv

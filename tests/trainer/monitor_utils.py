@@ -1,22 +1,15 @@
-"""Shared pieces of the Monitor tests: a real `fp8-monitor serve`, a small FP8 GPT and its training loop."""
+"""Shared pieces of the runtime tests that stream into a real `fp8-monitor serve` (tests/trainer, monitor/ and
+integrations/): a small FP8 GPT and its training loop, and reading back what the service stored."""
 
 from __future__ import annotations
-
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import numpy as np
 import torch
 
-_ROOT = str(Path(__file__).resolve().parents[2])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-from fp8_trainer import DelayedScaling, convert_to_fp8, fp8_autocast, step_stats  # noqa: E402
-from fp8_trainer.model import GPT, GPTConfig, fp8_filter  # noqa: E402
-from tests.server.utils import API, decode, free_port, running_server  # noqa: E402, F401
+from fp8_trainer import DelayedScaling, convert_to_fp8, fp8_autocast, step_stats
+from fp8_trainer.model import GPT, GPTConfig, fp8_filter
+from tests.support.server import API, decode
 
 HEATMAP_METRICS = ("amax", "scale", "overflow", "underflow", "nonfinite")
 FAST = dict(flush_interval=0.1, retry_delays=(0.05, 0.1), probe_interval=0.2, http_timeout=2.0)
@@ -84,11 +77,7 @@ def assert_stored_equal(url: str, run_id: int, seen: dict) -> None:
     np.testing.assert_array_equal(decode(series["values"]), [seen[s][0] for s in steps])
 
 
-def wait_until(predicate, timeout: float = 15.0) -> bool:
-    """Poll `predicate` every 50 ms until it is true (True) or `timeout` seconds pass (False)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
+def stored_heatmap(url: str, run_id: int, metric: str, max_cols: int = 1000) -> tuple[list[int], np.ndarray]:
+    """The heatmap of `metric` as stored: its bucket starts and values, (buckets, T), one row per bucket."""
+    h = get(url, f"/runs/{run_id}/heatmap", metric=metric, max_cols=max_cols)
+    return h["bucket_start"], np.array([decode(row) for row in h["values"]]).T

@@ -10,7 +10,7 @@ from torch import nn
 import fp8_trainer
 from fp8_trainer.convert import get_fp8_state
 from fp8_trainer.graphs import GraphedStep
-from tests.gpu_support import FP8_GPU
+from tests.support.gpu import FP8_GPU
 
 pytestmark = FP8_GPU
 

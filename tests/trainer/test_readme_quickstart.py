@@ -8,25 +8,17 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from monitor_utils import get, running_server
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import ROOT
+from tests.trainer.monitor_utils import get
 
 
 def quickstart_blocks() -> list[str]:
     text = (ROOT / "README.md").read_text()
     section = text.split("## I already have a training script", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"```python\n(.*?)```", section, flags=re.S)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    db = tmp_path_factory.mktemp("monitor") / "monitor.db"
-    with running_server(f"sqlite:///{db}") as srv:
-        yield srv
 
 
 # (what the block needs, the run name it registers, steps, where its statistics come from, tensors)

@@ -9,12 +9,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from monitor_utils import FAST, get, running_server, stored_stats
 from torch import nn
 
 from fp8_trainer import DelayedScaling, Monitor, set_layer_recipe, step_stats, tensor_table
 from fp8_trainer.model import GPT, GPTConfig
 from fp8_trainer.shadow import shadow
+from tests.trainer.monitor_utils import FAST, get, stored_stats
 
 CFG = GPTConfig(block_size=32, n_layer=1, n_head=4, n_embd=64)
 # E4M3 forward, E5M2 grad_output (HYBRID): max, overflow rule, and the largest magnitude that rounds to zero
@@ -23,13 +23,6 @@ FMT = {
     "weight": (448.0, lambda a: a > 464.0, 2.0**-10),
     "grad_output": (57344.0, lambda a: a >= 61440.0, 2.0**-17),
 }
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    db = tmp_path_factory.mktemp("monitor") / "monitor.db"
-    with running_server(f"sqlite:///{db}") as srv:
-        yield srv
 
 
 def _train(model, steps: int, monitor=None, on_step=None) -> list[float]:

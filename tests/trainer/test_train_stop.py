@@ -10,23 +10,16 @@ import sys
 
 import pytest
 import torch
-from monitor_utils import get, running_server
 
 from fp8_trainer import cli
 from fp8_trainer.checkpoint import load_checkpoint
 from fp8_trainer.train import train
+from tests.trainer.monitor_utils import get
 
 FLAGS = ["--batch-size", "2", "--seq-len", "32", "--eval-interval", "0", "--no-progress"]
 FLAGS += ["--lr-schedule", "constant", "--warmup-steps", "0", "--log-interval", "1"]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    db = tmp_path_factory.mktemp("monitor") / "monitor.db"
-    with running_server(f"sqlite:///{db}") as srv:
-        yield srv
 
 
 def _runs(url: str, name: str) -> list[dict]:

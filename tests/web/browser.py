@@ -33,6 +33,15 @@ def wait_stream(page: Any, path: str, timeout: float = 10_000) -> None:
     page.wait_for_function("p => (window.fp8scope.streams || []).includes(p)", arg=path, timeout=timeout)
 
 
+def open_run(page: Any, url: str, run_id: int | str, *, stream: bool = True) -> None:
+    """Open the page of run `run_id` and wait until its heatmap and curves are drawn and, with `stream`, its
+    event stream is connected."""
+    page.goto(f"{url}/#/runs/{run_id}")
+    wait_drawn(page, "heatmap", "curves")
+    if stream:
+        wait_stream(page, f"/runs/{run_id}/stream")
+
+
 def no_page_errors(page: Any) -> None:
     """Assert the page raised nothing (console errors for failed fetches of a 401 excepted by callers)."""
     assert not page.probe.errors, page.probe.errors

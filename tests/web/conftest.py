@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.server.utils import ServerProcess
+from tests.support.server import ServerProcess
 from tests.web.browser import CHROMIUM, CHROMIUM_ARGS, VIEWPORT
 
 REQUIRE_BROWSER = os.environ.get("FP8SCOPE_REQUIRE_BROWSER") == "1"

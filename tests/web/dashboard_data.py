@@ -7,18 +7,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from tests.server.utils import API, batch_body, make_tensors
-
-ROLES = (("input", "e4m3"), ("weight", "e4m3"), ("grad_output", "e5m2"))
-
-
-def tensors_named(layers: list[str]) -> list[dict[str, Any]]:
-    """Tensors of the given layer names, three per layer (input, weight, grad_output)."""
-    return [
-        {"index": 3 * k + j, "name": f"{layer}.{role}", "layer": layer, "role": role, "format": fmt}
-        for k, layer in enumerate(layers)
-        for j, (role, fmt) in enumerate(ROLES)
-    ]
+from tests.support.server import API, batch_body, make_tensors
 
 
 def create_run(url: str, name: str, n_layers: int = 4, tensors: list | None = None, **extra: Any) -> dict:

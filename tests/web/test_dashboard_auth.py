@@ -9,7 +9,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.server.utils import API, ServerProcess, batch_body, make_tensors
+from tests.support.server import API, ServerProcess, batch_body, make_tensors
 from tests.web.browser import wait_drawn, wait_stream
 from tests.web.dashboard_data import smooth_stats
 

@@ -7,8 +7,8 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.server.utils import API
-from tests.web.browser import no_page_errors, wait_drawn
+from tests.support.server import API
+from tests.web.browser import no_page_errors, open_run
 from tests.web.dashboard_data import create_run, post_steps, smooth_stats
 
 pytestmark = pytest.mark.slow  # a real browser and server: several seconds each
@@ -45,8 +45,7 @@ def test_heatmap_tensors_buckets_nan_zoom(server, page):
         part = {k: v[first : first + 1000] for k, v in stats.items()}
         post_steps(server.url, run["id"], f"b{first}", first, part)
 
-    page.goto(f"{server.url}/#/runs/{run['id']}")
-    wait_drawn(page, "heatmap", "curves")
+    open_run(page, server.url, run["id"], stream=False)
     state = heatmap_state(page)
     # one row per tensor, grouped by layer with input, weight, grad_output inside each
     assert state["rows"] == 3 * N_LAYERS
@@ -135,8 +134,7 @@ def test_heatmap_tensors_buckets_nan_zoom(server, page):
 
 def test_run_without_steps_and_unknown_run(server, page):
     run = create_run(server.url, "no-steps-yet", 2)
-    page.goto(f"{server.url}/#/runs/{run['id']}")
-    wait_drawn(page, "heatmap", "curves")
+    open_run(page, server.url, run["id"], stream=False)
     assert page.text_content("#run-last-step") == "–"
     assert page.text_content("#heatmap-info").startswith("6 rows × 0 buckets")
     no_page_errors(page)
@@ -149,8 +147,7 @@ def test_step_axis_stays_in_sight_with_hundreds_of_rows(server, page):
     layers = 100  # 300 rows: the plot is far taller than its scroll box
     run = create_run(server.url, "tall-heatmap", layers)
     post_steps(server.url, run["id"], "a", 0, smooth_stats(400, 3 * layers))
-    page.goto(f"{server.url}/#/runs/{run['id']}")
-    wait_drawn(page, "heatmap", "curves")
+    open_run(page, server.url, run["id"], stream=False)
     page.wait_for_function("() => document.querySelectorAll('#heatmap-axis .tick').length > 2")
 
     def axis_view() -> dict:

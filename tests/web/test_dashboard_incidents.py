@@ -7,8 +7,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.server.utils import API
-from tests.web.browser import no_page_errors, wait_drawn, wait_stream
+from tests.support.server import API
+from tests.web.browser import no_page_errors, open_run, wait_drawn
 from tests.web.dashboard_data import create_run, post_steps, smooth_stats
 
 pytestmark = pytest.mark.slow  # a real browser and server: several seconds each
@@ -34,9 +34,7 @@ def incident_ids(page) -> list[str]:
 
 def test_one_entry_per_incident_root_cause_first(server, page):
     rid = nan_run(server.url)
-    page.goto(f"{server.url}/#/runs/{rid}")
-    wait_drawn(page, "heatmap", "curves")
-    wait_stream(page, f"/runs/{rid}/stream")
+    open_run(page, server.url, rid)
     page.wait_for_selector("#incidents-list li.incident")
     (first,) = incident_ids(page)
     item = f"#incidents-list li[data-incident-id='{first}']"

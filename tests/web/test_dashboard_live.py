@@ -8,8 +8,8 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.server.utils import API
-from tests.web.browser import no_page_errors, wait_drawn, wait_stream
+from tests.support.server import API
+from tests.web.browser import no_page_errors, open_run, wait_stream
 from tests.web.dashboard_data import create_run, post_steps, smooth_stats
 
 pytestmark = pytest.mark.slow  # a real browser and server: several seconds each
@@ -18,9 +18,7 @@ pytestmark = pytest.mark.slow  # a real browser and server: several seconds each
 def test_step_posted_appears_without_reload(server, page):
     run = create_run(server.url, "live-run", 2)
     post_steps(server.url, run["id"], "first", 0, smooth_stats(50, 6))
-    page.goto(f"{server.url}/#/runs/{run['id']}")
-    wait_drawn(page, "heatmap", "curves")
-    wait_stream(page, f"/runs/{run['id']}/stream")
+    open_run(page, server.url, run["id"])
     page.evaluate("window.__sameDocument = true")
 
     posted = time.time()
@@ -63,9 +61,7 @@ def test_runs_list_is_live(server, page):
 def test_incident_appears_and_is_acknowledged(server, page):
     run = create_run(server.url, "alert-run", 2)
     post_steps(server.url, run["id"], "quiet", 0, smooth_stats(40, 6))
-    page.goto(f"{server.url}/#/runs/{run['id']}")
-    wait_drawn(page, "heatmap", "curves")
-    wait_stream(page, f"/runs/{run['id']}/stream")
+    open_run(page, server.url, run["id"])
     assert page.text_content("#incidents-list") == "No incidents."
     assert page.is_disabled("#ack-all")
 

@@ -8,8 +8,8 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.server.utils import API
-from tests.web.browser import no_page_errors, wait_drawn
+from tests.support.server import API
+from tests.web.browser import no_page_errors, open_run
 from tests.web.dashboard_data import create_run, post_steps, smooth_stats
 
 pytestmark = pytest.mark.slow  # a real browser and server: several seconds each
@@ -43,8 +43,7 @@ def test_postmortem_and_comparison(server, page):
     post_steps(server.url, twin["id"], "a", 0, twin_stats, losses=losses + 0.5)
     assert httpx.patch(f"{server.url}{API}/runs/{run['id']}", json={"status": "crashed"}).status_code == 200
 
-    page.goto(f"{server.url}/#/runs/{run['id']}")
-    wait_drawn(page, "heatmap", "curves")
+    open_run(page, server.url, run["id"], stream=False)
     # the first non-finite value, named, and outlined on the heatmap
     page.wait_for_selector("#first-nonfinite")
     assert page.text_content("#first-nonfinite .name") == "blocks.2.mlp.fc.weight"

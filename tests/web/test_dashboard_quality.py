@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from fp8_protocol.stats import BASE_COLUMNS, QUALITY_COLUMNS
-from tests.server.utils import API, col
+from tests.support.server import API, col
 from tests.web.browser import no_page_errors, wait_drawn
 from tests.web.dashboard_data import create_run, smooth_stats
 

@@ -10,8 +10,8 @@ import sys
 import httpx
 import pytest
 
-from tests.server.utils import API
-from tests.web.browser import no_page_errors, wait_drawn
+from tests.support.server import API
+from tests.web.browser import no_page_errors, open_run
 
 pytestmark = pytest.mark.slow  # real trainings, a real browser and server
 
@@ -44,8 +44,7 @@ def test_real_runs_in_the_list_the_run_page_and_the_comparison(server, page, tmp
 
     # the run page: every scalar the job sent on offer, the evaluations charted, the config listed
     rid = runs["real-lr1e-3"]["id"]
-    page.goto(f"{server.url}/#/runs/{rid}")
-    wait_drawn(page, "heatmap", "curves")
+    open_run(page, server.url, rid, stream=False)
     page.wait_for_selector("#scalars-picker label[data-name='eval.val_loss']")
     offered = set(page.eval_on_selector_all("#scalars-picker label", "ls => ls.map(l => l.dataset.name)"))
     assert {

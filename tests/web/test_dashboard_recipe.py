@@ -6,8 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.server.utils import API
-from tests.web.browser import no_page_errors, wait_drawn, wait_stream
+from tests.support.server import API
+from tests.web.browser import no_page_errors, open_run
 from tests.web.dashboard_data import create_run, post_steps, smooth_stats
 
 pytestmark = pytest.mark.slow  # a real browser and server: several seconds each
@@ -27,9 +27,7 @@ def test_recipe_change_round_trip(server, page):
     run = create_run(server.url, "recipe-run", 2)
     rid = run["id"]
     post_steps(server.url, rid, "a", 0, smooth_stats(60, 6))
-    page.goto(f"{server.url}/#/runs/{rid}")
-    wait_drawn(page, "heatmap", "curves")
-    wait_stream(page, f"/runs/{rid}/stream")
+    open_run(page, server.url, rid)
 
     page.select_option("#recipe-target", "blocks.1.mlp.fc")
     page.fill("#recipe-margin", "2")
@@ -112,9 +110,7 @@ def test_a_run_that_ends_closes_the_form_and_its_pending_command_live(server, pa
     run = create_run(server.url, "recipe-ends", 2)
     rid = run["id"]
     post_steps(server.url, rid, "a", 0, smooth_stats(20, 6))
-    page.goto(f"{server.url}/#/runs/{rid}")
-    wait_drawn(page, "heatmap", "curves")
-    wait_stream(page, f"/runs/{rid}/stream")
+    open_run(page, server.url, rid)
     assert not page.is_disabled("#recipe-submit")
     page.fill("#recipe-margin", "1")
     page.click("#recipe-submit")

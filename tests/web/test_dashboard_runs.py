@@ -7,7 +7,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.server.utils import API, batch_body
+from tests.support.server import API, batch_body
 from tests.web.browser import no_page_errors, wait_stream
 from tests.web.dashboard_data import create_run, smooth_stats
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.web.browser import wait_drawn
+from tests.web.browser import open_run
 from tests.web.dashboard_data import create_run, post_steps, smooth_stats
 
 pytestmark = pytest.mark.slow  # a real browser and server: several seconds each
@@ -24,8 +24,7 @@ def test_tensor_list_is_not_fetched_per_panel(server, page):
     run = make_run(server)
     requests: list[str] = []
     page.on("request", lambda r: requests.append(r.url))
-    page.goto(f"{server.url}/#/runs/{run['id']}")
-    wait_drawn(page, "heatmap", "curves")
+    open_run(page, server.url, run["id"], stream=False)
     # the recipe editor's targets are the run's layers
     page.wait_for_selector("#recipe-target option[value='blocks.2.mlp.fc']", state="attached")
     # the drill-down has the layer's three tensors
@@ -58,8 +57,7 @@ def test_failed_request_shows_error_in_its_panel(server, page, path, selector, t
             else route.continue_()
         ),
     )
-    page.goto(f"{server.url}/#/runs/{run['id']}")
-    wait_drawn(page, "heatmap", "curves")
+    open_run(page, server.url, run["id"], stream=False)
     cell = page.wait_for_selector(selector)
     assert cell.text_content().startswith(text)
     # the page itself stands: the header and the other panels

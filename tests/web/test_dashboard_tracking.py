@@ -8,8 +8,8 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.server.utils import API
-from tests.web.browser import no_page_errors, wait_drawn, wait_stream
+from tests.support.server import API
+from tests.web.browser import no_page_errors, open_run
 from tests.web.dashboard_data import create_run, post_steps, smooth_stats
 
 pytestmark = pytest.mark.slow  # a real browser and server: several seconds each
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow  # a real browser and server: several seconds each
 
 def _post(server, rid, key, first, n, extra_scalars, seed=0):
     stats = smooth_stats(n, 6, seed=seed)
-    from tests.server.utils import batch_body
+    from tests.support.server import batch_body
 
     body = batch_body(
         key,
@@ -58,9 +58,7 @@ def test_any_scalar_charted_live_with_events_config_and_tags(server, page):
     _event(server, rid, "e1", 10, "eval", val_loss=2.5)
     _event(server, rid, "e2", 20, "eval", val_loss=2.4)
     _event(server, rid, "e3", 15, "checkpoint", path="ckpt-15.pt")
-    page.goto(f"{server.url}/#/runs/{rid}")
-    wait_drawn(page, "heatmap", "curves")
-    wait_stream(page, f"/runs/{rid}/stream")
+    open_run(page, server.url, rid)
 
     # every value on offer; the usual ones charted from the start
     page.wait_for_selector("#scalars-picker label[data-name='eval.val_loss']")
@@ -133,9 +131,7 @@ def test_layers_table_agrees_with_an_alert_before_the_ranking_catches_up(server,
     stale = httpx.get(f"{server.url}{API}/runs/{rid}/layers").json()
     assert {layer["severity"] for layer in stale} == {"ok"}
     page.route(f"**/api/v1/runs/{rid}/layers", lambda route: route.fulfill(json=stale))
-    page.goto(f"{server.url}/#/runs/{rid}")
-    wait_drawn(page, "heatmap", "curves")
-    wait_stream(page, f"/runs/{rid}/stream")
+    open_run(page, server.url, rid)
     bad = smooth_stats(1, 6, seed=2)
     bad["amax"][0, 4] = np.nan  # blocks.1.mlp.fc.weight
     bad["nonfinite"][0, 4] = 7

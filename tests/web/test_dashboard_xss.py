@@ -7,9 +7,9 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.server.utils import API
-from tests.web.browser import no_page_errors, wait_drawn, wait_stream
-from tests.web.dashboard_data import create_run, post_steps, smooth_stats, tensors_named
+from tests.support.server import API, tensors_named
+from tests.web.browser import no_page_errors, open_run
+from tests.web.dashboard_data import create_run, post_steps, smooth_stats
 
 pytestmark = pytest.mark.slow  # a real browser and server: several seconds each
 
@@ -55,9 +55,7 @@ def test_markup_in_names_stays_inert(server, page):
     assert_inert(page)
 
     # run page: title, heatmap labels, layers table, incidents, post-mortem, audit trail
-    page.goto(f"{server.url}/#/runs/{rid}")
-    wait_drawn(page, "heatmap", "curves")
-    wait_stream(page, f"/runs/{rid}/stream")
+    open_run(page, server.url, rid)
     assert page.text_content("#run-name") == SCRIPT
     ticks = page.eval_on_selector_all("#heatmap .ytick text", "ts => ts.map(t => t.textContent)")
     assert f"{IMG}.input" in ticks

@@ -13,39 +13,12 @@ import torch
 L = pytest.importorskip("lightning")
 pytest.importorskip("transformers")
 
-from monitor_utils import FAST, get, running_server, stored_stats  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
-
 from fp8_trainer import DelayedScaling, Linear, step_stats  # noqa: E402
 from fp8_trainer.integrations.lightning import Fp8ScopeCallback  # noqa: E402
+from tests.trainer.integrations.lightning_llama import BATCH, SEQ, TinyLlama  # noqa: E402
+from tests.trainer.monitor_utils import FAST, get, stored_stats  # noqa: E402
 
-STEPS, ACCUM, BATCH, SEQ = 4, 2, 4, 16
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    db = tmp_path_factory.mktemp("monitor") / "monitor.db"
-    with running_server(f"sqlite:///{db}") as srv:
-        yield srv
-
-
-class TinyLlama(L.LightningModule):
-    def __init__(self, lr: float = 1e-3):
-        super().__init__()
-        self.save_hyperparameters()
-        torch.manual_seed(0)
-        cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)  # fmt: skip
-        self.model = LlamaForCausalLM(cfg)
-        self.losses: list[torch.Tensor] = []  # every micro-batch's loss, as training_step returned it
-
-    def training_step(self, batch, batch_idx):
-        loss = self.model(input_ids=batch, labels=batch).loss
-        self.losses.append(loss.detach().clone())
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+STEPS, ACCUM = 4, 2
 
 
 class Seen(L.Callback):

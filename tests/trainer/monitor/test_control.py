@@ -7,20 +7,14 @@ from __future__ import annotations
 import time
 
 import httpx
-import pytest
 import torch
-from monitor_utils import API, FAST, get, running_server, tiny_model, train, wait_until
 
 from fp8_trainer import Monitor, get_layer_recipes
 from fp8_trainer.model import GPT, GPTConfig
 from fp8_trainer.monitor.control import apply_commands
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    db = tmp_path_factory.mktemp("control") / "monitor.db"
-    with running_server(f"sqlite:///{db}") as srv:
-        yield srv
+from tests.support.polling import wait_until
+from tests.support.server import API
+from tests.trainer.monitor_utils import FAST, get, tiny_model, train
 
 
 def post_command(url, run_id, body):

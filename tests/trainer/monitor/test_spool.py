@@ -11,22 +11,13 @@ import time
 import httpx
 import orjson
 import pytest
-from monitor_utils import (
-    API,
-    FAST,
-    assert_stored_equal,
-    free_port,
-    get,
-    running_server,
-    tiny_model,
-    train,
-    wait_until,
-)
 
 from fp8_trainer import Monitor
 from fp8_trainer.monitor.spool import SpoolWriter, read_spool
 from monitor_server import cli
-from tests.server.utils import ServerProcess
+from tests.support.polling import wait_until
+from tests.support.server import API, ServerProcess, free_port, running_server
+from tests.trainer.monitor_utils import FAST, assert_stored_equal, get, tiny_model, train
 
 
 def upload(spool, url, capsys) -> tuple[int, str, str]:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import numpy as np
-from detector_runs import healthy_run, index_of
 
 from monitor_server.detectors.engine import DetectorConfig, DetectorEngine
 from monitor_server.detectors.health import findings_as_open_alerts
+from tests.server.detectors.runs import healthy_run, index_of
 
 TENSOR_KEYS = {"index", "name", "role", "last_amax", "last_scale", "headroom_log2", "amax_growth_log2",
                "overflow_total", "underflow_total", "nonfinite_total",

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from detector_runs import healthy_run, index_of, keys, of_kind, run_engine
 
 from monitor_server.detectors.engine import DetectorConfig
-
-NUMEL = 4096.0 * 1024
+from tests.server.detectors.runs import NUMEL, healthy_run, index_of, keys, of_kind, run_engine
 
 
 def test_sustained_overflow_fires_once_at_the_third_step():

@@ -10,11 +10,12 @@ import os
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 pytest.importorskip("transformers")
 
-from monitor_utils import FAST, decode, free_port, get, running_server
+from tests.support.server import running_server
+from tests.trainer.gloo import per_rank_stats, spawn_ranks
+from tests.trainer.monitor_utils import FAST, get, stored_heatmap
 
 WORLD, STEPS, ACCUM = 2, 3, 2
 
@@ -23,11 +24,11 @@ def worker(rank: int, port: int, url: str, tmp: str, out) -> None:
     env = dict(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=WORLD, LOCAL_WORLD_SIZE=WORLD, MASTER_PORT=port)
     os.environ.update({k: str(v) for k, v in env.items()}, MASTER_ADDR="127.0.0.1")
     torch.set_num_threads(1)
-    from test_hf_callback import BATCH, Seen, Tokens, tiny_llama
     from transformers import Trainer, TrainingArguments
 
     from fp8_trainer import DelayedScaling
     from fp8_trainer.integrations.hf import Fp8ScopeCallback
+    from tests.trainer.integrations.llama import BATCH, Seen, Tokens, tiny_llama
 
     model = tiny_llama()
     args = TrainingArguments(output_dir=f"{tmp}/out", per_device_train_batch_size=BATCH,
@@ -44,18 +45,14 @@ def worker(rank: int, port: int, url: str, tmp: str, out) -> None:
 @pytest.mark.slow
 def test_two_processes_rank_zero_reports(tmp_path):
     with running_server(f"sqlite:///{tmp_path / 'm.db'}") as server:
-        out = mp.Manager().dict()
-        mp.start_processes(worker, args=(free_port(), server.url, str(tmp_path), out), nprocs=WORLD,
-                           join=True, start_method="spawn")  # fmt: skip
-        res = {r: out[r] for r in range(WORLD)}
+        res = spawn_ranks(worker, WORLD, server.url, str(tmp_path))
         assert res[0]["world"] == res[1]["world"] == WORLD
         runs = get(server.url, "/runs")
         assert [r["name"] for r in runs] == ["hf-ddp"]  # one run: rank 1 registered nothing
         run = get(server.url, f"/runs/{runs[0]['id']}")
         assert run["world_size"] == WORLD and run["steps_stored"] == STEPS
         steps = list(range(1, STEPS + 1))
-        per_rank = np.stack([np.stack([res[r]["stats"][s] for s in steps]) for r in range(WORLD)])
+        per_rank = per_rank_stats(res, steps)
         assert not np.array_equal(per_rank[0, ..., 0], per_rank[1, ..., 0])  # each rank its own data
-        h = get(server.url, f"/runs/{run['id']}/heatmap", metric="amax", max_cols=1000)
-        got = np.array([decode(row) for row in h["values"]]).T
+        _, got = stored_heatmap(server.url, run["id"], "amax")
         np.testing.assert_array_equal(got, per_rank[..., 0].max(axis=0))

@@ -11,9 +11,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from monitor_utils import API, FAST, decode, free_port, get, running_server, tiny_model, wait_until
 
 from fp8_trainer import Monitor, fp8_autocast, get_layer_recipes, step_stats
+from tests.support.polling import wait_until
+from tests.support.server import API, free_port, running_server
+from tests.trainer.gloo import gloo_group, per_rank_stats, rank_step, spawn_ranks
+from tests.trainer.monitor_utils import FAST, get, stored_heatmap, tiny_model
 
 WORLD = 2
 LAYER = "blocks.0.mlp.fc"
@@ -21,8 +24,7 @@ SAMPLE = 4
 
 
 def worker(rank: int, port: int, url: str, spool_dir: str, out) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    try:
+    with gloo_group(rank, port, WORLD):
         model, recipe = tiny_model()  # the same weights on both ranks
         mon = Monitor(
             url,
@@ -38,12 +40,7 @@ def worker(rank: int, port: int, url: str, spool_dir: str, out) -> None:
         stats, margins, extra = {}, {}, 0
         for step in range(1, 300):
             margins[step] = get_layer_recipes(model)[LAYER]["margin"]
-            x = torch.randint(0, 256, (2 + rank, 16), generator=gen)
-            with fp8_autocast(fp8_recipe=recipe):
-                _, loss = model(x, x)
-            (loss * (1 + 3 * rank)).backward()
-            opt.step()
-            opt.zero_grad()
+            loss = rank_step(model, opt, gen, rank, recipe)
             stats[step] = step_stats(model).clone().numpy()
             mon.step(step, loss=loss.detach())
             # rank 0 decides for both when to stop: a few steps after the command took effect
@@ -56,8 +53,6 @@ def worker(rank: int, port: int, url: str, spool_dir: str, out) -> None:
             time.sleep(0.03)
         mon.close()
         out[rank] = {"stats": stats, "margins": margins, "run_id": mon.run_id}
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
@@ -92,9 +87,7 @@ def test_two_ranks_report_reduced_stats_rank_amax_and_apply_commands_together(tm
         steps = sorted(res[0]["stats"])
         run = get(server.url, f"/runs/{run_id}")
         assert run["world_size"] == WORLD and run["steps_stored"] == len(steps)
-        per_rank = np.stack(
-            [np.stack([res[r]["stats"][s] for s in steps]) for r in range(WORLD)]
-        )  # (W, S, T, 6)
+        per_rank = per_rank_stats(res, steps)  # (W, S, T, 6)
         assert not np.array_equal(per_rank[0, :, :, 0], per_rank[1, :, :, 0])  # the ranks saw different data
         expected = {
             "amax": per_rank[..., 0].max(axis=0),
@@ -105,9 +98,8 @@ def test_two_ranks_report_reduced_stats_rank_amax_and_apply_commands_together(tm
         }
         np.testing.assert_array_equal(per_rank[0, ..., 1], per_rank[1, ..., 1])  # one shared scale
         for metric, want in expected.items():
-            h = get(server.url, f"/runs/{run_id}/heatmap", metric=metric, max_cols=1000)
-            assert h["bucket_start"] == steps
-            got = np.array([decode(row) for row in h["values"]]).T  # (S, T)
+            bucket_start, got = stored_heatmap(server.url, run_id, metric)  # (S, T)
+            assert bucket_start == steps
             np.testing.assert_array_equal(got, want, err_msg=metric)
 
         listed = get(server.url, f"/runs/{run_id}/events", kind="rank_amax")
@@ -122,8 +114,7 @@ def test_two_ranks_report_reduced_stats_rank_amax_and_apply_commands_together(tm
 
 
 def worker_without_fp8(rank: int, port: int, url: str, spool_dir: str, out) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    try:
+    with gloo_group(rank, port, WORLD):
         model, recipe = tiny_model()
         mon = Monitor(url, "ddp-no-fp8", model, recipe, spool_path=f"{spool_dir}/n{rank}.jsonl", **FAST)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -143,31 +134,19 @@ def worker_without_fp8(rank: int, port: int, url: str, spool_dir: str, out) -> N
             mon.step(step, loss=loss.detach())
         mon.close()
         out[rank] = {"losses": losses, "run_id": mon.run_id}
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
 def test_two_ranks_report_steps_without_fp8_with_their_scalars(tmp_path):
     with running_server(f"sqlite:///{tmp_path / 'm.db'}") as server:
-        out = mp.Manager().dict()
-        mp.start_processes(
-            worker_without_fp8,
-            args=(free_port(), server.url, str(tmp_path), out),
-            nprocs=WORLD,
-            start_method="spawn",
-        )
+        out = spawn_ranks(worker_without_fp8, WORLD, server.url, str(tmp_path))
         run_id = out[0]["run_id"]
         run = get(server.url, f"/runs/{run_id}")
         assert run["steps_stored"] == 6 and run["status"] == "finished"
         loss = get(server.url, f"/runs/{run_id}/series", name="loss")
         assert loss["steps"] == [1, 2, 3, 4, 5, 6]
         assert loss["values"] == [out[0]["losses"][s] for s in range(1, 7)]  # rank 0's
-        h = get(server.url, f"/runs/{run_id}/heatmap", metric="amax", max_cols=100)
-        with_stats = [
-            s
-            for s, col in zip(h["bucket_start"], np.array([decode(r) for r in h["values"]]).T, strict=True)
-            if not np.isnan(col).all()
-        ]
+        bucket_start, values = stored_heatmap(server.url, run_id, "amax", max_cols=100)
+        with_stats = [s for s, col in zip(bucket_start, values, strict=True) if not np.isnan(col).all()]
         assert with_stats == [1, 2, 5, 6]
         assert get(server.url, f"/runs/{run_id}/alerts") == []

@@ -4,24 +4,22 @@ job computed it, NaN and infinities included; the README example; the read clien
 
 from __future__ import annotations
 
-import os
 import re
 import sys
-from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 import torch
-from monitor_utils import FAST, running_server, tiny_model, train
 
 from fp8_trainer import Monitor, tensor_table
 from fp8_trainer.monitor.read import Reader, ReadError
-from tests.server.utils import fresh_pg_database
+from tests.support import ROOT
+from tests.support.server import pg_database_or_skip, running_server
+from tests.trainer.monitor_utils import FAST, tiny_model, train
 
 STATS = ("amax", "scale", "overflow", "underflow", "nonfinite", "numel")
-PG_URL = os.environ.get("FP8SCOPE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = ROOT / "README.md"
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
@@ -30,18 +28,8 @@ def server(request, tmp_path_factory):
         with running_server(f"sqlite:///{tmp_path_factory.mktemp('monitor') / 'monitor.db'}") as srv:
             yield srv
         return
-    try:
-        database = fresh_pg_database(PG_URL, "fp8scope_read")
-        url = database.__enter__()
-    except Exception as exc:
-        if os.environ.get("FP8SCOPE_REQUIRE_PG") == "1":
-            pytest.fail(f"PostgreSQL not reachable: {exc}")
-        pytest.skip(f"PostgreSQL not reachable at {PG_URL}: {exc}")
-    try:
-        with running_server(url) as srv:
-            yield srv
-    finally:
-        database.__exit__(None, None, None)
+    with pg_database_or_skip("fp8scope_read") as url, running_server(url) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

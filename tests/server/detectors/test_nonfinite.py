@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
-from detector_runs import healthy_run, index_of, keys, of_kind, run_engine
 
 from monitor_server.detectors.nonfinite import forward_backward_order
+from tests.server.detectors.runs import healthy_run, index_of, keys, of_kind, run_engine
 
 
 def test_forward_backward_order_runs_backward_last_layer_first():

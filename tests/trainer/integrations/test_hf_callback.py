@@ -10,54 +10,14 @@ import torch
 
 pytest.importorskip("transformers")
 
-from monitor_utils import FAST, get, running_server, stored_stats
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainingArguments
 
-from fp8_trainer import DelayedScaling, Linear, step_stats, tensor_table
+from fp8_trainer import DelayedScaling, Linear, tensor_table
 from fp8_trainer.integrations.hf import Fp8ScopeCallback
+from tests.trainer.integrations.llama import BATCH, SEQ, Seen, Tokens, tiny_llama
+from tests.trainer.monitor_utils import FAST, get, stored_stats
 
-STEPS, ACCUM, BATCH, SEQ = 4, 2, 4, 16
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    db = tmp_path_factory.mktemp("monitor") / "monitor.db"
-    with running_server(f"sqlite:///{db}") as srv:
-        yield srv
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n: int):
-        g = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, 64, (n, SEQ), generator=g)
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
-def tiny_llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)  # fmt: skip
-    return LlamaForCausalLM(cfg)
-
-
-class Seen(TrainerCallback):
-    """After fp8scope's callback at each step: the runtime's statistics; and the loss the Trainer logs."""
-
-    def __init__(self, model):
-        self.model, self.stats, self.losses = model, {}, {}
-
-    def on_step_end(self, args, state, control, **kwargs):
-        s = step_stats(self.model) if hasattr(self.model, "_fp8_state") else None
-        self.stats[state.global_step] = None if s is None else s.clone().numpy()
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and "loss" in logs:
-            self.losses[state.global_step] = logs["loss"]
+STEPS, ACCUM = 4, 2
 
 
 def run(tmp_path, callback=None):

@@ -9,10 +9,12 @@ import subprocess
 import sys
 
 import pytest
-from monitor_utils import FAST, running_server, tiny_model, wait_until
 
 from fp8_trainer import Monitor
 from fp8_trainer.monitor import MonitorRefused
+from tests.support.polling import wait_until
+from tests.support.server import running_server
+from tests.trainer.monitor_utils import FAST, tiny_model
 
 INGEST, READ = "tr41ner-secret", "r3ader-secret"
 

@@ -6,13 +6,13 @@ import typing
 
 import numpy as np
 import pytest
-from detector_runs import make_tensors
 
 from monitor_server.detectors.config import DetectorConfig
 from monitor_server.detectors.ranks import parse_rank_amax, rank_divergence
 from monitor_server.detectors.types import EVENT_KINDS
 from monitor_server.schemas import EventKind
-from tests.server.utils import API, batch_body, create_run, random_stats
+from tests.server.detectors.runs import make_tensors
+from tests.support.server import API, batch_body, create_run, random_stats
 
 
 def _amax(world: int, n: int, seed: int = 0) -> np.ndarray:

@@ -6,19 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from monitor_utils import FAST, assert_stored_equal, get, running_server
 
 from fp8_trainer import STAT_COLUMNS, Monitor
 from fp8_trainer.monitor.external import CallerStats
+from tests.trainer.monitor_utils import FAST, assert_stored_equal, get
 
 TENSORS = ["blocks.0.fc.input", "blocks.0.fc.weight", "blocks.0.fc.grad_output", "head.input"]
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    db = tmp_path_factory.mktemp("monitor") / "monitor.db"
-    with running_server(f"sqlite:///{db}") as srv:
-        yield srv
 
 
 def _block(rng: np.random.Generator, step: int) -> np.ndarray:

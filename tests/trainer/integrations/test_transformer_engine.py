@@ -56,10 +56,11 @@ def test_with_transformer_engine(tmp_path):
     te = pytest.importorskip("transformer_engine.pytorch", reason="transformer_engine is not installed")
     if not torch.cuda.is_available():
         pytest.skip("Transformer Engine needs a CUDA GPU")
-    from monitor_utils import FAST, get, running_server, stored_stats
     from transformer_engine.common.recipe import DelayedScaling
 
     from fp8_trainer import Monitor
+    from tests.support.server import running_server
+    from tests.trainer.monitor_utils import FAST, get, stored_stats
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(te.Linear(64, 128), torch.nn.GELU(), te.Linear(128, 64)).cuda()
@@ -126,9 +127,9 @@ StandIn.__name__ = StandIn.__qualname__ = "Linear"
 
 
 def test_monitor_plumbing_with_a_stand_in(tmp_path):
-    from monitor_utils import FAST, get, running_server, stored_stats
-
     from fp8_trainer import Monitor
+    from tests.support.server import running_server
+    from tests.trainer.monitor_utils import FAST, get, stored_stats
 
     casts = [[2.0], [3.0, 1.5], [0.0], [5.0], [9.0]]  # per optimizer step; two forwards in step 2
     model = torch.nn.Sequential(StandIn([a for step in casts for a in step]))

@@ -12,22 +12,15 @@ import torch
 pytest.importorskip("torchao.float8")
 
 import torchao.float8.float8_linear as ao_linear
-from monitor_utils import FAST, get, running_server, stored_stats
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
 from fp8_trainer import Monitor, step_stats, tensor_table
 from fp8_trainer.integrations.torchao import torchao_scale, watch_torchao
 from fp8_trainer.model import GPT, GPTConfig
 from fp8_trainer.monitor.control import apply_commands
+from tests.trainer.monitor_utils import FAST, get, stored_stats
 
 ROLE = {"INPUT": "input", "WEIGHT": "weight", "GRAD_OUTPUT": "grad_output"}
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    db = tmp_path_factory.mktemp("monitor") / "monitor.db"
-    with running_server(f"sqlite:///{db}") as srv:
-        yield srv
 
 
 def _torchao_gpt(round_pow2: bool = False):

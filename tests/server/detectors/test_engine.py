@@ -7,32 +7,19 @@ from datetime import UTC, datetime, timedelta
 
 import numpy as np
 import pytest
-from detector_runs import add_quality, healthy_run, index_of, keys, run_engine, set_sqnr
 from pydantic import ValidationError
 
 from monitor_server.detectors.engine import DetectorConfig, DetectorEngine, check_stalled
 from monitor_server.detectors.types import ALERT_KINDS, StepBatch
-
-NUMEL = 4096.0 * 1024
+from tests.server.detectors.runs import add_quality, healthy_run, index_of, keys, run_engine, set_sqnr
+from tests.server.detectors.runs import faulty_run as shared_faulty_run
 
 
 def faulty_run(n_layers: int = 4):
-    """Every detector fires at least once, some at batch-boundary-sensitive places."""
-    run = healthy_run(400, n_layers=n_layers, seed=3)
-    run.loss_present = np.ones(400, dtype=bool)
-    t = run.tensors
-    run.loss[150] *= 2.0
-    run.stats["overflow"][100:110, index_of(t, 1, "weight")] = 3e-3 * NUMEL
-    run.stats["underflow"][200:230, index_of(t, 2, "input")] = 0.2 * NUMEL
-    k = np.clip(np.arange(400) - 250, 0, None)
-    run.stats["amax"][:, index_of(t, 3, "input")] = 2.0 ** (0.4 * k)
-    run.stats["amax"][120, index_of(t, 0, "grad_output")] *= 2.0**14
-    run.rescale()
-    run.stats["nonfinite"][300:305, index_of(t, 2, "grad_output")] = 4
-    run.stats["nonfinite"][302, index_of(t, 0, "input")] = 1
-    run.loss[330] = np.nan
+    """The shared faulty run with quality columns and an SQNR drop, so that every detector fires."""
+    run = shared_faulty_run(n_layers)
     add_quality(run, seed=3)
-    set_sqnr(run, slice(295, None), index_of(t, 1, "input"), level_db=8.0, noise_db=1.0)
+    set_sqnr(run, slice(295, None), index_of(run.tensors, 1, "input"), level_db=8.0, noise_db=1.0)
     return run
 
 
@@ -42,7 +29,7 @@ def full(findings):
 
 def test_faulty_run_triggers_every_tensor_and_loss_detector():
     found = run_engine(faulty_run())
-    # stalled comes from the clock, rank_divergence from rank_amax events (test_detectors_ranks.py)
+    # stalled comes from the clock, rank_divergence from rank_amax events (test_ranks.py)
     assert {f.kind for f in found} == set(ALERT_KINDS) - {"stalled", "rank_divergence"}
     assert all(f.kind in ALERT_KINDS and f.severity in ("info", "warning", "critical") for f in found)
     assert [f.step for f in found] == sorted(f.step for f in found)

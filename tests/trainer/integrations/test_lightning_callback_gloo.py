@@ -13,11 +13,11 @@ import torch
 L = pytest.importorskip("lightning")
 pytest.importorskip("transformers")
 
-from monitor_utils import FAST, decode, get, running_server  # noqa: E402
-from test_lightning_callback import BATCH, SEQ, TinyLlama  # noqa: E402
-
 from fp8_trainer import DelayedScaling, step_stats  # noqa: E402
 from fp8_trainer.integrations.lightning import Fp8ScopeCallback  # noqa: E402
+from tests.support.server import running_server  # noqa: E402
+from tests.trainer.integrations.lightning_llama import BATCH, SEQ, TinyLlama  # noqa: E402
+from tests.trainer.monitor_utils import FAST, get, stored_heatmap  # noqa: E402
 
 WORLD, STEPS, ACCUM = 2, 3, 2
 
@@ -62,6 +62,5 @@ def test_two_processes_rank_zero_reports(tmp_path):
             per_rank.append(np.stack([stats[s] for s in range(1, STEPS + 1)]))
         per_rank = np.stack(per_rank)
         assert not np.array_equal(per_rank[0, ..., 0], per_rank[1, ..., 0])  # each rank its own data
-        h = get(server.url, f"/runs/{run['id']}/heatmap", metric="amax", max_cols=1000)
-        got = np.array([decode(row) for row in h["values"]]).T
+        _, got = stored_heatmap(server.url, run["id"], "amax")
         np.testing.assert_array_equal(got, per_rank[..., 0].max(axis=0))

@@ -14,21 +14,15 @@ import logging
 import numpy as np
 import pytest
 import torch
-from monitor_utils import FAST, get, running_server, stored_stats, wait_until
 from torch import nn
 
 import fp8_trainer
 from fp8_trainer import CurrentScaling, DelayedScaling, Monitor, StatsReader, fp8_autocast
 from fp8_trainer.state import merge_step_stats
+from tests.support.polling import wait_until
+from tests.trainer.monitor_utils import FAST, get, stored_stats
 
 MICRO = (1.0, 50.0, 1.0)  # the input amax of each micro-batch; the middle one saturates at scale ~448
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    db = tmp_path_factory.mktemp("monitor") / "monitor.db"
-    with running_server(f"sqlite:///{db}") as srv:
-        yield srv
 
 
 def _model(recipe):

@@ -6,9 +6,9 @@ import json
 
 import numpy as np
 import pytest
-from detector_runs import flat_loss_run, healthy_run, keys, of_kind, run_engine
 
 from monitor_server.detectors.engine import DetectorConfig, DetectorEngine
+from tests.server.detectors.runs import flat_loss_run, healthy_run, keys, of_kind, run_engine
 
 
 def test_noisy_decaying_loss_raises_nothing():

@@ -22,18 +22,26 @@ from sqlalchemy import create_engine, make_url, text
 
 STATS = ("amax", "scale", "overflow", "underflow", "nonfinite", "numel")
 API = "/api/v1"
+#: the PostgreSQL server of the tests (a database on it is created per session, see tests/server/conftest.py)
+PG_URL = os.environ.get("FP8SCOPE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+
+ROLES = (("input", "e4m3"), ("weight", "e4m3"), ("grad_output", "e5m2"))
+
+
+def tensors_named(layers: list[str]) -> list[dict[str, Any]]:
+    """Tensors as the training runtime registers them, three per layer: the k-th layer's input, weight and
+    grad_output are indices 3k, 3k+1 and 3k+2."""
+    return [
+        {"index": 3 * k + j, "name": f"{layer}.{role}", "layer": layer, "role": role, "format": fmt}
+        for k, layer in enumerate(layers)
+        for j, (role, fmt) in enumerate(ROLES)
+    ]
 
 
 def make_tensors(n_layers: int) -> list[dict[str, Any]]:
-    """Tensors as the training runtime registers them: layer k -> indices 3k (input), 3k+1 (weight), 3k+2."""
-    tensors = []
-    for k in range(n_layers):
-        layer = f"blocks.{k}.mlp.fc"
-        for j, (role, fmt) in enumerate((("input", "e4m3"), ("weight", "e4m3"), ("grad_output", "e5m2"))):
-            tensors.append(
-                {"index": 3 * k + j, "name": f"{layer}.{role}", "layer": layer, "role": role, "format": fmt}
-            )
-    return tensors
+    """The tensors of `n_layers` layers named ``blocks.<k>.mlp.fc``."""
+    return tensors_named([f"blocks.{k}.mlp.fc" for k in range(n_layers)])
 
 
 def run_body(n_layers: int = 2, name: str = "test-run", **extra: Any) -> dict[str, Any]:
@@ -88,6 +96,20 @@ def random_stats(rng: np.random.Generator, steps: int, tensors: int) -> dict[str
     }
 
 
+def quiet_stats(steps: int, tensors: int) -> dict[str, np.ndarray]:
+    """Healthy statistics, (steps, tensors) each, that no detector flags: steady amax, a matching scale, no
+    overflow, underflow or non-finite values."""
+    amax = np.tile(np.linspace(0.5, 3.0, tensors), (steps, 1))
+    return {
+        "amax": amax,
+        "scale": 2.0 ** np.floor(np.log2(448.0 / (amax * 1.1))),
+        "overflow": np.zeros((steps, tensors)),
+        "underflow": np.zeros((steps, tensors)),
+        "nonfinite": np.zeros((steps, tensors)),
+        "numel": np.full((steps, tensors), 4096.0),
+    }
+
+
 def batch_body(
     key: str,
     steps: list[int] | np.ndarray,
@@ -106,6 +128,25 @@ def batch_body(
             {"step": int(step), "scalars": scalars, "stats": {n: col(stats[n][i], encoding) for n in STATS}}
         )
     return {"idempotency_key": key, "steps": out, **extra}
+
+
+def post_batch(
+    client: Any,
+    run_id: int,
+    key: str,
+    first: int,
+    stats: dict[str, np.ndarray],
+    losses: list[float] | np.ndarray | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """POST /runs/{id}/telemetry with the rows of `stats` as steps `first`, `first` + 1, ... (loss 2.0 each
+    unless `losses`) through an in-process client; asserts 200 and returns the answer."""
+    n = len(stats["amax"])
+    losses = [2.0] * n if losses is None else losses
+    body = batch_body(key, range(first, first + n), stats, losses=losses, **extra)
+    r = client.post(f"{API}/runs/{run_id}/telemetry", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
 
 
 def decode(values: list) -> np.ndarray:
@@ -225,6 +266,27 @@ def fresh_pg_database(server_url: str, prefix: str) -> Iterator[str]:
         with maintenance.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         maintenance.dispose()
+
+
+@contextlib.contextmanager
+def pg_database_or_skip(prefix: str) -> Iterator[str]:
+    """`fresh_pg_database` on the tests' PostgreSQL server (PG_URL). An unreachable server skips the test,
+    or fails it when FP8SCOPE_REQUIRE_PG=1 (CI)."""
+    import pytest
+
+    database = fresh_pg_database(PG_URL, prefix)
+    try:
+        url = database.__enter__()
+    except Exception as exc:
+        where = make_url(PG_URL).render_as_string(hide_password=True)
+        message = f"PostgreSQL not reachable at {where}: {exc}"
+        if os.environ.get("FP8SCOPE_REQUIRE_PG") == "1":
+            pytest.fail(message + " (FP8SCOPE_REQUIRE_PG=1)")
+        pytest.skip(message)
+    try:
+        yield url
+    finally:
+        database.__exit__(None, None, None)
 
 
 def raw_exchange(port: int, data: bytes, timeout: float = 15.0) -> tuple[int, dict[str, str], bytes]:

@@ -13,13 +13,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from detector_runs import healthy_run, index_of
-from test_detectors_engine import faulty_run
 
 from monitor_server.detectors import base
 from monitor_server.detectors.base import BatchView, Detector, array_state, registered, value_state
 from monitor_server.detectors.engine import DetectorConfig, DetectorEngine
 from monitor_server.detectors.types import Finding
+from tests.server.detectors.runs import faulty_run, healthy_run, index_of
 
 CONFIG = DetectorConfig(warmup_steps=0)
 KEYS = [cls.key for cls in registered()]

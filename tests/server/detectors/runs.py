@@ -10,6 +10,7 @@ import numpy as np
 from monitor_server.detectors.types import FP8_MAX, StepBatch, TensorMeta
 
 ROLE_FORMAT = {"input": "e4m3", "weight": "e4m3", "grad_output": "e5m2"}
+NUMEL = 4096.0 * 1024  # elements per tensor per step in these runs
 
 
 def make_tensors(n_layers: int, prefix: str = "blocks") -> list[TensorMeta]:
@@ -92,7 +93,7 @@ def healthy_run(n_steps: int = 400, n_layers: int = 4, seed: int = 0, start_step
     drift = 0.002 * t[:, None]  # log2 per step: over 32 steps 0.06, far below margin + 2
     log2_amax = base[None, :] + drift + 0.15 * rng.standard_normal((n_steps, n))
     amax = 2.0**log2_amax
-    numel = np.tile(np.array([4096.0 * 1024] * n), (n_steps, 1))
+    numel = np.tile(np.array([NUMEL] * n), (n_steps, 1))
     grad = np.array([m.role == "grad_output" for m in tensors])
     under_frac = np.where(grad, rng.uniform(0.15, 0.20, size=(n_steps, n)), 0.01)
     run = Run(
@@ -118,6 +119,24 @@ def flat_loss_run(
     run = healthy_run(n_steps, n_layers, seed)
     rng = np.random.default_rng(seed + 100)
     run.loss = level + noise * rng.standard_normal(n_steps)
+    return run
+
+
+def faulty_run(n_layers: int = 4):
+    """Every detector fires at least once, some at batch-boundary-sensitive places."""
+    run = healthy_run(400, n_layers=n_layers, seed=3)
+    run.loss_present = np.ones(400, dtype=bool)
+    t = run.tensors
+    run.loss[150] *= 2.0
+    run.stats["overflow"][100:110, index_of(t, 1, "weight")] = 3e-3 * NUMEL
+    run.stats["underflow"][200:230, index_of(t, 2, "input")] = 0.2 * NUMEL
+    k = np.clip(np.arange(400) - 250, 0, None)
+    run.stats["amax"][:, index_of(t, 3, "input")] = 2.0 ** (0.4 * k)
+    run.stats["amax"][120, index_of(t, 0, "grad_output")] *= 2.0**14
+    run.rescale()
+    run.stats["nonfinite"][300:305, index_of(t, 2, "grad_output")] = 4
+    run.stats["nonfinite"][302, index_of(t, 0, "input")] = 1
+    run.loss[330] = np.nan
     return run
 
 

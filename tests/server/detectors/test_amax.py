@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
-from detector_runs import healthy_run, index_of, keys, of_kind, run_engine
 
 from monitor_server.detectors.engine import DetectorConfig, DetectorEngine
+from tests.server.detectors.runs import healthy_run, index_of, keys, of_kind, run_engine
 
 
 def ramp(run, t: int, start: int, rate: float) -> None:

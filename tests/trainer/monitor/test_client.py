@@ -8,26 +8,11 @@ import logging
 import numpy as np
 import pytest
 import torch
-from monitor_utils import (
-    FAST,
-    assert_stored_equal,
-    get,
-    running_server,
-    stored_stats,
-    tiny_model,
-    train,
-    wait_until,
-)
 
 from fp8_trainer import DelayedScaling, Monitor, fp8_autocast, step_stats, tensor_table
 from fp8_trainer.model import GPT, GPTConfig
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    db = tmp_path_factory.mktemp("monitor") / "monitor.db"
-    with running_server(f"sqlite:///{db}") as srv:
-        yield srv
+from tests.support.polling import wait_until
+from tests.trainer.monitor_utils import FAST, assert_stored_equal, get, stored_stats, tiny_model, train
 
 
 def test_plain_loop_stores_every_step_as_computed(server, tmp_path):

@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 
 import numpy as np
-from detector_runs import healthy_run, index_of, keys, of_kind, run_engine
 
 from monitor_server.detectors.engine import DetectorConfig, DetectorEngine
 from monitor_server.detectors.health import saturation_state
+from tests.server.detectors.runs import NUMEL, healthy_run, index_of, keys, of_kind, run_engine
 
-NUMEL = 4096.0 * 1024
 HISTORY16 = {"margin": 0, "amax_history_len": 16, "amax_compute_algo": "max"}
 DEFAULTS = DetectorConfig(warmup_steps=None)  # the shipped defaults (named: run_engine keeps the warm-up)
 
