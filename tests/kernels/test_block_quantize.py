@@ -399,3 +399,13 @@ def test_block_scaled_mm_within_float32_bound(recipe):
     # and the product really is an FP8 one: close to, but not equal to, the high-precision product
     ref = x.double() @ w.double().t()
     assert 25.0 <= sqnr_db(ref, block_scaled_mm(qx, qw)) <= 40.0
+
+
+def test_block_stats_on_a_partial_block():
+    """The elements past the edge are not zeros of the block: they neither shrink its range nor count."""
+    x = torch.tensor([[1.0] * 31 + [2.0**-4] + [4.0] * 5])  # blocks: 32 elements, then 5
+    q = quantize_blocks(x, E4M3, (1, 32), "e8m0")
+    st = block_stats(x, q, E4M3)
+    assert st["dynamic_range"].flatten().tolist() == [4.0, 0.0]
+    assert st["zero_blocks"].item() == 0 and st["underflow"].sum().item() == 0
+    assert st["scale_exponent_hist"].sum().item() == 2
