@@ -35,10 +35,12 @@ from .quantize import fp8_max, overflow_threshold
 
 __all__ = [
     "BlockQuantized",
+    "BlockQuantizedPair",
     "E8M0_BIAS",
     "E8M0_NAN",
     "FP8_BLOCK",
     "MXFP8_BLOCK",
+    "block_amax",
     "block_scaled_mm",
     "block_stats",
     "e8m0_from_amax",
