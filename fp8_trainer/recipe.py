@@ -3,6 +3,11 @@
 Recipes are frozen dataclasses, validated on construction (a bad field raises ``ValueError`` naming the
 field and the reason) and serialisable to JSON through ``to_dict`` / ``from_dict``: the monitor stores
 and edits them. ``recipe_from_dict`` rebuilds either kind from its dict (it dispatches on ``"type"``).
+
+The block-scaled recipes (``MXFP8BlockScaling``, ``Float8BlockScaling``, Transformer Engine's names and
+defaults) are defined here with their CPU numerics in ``fp8_kernels.block_quantize``; the FP8 ``Linear`` does
+not run them yet, so they are kept out of ``Recipe`` and ``recipe_from_dict`` (a stored or pushed recipe
+cannot select them by accident) and have their own ``block_recipe_from_dict``.
 """
 
 from __future__ import annotations
@@ -16,10 +21,15 @@ from .formats import E4M3, E5M2, FP8Format
 
 __all__ = [
     "AMAX_COMPUTE_ALGOS",
+    "BlockRecipe",
     "CurrentScaling",
     "DelayedScaling",
+    "Float8BlockScaling",
     "Format",
+    "MXFP8BlockScaling",
+    "QParams",
     "Recipe",
+    "block_recipe_from_dict",
     "recipe_from_dict",
     "validate_setting",
 ]
@@ -216,3 +226,175 @@ def recipe_from_dict(d: dict[str, Any]) -> Recipe:
     if kind == "current":
         return CurrentScaling.from_dict(d)
     raise ValueError(f"type: unknown recipe type {kind!r}; expected 'delayed' or 'current'")
+
+
+# --- block-scaled recipes (Transformer Engine 2.x names and defaults) --------------------------------------
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: must be a bool, got {value!r}")
+
+
+@dataclass(frozen=True)
+class MXFP8BlockScaling:
+    """MXFP8 (Transformer Engine's ``MXFP8BlockScaling``): every 32 consecutive values along a row share
+    one power-of-two scale stored as E8M0 (an 8-bit biased exponent), computed from the block's own amax
+    in this step (no history):
+
+        code      = clamp(ceil(log2(amax / FP8_MAX)) + 127, 0, 254)    (0 for an all-zero block)
+        q         = fp8(x * 2^(127 - code))                            (round to nearest, saturating)
+        x_dequant = q * 2^(code - 127)
+
+    Each tensor gets a row-wise copy (1x32 blocks along its last dimension) and, when a backward GEMM
+    contracts the other dimension, a column-wise copy (32x1 blocks), both quantized from the
+    high-precision tensor. ``enable_2d_quantization`` gives weights 32x32 blocks (one scale for both
+    copies). Both dimensions must be multiples of 32. Default format E4M3 everywhere (TE's default).
+    """
+
+    fp8_format: Format = Format.E4M3
+    enable_2d_quantization: bool = False
+
+    block_size = 32
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fp8_format", validate_setting("fp8_format", self.fp8_format))
+        _check_bool("enable_2d_quantization", self.enable_2d_quantization)
+
+    @property
+    def scaling(self) -> str:
+        return "mxfp8"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict; ``MXFP8BlockScaling.from_dict`` (or ``block_recipe_from_dict``) inverts it."""
+        return {
+            "type": "mxfp8",
+            "fp8_format": self.fp8_format.value,
+            "enable_2d_quantization": self.enable_2d_quantization,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MXFP8BlockScaling:
+        """Build from ``to_dict``'s output (unknown keys raise ``ValueError``)."""
+        return cls(**_fields(d, cls, "mxfp8"))
+
+
+@dataclass(frozen=True)
+class QParams:
+    """Quantization parameters of one role under ``Float8BlockScaling`` (Transformer Engine's ``QParams``,
+    the fields that apply to FP8): ``power_2_scale`` rounds each block's scale down to a power of two;
+    ``amax_epsilon`` is a floor for each block's amax before the scale is computed."""
+
+    power_2_scale: bool = True
+    amax_epsilon: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_bool("power_2_scale", self.power_2_scale)
+        eps = self.amax_epsilon
+        if isinstance(eps, bool) or not isinstance(eps, int | float) or not math.isfinite(eps) or eps < 0:
+            raise ValueError(f"amax_epsilon: must be a finite number >= 0, got {eps!r}")
+        object.__setattr__(self, "amax_epsilon", float(eps))
+
+    @classmethod
+    def parse(cls, name: str, value: QParams | dict[str, Any]) -> QParams:
+        if isinstance(value, QParams):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"{name}: expected QParams or a dict, got {type(value).__name__}")
+        unknown = sorted(set(value) - {"power_2_scale", "amax_epsilon"})
+        if unknown:
+            raise ValueError(f"{name}.{unknown[0]}: unknown field for QParams")
+        try:
+            return cls(**value)
+        except ValueError as e:
+            raise ValueError(f"{name}.{e}") from None
+
+
+@dataclass(frozen=True)
+class Float8BlockScaling:
+    """FP8 block scaling (Transformer Engine's ``Float8BlockScaling``, DeepSeek-V3's recipe): one float32
+    scale per block, from the block's own amax in this step (no history):
+
+        amax  = max(amax, amax_epsilon)
+        scale = FP8_MAX / amax            (1 for a zero or Inf amax; the input dtype's max if it overflows)
+        scale = 2^floor(log2(scale))      if power_2_scale (TE's default)
+        q     = fp8(x * scale),  scale_inv = 1 / scale
+
+    Blocks per role: ``x_block_scaling_dim`` (input), ``w_block_scaling_dim`` (weight),
+    ``grad_block_scaling_dim`` (grad_output): 1 means 1x128 blocks (and 128x1 for the column-wise copy),
+    2 means 128x128 blocks. Defaults as TE: 1x128 activations and gradients, 128x128 weights. At most one
+    role may use 2-D blocks (a GEMM of two 2-D-scaled operands is not supported by TE's GEMMs). Sizes need not
+    be multiples of 128. Default format E4M3 everywhere (TE's default); GEMMs accumulate with promotion
+    (TE fixes ``use_split_accumulator=True`` for all three GEMMs).
+    """
+
+    fp8_format: Format = Format.E4M3
+    fp8_quant_fwd_inp: QParams = field(default_factory=QParams)
+    fp8_quant_fwd_weight: QParams = field(default_factory=QParams)
+    fp8_quant_bwd_grad: QParams = field(default_factory=QParams)
+    x_block_scaling_dim: int = 1
+    w_block_scaling_dim: int = 2
+    grad_block_scaling_dim: int = 1
+
+    block_size = 128
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fp8_format", validate_setting("fp8_format", self.fp8_format))
+        for name in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"):
+            object.__setattr__(self, name, QParams.parse(name, getattr(self, name)))
+        dims = ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim")
+        for name in dims:
+            v = getattr(self, name)
+            if not _is_int(v) or v not in (1, 2):
+                raise ValueError(f"{name}: must be 1 (1x128 blocks) or 2 (128x128 blocks), got {v!r}")
+        two_d = [n for n in dims if getattr(self, n) == 2]
+        if len(two_d) > 1:
+            raise ValueError(
+                f"{two_d[1]}: 2-D blocks for both {two_d[0]} and {two_d[1]} (a 2-D by 2-D block GEMM)"
+            )
+
+    @property
+    def scaling(self) -> str:
+        return "block"
+
+    def block_scaling_dim(self, role: str) -> int:
+        """1 or 2 for ``role`` (``"input"``, ``"weight"`` or ``"grad_output"``)."""
+        return {
+            "input": self.x_block_scaling_dim,
+            "weight": self.w_block_scaling_dim,
+            "grad_output": self.grad_block_scaling_dim,
+        }[role]
+
+    def qparams(self, role: str) -> QParams:
+        """The ``QParams`` of ``role`` (``"input"``, ``"weight"`` or ``"grad_output"``)."""
+        return {
+            "input": self.fp8_quant_fwd_inp,
+            "weight": self.fp8_quant_fwd_weight,
+            "grad_output": self.fp8_quant_bwd_grad,
+        }[role]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict; ``Float8BlockScaling.from_dict`` (or ``block_recipe_from_dict``) inverts it."""
+        d = asdict(self)
+        d["fp8_format"] = self.fp8_format.value
+        return {"type": "block", **d}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Float8BlockScaling:
+        """Build from ``to_dict``'s output (unknown keys raise ``ValueError``)."""
+        return cls(**_fields(d, cls, "block"))
+
+
+BlockRecipe = MXFP8BlockScaling | Float8BlockScaling
+
+
+def block_recipe_from_dict(d: dict[str, Any]) -> BlockRecipe:
+    """Rebuild a block-scaled recipe from its dict, dispatching on ``"type"``: mxfp8 | block."""
+    if not isinstance(d, dict):
+        raise ValueError(f"recipe: expected a dict, got {type(d).__name__}")
+    kind = d.get("type")
+    if kind == "mxfp8":
+        return MXFP8BlockScaling.from_dict(d)
+    if kind == "block":
+        return Float8BlockScaling.from_dict(d)
+    raise ValueError(f"type: unknown block recipe type {kind!r}; expected 'mxfp8' or 'block'")
