@@ -13,7 +13,6 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from fp8_kernels.block_quantize import (
     E8M0_NAN,
     BlockQuantized,
