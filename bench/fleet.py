@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 from fp8_protocol.stats import BASE_COLUMNS  # noqa: E402
 from monitor_server.core.db import Database  # noqa: E402
 from monitor_server.retention import compact  # noqa: E402
-from tests.support.server import API, ServerProcess, fresh_pg_database  # noqa: E402  (shared with the tests)
+from tests.support.server import API, ServerProcess, fresh_pg_database, make_tensors  # noqa: E402  (shared with the tests)
 
 PG_URL = os.environ.get("FP8SCOPE_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 GOAL_P99_S = 2.0
@@ -121,20 +121,6 @@ class StreamWatcher:
 
     def close(self) -> None:
         self.stop.set()
-
-
-def tensors(n: int) -> list[dict]:
-    roles = (("input", "e4m3"), ("weight", "e4m3"), ("grad_output", "e5m2"))
-    return [
-        {
-            "index": i,
-            "name": f"blocks.{i // 3}.{roles[i % 3][0]}",
-            "layer": f"blocks.{i // 3}",
-            "role": roles[i % 3][0],
-            "format": roles[i % 3][1],
-        }
-        for i in range(n)
-    ]
 
 
 def packed(values: np.ndarray) -> dict:
@@ -229,7 +215,12 @@ def simulate(
     nan_every = max(1, R // max(1, nan_runs)) if nan_runs else 0
     for i in range(R):
         name = f"fleet-{i:04d}"
-        body = {"name": name, "config": {"bench": "fleet"}, "world_size": 1, "tensors": tensors(T)}
+        body = {
+            "name": name,
+            "config": {"bench": "fleet"},
+            "world_size": 1,
+            "tensors": make_tensors(-(-T // 3))[:T],
+        }
         r = http.post(f"{servers[i % 2].url}{API}/runs", json=body)
         r.raise_for_status()
         nan_step = (

@@ -46,3 +46,24 @@ def no_page_errors(page: Any) -> None:
     """Assert the page raised nothing (console errors for failed fetches of a 401 excepted by callers)."""
     assert not page.probe.errors, page.probe.errors
     assert not page.evaluate("window.fp8scope.errors"), page.evaluate("window.fp8scope.errors")
+
+
+class PlotlyGate:
+    """Holds the page's request for plotly.js until `release()`: what the page draws before plotly arrives
+    (the first frame) can be looked at, then the hand-over to plotly."""
+
+    def __init__(self, page: Any):
+        self.held: list[Any] = []
+        self.released = False
+        page.route("**/vendor/plotly.min.js", self._route)
+
+    def _route(self, route: Any) -> None:
+        if self.released:
+            route.continue_()
+        else:
+            self.held.append(route)
+
+    def release(self) -> None:
+        self.released = True
+        for route in self.held:
+            route.continue_()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.web.browser import no_page_errors, wait_drawn
+from tests.web.browser import PlotlyGate, no_page_errors, wait_drawn
 from tests.web.dashboard_data import create_run, post_steps, smooth_stats
 
 pytestmark = pytest.mark.slow  # a real browser and server: several seconds each
@@ -49,21 +49,12 @@ def make_run(server) -> dict:
 
 def test_first_frame_before_plotly_then_hand_over(server, page):
     run = make_run(server)
-    held = []
-    released = []
-
-    def hold(route) -> None:  # plotly.js waits here until the test lets it through
-        if released:
-            route.continue_()
-        else:
-            held.append(route)
-
-    page.route("**/vendor/plotly.min.js", hold)
+    plotly = PlotlyGate(page)  # plotly.js waits until the test lets it through
     page.goto(f"{server.url}/#/runs/{run['id']}")
     page.wait_for_function(
         "() => window.fp8scope.painted.heatmap !== undefined && window.fp8scope.painted.curves !== undefined"
     )
-    assert page.evaluate("window.Plotly") is None and held  # painted with plotly.js still on its way
+    assert page.evaluate("window.Plotly") is None and plotly.held  # painted with plotly.js still on its way
     assert page.evaluate("Object.keys(window.fp8scope.drawn)") == []
 
     heat = page.evaluate(CANVAS_PIXELS, "heatmap-preview")
@@ -76,9 +67,7 @@ def test_first_frame_before_plotly_then_hand_over(server, page):
     curves = page.evaluate(CANVAS_PIXELS, "curves-preview")
     assert curves["loss"] > 100 and curves["grad"] > 100
 
-    released.append(True)
-    for route in held:
-        route.continue_()
+    plotly.release()
     wait_drawn(page, "heatmap", "curves")
     # handed over: the canvases are gone, plotly's plots stand where they stood, at the same size
     assert page.evaluate("document.querySelectorAll('canvas.preview').length") == 0

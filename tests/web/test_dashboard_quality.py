@@ -11,7 +11,7 @@ import pytest
 
 from fp8_protocol.stats import BASE_COLUMNS, QUALITY_COLUMNS
 from tests.support.server import API, col
-from tests.web.browser import no_page_errors, wait_drawn
+from tests.web.browser import PlotlyGate, no_page_errors, wait_drawn
 from tests.web.dashboard_data import create_run, smooth_stats
 
 pytestmark = pytest.mark.slow  # a real browser and server: several seconds each
@@ -82,19 +82,10 @@ def test_sqnr_heatmap_hover_first_frame_and_layers_column(server, page):
     sqnr = sqnr_of(stats)
 
     # the page opened on the SQNR heatmap: its first frame, before plotly.js, in the SQNR colours
-    held: list = []
-    released: list = []
-
-    def hold(route) -> None:  # plotly.js waits here until the test lets it through
-        if released:
-            route.continue_()
-        else:
-            held.append(route)
-
-    page.route("**/vendor/plotly.min.js", hold)
+    plotly = PlotlyGate(page)  # plotly.js waits until the test lets it through
     page.goto(f"{server.url}/#/runs/{run['id']}?metric=sqnr")
     page.wait_for_function("() => window.fp8scope.painted.heatmap !== undefined")
-    assert page.evaluate("window.Plotly") is None and held
+    assert page.evaluate("window.Plotly") is None and plotly.held
     low = page.evaluate(PIXELS_OF, ["heatmap-preview", LOW])
     row_h = (low["height"] - 50) / (3 * N_LAYERS)  # cells from y=10 to height-40, one row per tensor
     assert low["pixels"], "the worst cell is not drawn in the scale's low end"
@@ -108,9 +99,7 @@ def test_sqnr_heatmap_hover_first_frame_and_layers_column(server, page):
     best = np.unravel_index(np.argmax(sqnr), sqnr.shape)
     high = page.evaluate(PIXELS_OF, ["heatmap-preview", HIGH])
     assert {int((y - 10) // row_h) for _, y in high["pixels"]} == {int(best[1])}
-    released.append(True)
-    for route in held:
-        route.continue_()
+    plotly.release()
 
     # plotly's heatmap: the same bucket layout as the API, the same colour scale, the dip in its cell
     wait_drawn(page, "heatmap", "curves")
