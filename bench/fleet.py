@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import contextlib
 import json
 import os
 import re
@@ -93,6 +92,7 @@ class StreamWatcher:
 
     def __init__(self, url: str):
         self.url, self.arrived, self.reconnects = url, {}, 0
+        self.ended: dict[str, int] = {}  # why streams ended: the server's `dropped` reason, or the error
         self.stop = threading.Event()
         self.connected = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -101,22 +101,27 @@ class StreamWatcher:
     def _run(self) -> None:
         connections = 0
         while not self.stop.is_set():
-            with (
-                contextlib.suppress(httpx.HTTPError),
-                httpx.stream("GET", f"{self.url}{API}/stream", timeout=httpx.Timeout(5, read=30)) as r,
-            ):
-                connections += 1
-                self.reconnects = connections - 1
-                self.connected.set()
-                event = None
-                for line in r.iter_lines():
-                    if self.stop.is_set():
-                        return
-                    if line.startswith("event: "):
-                        event = line[7:]
-                    elif line.startswith("data: ") and event == "step":
-                        data = orjson.loads(line[6:])
-                        self.arrived.setdefault((data["run_id"], data["step"]), time.time())
+            why = "closed by the server"
+            try:
+                with httpx.stream("GET", f"{self.url}{API}/stream", timeout=httpx.Timeout(5, read=30)) as r:
+                    connections += 1
+                    self.reconnects = connections - 1
+                    self.connected.set()
+                    event = None
+                    for line in r.iter_lines():
+                        if self.stop.is_set():
+                            return
+                        if line.startswith("event: "):
+                            event = line[7:]
+                        elif line.startswith("data: ") and event == "step":
+                            data = orjson.loads(line[6:])
+                            self.arrived.setdefault((data["run_id"], data["step"]), time.time())
+                        elif line.startswith("data: ") and event == "dropped":
+                            why = f"dropped: {line[6:][:120]}"
+            except httpx.HTTPError as exc:
+                why = type(exc).__name__
+            if not self.stop.is_set():
+                self.ended[why] = self.ended.get(why, 0) + 1
             self.stop.wait(0.5)
 
     def close(self) -> None:
@@ -180,6 +185,7 @@ class Result:
     local_p99_s: float | None = None
     failovers: int = 0
     reconnects: list = field(default_factory=list)  # per instance's stream
+    streams_ended: dict = field(default_factory=dict)  # why, how often
     nan_runs: int = 0
     incidents_expected: int = 0
     incidents: int = 0
@@ -298,6 +304,8 @@ def simulate(
     for w in watchers:
         w.close()
         result.reconnects.append(w.reconnects)
+        for why, n in w.ended.items():
+            result.streams_ended[why] = result.streams_ended.get(why, 0) + n
     if latencies:
         latencies.sort()
         result.latency_p50_s = statistics.median(latencies)
@@ -372,7 +380,7 @@ def report(r: Result) -> str:
             f"  latency on the same one    p50 {s(r.local_p50_s)} s   p99 {s(r.local_p99_s)} s",
             f"  steps sent / stored        {r.steps_sent} / {r.steps_stored} "
             f"(lost {r.steps_lost}, stored twice {r.steps_twice}); {r.failovers} posts failed over",
-            f"  stream reconnects          {r.reconnects}",
+            f"  stream reconnects          {r.reconnects} (A, B); ended: {r.streams_ended}",
             f"  NaN runs                   {r.nan_runs}: incidents {r.incidents} "
             f"(expected {r.incidents_expected}),"
             f" nonfinite alerts {r.nonfinite_alerts}, webhook messages {r.webhook_messages},"
