@@ -137,6 +137,8 @@ def faulty_run(n_layers: int = 4):
     run.stats["nonfinite"][300:305, index_of(t, 2, "grad_output")] = 4
     run.stats["nonfinite"][302, index_of(t, 0, "input")] = 1
     run.loss[330] = np.nan
+    add_quality(run, seed=3)
+    set_sqnr(run, slice(295, None), index_of(t, 1, "input"), level_db=8.0, noise_db=1.0)
     return run
 
 

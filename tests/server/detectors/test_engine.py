@@ -11,16 +11,7 @@ from pydantic import ValidationError
 
 from monitor_server.detectors.engine import DetectorConfig, DetectorEngine, check_stalled
 from monitor_server.detectors.types import ALERT_KINDS, StepBatch
-from tests.server.detectors.runs import add_quality, healthy_run, index_of, keys, run_engine, set_sqnr
-from tests.server.detectors.runs import faulty_run as shared_faulty_run
-
-
-def faulty_run(n_layers: int = 4):
-    """The shared faulty run with quality columns and an SQNR drop, so that every detector fires."""
-    run = shared_faulty_run(n_layers)
-    add_quality(run, seed=3)
-    set_sqnr(run, slice(295, None), index_of(run.tensors, 1, "input"), level_db=8.0, noise_db=1.0)
-    return run
+from tests.server.detectors.runs import faulty_run, healthy_run, keys, run_engine
 
 
 def full(findings):
