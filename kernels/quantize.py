@@ -11,7 +11,8 @@ Numerics (DESIGN.md, "FP8 facts"):
   ``+-Inf`` inputs saturate to ``+-FP8_MAX``; NaN stays NaN.
 * dequantize: ``q * scale_inv`` with ``scale_inv = 1 / scale``.
 
-Statistics, one float64 row ``(amax, scale, overflow, underflow, nonfinite, numel)`` per call:
+Statistics, one float64 row per call, columns ``STAT_COLUMNS`` = ``(amax, scale, overflow, underflow,
+nonfinite, numel, sum_sq, err_sq, subnormal, min_abs)``:
 
 * ``amax``: ``max |x|`` of the unscaled input, ignoring NaN elements as Transformer Engine does (its amax is
   an ``fmaxf`` reduction, and ``fmaxf(a, NaN) = a``): an Inf element gives Inf, an all-NaN tensor gives 0.
@@ -24,13 +25,26 @@ Statistics, one float64 row ``(amax, scale, overflow, underflow, nonfinite, nume
   (round-to-nearest-even sends exactly half the smallest subnormal to zero).
 * ``nonfinite``: NaN and Inf elements of ``x``.
 * ``numel``: elements quantized.
+* ``sum_sq`` and ``err_sq``: ``Σx²`` and ``Σ(q(x) - x)²`` over the finite elements, in ``x``'s units, taken
+  in the scaled domain: ``a = |x * scale|`` (the float32 product) and the FP8 value of the clamped ``a``,
+  their squares in float32, summed, divided by ``scale**2`` in float64. NaN and Inf elements are left out
+  (they are counted in ``nonfinite``); saturation and underflow are errors like any rounding. A finite
+  ``x`` whose float32 product overflowed (``|x * scale|`` > 3.4e38) makes both +inf. SQNR in dB is
+  ``fp8_protocol.stats.sqnr_db(sum_sq, err_sq)``.
+* ``subnormal``: elements landing on a non-zero FP8 subnormal (at most 3 significant bits in E4M3, 2 in
+  E5M2): ``min_subnormal / 2 < |x * scale| < subnormal_threshold``.
+* ``min_abs``: the smallest non-zero finite ``|x|`` (+inf when there is none); with ``amax``, the dynamic
+  range the tensor spans.
 
-An empty ``x`` gives an empty ``q`` and the row ``(0, scale, 0, 0, 0, 0)``.
+A ``(6,)`` row (the base columns alone, ``new_stats(quality=False)``) makes the call skip the quality
+columns. An empty ``x`` gives an empty ``q`` and the row ``(0, scale, 0, 0, 0, 0, 0, 0, 0, inf)``.
 
 When a ``stats`` row is passed, the call accumulates into it in place, which is how micro-batches of one
 step add up: amax the max ignoring NaN (``fmax``); scale the one of the call whose amax is now the row's
 (on a tie the later call's), so that an amax is always reported beside the scale that scaled it (with
-current scaling each micro-batch has its own); counts and numel the sum.
+current scaling each micro-batch has its own); counts, numel and the sums of squares the sum; ``min_abs``
+the min (``fp8_protocol.stats.MERGE``). A fresh row to accumulate into starts with ``min_abs`` +inf
+(``new_stats``).
 """
 
 from __future__ import annotations
@@ -39,6 +53,14 @@ import math
 
 import torch
 
+from fp8_protocol.stats import (
+    AMAX,
+    BASE_COLUMNS,
+    MIN_ABS,
+    OVERFLOW,
+    SCALE,
+    SUM_SQ,
+)
 from fp8_protocol.stats import STAT_COLUMNS as _PROTOCOL_COLUMNS
 
 __all__ = [
@@ -46,10 +68,15 @@ __all__ = [
     "STAT_COLUMNS",
     "current_scale_reference",
     "dequantize",
+    "fp8_bits_to_float",
     "fp8_max",
+    "min_nonzero_reference",
+    "new_stats",
     "overflow_threshold",
     "quantize_current_reference",
     "quantize_with_stats_reference",
+    "quality_row_reference",
+    "subnormal_threshold",
     "tensor_amax_reference",
     "underflow_threshold",
 ]
@@ -126,6 +153,83 @@ def _mix(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return _MIX[device]
 
 
+def subnormal_threshold(fp8_dtype: torch.dtype) -> float:
+    """``|x * scale|`` below this lands on an FP8 subnormal (or zero): the midpoint between the largest
+    subnormal and the smallest normal, which round to nearest even sends up (the smallest normal's mantissa
+    is even, the largest subnormal's odd)."""
+    fi = torch.finfo(fp8_dtype)
+    return float(fi.smallest_normal) * (1.0 - float(fi.eps) / 2)
+
+
+def new_stats(n: int | None = None, *, device=None, quality: bool = True) -> torch.Tensor:
+    """A fresh statistics row ``(C,)`` (``n`` None) or block ``(n, C)``, float64, ready to accumulate into:
+    zeros, with ``min_abs`` +inf (the neutral element of its min). ``C`` is ``len(STAT_COLUMNS)``, or the
+    ``BASE_COLUMNS`` alone with ``quality=False`` (the quantize functions then skip the quality columns)."""
+    cols = len(STAT_COLUMNS) if quality else len(BASE_COLUMNS)
+    out = torch.zeros((cols,) if n is None else (n, cols), dtype=torch.float64, device=device)
+    if quality:
+        out[..., MIN_ABS] = math.inf
+    return out
+
+
+def _row_width(stats: torch.Tensor | None) -> int:
+    if stats is None:
+        return len(STAT_COLUMNS)
+    if stats.dim() != 1 or stats.shape[0] not in (len(BASE_COLUMNS), len(STAT_COLUMNS)):
+        raise ValueError(
+            f"stats: expected a ({len(STAT_COLUMNS)},) or ({len(BASE_COLUMNS)},) row, "
+            f"got {tuple(stats.shape)}"
+        )
+    return stats.shape[0]
+
+
+def fp8_bits_to_float(u: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """The float32 values of non-negative finite FP8 codes ``u`` (uint8, sign bit clear): the code moved
+    into a float32's exponent and mantissa fields, then scaled by 2**(127 - bias), which also gives the
+    subnormals (they become float32 subnormals first, exactly). On the CPU several times faster than
+    ``q.to(torch.float32)`` for E4M3 (whose cast back is not vectorised there)."""
+    fi = torch.finfo(fp8_dtype)
+    mant = round(-math.log2(float(fi.eps)))
+    bias = 1 - round(math.log2(float(fi.smallest_normal)))
+    return u.to(torch.int32).bitwise_left_shift_(23 - mant).view(torch.float32).mul_(2.0 ** (127 - bias))
+
+
+def min_nonzero_reference(ax: torch.Tensor) -> torch.Tensor:
+    """The smallest non-zero finite value of a non-negative float32 tensor with no NaN (+inf when there is
+    none; +inf elements are not finite) as a float32 0-dim tensor: a min over the bits minus 1, with 0
+    wrapped to the top (0x7FFFFFFF) and +inf landing on 0x7F7FFFFF, above every finite value's."""
+    if ax.numel() == 0:
+        return ax.new_full((), math.inf)
+    m = (ax.reshape(-1).view(torch.int32) - 1).bitwise_and_(0x7FFFFFFF).amin()
+    return torch.where(m >= 0x7F7FFFFF, 0x7F800000, m + 1).to(torch.int32).view(torch.float32)
+
+
+def quality_row_reference(
+    a: torch.Tensor, q: torch.Tensor, xf: torch.Tensor | None, scale: torch.Tensor, min_abs: torch.Tensor,
+    fp8_dtype: torch.dtype, nonfinite: bool,
+) -> torch.Tensor:  # fmt: skip
+    """``(sum_sq, err_sq, subnormal, min_abs)`` (float64) from ``a = |x * scale|`` (float32, NaN as 0, +inf
+    for Inf and overflowed products) and the FP8 tensor ``q``; ``nonfinite`` False promises ``x`` has no
+    NaN/Inf (the masking passes are skipped). The round trip is taken in the scaled domain: ``|q|`` decoded
+    from its bits against ``a``, ``err = (|q| - a) / scale``; sums of the float32 squares in float32, then
+    over ``scale**2`` in float64. A finite ``x`` whose float32 product overflowed gives +inf in both sums."""
+    a = a.reshape(-1)
+    code = q.reshape(-1).view(torch.uint8).bitwise_and(0x7F)  # |q|: its code without the sign
+    if nonfinite:  # NaN/Inf elements count in neither sum: a and |q| both 0 there
+        nf = torch.isfinite(xf.reshape(-1)).logical_not_()
+        a = a.masked_fill(nf, 0.0)
+        code.masked_fill_(nf, 0)
+    # subnormal codes are 1 .. 2**mantissa_bits - 1 (exponent field 0): code - 1 wraps 0 to 255
+    n_sub = round(1 / float(torch.finfo(fp8_dtype).eps)) - 1
+    subnormal = torch.count_nonzero((code - 1) < n_sub)
+    d = fp8_bits_to_float(code, fp8_dtype).sub_(a)
+    inv2 = scale.to(torch.float64).reciprocal().square()
+    # float32 cascade sums (torch's CPU sum): within about log2(n) * 2**-24 relative for these
+    # non-negative terms, where a BLAS dot loses more when one term dominates (a saturated outlier)
+    sums = torch.stack([a.square().sum(), d.square_().sum()]).to(torch.float64) * inv2
+    return torch.cat([sums, subnormal.to(torch.float64).reshape(1), min_abs.to(torch.float64).reshape(1)])
+
+
 def quantize_with_stats_reference(
     x: torch.Tensor,
     scale: torch.Tensor,
@@ -140,13 +244,16 @@ def quantize_with_stats_reference(
         x: any floating tensor.
         scale: float32 0-dim tensor (on ``x``'s device).
         fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
-        stats: optional float64 ``(6,)`` row to accumulate into (see the module docstring).
+        stats: optional float64 row to accumulate into (see the module docstring): ``(10,)``, or ``(6,)``
+            for the base columns alone (the quality statistics are then not computed).
         amax: ``max |x|`` if the caller computed it already (current scaling), to skip a pass; recorded as
             ``|amax|`` with NaN read as 0, as the kernels do.
     Returns:
-        ``(q, stats_row)``: the FP8 tensor (shape of ``x``) and the float64 ``(6,)`` statistics of this call
+        ``(q, stats_row)``: the FP8 tensor (shape of ``x``) and the float64 statistics of this call, ``(10,)``
         (``stats`` itself when given, after accumulation).
     """
+    width = _row_width(stats)
+    quality = width == len(STAT_COLUMNS)
     fmax = fp8_max(fp8_dtype)
     threshold, inclusive = overflow_threshold(fp8_dtype)
     xf = x if x.dtype == torch.float32 else x.to(torch.float32)
@@ -161,6 +268,8 @@ def quantize_with_stats_reference(
         amax = torch.amax(ax) if ax.numel() else ax.new_zeros(())  # empty: 0, the neutral element
     else:
         amax = torch.nan_to_num(amax.abs().to(torch.float32), nan=0.0, posinf=math.inf)
+    if quality:
+        min_abs = min_nonzero_reference(ax)  # before scaling: |x| itself
     a = ax.mul_(scale)  # |x * scale| exactly (scale > 0, rounding is sign-symmetric); reuses the buffer
     big = a >= threshold if inclusive else a > threshold
     raw = torch.stack(
@@ -172,20 +281,30 @@ def quantize_with_stats_reference(
             n_nan,
         ]
     ).to(torch.float64)
-    del a, ax, big
+    del big
     xs = xf * scale
     mix, offset = _mix(x.device)
     counts = torch.add(torch.mv(mix, raw), offset, alpha=xf.numel())
     q = xs.clamp_(-fmax, fmax).to(fp8_dtype)
+    if quality:
+        # on the CPU reading the count costs nothing: the masking passes run only for a tensor with NaN/Inf
+        nonfinite = x.device.type != "cpu" or bool(n_inf + n_nan)
+        quality_row = quality_row_reference(a, q, xf, scale, min_abs, fp8_dtype, nonfinite)
+    del a, ax
     if stats is None:
-        row = torch.cat([amax.to(torch.float64).reshape(1), scale.to(torch.float64).reshape(1), counts])
+        row = torch.cat(
+            [amax.to(torch.float64).reshape(1), scale.to(torch.float64).reshape(1), counts, quality_row]
+        )
         return q, row
     amax64 = amax.to(torch.float64)
     # the scale of the call that set the amax (a NaN in the row counts as nothing, as fmax reads it)
-    takes = (amax64 >= stats[0]) | torch.isnan(stats[0])
-    stats[1].copy_(torch.where(takes, scale.to(torch.float64), stats[1]))
-    torch.fmax(stats[0], amax64, out=stats[0])
-    stats[2:].add_(counts)
+    takes = (amax64 >= stats[AMAX]) | torch.isnan(stats[AMAX])
+    stats[SCALE].copy_(torch.where(takes, scale.to(torch.float64), stats[SCALE]))
+    torch.fmax(stats[AMAX], amax64, out=stats[AMAX])
+    stats[OVERFLOW:SUM_SQ].add_(counts)
+    if quality:
+        stats[SUM_SQ:MIN_ABS].add_(quality_row[:3])
+        torch.fmin(stats[MIN_ABS], quality_row[3], out=stats[MIN_ABS])
     return q, stats
 
 
