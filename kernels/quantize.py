@@ -50,6 +50,7 @@ the min (``fp8_protocol.stats.MERGE``). A fresh row to accumulate into starts wi
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
@@ -194,39 +195,63 @@ def fp8_bits_to_float(u: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     return u.to(torch.int32).bitwise_left_shift_(23 - mant).view(torch.float32).mul_(2.0 ** (127 - bias))
 
 
-def min_nonzero_reference(ax: torch.Tensor) -> torch.Tensor:
+def min_nonzero_reference(ax: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """The smallest non-zero finite value of a non-negative float32 tensor with no NaN (+inf when there is
     none; +inf elements are not finite) as a float32 0-dim tensor: a min over the bits minus 1, with 0
-    wrapped to the top (0x7FFFFFFF) and +inf landing on 0x7F7FFFFF, above every finite value's."""
+    wrapped to the top (0x7FFFFFFF) and +inf landing on 0x7F7FFFFF, above every finite value's. ``out``: an
+    int32 buffer of ``ax``'s shape to work in (a fresh multi-MB allocation costs more than the pass)."""
     if ax.numel() == 0:
         return ax.new_full((), math.inf)
-    m = (ax.reshape(-1).view(torch.int32) - 1).bitwise_and_(0x7FFFFFFF).amin()
+    m = torch.sub(ax.view(torch.int32), 1, out=out).bitwise_and_(0x7FFFFFFF).amin()
     return torch.where(m >= 0x7F7FFFFF, 0x7F800000, m + 1).to(torch.int32).view(torch.float32)
+
+
+_WORK = threading.local()
+
+
+def _work_buffer(shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """An int32 scratch tensor of ``shape``. On the CPU a view of one buffer per thread, grown to the largest
+    tensor seen and reused: a fresh multi-MB allocation there costs its page faults at every call, more than
+    the passes over it (a GPU's caching allocator has no such cost)."""
+    numel = math.prod(shape)
+    if device.type != "cpu":
+        return torch.empty(shape, dtype=torch.int32, device=device)
+    buf = getattr(_WORK, "buf", None)
+    if buf is None or buf.numel() < numel:
+        buf = _WORK.buf = torch.empty(numel, dtype=torch.int32)
+    return buf[:numel].view(shape)
 
 
 def quality_row_reference(
     a: torch.Tensor, q: torch.Tensor, xf: torch.Tensor | None, scale: torch.Tensor, min_abs: torch.Tensor,
-    fp8_dtype: torch.dtype, nonfinite: bool,
+    fp8_dtype: torch.dtype, nonfinite: bool, *, work: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``(sum_sq, err_sq, subnormal, min_abs)`` (float64) from ``a = |x * scale|`` (float32, NaN as 0, +inf
     for Inf and overflowed products) and the FP8 tensor ``q``; ``nonfinite`` False promises ``x`` has no
-    NaN/Inf (the masking passes are skipped). The round trip is taken in the scaled domain: ``|q|`` decoded
-    from its bits against ``a``, ``err = (|q| - a) / scale``; sums of the float32 squares in float32, then
-    over ``scale**2`` in float64. A finite ``x`` whose float32 product overflowed gives +inf in both sums."""
-    a = a.reshape(-1)
-    code = q.reshape(-1).view(torch.uint8).bitwise_and(0x7F)  # |q|: its code without the sign
+    NaN/Inf (the masking passes are skipped; ``xf``, the float32 input, is read only otherwise). The round
+    trip is taken in the scaled domain: ``|q|`` decoded from its bits against ``a``, ``err = (|q| - a) /
+    scale``; sums of the float32 squares in float32 (torch's cascade sum: within about log2(n) * 2**-24
+    relative for these non-negative terms, where a BLAS dot loses more when one term dominates, e.g. a
+    saturated outlier), then over ``scale**2`` in float64. A finite ``x`` whose float32 product overflowed
+    gives +inf in both sums. ``work``: an int32 buffer of ``q``'s shape to use (the CPU pays more for a fresh
+    multi-MB allocation than for a pass over it); the passes allocate nothing else of float size."""
+    code = q.view(torch.uint8).bitwise_and(0x7F)  # |q|: its code without the sign
     if nonfinite:  # NaN/Inf elements count in neither sum: a and |q| both 0 there
-        nf = torch.isfinite(xf.reshape(-1)).logical_not_()
+        nf = torch.isfinite(xf).logical_not_()
         a = a.masked_fill(nf, 0.0)
         code.masked_fill_(nf, 0)
-    # subnormal codes are 1 .. 2**mantissa_bits - 1 (exponent field 0): code - 1 wraps 0 to 255
-    n_sub = round(1 / float(torch.finfo(fp8_dtype).eps)) - 1
-    subnormal = torch.count_nonzero((code - 1) < n_sub)
-    d = fp8_bits_to_float(code, fp8_dtype).sub_(a)
+    fi = torch.finfo(fp8_dtype)
+    mant = round(-math.log2(float(fi.eps)))
+    bias = 1 - round(math.log2(float(fi.smallest_normal)))
+    work = torch.empty(code.shape, dtype=torch.int32, device=code.device) if work is None else work
+    # |q| decoded in place (fp8_bits_to_float), then the error, its square, and a's square in the same buffer
+    d = work.copy_(code).bitwise_left_shift_(23 - mant).view(torch.float32).mul_(2.0 ** (127 - bias)).sub_(a)
+    err_sq = d.mul_(d).sum()
+    sum_sq = torch.mul(a, a, out=d).sum()
+    # subnormal codes are 1 .. 2**mant - 1 (exponent field 0): code - 1 wraps 0 to 255
+    subnormal = torch.count_nonzero(code.sub_(1).lt_(2**mant - 1))
     inv2 = scale.to(torch.float64).reciprocal().square()
-    # float32 cascade sums (torch's CPU sum): within about log2(n) * 2**-24 relative for these
-    # non-negative terms, where a BLAS dot loses more when one term dominates (a saturated outlier)
-    sums = torch.stack([a.square().sum(), d.square_().sum()]).to(torch.float64) * inv2
+    sums = torch.stack([sum_sq, err_sq]).to(torch.float64) * inv2
     return torch.cat([sums, subnormal.to(torch.float64).reshape(1), min_abs.to(torch.float64).reshape(1)])
 
 
@@ -268,8 +293,9 @@ def quantize_with_stats_reference(
         amax = torch.amax(ax) if ax.numel() else ax.new_zeros(())  # empty: 0, the neutral element
     else:
         amax = torch.nan_to_num(amax.abs().to(torch.float32), nan=0.0, posinf=math.inf)
-    if quality:
-        min_abs = min_nonzero_reference(ax)  # before scaling: |x| itself
+    if quality:  # one int32 buffer for the quality passes; the min before scaling: |x| itself
+        work = _work_buffer(ax.shape, ax.device)
+        min_abs = min_nonzero_reference(ax, out=work)
     a = ax.mul_(scale)  # |x * scale| exactly (scale > 0, rounding is sign-symmetric); reuses the buffer
     big = a >= threshold if inclusive else a > threshold
     raw = torch.stack(
@@ -289,7 +315,7 @@ def quantize_with_stats_reference(
     if quality:
         # on the CPU reading the count costs nothing: the masking passes run only for a tensor with NaN/Inf
         nonfinite = x.device.type != "cpu" or bool(n_inf + n_nan)
-        quality_row = quality_row_reference(a, q, xf, scale, min_abs, fp8_dtype, nonfinite)
+        quality_row = quality_row_reference(a, q, xf, scale, min_abs, fp8_dtype, nonfinite, work=work)
     del a, ax
     if stats is None:
         row = torch.cat(
