@@ -169,7 +169,7 @@ def new_stats(n: int | None = None, *, device=None, quality: bool = True) -> tor
     cols = len(STAT_COLUMNS) if quality else len(BASE_COLUMNS)
     out = torch.zeros((cols,) if n is None else (n, cols), dtype=torch.float64, device=device)
     if quality:
-        out[..., MIN_ABS] = math.inf
+        out[..., MIN_ABS].fill_(math.inf)
     return out
 
 
@@ -209,37 +209,38 @@ def min_nonzero_reference(ax: torch.Tensor, *, out: torch.Tensor | None = None) 
 _WORK = threading.local()
 
 
-def _work_buffer(shape: torch.Size, device: torch.device) -> torch.Tensor:
-    """An int32 scratch tensor of ``shape``. On the CPU a view of one buffer per thread, grown to the largest
-    tensor seen and reused: a fresh multi-MB allocation there costs its page faults at every call, more than
-    the passes over it (a GPU's caching allocator has no such cost)."""
+def _work_buffer(shape: torch.Size, device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """A scratch tensor of ``shape`` and ``dtype``. On the CPU a view of one buffer per thread and dtype,
+    grown to the largest tensor seen and reused: a fresh multi-MB allocation there costs its page faults at
+    every call, more than the passes over it (a GPU's caching allocator has no such cost)."""
     numel = math.prod(shape)
     if device.type != "cpu":
-        return torch.empty(shape, dtype=torch.int32, device=device)
-    buf = getattr(_WORK, "buf", None)
+        return torch.empty(shape, dtype=dtype, device=device)
+    bufs = _WORK.__dict__.setdefault("bufs", {})
+    buf = bufs.get(dtype)
     if buf is None or buf.numel() < numel:
-        buf = _WORK.buf = torch.empty(numel, dtype=torch.int32)
+        buf = bufs[dtype] = torch.empty(numel, dtype=dtype)
     return buf[:numel].view(shape)
 
 
 def quality_row_reference(
-    a: torch.Tensor, q: torch.Tensor, xf: torch.Tensor | None, scale: torch.Tensor, min_abs: torch.Tensor,
-    fp8_dtype: torch.dtype, nonfinite: bool, *, work: torch.Tensor | None = None,
+    a: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, min_abs: torch.Tensor, fp8_dtype: torch.dtype,
+    *, mask_codes: bool, work: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """``(sum_sq, err_sq, subnormal, min_abs)`` (float64) from ``a = |x * scale|`` (float32, NaN as 0, +inf
-    for Inf and overflowed products) and the FP8 tensor ``q``; ``nonfinite`` False promises ``x`` has no
-    NaN/Inf (the masking passes are skipped; ``xf``, the float32 input, is read only otherwise). The round
-    trip is taken in the scaled domain: ``|q|`` decoded from its bits against ``a``, ``err = (|q| - a) /
-    scale``; sums of the float32 squares in float32 (torch's cascade sum: within about log2(n) * 2**-24
-    relative for these non-negative terms, where a BLAS dot loses more when one term dominates, e.g. a
-    saturated outlier), then over ``scale**2`` in float64. A finite ``x`` whose float32 product overflowed
-    gives +inf in both sums. ``work``: an int32 buffer of ``q``'s shape to use (the CPU pays more for a fresh
-    multi-MB allocation than for a pass over it); the passes allocate nothing else of float size."""
-    code = q.view(torch.uint8).bitwise_and(0x7F)  # |q|: its code without the sign
-    if nonfinite:  # NaN/Inf elements count in neither sum: a and |q| both 0 there
-        nf = torch.isfinite(xf).logical_not_()
-        a = a.masked_fill(nf, 0.0)
-        code.masked_fill_(nf, 0)
+    """``(sum_sq, err_sq, subnormal, min_abs)`` (float64) from ``a = |x * scale|`` (float32; 0 for the NaN
+    and Inf elements of ``x``, +inf for a finite ``x`` whose product overflowed) and the FP8 tensor ``q``.
+    ``mask_codes``: ``q`` was cast from ``x`` itself, whose NaN/Inf elements have non-zero codes: they are
+    zeroed where ``a`` is 0 (where the code of every other element is 0 anyway). The round trip is taken in
+    the scaled domain: ``|q|`` decoded from its bits against ``a``, ``err = (|q| - a) / scale``; sums of the
+    float32 squares in float32 (torch's cascade sum: within about log2(n) * 2**-24 relative for these
+    non-negative terms, where a BLAS dot loses more when one term dominates, e.g. a saturated outlier),
+    then over ``scale**2`` in float64. A finite ``x`` whose float32 product overflowed gives +inf in both
+    sums. ``work``: an int32 buffer of ``q``'s shape to use (the CPU pays more for a fresh multi-MB
+    allocation than for a pass over it); the passes allocate nothing else of float size."""
+    # |q|: its code without the sign
+    code = torch.bitwise_and(q.view(torch.uint8), 0x7F, out=_work_buffer(q.shape, q.device, torch.uint8))
+    if mask_codes:
+        code.masked_fill_(torch.eq(a, 0, out=_work_buffer(a.shape, a.device, torch.bool)), 0)
     fi = torch.finfo(fp8_dtype)
     mant = round(-math.log2(float(fi.eps)))
     bias = 1 - round(math.log2(float(fi.smallest_normal)))
@@ -279,6 +280,7 @@ def quantize_with_stats_reference(
     """
     width = _row_width(stats)
     quality = width == len(STAT_COLUMNS)
+    x = x.detach()  # statistics and FP8 bits: nothing to differentiate
     fmax = fp8_max(fp8_dtype)
     threshold, inclusive = overflow_threshold(fp8_dtype)
     xf = x if x.dtype == torch.float32 else x.to(torch.float32)
@@ -288,9 +290,13 @@ def quantize_with_stats_reference(
     n_inf = torch.count_nonzero(ax == math.inf)
     n_nan = torch.count_nonzero(ax != ax)
     n_nonzero = torch.count_nonzero(ax)
-    ax.nan_to_num_(nan=0.0, posinf=math.inf)  # NaN ignored by the amax (counted above)
+    # NaN ignored by the amax (counted above); with the quality statistics Inf reads as 0 too (they are
+    # over the finite values), and the amax and the counts below take the Inf elements from n_inf instead
+    ax.nan_to_num_(nan=0.0, posinf=0.0 if quality else math.inf)
     if amax is None:
         amax = torch.amax(ax) if ax.numel() else ax.new_zeros(())  # empty: 0, the neutral element
+        if quality:
+            amax = torch.where(n_inf > 0, math.inf, amax)
     else:
         amax = torch.nan_to_num(amax.abs().to(torch.float32), nan=0.0, posinf=math.inf)
     if quality:  # one int32 buffer for the quality passes; the min before scaling: |x| itself
@@ -298,24 +304,18 @@ def quantize_with_stats_reference(
         min_abs = min_nonzero_reference(ax, out=work)
     a = ax.mul_(scale)  # |x * scale| exactly (scale > 0, rounding is sign-symmetric); reuses the buffer
     big = a >= threshold if inclusive else a > threshold
-    raw = torch.stack(
-        [
-            torch.count_nonzero(big),  # saturated, and Inf inputs
-            torch.count_nonzero(a <= underflow_threshold(fp8_dtype)),  # zeros, underflows and NaN (now 0)
-            n_nonzero,
-            n_inf,
-            n_nan,
-        ]
-    ).to(torch.float64)
+    n_big = torch.count_nonzero(big)  # saturated, and Inf inputs (counted in n_inf where they read as 0)
+    n_small = torch.count_nonzero(a <= underflow_threshold(fp8_dtype))  # zeros, underflows, NaN (now 0)
+    if quality:  # the Inf elements are 0 here, among the small ones: as if they were still Inf
+        n_big, n_small = n_big + n_inf, n_small - n_inf
+    raw = torch.stack([n_big, n_small, n_nonzero, n_inf, n_nan]).to(torch.float64)
     del big
     xs = xf * scale
     mix, offset = _mix(x.device)
     counts = torch.add(torch.mv(mix, raw), offset, alpha=xf.numel())
     q = xs.clamp_(-fmax, fmax).to(fp8_dtype)
     if quality:
-        # on the CPU reading the count costs nothing: the masking passes run only for a tensor with NaN/Inf
-        nonfinite = x.device.type != "cpu" or bool(n_inf + n_nan)
-        quality_row = quality_row_reference(a, q, xf, scale, min_abs, fp8_dtype, nonfinite, work=work)
+        quality_row = quality_row_reference(a, q, scale, min_abs, fp8_dtype, mask_codes=True, work=work)
     del a, ax
     if stats is None:
         row = torch.cat(
