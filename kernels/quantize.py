@@ -229,8 +229,9 @@ def quality_row_reference(
 ) -> torch.Tensor:  # fmt: skip
     """``(sum_sq, err_sq, subnormal, min_abs)`` (float64) from ``a = |x * scale|`` (float32; 0 for the NaN
     and Inf elements of ``x``, +inf for a finite ``x`` whose product overflowed) and the FP8 tensor ``q``.
-    ``mask_codes``: ``q`` was cast from ``x`` itself, whose NaN/Inf elements have non-zero codes: they are
-    zeroed where ``a`` is 0 (where the code of every other element is 0 anyway). The round trip is taken in
+    ``mask_codes``: ``q`` was cast from ``x`` itself, whose NaN/Inf elements have non-zero codes: their
+    errors are zeroed where ``a`` is 0 (where every other element's error is 0 anyway); their codes are no
+    subnormal's. The round trip is taken in
     the scaled domain: ``|q|`` decoded from its bits against ``a``, ``err = (|q| - a) / scale``; sums of the
     float32 squares in float32 (torch's cascade sum: within about log2(n) * 2**-24 relative for these
     non-negative terms, where a BLAS dot loses more when one term dominates, e.g. a saturated outlier),
@@ -239,14 +240,14 @@ def quality_row_reference(
     allocation than for a pass over it); the passes allocate nothing else of float size."""
     # |q|: its code without the sign
     code = torch.bitwise_and(q.view(torch.uint8), 0x7F, out=_work_buffer(q.shape, q.device, torch.uint8))
-    if mask_codes:
-        code.masked_fill_(torch.eq(a, 0, out=_work_buffer(a.shape, a.device, torch.bool)), 0)
     fi = torch.finfo(fp8_dtype)
     mant = round(-math.log2(float(fi.eps)))
     bias = 1 - round(math.log2(float(fi.smallest_normal)))
     work = torch.empty(code.shape, dtype=torch.int32, device=code.device) if work is None else work
     # |q| decoded in place (fp8_bits_to_float), then the error, its square, and a's square in the same buffer
     d = work.copy_(code).bitwise_left_shift_(23 - mant).view(torch.float32).mul_(2.0 ** (127 - bias)).sub_(a)
+    if mask_codes:  # d * sign(a): 0 where a is 0 (a NaN/Inf x, whose code is not; or d was 0 already)
+        d.mul_(torch.sign(a, out=_work_buffer(a.shape, a.device, torch.float32)))
     err_sq = d.mul_(d).sum()
     sum_sq = torch.mul(a, a, out=d).sum()
     # subnormal codes are 1 .. 2**mant - 1 (exponent field 0): code - 1 wraps 0 to 255
@@ -280,7 +281,7 @@ def quantize_with_stats_reference(
     """
     width = _row_width(stats)
     quality = width == len(STAT_COLUMNS)
-    x = x.detach()  # statistics and FP8 bits: nothing to differentiate
+    x, scale = x.detach(), scale.detach()  # statistics and FP8 bits: nothing to differentiate
     fmax = fp8_max(fp8_dtype)
     threshold, inclusive = overflow_threshold(fp8_dtype)
     xf = x if x.dtype == torch.float32 else x.to(torch.float32)
@@ -298,7 +299,7 @@ def quantize_with_stats_reference(
         if quality:
             amax = torch.where(n_inf > 0, math.inf, amax)
     else:
-        amax = torch.nan_to_num(amax.abs().to(torch.float32), nan=0.0, posinf=math.inf)
+        amax = torch.nan_to_num(amax.detach().abs().to(torch.float32), nan=0.0, posinf=math.inf)
     if quality:  # one int32 buffer for the quality passes; the min before scaling: |x| itself
         work = _work_buffer(ax.shape, ax.device)
         min_abs = min_nonzero_reference(ax, out=work)
@@ -354,7 +355,7 @@ def quantize_current_reference(
     """Current scaling: ``max |x|`` (NaN ignored), the scale from it (``current_scale_reference``), then
     ``quantize_with_stats_reference`` with that scale. Returns ``(q, scale, stats_row)``, ``scale`` a float32
     0-dim tensor; no host read."""
-    amax = tensor_amax_reference(x)
+    amax = tensor_amax_reference(x.detach())
     scale = current_scale_reference(amax, fp8_dtype, power_2_scale=power_2_scale)
     q, row = quantize_with_stats_reference(x, scale, fp8_dtype, stats, amax=amax)
     return q, scale, row
