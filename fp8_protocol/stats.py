@@ -16,7 +16,7 @@ BASE_COLUMNS: tuple[str, ...] = ("amax", "scale", "overflow", "underflow", "nonf
 #: them (an older client, a caller's own statistics) leaves them out; the service accepts either.
 QUALITY_COLUMNS: tuple[str, ...] = ("sum_sq", "err_sq", "subnormal", "min_abs")
 #: The columns of a statistics row, table and telemetry step, in this order.
-STAT_COLUMNS: tuple[str, ...] = BASE_COLUMNS
+STAT_COLUMNS: tuple[str, ...] = BASE_COLUMNS + QUALITY_COLUMNS
 #: Column positions, by name (``row[AMAX]``).
 AMAX, SCALE, OVERFLOW, UNDERFLOW, NONFINITE, NUMEL = range(len(BASE_COLUMNS))
 SUM_SQ, ERR_SQ, SUBNORMAL, MIN_ABS = range(len(BASE_COLUMNS), len(BASE_COLUMNS) + len(QUALITY_COLUMNS))

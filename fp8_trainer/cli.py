@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--resume", metavar="PATH", help="continue the run saved in this checkpoint")
     g.add_argument("--stats-dump", metavar="FILE.npz",
                    help="write every step's FP8 statistics and loss to FILE (numpy .npz: steps, "
-                        "stats (steps x tensors x 6), loss, names); copies them synchronously")  # fmt: skip
+                        "stats (steps x tensors x 10), loss, names); copies them synchronously")  # fmt: skip
 
     g = p.add_argument_group("monitoring and fault injection")
     g.add_argument("--monitor-url", default=os.environ.get("FP8SCOPE_URL") or None,

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
-from fp8_protocol.stats import AMAX, NONFINITE, NUMEL, OVERFLOW, SCALE, UNDERFLOW
+from fp8_protocol.stats import AMAX, ERR_SQ, NONFINITE, NUMEL, OVERFLOW, SCALE, SUM_SQ, UNDERFLOW, sqnr_db
 
 from .convert import tensor_table
 
@@ -13,12 +14,21 @@ __all__ = ["fp8_summary", "health_table"]
 
 
 def fp8_summary(stats: torch.Tensor) -> str:
-    """One line over all tensors of a step: the largest amax and the summed counts."""
+    """One line over all tensors of a step: the largest amax, the summed counts and, where the block has the
+    quality columns, the lowest SQNR of a tensor."""
     s = stats.to("cpu", torch.float64)
-    return (
+    line = (
         f"fp8: max amax {s[:, AMAX].max():.3g}, overflow {int(s[:, OVERFLOW].sum())}, "
         f"underflow {int(s[:, UNDERFLOW].sum())}, nonfinite {int(s[:, NONFINITE].sum())}"
     )
+    if (
+        s.shape[1] > ERR_SQ
+    ):  # the quality columns: the worst tensor's SQNR (tensors that ran, exact ones aside)
+        db = sqnr_db(s[:, SUM_SQ].numpy(), s[:, ERR_SQ].numpy())
+        db = db[np.isfinite(db)]
+        if db.size:
+            line += f", min SQNR {db.min():.1f} dB"
+    return line
 
 
 def health_table(model: nn.Module, stats: torch.Tensor) -> str:

@@ -27,15 +27,17 @@ torchao computes.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from functools import partial
 
 import numpy as np
 import torch
-from fp8_kernels import current_scale_reference, overflow_threshold, underflow_threshold
+from fp8_kernels import current_scale_reference, fp8_max, overflow_threshold, underflow_threshold
+from fp8_kernels.quantize import min_nonzero_reference, quality_row_reference
 from torch import nn
 
-from fp8_protocol.stats import AMAX, OVERFLOW, SCALE, STAT_COLUMNS
+from fp8_protocol.stats import AMAX, BASE_COLUMNS, MERGE, OVERFLOW, SCALE, STAT_COLUMNS
 
 from .distributed import resolve_amax_group
 from .linear import Linear
@@ -91,15 +93,16 @@ class HookedState(FP8State):
         dtype = self.dtypes[i]
         # a CPU tensor: reading the delayed scale waits for nothing (None: current scaling)
         scale = None if self.current[i // 3] else np.float32(self.scale_host()[i])
-        row = cpu_stats_row(x, scale, dtype, power_2_scale=self.power_2_scale)
+        quality = self.stats.shape[1] > len(BASE_COLUMNS)
+        row = cpu_stats_row(x, scale, dtype, power_2_scale=self.power_2_scale, quality=quality)
         old = self._host_rows.get(i)
         if old is None:
             self._host_rows[i] = row
-        else:  # as accumulate_stats: amax the max with the scale that scaled it, counts summed
+        else:  # as accumulate_stats: amax the max with the scale that scaled it, the rest per MERGE
             if row[AMAX] >= old[AMAX] or old[AMAX] != old[AMAX]:
                 old[AMAX], old[SCALE] = row[AMAX], row[SCALE]
-            for c in range(OVERFLOW, len(STAT_COLUMNS)):  # the counts and numel
-                old[c] += row[c]
+            for c in range(OVERFLOW, len(row)):  # the counts, numel, sums of squares; min_abs the min
+                old[c] = min(old[c], row[c]) if MERGE[STAT_COLUMNS[c]] == "min" else old[c] + row[c]
 
     def scale_host(self) -> np.ndarray:
         """The scales as a numpy view (CPU state only), refreshed when the scale tensor is replaced."""
@@ -127,25 +130,35 @@ class HookedState(FP8State):
 
 
 def cpu_stats_row(
-    x: torch.Tensor, scale: np.float32 | None, fp8_dtype: torch.dtype, *, power_2_scale: bool = False
+    x: torch.Tensor,
+    scale: np.float32 | None,
+    fp8_dtype: torch.dtype,
+    *,
+    power_2_scale: bool = False,
+    quality: bool = True,
 ) -> list[float]:
     """The statistics row ``quantize_with_stats`` records for ``x`` on the CPU, without making the FP8 tensor.
 
     Shadow mode needs only the row, and on the CPU it can look at values (nothing to synchronise with), so
     the counting passes run only where the maximum and minimum say they can find something: most tensors
     of a healthy step need an absolute value, a max and a min. ``scale=None``: current scaling's scale from
-    this tensor's amax. Bit for bit the reference's row (``tests/trainer/test_shadow.py`` checks edge cases).
+    this tensor's amax. Bit for bit the reference's row (``tests/trainer/test_shadow.py`` checks edge cases);
+    with ``quality`` the quality columns too, from the reference's own functions on the same values (the
+    base columns alone, 6, without).
     """
     with np.errstate(over="ignore", invalid="ignore"):  # Inf products are what the counts are about
-        return _cpu_stats_row(x, scale, fp8_dtype, power_2_scale)
+        return _cpu_stats_row(x, scale, fp8_dtype, power_2_scale, quality)
 
 
-def _cpu_stats_row(x: torch.Tensor, scale, fp8_dtype: torch.dtype, power_2_scale: bool) -> list[float]:
+def _cpu_stats_row(
+    x: torch.Tensor, scale, fp8_dtype: torch.dtype, power_2_scale: bool, quality: bool
+) -> list[float]:
     xf = x.detach() if x.dtype == torch.float32 else x.detach().to(torch.float32)
     a = np.abs(xf.contiguous().numpy())
     numel = a.size
     if numel == 0:
-        return [0.0, float(1.0 if scale is None else scale), 0.0, 0.0, 0.0, 0.0]
+        base = [0.0, float(1.0 if scale is None else scale), 0.0, 0.0, 0.0, 0.0]
+        return base + ([0.0, 0.0, 0.0, math.inf] if quality else [])
     top = a.max()  # propagates NaN: finite means no NaN and no Inf
     n_nan = n_inf = 0
     if not np.isfinite(top):
@@ -172,7 +185,24 @@ def _cpu_stats_row(x: torch.Tensor, scale, fp8_dtype: torch.dtype, power_2_scale
     under = int(np.count_nonzero(a <= vanishes))  # NaN compares false
     if under:
         under -= int(np.count_nonzero(a == 0))
-    return [float(amax), float(scale), float(over), float(under), float(n_nan + n_inf), float(numel)]
+    row = [float(amax), float(scale), float(over), float(under), float(n_nan + n_inf), float(numel)]
+    if quality:
+        row += _quality_columns(
+            a if not (n_nan or n_inf) else np.where(np.isfinite(a), a, 0), scale, fp8_dtype
+        )
+    return row
+
+
+def _quality_columns(finite_abs: np.ndarray, scale: np.float32, fp8_dtype: torch.dtype) -> list[float]:
+    """``(sum_sq, err_sq, subnormal, min_abs)`` of ``|x|`` with the non-finite elements as 0, with the
+    reference's own function on the same float32 values (``|x * scale|`` and its FP8 codes), so the same
+    bits."""
+    ax = torch.from_numpy(np.ascontiguousarray(finite_abs, dtype=np.float32))
+    scale_t = torch.tensor(scale, dtype=torch.float32)
+    a = ax * scale_t  # |x * scale|, as the reference's
+    q = a.clamp(max=fp8_max(fp8_dtype)).to(fp8_dtype)  # |q|: the codes of the reference's q, sign aside
+    row = quality_row_reference(a, q, scale_t, min_nonzero_reference(ax), fp8_dtype, mask_codes=False)
+    return row.tolist()
 
 
 def _largest_factor(scale: np.float32, bound: np.float32, *, strict: bool) -> np.float32:

@@ -9,7 +9,8 @@ Device tensors (``n`` = number of quantized tensors):
 * ``amax_history`` ``(L, n)`` float32, newest entry in row 0; ``scale`` and ``scale_inv`` ``(n,)`` float32
   in the ``fp8_kernels.aligned_scales`` layout (stride 4: every tensor's scale on a 16-byte boundary, so a
   0-dim view ``scale_inv[i]`` can go to ``torch._scaled_mm`` as it is, which cuBLASLt requires);
-* ``stats`` ``(n, 6)`` float64, the statistics of the step in progress (columns ``STAT_COLUMNS``);
+* ``stats`` ``(n, 10)`` float64, the statistics of the step in progress (columns ``STAT_COLUMNS``, the
+  quality columns included; ``(n, 6)``, the base columns alone, where ``quality_stats`` is off);
   ``last_stats`` the buffer of the last completed step. Each step gets a fresh buffer, so a
   ``last_stats`` handed out earlier is a snapshot that later steps never overwrite;
 * per-tensor recipe settings (``fp8_max``, ``margin``, ``history_len``, ``interval``, algorithm,
@@ -36,17 +37,17 @@ from typing import Any
 
 import torch
 from fp8_kernels import (
-    STAT_COLUMNS,
     aligned_scales,
     as_aligned_scales,
     fused_scale_update,
+    new_stats,
     quantize_current,
     quantize_current_transposed,
     quantize_with_stats,
     quantize_with_stats_transposed,
 )
 
-from fp8_protocol.stats import AMAX, SCALE
+from fp8_protocol.stats import AMAX, MIN_ABS, SCALE
 
 from .distributed import all_reduce_amax
 from .formats import ROLES
@@ -130,11 +131,18 @@ def _base_settings(recipe: Recipe) -> dict[str, Any]:
 
 
 def merge_step_stats(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Two FP8 steps' statistics ``(n, 6)`` as one: amax the max (NaN ignored), scale the one that scaled
-    the larger amax (so headroom stays negative only where something overflowed), counts and numel summed."""
+    """Two FP8 steps' statistics ``(n, C)`` as one, each column as ``fp8_protocol.stats.MERGE`` says: amax
+    the max (NaN ignored), scale the one that scaled the larger amax (so headroom stays negative only where
+    something overflowed), ``min_abs`` the min (NaN ignored), the counts, numel and sums of squares summed.
+    The base columns alone (``C`` = 6) merge the same way; a block with the quality columns and one without
+    (a switch between steps) merge into the base columns they share."""
+    width = min(a.shape[1], b.shape[1])
+    a, b = a[:, :width], b[:, :width]
     out = a + b
     out[:, AMAX] = torch.fmax(a[:, AMAX], b[:, AMAX])
     out[:, SCALE] = torch.where(b[:, AMAX] > a[:, AMAX], b[:, SCALE], a[:, SCALE])
+    if a.shape[1] > MIN_ABS:
+        out[:, MIN_ABS] = torch.fmin(a[:, MIN_ABS], b[:, MIN_ABS])
     return out
 
 
@@ -175,6 +183,9 @@ class FP8State:
         self.capturable = False
         # one [statistics of the FP8 steps closed since the reader last took them, how many] per reader
         self._inboxes: list[list] = []
+        # the quality statistics (sum_sq, err_sq, subnormal, min_abs) in the same quantize pass; off only
+        # to measure what they cost (set_quality_stats, bench/quality_overhead.py)
+        self.quality_stats = True
         self._new_stats_buffer()
         self._rebuild()
 
@@ -359,7 +370,7 @@ class FP8State:
         return q, qt, scale_inv
 
     def _new_stats_buffer(self) -> None:
-        self.stats = torch.zeros(self.n_tensors, len(STAT_COLUMNS), dtype=torch.float64, device=self.device)
+        self.stats = new_stats(self.n_tensors, device=self.device, quality=self.quality_stats)
         self.stats[:, SCALE] = self.scale
 
     def end_step(self) -> None:
@@ -408,6 +419,8 @@ class FP8State:
         self.last_stats.copy_(stats)
         stats.zero_()
         stats[:, SCALE] = self.scale
+        if stats.shape[1] > MIN_ABS:
+            stats[:, MIN_ABS] = torch.inf  # the neutral element of its min
         self.replayed()
 
     def replayed(self) -> None:
@@ -435,6 +448,16 @@ class FP8State:
             self.amax_history = self.amax_history.contiguous()
             self.step_t = self.step_t.clone()
             self.version += 1
+
+    def set_quality_stats(self, enabled: bool = True) -> None:
+        """Record the quality columns (the default) or the base columns alone (``(n, 6)`` blocks from the
+        next step on, for a benchmark's comparison); between steps only."""
+        if self.pending:
+            raise RuntimeError("set_quality_stats: a step is pending; switch between steps")
+        self.quality_stats = bool(enabled)
+        self._new_stats_buffer()
+        self.last_stats = None
+        self.version += 1
 
     def open_inbox(self) -> list:
         """A reader's inbox ``[stats or None, n_steps]``: every step closed from now on lands in it, merged

@@ -26,9 +26,10 @@ __all__ = ["STAT_COLUMNS", "LateReader", "StatsReader", "read_newest", "step_sta
 
 
 def step_stats(model: nn.Module) -> torch.Tensor | None:
-    """Statistics of the last completed step: float64 ``(n_tensors, 6)`` on the model's device, columns
-    ``STAT_COLUMNS`` (amax, scale used, overflow, underflow, nonfinite, numel; counts summed over
-    micro-batches), rows in ``tensor_table(model)`` order. ``None`` before the first completed step.
+    """Statistics of the last completed step: float64 ``(n_tensors, 10)`` on the model's device, columns
+    ``STAT_COLUMNS`` (amax, scale used, overflow, underflow, nonfinite, numel, sum_sq, err_sq, subnormal,
+    min_abs; merged over micro-batches as ``fp8_protocol.stats.MERGE`` says), rows in ``tensor_table(model)``
+    order. ``None`` before the first completed step.
 
     Rows of layers with FP8 turned off are kept (stable indices): amax, counts and numel are 0 and scale is
     the layer's last scale. With amax reduction across ranks, ``amax`` is this rank's own value (the

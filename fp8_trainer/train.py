@@ -498,7 +498,7 @@ def _dump_stats(path: str, model: nn.Module, start: int, stats: list[torch.Tenso
     np.savez(
         path,
         steps=np.arange(start + 1, start + 1 + len(stats), dtype=np.int64),
-        stats=torch.stack(stats).numpy(),  # (steps, tensors, 6) in STAT_COLUMNS order
+        stats=torch.stack(stats).numpy(),  # (steps, tensors, 10) in STAT_COLUMNS order
         loss=np.asarray(losses, dtype=np.float64),
         names=np.asarray([t.name for t in tensor_table(model)]),
     )

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 
 import torch
 import triton
 import triton.language as tl
 
-from .quantize import fp8_max, overflow_threshold, underflow_threshold
+from .quantize import fp8_max, overflow_threshold, subnormal_threshold, underflow_threshold
 
 __all__ = [
     "FLOAT32_MAX",
@@ -65,8 +66,8 @@ def grid_cap(device: torch.device) -> int:
 
 
 #: Most blocks (tiles) one program of the quantize kernels walks: its per-element counts are packed in
-#: 10-bit fields (``triton_quantize``). 2**31 elements in blocks of 4096 need 513 programs for this.
-MAX_BLOCKS_PER_PROGRAM = 2**10 - 1
+#: 8-bit fields (``triton_quantize``). 2**31 elements in blocks of 4096 need 2057 programs for this.
+MAX_BLOCKS_PER_PROGRAM = 2**8 - 1
 
 
 def persistent_grid(n_blocks: int, device: torch.device) -> int:
@@ -112,16 +113,23 @@ def divisor(size: int) -> int:
 @functools.cache
 def format_constants(fp8_dtype: torch.dtype) -> dict[str, float | bool]:
     """The quantize kernels' constexprs for ``fp8_dtype``: ``FMAX``, ``UNDERFLOW`` (half the smallest
-    subnormal), ``OVF_THRESHOLD`` and ``OVF_INCLUSIVE`` (``fp8_kernels.quantize.overflow_threshold``).
+    subnormal), ``OVF_THRESHOLD`` and ``OVF_INCLUSIVE`` (``fp8_kernels.quantize.overflow_threshold``), and
+    for the quality statistics ``SUBNORMAL_TOP`` (``subnormal_threshold``), ``MIN_NORMAL``, ``SUB_MAGIC``
+    (the smallest subnormal times 2**23) and ``DROP`` (float32 mantissa bits the format lacks).
     Computed once per dtype (the dict is shared: callers unpack it, never change it)."""
     if fp8_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise ValueError(f"fp8_dtype: expected torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype}")
     threshold, inclusive = overflow_threshold(fp8_dtype)
+    fi = torch.finfo(fp8_dtype)
     return dict(
         FMAX=fp8_max(fp8_dtype),
         UNDERFLOW=underflow_threshold(fp8_dtype),
         OVF_THRESHOLD=threshold,
         OVF_INCLUSIVE=inclusive,
+        SUBNORMAL_TOP=subnormal_threshold(fp8_dtype),
+        MIN_NORMAL=float(fi.smallest_normal),
+        SUB_MAGIC=float(fi.smallest_normal) * float(fi.eps) * 2.0**23,
+        DROP=23 - round(-math.log2(float(fi.eps))),
     )
 
 

@@ -11,9 +11,27 @@ non-negative floats) with NaN patterns (above Inf's ``0x7F800000``) read as 0, s
 (Transformer Engine's ``fmaxf``) identically on a GPU and in the interpreter, whose float ``max`` handle NaN
 differently. The same trick accumulates the float64 ``amax`` column across calls with an integer atomic max.
 Counts are float64 atomic adds of integers, exact below 2**53 and independent of order. Per element a
-program keeps two int32 accumulators: the amax bits, and the three counts packed 10 bits apart (an element
-is at most one of overflow, underflow, non-finite; ``persistent_grid`` gives no program more than
-``MAX_BLOCKS_PER_PROGRAM`` < 2**10 blocks), which halves the registers of four separate accumulators.
+program keeps two int32 accumulators: the amax bits, and the four counts packed 8 bits apart (an element
+is at most one of overflow, underflow, non-finite, subnormal; ``persistent_grid`` gives no program more
+than ``MAX_BLOCKS_PER_PROGRAM`` < 2**8 blocks), which saves the registers of four separate accumulators.
+
+Quality statistics (``QUALITY``, a 10-column row; a 6-column row skips them) come from the same values:
+per element ``|x * scale|`` of the finite elements (0 for NaN/Inf), its square, and the square of its
+round-trip error ``r - |x * scale|``, where ``r`` is the FP8 value of the clamped ``|x * scale|`` rounded to
+nearest even *arithmetically* (``_round_fp8``: a mantissa rounding on the bits for normals, the add of
+a power of two for subnormals), equal to what the cast gives on a GPU, and exact under the interpreter,
+whose float8 cast rounds some values wrongly (DESIGN.md, known traps). Each block's squares are summed
+in float32 by one tree reduction (with the block's min, below) and added to the program's float64 totals,
+which are folded, divided by ``scale**2`` in float64, into the float64 row. Precision: the squares are
+float32 (each within 2**-24 of the exact square of the float32 value); a block's float32 sum is within
+(BLOCK - 1) * 2**-24 relative of the exact one in the worst order (approached where one term dominates
+the block, e.g. a saturated outlier; a GPU's tree has depth log2(BLOCK) = 12); the float64 sums over
+blocks and programs add nothing to that (the terms are non-negative). ``min_abs`` is a min over the bits
+of ``|x|`` with zeros and non-finite elements read as Inf's bits, folded into the row with an integer
+atomic min on the float64 bits (positive floats order as integers). Registers (sm_90, ptxas): the 1-D
+kernel 147 with the quality statistics, 94 without; the 2-D kernel 128 (its cap at 16 warps), no spills.
+Per-element float32 accumulators instead of the per-block reduction needed 186 and spilled in the 2-D
+kernel.
 
 Memory access: the 1-D kernel walks full ``BLOCK``s with no mask and one masked tail block; the 2-D kernel
 walks full tiles with no mask, then the edge tiles (last tile column, last tile row) masked. Unmasked blocks
@@ -28,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .quantize import KERNEL_MAX_NUMEL
+from .quantize import BASE_COLUMNS, KERNEL_MAX_NUMEL, STAT_COLUMNS, new_stats
 from .triton_launch import (
     abs_bits,
     as_kernel_input,
@@ -49,12 +67,26 @@ MAX_NUMEL = KERNEL_MAX_NUMEL
 
 
 @triton.jit
+def _round_fp8(r, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, DROP: tl.constexpr):
+    """A non-negative float32 ``r <= FP8_MAX`` rounded to the FP8 format, to nearest even, as a float32.
+    Normals: the mantissa cut to ``23 - DROP`` bits on the bits (a carry moves into the exponent, as it
+    should). Subnormals (fixed quantum, the smallest subnormal): ``(r + SUB_MAGIC) - SUB_MAGIC`` with
+    ``SUB_MAGIC`` = smallest subnormal * 2**23, whose float32 ulp is that quantum."""
+    bits = r.to(tl.int32, bitcast=True)
+    half = (1 << (DROP - 1)) - 1
+    normal = ((bits + half + ((bits >> DROP) & 1)) & -(1 << DROP)).to(tl.float32, bitcast=True)
+    subnormal = (r + SUB_MAGIC) - SUB_MAGIC
+    return tl.where(r < MIN_NORMAL, subnormal, normal)
+
+
+@triton.jit
 def _scale_and_count(
     x, scale, FMAX: tl.constexpr, UNDERFLOW: tl.constexpr, OVF_THRESHOLD: tl.constexpr,
-    OVF_INCLUSIVE: tl.constexpr,
+    OVF_INCLUSIVE: tl.constexpr, SUBNORMAL_TOP: tl.constexpr, QUALITY: tl.constexpr,
 ):  # fmt: skip
-    """One element's ``(|x| bits with NaN as 0, packed counts, pre-cast value)``: the counts overflow,
-    underflow and non-finite exclude each other, so one int32 holds them, 10 bits apart."""
+    """One element's ``(|x| bits with NaN as 0, packed counts, pre-cast value, |x * scale| of a finite x
+    else 0)``: the counts overflow, underflow, non-finite and subnormal exclude each other, so one int32
+    holds them, 8 bits apart."""
     ax_bits = abs_bits(x)
     finite = ax_bits < 0x7F800000  # exponent all ones: Inf or NaN
     xs = x * scale
@@ -63,11 +95,40 @@ def _scale_and_count(
     big = a >= OVF_THRESHOLD if OVF_INCLUSIVE else a > OVF_THRESHOLD
     overflow = big & finite  # includes finite x whose product overflowed to Inf
     underflow = (a <= UNDERFLOW) & (ax_bits != 0)  # non-zero, rounds to zero; NaN compares False
-    counts = overflow.to(tl.int32) | (underflow.to(tl.int32) << 10) | ((~finite).to(tl.int32) << 20)
+    counts = overflow.to(tl.int32) | (underflow.to(tl.int32) << 8) | ((~finite).to(tl.int32) << 16)
+    af = tl.where(finite, a, 0.0)
+    if QUALITY:
+        subnormal = (af > UNDERFLOW) & (af < SUBNORMAL_TOP)  # lands on a non-zero subnormal
+        counts = counts | (subnormal.to(tl.int32) << 24)
     # explicit NaN pass-through: a GPU's min/max would turn NaN into the bound
     v = tl.where(xs != xs, xs, tl.minimum(tl.maximum(xs, -FMAX), FMAX))
     amax_bits = tl.where(ax_bits > 0x7F800000, 0, ax_bits)  # NaN ignored by the amax
-    return amax_bits, counts, v
+    return amax_bits, counts, v, af
+
+
+@triton.jit
+def _quality_terms(
+    x, af, sq_acc, err_acc, min_acc, FMAX: tl.constexpr, MIN_NORMAL: tl.constexpr,
+    SUB_MAGIC: tl.constexpr, DROP: tl.constexpr, TILE: tl.constexpr,
+):  # fmt: skip
+    """The quality accumulators (scalars) after one block: ``+ sum(af**2)``, ``+ sum((fp8(af) - af)**2)``
+    (scaled domain; the block's float32 sums, tree-reduced, added in float64), ``min`` with the bits of the
+    block's smallest non-zero finite ``|x|`` (zeros and non-finite elements read as Inf's bits). One
+    reduction of the three per block instead of three per-element accumulators: those would double the
+    kernel's registers (94 -> 186 on sm_90 for the 1-D kernel, spills in the 2-D one)."""
+    d = _round_fp8(tl.minimum(af, FMAX), MIN_NORMAL, SUB_MAGIC, DROP) - af
+    bits = abs_bits(x)
+    min_bits = tl.where((bits == 0) | (bits >= 0x7F800000), 0x7F800000, bits)
+    sq, err, low = af * af, d * d, min_bits
+    if TILE:  # a 2-D tile: its rows, then the column of row totals
+        sq, err, low = tl.reduce((sq, err, low), 1, _sum_sum_min)
+    sq, err, low = tl.reduce((sq, err, low), 0, _sum_sum_min)
+    return sq_acc + sq.to(tl.float64), err_acc + err.to(tl.float64), tl.minimum(min_acc, low)
+
+
+@triton.jit
+def _sum_sum_min(s1, e1, m1, s2, e2, m2):
+    return s1 + s2, e1 + e2, tl.minimum(m1, m2)
 
 
 @triton.jit
@@ -107,11 +168,24 @@ def _fmax_into(stats_ptr, a):
 
 
 @triton.jit
+def _accumulate_quality(stats_ptr, subnormal, sq, err, min_bits, scale):
+    """Fold one program's quality totals into the row: the sums of squares over ``scale**2`` in float64,
+    the subnormal count summed, ``min_abs`` an atomic min of the float64 bits (the row starts at +inf; a NaN
+    put there from outside sorts above every value and is replaced, as ``fmin`` would)."""
+    inv = 1.0 / scale.to(tl.float64)
+    tl.atomic_add(stats_ptr + 6, sq.to(tl.float64) * inv * inv)
+    tl.atomic_add(stats_ptr + 7, err.to(tl.float64) * inv * inv)
+    tl.atomic_add(stats_ptr + 8, subnormal.to(tl.float64))
+    m = min_bits.to(tl.float32, bitcast=True).to(tl.float64).to(tl.int64, bitcast=True)
+    tl.atomic_min((stats_ptr + 9).to(tl.pointer_type(tl.int64)), m)
+
+
+@triton.jit
 def _accumulate_stats(
     stats_ptr, amax_ptr, scale_out_ptr, amax_bits, overflow, underflow, nonfinite, scale, n,
     HAS_AMAX: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr,
 ):  # fmt: skip
-    """Fold one program's totals into the float64 statistics row (columns ``STAT_COLUMNS``): amax fmax,
+    """Fold one program's totals into the float64 statistics row (columns ``BASE_COLUMNS``): amax fmax,
     scale the one of the call that set the amax (``quantize_with_stats_reference``), counts summed."""
     pid = tl.program_id(0)
     if HAS_AMAX:
@@ -132,38 +206,48 @@ def _accumulate_stats(
 
 @triton.jit
 def _quantize_block(
-    x_ptr, q_ptr, precast_ptr, offs, mask, scale, amax_acc, count_acc,
+    x_ptr, q_ptr, precast_ptr, offs, mask, scale, amax_acc, count_acc, sq_acc, err_acc, min_acc,
     FMAX: tl.constexpr, UNDERFLOW: tl.constexpr, OVF_THRESHOLD: tl.constexpr, OVF_INCLUSIVE: tl.constexpr,
-    STORE_PRECAST: tl.constexpr, IS_BF16: tl.constexpr,
+    SUBNORMAL_TOP: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, DROP: tl.constexpr,
+    QUALITY: tl.constexpr, STORE_PRECAST: tl.constexpr, IS_BF16: tl.constexpr,
 ):  # fmt: skip
     """One block of the 1-D kernel (``mask=None``: a full block); returns the updated accumulators.
     Masked-out elements load as 0, which counts as nothing."""
     x = load_f32(x_ptr, offs, mask, IS_BF16)
     return _quantize_values(
-        x, q_ptr, precast_ptr, offs, mask, scale, amax_acc, count_acc,
-        FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, STORE_PRECAST,
+        x, q_ptr, precast_ptr, offs, mask, scale, amax_acc, count_acc, sq_acc, err_acc, min_acc,
+        FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, SUBNORMAL_TOP, MIN_NORMAL, SUB_MAGIC, DROP, QUALITY,
+        STORE_PRECAST,
     )  # fmt: skip
 
 
 @triton.jit
 def _quantize_values(
-    x, q_ptr, precast_ptr, offs, mask, scale, amax_acc, count_acc,
+    x, q_ptr, precast_ptr, offs, mask, scale, amax_acc, count_acc, sq_acc, err_acc, min_acc,
     FMAX: tl.constexpr, UNDERFLOW: tl.constexpr, OVF_THRESHOLD: tl.constexpr, OVF_INCLUSIVE: tl.constexpr,
-    STORE_PRECAST: tl.constexpr,
+    SUBNORMAL_TOP: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, DROP: tl.constexpr,
+    QUALITY: tl.constexpr, STORE_PRECAST: tl.constexpr,
 ):  # fmt: skip
     """``_quantize_block`` on values already loaded (float32)."""
-    bits, counts, v = _scale_and_count(x, scale, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE)
+    bits, counts, v, af = _scale_and_count(
+        x, scale, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, SUBNORMAL_TOP, QUALITY
+    )
     tl.store(q_ptr + offs, v.to(q_ptr.dtype.element_ty), mask=mask)
     if STORE_PRECAST:
         tl.store(precast_ptr + offs, v, mask=mask)
-    return tl.maximum(amax_acc, bits), count_acc + counts
+    if QUALITY:
+        sq_acc, err_acc, min_acc = _quality_terms(
+            x, af, sq_acc, err_acc, min_acc, FMAX, MIN_NORMAL, SUB_MAGIC, DROP, False
+        )
+    return tl.maximum(amax_acc, bits), count_acc + counts, sq_acc, err_acc, min_acc
 
 
 @triton.jit(do_not_specialize=["n"])
 def _quantize_kernel(
     x_ptr, q_ptr, scale_ptr, amax_ptr, stats_ptr, precast_ptr, scale_out_ptr, n,
     FMAX: tl.constexpr, UNDERFLOW: tl.constexpr, OVF_THRESHOLD: tl.constexpr, OVF_INCLUSIVE: tl.constexpr,
-    HAS_AMAX: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr, POW2_SCALE: tl.constexpr,
+    SUBNORMAL_TOP: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, DROP: tl.constexpr,
+    QUALITY: tl.constexpr, HAS_AMAX: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr, POW2_SCALE: tl.constexpr,
     STORE_PRECAST: tl.constexpr, IS_BF16: tl.constexpr, PREFETCH: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -171,6 +255,9 @@ def _quantize_kernel(
     scale = _load_scale(scale_ptr, amax_ptr, FMAX, SCALE_FROM_AMAX, POW2_SCALE)
     amax_acc = tl.zeros([BLOCK], dtype=tl.int32)
     count_acc = tl.zeros([BLOCK], dtype=tl.int32)
+    sq_acc = tl.zeros([], dtype=tl.float64)
+    err_acc = tl.zeros([], dtype=tl.float64)
+    min_acc = tl.full([], 0x7F800000, dtype=tl.int32)
     n_full = n // BLOCK
     lanes = tl.arange(0, BLOCK)
     if PREFETCH:
@@ -181,36 +268,45 @@ def _quantize_kernel(
         for b in range(pid, n_full, nprog):  # full blocks: no mask
             cur = raw
             raw = tl.load(x_ptr + tl.minimum(b + nprog, n_full - 1) * BLOCK + lanes)
-            amax_acc, count_acc = _quantize_values(
+            amax_acc, count_acc, sq_acc, err_acc, min_acc = _quantize_values(
                 to_f32(cur, IS_BF16), q_ptr, precast_ptr, b * BLOCK + lanes, None, scale, amax_acc, count_acc,
-                FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, STORE_PRECAST,
+                sq_acc, err_acc, min_acc, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, SUBNORMAL_TOP,
+                MIN_NORMAL, SUB_MAGIC, DROP, QUALITY, STORE_PRECAST,
             )  # fmt: skip
     else:
         for b in range(pid, n_full, nprog):  # full blocks: no mask
-            amax_acc, count_acc = _quantize_block(
+            amax_acc, count_acc, sq_acc, err_acc, min_acc = _quantize_block(
                 x_ptr, q_ptr, precast_ptr, b * BLOCK + lanes, None, scale, amax_acc, count_acc,
-                FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, STORE_PRECAST, IS_BF16,
+                sq_acc, err_acc, min_acc, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, SUBNORMAL_TOP,
+                MIN_NORMAL, SUB_MAGIC, DROP, QUALITY, STORE_PRECAST, IS_BF16,
             )  # fmt: skip
     tail = n_full * BLOCK
     if (pid == n_full % nprog) & (tail < n):  # the partial block, by the program whose turn comes next
         offs = tail + tl.arange(0, BLOCK)
-        amax_acc, count_acc = _quantize_block(
+        amax_acc, count_acc, sq_acc, err_acc, min_acc = _quantize_block(
             x_ptr, q_ptr, precast_ptr, offs, offs < n, scale, amax_acc, count_acc,
-            FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, STORE_PRECAST, IS_BF16,
+            sq_acc, err_acc, min_acc, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, SUBNORMAL_TOP,
+            MIN_NORMAL, SUB_MAGIC, DROP, QUALITY, STORE_PRECAST, IS_BF16,
         )  # fmt: skip
-    # unpack before summing: each field of an element is at most MAX_BLOCKS_PER_PROGRAM (< 2**10)
+    # unpack before summing: each field of an element is at most MAX_BLOCKS_PER_PROGRAM (< 2**8)
     _accumulate_stats(
-        stats_ptr, amax_ptr, scale_out_ptr, tl.max(amax_acc, axis=0), tl.sum(count_acc & 1023, axis=0),
-        tl.sum((count_acc >> 10) & 1023, axis=0), tl.sum(count_acc >> 20, axis=0), scale, n,
+        stats_ptr, amax_ptr, scale_out_ptr, tl.max(amax_acc, axis=0), tl.sum(count_acc & 255, axis=0),
+        tl.sum((count_acc >> 8) & 255, axis=0), tl.sum((count_acc >> 16) & 255, axis=0), scale, n,
         HAS_AMAX, SCALE_FROM_AMAX,
     )  # fmt: skip
+    if QUALITY:
+        _accumulate_quality(
+            stats_ptr, tl.sum((count_acc >> 24) & 255, axis=0), sq_acc, err_acc, min_acc, scale,
+        )  # fmt: skip
 
 
 @triton.jit
 def _quantize_tile(
-    x_ptr, q_ptr, qt_ptr, precast_ptr, tm, tn, M, N, scale, amax_acc, count_acc, MASKED: tl.constexpr,
-    FMAX: tl.constexpr, UNDERFLOW: tl.constexpr, OVF_THRESHOLD: tl.constexpr, OVF_INCLUSIVE: tl.constexpr,
-    STORE_PRECAST: tl.constexpr, IS_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_ptr, q_ptr, qt_ptr, precast_ptr, tm, tn, M, N, scale, amax_acc, count_acc, sq_acc, err_acc, min_acc,
+    MASKED: tl.constexpr, FMAX: tl.constexpr, UNDERFLOW: tl.constexpr, OVF_THRESHOLD: tl.constexpr,
+    OVF_INCLUSIVE: tl.constexpr, SUBNORMAL_TOP: tl.constexpr, MIN_NORMAL: tl.constexpr,
+    SUB_MAGIC: tl.constexpr, DROP: tl.constexpr, QUALITY: tl.constexpr, STORE_PRECAST: tl.constexpr,
+    IS_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Tile ``(tm, tn)`` of the 2-D kernel, written to ``q`` and, transposed, to ``qt``; returns the updated
     accumulators. ``MASKED`` False: a full tile, no mask."""
@@ -227,7 +323,8 @@ def _quantize_tile(
     x = load_f32(x_ptr, offs, mask, IS_BF16)
     return _quantize_tile_values(
         x, q_ptr, qt_ptr, precast_ptr, offs, offs_t, mask, mask_t, scale, amax_acc, count_acc,
-        FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, STORE_PRECAST,
+        sq_acc, err_acc, min_acc, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, SUBNORMAL_TOP, MIN_NORMAL,
+        SUB_MAGIC, DROP, QUALITY, STORE_PRECAST,
     )  # fmt: skip
 
 
@@ -242,24 +339,33 @@ def _tile_offsets(tm, tn, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 @triton.jit
 def _quantize_tile_values(
     x, q_ptr, qt_ptr, precast_ptr, offs, offs_t, mask, mask_t, scale, amax_acc, count_acc,
+    sq_acc, err_acc, min_acc,
     FMAX: tl.constexpr, UNDERFLOW: tl.constexpr, OVF_THRESHOLD: tl.constexpr, OVF_INCLUSIVE: tl.constexpr,
-    STORE_PRECAST: tl.constexpr,
+    SUBNORMAL_TOP: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, DROP: tl.constexpr,
+    QUALITY: tl.constexpr, STORE_PRECAST: tl.constexpr,
 ):  # fmt: skip
     """``_quantize_tile`` on values already loaded (float32)."""
-    bits, counts, v = _scale_and_count(x, scale, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE)
+    bits, counts, v, af = _scale_and_count(
+        x, scale, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, SUBNORMAL_TOP, QUALITY
+    )
     q = v.to(q_ptr.dtype.element_ty)
     tl.store(q_ptr + offs, q, mask=mask)
     tl.store(qt_ptr + offs_t, tl.trans(q), mask=mask_t)
     if STORE_PRECAST:
         tl.store(precast_ptr + offs, v, mask=mask)
-    return tl.maximum(amax_acc, bits), count_acc + counts
+    if QUALITY:
+        sq_acc, err_acc, min_acc = _quality_terms(
+            x, af, sq_acc, err_acc, min_acc, FMAX, MIN_NORMAL, SUB_MAGIC, DROP, True
+        )
+    return tl.maximum(amax_acc, bits), count_acc + counts, sq_acc, err_acc, min_acc
 
 
 @triton.jit(do_not_specialize=["M", "N"])
 def _quantize_t_kernel(
     x_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, stats_ptr, precast_ptr, scale_out_ptr, M, N,
     FMAX: tl.constexpr, UNDERFLOW: tl.constexpr, OVF_THRESHOLD: tl.constexpr, OVF_INCLUSIVE: tl.constexpr,
-    HAS_AMAX: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr, POW2_SCALE: tl.constexpr,
+    SUBNORMAL_TOP: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, DROP: tl.constexpr,
+    QUALITY: tl.constexpr, HAS_AMAX: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr, POW2_SCALE: tl.constexpr,
     STORE_PRECAST: tl.constexpr, IS_BF16: tl.constexpr, DIV_M: tl.constexpr, DIV_N: tl.constexpr,
     PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -271,6 +377,9 @@ def _quantize_t_kernel(
     scale = _load_scale(scale_ptr, amax_ptr, FMAX, SCALE_FROM_AMAX, POW2_SCALE)
     amax_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
     count_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    sq_acc = tl.zeros([], dtype=tl.float64)
+    err_acc = tl.zeros([], dtype=tl.float64)
+    min_acc = tl.full([], 0x7F800000, dtype=tl.int32)
     full_m = M // BLOCK_M
     full_n = N // BLOCK_N
     n_full = full_m * full_n
@@ -288,17 +397,19 @@ def _quantize_t_kernel(
             raw = tl.load(x_ptr + offs_next)
             tm = t // full_n
             offs, offs_t = _tile_offsets(tm, t - tm * full_n, M, N, BLOCK_M, BLOCK_N)
-            amax_acc, count_acc = _quantize_tile_values(
+            amax_acc, count_acc, sq_acc, err_acc, min_acc = _quantize_tile_values(
                 to_f32(cur, IS_BF16), q_ptr, qt_ptr, precast_ptr, offs, offs_t, None, None, scale,
-                amax_acc, count_acc, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, STORE_PRECAST,
+                amax_acc, count_acc, sq_acc, err_acc, min_acc, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE,
+                SUBNORMAL_TOP, MIN_NORMAL, SUB_MAGIC, DROP, QUALITY, STORE_PRECAST,
             )  # fmt: skip
     else:
         for t in range(pid, n_full, nprog):  # full tiles: no mask
             tm = t // full_n
             tn = t - tm * full_n
-            amax_acc, count_acc = _quantize_tile(
-                x_ptr, q_ptr, qt_ptr, precast_ptr, tm, tn, M, N, scale, amax_acc, count_acc, False,
-                FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, STORE_PRECAST, IS_BF16, BLOCK_M, BLOCK_N,
+            amax_acc, count_acc, sq_acc, err_acc, min_acc = _quantize_tile(
+                x_ptr, q_ptr, qt_ptr, precast_ptr, tm, tn, M, N, scale, amax_acc, count_acc,
+                sq_acc, err_acc, min_acc, False, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE,
+                SUBNORMAL_TOP, MIN_NORMAL, SUB_MAGIC, DROP, QUALITY, STORE_PRECAST, IS_BF16, BLOCK_M, BLOCK_N,
             )  # fmt: skip
     # edge tiles, masked: the last tile column (every tile row), then the last tile row (full columns)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -307,19 +418,25 @@ def _quantize_t_kernel(
     for e in range((pid + nprog - n_full % nprog) % nprog, n_edge, nprog):  # the round robin continues
         tm = tl.where(e < right, e, full_m)
         tn = tl.where(e < right, full_n, e - right)
-        amax_acc, count_acc = _quantize_tile(
-            x_ptr, q_ptr, qt_ptr, precast_ptr, tm, tn, M, N, scale, amax_acc, count_acc, True,
-            FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, STORE_PRECAST, IS_BF16, BLOCK_M, BLOCK_N,
+        amax_acc, count_acc, sq_acc, err_acc, min_acc = _quantize_tile(
+            x_ptr, q_ptr, qt_ptr, precast_ptr, tm, tn, M, N, scale, amax_acc, count_acc,
+            sq_acc, err_acc, min_acc, True, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE,
+            SUBNORMAL_TOP, MIN_NORMAL, SUB_MAGIC, DROP, QUALITY, STORE_PRECAST, IS_BF16, BLOCK_M, BLOCK_N,
         )  # fmt: skip
-    # unpack before summing: each field of an element is at most MAX_BLOCKS_PER_PROGRAM (< 2**10)
+    # unpack before summing: each field of an element is at most MAX_BLOCKS_PER_PROGRAM (< 2**8)
     amax_bits = tl.max(tl.max(amax_acc, axis=1), axis=0)
-    overflow = tl.sum(tl.sum(count_acc & 1023, axis=1), axis=0)
-    underflow = tl.sum(tl.sum((count_acc >> 10) & 1023, axis=1), axis=0)
-    nonfinite = tl.sum(tl.sum(count_acc >> 20, axis=1), axis=0)
+    overflow = tl.sum(tl.sum(count_acc & 255, axis=1), axis=0)
+    underflow = tl.sum(tl.sum((count_acc >> 8) & 255, axis=1), axis=0)
+    nonfinite = tl.sum(tl.sum((count_acc >> 16) & 255, axis=1), axis=0)
     _accumulate_stats(
         stats_ptr, amax_ptr, scale_out_ptr, amax_bits, overflow, underflow, nonfinite, scale, M * N,
         HAS_AMAX, SCALE_FROM_AMAX,
     )  # fmt: skip
+    if QUALITY:
+        _accumulate_quality(
+            stats_ptr, tl.sum(tl.sum((count_acc >> 24) & 255, axis=1), axis=0),
+            sq_acc, err_acc, min_acc, scale,
+        )  # fmt: skip
 
 
 def _check(x, scale, stats, precast, amax) -> torch.Tensor:
@@ -332,10 +449,17 @@ def _check(x, scale, stats, precast, amax) -> torch.Tensor:
         if t is not None and t.device != x.device:
             raise ValueError(f"{name}: on {t.device}, expected x's device {x.device}")
     if stats is None:
-        return torch.zeros(6, dtype=torch.float64, device=x.device)
-    if stats.dtype != torch.float64 or stats.shape != (6,) or not stats.is_contiguous():
+        return new_stats(device=x.device)
+    widths = (len(STAT_COLUMNS), len(BASE_COLUMNS))
+    if (
+        stats.dtype != torch.float64
+        or stats.dim() != 1
+        or stats.shape[0] not in widths
+        or not stats.is_contiguous()
+    ):
         raise ValueError(
-            f"stats: expected a contiguous float64 (6,) row, got {stats.dtype} {tuple(stats.shape)}"
+            f"stats: expected a contiguous float64 ({widths[0]},) or ({widths[1]},) row, "
+            f"got {stats.dtype} {tuple(stats.shape)}"
         )
     return stats
 
@@ -381,6 +505,7 @@ def launch_quantize(
     q = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     flags = dict(
         **consts,
+        QUALITY=row.shape[0] == len(STAT_COLUMNS),
         HAS_AMAX=amax is not None,
         SCALE_FROM_AMAX=scale_from_amax,
         POW2_SCALE=power_2_scale,

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fp8_protocol.stats import FP8_MAX, STAT_COLUMNS
+from fp8_protocol.stats import BASE_COLUMNS, FP8_MAX
 
 from ..stats import LateReader
 
@@ -183,7 +183,7 @@ class TEStats(LateReader):
         e4m3_only = "E4M3" in str(getattr(r, "fp8_format", "")) and "HYBRID" not in str(
             getattr(r, "fp8_format", "")
         )
-        out = np.zeros((len(self.tensors), len(STAT_COLUMNS)))
+        out = np.zeros((len(self.tensors), len(BASE_COLUMNS)))  # no quality statistics from TE's state
         for j, (k, _, _) in enumerate(self._where):
             fmt = "e4m3" if e4m3_only else self.tensors[j]["format"]
             # a resized history: compare against an empty queue (its newest entries count as new)

@@ -76,18 +76,21 @@ class FlightRecorder:
         if not recs:
             return {"steps": [], "scalars": {}, "stats": {}, "tensors": []}
         T = next((r.stats.shape[0] for r in recs if r.stats is not None), 0)
-        missing = np.full((T, len(STATS)), np.nan)  # a step in which no FP8 layer ran
-        stack = np.stack([r.stats if r.stats is not None else missing for r in recs])  # (K, T, 6)
+        # the columns every record has: the quality columns only where no record came without them
+        width = min((r.stats.shape[1] for r in recs if r.stats is not None), default=len(STATS))
+        missing = np.full((T, width), np.nan)  # a step in which no FP8 layer ran
+        stack = np.stack([r.stats[:, :width] if r.stats is not None else missing for r in recs])  # (K, T, C)
+        cols = STATS[:width]
         names = sorted({k for r in recs for k in r.scalars})
         out = {
             "steps": [r.step for r in recs],
             "scalars": {n: [wire_float(float(r.scalars.get(n, np.nan))) for r in recs] for n in names},
-            "stats": {s: pack_matrix(stack[:, :, j]) for j, s in enumerate(STATS)},
+            "stats": {s: pack_matrix(stack[:, :, j]) for j, s in enumerate(cols)},
             "tensors": [
                 {
                     "index": i,
                     "name": tensor_names[i] if i < len(tensor_names) else str(i),
-                    **{s: [wire_float(float(v)) for v in stack[:, i, j]] for j, s in enumerate(STATS)},
+                    **{s: [wire_float(float(v)) for v in stack[:, i, j]] for j, s in enumerate(cols)},
                 }
                 for i in involved
             ],

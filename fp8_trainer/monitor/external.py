@@ -6,11 +6,14 @@ like a converted one, so the ordinary ``StatsReader`` serves them; this module a
 
 * ``CallerStats``: the generic path for any other runtime. The tensors are declared when the Monitor is
   made (``Monitor(..., tensors=[...])``) and each step's block is passed to ``monitor.step(step,
-  stats=block)``: shape ``(n_tensors, 6)``, rows in declaration order, columns ``STAT_COLUMNS`` =
+  stats=block)``: shape ``(n_tensors, 6)``, rows in declaration order, columns ``BASE_COLUMNS`` =
   ``amax`` (max |x| before scaling), ``scale`` (the scale that scaled it), ``overflow`` (elements that
   saturated), ``underflow`` (non-zero elements that became zero), ``nonfinite`` (NaN/Inf elements),
-  ``numel``; a torch tensor on any device (copied to the host without a synchronisation and read a step
-  later, like the runtime's own statistics) or a numpy array;
+  ``numel``; or ``(n_tensors, 10)`` with the quality columns too (``STAT_COLUMNS``: ``sum_sq``, ``err_sq``,
+  ``subnormal``, ``min_abs``, as ``fp8_protocol.stats`` defines them). A source without quality statistics
+  sends the base columns, and the Monitor then leaves the quality columns out of the step (never NaN
+  placeholders). A torch tensor on any device (copied to the host without a synchronisation and read a
+  step later, like the runtime's own statistics) or a numpy array;
 * ``attach_source``: which of these a Monitor's arguments ask for.
 """
 
@@ -22,6 +25,8 @@ import numpy as np
 import torch
 from fp8_kernels import STAT_COLUMNS
 from torch import nn
+
+from fp8_protocol.stats import BASE_COLUMNS, QUALITY_COLUMNS
 
 from ..formats import ROLES
 from ..shadow import HookedState
@@ -90,12 +95,18 @@ class CallerStats(LateReader):
             if not isinstance(stats, torch.Tensor)
             else stats
         )
-        if tuple(t.shape) != (self.n, len(STAT_COLUMNS)):
+        widths = (len(BASE_COLUMNS), len(STAT_COLUMNS))
+        if t.dim() != 2 or t.shape[0] != self.n or t.shape[1] not in widths:
             raise ValueError(
-                f"stats: expected shape ({self.n}, {len(STAT_COLUMNS)}) (tensors x {STAT_COLUMNS}), "
-                f"got {tuple(t.shape)}"
+                f"stats: expected shape ({self.n}, {widths[0]}) (tensors x {BASE_COLUMNS}) or ({self.n}, "
+                f"{widths[1]}) (with the quality columns {QUALITY_COLUMNS}), got {tuple(t.shape)}"
             )
         t = t.detach().to(torch.float64)
+        if self._box is not None and self._box.shape != t.shape:
+            raise ValueError(
+                f"stats: a ({self.n}, {t.shape[1]}) block after a ({self.n}, {self._box.shape[1]}) one in "
+                "the same step; a source sends the quality columns in every step or in none"
+            )
         self._box = t if self._box is None else merge_step_stats(self._box, t.to(self._box.device))
         self._n_box += 1
         self._last = t

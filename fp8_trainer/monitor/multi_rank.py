@@ -15,11 +15,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from fp8_protocol.stats import AMAX
+from fp8_protocol.stats import AMAX, BASE_COLUMNS, STAT_COLUMNS
 
 from .control import CommandInbox
 from .notices import Notices
-from .ranks import HAS_STATS, N_COMMANDS, RankSync, reduce_rank_stats
+from .ranks import HAS_QUALITY, HAS_STATS, N_COMMANDS, RankSync, reduce_rank_stats
 from .sender import wire_float
 
 __all__ = ["MultiRankSteps"]
@@ -124,7 +124,11 @@ class MultiRankSteps:
             self._notices.no_fp8(s)
             self._report(s, None, holder)
             return
-        self._report(s, reduce_rank_stats(block[:, :T]) if T else None, holder)
+        # the quality columns only where every rank with statistics had them
+        with_stats = block[:, T, HAS_STATS] > 0
+        quality = bool(np.all(block[with_stats, T, HAS_QUALITY] > 0))
+        width = len(STAT_COLUMNS) if quality else len(BASE_COLUMNS)
+        self._report(s, reduce_rank_stats(block[:, :T, :width]) if T else None, holder)
         if T and s % self.rank_sample_interval == 0:
             amax = [[wire_float(float(v)) for v in block[r, :T, AMAX]] for r in range(block.shape[0])]
             self._sender.put_event(

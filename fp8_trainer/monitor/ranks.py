@@ -1,17 +1,18 @@
 """Multi-rank telemetry: one asynchronous all_gather per step, reduced statistics, command broadcast.
 
 Every rank calls ``RankSync.step`` once per optimizer step (inside ``Monitor.step``). It launches one
-``all_gather`` (``async_op=True``) of a ``(T + 1, 6)`` float64 buffer: rows ``0..T-1`` are this rank's
-``step_stats`` (its own amaxes), row ``T`` a header ``[has_stats, commands_announced, 0, 0, 0, 0]``
-(columns ``HAS_STATS`` and ``N_COMMANDS``). The gather is waited for at the next call, a step later, when
-it has long completed, so nothing waits on the other ranks; on a GPU the result then takes one more step
-to reach the host through a pinned copy.
+``all_gather`` (``async_op=True``) of a ``(T + 1, 10)`` float64 buffer: rows ``0..T-1`` are this rank's
+``step_stats`` (its own amaxes), row ``T`` a header ``[has_stats, commands_announced, has_quality, 0,
+...]`` (columns ``HAS_STATS``, ``N_COMMANDS`` and ``HAS_QUALITY``: a source without quality statistics
+sends the base columns, and the reduced step then carries the base columns alone). The gather is waited
+for at the next call, a step later, when it has long completed, so nothing waits on the other ranks; on a
+GPU the result then takes one more step to reach the host through a pinned copy.
 
-From the gathered ``(W, T + 1, 6)`` block rank 0 reports the *reduced* statistics (amax: max over ranks,
-NaN ignored, as the kernels' amaxes ignore it; scale: the one of the rank whose amax is the max, so the pair
-stays consistent under current scaling, where each rank has its own; overflow, underflow, nonfinite and
-numel: summed) and, every ``rank_sample_interval`` steps, the per-rank amaxes as a ``rank_amax``
-event.
+From the gathered ``(W, T + 1, 10)`` block rank 0 reports the *reduced* statistics (each column as
+``fp8_protocol.stats.MERGE`` says: amax: max over ranks, NaN ignored, as the kernels' amaxes ignore it;
+scale: the one of the rank whose amax is the max, so the pair stays consistent under current scaling,
+where each rank has its own; overflow, underflow, nonfinite, numel and the sums of squares: summed;
+min_abs: min) and, every ``rank_sample_interval`` steps, the per-rank amaxes as a ``rank_amax`` event.
 
 Commands (only rank 0 hears from the service) ride on the same collective: rank 0 writes how many it
 announces into the header; every rank reads that header at the same ``Monitor.step`` call, and only then
@@ -28,26 +29,34 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fp8_protocol.stats import AMAX, OVERFLOW, SCALE, STAT_COLUMNS
+from fp8_protocol.stats import AMAX, BASE_COLUMNS, MERGE, MIN_ABS, SCALE, STAT_COLUMNS
 
 from ..hostcopy import HostCopy
 
-__all__ = ["HAS_STATS", "N_COMMANDS", "RankSync", "reduce_rank_stats"]
+__all__ = ["HAS_QUALITY", "HAS_STATS", "N_COMMANDS", "RankSync", "reduce_rank_stats"]
 
 #: Columns of the header row (row ``T``) of a gathered block: whether the rank had statistics in the step,
-#: and how many commands rank 0 announced in it.
-HAS_STATS, N_COMMANDS = 0, 1
+#: how many commands rank 0 announced in it, and whether its statistics have the quality columns.
+HAS_STATS, N_COMMANDS, HAS_QUALITY = 0, 1, 2
 
 
 def reduce_rank_stats(block: np.ndarray) -> np.ndarray:
-    """``(W, T, 6)`` per-rank stats -> ``(T, 6)``: amax max (NaN ignored), the scale of the rank with that
-    amax (the one that scaled it: headroom stays negative only where something overflowed), counts summed."""
+    """``(W, T, C)`` per-rank stats -> ``(T, C)``, each column as ``MERGE`` says: amax max (NaN ignored), the
+    scale of the rank with that amax (the one that scaled it: headroom stays negative only where something
+    overflowed), ``min_abs`` min (NaN ignored), the counts, numel and sums of squares summed."""
     amax = block[:, :, AMAX]
     out = np.empty(block.shape[1:], dtype=np.float64)
-    out[:, AMAX] = np.fmax.reduce(amax, axis=0)
-    top = np.argmax(np.where(np.isnan(amax), -np.inf, amax), axis=0)  # first rank with the max
-    out[:, SCALE] = block[top, np.arange(block.shape[1]), SCALE]
-    out[:, OVERFLOW:] = np.sum(block[:, :, OVERFLOW:], axis=0)  # the counts and numel
+    for j, name in enumerate(STAT_COLUMNS[: block.shape[2]]):
+        how = MERGE[name]
+        if j == SCALE:
+            top = np.argmax(np.where(np.isnan(amax), -np.inf, amax), axis=0)  # first rank with the max
+            out[:, SCALE] = block[top, np.arange(block.shape[1]), SCALE]
+        elif how == "max":
+            out[:, j] = np.fmax.reduce(block[:, :, j], axis=0)
+        elif how == "min":
+            out[:, j] = np.fmin.reduce(block[:, :, j], axis=0)
+        else:
+            out[:, j] = np.sum(block[:, :, j], axis=0)
     return out
 
 
@@ -71,10 +80,14 @@ class RankSync:
         """
         ready = self._collect()
         T = self.n_tensors
+        # always the full width, so every rank gathers the same shape; min_abs +inf where a rank has no
+        # quality statistics (the neutral element of its min), and the header says which ranks have them
         buf = torch.zeros(T + 1, len(STAT_COLUMNS), dtype=torch.float64, device=device)
+        buf[:T, MIN_ABS] = torch.inf
         if stats is not None:
-            buf[:T] = stats
+            buf[:T, : stats.shape[1]] = stats
             buf[T, HAS_STATS] = 1.0
+            buf[T, HAS_QUALITY] = float(stats.shape[1] > len(BASE_COLUMNS))
         buf[T, N_COMMANDS] = float(n_commands)
         gathered = [torch.empty_like(buf) for _ in range(self.world)]
         work = dist.all_gather(gathered, buf, group=self.group, async_op=True)

@@ -23,14 +23,14 @@ from typing import Any
 import httpx
 import numpy as np
 
-from fp8_protocol.stats import STAT_COLUMNS
+from fp8_protocol.stats import BASE_COLUMNS
 
 from .env import env_token, service_url
 
 __all__ = ["ReadError", "Reader"]
 
 API = "/api/v1"
-STATS = STAT_COLUMNS
+STATS = BASE_COLUMNS  # what the service exports (the quality columns are not exported)
 _PAGE = 10_000  # the service's largest events page
 
 

@@ -48,7 +48,8 @@ STATS = STAT_COLUMNS  # the contract's column order (fp8_protocol.stats)
 
 @dataclass
 class StepRecord:
-    """One optimizer step: ``stats`` (T, 6) float64 in ``STATS`` order, or None for a step in which no FP8
+    """One optimizer step: ``stats`` (T, 10) float64 in ``STATS`` order (or (T, 6), the base columns alone,
+    from a source without quality statistics), or None for a step in which no FP8
     layer ran (it is sent with its scalars only); scalars as floats."""
 
     step: int
@@ -98,7 +99,10 @@ def step_body(rec: StepRecord) -> dict[str, Any]:
     scalars = {k: wire_float(float(v)) for k, v in rec.scalars.items()}
     body: dict[str, Any] = {"step": rec.step, "scalars": scalars}
     if rec.stats is not None:
-        body["stats"] = {name: pack_column(rec.stats[:, j]) for j, name in enumerate(STATS)}
+        # the base columns, and the quality columns where the block has them (a source without them,
+        # e.g. a caller's own 6-column block, leaves them out of the step: never NaN placeholders)
+        cols = STATS[: rec.stats.shape[1]]
+        body["stats"] = {name: pack_column(rec.stats[:, j]) for j, name in enumerate(cols)}
     return body
 
 

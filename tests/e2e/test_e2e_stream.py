@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fp8_trainer.stats import STAT_COLUMNS
+from fp8_protocol.stats import BASE_COLUMNS
 from tests.e2e.e2e_utils import run_by_name
 
 pytestmark = pytest.mark.slow
@@ -33,7 +33,7 @@ def test_every_step_stored_and_equal_to_the_jobs_statistics(server, api, train, 
     assert len(tensors) == dump["stats"].shape[1] == run["num_tensors"]
     assert tensors[0]["name"] == "blocks.0.attn.qkv.input" and tensors[2]["format"] == "e5m2"
 
-    for c, metric in enumerate(STAT_COLUMNS):
+    for c, metric in enumerate(BASE_COLUMNS):  # the quality columns: test_e2e_quality.py
         if metric == "numel":
             continue
         stored = _heatmap(api, run["id"], metric, steps)

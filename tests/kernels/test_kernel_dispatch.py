@@ -36,7 +36,7 @@ def test_import_needs_no_triton():
         "assert not fp8_kernels.triton_available()\n"
         "q, row = fp8_kernels.quantize_with_stats(torch.tensor([1.0, 500.0]), torch.tensor(1.0), "
         "torch.float8_e4m3fn)\n"
-        "assert row.tolist() == [500.0, 1.0, 1, 0, 0, 2], row\n"
+        "assert row.tolist()[:6] == [500.0, 1.0, 1, 0, 0, 2] and len(row) == 10, row\n"
         "assert fp8_kernels.fused_scale_update('cuda') is None\n"
         "print('ok')\n"
     )
@@ -105,7 +105,7 @@ def test_empty_tensor_statistics():
     for shape in [(0,), (0, 7)]:
         q, row = quantize_with_stats(torch.empty(shape), torch.tensor(4.0), torch.float8_e4m3fn)
         assert q.shape == shape and q.dtype == torch.float8_e4m3fn
-        assert row.tolist() == [0.0, 4.0, 0, 0, 0, 0]
+        assert row.tolist() == [0.0, 4.0, 0, 0, 0, 0, 0, 0, 0, float("inf")]  # min_abs: none
         assert tensor_amax(torch.empty(shape)).item() == 0.0
         assert tensor_amax(torch.full((3,) + shape[1:], float("nan"))).item() == 0.0
         assert int(exponent_histogram(torch.empty(shape)).sum()) == 0

@@ -90,7 +90,7 @@ def test_large_scale_overflow_to_inf_counts_as_overflow(dtype, fmax, min_sub):
     scale = torch.tensor(torch.finfo(torch.float32).max)
     q, row = quantize_with_stats(torch.tensor([2.0, -2.0, 0.0]), scale, dtype)
     assert q.float().tolist() == [fmax, -fmax, 0.0]
-    assert row.tolist()[2:] == [2, 0, 0, 3]
+    assert row.tolist()[2:6] == [2, 0, 0, 3]
 
 
 @pytest.mark.parametrize("dtype,fmax,min_sub", FORMATS)
@@ -112,9 +112,9 @@ def test_nonfinite_counting_and_nan_amax(dtype, fmax, min_sub):
     assert torch.isnan(q.float()[1]) and q.float()[0].item() == 2.0
     # NaN elements are ignored by the amax (TE's fmaxf), still counted as non-finite, never as underflow
     q, row = quantize_with_stats(torch.tensor([1.0, NAN, -3.0, NAN]), torch.tensor(2.0), dtype)
-    assert row.tolist() == [3.0, 2.0, 0, 0, 2, 4]
+    assert row[:6].tolist() == [3.0, 2.0, 0, 0, 2, 4]
     _, row = quantize_with_stats(torch.full((5,), NAN), torch.tensor(2.0), dtype)
-    assert row.tolist() == [0.0, 2.0, 0, 0, 5, 5]  # all NaN: amax 0
+    assert row[:6].tolist() == [0.0, 2.0, 0, 0, 5, 5]  # all NaN: amax 0
     q, row = quantize_with_stats(torch.tensor([1.0, -INF]), torch.tensor(1.0), dtype)
     assert row[0].item() == INF
 
@@ -132,7 +132,7 @@ def test_bits_equal_torch_cast_of_preclamped_value(dtype, fmax, min_sub, scale):
     amax, ovf, unf, nonfin = reference_counts(x.flatten(), scale, dtype, fmax)
     assert row[0].item() == amax == INF
     assert row[1].item() == scale
-    assert row[2:].tolist() == [ovf, unf, nonfin, x.numel()]
+    assert row[2:6].tolist() == [ovf, unf, nonfin, x.numel()]
     assert ovf > 0 or scale < 1  # the grid does exercise saturation at the larger scales
     assert unf > 0
 

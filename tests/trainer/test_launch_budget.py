@@ -108,9 +108,9 @@ def test_launches_per_layer_and_per_step(gpu_path, recipe, per_layer):
                 y = model(x)
             y.sum().backward()
     # once per step: the scale update (also where every layer uses current scaling), the new statistics
-    # buffer and its scale column, the amax column as float32, the step counter; the loss: its sum and
-    # the ones its backward starts from
-    per_step = {"kernel:scale_update": 1, "zeros": 1, "copy_": 1, "_to_copy": 1, "add": 1}
+    # buffer, its min_abs column (+inf) and its scale column, the amax column as float32, the step
+    # counter; the loss: its sum and the ones its backward starts from
+    per_step = {"kernel:scale_update": 1, "zeros": 1, "fill_": 1, "copy_": 1, "_to_copy": 1, "add": 1}
     loss = {"sum": 1, "ones_like": 1}
     expected = collections.Counter()
     for table, times in ((per_layer, n_layers), (per_step, 1), (loss, 1)):

@@ -1,0 +1,121 @@
+"""Benchmark: what the quality statistics (sum_sq, err_sq, subnormal, min_abs) cost a training step.
+
+The same FP8 run (tiny GPT, delayed scaling, statistics for every tensor at every step) in two modes, in one
+process, interleaved in blocks so that drift of the machine hits both alike:
+
+* ``base``    - the quantize pass records the base columns alone (``FP8State.set_quality_stats(False)``:
+  6-column statistics rows, which the quantize functions take as "no quality statistics");
+* ``quality`` - the default: the quality columns too, in the same pass.
+
+Each mode trains its own copy of the model (same seed, same batches). No monitor: the difference is the
+statistics' computation (on the CPU, the reference path's extra torch ops).
+
+    .venv/bin/python bench/quality_overhead.py [--rounds 10] [--block 10] [--batch-size 16] [--seq-len 64]
+
+Prints median and mean step times, the ratio quality/base overall and paired by round (the median over
+rounds of each round's ratio, robust to the machine's drift); writes bench/results/quality_overhead.json.
+Goal: quality/base <= 1.03 on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from fp8_trainer import convert_to_fp8, fp8_autocast, tensor_table  # noqa: E402
+from fp8_trainer.convert import get_fp8_state  # noqa: E402
+from fp8_trainer.data import ByteCorpus  # noqa: E402
+from fp8_trainer.model import GPT, PRESETS, fp8_filter  # noqa: E402
+from fp8_trainer.recipe import DelayedScaling  # noqa: E402
+
+MODES = ("base", "quality")
+
+
+class Job:
+    """One mode's model, optimizer and data stream."""
+
+    def __init__(self, mode: str, args: argparse.Namespace):
+        torch.manual_seed(0)
+        self.recipe = DelayedScaling()
+        self.model = GPT(PRESETS["tiny"])
+        convert_to_fp8(self.model, recipe=self.recipe, module_filter_fn=fp8_filter)
+        get_fp8_state(self.model).set_quality_stats(mode == "quality")
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.corpus = ByteCorpus(seed=0)
+        self.args = args
+
+    def step(self) -> float:
+        t0 = time.perf_counter()
+        x, y = self.corpus.batch("train", self.args.batch_size, self.args.seq_len)
+        with fp8_autocast(fp8_recipe=self.recipe):
+            _, loss = self.model(x, y)
+        loss.backward()  # the FP8 step (history, scales, statistics) closes when backward ends
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--block", type=int, default=10, help="steps per mode per round")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps per mode first")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "quality_overhead.json"))
+    args = p.parse_args()
+
+    jobs = {m: Job(m, args) for m in MODES}
+    for job in jobs.values():
+        for _ in range(args.warmup):
+            job.step()
+    widths = {m: get_fp8_state(jobs[m].model).last_stats.shape[1] for m in MODES}
+    assert widths == {"base": 6, "quality": 10}, widths  # each mode really records what it says
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    rounds: list[dict[str, float]] = []
+    for r in range(args.rounds):
+        this = {}
+        for m in MODES if r % 2 == 0 else MODES[::-1]:
+            block = [jobs[m].step() for _ in range(args.block)]
+            times[m] += block
+            this[m] = statistics.fmean(block)
+        rounds.append(this)
+    n_tensors = len(tensor_table(jobs["base"].model))
+
+    med = {m: statistics.median(v) for m, v in times.items()}
+    mean = {m: statistics.fmean(v) for m, v in times.items()}
+    paired = statistics.median(r["quality"] / r["base"] for r in rounds)
+    print(
+        f"tiny GPT, batch {args.batch_size} x {args.seq_len}, torch threads {torch.get_num_threads()}, "
+        f"{args.rounds} rounds x {args.block} steps per mode, {n_tensors} tensors quantized per step"
+    )
+    print(f"{'mode':<8} {'median ms':>10} {'mean ms':>10} {'steps':>6}")
+    for m in MODES:
+        print(f"{m:<8} {med[m] * 1e3:10.2f} {mean[m] * 1e3:10.2f} {len(times[m]):6d}")
+    overall = mean["quality"] / mean["base"]
+    print(f"quality/base: paired (median over rounds) {paired:.3f}, overall mean {overall:.3f}, "
+          f"median {med['quality'] / med['base']:.3f}; goal <= 1.03: "
+          f"{'met' if paired <= 1.03 else 'NOT met'}")  # fmt: skip
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "machine": platform.platform(), "torch_threads": torch.get_num_threads(), "args": vars(args),
+        "tensors": n_tensors, "median_ms": {m: med[m] * 1e3 for m in MODES},
+        "mean_ms": {m: mean[m] * 1e3 for m in MODES}, "ratio_paired_median": paired,
+        "ratio_mean": overall, "step_times_s": times,
+    }, indent=1))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""The quality columns on the trainer side: the step buffer, merges over micro-steps and ranks (each column
+as ``fp8_protocol.stats.MERGE`` says), and what goes on the wire: the quality columns where the block has
+them, left out (never NaN placeholders) where a source has only the base columns."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import fp8_trainer
+from fp8_protocol.stats import (
+    AMAX,
+    BASE_COLUMNS,
+    ERR_SQ,
+    MIN_ABS,
+    NUMEL,
+    QUALITY_COLUMNS,
+    SCALE,
+    STAT_COLUMNS,
+    SUBNORMAL,
+    SUM_SQ,
+    sqnr_db,
+)
+from fp8_trainer.convert import get_fp8_state
+from fp8_trainer.monitor.external import CallerStats
+from fp8_trainer.monitor.ranks import reduce_rank_stats
+from fp8_trainer.monitor.sender import StepRecord, step_body
+from fp8_trainer.state import merge_step_stats
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return fp8_trainer.convert_to_fp8(nn.Sequential(nn.Linear(32, 16), nn.GELU(), nn.Linear(16, 16)))
+
+
+def _step(model: nn.Module, x: torch.Tensor, *, boundary: bool = True) -> None:
+    with fp8_trainer.fp8_autocast(step_boundary=boundary):
+        loss = model(x).square().mean()
+    loss.backward()
+
+
+def test_step_stats_have_the_quality_columns():
+    model = _model()
+    _step(model, torch.randn(24, 32))
+    s = fp8_trainer.step_stats(model).numpy()
+    assert s.shape == (6, len(STAT_COLUMNS))
+    db = sqnr_db(s[:, SUM_SQ], s[:, ERR_SQ])
+    # E4M3 forward tensors (input, weight) of a first step scaled by 1: SQNR of a 3-bit mantissa, about
+    # 30 dB; the E5M2 gradients (2 bits) lower
+    fwd = [0, 1, 3, 4]
+    assert np.all((db[fwd] > 20) & (db[fwd] < 40)), db
+    assert np.all(db[[2, 5]] < db[fwd].min() + 6), db
+    assert np.all((s[:, MIN_ABS] > 0) & (s[:, MIN_ABS] <= s[:, AMAX]))
+    assert np.all(s[:, SUBNORMAL] <= s[:, NUMEL])
+
+
+def test_micro_batches_merge_min_abs_as_a_min():
+    model = _model()
+    a, b = torch.randn(8, 32), torch.randn(8, 32)
+    a[0, 0], b[0, 0] = 1e-3, 1e-5  # the second micro-batch holds the smaller input value
+    _step(model, a, boundary=False)
+    _step(model, b)
+    merged = fp8_trainer.step_stats(model)
+    assert merged[0, MIN_ABS].item() == pytest.approx(1e-5)
+    assert merged[0, NUMEL].item() == 2 * 8 * 32
+    one = _model()
+    _step(one, a)
+    assert merged[0, SUM_SQ].item() > fp8_trainer.step_stats(one)[0, SUM_SQ].item()  # summed
+
+
+def test_merge_step_stats_and_rank_reduction_follow_merge():
+    rng = np.random.default_rng(3)
+    blocks = rng.uniform(1, 10, size=(3, 4, len(STAT_COLUMNS)))
+    blocks[:, :, MIN_ABS] = rng.uniform(1e-6, 1e-3, size=(3, 4))
+    blocks[1, 2, MIN_ABS] = math.inf  # a rank without any non-zero value in tensor 2
+    out = reduce_rank_stats(blocks)
+    np.testing.assert_array_equal(out[:, AMAX], blocks[:, :, AMAX].max(axis=0))
+    np.testing.assert_array_equal(out[:, MIN_ABS], blocks[:, :, MIN_ABS].min(axis=0))
+    for c in (SUM_SQ, ERR_SQ, SUBNORMAL, NUMEL):
+        np.testing.assert_allclose(out[:, c], blocks[:, :, c].sum(axis=0), rtol=1e-15)
+    assert reduce_rank_stats(blocks[:, :, : len(BASE_COLUMNS)]).shape == (4, len(BASE_COLUMNS))
+    a, b = torch.from_numpy(blocks[0]), torch.from_numpy(blocks[1])
+    m = merge_step_stats(a, b)
+    assert torch.equal(m[:, MIN_ABS], torch.fmin(a[:, MIN_ABS], b[:, MIN_ABS]))
+    assert torch.equal(m[:, SUM_SQ], a[:, SUM_SQ] + b[:, SUM_SQ])
+    # a block without the quality columns and one with them: the base columns they share
+    assert merge_step_stats(a[:, :6], b).shape == (4, 6)
+
+
+def test_wire_step_carries_the_columns_the_block_has():
+    full = np.ones((3, len(STAT_COLUMNS)))
+    base = np.ones((3, len(BASE_COLUMNS)))
+    assert list(step_body(StepRecord(1, full, {}))["stats"]) == list(STAT_COLUMNS)
+    body = step_body(StepRecord(2, base, {}))
+    assert list(body["stats"]) == list(BASE_COLUMNS)  # left out, not NaN placeholders
+    assert not set(QUALITY_COLUMNS) & set(body["stats"])
+
+
+def test_caller_blocks_with_or_without_quality_columns():
+    src = CallerStats(["fc.input", "fc.weight", "fc.grad_output"])
+    src.put(np.ones((3, 6)))
+    src.put(np.ones((3, 6)))
+    got, n = src.take()
+    assert got.shape == (3, 6) and n == 2 and got[0, NUMEL].item() == 2
+    src.put(np.ones((3, 10)))
+    with pytest.raises(ValueError, match="same step"):
+        src.put(np.ones((3, 6)))
+    with pytest.raises(ValueError, match="expected shape"):
+        src.put(np.ones((3, 8)))
+
+
+def test_quality_statistics_can_be_switched_off_for_a_benchmark():
+    model = _model()
+    state = get_fp8_state(model)
+    state.set_quality_stats(False)
+    _step(model, torch.randn(8, 32))
+    assert fp8_trainer.step_stats(model).shape == (6, len(BASE_COLUMNS))
+    state.set_quality_stats(True)
+    _step(model, torch.randn(8, 32))
+    s = fp8_trainer.step_stats(model)
+    assert s.shape == (6, len(STAT_COLUMNS)) and torch.all(s[:, SCALE] > 0)
