@@ -18,13 +18,13 @@ from fp8_protocol.stats import (
     sqnr_db,
 )
 from monitor_server.models import StepStat
-from monitor_server.rollups import STAT_IDS
+from monitor_server.rollups import STAT_IDS, unpack_rows
 from tests.e2e.e2e_utils import run_by_name
 
 pytestmark = pytest.mark.slow
 
 
-def _stored(db_url: str, run_id: int, name: str) -> tuple[list[int], np.ndarray]:
+def _stored(db_url: str, run_id: int, name: str, num_tensors: int) -> tuple[list[int], np.ndarray]:
     """``(steps, (S, T) values)`` of one statistic as the service stored it."""
     engine = create_engine(db_url)
     try:
@@ -36,7 +36,7 @@ def _stored(db_url: str, run_id: int, name: str) -> tuple[list[int], np.ndarray]
             ).all()
     finally:
         engine.dispose()
-    return [r.step for r in rows], np.array([np.frombuffer(r.values, "<f8") for r in rows])
+    return [r.step for r in rows], unpack_rows([r.values for r in rows], num_tensors)
 
 
 def test_quality_columns_stored_and_plausible(server, api, train, tmp_path):
@@ -51,7 +51,7 @@ def test_quality_columns_stored_and_plausible(server, api, train, tmp_path):
 
     stored = {}
     for name in QUALITY_COLUMNS:
-        got_steps, values = _stored(server.db_url, run["id"], name)
+        got_steps, values = _stored(server.db_url, run["id"], name, len(tensors))
         assert got_steps == list(range(1, steps + 1)), name
         np.testing.assert_array_equal(values, dump[:, :, STAT_COLUMNS.index(name)], err_msg=name)
         stored[name] = values

@@ -75,7 +75,7 @@ def test_reference_matches_first_principles(name, fp8):
 def test_edge_cases_by_hand():
     _, row = quantize_with_stats_reference(torch.zeros(10), torch.tensor(1.0), E4M3)
     assert row[SUM_SQ:].tolist() == [0.0, 0.0, 0.0, INF]  # no non-zero value: min_abs +inf
-    assert math.isnan(sqnr_db(row[SUM_SQ].item(), row[ERR_SQ].item()))  # all zero: SQNR undefined
+    assert sqnr_db(row[SUM_SQ].item(), row[ERR_SQ].item()) == math.inf  # all zero: nothing lost
     # exact values: no error, SQNR +inf
     _, row = quantize_with_stats_reference(torch.tensor([1.0, -2.0, 0.5, 448.0]), torch.tensor(1.0), E4M3)
     assert row[SUM_SQ:].tolist() == [1 + 4 + 0.25 + 448.0**2, 0.0, 0.0, 0.5]
