@@ -108,12 +108,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--resume", metavar="PATH", help="continue the run saved in this checkpoint")
     g.add_argument("--stats-dump", metavar="FILE.npz",
                    help="write every step's FP8 statistics and loss to FILE (numpy .npz: steps, "
-                        "stats (steps x tensors x 10), loss, names); copies them synchronously")  # fmt: skip
+                        "stats (steps x tensors x 10, or 6 with --no-quality-stats), loss, names); copies "
+                        "them synchronously")  # fmt: skip
 
     g = p.add_argument_group("monitoring and fault injection")
     g.add_argument("--monitor-url", default=os.environ.get("FP8SCOPE_URL") or None,
                    help="fp8-monitor root, e.g. http://127.0.0.1:8000 (default $FP8SCOPE_URL)")  # fmt: skip
     g.add_argument("--run-name", help="run name in the monitor (default: preset-recipe-time)")
+    g.add_argument("--no-quality-stats", dest="quality_stats", action="store_false",
+                   help="leave the quantization-quality columns (SQNR, subnormals, dynamic range, outlier "
+                        "ratio) out of the quantize pass, to save their cost")  # fmt: skip
     g.add_argument("--tag", dest="tags", action="append", default=[], metavar="TAG",
                    help="a tag of the run in the monitor; repeatable")  # fmt: skip
     g.add_argument("--token", help="API token of the monitor (visible in the process list: prefer "

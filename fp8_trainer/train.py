@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from .autocast import fp8_autocast
 from .checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
-from .convert import convert_to_fp8
+from .convert import convert_to_fp8, get_fp8_state
 from .data import Corpus, load_corpus
 from .hostcopy import LateCopy
 from .inject import Injector, parse_injection
@@ -276,6 +276,8 @@ def _build(a, prepared: Prepared, rank: int, device):
     model = GPT(cfg).to(device)
     if recipe is not None:
         convert_to_fp8(model, recipe=recipe, module_filter_fn=fp8_filter)
+        if not a.quality_stats:
+            get_fp8_state(model).set_quality_stats(False)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
     ckpt = prepared.checkpoint
     if ckpt is None and a.resume:

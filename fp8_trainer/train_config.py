@@ -52,6 +52,9 @@ class TrainConfig:
     resume: str | None = None  # continue the run saved in this checkpoint
     stats_dump: str | None = None  # every step's FP8 statistics and loss to this .npz (synchronous copies)
     # ----- monitoring and fault injection -----
+    # the quality columns (SQNR, subnormals, dynamic range, outliers) in the quantize pass; off saves their
+    # cost, which on the CPU path is about a tenth of a tiny-preset step (bench/quality_overhead.py)
+    quality_stats: bool = True
     monitor_url: str | None = None  # fp8-monitor root; the flag's default is $FP8SCOPE_URL
     run_name: str | None = None  # None: preset-recipe-time
     tags: tuple[str, ...] = field(default_factory=tuple)  # the run's tags in the monitor
