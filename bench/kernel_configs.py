@@ -29,6 +29,9 @@ if "--smoke" in sys.argv:
 import torch
 from gpu_timing import ms_per_call
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.kernels.exact_checks import same_row  # the kernel tests' rule for a statistics row
+
 SHAPES_1D = [(16384, 3072)]
 SHAPES_2D = [(16384, 768), (8192, 14336)]
 SMOKE_SHAPES = [(48, 80)]
@@ -94,8 +97,13 @@ def main(argv: list[str] | None = None) -> int:
                     q, qt, row, _ = triton_quantize.launch_quantize(
                         xs[0], scale, fp8, None, transpose=transpose
                     )
-                    # the FP8 bits on a GPU only: the interpreter's own cast is not the hardware's
-                    exact = torch.equal(row, row_ref)
+                    # the FP8 bits on a GPU only: the interpreter's own cast is not the hardware's; the
+                    # statistics exactly, but for the two float32 sums of squares (within their bound)
+                    try:
+                        same_row(row, row_ref, "statistics row")
+                        exact = True
+                    except AssertionError:
+                        exact = False
                     if device.type == "cuda":
                         exact = exact and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
                         if transpose:
