@@ -196,6 +196,8 @@ class Result:
     bytes_per_value: float | None = None
     bytes_per_value_compacted: float | None = None
     killed: bool = False
+    post_failures: dict = field(default_factory=dict)  # by instance and reason
+    restarted_after_s: float | None = None  # from the kill until B answered again
     alert_kinds: dict = field(default_factory=dict)
 
 
@@ -254,8 +256,11 @@ def simulate(
                         if target != run.home:
                             result.failovers += 1
                     return
-            except httpx.HTTPError:
-                pass
+                why = f"{'AB'[target]}: {r.status_code} {r.text[:80]}"
+            except httpx.HTTPError as exc:
+                why = f"{'AB'[target]}: {type(exc).__name__}"
+            with lock:
+                result.post_failures[why] = result.post_failures.get(why, 0) + 1
             target = 1 - target  # the load balancer tries the other instance
             time.sleep(0.2)
 
@@ -270,12 +275,17 @@ def simulate(
         for run in runs:
             pool.submit(post, run, step)
         elapsed = time.time() - start
-        if kill and not down.is_set() and elapsed >= kill_at:
+        if kill and restarter is None and not down.is_set() and elapsed >= kill_at:  # once
             down.set()
             servers[1].stop(signal.SIGKILL)
         if kill and down.is_set() and elapsed >= back_at and restarter is None:
             # started beside the loop: the runs keep their one step per second while B comes back
-            restarter = threading.Thread(target=lambda: (servers[1].start(timeout=120), down.clear()))
+            def restart() -> None:
+                servers[1].start(timeout=120)
+                result.restarted_after_s = time.time() - start - kill_at
+                down.clear()
+
+            restarter = threading.Thread(target=restart)
             restarter.start()
         step += 1
     if restarter is not None:
@@ -380,6 +390,8 @@ def report(r: Result) -> str:
             f"  latency on the same one    p50 {s(r.local_p50_s)} s   p99 {s(r.local_p99_s)} s",
             f"  steps sent / stored        {r.steps_sent} / {r.steps_stored} "
             f"(lost {r.steps_lost}, stored twice {r.steps_twice}); {r.failovers} posts failed over",
+            f"  posts that failed          {r.post_failures}",
+            f"  B back after               {s(r.restarted_after_s)} s (from the kill)",
             f"  stream reconnects          {r.reconnects} (A, B); ended: {r.streams_ended}",
             f"  NaN runs                   {r.nan_runs}: incidents {r.incidents} "
             f"(expected {r.incidents_expected}),"
