@@ -5,7 +5,6 @@ resolution or coarser."""
 from __future__ import annotations
 
 import itertools
-import time
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ from sqlalchemy import func, select
 from monitor_server import retention
 from monitor_server.models import StepStat
 from monitor_server.rollups import COMPACT_BLOCK, STAT_IDS, raw_kept_from
+from tests.support.polling import wait_for
 from tests.support.server import API, batch_body, create_run, decode, random_stats
 
 T = 6
@@ -109,10 +109,8 @@ def test_the_service_compacts_in_its_maintenance(make_client):
     client = make_client(raw_steps_kept=100, stall_check_seconds=0.05)
     run_id, _ = _post_run(client)
     cut = retention.compaction_cut(S + 2, 100)
-    deadline = time.monotonic() + 60
-    while _rows(client, run_id)[1] != cut:  # the maintenance runs every 50 ms: poll for its result
-        assert time.monotonic() < deadline, _rows(client, run_id)
-        time.sleep(0.02)
+    # the maintenance runs every 50 ms: poll for its result
+    wait_for(lambda: _rows(client, run_id)[1] == cut, 60, f"compaction to step {cut}", interval=0.02)
     n, first = _rows(client, run_id)
     assert n == S + 3 - first
 

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from sqlalchemy import create_engine, text
 
+from tests.support import polling
 from tests.support.server import API, ServerProcess, batch_body, fresh_pg_database, run_body
 
 PG_URL = os.environ.get("FP8SCOPE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
@@ -132,15 +133,8 @@ def shared_instances(shared_url: str, tmp_path: Path) -> Iterator[Callable[..., 
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
-    """Poll `predicate` until it returns something truthy (returned) or fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
+    """`tests.support.polling.wait_for` with this file's 30 s and a short poll interval."""
+    return polling.wait_for(predicate, timeout, what, interval=0.02)
 
 
 def calm_stats(steps: int, tensors: int) -> dict[str, np.ndarray]:
