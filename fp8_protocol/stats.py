@@ -17,6 +17,32 @@ BASE_COLUMNS: tuple[str, ...] = ("amax", "scale", "overflow", "underflow", "nonf
 QUALITY_COLUMNS: tuple[str, ...] = ("sum_sq", "err_sq", "subnormal", "min_abs")
 #: The columns of a statistics row, table and telemetry step, in this order.
 STAT_COLUMNS: tuple[str, ...] = BASE_COLUMNS + QUALITY_COLUMNS
+#: Block-scaling columns (MXFP8 1x32 and FP8 block 1x128 / 128x128 recipes; a single per-tensor scale says
+#: little there). They describe the tensor's row-wise copy (blocks along its last dimension, the copy the
+#: forward GEMM reads); a per-tensor-scaled tensor has no blocks and reports zeros in all five. A sender
+#: includes them (all five, in every step of a batch) once any tensor of the run has been block-scaled:
+#: ``blocks`` how many scale blocks were quantized; ``blocks_at_limit`` how many had their scale pinned at a
+#: limit of its format (E8M0 code 0 or 254; a float32 block scale that fell back to 1 for a zero or
+#: non-finite amax, or was clamped because FP8_MAX / amax overflowed); ``blocks_overflow`` /
+#: ``blocks_underflow`` how many blocks saturated / flushed to zero at least one finite value;
+#: ``block_range`` the worst block's dynamic range, log2(max |x| / smallest non-zero |x|) in binades over its
+#: finite values (0 for none). For such a tensor the base columns keep their meaning per element (overflow,
+#: underflow, nonfinite, numel, the quality columns), ``amax`` is the tensor's, and ``scale`` is the
+#: smallest block scale (that of the block holding the amax), so ``FP8_MAX / (amax * scale)`` is the worst
+#: block's headroom.
+BLOCK_COLUMNS: tuple[str, ...] = (
+    "blocks",
+    "blocks_at_limit",
+    "blocks_overflow",
+    "blocks_underflow",
+    "block_range",
+)
+#: The block scale exponent histogram a block-scaled tensor sends with each step (the step's
+#: ``"block_hist"``: a list of ``[tensor index, lo, counts]``): ``counts[j]`` blocks whose ``scale_inv`` has
+#: the biased binary exponent ``lo + j`` (the E8M0 code itself; for a float32 scale its exponent field, 127
+#: meaning [1, 2)); only the non-zero span is sent, so ``0 <= lo`` and
+#: ``lo + len(counts) <= BLOCK_HIST_BINS``.
+BLOCK_HIST_BINS = 256
 #: Column positions, by name (``row[AMAX]``).
 AMAX, SCALE, OVERFLOW, UNDERFLOW, NONFINITE, NUMEL = range(len(BASE_COLUMNS))
 SUM_SQ, ERR_SQ, SUBNORMAL, MIN_ABS = range(len(BASE_COLUMNS), len(BASE_COLUMNS) + len(QUALITY_COLUMNS))
@@ -33,6 +59,11 @@ MERGE: dict[str, str] = {
     "err_sq": "sum",
     "subnormal": "sum",
     "min_abs": "min",
+    "blocks": "sum",
+    "blocks_at_limit": "sum",
+    "blocks_overflow": "sum",
+    "blocks_underflow": "sum",
+    "block_range": "max",
 }
 
 #: Largest finite value of each FP8 format (E5M2: 57344, not 57334).
@@ -103,3 +134,11 @@ def subnormal_fraction(subnormal, numel):
     count, n = np.asarray(subnormal, dtype=np.float64), np.asarray(numel, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(n == 0, 0.0, count / n)
+
+
+def block_fraction(count, blocks):
+    """The share of a tensor's blocks a block count stands for (``blocks_at_limit``, ``blocks_overflow``,
+    ``blocks_underflow``); 0 for a tensor with no blocks (per-tensor scaled, or a layer that did not run)."""
+    c, n = np.asarray(count, dtype=np.float64), np.asarray(blocks, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(n == 0, 0.0, c / n)
