@@ -3,19 +3,22 @@ grouped into incidents (`monitor_server.incidents`); stalled runs, the webhook a
 events of the stream.
 
 The detectors themselves live in `monitor_server.detectors` (the engine in `detectors/engine.py`). Engines
-are cached per run and rebuilt from the state persisted in `runs.detector_state` after a restart, after a
-recipe change was applied, or when `runs.detector_version` says another server instance sharing the
-database has run the detectors since. A batch is evaluated inside one write transaction that holds the
-run's row lock (`SELECT ... FOR UPDATE`; on SQLite the database's write lock): the state is read, advanced
-and written back, and the alerts stored, by one instance at a time. Each incident's webhook message is
-claimed with an atomic ``UPDATE ... WHERE notified_at IS NULL``, so it is sent once whichever instance
-raised it; the stall check is a job one instance at a time runs (`Database.exclusive_job`).
+are cached per run and rebuilt from the state checkpointed in `runs.detector_state` after a restart, after
+eviction, or when `runs.detector_version` (bumped by every batch) says another server instance sharing the
+database has run the detectors since; a rebuilt engine runs the steps stored after its checkpoint again
+(`monitor_server.detector_replay`). A batch is evaluated inside one write transaction that holds the run's
+row lock (`SELECT ... FOR UPDATE`; on SQLite the database's write lock): the state is read, advanced and
+(every few batches, `CHECKPOINT_BATCHES`) written back, and the alerts stored, by one instance at a time.
+Each incident's webhook message is claimed with an atomic ``UPDATE ... WHERE notified_at IS NULL``, so it
+is sent once whichever instance raised it; the stall check is a job one instance at a time runs
+(`Database.exclusive_job`).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import datetime
@@ -28,6 +31,7 @@ from sqlalchemy.orm.attributes import set_committed_value
 from monitor_server import commands as command_ops
 from monitor_server.core.config import Settings
 from monitor_server.core.db import Database
+from monitor_server.detector_replay import stored_batches
 from monitor_server.detectors.engine import DetectorConfig, DetectorEngine, check_stalled
 from monitor_server.detectors.types import Finding, StepBatch
 from monitor_server.events import EventBroker
@@ -124,11 +128,38 @@ MAINTENANCE_JOB = 2
 
 @dataclass
 class _CachedEngine:
-    """A run's engine and what it was built from: the persisted state's version and the recipe."""
+    """A run's engine, the `detector_version` it stands at, its recipe, and what of it is not written back:
+    batches and steps processed, and the time, since its last checkpoint (`AlertService._detect`)."""
 
     engine: DetectorEngine
     version: int
     recipe: dict[str, Any]
+    unsaved_batches: int = 0
+    saved_step: int | None = None
+    saved_at: float = 0.0
+
+    def checkpoint_due(self, now: float, every: tuple[int, int, float]) -> bool:
+        """Whether its state should be written back with the batch it just processed; `every`: (batches,
+        steps, seconds) since the last write, that batch included."""
+        batches, steps, seconds = every
+        step = self.engine.last_step
+        return (
+            self.unsaved_batches + 1 >= batches
+            or now - self.saved_at >= seconds
+            or (step is not None and (self.saved_step is None or step - self.saved_step >= steps))
+        )
+
+
+#: A run's detector state is written back (checkpointed) once this many batches, steps or seconds have
+#: gone by since it last was; `detector_version` is bumped after every batch. An engine restored from an
+#: older checkpoint runs the steps stored since again (`monitor_server.detector_replay`). A 512-tensor state
+#: is ~0.5 MB: written after every batch, it was the largest single cost of ingesting a one-step batch.
+CHECKPOINT_BATCHES = 16
+CHECKPOINT_STEPS = 32
+CHECKPOINT_SECONDS = 10.0
+#: the key of a checkpoint that holds the `detector_version` it was written at (a state without it was
+#: written after every batch, by an older version of this code: it is current)
+CHECKPOINT_VERSION_KEY = "checkpoint_version"
 
 
 #: batches of one run kept for a retry of the detectors (the oldest go beyond it: a database that fails
@@ -147,10 +178,17 @@ class AlertService:
         self.run_meta = run_meta
         self._config: DetectorConfig = settings.detector_config
         # engines of the runs used last (each holds per-tensor state, ~1 KB per tensor); an evicted one is
-        # rebuilt from the state persisted after every batch
+        # rebuilt from the last checkpoint and
+        # the steps stored since
         self._engines: OrderedDict[int, _CachedEngine] = OrderedDict()
         self._engines_lock = threading.Lock()
         self.max_runs = settings.cache_runs
+        #: when a run's detector state is written back: (batches, steps, seconds) since it last was
+        self.checkpoint_every: tuple[int, int, float] = (
+            CHECKPOINT_BATCHES,
+            CHECKPOINT_STEPS,
+            CHECKPOINT_SECONDS,
+        )
         # per run, batches stored whose findings could not be (see `after_ingest`)
         self._pending: dict[int, list[tuple[StepBatch, list[dict[str, Any]]]]] = {}
         self._orders: dict[int, tuple[RunMeta, TensorOrder]] = {}
@@ -176,46 +214,74 @@ class AlertService:
         found = self._engine(session, run_id, lock=False)
         return None if found is None else found[0]
 
-    def _engine(self, session: Session, run_id: int, *, lock: bool) -> tuple[DetectorEngine, int] | None:
+    def _engine(
+        self, session: Session, run_id: int, *, lock: bool, replay_to: int | None = None
+    ) -> tuple[DetectorEngine, int] | None:
         """`engine_for` and the version it stands at; `lock` takes the run's row lock while reading (the
-        caller advances the state and writes it back in the same transaction)."""
-        query = select(Run.detector_version, Run.recipe, Run.recipe_overrides).where(Run.id == run_id)
+        caller advances the state and writes it back in the same transaction). An engine restored from a
+        checkpoint older than the run's `detector_version` runs the steps stored since again, up to
+        `replay_to` (default: the run's last step; a caller about to process stored steps stops before
+        them)."""
+        query = select(Run.detector_version, Run.recipe, Run.recipe_overrides, Run.last_step).where(
+            Run.id == run_id
+        )
         row = session.execute(query.with_for_update() if lock else query).first()
         if row is None:
             return None
-        version, base, overrides = row
+        version, base, overrides, last_step = row
         effective = command_ops.effective_recipe(Run(recipe=base, recipe_overrides=overrides))
         recipe = {**effective["model"], "overrides": (overrides or {}).get("layers", {})}
         with self._engines_lock:
             cached = self._engines.get(run_id)
-            if cached is not None and cached.version == version and cached.recipe == recipe:
+            if cached is not None and cached.version == version:
+                if cached.recipe != recipe:  # a recipe change was applied: the database's recipe is the truth
+                    cached.engine.set_recipe(recipe)
+                    cached.recipe = recipe
                 self._engines.move_to_end(run_id)
                 return cached.engine, version
         meta = self.run_meta.get(session, run_id)
         if meta is None:
             return None
         state = session.scalar(select(Run.detector_state).where(Run.id == run_id))
+        saved_version = version
+        if isinstance(state, dict) and CHECKPOINT_VERSION_KEY in state:
+            state = dict(state)
+            saved_version = state.pop(CHECKPOINT_VERSION_KEY)
         try:
             engine = DetectorEngine(self.detector_config(), list(meta.tensors), recipe, state)
         except ValueError:
             log.exception("run %s: persisted detector state unusable; starting afresh", run_id)
             engine = DetectorEngine(self.detector_config(), list(meta.tensors), recipe, None)
+            saved_version = -1
         # the database's recipe (with every applied command) is the truth, also over a restored state
         engine.set_recipe(recipe)
+        entry = _CachedEngine(engine, version, recipe, saved_step=engine.last_step, saved_at=time.monotonic())
+        if saved_version != version:  # behind the batches processed since the checkpoint
+            upto = last_step if replay_to is None or last_step is None else min(last_step, replay_to)
+            if upto is not None:
+                for batch in stored_batches(session, run_id, engine.last_step, upto, len(meta.tensors)):
+                    engine.process(batch)  # findings dropped: recorded when these steps first came
+            entry.saved_step, entry.unsaved_batches = None, self.checkpoint_every[0]  # write it back soon
         with self._engines_lock:
-            self._engines[run_id] = _CachedEngine(engine, version, recipe)
+            self._engines[run_id] = entry
             self._engines.move_to_end(run_id)
             while len(self._engines) > self.max_runs:
                 evicted, _ = self._engines.popitem(last=False)
                 self._orders.pop(evicted, None)
         return engine, version
 
-    def _advanced(self, run_id: int, engine: DetectorEngine, version: int) -> None:
-        # the engine's state was written as `version`: it stays the cached one (unless dropped meanwhile)
+    def _advanced(self, run_id: int, engine: DetectorEngine, version: int, saved: bool) -> None:
+        # the engine processed a batch now recorded as `version`: it stays the cached one (unless dropped
+        # meanwhile); `saved`: its state was written back with it
         with self._engines_lock:
             cached = self._engines.get(run_id)
             if cached is not None and cached.engine is engine:
                 cached.version = version
+                if saved:
+                    cached.unsaved_batches, cached.saved_step = 0, engine.last_step
+                    cached.saved_at = time.monotonic()
+                else:
+                    cached.unsaved_batches += 1
 
     def tensor_order(self, meta: RunMeta | None) -> TensorOrder:
         """The run's forward-then-backward positions (cached with its meta)."""
@@ -236,6 +302,32 @@ class AlertService:
         alerts = alerts_by_incident(session, [i.id for i in incidents])
         url = self.settings.public_url
         return [incident_public(i, alerts[i.id], meta, order, url) for i in incidents]
+
+    def flush(self, run_id: int) -> bool:
+        """Write back a cached engine's state if it has batches not written yet (and still stands at the
+        run's `detector_version`); True if it wrote. Never raises: a failed write only means a longer replay
+        on the next use."""
+        with self._engines_lock:
+            cached = self._engines.get(run_id)
+        if cached is None or not cached.unsaved_batches:
+            return False
+        try:
+            with self.db.run_lock(run_id), self.db.write() as session:
+                query = select(Run.detector_version).where(Run.id == run_id).with_for_update()
+                if session.scalar(query) != cached.version:
+                    return False
+                state = {**cached.engine.state_dict(), CHECKPOINT_VERSION_KEY: cached.version}
+                session.execute(update(Run).where(Run.id == run_id).values(detector_state=state))
+        except Exception:
+            log.warning("run %s: writing back the detector state failed", run_id, exc_info=True)
+            return False
+        self._advanced(run_id, cached.engine, cached.version, True)
+        return True
+
+    def retire(self, run_id: int) -> None:
+        """A run that finished: write back its engine's state, then drop it from the cache."""
+        self.flush(run_id)
+        self.forget(run_id)
 
     def forget(self, run_id: int) -> None:
         """Drop a cached engine (it is rebuilt from the persisted state on next use)."""
@@ -282,9 +374,11 @@ class AlertService:
         if not any(len(batch.steps) or events for batch, events in work):
             return []
         # one transaction holding the run's row lock: the state read, advanced by this batch and written
-        # back, with the alerts it raised, by one server instance at a time
+        # back (every few batches: CHECKPOINT_BATCHES), with the alerts it raised, by one server instance at
+        # a time
+        first = min((int(batch.steps[0]) for batch, _ in work if len(batch.steps)), default=None)
         with self.db.write() as session:
-            found = self._engine(session, run_id, lock=True)
+            found = self._engine(session, run_id, lock=True, replay_to=None if first is None else first - 1)
             if found is None:
                 return []
             engine, version = found
@@ -294,14 +388,15 @@ class AlertService:
                     findings.extend(engine.process(batch))
                 if events:
                     findings.extend(engine.process_events(events))
-            state = engine.state_dict()  # already JSON-able (non-finite floats as strings)
-            session.execute(
-                update(Run)
-                .where(Run.id == run_id)
-                .values(detector_state=state, detector_version=Run.detector_version + 1)
-            )
+            with self._engines_lock:
+                cached = self._engines.get(run_id)
+            save = cached is None or cached.checkpoint_due(time.monotonic(), self.checkpoint_every)
+            values: dict[str, Any] = {"detector_version": Run.detector_version + 1}
+            if save:  # already JSON-able (non-finite floats as strings)
+                values["detector_state"] = {**engine.state_dict(), CHECKPOINT_VERSION_KEY: version + 1}
+            session.execute(update(Run).where(Run.id == run_id).values(**values))
             published = self._record(session, run_id, findings)
-        self._advanced(run_id, engine, version + 1)
+        self._advanced(run_id, engine, version + 1, save)
         return self._publish(run_id, *published)
 
     def _record(
@@ -465,6 +560,10 @@ class AlertService:
             return iso_dates(command_ops.command_public(row))
 
     def close(self) -> None:
-        """Stop the webhook notifier."""
+        """Write back the cached engines' states; stop the webhook notifier."""
+        with self._engines_lock:
+            runs = list(self._engines)
+        for run_id in runs:
+            self.flush(run_id)
         if self.notifier is not None:
             self.notifier.close()

@@ -5,6 +5,10 @@ Storage: one `StepStat` row per (run, statistic, step) holding T values, and one
 [block*level, (block+1)*level). Levels are 8, 64, 512 and 4096 steps. A row's T values are stored as
 float32 when every one of them survives the round trip exactly, float64 otherwise (`pack`).
 
+A block is written once, when the run's last step has moved past it (`update_rollups`); until then it is
+read from the finer levels beneath (`cover`), so a live run writes one row per metric every 8 steps rather
+than rewriting one per level at every step.
+
 Aggregation never averages: amax and scale keep the bucket max, headroom the bucket min, overflow /
 underflow / nonfinite the bucket sum; of the quantization-quality metrics SQNR keeps the bucket min (the
 worst), subnormal fraction, dynamic range and outlier ratio the bucket max. NaN propagates through max, min

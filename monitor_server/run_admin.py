@@ -195,7 +195,7 @@ def maintain(ctx: AppContext, now: datetime) -> None:
     dashboards hear of both), compact old per-step statistics into the rollups."""
     after = ctx.settings.close_after_seconds
     for run_id in close_abandoned(ctx.db, now, ctx.settings.stall_seconds if after is None else after):
-        ctx.detection.forget(run_id)
+        ctx.detection.retire(run_id)
         ctx.broker.publish(run_id, "run", {"id": run_id, "status": "crashed"})
     for run_id in apply_retention(ctx.db, now, ctx.settings.retention_days):
         ctx.forget_run(run_id)

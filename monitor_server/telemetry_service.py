@@ -103,8 +103,6 @@ def ingest_batch(
             if not result.duplicate:
                 for event in batch.events:  # light, as lists show them: a stream never carries megabytes
                     ctx.broker.publish(run_id, "event", event_light(event))
-        if any(c["state"] == "applied" for c in changed):
-            ctx.detection.forget(run_id)  # rebuilt with the new recipe
         if not result.duplicate:
             try:
                 ctx.detection.after_ingest(run_id, result.new_steps, batch.events)

@@ -76,6 +76,12 @@ def test_proxy_reaches_every_instance_and_streams_events(compose):
         expected.append(f"{name}:{command[command.index('--port') + 1]}")
     assert sorted(servers) == sorted(expected)
     assert re.search(rf"proxy_pass\s+http://{upstream.group(1)}\s*;", config)
+    # one run's requests go to one instance (its detector engine stays cached there): a consistent hash of
+    # the run id taken from the path
+    affinity = re.search(r"^\s*hash\s+\$(\w+)\s+consistent\s*;", upstream.group(2), flags=re.M)
+    assert affinity, "no consistent hash in the upstream"
+    mapped = re.search(rf"map\s+\$uri\s+\${affinity.group(1)}\s*\{{([^}}]*)\}}", config)
+    assert mapped and re.search(r"/api/v1/runs/", mapped.group(1))
     # SSE: no response buffering, and an open stream outlives the keep-alive interval by far
     assert re.search(r"proxy_buffering\s+off\s*;", config)
     timeout = re.search(r"proxy_read_timeout\s+(\d+)([smh]?)\s*;", config)

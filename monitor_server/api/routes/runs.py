@@ -236,7 +236,7 @@ def update_run(run_id: RunId, body: RunUpdate, ctx: CtxDep, principal: RunWriteD
     for command in ended_public:
         ctx.broker.publish(run_id, "command", iso_dates(command))
     if body.status is not None and body.status != "running":  # a finished run's caches go now
-        ctx.detection.forget(run_id)
+        ctx.detection.retire(run_id)
         ctx.run_meta.forget(run_id)
     return result
 
