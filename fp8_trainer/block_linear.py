@@ -157,9 +157,9 @@ def quantize_block_tensor(
 ) -> tuple[BlockQuantized | None, BlockQuantized | None]:
     """Quantize a 2-D ``t`` ``(M, K)`` as ``spec`` says: ``(row, col)``, ``row`` ``(M, K)`` with blocks along
     K, ``col`` ``(K, M)`` with blocks along M (``t``'s column-wise copy, transposed), each ``None`` unless
-    asked for. With ``stats`` (a ``(10,)`` or ``(6,)`` float64 row) and ``block_stats_row`` (``(BLOCK_WIDTH,)``)
-    the row-wise copy's statistics are merged into them (the row-wise copy is then made even if not asked
-    for)."""
+    asked for. With ``stats`` (a ``(10,)`` or ``(6,)`` float64 row) and ``block_stats_row``
+    (``(BLOCK_WIDTH,)``) the row-wise copy's statistics are merged into them (the row-wise copy is then made
+    even if not asked for)."""
     if spec.two_d:
         square = _quantize(t, fp8_dtype, spec, (spec.block, spec.block))  # one copy serves both GEMMs
         row, col = square, (square.t() if columnwise else None)

@@ -175,9 +175,9 @@ def set_layer_recipe(
 
     ``scaling`` is ``"delayed"`` or ``"current"`` (per-tensor scales), or ``"mxfp8"`` or ``"block"``
     (block-scaled: the block parameters come from the model's recipe when it is that block recipe, from
-    Transformer Engine's defaults otherwise; MXFP8 needs both dimensions divisible by 32); ``fp8_enabled=False`` runs the layer in the input's
-    precision. A shorter ``amax_history_len`` keeps the newest entries. Layer settings win over
-    model-wide ones.
+    Transformer Engine's defaults otherwise; MXFP8 needs both dimensions divisible by 32);
+    ``fp8_enabled=False`` runs the layer in the input's precision. A shorter ``amax_history_len`` keeps the
+    newest entries. Layer settings win over model-wide ones.
 
     Returns:
         The previous effective values of the settings given: passing them back rolls the change back.
