@@ -24,6 +24,8 @@ from fp8_protocol.stats import BLOCK_COLUMNS, BLOCK_HIST_BINS, STAT_COLUMNS
 from fp8_trainer import Monitor
 from fp8_trainer.monitor.control import apply_commands
 from fp8_trainer.monitor.sender import StepRecord, block_hist_entries, step_body
+from fp8_trainer.recipe import Float8BlockScaling
+from tests.trainer.gloo import gloo_group, rank_step, spawn_ranks
 from tests.trainer.monitor_utils import FAST, tiny_model
 
 RUN_ID = 7
@@ -158,3 +160,37 @@ def test_step_body_block_columns_are_sticky_and_zero_for_per_tensor_records():
     body = step_body(rec)
     assert body["block_hist"] == [[2, 120, [5, 0, 1]]] == block_hist_entries(hist)
     assert _unpack(body["stats"]["block_range"]).tolist() == [0, 0, 4.5]
+
+
+def _rank_worker(rank: int, port: int, url: str, spool_dir: str, out) -> None:
+    with gloo_group(rank, port, 2):
+        model, recipe = tiny_model(recipe=Float8BlockScaling())  # any token count: the ranks' differ
+        mon = Monitor(url, "ddp-block", model, recipe, spool_path=f"{spool_dir}/r{rank}.jsonl", **FAST)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        gen = torch.Generator().manual_seed(100 + rank)
+        state = fp8_trainer.get_fp8_state(model)
+        seen = {}
+        for step in range(1, 5):
+            rank_step(model, opt, gen, rank, recipe)
+            seen[step] = (state.last_stats.clone().numpy(), state.last_block_stats.clone().numpy())
+            mon.step(step)
+        mon.close()
+        out[rank] = seen
+
+
+@pytest.mark.slow
+def test_two_ranks_send_reduced_statistics_and_rank_0s_block_part(capture, tmp_path):
+    url = f"http://127.0.0.1:{capture.server_address[1]}"
+    res = spawn_ranks(_rank_worker, 2, url, str(tmp_path))
+    steps = {s["step"]: s for b in capture.batches for s in b.get("steps", [])}
+    assert sorted(steps) == [1, 2, 3, 4]
+    for step, body in steps.items():
+        (s0, b0), (s1, b1) = res[0][step], res[1][step]
+        assert not np.array_equal(b0, b1)  # the ranks saw different data
+        np.testing.assert_array_equal(_unpack(body["stats"]["numel"]), s0[:, 5] + s1[:, 5])  # reduced
+        for j, name in enumerate(BLOCK_COLUMNS):  # rank 0's own (docs/fp8-semantics.md)
+            np.testing.assert_array_equal(_unpack(body["stats"][name]), b0[:, j])
+        hist = np.zeros_like(b0[:, len(BLOCK_COLUMNS) :])
+        for index, lo, counts in body["block_hist"]:
+            hist[index, lo : lo + len(counts)] = counts
+        np.testing.assert_array_equal(hist, b0[:, len(BLOCK_COLUMNS) :])
