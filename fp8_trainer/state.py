@@ -355,6 +355,8 @@ class FP8State:
             self.last_stats = self.last_stats.to(device)
         if self.block_stats is not None:
             self.block_stats = self.block_stats.to(device)
+        if self.last_block_stats is not None:
+            self.last_block_stats = self.last_block_stats.to(device)
         for box in self._inboxes:
             if box[0] is not None:
                 box[0] = box[0].to(device)
