@@ -39,14 +39,14 @@ from fp8_kernels.block_quantize import (
     FP8_BLOCK,
     MXFP8_BLOCK,
     BlockQuantized,
-    block_amax,
+    _blocked,
     block_scaled_mm,
-    block_stats,
     e8m0_to_scale,
+    e8m0_to_scale_inv,
     float32_block_scale,
     quantize_blocks,
 )
-from fp8_kernels.quantize import subnormal_threshold
+from fp8_kernels.quantize import overflow_threshold, subnormal_threshold
 
 from fp8_protocol.stats import BLOCK_COLUMNS, BLOCK_HIST_BINS, STAT_COLUMNS
 
@@ -179,57 +179,66 @@ def block_tensor_stats(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(row, block_row)`` of one quantization ``q`` of ``x`` (same orientation): ``row`` float64 the
     ``STAT_COLUMNS`` (the ``BASE_COLUMNS`` alone without ``quality``), ``block_row`` float64
-    ``(BLOCK_WIDTH,)``: the ``BLOCK_COLUMNS`` then the scale exponent histogram. Device tensors only."""
-    xf = x.detach().to(torch.float32)
-    per_block = block_stats(xf, q, fp8_dtype)
-    amax_b = block_amax(xf, q.block).flatten()  # NaN ignored, Inf kept
-    top = torch.argmax(amax_b) if amax_b.numel() else None
-    amax = amax_b[top] if top is not None else xf.new_zeros(())
+    ``(BLOCK_WIDTH,)``: the ``BLOCK_COLUMNS`` then the scale exponent histogram. Device tensors only.
+
+    The per-block quantities are ``fp8_kernels.block_quantize.block_stats``'s (the tests hold them to it),
+    computed here in one blocked view of ``x`` and ``q`` instead of the reference's separate passes."""
+    xb = _blocked(x.detach().to(torch.float32), q.block)  # (MB, NB, block elements), zero-padded
+    qb = _blocked(q.data.to(torch.float32), q.block)
+    finite = torch.isfinite(xb)
+    ax = xb.abs()
+    amax_b = torch.nan_to_num(ax, nan=0.0, posinf=math.inf).amax(dim=-1).flatten()  # NaN ignored, Inf kept
+    ax = torch.where(finite, ax, 0.0)
     if q.scale_format == "e8m0":
-        scales = e8m0_to_scale(q.scale_inv.flatten())
-        codes = q.scale_inv.flatten().to(torch.int64)
+        codes = q.scale_inv.to(torch.int64)
+        scale_b, scale_inv_b = e8m0_to_scale(q.scale_inv), e8m0_to_scale_inv(q.scale_inv)
         at_limit = torch.count_nonzero((codes == 0) | (codes == 254))
     else:
-        scales = float32_block_scale(
-            amax_b,
+        codes = (q.scale_inv.view(torch.int32) >> 23).to(torch.int64) & 0xFF
+        scale_b = float32_block_scale(
+            amax_b.reshape(q.scale_inv.shape),
             fp8_dtype,
             power_2_scale=spec.power_2_scale,
             amax_epsilon=spec.amax_epsilon,
             input_dtype=x.dtype,
         )
+        scale_inv_b = q.scale_inv
         eff = torch.clamp(amax_b, min=spec.amax_epsilon)
         fell_back = (eff == 0) | ~torch.isfinite(eff)
         clamped = torch.isinf(torch.full_like(eff, torch.finfo(fp8_dtype).max) / eff)
         at_limit = torch.count_nonzero(fell_back | clamped)
-    scale = scales[top] if top is not None else xf.new_ones(())
-    finite = torch.isfinite(xf)
-    nonfinite = torch.count_nonzero(~finite)
-    overflow = per_block["overflow"].sum()
-    underflow = per_block["underflow"].sum()
-    row = [amax, scale, overflow, underflow, nonfinite, torch.tensor(float(xf.numel()), device=xf.device)]
+    top = torch.argmax(amax_b)
+    amax, scale = amax_b[top], scale_b.flatten()[top]
+    threshold, inclusive = overflow_threshold(fp8_dtype)
+    a = ax * scale_b.unsqueeze(-1)  # |x * scale| of the finite values
+    overflow_b = ((a >= threshold) if inclusive else (a > threshold)).sum(dim=-1)
+    underflow_b = (finite & (xb != 0) & (qb == 0)).sum(dim=-1)
+    big = ax.amax(dim=-1)
+    small = torch.where(ax > 0, ax, math.inf).amin(dim=-1)
+    drange = torch.where(big > 0, torch.log2(big.double() / small.double()), 0.0).to(torch.float32)
+    numel = torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device)
+    row = [amax, scale, overflow_b.sum(), underflow_b.sum(), torch.count_nonzero(~finite), numel]
     if quality:
-        x64 = torch.where(finite, xf, 0.0).to(torch.float64)
-        deq = torch.where(finite, q.dequantize(torch.float32), 0.0).to(torch.float64)
-        qa = q.data.to(torch.float32).abs()
+        deq = torch.where(finite, qb * scale_inv_b.unsqueeze(-1), 0.0)  # q.dequantize() of the finite values
+        err = deq - torch.where(finite, xb, 0.0)  # exact in float32 but where the cast saturated far out
+        qa = qb.abs()
         subnormal = torch.count_nonzero(finite & (qa > 0) & (qa < subnormal_threshold(fp8_dtype)))
-        ax = x64.abs()
-        min_abs = torch.where(ax > 0, ax, math.inf).amin() if ax.numel() else ax.new_full((), math.inf)
-        row += [x64.square().sum(), (deq - x64).square().sum(), subnormal, min_abs]
+        row += [
+            torch.linalg.vector_norm(ax, dtype=torch.float64).square(),  # float64 squares and sum
+            torch.linalg.vector_norm(err, dtype=torch.float64).square(),
+            subnormal,
+            small.amin() if small.numel() else small.new_full((), math.inf),
+        ]
     row = torch.stack([v.to(torch.float64).reshape(()) for v in row])
     blocks = [
-        float(q.scale_inv.numel()),
+        torch.tensor(float(q.scale_inv.numel()), device=x.device),
         at_limit,
-        torch.count_nonzero(per_block["overflow"]),
-        torch.count_nonzero(per_block["underflow"]),
-        per_block["worst_dynamic_range"],
+        torch.count_nonzero(overflow_b),
+        torch.count_nonzero(underflow_b),
+        drange.max() if drange.numel() else drange.new_zeros(()),
     ]
-    block_row = torch.cat(
-        [
-            torch.stack([torch.as_tensor(v, device=xf.device).to(torch.float64).reshape(()) for v in blocks]),
-            per_block["scale_exponent_hist"].to(torch.float64),
-        ]
-    )
-    return row, block_row
+    hist = torch.bincount(codes.flatten(), minlength=BLOCK_HIST_BINS).to(torch.float64)
+    return row, torch.cat([torch.stack([v.to(torch.float64).reshape(()) for v in blocks]), hist])
 
 
 def merge_block_row(stats: torch.Tensor, row: torch.Tensor, block_stats_row, new_block) -> None:

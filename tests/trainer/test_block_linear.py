@@ -191,6 +191,11 @@ def test_statistics_are_block_stats_of_the_rowwise_copy(recipe):
     wspec = block_specs(recipe.scaling, recipe)[1]
     wq = quantize_block_tensor(lin.weight.detach(), E4M3, wspec, rowwise=True, columnwise=False)[0]
     assert blocks[1, COL["blocks"]] == wq.scale_inv.numel() == (out_f * in_f // 32 if not wspec.two_d else 2)
+    wper = block_stats(lin.weight.detach(), wq, E4M3)
+    assert stats[1, OVERFLOW] == wper["overflow"].sum() and stats[1, UNDERFLOW] == wper["underflow"].sum()
+    assert blocks[1, COL["blocks_underflow"]] == torch.count_nonzero(wper["underflow"]) > 0  # the outlier's
+    assert blocks[1, COL["block_range"]] == wper["worst_dynamic_range"]
+    assert torch.equal(blocks[1, len(BLOCK_COLUMNS) :], wper["scale_exponent_hist"].double())
 
 
 def test_micro_batches_merge_block_columns():
