@@ -39,7 +39,6 @@ from fp8_kernels.block_quantize import (
     FP8_BLOCK,
     MXFP8_BLOCK,
     BlockQuantized,
-    _blocked,
     block_scaled_mm,
     e8m0_to_scale,
     e8m0_to_scale_inv,
@@ -172,6 +171,16 @@ def quantize_block_tensor(
 
 
 # --- statistics -----------------------------------------------------------------------------------------
+
+
+def _blocked(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """``x`` zero-padded to whole blocks and viewed as ``(MB, NB, bm * bn)`` (a view for 1 x n blocks that
+    fit; ``fp8_kernels.block_quantize`` groups its blocks the same way)."""
+    (bm, bn), (m, n) = block, x.shape
+    gm, gn = -(-m // bm), -(-n // bn)
+    if gm * bm != m or gn * bn != n:
+        x = torch.nn.functional.pad(x, (0, gn * bn - n, 0, gm * bm - m))
+    return x.reshape(gm, bm, gn, bn).permute(0, 2, 1, 3).reshape(gm, gn, bm * bn)
 
 
 def block_tensor_stats(
