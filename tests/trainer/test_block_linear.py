@@ -110,7 +110,7 @@ def test_linear_gemms_are_the_reference_gemms(recipe):
     in_f, out_f, tokens = (96, 64, 64) if recipe.scaling == "mxfp8" else (160, 144, 136)
     model, lin = _linear(recipe, in_f, out_f)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(tokens, in_f, generator=g).requires_grad_()
+    x = _hand_built(tokens, in_f, seed=2).requires_grad_()  # zero blocks, a huge value, NaN, Inf, tiny, wide
     grad_out = torch.randn(tokens, out_f, generator=g) * 1e-3
     with fp8_trainer.fp8_autocast(fp8_recipe=recipe):
         y = model(x)
@@ -131,10 +131,16 @@ def test_linear_gemms_are_the_reference_gemms(recipe):
     rx, cx = copies(x.detach(), fwd, specs[0])
     rw, cw = copies(lin.weight.detach(), fwd, specs[1])
     rg, cg = copies(grad_out, bwd, specs[2])
-    assert torch.equal(y.detach(), block_scaled_mm(rx, rw) + lin.bias.detach())
-    assert torch.equal(x.grad, block_scaled_mm(rg, cw))
-    assert torch.equal(lin.weight.grad, block_scaled_mm(cg, cx))
-    assert torch.equal(lin.bias.grad, grad_out.sum(0))  # high precision
+
+    def same(got, want):  # bit for bit, NaN where the reference has NaN (the NaN and Inf inputs)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+    same(y.detach(), block_scaled_mm(rx, rw) + lin.bias.detach())
+    same(x.grad, block_scaled_mm(rg, cw))
+    assert torch.isfinite(x.grad).all()  # dgrad never reads the input
+    same(lin.weight.grad, block_scaled_mm(cg, cx))
+    assert torch.isfinite(lin.weight.grad).any() and not torch.isfinite(lin.weight.grad).all()
+    same(lin.bias.grad, grad_out.sum(0))  # high precision
 
 
 # --- statistics -------------------------------------------------------------------------------------------
