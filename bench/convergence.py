@@ -1,14 +1,20 @@
-"""Convergence of FP8 training: delayed and current scaling against the bf16 and fp32 baselines.
+"""Convergence of FP8 training: delayed and current scaling (per tensor), MXFP8 and FP8 block scaling
+against the bf16 and fp32 baselines.
 
 The tiny GPT trains on the default corpus (the standard library source, byte-level) with the same seed,
 data order, initial weights and learning-rate schedule under each recipe, through the ``fp8-train`` loop
-itself (in-process). Validation loss is measured on the same fixed batches every ``--eval-interval`` steps.
-The table shows each recipe's final validation loss and its gap to fp32 and bf16; the goal is FP8 within 2%
-of both. The JSON (curves included) goes to bench/results/convergence.json and the plot, a self-contained
-HTML file (plotly.js embedded, no CDN), to bench/results/convergence.html. The ms/step column is for
-information only (the runs are sequential, not interleaved: it is no speed comparison).
+itself (in-process); every FP8 recipe with fp8-train's default format, HYBRID (E4M3 forward, E5M2
+gradients), the block recipes with Transformer Engine's block parameters (MXFP8: 1x32 blocks, E8M0 scales;
+block: 1x128 activations and gradients, 128x128 weights, power-of-two float32 scales). Validation loss is
+measured on the same fixed batches every ``--eval-interval`` steps. The table shows each recipe's final
+validation loss and its gap to fp32 and bf16; the goal is FP8 within 2% of each baseline run. On the CPU the
+block recipes are emulated (fp8_trainer.block_linear) and several times slower per step than the per-tensor
+ones; ``--recipes`` and ``--steps`` bound a run. The JSON (curves included) goes to
+bench/results/convergence.json and the plot, a self-contained HTML file (plotly.js embedded, no CDN), to
+bench/results/convergence.html. The ms/step column is for information only (the runs are sequential, not
+interleaved: it is no speed comparison).
 
-    python bench/convergence.py [--steps 300] [--batch-size 16] [--seq-len 64] [--recipes delayed,fp32]
+    python bench/convergence.py [--steps 300] [--batch-size 16] [--seq-len 64] [--recipes mxfp8,block,bf16]
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ import torch
 from fp8_trainer import cli
 from fp8_trainer.train import train
 
-RECIPES = ("delayed", "current", "bf16", "fp32")
+FP8 = ("delayed", "current", "mxfp8", "block")
+RECIPES = (*FP8, "bf16", "fp32")
 GOAL = 0.02  # relative gap of the final validation loss
 RESULTS = Path(__file__).parent / "results"
 
@@ -67,7 +74,7 @@ def table(runs: dict[str, dict]) -> str:
         for base in ("fp32", "bf16"):
             gap = run.get(f"gap_vs_{base}")
             cells.append(f"{gap:+8.2%}" if gap is not None else f"{'n/a':>8}")
-        fp8 = name in ("delayed", "current")
+        fp8 = name in FP8
         verdict = ""
         if fp8:
             checked = [abs(run[k]) <= GOAL for k in ("gap_vs_fp32", "gap_vs_bf16") if k in run]

@@ -1,4 +1,4 @@
-"""fp8scope FP8 training runtime: FP8 Linear layers with per-tensor scaling and health statistics."""
+"""fp8scope FP8 training runtime: FP8 Linear layers with per-tensor or block scaling and health statistics."""
 
 from fp8_kernels import STAT_COLUMNS
 
@@ -14,7 +14,7 @@ from .convert import (
     tensor_table,
 )
 from .linear import Linear
-from .recipe import CurrentScaling, DelayedScaling, Format
+from .recipe import CurrentScaling, DelayedScaling, Float8BlockScaling, Format, MXFP8BlockScaling
 from .shadow import shadow, unshadow
 from .state import TensorInfo
 from .stats import StatsReader, step_stats
@@ -23,8 +23,10 @@ __all__ = [
     "STAT_COLUMNS",
     "CurrentScaling",
     "DelayedScaling",
+    "Float8BlockScaling",
     "Format",
     "Linear",
+    "MXFP8BlockScaling",
     "Monitor",
     "StatsReader",
     "TensorInfo",

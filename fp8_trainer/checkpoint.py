@@ -86,7 +86,7 @@ def check_compatible(ckpt: dict[str, Any], config: dict[str, Any], steps: int) -
     """Raise ``CheckpointError`` naming the flag if this run cannot continue the checkpoint's run.
 
     The model shape (preset, vocabulary) and FP8 or not must match; the recipe may change between
-    ``delayed`` and ``current`` (the scaling state carries over), and ``--steps`` must go past the
+    the FP8 recipes (the scaling state carries over), and ``--steps`` must go past the
     checkpoint's step.
     """
     saved = ckpt["config"]
@@ -100,12 +100,12 @@ def check_compatible(ckpt: dict[str, Any], config: dict[str, Any], steps: int) -
             f"--resume: the checkpoint's vocabulary is {saved['vocab_size']} but this --data gives "
             f"{config['vocab_size']} (saved with --data {saved.get('data') or '(default corpus)'})"
         )
-    fp8 = ("delayed", "current")
+    fp8 = ("delayed", "current", "mxfp8", "block")
     if (saved["recipe"] in fp8) != (config["recipe"] in fp8):
         raise CheckpointError(
             f"--resume: the checkpoint was saved with --recipe {saved['recipe']}; an FP8 checkpoint resumes "
-            f"with an FP8 recipe (delayed, current), a bf16/fp32 one with bf16 or fp32, not --recipe "
-            f"{config['recipe']}"
+            f"with an FP8 recipe (delayed, current, mxfp8, block), a bf16/fp32 one with bf16 or fp32, not "
+            f"--recipe {config['recipe']}"
         )
     if ckpt["step"] >= steps:
         raise CheckpointError(

@@ -24,7 +24,7 @@ from .recipe import AMAX_COMPUTE_ALGOS
 from .report import health_table
 from .schedule import LR_SCHEDULES
 from .train import Prepared, dist_env, make_recipe, run_config, train
-from .train_config import HISTORY_LEN, TrainConfig
+from .train_config import FP8_RECIPES, HISTORY_LEN, TrainConfig
 
 __all__ = ["TrainConfig", "build_parser", "health_table", "main", "make_recipe", "prepare"]
 
@@ -58,8 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "in FP8 with the original scales (default %(default)s)")  # fmt: skip
 
     g = p.add_argument_group("FP8 recipe")
-    g.add_argument("--recipe", choices=("delayed", "current", "bf16", "fp32"), default=_D.recipe,
-                   help="FP8 scaling, or a baseline without FP8 (default %(default)s)")  # fmt: skip
+    g.add_argument("--recipe", choices=(*FP8_RECIPES, "bf16", "fp32"), default=_D.recipe,
+                   help="FP8 scaling (per tensor: delayed, current; block-scaled: mxfp8, block), or a "
+                        "baseline without FP8 (default %(default)s)")  # fmt: skip
     g.add_argument("--fp8-format", choices=("hybrid", "e4m3"), default=None, help="default: hybrid")
     g.add_argument("--margin", type=int, default=None, help="delayed scaling margin (default 0)")
     g.add_argument("--amax-history-len", type=int, default=None, help=f"default {HISTORY_LEN}")
@@ -136,6 +137,25 @@ def _fp8_layers(preset: str) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and fp8_filter(m, n)]
 
 
+def _mxfp8_misfit(preset: str, tokens: int) -> str | None:
+    """Why MXFP8 cannot run the preset with ``tokens`` tokens per micro-batch (every quantized dimension
+    must be a multiple of 32), or None."""
+    if tokens % 32:
+        return f"--batch-size x --seq-len = {tokens} tokens per micro-batch, not a multiple of 32"
+    with torch.device("meta"):  # shapes only, no memory
+        model = GPT(replace(PRESETS[preset], vocab_size=16))
+    for name, m in model.named_modules():
+        if (
+            isinstance(m, torch.nn.Linear)
+            and fp8_filter(m, name)
+            and (m.in_features % 32 or m.out_features % 32)
+        ):
+            return (
+                f"preset {preset}: layer {name} is {m.in_features} -> {m.out_features}, not multiples of 32"
+            )
+    return None
+
+
 def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> Prepared:
     """Refuse what cannot run (``p.error``: exit 2 with the message); fill in derived defaults (min_lr)."""
     for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_interval", "eval_iters"):
@@ -159,11 +179,15 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> Prepared:
     if a.grad_clip < 0:
         p.error("--grad-clip must be >= 0")
 
-    fp8 = a.recipe in ("delayed", "current")
+    fp8 = a.recipe in FP8_RECIPES
     if a.stats_dump and not fp8:
-        p.error(f"--stats-dump needs an FP8 recipe (delayed or current), not --recipe {a.recipe}")
+        p.error(f"--stats-dump needs an FP8 recipe ({', '.join(FP8_RECIPES)}), not --recipe {a.recipe}")
     if not fp8 and a.fp8_format is not None:
-        p.error(f"--fp8-format needs an FP8 recipe (delayed or current), not --recipe {a.recipe}")
+        p.error(f"--fp8-format needs an FP8 recipe ({', '.join(FP8_RECIPES)}), not --recipe {a.recipe}")
+    if a.recipe == "mxfp8":
+        misfit = _mxfp8_misfit(a.preset, a.batch_size * a.seq_len)
+        if misfit:
+            p.error(f"--recipe mxfp8: {misfit}")
     if a.power_2_scale and a.recipe != "current":
         p.error("--power-2-scale applies to --recipe current only")
     given = [n for n in DELAYED_ONLY if getattr(a, n) is not None]

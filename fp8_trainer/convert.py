@@ -105,7 +105,8 @@ def convert_to_fp8(
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
     log.info("convert_to_fp8: %d FP8 layer(s): %s", len(layers), ", ".join(n or "<root>" for n, _ in layers))
     device = next((p.device for p in model.parameters() if p.device.type != "meta"), None)
-    state = FP8State([name for name, _ in layers], recipe, device=device)
+    shapes = [(m.out_features, m.in_features) for _, m in layers]
+    state = FP8State([name for name, _ in layers], recipe, device=device, layer_shapes=shapes)
     state.ineligible = ineligible
     for k, (_, m) in enumerate(layers):
         m._bind(state, k)
@@ -172,9 +173,11 @@ def set_layer_recipe(
     """Override recipe settings of one FP8 layer (``layer_name`` = its module path) or of the whole model
     (``None`` or ``"model"``). Call it between two optimizer steps; it applies from the next forward.
 
-    ``scaling`` is ``"delayed"`` or ``"current"``; ``fp8_enabled=False`` runs the layer in the input's
-    precision. A shorter ``amax_history_len`` keeps the newest entries. Layer settings win over
-    model-wide ones.
+    ``scaling`` is ``"delayed"`` or ``"current"`` (per-tensor scales), or ``"mxfp8"`` or ``"block"``
+    (block-scaled: the block parameters come from the model's recipe when it is that block recipe, from
+    Transformer Engine's defaults otherwise; MXFP8 needs both dimensions divisible by 32);
+    ``fp8_enabled=False`` runs the layer in the input's precision. A shorter ``amax_history_len`` keeps the
+    newest entries. Layer settings win over model-wide ones.
 
     Returns:
         The previous effective values of the settings given: passing them back rolls the change back.

@@ -29,6 +29,9 @@ grad_output is recorded by whichever backward runs. In reentrant mode the gradie
 region is a nested backward pass; the end-of-step callback is queued from the recompute, on the outer pass,
 so that the step closes when the whole backward ends.
 
+Block-scaled layers (``scaling`` ``"mxfp8"`` or ``"block"``) run ``block_linear._BlockLinearFn`` instead:
+the same three GEMMs on block-scaled copies (see that module for which copy feeds which GEMM).
+
 Checkpoints: each layer's slice of the model's scaling state (amax histories, scales, recipe overrides, step
 counter) is its module extra state, so ``model.state_dict()`` / ``load_state_dict`` carry it (see
 ``FP8State.layer_extra_state``).
@@ -44,6 +47,7 @@ from fp8_kernels import has_kernel
 from torch import nn
 
 from .autocast import current_region
+from .block_linear import _BlockLinearFn
 from .distributed import resolve_amax_group
 from .gemm import fp8_mm, gemm_operand, uses_scaled_mm
 from .state import FP8State
@@ -199,6 +203,8 @@ class Linear(nn.Linear):
             tracker.forward_recorded.add((region.id, k))
             if recompute:  # queued on the outer backward, not on a reentrant checkpoint's nested one
                 tracker.queue_end_of_backward(state.on_backward_end)
+        if state.block_specs[k] is not None:  # MXFP8 or FP8 block scaling (block_linear.py)
+            return _BlockLinearFn.apply(x, self.weight, self.bias, state, k, record)
         # grad mode, not record, decides (a checkpoint's recompute must save what its original forward saved);
         # read here: inside an autograd Function's forward grad mode is always off
         fused_t = torch.is_grad_enabled() and fused_transposes(state, k, x.device)

@@ -5,9 +5,10 @@ field and the reason) and serialisable to JSON through ``to_dict`` / ``from_dict
 and edits them. ``recipe_from_dict`` rebuilds either kind from its dict (it dispatches on ``"type"``).
 
 The block-scaled recipes (``MXFP8BlockScaling``, ``Float8BlockScaling``, Transformer Engine's names and
-defaults) are defined here with their CPU numerics in ``fp8_kernels.block_quantize``; the FP8 ``Linear`` does
-not run them yet, so they are kept out of ``Recipe`` and ``recipe_from_dict`` (a stored or pushed recipe
-cannot select them by accident) and have their own ``block_recipe_from_dict``.
+defaults) have their numerics in ``fp8_kernels.block_quantize``; the FP8 ``Linear`` runs them
+(``fp8_trainer.block_linear``). They are ``Recipe``s like the others: ``recipe_from_dict`` rebuilds all four
+kinds (``block_recipe_from_dict`` the two block kinds alone), and a layer's ``scaling`` setting may name
+them (``"mxfp8"``, ``"block"``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from .formats import E4M3, E5M2, FP8Format
 
 __all__ = [
     "AMAX_COMPUTE_ALGOS",
+    "BLOCK_SCALINGS",
     "BlockRecipe",
     "CurrentScaling",
     "DelayedScaling",
@@ -29,13 +31,18 @@ __all__ = [
     "MXFP8BlockScaling",
     "QParams",
     "Recipe",
+    "SCALINGS",
     "block_recipe_from_dict",
     "recipe_from_dict",
     "validate_setting",
 ]
 
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
-SCALINGS = ("delayed", "current")
+#: A layer's ``scaling``: per-tensor ``"delayed"`` or ``"current"``, or block-scaled ``"mxfp8"`` (1x32 blocks,
+#: E8M0 scales) or ``"block"`` (FP8 block scaling, 1x128 / 128x128 float32 scales).
+SCALINGS = ("delayed", "current", "mxfp8", "block")
+#: The block-scaled values of ``scaling``.
+BLOCK_SCALINGS = ("mxfp8", "block")
 
 
 class Format(enum.Enum):
@@ -199,9 +206,6 @@ class CurrentScaling:
         return cls(**_fields(d, cls, "current"))
 
 
-Recipe = DelayedScaling | CurrentScaling
-
-
 def _fields(d: dict[str, Any], cls: type, kind: str) -> dict[str, Any]:
     if not isinstance(d, dict):
         raise ValueError(f"recipe: expected a dict, got {type(d).__name__}")
@@ -214,18 +218,6 @@ def _fields(d: dict[str, Any], cls: type, kind: str) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"{unknown[0]}: unknown field for {cls.__name__}")
     return d
-
-
-def recipe_from_dict(d: dict[str, Any]) -> Recipe:
-    """Rebuild a recipe from its dict, dispatching on ``"type"`` (or ``"scaling"``): delayed | current."""
-    if not isinstance(d, dict):
-        raise ValueError(f"recipe: expected a dict, got {type(d).__name__}")
-    kind = d.get("type", d.get("scaling", "delayed"))
-    if kind == "delayed":
-        return DelayedScaling.from_dict(d)
-    if kind == "current":
-        return CurrentScaling.from_dict(d)
-    raise ValueError(f"type: unknown recipe type {kind!r}; expected 'delayed' or 'current'")
 
 
 # --- block-scaled recipes (Transformer Engine 2.x names and defaults) --------------------------------------
@@ -398,3 +390,21 @@ def block_recipe_from_dict(d: dict[str, Any]) -> BlockRecipe:
     if kind == "block":
         return Float8BlockScaling.from_dict(d)
     raise ValueError(f"type: unknown block recipe type {kind!r}; expected 'mxfp8' or 'block'")
+
+
+Recipe = DelayedScaling | CurrentScaling | MXFP8BlockScaling | Float8BlockScaling
+
+
+def recipe_from_dict(d: dict[str, Any]) -> Recipe:
+    """Rebuild a recipe from its dict, dispatching on ``"type"`` (or ``"scaling"``): delayed | current |
+    mxfp8 | block."""
+    if not isinstance(d, dict):
+        raise ValueError(f"recipe: expected a dict, got {type(d).__name__}")
+    kind = d.get("type", d.get("scaling", "delayed"))
+    if kind == "delayed":
+        return DelayedScaling.from_dict(d)
+    if kind == "current":
+        return CurrentScaling.from_dict(d)
+    if kind in BLOCK_SCALINGS:
+        return block_recipe_from_dict({**d, "type": kind})
+    raise ValueError(f"type: unknown recipe type {kind!r}; expected one of {SCALINGS}")

@@ -14,7 +14,16 @@ Device tensors (``n`` = number of quantized tensors):
   ``last_stats`` the buffer of the last completed step. Each step gets a fresh buffer, so a
   ``last_stats`` handed out earlier is a snapshot that later steps never overwrite;
 * per-tensor recipe settings (``fp8_max``, ``margin``, ``history_len``, ``interval``, algorithm,
-  enabled), rebuilt only when a recipe changes, never on the hot path.
+  enabled), rebuilt only when a recipe changes, never on the hot path;
+* ``block_stats`` ``(n, BLOCK_WIDTH)`` float64, the block-scaling part of the step's statistics (the five
+  ``BLOCK_COLUMNS`` and the scale exponent histogram, ``fp8_trainer.block_linear``), made once a layer of
+  the model has been block-scaled and kept from then on (zeros for per-tensor-scaled tensors). Readers then
+  get each step as one ``(n, C + BLOCK_WIDTH)`` block (``split_block_stats`` parts it); ``last_stats``
+  stays the ``(n, C)`` statistics and ``last_block_stats`` holds the block part.
+
+Block-scaled layers (``scaling`` ``"mxfp8"`` or ``"block"``) take their scales from each block in each
+step; their rows' amaxes still enter the amax history, so a layer switched back to delayed scaling starts
+from a scale that follows its tensors.
 
 Step boundary (see ``end_step``): the statistics of a step are folded into the history once, by
 ``end_step``. It runs automatically at the end of the backward pass of a forward made in an
@@ -47,11 +56,12 @@ from fp8_kernels import (
     quantize_with_stats_transposed,
 )
 
-from fp8_protocol.stats import AMAX, MIN_ABS, SCALE
+from fp8_protocol.stats import AMAX, BLOCK_COLUMNS, MIN_ABS, SCALE
 
+from .block_linear import block_specs, new_block_stats, split_block_stats
 from .distributed import all_reduce_amax
 from .formats import ROLES
-from .recipe import CurrentScaling, DelayedScaling, Recipe, validate_setting
+from .recipe import BLOCK_SCALINGS, DelayedScaling, Recipe, validate_setting
 from .scaling import delayed_scaling_update
 
 __all__ = [
@@ -65,6 +75,8 @@ __all__ = [
 
 #: Settings that ``set_layer_recipe`` can change per layer (or for the whole model).
 LAYER_SETTINGS = ("margin", "amax_history_len", "amax_compute_algo", "interval", "scaling", "fp8_enabled")
+
+BLOCK_RANGE = BLOCK_COLUMNS.index("block_range")
 
 #: Version of the per-layer checkpoint format written by ``FP8State.layer_extra_state``.
 EXTRA_STATE_VERSION = 1
@@ -116,7 +128,9 @@ class StepTracker:
 
 
 def _base_settings(recipe: Recipe) -> dict[str, Any]:
-    d = DelayedScaling() if isinstance(recipe, CurrentScaling) else recipe
+    # history settings for a recipe without them (current, block): DelayedScaling's, used if a layer is
+    # switched to delayed scaling
+    d = recipe if isinstance(recipe, DelayedScaling) else DelayedScaling()
     return {
         "scaling": recipe.scaling,
         "fp8_format": recipe.fp8_format,
@@ -135,7 +149,22 @@ def merge_step_stats(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     the max (NaN ignored), scale the one that scaled the larger amax (so headroom stays negative only where
     something overflowed), ``min_abs`` the min (NaN ignored), the counts, numel and sums of squares summed.
     The base columns alone (``C`` = 6) merge the same way; a block with the quality columns and one without
-    (a switch between steps) merge into the base columns they share."""
+    (a switch between steps) merge into the base columns they share. A block part (``C + BLOCK_WIDTH``
+    columns) merges as its own columns say (``block_range`` max, the counts and histogram summed); a step
+    without one (before the model's first block-scaled layer) counts as zeros there."""
+    a_stats, a_block = split_block_stats(a)
+    b_stats, b_block = split_block_stats(b)
+    if a_block is not None or b_block is not None:
+        merged = _merge_plain(a_stats, b_stats)
+        a_block = a_block if a_block is not None else torch.zeros_like(b_block)
+        b_block = b_block if b_block is not None else torch.zeros_like(a_block)
+        block = a_block + b_block
+        block[:, BLOCK_RANGE] = torch.fmax(a_block[:, BLOCK_RANGE], b_block[:, BLOCK_RANGE])
+        return torch.cat([merged, block], 1)
+    return _merge_plain(a, b)
+
+
+def _merge_plain(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     width = min(a.shape[1], b.shape[1])
     a, b = a[:, :width], b[:, :width]
     out = a + b
@@ -158,8 +187,16 @@ def _scale_update_reference(amax_history, amax, scale, *, most_recent, enabled, 
 class FP8State:
     """Scaling state and statistics of every quantized tensor of one model."""
 
-    def __init__(self, layer_names: list[str], recipe: Recipe | None = None, device=None):
+    def __init__(
+        self,
+        layer_names: list[str],
+        recipe: Recipe | None = None,
+        device=None,
+        layer_shapes: list[tuple[int, int]] | None = None,
+    ):
         self.layer_names = list(layer_names)
+        # (out_features, in_features) per layer where known (convert_to_fp8): checked against MXFP8's 32
+        self.layer_shapes = list(layer_shapes) if layer_shapes is not None else None
         self.n_layers = len(self.layer_names)
         self.n_tensors = 3 * self.n_layers
         self.recipe: Recipe = recipe if recipe is not None else DelayedScaling()
@@ -173,6 +210,8 @@ class FP8State:
         self.scale_inv = aligned_scales(n, self.device).fill_(1.0)
         self.step_t = torch.zeros((), dtype=torch.int64, device=self.device)
         self.last_stats: torch.Tensor | None = None
+        self.block_stats: torch.Tensor | None = None  # made once a layer is block-scaled (module docstring)
+        self.last_block_stats: torch.Tensor | None = None
         self.steps = 0  # completed steps (host-side bookkeeping, never read from a tensor)
         self.tracker = StepTracker()  # the step in progress: pending, region, recorded forwards
         self.group = None
@@ -187,6 +226,7 @@ class FP8State:
         # to measure what they cost (set_quality_stats, bench/quality_overhead.py)
         self.quality_stats = True
         self._new_stats_buffer()
+        self._check_shapes(self.layer_settings)
         self._rebuild()
 
     @property
@@ -215,8 +255,23 @@ class FP8State:
     def set_recipe(self, recipe: Recipe) -> None:
         """Make ``recipe`` the base recipe (layer overrides stay on top of it)."""
         if recipe is not self.recipe and recipe != self.recipe:  # identity first: the usual case, per layer
+            base = {**_base_settings(recipe), **self.model_overrides}
+            self._check_shapes(lambda k: {**base, **self.layer_overrides[k]})
             self.recipe = recipe
             self._rebuild()
+
+    def _check_shapes(self, settings) -> None:
+        """Refuse MXFP8 for a layer whose dimensions are not multiples of 32 (``settings(k)``: the layer's
+        settings as they would be), before anything changes."""
+        if self.layer_shapes is None:
+            return
+        for k, (out_f, in_f) in enumerate(self.layer_shapes):
+            if settings(k)["scaling"] == "mxfp8" and (out_f % 32 or in_f % 32):
+                raise ValueError(
+                    f"scaling: MXFP8 needs in_features and out_features divisible by 32; layer "
+                    f"{self.layer_names[k] or '<root>'!r} is {in_f} -> {out_f} (Transformer Engine refuses "
+                    "it too)"
+                )
 
     def apply_settings(self, layer: int | None, changes: dict[str, Any]) -> dict[str, Any]:
         """Validate and apply ``changes`` to one layer (``None``: model-wide); return the previous values."""
@@ -228,6 +283,10 @@ class FP8State:
         current = self._base() if layer is None else self.layer_settings(layer)
         previous = {key: current[key] for key in clean}
         target = self.model_overrides if layer is None else self.layer_overrides[layer]
+        if layer is None:
+            self._check_shapes(lambda k: {**self._base(), **clean, **self.layer_overrides[k]})
+        else:
+            self._check_shapes(lambda k: {**self.layer_settings(k), **(clean if k == layer else {})})
         target.update(clean)
         self._rebuild()
         return previous
@@ -236,10 +295,13 @@ class FP8State:
         """Recompute the per-tensor settings tensors; resize the history keeping the newest entries."""
         fp8_max, margin, recent, hist, interval, enabled = [], [], [], [], [], []
         self.dtypes, self.current, self.enabled = [], [], []
+        self.block_specs: list = []  # per layer: (input, weight, grad_output) BlockSpecs, or None
         self.power_2_scale = bool(self._base()["power_2_scale"])
         for k in range(self.n_layers):
             s = self.layer_settings(k)
             self.current.append(s["scaling"] == "current")
+            block = s["scaling"] in BLOCK_SCALINGS
+            self.block_specs.append(block_specs(s["scaling"], self.recipe) if block else None)
             self.enabled.append(bool(s["fp8_enabled"]))
             for role in ROLES:
                 fmt = s["fp8_format"].for_role(role)
@@ -266,6 +328,10 @@ class FP8State:
         rows = torch.arange(length, device=dev).unsqueeze(1)
         self.amax_history = torch.where(rows < self.history_len, h, torch.zeros((), device=dev))
         self.reduce_amax = any(self.layer_settings(k)["reduce_amax"] for k in range(self.n_layers))
+        if self.block_stats is None and any(spec is not None for spec in self.block_specs):
+            if self.capturable:
+                raise ValueError("scaling: block-scaled layers cannot run in a captured (capturable) step")
+            self.block_stats = new_block_stats(self.n_tensors, self.device)  # from now on, every step
         self.version += 1
 
     def to(self, device) -> FP8State:
@@ -287,6 +353,10 @@ class FP8State:
             setattr(self, name, getattr(self, name).to(device))
         if self.last_stats is not None:
             self.last_stats = self.last_stats.to(device)
+        if self.block_stats is not None:
+            self.block_stats = self.block_stats.to(device)
+        if self.last_block_stats is not None:
+            self.last_block_stats = self.last_block_stats.to(device)
         for box in self._inboxes:
             if box[0] is not None:
                 box[0] = box[0].to(device)
@@ -369,9 +439,18 @@ class FP8State:
         q, qt, _ = quantize_with_stats_transposed(x, scale, self.dtypes[i], stats)
         return q, qt, scale_inv
 
+    def block_rows(self, i: int, record: bool) -> dict[str, torch.Tensor]:
+        """Tensor ``i``'s statistics row and block row as ``quantize_block_tensor``'s keyword arguments
+        (none when not recording)."""
+        if not record:
+            return {}
+        return {"stats": self._rows(i)[0], "block_stats_row": self.block_stats[i]}
+
     def _new_stats_buffer(self) -> None:
         self.stats = new_stats(self.n_tensors, device=self.device, quality=self.quality_stats)
         self.stats[:, SCALE] = self.scale
+        if self.block_stats is not None:
+            self.block_stats = new_block_stats(self.n_tensors, self.device)
 
     def end_step(self) -> None:
         """Close the step in progress: reduce amaxes, push them into the history, update the scales.
@@ -406,9 +485,9 @@ class FP8State:
         if not self.capturable:
             self.amax_history = history
             self.scale, self.scale_inv = as_aligned_scales(scale), as_aligned_scales(scale_inv)
-            self.last_stats = stats
+            self.last_stats, self.last_block_stats = stats, self.block_stats
             self._new_stats_buffer()
-            self._deliver(stats)
+            self._deliver(self._with_block(stats, self.last_block_stats))
             return
         # the same values into the same buffers: a replayed graph reads and writes these addresses
         self.amax_history.copy_(history)
@@ -422,6 +501,16 @@ class FP8State:
         if stats.shape[1] > MIN_ABS:
             stats[:, MIN_ABS] = torch.inf  # the neutral element of its min
         self.replayed()
+
+    @staticmethod
+    def _with_block(stats: torch.Tensor, block: torch.Tensor | None) -> torch.Tensor:
+        return stats if block is None else torch.cat([stats, block], 1)
+
+    def newest_stats(self) -> torch.Tensor | None:
+        """The last completed step as readers get it: ``last_stats`` with the block part, if any."""
+        if self.last_stats is None:
+            return None
+        return self._with_block(self.last_stats, self.last_block_stats)
 
     def replayed(self) -> None:
         """The host side of a step whose device side ran in place (``capturable``): count it and hand its
@@ -441,6 +530,8 @@ class FP8State:
         from now on are fresh buffers once more."""
         if self.pending:
             raise RuntimeError("set_capturable: a step is pending; switch between steps")
+        if enabled and self.block_stats is not None:
+            raise RuntimeError("set_capturable: block-scaled statistics are not recorded in captured steps")
         self.capturable = bool(enabled)
         if self.capturable:
             # the scale vectors must be the aligned layout, which the in-place copies then keep

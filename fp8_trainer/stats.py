@@ -5,6 +5,10 @@ to new buffers). ``StatsReader`` turns that into host data one step late: each `
 non-blocking copy of the steps completed since the previous poll into pinned host memory and returns the
 copy started by the previous poll, which has long finished by then, so nothing waits on the GPU.
 
+Once a layer of the model has been block-scaled, a reader's steps are ``(n_tensors, C + BLOCK_WIDTH)``:
+the statistics, then the block columns and scale exponent histogram (``block_linear.split_block_stats``
+parts them; ``step_stats`` stays the statistics alone).
+
 Every completed FP8 step reaches a reader, whatever the loop does: where several steps close between two
 polls (a gradient-accumulation loop without ``step_boundary=False`` closes one per micro-batch, as
 Transformer Engine's does), the reader gets them merged (``fp8_trainer.state.merge_step_stats``: amax max,
@@ -126,8 +130,10 @@ class StatsReader(LateReader):
         return step, host
 
     def read_now(self) -> tuple[int, torch.Tensor] | None:
-        """The newest completed step, copied synchronously (for the end of a run, not the training loop)."""
-        return read_newest(self._model)
+        """The newest completed step, copied synchronously (for the end of a run, not the training loop), as
+        ``poll`` hands steps out: with the block part where the model has had block-scaled layers."""
+        newest = self._state.newest_stats()
+        return None if newest is None else (self._state.steps, newest.to("cpu", copy=True))
 
     def close(self) -> None:
         """Stop collecting steps for this reader."""

@@ -35,11 +35,11 @@ from .data import Corpus, load_corpus
 from .hostcopy import LateCopy
 from .inject import Injector, parse_injection
 from .model import GPT, fp8_filter, preset_config
-from .recipe import CurrentScaling, DelayedScaling, Format
+from .recipe import CurrentScaling, DelayedScaling, Float8BlockScaling, Format, MXFP8BlockScaling
 from .report import fp8_summary, health_table
 from .schedule import lr_at
 from .stats import read_newest, step_stats
-from .train_config import HISTORY_LEN, TrainConfig
+from .train_config import FP8_RECIPES, HISTORY_LEN, TrainConfig
 
 __all__ = ["Prepared", "TrainResult", "dist_env", "make_recipe", "run_config", "train"]
 
@@ -82,6 +82,10 @@ def make_recipe(a: TrainConfig):
         )
     if a.recipe == "current":
         return CurrentScaling(fp8_format=fmt, power_2_scale=a.power_2_scale)
+    if a.recipe == "mxfp8":
+        return MXFP8BlockScaling(fp8_format=fmt)
+    if a.recipe == "block":
+        return Float8BlockScaling(fp8_format=fmt)
     return None
 
 
@@ -235,7 +239,7 @@ def _bf16(a: TrainConfig, device: torch.device):
     """bf16 autocast for the bf16 baseline, and on a GPU also around FP8 recipes: what is not an FP8 GEMM
     (attention, LayerNorm, the output head) then runs in bf16 as in FP8 training with Transformer Engine, and
     tokens/s compare with the bf16 baseline. On the CPU, FP8 runs keep float32 elsewhere (bf16 is slow)."""
-    fp8_on_gpu = device.type == "cuda" and a.recipe in ("delayed", "current")
+    fp8_on_gpu = device.type == "cuda" and a.recipe in FP8_RECIPES
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.recipe == "bf16" or fp8_on_gpu)
 
 

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["HISTORY_LEN", "TrainConfig"]
+__all__ = ["FP8_RECIPES", "HISTORY_LEN", "TrainConfig"]
+
+#: ``--recipe`` values that train in FP8: per-tensor scaling, MXFP8, FP8 block scaling (the others are the
+#: bf16 / fp32 baselines)
+FP8_RECIPES = ("delayed", "current", "mxfp8", "block")
 
 
 @dataclass(frozen=True)
@@ -22,8 +26,13 @@ class TrainConfig:
     device: str = "cpu"  # or "cuda": FP8 recipes then run under bf16 autocast, as with Transformer Engine
     activation_checkpointing: str = "none"  # recompute blocks in backward (model.CHECKPOINT_MODES)
     # ----- FP8 recipe (None: the recipe's default, so a delayed-only flag given to another is refused) -----
-    recipe: str = "delayed"  # FP8 scaling "delayed" / "current", or a baseline "bf16" / "fp32"
-    fp8_format: str | None = None  # "hybrid" (E4M3 forward, E5M2 backward) or "e4m3"; None: hybrid
+    # FP8 scaling "delayed" / "current" (per tensor), "mxfp8" (1x32 blocks, E8M0 scales; dimensions and
+    # batch x seq_len divisible by 32) / "block" (FP8 block scaling: 1x128 activations and gradients, 128x128
+    # weights), or a baseline "bf16" / "fp32"
+    recipe: str = "delayed"
+    # "hybrid" (E4M3 forward, E5M2 backward) or "e4m3"; None: hybrid, for the block recipes too (TE's block
+    # recipes default to E4M3 everywhere)
+    fp8_format: str | None = None
     margin: int | None = None  # delayed scaling margin; None: 0
     # amax history length; None: HISTORY_LEN (16), not DelayedScaling's 1024 (Transformer Engine's default,
     # which the library keeps): an fp8-train run is hundreds of steps, and a 1024-step window would hold

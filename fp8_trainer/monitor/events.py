@@ -8,8 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from fp8_protocol.stats import STAT_COLUMNS
+from fp8_protocol.stats import BLOCK_COLUMNS, STAT_COLUMNS
 
+from ..block_linear import split_block_stats
 from . import scalars
 from .detect import DetectConfig, Detector, FlightRecorder, amax_movers
 from .histograms import Histograms
@@ -59,7 +60,10 @@ class StepReporter:
             arr = stats
         else:
             arr = stats.numpy()
+        arr, block = split_block_stats(arr)
         rec = StepRecord(step, arr, scalars.read(holder, self._log_once))
+        if block is not None:  # the run has block-scaled layers: columns and histograms ride along
+            rec.block, rec.block_hist = block[:, : len(BLOCK_COLUMNS)], block[:, len(BLOCK_COLUMNS) :]
         events = self.detector.check(rec)
         movers = None
         if any(kind == "loss_spike" for kind, _, _ in events):  # against the history before this step

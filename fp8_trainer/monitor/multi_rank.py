@@ -5,6 +5,10 @@ and gets back the gathered blocks of earlier steps. From each block rank 0 repor
 with the scalars it kept for that step, and now and then every rank's amaxes; and when rank 0 announced
 commands in a block's header, every rank enters the broadcast that carries them at the same call and applies
 them there, so all ranks change their recipe between the same two optimizer steps.
+
+Block-scaling statistics (the block columns and scale exponent histograms of block-scaled layers) are not
+gathered: rank 0 reports its own beside the reduced statistics (the gather stays ``(T + 1, 10)`` whatever
+the recipe).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from torch import nn
 
 from fp8_protocol.stats import AMAX, BASE_COLUMNS, STAT_COLUMNS
 
+from ..block_linear import split_block_stats
+from ..hostcopy import HostCopy
 from .control import CommandInbox
 from .notices import Notices
 from .ranks import HAS_QUALITY, HAS_STATS, N_COMMANDS, RankSync, reduce_rank_stats
@@ -71,6 +77,7 @@ class MultiRankSteps:
         self.rank_sample_interval = rank_sample_interval
         self._scalars_by_step: dict[int, Any] = {}  # rank 0: the scalars of steps not reported yet
         self._announced: list[list[dict[str, Any]]] = []  # rank 0: commands announced, not yet broadcast
+        self._block_by_step: dict[int, Any] = {}  # rank 0: its own block part of steps not reported yet
 
     def step(self, step: int, holder) -> None:
         n_commands = 0
@@ -85,6 +92,9 @@ class MultiRankSteps:
         if taken is not None:
             stats, merged = taken
             self._notices.merged(merged)
+            stats, block = split_block_stats(stats)
+            if block is not None and self.rank == 0:  # copied asynchronously, read when reported
+                self._block_by_step[step] = HostCopy(block)
         if stats is not None:
             device = stats.device
         else:  # a bf16/fp32 baseline: the gather still needs the backend's device (NCCL: the GPU)
@@ -116,21 +126,25 @@ class MultiRankSteps:
                 for ack in acks:
                     self._sender.put_ack(ack)
 
-    def _report_block(self, s: int, block: np.ndarray, header: np.ndarray) -> None:
+    def _report_block(self, s: int, gathered: np.ndarray, header: np.ndarray) -> None:
         """Rank 0: step ``s``'s reduced statistics to the reporter, and every rank's amaxes now and then."""
         T = self.n_tensors
         holder = self._scalars_by_step.pop(s, None)
+        block = self._block_by_step.pop(s, None)
         if not (header[HAS_STATS] or self._recipe is None):  # no FP8 layer ran in this step on any rank
             self._notices.no_fp8(s)
             self._report(s, None, holder)
             return
         # the quality columns only where every rank with statistics had them
-        with_stats = block[:, T, HAS_STATS] > 0
-        quality = bool(np.all(block[with_stats, T, HAS_QUALITY] > 0))
+        with_stats = gathered[:, T, HAS_STATS] > 0
+        quality = bool(np.all(gathered[with_stats, T, HAS_QUALITY] > 0))
         width = len(STAT_COLUMNS) if quality else len(BASE_COLUMNS)
-        self._report(s, reduce_rank_stats(block[:, :T, :width]) if T else None, holder)
+        reduced = reduce_rank_stats(gathered[:, :T, :width]) if T else None
+        if reduced is not None and block is not None:  # rank 0's own block part (module docstring)
+            reduced = np.concatenate([reduced, block.wait().numpy()], axis=1)
+        self._report(s, reduced, holder)
         if T and s % self.rank_sample_interval == 0:
-            amax = [[wire_float(float(v)) for v in block[r, :T, AMAX]] for r in range(block.shape[0])]
+            amax = [[wire_float(float(v)) for v in gathered[r, :T, AMAX]] for r in range(gathered.shape[0])]
             self._sender.put_event(
                 {"kind": "rank_amax", "step": s, "details": {"world_size": self._ranks.world, "amax": amax}}
             )

@@ -38,7 +38,7 @@ import httpx
 import numpy as np
 import orjson
 
-from fp8_protocol.stats import STAT_COLUMNS, encode_float
+from fp8_protocol.stats import BLOCK_COLUMNS, STAT_COLUMNS, encode_float
 
 from .spool import API, SpoolWriter
 
@@ -50,11 +50,15 @@ STATS = STAT_COLUMNS  # the contract's column order (fp8_protocol.stats)
 class StepRecord:
     """One optimizer step: ``stats`` (T, 10) float64 in ``STATS`` order (or (T, 6), the base columns alone,
     from a source without quality statistics), or None for a step in which no FP8
-    layer ran (it is sent with its scalars only); scalars as floats."""
+    layer ran (it is sent with its scalars only); scalars as floats. ``block`` (T, 5) in ``BLOCK_COLUMNS``
+    order and ``block_hist`` (T, 256), the block scale exponent histograms, where the run has block-scaled
+    layers (zeros for per-tensor-scaled tensors), else None."""
 
     step: int
     stats: np.ndarray | None
     scalars: dict[str, float]
+    block: np.ndarray | None = None
+    block_hist: np.ndarray | None = None
 
 
 @dataclass
@@ -95,7 +99,11 @@ def pack_column(values: np.ndarray) -> dict[str, str]:
     return {"dtype": dtype, "b64": base64.b64encode(data.tobytes()).decode("ascii")}
 
 
-def step_body(rec: StepRecord) -> dict[str, Any]:
+def step_body(rec: StepRecord, with_block: bool = False) -> dict[str, Any]:
+    """One step of a telemetry batch. ``with_block``: the run has had a block-scaled tensor, so the step's
+    statistics carry the five ``BLOCK_COLUMNS`` (zeros where ``rec`` has none: per-tensor scaled), and
+    ``"block_hist"`` lists ``[tensor index, lo, counts]`` for the tensors with blocks in this step, the
+    non-zero span of each histogram only (``fp8_protocol.stats.BLOCK_HIST_BINS``)."""
     scalars = {k: wire_float(float(v)) for k, v in rec.scalars.items()}
     body: dict[str, Any] = {"step": rec.step, "scalars": scalars}
     if rec.stats is not None:
@@ -103,7 +111,26 @@ def step_body(rec: StepRecord) -> dict[str, Any]:
         # e.g. a caller's own 6-column block, leaves them out of the step: never NaN placeholders)
         cols = STATS[: rec.stats.shape[1]]
         body["stats"] = {name: pack_column(rec.stats[:, j]) for j, name in enumerate(cols)}
+        if with_block or rec.block is not None:
+            block = rec.block if rec.block is not None else np.zeros((rec.stats.shape[0], len(BLOCK_COLUMNS)))
+            body["stats"].update({name: pack_column(block[:, j]) for j, name in enumerate(BLOCK_COLUMNS)})
+            hist = block_hist_entries(rec.block_hist)
+            if hist:
+                body["block_hist"] = hist
     return body
+
+
+def block_hist_entries(hist: np.ndarray | None) -> list[list]:
+    """``[[tensor index, lo, counts], ...]`` for the rows of a (T, 256) histogram that have any block: the
+    span from the first to the last non-zero bin."""
+    out: list[list] = []
+    if hist is None:
+        return out
+    for i in np.flatnonzero(hist.any(axis=1)):
+        nz = np.flatnonzero(hist[i])
+        lo, hi = int(nz[0]), int(nz[-1])
+        out.append([int(i), lo, [int(c) for c in hist[i, lo : hi + 1]]])
+    return out
 
 
 def refusal(status: int, text: str, root: str) -> str:
@@ -172,6 +199,7 @@ class Sender(threading.Thread):
         self.stats = {"posted": 0, "spooled": 0, "drained": 0, "failed_posts": 0, "dropped": 0}
         self._server_errors: dict[str, int] = {}  # idempotency key -> sends answered with a 5xx
         self.sampler: Any = None  # a system.SystemSampler, sampled on this thread once per batch
+        self._block_seen = False  # a step of the run had block columns: all later steps carry them
 
     # ----- called from the training thread -----
     def put_step(self, rec: StepRecord) -> None:
@@ -339,7 +367,9 @@ class Sender(threading.Thread):
             if self.sampler is not None:  # system metrics ride with the newest step (about once a second)
                 for name, value in self.sampler.sample().items():
                     steps[-1].scalars.setdefault(name, value)
-            body["steps"] = [step_body(rec) for rec in steps]
+            # once the run has had a block-scaled tensor, every step with statistics carries the block columns
+            self._block_seen = self._block_seen or any(rec.block is not None for rec in steps)
+            body["steps"] = [step_body(rec, self._block_seen) for rec in steps]
         if self._events:
             body["events"], self._events = self._events, []
         if self._acks:

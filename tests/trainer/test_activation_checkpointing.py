@@ -13,6 +13,7 @@ import torch
 import fp8_trainer
 from fp8_trainer import CurrentScaling, DelayedScaling, fp8_autocast
 from fp8_trainer.model import GPT, GPTConfig, fp8_filter
+from fp8_trainer.recipe import Float8BlockScaling, MXFP8BlockScaling
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -35,7 +36,7 @@ def train(checkpoint: str, recipe, steps: int = 4, micro: int = 1):
             loss.backward()
             losses.append(loss.item())
         assert not state.pending and state.steps == step + 1  # closed once, at the end of the backward
-        stats.append(fp8_trainer.step_stats(model).clone())
+        stats.append(state.newest_stats().clone())  # with the block part, for block-scaled layers
         opt.step()
         opt.zero_grad(set_to_none=True)
     return losses, stats, state.scale.clone(), state.amax_history.clone()
@@ -43,7 +44,9 @@ def train(checkpoint: str, recipe, steps: int = 4, micro: int = 1):
 
 @pytest.mark.parametrize("mode", ["reentrant", "non-reentrant"])
 @pytest.mark.parametrize(
-    "recipe", [DelayedScaling(amax_history_len=4), CurrentScaling()], ids=["delayed", "current"]
+    "recipe",
+    [DelayedScaling(amax_history_len=4), CurrentScaling(), MXFP8BlockScaling(), Float8BlockScaling()],
+    ids=["delayed", "current", "mxfp8", "block"],
 )
 def test_checkpointed_gpt_trains_exactly_like_the_plain_one(mode, recipe):
     plain = train("none", recipe)

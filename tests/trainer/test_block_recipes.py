@@ -70,8 +70,11 @@ def test_validation_names_the_field():
         block_recipe_from_dict({"type": "delayed"})
 
 
-def test_block_recipes_stay_out_of_the_running_recipe_path():
-    """Until the FP8 Linear runs them, a stored or pushed recipe dict cannot select a block recipe."""
-    for kind in ("mxfp8", "block"):
-        with pytest.raises(ValueError, match="unknown recipe type"):
-            recipe_from_dict({"type": kind})
+def test_block_recipes_are_recipes():
+    """Now that the FP8 Linear runs them, ``recipe_from_dict`` (what a stored or pushed recipe goes through)
+    rebuilds the block recipes too, and an unknown type still names the known ones."""
+    for recipe in (MXFP8BlockScaling(enable_2d_quantization=True), Float8BlockScaling(x_block_scaling_dim=2,
+                   w_block_scaling_dim=1)):  # fmt: skip
+        assert recipe_from_dict(json.loads(json.dumps(recipe.to_dict()))) == recipe
+    with pytest.raises(ValueError, match="unknown recipe type 'sometimes'.*'mxfp8', 'block'"):
+        recipe_from_dict({"type": "sometimes"})
