@@ -233,11 +233,13 @@ def _refused(client, run_id: int, hist, needle: str, status: int = 422, with_blo
         ([[0, "120", [1]]], "steps[1].block_hist[0][1] (lo): expected an integer, got str"),
         (
             [[0, 250, [1] * 7]],
-            "steps[1].block_hist[0][2] (counts): expected an array of 1 to 6 counts (lo + len(counts) <= 256)",
+            "steps[1].block_hist[0][2] (counts): expected an array of 1 to 6 counts"
+            " (lo + len(counts) <= 256)",
         ),
         (
             [[0, 0, []]],
-            "steps[1].block_hist[0][2] (counts): expected an array of 1 to 256 counts (lo + len(counts) <= 256)",
+            "steps[1].block_hist[0][2] (counts): expected an array of 1 to 256 counts"
+            " (lo + len(counts) <= 256)",
         ),
         ([[0, 120, [1, -2]]], "steps[1].block_hist[0][2][1] (count): must be in [0, 4294967295], got -2"),
         (
