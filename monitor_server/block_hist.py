@@ -15,6 +15,8 @@ sum of a column is the bucket's blocks; the dashboard normalises if it wants sha
 
 from __future__ import annotations
 
+import sys
+from array import array
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +37,10 @@ EXPONENT_BIAS = 127
 
 _U4 = np.dtype("<u4")
 _U8 = np.dtype("<u8")
+#: the array module's code of a 32-bit unsigned integer (`I` where an int is 32 bits, as on every platform
+#: CPython runs the service on; `L` otherwise)
+_U32_CODE = "I" if array("I").itemsize == 4 else "L"
+assert array(_U32_CODE).itemsize == 4 and sys.byteorder == "little", "uint32 counts are read as <u4"
 
 
 @dataclass(frozen=True)
@@ -43,7 +49,7 @@ class HistEntry:
 
     tensor: int
     lo: int
-    counts: np.ndarray  # uint64
+    counts: bytes  # little-endian uint32, as stored
 
 
 def _int(value: Any, where: str, lo: int, hi: int) -> int:
@@ -86,13 +92,23 @@ def decode_block_hist(value: Any, num_tensors: int, where: str) -> list[HistEntr
                 f"{at}[2] (counts): expected an array of 1 to {BLOCK_HIST_BINS - lo} counts"
                 f" (lo + len(counts) <= {BLOCK_HIST_BINS})"
             )
-        for j, c in enumerate(counts):
-            if type(c) is not int or not 0 <= c <= MAX_BLOCK_COUNT:
-                _int(c, f"{at}[2][{j}] (count)", 0, MAX_BLOCK_COUNT)  # raises, naming what is wrong
-        arr = np.array(counts, dtype=np.uint64)
-        nz = np.flatnonzero(arr)
-        if len(nz):  # an all-zero entry says nothing: nothing is stored for it
-            out.append(HistEntry(tensor, lo + int(nz[0]), arr[nz[0] : nz[-1] + 1]))
+        # integers only (a JSON true is not a count), in range: both checked in C, element by element
+        try:
+            packed = array(_U32_CODE, counts)
+            ok = set(map(type, counts)) == {int}
+        except (TypeError, OverflowError):
+            ok = False
+        if not ok:
+            for j, c in enumerate(counts):  # find the culprit, to name it
+                if type(c) is not int or not 0 <= c <= MAX_BLOCK_COUNT:
+                    _int(c, f"{at}[2][{j}] (count)", 0, MAX_BLOCK_COUNT)
+        if not (packed[0] and packed[-1]):  # stored trimmed to the non-zero span
+            first = next((j for j, c in enumerate(packed) if c), None)
+            if first is None:  # an all-zero entry says nothing: nothing is stored for it
+                continue
+            last = max(j for j, c in enumerate(packed) if c)
+            packed, lo = packed[first : last + 1], lo + first
+        out.append(HistEntry(tensor, lo, packed.tobytes()))
     return out
 
 
@@ -116,7 +132,7 @@ def hist_rows(run_id: int, hists: dict[int, list[HistEntry]], steps: np.ndarray)
             "step": s,
             "lo": e.lo,
             "n_steps": 1,
-            "counts": pack_counts(e.counts, 1),
+            "counts": e.counts,
         }
         for s in steps.tolist()
         for e in hists.get(s, ())
@@ -238,27 +254,33 @@ def read_histogram(
         )
         .order_by(BlockHistogram.step)
     ).all()
-    sums: dict[tuple[int], np.ndarray] = {}
-    n_steps: dict[int, int] = {}
-    for r in rows:
-        if r.level == 1 and r.step < lo:
-            continue
-        bucket = r.step // plan.width
-        _add_into(sums, (bucket,), r.lo, unpack_counts(r.counts, r.level))
-        n_steps[bucket] = n_steps.get(bucket, 0) + r.n_steps
-    buckets = sorted(n_steps)
-    if not buckets:
+    rows = [r for r in rows if r.level != 1 or r.step >= lo]
+    if not rows:
         return BucketedHistogram(plan.width, [], [], [], None, np.zeros((0, 0), dtype=np.uint64))
-    matrix = np.stack([sums[(b,)] for b in buckets])
+    # one pass in numpy over all the rows' counts: each count lands in (its row's bucket, its exponent)
+    row_bucket = np.fromiter((r.step // plan.width for r in rows), np.int64, len(rows))
+    buckets, row_col = np.unique(row_bucket, return_inverse=True)
+    n_steps = np.zeros(len(buckets), dtype=np.int64)
+    np.add.at(n_steps, row_col, np.fromiter((r.n_steps for r in rows), np.int64, len(rows)))
+    matrix = np.zeros((len(buckets), BLOCK_HIST_BINS), dtype=np.uint64)
+    for level in {r.level for r in rows}:
+        mine = [k for k, r in enumerate(rows) if r.level == level]
+        values = unpack_counts(b"".join(rows[k].counts for k in mine), level)
+        width = 4 if level == 1 else 8
+        lengths = np.fromiter((len(rows[k].counts) // width for k in mine), np.int64, len(mine))
+        los = np.fromiter((rows[k].lo for k in mine), np.int64, len(mine))
+        first = np.cumsum(lengths) - lengths
+        exponent = np.repeat(los - first, lengths) + np.arange(len(values))
+        np.add.at(matrix, (np.repeat(row_col[mine], lengths), exponent), values)
     nz = np.flatnonzero(matrix.any(axis=0))
-    first, last = int(nz[0]), int(nz[-1])
+    first_e, last_e = int(nz[0]), int(nz[-1])
     return BucketedHistogram(
         width=plan.width,
-        starts=[max(b * plan.width, lo) for b in buckets],
-        ends=[min((b + 1) * plan.width - 1, hi) for b in buckets],
-        steps=[n_steps[b] for b in buckets],
-        lo=first,
-        counts=matrix[:, first : last + 1],
+        starts=[max(b * plan.width, lo) for b in buckets.tolist()],
+        ends=[min((b + 1) * plan.width - 1, hi) for b in buckets.tolist()],
+        steps=n_steps.tolist(),
+        lo=first_e,
+        counts=matrix[:, first_e : last_e + 1],
     )
 
 
