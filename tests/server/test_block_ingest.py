@@ -9,6 +9,7 @@ import pytest
 from sqlalchemy import func, select
 
 from fp8_protocol.stats import BASE_COLUMNS, BLOCK_COLUMNS, BLOCK_HIST_BINS, QUALITY_COLUMNS
+from monitor_server import retention
 from monitor_server.models import BlockHistogram, StepStat
 from monitor_server.rollups import STAT_IDS, unpack
 from tests.support.server import API, col, create_run, random_stats
@@ -305,3 +306,46 @@ def test_all_zero_entries_store_nothing_and_a_repeated_step_keeps_the_first(clie
     body = _body("z2", [0], stats, lambda i: names, [[[1, 90, [3]]]])
     assert client.post(f"{API}/runs/{run['id']}/telemetry", json=body).json()["stored_steps"] == 0
     assert get_histogram(client, run["id"], tensor=1)["counts"] == [[7]]
+
+
+def test_late_steps_below_the_compaction_cut_join_their_block_sum(client):
+    """Steps that arrive after their range was compacted are folded into the stored 8-step sums by the next
+    compaction: the histogram over them stays the sum of everything sent."""
+    run = create_run(client, n_layers=1)
+    rng = np.random.default_rng(6)
+    S = 120
+    stats = random_stats(rng, S, T) | block_stats(rng, S, T)
+    hists = [_hist(rng) for _ in range(S)]
+    names = (*BASE_COLUMNS, *BLOCK_COLUMNS)
+    late = [10, 11, 12, 30]
+    early = [s for s in range(S) if s not in late]
+    pick = {k: v[early] for k, v in stats.items()}
+    body = _body("early", early, pick, lambda i: names, [hists[s] for s in early])
+    assert client.post(f"{API}/runs/{run['id']}/telemetry", json=body).status_code == 200
+    db = client.app.state.ctx.db
+    assert retention.compact(db, keep=40)  # cut at step 80
+    body = _body(
+        "late", late, {k: v[late] for k, v in stats.items()}, lambda i: names, [hists[s] for s in late]
+    )
+    assert client.post(f"{API}/runs/{run['id']}/telemetry", json=body).status_code == 200
+    assert retention.compact(db, keep=40)[run["id"]] == 4 * len(BASE_COLUMNS + BLOCK_COLUMNS) + 4 * 2
+    with db.read_session() as session:
+        levels = dict(
+            session.execute(
+                select(BlockHistogram.level, func.count())
+                .where(BlockHistogram.run_id == run["id"])
+                .group_by(BlockHistogram.level)
+            ).all()
+        )
+    assert levels == {1: 2 * (S - 80), 8: 2 * (80 // 8)}
+    for tensor in (0, 1):
+        answer = get_histogram(client, run["id"], tensor=tensor, max_steps=1000)
+        assert answer["bucket_width"] == 8 and answer["bucket_steps"][:2] == [8, 8]
+        sent = sent_dense(hists, tensor)
+        expected = np.array(
+            [
+                sent[a : b + 1].sum(axis=0)
+                for a, b in zip(answer["bucket_start"], answer["bucket_end"], strict=True)
+            ]
+        )
+        np.testing.assert_array_equal(dense(answer), expected)
