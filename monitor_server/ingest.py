@@ -332,15 +332,18 @@ def store_batch(session: Session, run_id: int, batch: DecodedBatch, fp8_max: np.
             rows = hist_rows(run_id, batch.block_hist, new_steps)
             if rows:
                 session.execute(insert(BlockHistogram.__table__), rows)
-        if has_stats.all():
-            session.execute(insert(StepStat.__table__), step_stat_rows(run_id, new_steps, new_stats))
-            update_rollups(session, run_id, new_steps, new_stats, fp8_max)
-        elif has_stats.any():  # statistics only for the steps that carried them: no placeholder rows
+        stat_steps, with_stats = new_steps, new_stats
+        if not has_stats.all():  # statistics only for the steps that carried them: no placeholder rows
+            stat_steps = new_steps[has_stats]
             with_stats = {name: m[has_stats] for name, m in new_stats.items()}
-            rows = step_stat_rows(run_id, new_steps[has_stats], with_stats)
-            session.execute(insert(StepStat.__table__), rows)
-            update_rollups(session, run_id, new_steps[has_stats], with_stats, fp8_max)
+        if len(stat_steps):
+            session.execute(insert(StepStat.__table__), step_stat_rows(run_id, stat_steps, with_stats))
+        last_before = run.last_step
         last = int(new_steps[-1])
+        # the rollups follow the run's last step (blocks are written once the run is past them)
+        update_rollups(
+            session, run_id, stat_steps, with_stats, fp8_max, last_before, max(last, last_before or last)
+        )
         if run.last_step is None or last >= run.last_step:
             run.last_step = last
             loss = new_scalars[-1].get("loss")

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from sqlalchemy import and_, func, insert, select, update
+from sqlalchemy import and_, delete, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from fp8_protocol.stats import (
@@ -38,7 +38,7 @@ from fp8_protocol.stats import (
     sqnr_db,
     subnormal_fraction,
 )
-from monitor_server.models import Rollup, StepStat
+from monitor_server.models import Rollup, Run, StepStat
 
 #: the rollup block sizes, in steps (each divides the next)
 LEVELS: tuple[int, ...] = (8, 64, 512, 4096)
@@ -189,58 +189,179 @@ def step_stat_rows(run_id: int, steps: np.ndarray, stats: dict[str, np.ndarray])
     return rows
 
 
-def update_rollups(
-    session: Session, run_id: int, steps: np.ndarray, stats: dict[str, np.ndarray], fp8_max: np.ndarray
-) -> None:
-    """Fold newly stored steps (ascending, not stored before) into every rollup level.
-
-    Reads the touched blocks once per level, merges, and writes them back; the caller holds the run's
-    write lock, so the read-modify-write cannot race.
-    """
-    T = len(fp8_max)
+def _metric_values(stats: dict[str, np.ndarray], fp8_max: np.ndarray) -> dict[int, tuple[np.ndarray, str]]:
+    """Per-step values of every heatmap metric the columns in `stats` give: {rollup metric id: ((S, T), how)}
+    (a derived metric only where all its columns are there: the quality metrics only for steps that carried
+    them)."""
     metrics: dict[int, tuple[np.ndarray, str]] = {}
     for name, (metric, how) in HEATMAP_METRICS.items():
         if metric not in DERIVED:
-            metrics[metric] = (np.asarray(stats[name], dtype=np.float64), how)
+            if name in stats:
+                metrics[metric] = (np.asarray(stats[name], dtype=np.float64), how)
             continue
         columns, derive = DERIVED[metric]
-        if all(c in stats for c in columns):  # the quality metrics only for steps that carried them
+        if all(c in stats for c in columns):
             metrics[metric] = (derive(fp8_max, *(stats[c] for c in columns)), how)
+    return metrics
+
+
+def update_rollups(
+    session: Session,
+    run_id: int,
+    steps: np.ndarray,
+    stats: dict[str, np.ndarray],
+    fp8_max: np.ndarray,
+    last_before: int | None,
+    last_after: int,
+) -> None:
+    """Keep the rollups up to date after storing new steps (ascending, not stored before).
+
+    A block is written once, when the run moves past it (**sealed**): block ``b`` of level ``L`` exists from
+    the batch whose steps take the run's last step to ``(b + 1) * L`` or beyond, computed from what is stored
+    beneath it (the steps' rows for level 8, the eight blocks of the level below otherwise). The block the
+    run is in (``last_step // L``) has no row yet: readers take it from the finer levels (`cover`). A step
+    that arrives late, into a block sealed already, is merged into it (read, merge, write). So a live run
+    writes a level-8 row every 8 steps instead of rewriting one row per level and metric at every step.
+
+    `last_before` / `last_after`: the run's last step before and after this batch. The caller holds the
+    run's write lock, so neither the sealing nor a merge can race.
+    """
+    T = len(fp8_max)
+    if len(steps) and last_before is not None:
+        for level in LEVELS:
+            late = steps < last_before // level * level
+            if late.any():
+                sub = {name: m[late] for name, m in stats.items()}
+                _merge_into_blocks(session, run_id, level, steps[late], _metric_values(sub, fp8_max), T)
+            else:
+                break  # a step not late at this level is not late at a coarser one
+    lowest = int(steps[0]) if len(steps) else last_after
     for level in LEVELS:
-        blocks = steps // level
-        starts = _group_starts(blocks)
-        block_ids = blocks[starts].tolist()
-        counts = np.diff(np.r_[starts, len(steps)]).tolist()
-        fresh = {metric: reduce_groups(values, starts, how) for metric, (values, how) in metrics.items()}
-        existing = {
-            (row.metric, row.block): row
-            for row in session.execute(
-                select(Rollup.metric, Rollup.block, Rollup.values, Rollup.n_steps).where(
-                    Rollup.run_id == run_id,
-                    Rollup.level == level,
-                    Rollup.block.between(block_ids[0], block_ids[-1]),
-                )
+        first = (lowest if last_before is None else last_before) // level
+        last = last_after // level - 1
+        if first > last:
+            break  # nothing sealed at this level, so nothing at a coarser one either
+        _seal(session, run_id, level, first, last, fp8_max)
+
+
+def _merge_into_blocks(
+    session: Session, run_id: int, level: int, steps: np.ndarray, metrics: dict, T: int
+) -> None:
+    """Fold steps into existing blocks of one level: read the touched blocks once, merge, write back."""
+    blocks = steps // level
+    starts = _group_starts(blocks)
+    block_ids = blocks[starts].tolist()
+    counts = np.diff(np.r_[starts, len(steps)]).tolist()
+    fresh = {metric: reduce_groups(values, starts, how) for metric, (values, how) in metrics.items()}
+    existing = {
+        (row.metric, row.block): row
+        for row in session.execute(
+            select(Rollup.metric, Rollup.block, Rollup.values, Rollup.n_steps).where(
+                Rollup.run_id == run_id,
+                Rollup.level == level,
+                Rollup.block.between(block_ids[0], block_ids[-1]),
             )
+        )
+    }
+    inserts, updates = [], []
+    for metric, agg in fresh.items():
+        how = metrics[metric][1]
+        for j, block in enumerate(block_ids):
+            old = existing.get((metric, block))
+            row = {"run_id": run_id, "level": level, "metric": metric, "block": block}
+            if old is None:
+                row.update(values=pack(agg[j]), n_steps=counts[j])
+                inserts.append(row)
+            else:
+                row.update(
+                    values=pack(combine(unpack(old.values, T), agg[j], how)), n_steps=old.n_steps + counts[j]
+                )
+                updates.append(row)
+    if inserts:
+        session.execute(insert(Rollup), inserts)
+    if updates:
+        session.execute(update(Rollup), updates)
+
+
+def _seal(session: Session, run_id: int, level: int, first: int, last: int, fp8_max: np.ndarray) -> None:
+    """Write the blocks [first, last] of `level` from what lies beneath them (each block once; a row left by
+    an older version of this code for a block then still open is replaced)."""
+    T = len(fp8_max)
+    lo, hi = first * level, (last + 1) * level - 1
+    if level == LEVELS[0]:
+        ids = sorted(set(STAT_IDS.values()))
+        present, columns = read_step_stats_each(session, run_id, ids, lo, hi, T)
+        if not present:
+            return
+        parts: dict[int, tuple[np.ndarray, np.ndarray, str]] = {}  # metric -> (steps, values, how)
+        for name, (metric, how) in HEATMAP_METRICS.items():
+            if metric not in DERIVED:
+                if STAT_IDS[name] in columns:
+                    parts[metric] = (present[STAT_IDS[name]], columns[STAT_IDS[name]], how)
+                continue
+            cols, derive = DERIVED[metric]
+            need = [STAT_IDS[c] for c in cols]
+            if not all(i in columns for i in need):
+                continue
+            common = present[need[0]]
+            for i in need[1:]:
+                common = np.intersect1d(common, present[i], assume_unique=True)
+            if not len(common):
+                continue
+            mats = [columns[i][np.isin(present[i], common, assume_unique=True)] for i in need]
+            parts[metric] = (common, derive(fp8_max, *mats), how)
+        child_blocks = {
+            metric: (steps // level, values, how) for metric, (steps, values, how) in parts.items()
         }
-        inserts, updates = [], []
-        for metric, agg in fresh.items():
-            how = metrics[metric][1]
-            for j, block in enumerate(block_ids):
-                old = existing.get((metric, block))
-                row = {"run_id": run_id, "level": level, "metric": metric, "block": block}
-                if old is None:
-                    row.update(values=pack(agg[j]), n_steps=counts[j])
-                    inserts.append(row)
-                else:
-                    row.update(
-                        values=pack(combine(unpack(old.values, T), agg[j], how)),
-                        n_steps=old.n_steps + counts[j],
-                    )
-                    updates.append(row)
-        if inserts:
-            session.execute(insert(Rollup), inserts)
-        if updates:
-            session.execute(update(Rollup), updates)
+        # each metric counts the steps that gave it a value (the quality ones: those that carried them)
+        weights = {metric: np.ones(len(steps), dtype=np.int64) for metric, (steps, _, _) in parts.items()}
+    else:
+        child = LEVELS[LEVELS.index(level) - 1]
+        rows = session.execute(
+            select(Rollup.metric, Rollup.block, Rollup.values, Rollup.n_steps)
+            .where(
+                Rollup.run_id == run_id,
+                Rollup.level == child,
+                Rollup.block.between(lo // child, hi // child),
+            )
+            .order_by(Rollup.metric, Rollup.block)
+        ).all()
+        if not rows:
+            return
+        by_metric: dict[int, list] = {}
+        for r in rows:
+            by_metric.setdefault(r.metric, []).append(r)
+        how_of = {metric: how for metric, how in HEATMAP_METRICS.values()}
+        child_blocks, weights = {}, {}
+        for metric, rs in by_metric.items():
+            if metric not in how_of:
+                continue
+            blocks = np.fromiter((r.block for r in rs), np.int64, len(rs)) * child // level
+            child_blocks[metric] = (blocks, unpack_rows([r.values for r in rs], T), how_of[metric])
+            weights[metric] = np.fromiter((r.n_steps for r in rs), np.int64, len(rs))
+    inserts = []
+    for metric, (blocks, values, how) in child_blocks.items():
+        starts = _group_starts(blocks)
+        agg = reduce_groups(values, starts, how)
+        ns = np.add.reduceat(weights[metric], starts)
+        for j, block in enumerate(blocks[starts].tolist()):
+            inserts.append(
+                {
+                    "run_id": run_id,
+                    "level": level,
+                    "metric": metric,
+                    "block": block,
+                    "values": pack(agg[j]),
+                    "n_steps": int(ns[j]),
+                }
+            )
+    if inserts:
+        session.execute(
+            delete(Rollup).where(
+                Rollup.run_id == run_id, Rollup.level == level, Rollup.block.between(first, last)
+            )
+        )
+        session.execute(insert(Rollup), inserts)
 
 
 @dataclass
@@ -270,8 +391,11 @@ def plan_heatmap(lo: int, hi: int, max_cols: int, min_width: int = 1) -> Heatmap
     )
 
 
-def cover(lo: int, hi: int, levels: list[int]) -> list[tuple[int, int, int]]:
-    """Split steps [lo, hi] into (level, first_block, last_block) pieces, coarsest first; level 1 = raw."""
+def cover(lo: int, hi: int, levels: list[int], last_step: int | None = None) -> list[tuple[int, int, int]]:
+    """Split steps [lo, hi] into (level, first_block, last_block) pieces, coarsest first; level 1 = raw.
+
+    With the run's `last_step`, a level's block that holds it (not sealed yet: `update_rollups`) is left to
+    the finer levels."""
     if lo > hi:
         return []
     if not levels:
@@ -279,9 +403,15 @@ def cover(lo: int, hi: int, levels: list[int]) -> list[tuple[int, int, int]]:
     level, rest = levels[0], levels[1:]
     first = -(-lo // level)
     last = (hi + 1) // level - 1
+    if last_step is not None:
+        last = min(last, last_step // level - 1)
     if first > last:
-        return cover(lo, hi, rest)
-    return [(level, first, last), *cover(lo, first * level - 1, rest), *cover((last + 1) * level, hi, rest)]
+        return cover(lo, hi, rest, last_step)
+    return [
+        (level, first, last),
+        *cover(lo, first * level - 1, rest, last_step),
+        *cover((last + 1) * level, hi, rest, last_step),
+    ]
 
 
 def read_heatmap(
@@ -296,13 +426,14 @@ def read_heatmap(
     """
     metric_id, how = HEATMAP_METRICS[metric]
     kept_from = raw_kept_from(session, run_id)
+    last_step = session.scalar(select(Run.last_step).where(Run.id == run_id))
     plan = plan_heatmap(lo, hi, max_cols, heatmap_min_width(lo, kept_from))
     T = len(fp8_max)
     starts_list: list[np.ndarray] = []
     values_list: list[np.ndarray] = []
     weights_list: list[np.ndarray] = []
     usable = [lv for lv in reversed(LEVELS) if lv <= plan.level]
-    for level, first, last in _compacted_to_blocks(cover(lo, hi, usable), kept_from):
+    for level, first, last in _compacted_to_blocks(cover(lo, hi, usable, last_step), kept_from):
         if level == 1:
             steps, matrix = _read_raw(session, run_id, metric_id, first, last, fp8_max)
             if len(steps):
@@ -403,6 +534,29 @@ def _read_raw(
     ids = [STAT_IDS[c] for c in columns]
     steps, m = read_step_stats(session, run_id, ids, lo, hi, T)
     return steps, derive(fp8_max, *(m[i] for i in ids))
+
+
+def read_step_stats_each(
+    session: Session, run_id: int, metric_ids: list[int], lo: int, hi: int, num_tensors: int
+) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
+    """Raw per-step statistics for steps [lo, hi] in one query: (metric id -> its steps (S_m,), metric id
+    -> (S_m, T)), each metric with the steps that stored it (metrics with none left out)."""
+    rows = session.execute(
+        select(StepStat.metric, StepStat.step, StepStat.values)
+        .where(StepStat.run_id == run_id, StepStat.metric.in_(metric_ids), StepStat.step.between(lo, hi))
+        .order_by(StepStat.metric, StepStat.step)
+    ).all()
+    steps_of: dict[int, np.ndarray] = {}
+    values_of: dict[int, np.ndarray] = {}
+    if not rows:
+        return steps_of, values_of
+    metrics = np.fromiter((r.metric for r in rows), np.int64, len(rows))
+    bounds = np.r_[_group_starts(metrics), len(rows)]
+    for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+        part = rows[a:b]
+        steps_of[int(metrics[a])] = np.fromiter((r.step for r in part), np.int64, len(part))
+        values_of[int(metrics[a])] = unpack_rows([r.values for r in part], num_tensors)
+    return steps_of, values_of
 
 
 def read_step_stats(
