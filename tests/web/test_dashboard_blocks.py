@@ -53,22 +53,29 @@ def block_run(seed: int = 0) -> tuple[dict[str, np.ndarray], list[list]]:
     return stats, hists
 
 
+def post_block_steps(url: str, run_id: int, first: int, stats: dict, hists: list[list], n: int) -> None:
+    """Rows 0..n-1 of `stats` and `hists` as steps first, first + 1, ..."""
+    steps = [
+        {
+            "step": first + i,
+            "scalars": {"loss": 3.0 - 0.001 * (first + i), "grad_norm": 1.0},
+            "stats": {c: col(stats[c][i], "float64") for c in (*BASE_COLUMNS, *BLOCK_COLUMNS)},
+            "block_hist": hists[i],
+        }
+        for i in range(n)
+    ]
+    r = httpx.post(
+        f"{url}{API}/runs/{run_id}/telemetry",
+        json={"idempotency_key": f"from{first}", "steps": steps},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+
+
 def post_block_run(url: str) -> tuple[dict, dict[str, np.ndarray], list[list]]:
     run = create_run(url, "mxfp8-run", N_LAYERS)
     stats, hists = block_run()
-    steps = [
-        {
-            "step": s,
-            "scalars": {"loss": 3.0 - 0.001 * s, "grad_norm": 1.0},
-            "stats": {n: col(stats[n][s], "float64") for n in (*BASE_COLUMNS, *BLOCK_COLUMNS)},
-            "block_hist": hists[s],
-        }
-        for s in range(STEPS)
-    ]
-    r = httpx.post(
-        f"{url}{API}/runs/{run['id']}/telemetry", json={"idempotency_key": "all", "steps": steps}, timeout=60
-    )
-    assert r.status_code == 200, r.text
+    post_block_steps(url, run["id"], 0, stats, hists, STEPS)
     return run, stats, hists
 
 

@@ -13,6 +13,8 @@ export class BlockHistPanel {
     this.runId = runId;
     this.store = store;
     this.tensor = null; // index shown; chosen once, then the user's
+    this.drawnAt = -Infinity; // when the last answer came (performance.now())
+    this.cost = 0; // how long it took: a long run's histogram is re-read less often
     this.select = el("select", { id: "block-hist-tensor", "aria-label": "tensor" });
     this.select.addEventListener("change", () => {
       this.tensor = Number(this.select.value);
@@ -44,6 +46,8 @@ export class BlockHistPanel {
       replace(this.select, all.map((t) => el("option", { value: String(t.index) }, t.name)));
       this.select.value = String(this.tensor);
     }
+    // live refreshes: at most one every 4 s, and a slow answer (a long run) spaced out to 1/20 of the time
+    if (performance.now() - this.drawnAt < Math.max(4000, 20 * this.cost)) return;
     await this.draw();
   }
 
@@ -51,8 +55,11 @@ export class BlockHistPanel {
     const width = Math.max(100, (this.plot.clientWidth || 900) - 160);
     const query = { tensor: this.tensor, max_steps: Math.round(width) };
     let h;
+    const started = performance.now();
     try {
       h = await api(`/runs/${this.runId}/block-histogram${qs(query)}`);
+      this.drawnAt = performance.now();
+      this.cost = this.drawnAt - started;
       this.error.hidden = true;
     } catch (err) {
       this.error.hidden = false;
