@@ -349,3 +349,15 @@ def test_late_steps_below_the_compaction_cut_join_their_block_sum(client):
             ]
         )
         np.testing.assert_array_equal(dense(answer), expected)
+
+
+def test_block_histogram_route_needs_the_read_scope(make_client):
+    client = make_client(tokens=["trainer:ingest:trainer-secret-1", "dash:read:dash-secret-1"])
+    trainer = {"Authorization": "Bearer trainer-secret-1"}
+    run = create_run(client, n_layers=1, headers=trainer)
+    path = f"{API}/runs/{run['id']}/block-histogram"
+    assert client.get(path, params={"tensor": 0}).status_code == 401
+    r = client.get(path, params={"tensor": 0}, headers=trainer)
+    assert r.status_code == 403 and "lacks the scope 'read'" in r.json()["detail"]
+    r = client.get(path, params={"tensor": 0}, headers={"Authorization": "Bearer dash-secret-1"})
+    assert r.status_code == 200 and r.json()["counts"] == []
