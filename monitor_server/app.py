@@ -20,6 +20,7 @@ from monitor_server import run_admin
 from monitor_server.alerting import MAINTENANCE_JOB
 from monitor_server.api.routes import (
     alerts,
+    blocks,
     commands,
     dashboard,
     export,
@@ -135,7 +136,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(PoolTimeout, _database_unavailable)
     app.include_router(health.router)
     guarded = [(route.path, route) for route in health.router.routes]
-    for module in (runs, telemetry, queries, export, alerts, incidents, commands, stream, dashboard):
+    for module in (runs, telemetry, queries, blocks, export, alerts, incidents, commands, stream, dashboard):
         app.include_router(module.router, prefix=API_PREFIX)
         guarded += [(API_PREFIX + route.path, route) for route in module.router.routes]
     app.add_middleware(RequestGuard, settings=settings, routes=guarded)

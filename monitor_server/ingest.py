@@ -12,11 +12,21 @@ import orjson
 from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
 
-from fp8_protocol.stats import BASE_COLUMNS, QUALITY_COLUMNS
+from fp8_protocol.stats import BASE_COLUMNS, BLOCK_COLUMNS, QUALITY_COLUMNS
 from monitor_server import commands as command_ops
+from monitor_server.block_hist import HistEntry, decode_block_hist, hist_rows
 from monitor_server.detectors.ranks import parse_rank_amax
 from monitor_server.detectors.types import EVENT_KINDS, StepBatch
-from monitor_server.models import Command, EventRow, IngestBatch, Run, StepRow, StepStat, utcnow
+from monitor_server.models import (
+    BlockHistogram,
+    Command,
+    EventRow,
+    IngestBatch,
+    Run,
+    StepRow,
+    StepStat,
+    utcnow,
+)
 from monitor_server.rollups import step_stat_rows, update_rollups
 from monitor_server.schemas import MAX_ID
 from monitor_server.wire import (
@@ -29,16 +39,19 @@ from monitor_server.wire import (
 )
 
 _TOP_KEYS = {"idempotency_key", "steps", "events", "acks"}
-_STEP_KEYS = {"step", "scalars", "stats"}
+_STEP_KEYS = {"step", "scalars", "stats", "block_hist"}
 _BASE_SET = frozenset(BASE_COLUMNS)
-_WITH_QUALITY = _BASE_SET | frozenset(QUALITY_COLUMNS)
+_QUALITY_SET = frozenset(QUALITY_COLUMNS)
+_BLOCK_SET = frozenset(BLOCK_COLUMNS)
+_ALL_COLUMNS = _BASE_SET | _QUALITY_SET | _BLOCK_SET
 
 
 @dataclass
 class DecodedBatch:
     """A validated telemetry batch. Steps ascending; `stats[name]` is (S, T) float64 for each base column
-    and, when the batch's steps carried them, each quality column; `has_stats` (S,) is False for a step sent
-    without statistics (no FP8 layer ran in it; its `stats` rows are NaN)."""
+    and, when the batch's steps carried them, each quality and block column; `has_stats` (S,) is False for a
+    step sent without statistics (no FP8 layer ran in it; its `stats` rows are NaN); `block_hist` holds the
+    block scale exponent histograms by step number (only the steps that sent some)."""
 
     idempotency_key: str
     steps: np.ndarray
@@ -47,6 +60,7 @@ class DecodedBatch:
     events: list[dict[str, Any]] = field(default_factory=list)
     acks: list[dict[str, Any]] = field(default_factory=list)
     has_stats: np.ndarray | None = None
+    block_hist: dict[int, list[HistEntry]] = field(default_factory=dict)
 
 
 @dataclass
@@ -120,6 +134,7 @@ def decode_batch(payload: Any, num_tensors: int, limits: EventLimits = EventLimi
     stats: dict[str, np.ndarray] = {}
     has_stats = np.ones(S, dtype=bool)
     scalars: list[dict[str, float]] = []
+    block_hist: dict[int, list[HistEntry]] = {}
     for i, entry in enumerate(steps_in):
         where = f"steps[{i}]"
         if not isinstance(entry, dict):
@@ -133,6 +148,8 @@ def decode_batch(payload: Any, num_tensors: int, limits: EventLimits = EventLimi
             raise WireError(f"{where}.scalars: expected an object")
         scalars.append({str(k): decode_float(v, f"{where}.scalars.{k}") for k, v in sc.items()})
         if "stats" not in entry:  # a step in which no FP8 layer ran: its scalars only
+            if "block_hist" in entry:
+                raise WireError(f"{where}.block_hist: sent without the step's stats")
             has_stats[i] = False
             continue
         st = entry["stats"]
@@ -149,6 +166,15 @@ def decode_batch(payload: Any, num_tensors: int, limits: EventLimits = EventLimi
             )
         for name in columns:
             stats[name][i] = decode_column(st[name], T, f"{where}.stats.{name}")
+        if "block_hist" in entry:
+            if not columns >= _BLOCK_SET:
+                raise WireError(
+                    f"{where}.block_hist: sent without the block statistics {list(BLOCK_COLUMNS)}"
+                    " in the step's stats"
+                )
+            entries = decode_block_hist(entry["block_hist"], T, f"{where}.block_hist")
+            if entries:
+                block_hist[int(steps[i])] = entries
     if columns is None:  # no step carried statistics
         stats = {name: np.full((S, T), np.nan) for name in BASE_COLUMNS}
     if S and len(np.unique(steps)) != S:
@@ -161,23 +187,26 @@ def decode_batch(payload: Any, num_tensors: int, limits: EventLimits = EventLimi
         scalars = [scalars[j] for j in order.tolist()]
     events = _decode_events(payload.get("events", []), T, limits)
     acks = _decode_acks(payload.get("acks", []))
-    return DecodedBatch(key, steps, scalars, stats, events, acks, has_stats)
+    return DecodedBatch(key, steps, scalars, stats, events, acks, has_stats, block_hist)
 
 
 def _stat_columns(keys: frozenset[str], where: str) -> frozenset[str]:
-    """The statistics a step carries: every base column, and the quality columns all or none."""
-    if keys in (_BASE_SET, _WITH_QUALITY):
-        return keys
-    unknown = sorted(keys - _WITH_QUALITY)
+    """The statistics a step carries: every base column, and the quality and the block columns each all or
+    none."""
+    unknown = sorted(keys - _ALL_COLUMNS)
     if unknown:
         raise WireError(f"{where}.stats: unknown statistic(s) {unknown}")
     missing = sorted(_BASE_SET - keys)
     if missing:
         raise WireError(f"{where}.stats: missing statistic(s) {missing}")
-    raise WireError(
-        f"{where}.stats: the quality statistics {list(QUALITY_COLUMNS)} come all together or not at all;"
-        f" missing {sorted(_WITH_QUALITY - keys)}"
-    )
+    for kind, group in (("quality", QUALITY_COLUMNS), ("block", BLOCK_COLUMNS)):
+        present = keys & frozenset(group)
+        if present and len(present) != len(group):
+            raise WireError(
+                f"{where}.stats: the {kind} statistics {list(group)} come all together or not at all;"
+                f" missing {sorted(frozenset(group) - keys)}"
+            )
+    return keys
 
 
 def _decode_events(events: Any, num_tensors: int, limits: EventLimits) -> list[dict[str, Any]]:
@@ -299,6 +328,10 @@ def store_batch(session: Session, run_id: int, batch: DecodedBatch, fp8_max: np.
             encoded = {k: encode_float(v) for k, v in sc.items()}
             step_rows.append({"run_id": run_id, "step": s, "loss": finite_loss, "scalars": encoded})
         session.execute(insert(StepRow.__table__), step_rows)
+        if batch.block_hist:
+            rows = hist_rows(run_id, batch.block_hist, new_steps)
+            if rows:
+                session.execute(insert(BlockHistogram.__table__), rows)
         stat_steps, with_stats = new_steps, new_stats
         if not has_stats.all():  # statistics only for the steps that carried them: no placeholder rows
             stat_steps = new_steps[has_stats]

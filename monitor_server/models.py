@@ -1,4 +1,5 @@
-"""SQLAlchemy 2 models: runs, their tensors, steps, statistics, rollups, alerts, incidents and commands.
+"""SQLAlchemy 2 models: runs, their tensors, steps, statistics, rollups, block scale histograms, alerts,
+incidents and commands.
 
 Statistics are stored as packed little-endian float64 vectors of length T (one per run, statistic and step),
 never one row per tensor per step; `Rollup` holds the same vectors aggregated over aligned blocks of steps.
@@ -131,6 +132,23 @@ class StepStat(Base):
     metric: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
     step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     values: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class BlockHistogram(Base):
+    """The block scale exponent histogram of one tensor: of one step (`level` 1), or summed over the aligned
+    block [step, step + level) of steps once compaction (`retention.py`) dropped the per-step rows.
+    `counts[j]` blocks had the biased exponent `lo` + j (`monitor_server.block_hist.pack_counts`)."""
+
+    __tablename__ = "block_histograms"
+
+    run_id: Mapped[int] = mapped_column(_run_fk(), primary_key=True)
+    tensor: Mapped[int] = mapped_column(Integer, primary_key=True)
+    level: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    lo: Mapped[int] = mapped_column(SmallInteger)
+    #: steps summed into the row (1 for a step's own histogram)
+    n_steps: Mapped[int] = mapped_column(Integer)
+    counts: Mapped[bytes] = mapped_column(LargeBinary)
 
 
 class Rollup(Base):

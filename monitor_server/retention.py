@@ -4,8 +4,10 @@ With ``raw_steps_kept`` = N, a run keeps its statistics per step for its last N 
 falls on a block of `rollups.COMPACT_BLOCK` steps); older steps are kept only in the rollups, which were
 written at ingest and cover the whole run at 8 steps and coarser. The heatmap of a compacted range reads them
 (max / min / sum, NaN kept, as before), at 8-step resolution or coarser; the per-step export
-(`export.py`) has the kept steps only. The steps' scalars (loss, lr, ...) are small and stay, with their
-series. The service runs `compact` in its periodic maintenance.
+(`export.py`) has the kept steps only. The block scale exponent histograms of the compacted steps are
+summed per tensor and block of `COMPACT_BLOCK` steps (`block_hist.compact_histograms`): the histogram of a
+compacted range stays exact, at 8-step resolution or coarser. The steps' scalars (loss, lr, ...) are small
+and stay, with their series. The service runs `compact` in its periodic maintenance.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import logging
 
 from sqlalchemy import delete, func, select
 
+from monitor_server.block_hist import compact_histograms
 from monitor_server.core.db import Database
 from monitor_server.models import Run, StepStat
 from monitor_server.rollups import COMPACT_BLOCK, STAT_IDS
@@ -29,7 +32,8 @@ def compaction_cut(last_step: int, keep: int) -> int:
 def compact(db: Database, keep: int) -> dict[int, int]:
     """Drop the per-step statistics of every run older than its last `keep` steps (0: keep everything).
 
-    One short write transaction per run that has something to drop. Returns {run id: rows deleted}.
+    One short write transaction per run that has something to drop. Returns {run id: rows deleted}
+    (statistics rows, and per-step block histograms folded into their 8-step sums).
     """
     if keep <= 0:
         return {}
@@ -54,7 +58,7 @@ def compact(db: Database, keep: int) -> dict[int, int]:
                     StepStat.step < cut,
                 )
             )
-            done[run_id] = result.rowcount
+            done[run_id] = result.rowcount + compact_histograms(session, run_id, cut)
     for run_id, rows in done.items():
         log.info(
             "run %d: per-step statistics before its last %d steps compacted (%d rows)", run_id, keep, rows

@@ -14,9 +14,12 @@ underflow / nonfinite the bucket sum; of the quantization-quality metrics SQNR k
 worst), subnormal fraction, dynamic range and outlier ratio the bucket max. NaN propagates through max, min
 and sum (a bucket holding a NaN shows NaN) and so does an infinity.
 
-Derived metrics (headroom and the quality metrics) are computed per step from the stored columns: at ingest
-into the rollups, and on raw reads from the `StepStat` rows. A step stored without the quality columns has
-no quality rows and no quality rollup contribution: its buckets hold only the steps that carried them.
+Derived metrics (headroom, the quality metrics and the block-scaling fractions) are computed per step from
+the stored columns: at ingest into the rollups, and on raw reads from the `StepStat` rows. A step stored
+without the quality (or block) columns has no rows of theirs and no rollup contribution to their metrics:
+their buckets hold only the steps that carried them. The block metrics (fractions of the tensor's blocks at
+a scale limit, with an overflow, with an underflow, and the worst block's range in binades) keep the bucket
+max.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ from sqlalchemy.orm import Session
 
 from fp8_protocol.stats import (
     BASE_COLUMNS,
+    BLOCK_COLUMNS,
     QUALITY_COLUMNS,
+    block_fraction,
     dynamic_range,
     outlier_ratio,
     sqnr_db,
@@ -46,13 +51,19 @@ COMPACT_BLOCK = LEVELS[0]
 
 
 #: statistic name -> metric id of its `StepStat` rows (stored ids: never renumber). The base columns are
-#: 0-5, 6 is the derived headroom (rollups only), the quality columns follow it.
-STAT_IDS: dict[str, int] = {name: i for i, name in enumerate(BASE_COLUMNS)} | {
-    name: 7 + i for i, name in enumerate(QUALITY_COLUMNS)
-}
+#: 0-5, 6 is the derived headroom (rollups only), the quality columns follow it (7-10), then, after the
+#: quality metrics' rollup ids, the block-scaling columns (15-19).
+STAT_IDS: dict[str, int] = (
+    {name: i for i, name in enumerate(BASE_COLUMNS)}
+    | {name: 7 + i for i, name in enumerate(QUALITY_COLUMNS)}
+    | {name: 15 + i for i, name in enumerate(BLOCK_COLUMNS)}
+)
 HEADROOM_ID = 6
 #: rollup-only metric ids of the derived quantization-quality metrics (stored ids: never renumber)
 SQNR_ID, SUBNORMAL_FRACTION_ID, DYNAMIC_RANGE_ID, OUTLIER_RATIO_ID = 11, 12, 13, 14
+#: rollup-only metric ids of the block-scaling fractions (of the tensor's blocks; stored ids: never renumber).
+#: The block range's rollups share its column's id, as amax's do.
+BLOCK_AT_LIMIT_ID, BLOCK_OVERFLOW_ID, BLOCK_UNDERFLOW_ID = 20, 21, 22
 
 #: heatmap metric -> (rollup metric id, how buckets aggregate)
 HEATMAP_METRICS: dict[str, tuple[int, str]] = {
@@ -66,6 +77,10 @@ HEATMAP_METRICS: dict[str, tuple[int, str]] = {
     "subnormal": (SUBNORMAL_FRACTION_ID, "max"),  # subnormal / numel
     "dynamic_range": (DYNAMIC_RANGE_ID, "max"),  # binades, log2(amax / min_abs)
     "outlier_ratio": (OUTLIER_RATIO_ID, "max"),  # amax / RMS
+    "block_at_limit": (BLOCK_AT_LIMIT_ID, "max"),  # blocks_at_limit / blocks
+    "block_overflow": (BLOCK_OVERFLOW_ID, "max"),  # blocks_overflow / blocks
+    "block_underflow": (BLOCK_UNDERFLOW_ID, "max"),  # blocks_underflow / blocks
+    "block_range": (STAT_IDS["block_range"], "max"),  # binades, the worst block's
 }
 
 _F8 = np.dtype("<f8")
@@ -129,6 +144,12 @@ DERIVED: dict[int, tuple[tuple[str, ...], Callable[..., np.ndarray]]] = {
         ("amax", "sum_sq", "numel", "nonfinite"),
         lambda _, amax, sum_sq, numel, nonfinite: outlier_ratio(amax, sum_sq, numel, nonfinite),
     ),
+    # the block metrics exist only for the steps that carried the block columns (the range, a stored
+    # column, is "derived" as itself so that a step without it contributes nothing)
+    BLOCK_AT_LIMIT_ID: (("blocks_at_limit", "blocks"), lambda _, n, blocks: block_fraction(n, blocks)),
+    BLOCK_OVERFLOW_ID: (("blocks_overflow", "blocks"), lambda _, n, blocks: block_fraction(n, blocks)),
+    BLOCK_UNDERFLOW_ID: (("blocks_underflow", "blocks"), lambda _, n, blocks: block_fraction(n, blocks)),
+    STAT_IDS["block_range"]: (("block_range",), lambda _, block_range: np.asarray(block_range, np.float64)),
 }
 
 
@@ -156,7 +177,7 @@ def step_stat_rows(run_id: int, steps: np.ndarray, stats: dict[str, np.ndarray])
     rows = []
     step_list = steps.tolist()
     for name, metric in STAT_IDS.items():
-        if name not in stats:  # the quality columns, from a sender that does not compute them
+        if name not in stats:  # the quality or block columns, from a sender that does not compute them
             continue
         matrix = np.ascontiguousarray(stats[name], dtype=_F8)
         narrow, exact = _exact_in_float32(matrix)

@@ -62,6 +62,10 @@ HeatmapMetric = Literal[
     "subnormal",
     "dynamic_range",
     "outlier_ratio",
+    "block_at_limit",
+    "block_overflow",
+    "block_underflow",
+    "block_range",
 ]
 AlertState = Literal["open", "acknowledged"]
 
@@ -247,7 +251,9 @@ class RecipeChanges(BaseModel):
     amax_history_len: int | None = Field(default=None, ge=1, le=1 << 20)
     amax_compute_algo: Literal["max", "most_recent"] | None = None
     interval: int | None = Field(default=None, ge=1, le=1 << 30)
-    scaling: Literal["delayed", "current"] | None = None
+    #: per-tensor (delayed, current) or block scaling (mxfp8: 1x32 blocks with E8M0 scales; block: FP8 block
+    #: scaling, 1x128 / 128x128 float32 scales)
+    scaling: Literal["delayed", "current", "mxfp8", "block"] | None = None
     fp8_enabled: StrictBool | None = None
 
     @model_validator(mode="after")
@@ -490,6 +496,16 @@ class TensorHealth(PublicModel):
         None,
         description="its recent SQNR level (median of recent steps) the sqnr_drop detector compares with",
     )
+    block_range: WireFloat | None = Field(
+        None,
+        description="its worst block's dynamic range (binades) in the latest step with block statistics;"
+        " null when the run sends none (0 for a per-tensor-scaled tensor)",
+    )
+    block_at_limit: WireFloat | None = Field(
+        None,
+        description="the share of its blocks whose scale sat at a limit of its format in that step; null"
+        " when the run sends no block statistics",
+    )
 
 
 class LayerHealth(PublicModel):
@@ -504,4 +520,38 @@ class LayerHealth(PublicModel):
         None,
         description="the worst latest SQNR (dB) of its tensors; null when the run sends no quality columns",
     )
+    block_range: WireFloat | None = Field(
+        None,
+        description="the widest latest block range (binades) of its tensors; null when the run sends no"
+        " block statistics",
+    )
+    block_at_limit: WireFloat | None = Field(
+        None,
+        description="the largest latest share of blocks at a scale limit among its tensors; null when the"
+        " run sends no block statistics",
+    )
     tensors: list[TensorHealth]
+
+
+class BlockHistogramPublic(PublicModel):
+    """A tensor's block scale exponent histograms over steps, summed per aligned bucket of steps (only the
+    buckets that hold one): `counts[c][j]` blocks of bucket c had a scale_inv of biased exponent
+    `exponent_lo` + j (unbiased: that minus `exponent_bias`)."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    tensor: TensorSpec
+    from_step: int | None = Field(
+        alias="from", description="first step asked (null: nothing stored in range)"
+    )
+    to_step: int | None = Field(alias="to", description="last step asked (null: nothing stored in range)")
+    bucket_width: int = Field(description="steps per bucket (8 or more where the steps were compacted)")
+    bucket_start: list[int] = Field(description="first step of each bucket (clipped to the range)")
+    bucket_end: list[int] = Field(description="last step of each bucket (clipped to the range)")
+    bucket_steps: list[int] = Field(description="steps with a histogram summed into each bucket")
+    exponent_bias: int = Field(description="127: an unbiased exponent is the biased one minus this")
+    exponent_lo: int | None = Field(description="biased exponent of the first row of counts (null: none)")
+    exponent_hi: int | None = Field(description="biased exponent of the last row of counts (null: none)")
+    counts: list[list[int]] = Field(
+        description="per bucket, its blocks at each exponent exponent_lo..exponent_hi, summed over its steps"
+    )

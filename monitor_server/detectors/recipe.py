@@ -6,7 +6,9 @@ A recipe is a plain dict with Transformer Engine's names. Keys read (others are 
 - ``amax_history_len`` (default 1024), ``amax_compute_algo`` (``"max"`` default or ``"most_recent"``),
   ``interval`` (default 1).
 - ``scaling`` (or ``type``, as `fp8_trainer.recipe` spells it, or ``scaling_mode``): ``"delayed"``
-  (default) or ``"current"``.
+  (default), ``"current"``, or block scaling, ``"mxfp8"`` (1x32 blocks, E8M0 scales) or ``"block"`` (FP8
+  block scaling, 1x128 / 128x128): like current scaling, each scale comes from this step's own amax (of its
+  block), with no history.
 - ``fp8_enabled`` (or ``fp8`` / ``enabled``): False turns the tensor detectors off for the tensors it covers.
 
 Per-layer overrides live under ``"overrides": {layer: {...}}`` and win over the whole-model keys for the
@@ -26,6 +28,8 @@ import numpy as np
 from .types import TensorMeta
 
 DEFAULT_RECIPE: dict[str, Any] = {"margin": 0.0, "amax_history_len": 1024, "amax_compute_algo": "max"}
+#: scaling modes whose scales come from the step's own amax (no history): current and the block modes
+JUST_IN_TIME = frozenset({"current", "mxfp8", "block"})
 
 
 def split_recipe(recipe: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
@@ -80,7 +84,7 @@ def growth_window(recipe: dict[str, Any], divergence_window: int) -> int:
     (usually 1). Current scaling has no history, so the growth is judged over `divergence_window`.
     """
     _, history, interval, _ = _effective(recipe)
-    if _mode(recipe) == "current":
+    if _mode(recipe) in JUST_IN_TIME:
         return divergence_window
     if str(recipe.get("amax_compute_algo", "max")) == "most_recent":
         return min(interval, divergence_window)
@@ -96,7 +100,7 @@ def warmup_len(recipe: dict[str, Any], config: Any) -> int:
     if config.warmup_steps is not None:
         return int(config.warmup_steps)
     _, history, _, _ = _effective(recipe)
-    if _mode(recipe) == "current":
+    if _mode(recipe) in JUST_IN_TIME:
         history = config.divergence_window
     return min(history, config.warmup_max_steps)
 

@@ -152,3 +152,25 @@ def test_a_run_that_ended_refuses_commands_and_rejects_its_open_ones(client, fin
         f"run {rid} is {final}: recipe changes go to running jobs only (none would apply it)"
     )
     assert len(client.get(f"{API}/runs/{rid}/commands").json()) == 3  # nothing stored
+
+
+@pytest.mark.parametrize("mode", ["mxfp8", "block"])
+def test_a_layer_switches_to_block_scaling_and_back(client, mode):
+    """A layer goes from per-tensor to block scaling at run time with the usual acknowledgement, and a
+    rollback returns it to per-tensor scaling."""
+    rid = create_run(client)["id"]
+    r = client.post(f"{API}/runs/{rid}/commands", json={"target": LAYER0, "changes": {"scaling": mode}})
+    assert r.status_code == 201, r.text
+    cmd = r.json()
+    assert [c["changes"] for c in _telemetry(client, rid, "a", [0])["commands"]] == [{"scaling": mode}]
+    _telemetry(client, rid, "b", [1], acks=[{"command_id": cmd["id"], "state": "applied", "step": 1}])
+    applied = client.get(f"{API}/runs/{rid}/commands").json()[0]
+    assert applied["state"] == "applied" and applied["applied_step"] == 1
+    assert applied["previous"] == {"scaling": "delayed"}
+    eff = client.get(f"{API}/runs/{rid}").json()["effective_recipe"]
+    assert eff["layers"][LAYER0]["scaling"] == mode and eff["model"]["scaling"] == "delayed"
+    back = client.post(f"{API}/runs/{rid}/commands", json={"rollback": cmd["id"]}).json()
+    _telemetry(client, rid, "c", [2], acks=[{"command_id": back["id"], "state": "applied", "step": 2}])
+    assert (
+        client.get(f"{API}/runs/{rid}").json()["effective_recipe"]["layers"][LAYER0]["scaling"] == "delayed"
+    )

@@ -104,3 +104,31 @@ def test_run_tags_migration_keeps_runs_and_everything_that_hangs_off_them(db_url
             assert conn.execute(text("SELECT count(*) FROM run_tags")).scalar() == 0
     finally:
         engine.dispose()
+
+
+def test_block_histograms_migration_adds_its_table_to_a_populated_database(db_url):
+    engine = make_engine(db_url)
+    try:
+        with at_revision(engine, "0007") as connection:
+            insert_run(connection, "running", num_tensors=2, steps_stored=0)
+        upgrade_to_head(engine)
+        with engine.begin() as conn:
+            assert conn.execute(text("SELECT name FROM runs")).scalar() == "old"
+            conn.execute(
+                text(
+                    "INSERT INTO block_histograms (run_id, tensor, level, step, lo, n_steps, counts) "
+                    "VALUES (1, 0, 1, 5, 120, 1, :counts)"
+                ),
+                {"counts": b"\x01\x00\x00\x00"},
+            )
+        with engine.begin() as conn:  # the run's histograms go with it
+            conn.execute(text("DELETE FROM runs WHERE id = 1"))
+            assert conn.execute(text("SELECT count(*) FROM block_histograms")).scalar() == 0
+        cfg = alembic_config()
+        with engine.begin() as connection:
+            cfg.attributes["connection"] = connection
+            command.downgrade(cfg, "0007")
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT count(*) FROM runs")).scalar() == 0  # the rest is untouched
+    finally:
+        engine.dispose()

@@ -28,6 +28,7 @@ from monitor_server.core.config import Settings
 from monitor_server.schemas import (
     AckAllResult,
     AlertPublic,
+    BlockHistogramPublic,
     CommandPublic,
     EventPublic,
     Health,
@@ -42,7 +43,9 @@ from monitor_server.schemas import (
     TelemetryResult,
     WhoAmI,
 )
-from tests.support.server import API, batch_body, random_stats, run_body
+from tests.support.server import API, batch_body, col, random_stats, run_body
+
+BLOCK_STEPS = 40  # the block-scaled steps that follow the realistic run's first 300
 
 
 def resolve(doc: dict, schema: dict) -> dict:
@@ -129,6 +132,25 @@ def realistic(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
             )
             answers.append(client.post(f"{API}/runs/{rid}/telemetry", json=body))
         assert all(r.status_code == 200 for r in answers), answers[-1].text
+        # then block statistics and histograms (the first layer block scaled, a NaN block range)
+        blocks = random_stats(np.random.default_rng(1), BLOCK_STEPS, 9) | {
+            "blocks": np.tile([128.0] * 3 + [0.0] * 6, (BLOCK_STEPS, 1)),
+            "blocks_at_limit": np.tile([1.0] * 3 + [0.0] * 6, (BLOCK_STEPS, 1)),
+            "blocks_overflow": np.zeros((BLOCK_STEPS, 9)),
+            "blocks_underflow": np.tile([4.0] * 3 + [0.0] * 6, (BLOCK_STEPS, 1)),
+            "block_range": np.tile([6.5] * 3 + [0.0] * 6, (BLOCK_STEPS, 1)),
+        }
+        blocks["block_range"][7, 1] = np.nan
+        steps = [
+            {
+                "step": 300 + i,
+                "stats": {n: col(v[i]) for n, v in blocks.items()},
+                "block_hist": [[t, 118 + t, [1, 0, 127 - t, t]] for t in range(3)],
+            }
+            for i in range(BLOCK_STEPS)
+        ]
+        r = client.post(f"{API}/runs/{rid}/telemetry", json={"idempotency_key": "blocks", "steps": steps})
+        assert r.status_code == 200, r.text
         yield {"client": client, "rid": rid, "doc": client.get("/openapi.json").json(), "telemetry": answers}
 
 
@@ -194,6 +216,37 @@ def test_heatmap_answer_matches_its_schema(realistic, params):
         assert {"NaN", "Infinity"} <= {v for v in cells if isinstance(v, str)}
 
 
+@pytest.mark.parametrize("metric", ["block_at_limit", "block_range"])
+def test_block_heatmap_answer_matches_its_schema(realistic, metric):
+    path = "/runs/{run_id}/heatmap"
+    answer = check_answer(realistic, "get", path, get(realistic, path, metric=metric), HeatmapPublic)
+    assert answer["aggregation"] == "max" and sum(answer["bucket_steps"]) == BLOCK_STEPS
+    if metric == "block_range":  # the NaN block range shows, spelled as the model says
+        assert "NaN" in answer["values"][1]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"tensor": 1},
+        {"tensor": "blocks.0.mlp.fc.input", "max_steps": 7},
+        {"tensor": 5},
+        {"tensor": 0, "from": 9000},
+    ],
+    ids=["by-index", "by-name-bucketed", "none-sent", "empty-range"],
+)
+def test_block_histogram_answer_matches_its_schema(realistic, params):
+    path = "/runs/{run_id}/block-histogram"
+    answer = check_answer(realistic, "get", path, get(realistic, path, **params), BlockHistogramPublic)
+    assert set(answer) >= {"from", "to"}  # the range under its aliases, as the series answers
+    if params["tensor"] == 1:
+        assert answer["counts"] == [[1, 0, 126, 1]] * BLOCK_STEPS and answer["exponent_lo"] == 119
+    elif params["tensor"] == 5 or "from" in params:
+        assert answer["counts"] == [] and answer["exponent_lo"] is None
+    else:
+        assert len(answer["counts"]) <= 7 and sum(map(sum, answer["counts"])) == 128 * BLOCK_STEPS
+
+
 def test_packed_heatmap_header_matches_its_model(realistic):
     r = get(realistic, "/runs/{run_id}/heatmap/packed", max_cols=40)
     assert r.status_code == 200
@@ -226,6 +279,10 @@ def test_layer_health_answer_matches_its_schema(realistic):
     path = "/runs/{run_id}/layers"
     layers = check_answer(realistic, "get", path, get(realistic, path), list[LayerHealth])
     assert len(layers) == 3 and sum(len(layer["tensors"]) for layer in layers) == 9
+    by_name = {layer["layer"]: layer for layer in layers}
+    assert by_name["blocks.0.mlp.fc"]["block_range"] == 6.5  # the latest block step: no NaN in it
+    assert by_name["blocks.0.mlp.fc"]["block_at_limit"] == 1 / 128
+    assert by_name["blocks.1.mlp.fc"]["block_range"] == 0.0
 
 
 def test_health_answers_match_their_schema(realistic):

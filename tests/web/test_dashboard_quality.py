@@ -142,7 +142,7 @@ def test_sqnr_heatmap_hover_first_frame_and_layers_column(server, page):
         "#layers-table tbody tr", "rs => rs.map(r => [r.cells[0].textContent, r.cells[2].textContent])"
     )
     header = page.eval_on_selector_all("#layers-table thead th", "ths => ths.map(t => t.textContent)")
-    assert header == ["Layer", "Severity", "SQNR (dB)", "Reasons"]
+    assert header == ["Layer", "Severity", "SQNR (dB)", "Block range", "Reasons"]
     expected = {f"blocks.{k}.mlp.fc": f"{sqnr[-1, 3 * k : 3 * k + 3].min():.1f}" for k in range(N_LAYERS)}
     assert dict(rows) == expected
 

@@ -25,6 +25,11 @@ export const METRICS = {
   subnormal: { label: "subnormal (% of values, max)", agg: "max", colorscale: YELLOW_ORANGE_RED, colorbar: "% subnormal", unit: "" },
   dynamic_range: { label: "dynamic range log2(amax/min|x|) (binades, max)", agg: "max", colorscale: YELLOW_ORANGE_RED, colorbar: "binades", unit: " binades" },
   outlier_ratio: { label: "outlier ratio amax/RMS (log10, max)", agg: "max", colorscale: YELLOW_ORANGE_RED, colorbar: "log10(amax/RMS)", unit: "× RMS" },
+  // block-scaled tensors (MXFP8, FP8 block scaling): shares of the tensor's blocks, and the worst block's range
+  block_at_limit: { label: "blocks with the scale at a limit (% of blocks, max)", agg: "max", colorscale: YELLOW_ORANGE_RED, colorbar: "% of blocks", unit: "" },
+  block_overflow: { label: "blocks that saturated (% of blocks, max)", agg: "max", colorscale: YELLOW_ORANGE_RED, colorbar: "% of blocks", unit: "" },
+  block_underflow: { label: "blocks that flushed to zero (% of blocks, max)", agg: "max", colorscale: YELLOW_ORANGE_RED, colorbar: "% of blocks", unit: "" },
+  block_range: { label: "worst block's range log2(max/min|x|) (binades, max)", agg: "max", colorscale: YELLOW_ORANGE_RED, colorbar: "binades", unit: " binades" },
 };
 export const ROLE_ORDER = { input: 0, weight: 1, grad_output: 2 };
 /** overlay categories: code -> [legend name, colour] */
@@ -76,8 +81,8 @@ export function cellColour(metric, v, isEmpty) {
   if (v === -Infinity) return [null, 3];
   if (metric === "amax" || metric === "scale") return [v > 0 ? Math.log2(v) : null, null];
   if (metric === "headroom") return v <= 0 ? [v, 4] : [v, null];
-  if (metric === "sqnr" || metric === "dynamic_range") return [v, null];
-  if (metric === "subnormal") return [100 * v, null];
+  if (metric === "sqnr" || metric === "dynamic_range" || metric === "block_range") return [v, null];
+  if (metric === "subnormal" || metric.startsWith("block_")) return [100 * v, null];
   if (metric === "outlier_ratio") return [v > 0 ? Math.log10(v) : null, null];
   return [Math.log10(1 + Math.max(0, v)), null];
 }

@@ -58,7 +58,9 @@ export class RecipeEditor {
         el("option", { value: "" }, "unchanged"), el("option", { value: "max" }, "max"), el("option", { value: "most_recent" }, "most_recent")),
       interval: el("input", { id: "recipe-interval", name: "interval", type: "number", min: 1, step: 1, placeholder: "unchanged" }),
       scaling: el("select", { id: "recipe-scaling", name: "scaling" },
-        el("option", { value: "" }, "unchanged"), el("option", { value: "delayed" }, "delayed"), el("option", { value: "current" }, "current")),
+        el("option", { value: "" }, "unchanged"), el("option", { value: "delayed" }, "delayed"), el("option", { value: "current" }, "current"),
+        // block scaling: MXFP8 (1x32 blocks, E8M0 scales) or FP8 block scaling (1x128 / 128x128)
+        el("option", { value: "mxfp8" }, "mxfp8 (1x32 blocks)"), el("option", { value: "block" }, "block (1x128 / 128x128)")),
       fp8_enabled: el("select", { id: "recipe-fp8", name: "fp8_enabled" },
         el("option", { value: "" }, "unchanged"), el("option", { value: "on" }, "FP8 on"), el("option", { value: "off" }, "FP8 off")),
     };

@@ -4,6 +4,7 @@
 
 import { api, auth, num, subscribe } from "./api.js";
 import { badge, deferPlotly, el, fmt, mark, panel, plotly, plotlyText, replace, sourceBadge, statusBadge, throttle } from "./dom.js";
+import { BlockHistPanel } from "./blockhist.js";
 import { Heatmap, fetchHeatmap } from "./heatmap.js";
 import { afterPaint, curvesPreview } from "./preview.js";
 import { IncidentsPanel, SEVERITY_KIND } from "./incidents.js";
@@ -373,6 +374,7 @@ class Layers {
     container.append(
       el("table", { id: "layers-table", class: "layers" }, el("thead", {}, el("tr", {}, el("th", {}, "Layer"), el("th", {}, "Severity"),
         el("th", { title: "the worst latest SQNR of the layer's tensors (blank: the run sends no quality statistics)" }, "SQNR (dB)"),
+        el("th", { title: "the widest latest block range log2(max/min|x|) of the layer's block-scaled tensors, and the largest share of blocks with the scale at a limit (blank: the run sends no block statistics)" }, "Block range"),
         el("th", {}, "Reasons"))), this.body),
       this.more,
     );
@@ -412,7 +414,7 @@ class Layers {
     this.more.textContent = this.showAll ? "Show the 25 worst" : `Show all ${layers.length} layers`;
     replace(
       this.body,
-      this.error ? errorRow(4, "layers-error", `Could not load the layers: ${this.error.message}`) : null,
+      this.error ? errorRow(5, "layers-error", `Could not load the layers: ${this.error.message}`) : null,
       shown.map((l) =>
         el(
           "tr",
@@ -420,6 +422,7 @@ class Layers {
           el("td", { class: "name" }, l.layer),
           el("td", {}, badge(l.severity, SEVERITY_KIND[l.severity] || "")),
           el("td", { class: "num sqnr" }, sqnrText(l.sqnr_db)),
+          el("td", { class: "num block-range" }, blockText(l.block_range, l.block_at_limit)),
           el("td", {}, reasonsList(l.reasons || [])),
         ),
       ),
@@ -432,6 +435,16 @@ function sqnrText(value) {
   if (value === null || value === undefined) return "";
   const v = num(value);
   return Number.isFinite(v) ? v.toFixed(1) : fmt(v);
+}
+
+/** A layer's worst block range in binades, with its share of blocks at a scale limit when there are any
+ * ("" for a run without block statistics). */
+function blockText(range, atLimit) {
+  if (range === null || range === undefined) return "";
+  const r = num(range);
+  const share = num(atLimit);
+  const text = Number.isFinite(r) ? r.toFixed(1) : fmt(r);
+  return share > 0 ? `${text} (${(100 * share).toFixed(1)}% at limit)` : text;
 }
 
 /** A table row that says a request failed (instead of an empty table). */
@@ -534,6 +547,8 @@ export async function mountRun(container, { runId, incident = null, metric = nul
   const configPanel = panel("Config");
   configPanel.id = "config";
   const heatPanel = panel("Per-tensor heatmap");
+  const blockPanel = panel("Block scale exponents");
+  blockPanel.id = "block-hist";
   const layersPanel = panel("Diverging layers");
   const drillPanel = el("section", { class: "panel", id: "drilldown", hidden: true });
   const alertsPanel = panel("Incidents");
@@ -546,6 +561,7 @@ export async function mountRun(container, { runId, incident = null, metric = nul
     postPanel,
     curvesPanel,
     heatPanel,
+    blockPanel,
     el("div", { class: "two-col" }, layersPanel, alertsPanel),
     drillPanel,
     scalarsPanel,
@@ -597,6 +613,9 @@ export async function mountRun(container, { runId, incident = null, metric = nul
     layers.fill();
   });
   const recipe = new RecipeEditor(recipePanel, runId, store);
+  const blockHist = new BlockHistPanel(blockPanel, runId, store);
+  // the layers table says whether the run sends block statistics (and which tensor has the widest blocks)
+  const loadLayers = () => layers.load().then(() => blockHist.update(layers.layers)).catch((err) => console.warn("block histogram", err));
 
   // until the first loads are done only the header follows the run; the panels are filled in order below
   let ready = false;
@@ -636,7 +655,7 @@ export async function mountRun(container, { runId, incident = null, metric = nul
   const refreshHeatmap = throttle(() => {
     if (!heatmap.range) heatmap.load().catch((err) => console.warn("heatmap", err));
   }, () => Math.max(3000, heatmap.data ? (heatmap.data.T * heatmap.data.C) / 60 : 0));
-  const refreshLayers = throttle(() => layers.load(), 4000);
+  const refreshLayers = throttle(loadLayers, 4000);
 
   const onAuth = () => {
     alerts.fill();
@@ -677,7 +696,7 @@ export async function mountRun(container, { runId, incident = null, metric = nul
       scalars.setSources(store.get("run"), store.get("events"));
       return Promise.all([alerts.load(), scalars.load()]);
     }),
-    layers.load(),
+    loadLayers(),
     recipe.load(run),
   ]);
   ready = true;

@@ -24,6 +24,7 @@ from monitor_server.api.deps import (
     clipped_range,
 )
 from monitor_server.api.responses import json_response, model_json
+from monitor_server.block_hist import add_block_health, latest_block_stats
 from monitor_server.client_events import INLINE_DETAIL_BYTES, event_light, event_public
 from monitor_server.models import Alert, EventRow, as_utc
 from monitor_server.schemas import (
@@ -134,7 +135,9 @@ def get_event(run_id: RunId, event_id: EventId, session: SessionDep, _principal:
 def get_layers(
     run_id: RunId, meta: RunMetaDep, ctx: CtxDep, session: SessionDep, _principal: ReadDep
 ) -> Response:
-    """Per-layer health ranked by severity, with the reasons a layer is flagged (detector engine)."""
+    """Per-layer health ranked by severity, with the reasons a layer is flagged (detector engine); for a run
+    that sends block statistics, each tensor's and layer's latest block range and share of blocks at a scale
+    limit (the layer's: the worst of its tensors)."""
     alerts = session.execute(
         select(Alert).where(Alert.run_id == run_id, Alert.state == "open").order_by(Alert.id)
     ).scalars()
@@ -142,4 +145,5 @@ def get_layers(
     ranked = ctx.detection.layer_health(session, run_id, open_alerts)
     if ranked is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id} not found")
+    add_block_health(ranked, latest_block_stats(session, run_id, meta.num_tensors))
     return json_response([LayerHealth(**layer) for layer in ranked])

@@ -92,6 +92,11 @@ def test_set_recipe_replaces_and_update_recipe_merges():
     assert engine.margin.tolist() == [1] * 6 and engine.window.tolist() == [1] * 6
     engine.set_recipe({"type": "current", "overrides": {"blocks.0.fc": {"fp8_enabled": False}}})
     assert engine.window.tolist() == [32] * 6 and engine.enabled.tolist() == [False] * 3 + [True] * 3
+    # block scaling (MXFP8, FP8 blocks) has no amax history either: judged over the divergence window
+    engine.set_recipe({"amax_history_len": 4, "overrides": {"blocks.1.fc": {"scaling": "mxfp8"}}})
+    assert engine.window.tolist() == [4] * 3 + [32] * 3
+    engine.set_recipe({"amax_history_len": 4, "scaling": "block"})
+    assert engine.window.tolist() == [32] * 6
     engine.set_recipe(None)
     assert (
         engine.margin.tolist() == [0] * 6

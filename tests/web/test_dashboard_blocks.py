@@ -1,0 +1,187 @@
+"""Block-scaled runs on the run page: the block scale exponent histogram of the widest-range tensor drawn as a
+heatmap (x step, y unbiased exponent, z blocks) with the posted counts, another tensor picked from its
+selector, the four block metrics in the heatmap's metric selector with the API's values, the layers
+table's block range column, and the recipe editor offering and sending block scaling."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+
+from fp8_protocol.stats import BASE_COLUMNS, BLOCK_COLUMNS, BLOCK_HIST_BINS
+from tests.support.server import API, col
+from tests.web.browser import no_page_errors, open_run
+from tests.web.dashboard_data import create_run, smooth_stats
+
+pytestmark = pytest.mark.slow  # a real browser and server: several seconds each
+
+N_LAYERS = 3
+T = 3 * N_LAYERS
+STEPS = 120
+BLOCKS = 128
+WIDEST = 4  # blocks.1.mlp.fc.weight: the widest block range, so the panel opens on it
+BLOCK_SCALED = range(6)  # the first two layers; the third stays per-tensor scaled (zeros, no histogram)
+
+
+def block_run(seed: int = 0) -> tuple[dict[str, np.ndarray], list[list]]:
+    """Columns and histograms of a run whose block scales drift down a binade every 40 steps, a tensor's
+    histogram spread over 2 + t exponents; tensor 3 has a block pinned at a limit every 10th step."""
+    rng = np.random.default_rng(seed)
+    stats = smooth_stats(STEPS, T, seed=seed)
+    blocks = np.zeros((STEPS, T))
+    blocks[:, list(BLOCK_SCALED)] = BLOCKS
+    at_limit = np.zeros((STEPS, T))
+    at_limit[::10, 3] = 1
+    block_range = np.zeros((STEPS, T))
+    block_range[:, list(BLOCK_SCALED)] = rng.uniform(3.0, 6.0, (STEPS, len(BLOCK_SCALED)))
+    block_range[:, WIDEST] += 4.0
+    stats |= {
+        "blocks": blocks,
+        "blocks_at_limit": at_limit,
+        "blocks_overflow": np.zeros((STEPS, T)),
+        "blocks_underflow": np.where(blocks > 0, rng.integers(0, 5, (STEPS, T)), 0).astype(np.float64),
+        "block_range": block_range,
+    }
+    hists = []
+    for s in range(STEPS):
+        entries = []
+        for t in BLOCK_SCALED:
+            counts = rng.multinomial(BLOCKS - 2, np.ones(2 + t) / (2 + t)) + np.array([1] + [0] * t + [1])
+            entries.append([t, 120 - s // 40 - t, counts.tolist()])
+        hists.append(entries)
+    return stats, hists
+
+
+def post_block_steps(url: str, run_id: int, first: int, stats: dict, hists: list[list], n: int) -> None:
+    """Rows 0..n-1 of `stats` and `hists` as steps first, first + 1, ..."""
+    steps = [
+        {
+            "step": first + i,
+            "scalars": {"loss": 3.0 - 0.001 * (first + i), "grad_norm": 1.0},
+            "stats": {c: col(stats[c][i], "float64") for c in (*BASE_COLUMNS, *BLOCK_COLUMNS)},
+            "block_hist": hists[i],
+        }
+        for i in range(n)
+    ]
+    r = httpx.post(
+        f"{url}{API}/runs/{run_id}/telemetry",
+        json={"idempotency_key": f"from{first}", "steps": steps},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+
+
+def post_block_run(url: str) -> tuple[dict, dict[str, np.ndarray], list[list]]:
+    run = create_run(url, "mxfp8-run", N_LAYERS)
+    stats, hists = block_run()
+    post_block_steps(url, run["id"], 0, stats, hists, STEPS)
+    return run, stats, hists
+
+
+def sent_sums(hists: list[list], tensor: int, starts: list[int], ends: list[int]) -> np.ndarray:
+    """The posted histograms of `tensor` summed over the buckets [starts[c], ends[c]]: (buckets, 256)."""
+    out = np.zeros((len(starts), BLOCK_HIST_BINS), dtype=np.int64)
+    for c, (a, b) in enumerate(zip(starts, ends, strict=True)):
+        for s in range(a, b + 1):
+            for t, lo, counts in hists[s]:
+                if t == tensor:
+                    out[c, lo : lo + len(counts)] += counts
+    return out
+
+
+DRAWN = """() => { const t = document.getElementById('block-hist-plot').data[0];
+    return {x: t.x, y: t.y, z: t.z}; }"""
+
+
+def check_drawn(page, server, run_id: int, hists: list[list], tensor: int) -> None:
+    """The drawn heatmap is the API's answer for the page's query, and that is the posted counts."""
+    query = page.evaluate("window.fp8scope.blockHistQuery")
+    assert query["tensor"] == tensor
+    api = httpx.get(f"{server.url}{API}/runs/{run_id}/block-histogram", params=query).json()
+    sums = sent_sums(hists, tensor, api["bucket_start"], api["bucket_end"])
+    nz = np.flatnonzero(sums.any(axis=0))
+    drawn = page.evaluate(DRAWN)
+    assert drawn["x"] == api["bucket_start"] and len(drawn["x"]) >= 2
+    assert drawn["y"] == [e - 127 for e in range(nz[0], nz[-1] + 1)]  # unbiased exponents
+    z = np.array([[0 if v is None else v for v in row] for row in drawn["z"]], dtype=np.int64)
+    np.testing.assert_array_equal(z.T, sums[:, nz[0] : nz[-1] + 1])
+    assert all(v is None or v > 0 for row in drawn["z"] for v in row)  # empty cells are blank
+
+
+def test_block_histogram_heatmap_metrics_and_layers_column(server, page):
+    run, stats, hists = post_block_run(server.url)
+    rid = run["id"]
+    open_run(page, server.url, rid)
+    page.wait_for_function("() => window.fp8scope.drawn.blockhist !== undefined")
+    assert page.is_visible("#block-hist-plot")
+    assert page.eval_on_selector("#block-hist-tensor", "s => s.value") == str(WIDEST)
+    check_drawn(page, server, rid, hists, WIDEST)
+
+    # another tensor, picked from the selector: redrawn with its own counts
+    page.select_option("#block-hist-tensor", "1")
+    page.wait_for_function("() => window.fp8scope.blockHistQuery.tensor === 1")
+    page.wait_for_function(
+        "n => document.getElementById('block-hist-plot').data[0].y.length === n", arg=2 + 1 + STEPS // 40 - 1
+    )
+    check_drawn(page, server, rid, hists, 1)
+
+    # the heatmap's metric selector offers the four block metrics; the drawn cells are the API's values
+    offered = page.eval_on_selector_all("#heatmap-metric option", "os => os.map(o => o.value)")
+    assert {"block_at_limit", "block_overflow", "block_underflow", "block_range"} <= set(offered)
+    for metric, title, colour_of in (
+        ("block_range", "binades", lambda v: v),
+        ("block_at_limit", "% of blocks", lambda v: 100.0 * v),
+    ):
+        page.select_option("#heatmap-metric", metric)
+        page.wait_for_function(
+            "t => document.getElementById('heatmap').data[0].colorbar.title.text === t", arg=title
+        )
+        query = {k: v for k, v in page.evaluate("window.fp8scope.heatmapQuery").items() if v is not None}
+        api = httpx.get(f"{server.url}{API}/runs/{rid}/heatmap", params=query).json()
+        assert api["metric"] == metric and api["aggregation"] == "max"
+        z = np.array(page.evaluate("document.getElementById('heatmap').data[0].z"), dtype=np.float64)
+        np.testing.assert_allclose(z, colour_of(np.array(api["values"], dtype=np.float64)), rtol=1e-12)
+        if metric == "block_at_limit":  # the pinned block of tensor 3: 1 of 128 blocks in its buckets
+            assert np.nanmax(z[3]) == pytest.approx(100.0 / BLOCKS) and np.nanmax(np.delete(z, 3, 0)) == 0
+
+    # the layers table: the widest latest block range of each layer (0.0 for the per-tensor layer)
+    rows = page.eval_on_selector_all(
+        "#layers-table tbody tr", "rs => rs.map(r => [r.cells[0].textContent, r.cells[3].textContent])"
+    )
+    expected = {
+        f"blocks.{k}.mlp.fc": f"{stats['block_range'][-1, 3 * k : 3 * k + 3].max():.1f}" for k in range(3)
+    }
+    assert dict(rows) == expected
+    no_page_errors(page)
+
+
+def test_recipe_editor_sends_block_scaling(server, page):
+    run, _, _ = post_block_run(server.url)
+    rid = run["id"]
+    open_run(page, server.url, rid)
+    offered = page.eval_on_selector_all("#recipe-scaling option", "os => os.map(o => o.value)")
+    assert offered == ["", "delayed", "current", "mxfp8", "block"]
+    page.select_option("#recipe-target", "blocks.2.mlp.fc")
+    page.select_option("#recipe-scaling", "mxfp8")
+    with page.expect_request(
+        lambda r: r.method == "POST" and r.url.endswith(f"/runs/{rid}/commands")
+    ) as sent:
+        page.click("#recipe-submit")
+    assert sent.value.post_data_json == {"target": "blocks.2.mlp.fc", "changes": {"scaling": "mxfp8"}}
+    page.wait_for_selector("#commands-table tr[data-command-id]")
+    (cmd,) = httpx.get(f"{server.url}{API}/runs/{rid}/commands").json()
+    assert cmd["changes"] == {"scaling": "mxfp8"} and cmd["state"] == "pending"
+    # the job applies it: the recipe in force lists the layer on block scaling
+    body = {
+        "idempotency_key": "ack",
+        "steps": [{"step": STEPS, "scalars": {"loss": 2.0}}],
+        "acks": [{"command_id": cmd["id"], "state": "applied", "step": STEPS}],
+    }
+    assert httpx.post(f"{server.url}{API}/runs/{rid}/telemetry", json=body).status_code == 200
+    page.wait_for_selector("#recipe-effective tr[data-target='blocks.2.mlp.fc']")
+    cells = page.eval_on_selector_all(
+        "#recipe-effective tr[data-target='blocks.2.mlp.fc'] td", "tds => tds.map(td => td.textContent)"
+    )
+    assert "mxfp8" in cells
+    no_page_errors(page)
