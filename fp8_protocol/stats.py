@@ -41,7 +41,10 @@ BLOCK_COLUMNS: tuple[str, ...] = (
 #: ``"block_hist"``: a list of ``[tensor index, lo, counts]``): ``counts[j]`` blocks whose ``scale_inv`` has
 #: the biased binary exponent ``lo + j`` (the E8M0 code itself; for a float32 scale its exponent field, 127
 #: meaning [1, 2)); only the non-zero span is sent, so ``0 <= lo`` and
-#: ``lo + len(counts) <= BLOCK_HIST_BINS``.
+#: ``lo + len(counts) <= BLOCK_HIST_BINS``. Every block is counted once, so the counts add up to the step's
+#: ``blocks``; a block whose amax is NaN has the E8M0 NaN code 255 and lands in the last bin (it is not
+#: counted in ``blocks_at_limit``, whose code-0 blocks include the all-zero ones: a sparse tensor shows a
+#: high share there without losing anything). Over micro-steps and ranks the counts add up per bin.
 BLOCK_HIST_BINS = 256
 #: Column positions, by name (``row[AMAX]``).
 AMAX, SCALE, OVERFLOW, UNDERFLOW, NONFINITE, NUMEL = range(len(BASE_COLUMNS))
