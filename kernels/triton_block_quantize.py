@@ -21,7 +21,7 @@ of the elements that exist). The numerics, per block, are the reference's (its m
 Statistics, per block, with no host synchronisation (``block_stats`` returns them; ``block_rows`` folds
 them into the statistics row and block part ``fp8_trainer.block_linear`` records): ``amax``; ``big`` /
 ``small`` the largest / smallest non-zero finite ``|x|`` (``small`` Inf where there is none);
-``counts`` int64 with four 16-bit fields (a 128x128 block has 2^14 elements): overflow (finite values
+``counts`` int64 with four 16-bit fields (``dispatch.BLOCK_COUNT_FIELDS``; a 128x128 block has 2^14 elements): overflow (finite values
 whose cast saturated), underflow (finite non-zero values quantized to zero), non-finite, subnormal (landed
 on a non-zero FP8 subnormal); with ``QUALITY`` ``sum_sq`` and ``err_sq`` in float64 (each square of a
 float32 exact in float64, the error ``q * scale_inv - x`` in float32 as the reference computes it).
@@ -45,9 +45,6 @@ from .triton_launch import abs_bits, as_kernel_input, divisor, format_constants,
 from .triton_quantize import _round_fp8
 
 __all__ = ["block_quantize_triton", "block_tile"]
-
-_FIELD = 16  # bits per count in the packed per-block counts
-
 
 def _f32(v: float) -> float:
     """``v`` rounded to float32, as the reference's float32 tensors hold it."""
@@ -289,11 +286,4 @@ def block_quantize_triton(
         for v in per_block.values():
             v.zero_()
     return BlockQuantized(q, scale_inv, (bm, bn), scale_format), per_block
-
-
-def unpack_counts(counts: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The four fields of ``per_block["counts"]`` as int64 tensors."""
-    mask = (1 << _FIELD) - 1
-    names = ("overflow", "underflow", "nonfinite", "subnormal")
-    return {name: (counts >> (_FIELD * i)) & mask for i, name in enumerate(names)}
 
