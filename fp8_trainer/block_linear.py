@@ -165,7 +165,8 @@ def quantize_block_tensor(
     even if not asked for)."""
     per_block = None
     if spec.two_d:
-        square, per_block = _quantize(t, fp8_dtype, spec, (spec.block, spec.block), stats)  # serves both GEMMs
+        # one copy serves both GEMMs
+        square, per_block = _quantize(t, fp8_dtype, spec, (spec.block, spec.block), stats)
         row, col = square, (square.t() if columnwise else None)
     else:
         row = None
@@ -252,7 +253,9 @@ def _scale_and_limit(q: BlockQuantized, amax_b: torch.Tensor, fp8_dtype, spec: B
     return codes, scale_b, scale_inv_b, at_limit
 
 
-def _assemble(x, q, amax_b, scale_b, at_limit, overflow_b, underflow_b, nonfinite, big, small, codes, quality):
+def _assemble(
+    x, q, amax_b, scale_b, at_limit, overflow_b, underflow_b, nonfinite, big, small, codes, quality
+):
     """The ``(row, block_row)`` of ``block_tensor_stats`` from per-block quantities (flat or blocked) and
     ``quality`` ``(sum_sq, err_sq, subnormal)`` or ``None``."""
     top = torch.argmax(amax_b)

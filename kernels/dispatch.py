@@ -122,12 +122,12 @@ def _register_triton_for_cuda() -> bool:
     fp8_gpu = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
     if not (fp8_gpu and triton_available()):
         return False
+    from .triton_block_quantize import block_quantize_triton
     from .triton_current import (
         quantize_current_transposed_triton,
         quantize_current_triton,
         tensor_amax_triton,
     )
-    from .triton_block_quantize import block_quantize_triton
     from .triton_histogram import exponent_histogram_triton
     from .triton_quantize import quantize_with_stats_transposed_triton, quantize_with_stats_triton
     from .triton_scale_update import scale_update_triton

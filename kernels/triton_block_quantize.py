@@ -18,15 +18,17 @@ of the elements that exist). The numerics, per block, are the reference's (its m
   cast only meets values the format holds exactly, so it cannot round differently on a GPU and under the
   interpreter (whose float8 cast rounds some values wrongly).
 
-Statistics, per block, with no host synchronisation (``block_stats`` returns them; ``block_rows`` folds
-them into the statistics row and block part ``fp8_trainer.block_linear`` records): ``amax``; ``big`` /
-``small`` the largest / smallest non-zero finite ``|x|`` (``small`` Inf where there is none);
-``counts`` int64 with four 16-bit fields (``dispatch.BLOCK_COUNT_FIELDS``; a 128x128 block has 2^14 elements): overflow (finite values
-whose cast saturated), underflow (finite non-zero values quantized to zero), non-finite, subnormal (landed
-on a non-zero FP8 subnormal); with ``QUALITY`` ``sum_sq`` and ``err_sq`` in float64 (each square of a
-float32 exact in float64, the error ``q * scale_inv - x`` in float32 as the reference computes it).
-Per-block output costs 20 bytes a block (36 with the quality sums) next to the data: 0.6 (1.1) bytes an
-element for 1x32 blocks, a fifth (a third) of the bf16 input read.
+Statistics, per block, with no host synchronisation (``block_quantize_triton`` returns them;
+``fp8_trainer.block_linear.block_tensor_stats_from_kernel`` folds them into the statistics row and block
+part the block-scaled Linear records): ``amax``; ``big`` / ``small`` the largest / smallest non-zero
+finite ``|x|`` (``small`` Inf where there is none); ``counts`` int64 with four 16-bit fields
+(``dispatch.BLOCK_COUNT_FIELDS``; a 128x128 block has 2^14 elements): overflow (finite values whose cast
+saturated), underflow (finite non-zero values quantized to zero), non-finite, subnormal (landed on a
+non-zero FP8 subnormal); with ``QUALITY`` ``sum_sq`` and ``err_sq`` in float64 (each square of a float32
+exact in float64; the error ``q * scale_inv - x`` in float32 as the reference computes it, which a GPU may
+contract into one FMA: the sums are compared within a bound, never bit for bit). The per-block output is
+21 to 24 bytes a block (37 to 40 with the quality sums): 0.7 (1.2) bytes an element for 1x32 blocks, next
+to the 2 of a bfloat16 input and the 1 of the FP8 output; folding them per program would save most of it.
 
 Memory access: each program quantizes one tile (``TILE_M`` rows of one 1 x B column of blocks, or one
 B x B block); a tile wholly inside the tensor loads and stores with no mask (16-byte vectors where rows
@@ -45,6 +47,7 @@ from .triton_launch import abs_bits, as_kernel_input, divisor, format_constants,
 from .triton_quantize import _round_fp8
 
 __all__ = ["block_quantize_triton", "block_tile"]
+
 
 def _f32(v: float) -> float:
     """``v`` rounded to float32, as the reference's float32 tensors hold it."""
@@ -138,10 +141,7 @@ def _tile(
     rm = tm * TILE_M + tl.arange(0, TILE_M)
     rn = tn * BN + tl.arange(0, BN)
     offs = rm[:, None] * N + rn[None, :]
-    if MASKED:
-        mask = (rm[:, None] < M) & (rn[None, :] < N)
-    else:
-        mask = None
+    mask = (rm[:, None] < M) & (rn[None, :] < N) if MASKED else None
     x = load_f32(x_ptr, offs, mask, IS_BF16)  # masked-out elements: 0, which counts as nothing
     ax_bits = abs_bits(x)
     finite = ax_bits < 0x7F800000
@@ -286,4 +286,3 @@ def block_quantize_triton(
         for v in per_block.values():
             v.zero_()
     return BlockQuantized(q, scale_inv, (bm, bn), scale_format), per_block
-

@@ -125,9 +125,7 @@ def check(device, recipe, dtype_name, fp8_name, *, power_2_scale=True, amax_epsi
 for _recipe in RECIPES:
     for _dt in DTYPES:
         for _f in FP8:
-            case(f"{_recipe}-{_dt}-{_f}")(
-                lambda device, r=_recipe, d=_dt, f=_f: check(device, r, d, f)
-            )
+            case(f"{_recipe}-{_dt}-{_f}")(lambda device, r=_recipe, d=_dt, f=_f: check(device, r, d, f))
 
 
 @case("fp1x128-no-pow2-epsilon")
