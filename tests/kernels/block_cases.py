@@ -149,6 +149,54 @@ def _empty_and_tiny(device):
             assert per_block["amax"].shape == ref.scale_inv.shape
 
 
+def check_block_linear(device, scaling: str) -> None:
+    """``fp8_trainer.block_linear.quantize_block_tensor`` through the dispatch with the kernel registered for
+    ``device`` (on CUDA it registers itself; on the CPU this case registers it for the call) against the
+    reference path: the same FP8 copies, statistics row and block part, for every role's spec."""
+    import fp8_kernels
+    from fp8_kernels.triton_block_quantize import block_quantize_triton
+
+    from fp8_trainer.block_linear import BLOCK_WIDTH, block_specs, quantize_block_tensor
+    from fp8_trainer.recipe import DelayedScaling
+
+    if device.type == "cpu":
+        fp8_kernels.register("cpu", block_quantize=block_quantize_triton)
+    try:
+        assert fp8_kernels.has_kernel("block_quantize", device.type)
+        x = make_blocks((64, 160), (1, 32), torch.bfloat16, FP8["e4m3"]).to(device)
+        for spec in block_specs(scaling, DelayedScaling()):
+            runs = []
+            for reference in (False, True):
+                stats = torch.zeros(10, dtype=torch.float64, device=device)
+                stats[9] = INF
+                block_row = torch.zeros(BLOCK_WIDTH, dtype=torch.float64, device=device)
+                previous = fp8_kernels.use_reference(reference)
+                try:
+                    row, col = quantize_block_tensor(
+                        x, FP8["e4m3"], spec, rowwise=True, columnwise=True, stats=stats,
+                        block_stats_row=block_row,
+                    )  # fmt: skip
+                finally:
+                    fp8_kernels.use_reference(previous)
+                runs.append((row, col, stats, block_row))
+            (row, col, stats, block_row), (row_r, col_r, stats_r, block_row_r) = runs
+            same_bits(row.data, row_r.data, f"{spec}: row-wise FP8")
+            same_bits(col.data, col_r.data, f"{spec}: column-wise FP8")
+            # flattened: a transposed (n, 1) scale_inv has a stride torch's bit view refuses
+            same_bits(row.scale_inv.flatten(), row_r.scale_inv.flatten(), f"{spec}: row-wise scale_inv")
+            same_bits(col.scale_inv.flatten(), col_r.scale_inv.flatten(), f"{spec}: column-wise scale_inv")
+            same_row(stats, stats_r, f"{spec}: statistics row")
+            same(block_row, block_row_r, f"{spec}: block part")
+            assert float(block_row[0]) == row.scale_inv.numel() and float(stats[4]) > 0
+    finally:
+        if device.type == "cpu":
+            fp8_kernels.register("cpu")
+
+
+for _scaling in ("mxfp8", "block"):
+    case(f"block-linear-{_scaling}")(lambda device, s=_scaling: check_block_linear(device, s))
+
+
 def case_names() -> list[str]:
     return list(CASES)
 

@@ -1,7 +1,8 @@
 """The block-scaled quantize kernel (``triton_block_quantize``): its cases (``block_cases.py``) under
 ``TRITON_INTERPRET=1`` on the CPU, in a subprocess as ``test_triton_interpreter.py`` does; its sm_90 PTX
 (compiled here, no GPU: ``test_ptx.py``'s machinery) reading and writing 16-byte vectors; and on a CUDA GPU
-the same cases compiled, the dispatch and the block-scaled Linear's statistics against the reference."""
+the same cases compiled (among them the block-scaled Linear's quantize and statistics through the dispatch
+against the reference path)."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def test_block_case_interpreted(case, results):
 @needs_triton
 def test_runner_ran_every_case(results):
     assert sorted(results) == sorted(block_cases.case_names())
-    assert len(results) == 4 * 3 * 2 + 2  # recipes x input dtypes x FP8 formats, plus the two extra cases
+    assert len(results) == 4 * 3 * 2 + 4  # recipes x input dtypes x FP8 formats, and four more cases
 
 
 # ----- sm_90 PTX, compiled on the CPU -----
@@ -117,38 +118,3 @@ def gpu(fn):
 @pytest.mark.parametrize("case", block_cases.case_names())
 def test_block_case_compiled(case):
     block_cases.CASES[case](torch.device("cuda"))
-
-
-@gpu
-@pytest.mark.parametrize("scaling", ["mxfp8", "block"])
-def test_block_linear_on_gpu_uses_the_kernel(scaling):
-    """``quantize_block_tensor`` on CUDA runs the kernel (per-block statistics from it) and records the same
-    statistics row and block part as the reference path."""
-    import fp8_kernels
-
-    from fp8_trainer.block_linear import BLOCK_WIDTH, block_specs, quantize_block_tensor
-    from fp8_trainer.recipe import DelayedScaling
-    from tests.kernels.exact_checks import same, same_bits, same_row
-
-    assert fp8_kernels.has_kernel("block_quantize", "cuda")
-    x = block_cases.make_blocks((256, 384), (1, 32), torch.bfloat16, E4M3).cuda()
-    for spec in block_specs(scaling, DelayedScaling()):
-        rows = []
-        for reference in (False, True):
-            stats = torch.zeros(10, dtype=torch.float64, device="cuda")
-            stats[9] = float("inf")
-            block_row = torch.zeros(BLOCK_WIDTH, dtype=torch.float64, device="cuda")
-            previous = fp8_kernels.use_reference(reference)
-            try:
-                row, col = quantize_block_tensor(
-                    x, E4M3, spec, rowwise=True, columnwise=True, stats=stats, block_stats_row=block_row
-                )
-            finally:
-                fp8_kernels.use_reference(previous)
-            rows.append((row, col, stats, block_row))
-        (row, col, stats, block_row), (row_r, col_r, stats_r, block_row_r) = rows
-        same_bits(row.data, row_r.data, "row-wise FP8")
-        same_bits(col.data, col_r.data, "column-wise FP8")
-        same_bits(row.scale_inv, row_r.scale_inv, "row-wise scale_inv")
-        same_row(stats, stats_r, "statistics row")
-        same(block_row, block_row_r, "block part")
