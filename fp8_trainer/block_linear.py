@@ -43,8 +43,8 @@ from fp8_kernels.block_quantize import (
     e8m0_to_scale,
     e8m0_to_scale_inv,
     float32_block_scale,
-    quantize_blocks,
 )
+from fp8_kernels.dispatch import block_quantize, unpack_block_counts
 from fp8_kernels.quantize import overflow_threshold, subnormal_threshold
 
 from fp8_protocol.stats import BLOCK_COLUMNS, BLOCK_HIST_BINS, STAT_COLUMNS
@@ -123,14 +123,18 @@ def split_block_stats(stats):
 # --- quantization ---------------------------------------------------------------------------------------
 
 
-def _quantize(t: torch.Tensor, fp8_dtype: torch.dtype, spec: BlockSpec, block: tuple[int, int]):
-    return quantize_blocks(
+def _quantize(t: torch.Tensor, fp8_dtype: torch.dtype, spec: BlockSpec, block: tuple[int, int], stats=None):
+    """``(q, per_block)``: the registered kernel for ``t``'s device (``fp8_kernels.dispatch``), which with
+    ``stats`` (a statistics row) also returns the per-block statistics; else the reference and ``None``."""
+    return block_quantize(
         t,
         fp8_dtype,
         block,
         spec.scale_format,
         power_2_scale=spec.power_2_scale,
         amax_epsilon=spec.amax_epsilon,
+        stats=stats is not None,
+        quality=stats is not None and stats.shape[0] == len(STAT_COLUMNS),
     )
 
 
@@ -159,14 +163,18 @@ def quantize_block_tensor(
     asked for. With ``stats`` (a ``(10,)`` or ``(6,)`` float64 row) and ``block_stats_row``
     (``(BLOCK_WIDTH,)``) the row-wise copy's statistics are merged into them (the row-wise copy is then made
     even if not asked for)."""
+    per_block = None
     if spec.two_d:
-        square = _quantize(t, fp8_dtype, spec, (spec.block, spec.block))  # one copy serves both GEMMs
+        # one copy serves both GEMMs
+        square, per_block = _quantize(t, fp8_dtype, spec, (spec.block, spec.block), stats)
         row, col = square, (square.t() if columnwise else None)
     else:
-        row = _quantize(t, fp8_dtype, spec, (1, spec.block)) if rowwise or stats is not None else None
-        col = _quantize(t.t(), fp8_dtype, spec, (1, spec.block)) if columnwise else None
+        row = None
+        if rowwise or stats is not None:
+            row, per_block = _quantize(t, fp8_dtype, spec, (1, spec.block), stats)
+        col = _quantize(t.t(), fp8_dtype, spec, (1, spec.block))[0] if columnwise else None
     if stats is not None:
-        record_block_stats(t, row, fp8_dtype, spec, stats, block_stats_row)
+        record_block_stats(t, row, fp8_dtype, spec, stats, block_stats_row, per_block)
     return (row if rowwise else None), col
 
 
@@ -198,6 +206,32 @@ def block_tensor_stats(
     ax = xb.abs()
     amax_b = torch.nan_to_num(ax, nan=0.0, posinf=math.inf).amax(dim=-1).flatten()  # NaN ignored, Inf kept
     ax = torch.where(finite, ax, 0.0)
+    codes, scale_b, scale_inv_b, at_limit = _scale_and_limit(q, amax_b, fp8_dtype, spec, x.dtype)
+    threshold, inclusive = overflow_threshold(fp8_dtype)
+    a = ax * scale_b.unsqueeze(-1)  # |x * scale| of the finite values
+    overflow_b = ((a >= threshold) if inclusive else (a > threshold)).sum(dim=-1)
+    underflow_b = (finite & (xb != 0) & (qb == 0)).sum(dim=-1)
+    big = ax.amax(dim=-1)
+    small = torch.where(ax > 0, ax, math.inf).amin(dim=-1)
+    quality_terms = None
+    if quality:
+        deq = torch.where(finite, qb * scale_inv_b.unsqueeze(-1), 0.0)  # q.dequantize() of the finite values
+        err = deq - torch.where(finite, xb, 0.0)  # exact in float32 but where the cast saturated far out
+        qa = qb.abs()
+        quality_terms = (
+            torch.linalg.vector_norm(ax, dtype=torch.float64).square(),  # float64 squares and sum
+            torch.linalg.vector_norm(err, dtype=torch.float64).square(),
+            torch.count_nonzero(finite & (qa > 0) & (qa < subnormal_threshold(fp8_dtype))),
+        )
+    return _assemble(
+        x, q, amax_b, scale_b, at_limit, overflow_b, underflow_b, torch.count_nonzero(~finite), big, small,
+        codes, quality_terms,
+    )  # fmt: skip
+
+
+def _scale_and_limit(q: BlockQuantized, amax_b: torch.Tensor, fp8_dtype, spec: BlockSpec, input_dtype):
+    """``(codes, scale_b, scale_inv_b, at_limit)`` of ``q``'s blocks with amax ``amax_b`` (flat): the
+    exponent histogram's bins, each block's scale and dequantization factor, and the blocks at a limit."""
     if q.scale_format == "e8m0":
         codes = q.scale_inv.to(torch.int64)
         scale_b, scale_inv_b = e8m0_to_scale(q.scale_inv), e8m0_to_scale_inv(q.scale_inv)
@@ -209,35 +243,30 @@ def block_tensor_stats(
             fp8_dtype,
             power_2_scale=spec.power_2_scale,
             amax_epsilon=spec.amax_epsilon,
-            input_dtype=x.dtype,
+            input_dtype=input_dtype,
         )
         scale_inv_b = q.scale_inv
         eff = torch.clamp(amax_b, min=spec.amax_epsilon)
         fell_back = (eff == 0) | ~torch.isfinite(eff)
         clamped = torch.isinf(torch.full_like(eff, torch.finfo(fp8_dtype).max) / eff)
         at_limit = torch.count_nonzero(fell_back | clamped)
+    return codes, scale_b, scale_inv_b, at_limit
+
+
+def _assemble(
+    x, q, amax_b, scale_b, at_limit, overflow_b, underflow_b, nonfinite, big, small, codes, quality
+):
+    """The ``(row, block_row)`` of ``block_tensor_stats`` from per-block quantities (flat or blocked) and
+    ``quality`` ``(sum_sq, err_sq, subnormal)`` or ``None``."""
     top = torch.argmax(amax_b)
     amax, scale = amax_b[top], scale_b.flatten()[top]
-    threshold, inclusive = overflow_threshold(fp8_dtype)
-    a = ax * scale_b.unsqueeze(-1)  # |x * scale| of the finite values
-    overflow_b = ((a >= threshold) if inclusive else (a > threshold)).sum(dim=-1)
-    underflow_b = (finite & (xb != 0) & (qb == 0)).sum(dim=-1)
-    big = ax.amax(dim=-1)
-    small = torch.where(ax > 0, ax, math.inf).amin(dim=-1)
+    overflow_b, underflow_b = overflow_b.flatten(), underflow_b.flatten()
+    big, small = big.flatten(), small.flatten()
     drange = torch.where(big > 0, torch.log2(big.double() / small.double()), 0.0).to(torch.float32)
     numel = torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device)
-    row = [amax, scale, overflow_b.sum(), underflow_b.sum(), torch.count_nonzero(~finite), numel]
-    if quality:
-        deq = torch.where(finite, qb * scale_inv_b.unsqueeze(-1), 0.0)  # q.dequantize() of the finite values
-        err = deq - torch.where(finite, xb, 0.0)  # exact in float32 but where the cast saturated far out
-        qa = qb.abs()
-        subnormal = torch.count_nonzero(finite & (qa > 0) & (qa < subnormal_threshold(fp8_dtype)))
-        row += [
-            torch.linalg.vector_norm(ax, dtype=torch.float64).square(),  # float64 squares and sum
-            torch.linalg.vector_norm(err, dtype=torch.float64).square(),
-            subnormal,
-            small.amin() if small.numel() else small.new_full((), math.inf),
-        ]
+    row = [amax, scale, overflow_b.sum(), underflow_b.sum(), nonfinite, numel]
+    if quality is not None:
+        row += [*quality, small.amin() if small.numel() else small.new_full((), math.inf)]
     row = torch.stack([v.to(torch.float64).reshape(()) for v in row])
     blocks = [
         torch.tensor(float(q.scale_inv.numel()), device=x.device),
@@ -248,6 +277,21 @@ def block_tensor_stats(
     ]
     hist = torch.bincount(codes.flatten(), minlength=BLOCK_HIST_BINS).to(torch.float64)
     return row, torch.cat([torch.stack([v.to(torch.float64).reshape(()) for v in blocks]), hist])
+
+
+def block_tensor_stats_from_kernel(x, q, per_block, fp8_dtype, spec: BlockSpec, quality: bool = True):
+    """``block_tensor_stats`` from a kernel's per-block statistics (``triton_block_quantize``), the same
+    values (the two sums of squares up to float64 summation order)."""
+    amax_b = per_block["amax"].flatten()
+    codes, scale_b, _, at_limit = _scale_and_limit(q, amax_b, fp8_dtype, spec, x.dtype)
+    counts = unpack_block_counts(per_block["counts"])
+    quality_terms = None
+    if quality:
+        quality_terms = (per_block["sum_sq"].sum(), per_block["err_sq"].sum(), counts["subnormal"].sum())
+    return _assemble(
+        x, q, amax_b, scale_b, at_limit, counts["overflow"], counts["underflow"], counts["nonfinite"].sum(),
+        per_block["big"], per_block["small"], codes, quality_terms,
+    )  # fmt: skip
 
 
 def merge_block_row(stats: torch.Tensor, row: torch.Tensor, block_stats_row, new_block) -> None:
@@ -267,8 +311,13 @@ def merge_block_row(stats: torch.Tensor, row: torch.Tensor, block_stats_row, new
         block_stats_row[_BLOCK_RANGE] = torch.fmax(keep, new_block[_BLOCK_RANGE])
 
 
-def record_block_stats(x, q, fp8_dtype, spec, stats, block_stats_row) -> None:
-    row, block_row = block_tensor_stats(x, q, fp8_dtype, spec, quality=stats.shape[0] == len(STAT_COLUMNS))
+def record_block_stats(x, q, fp8_dtype, spec, stats, block_stats_row, per_block=None) -> None:
+    """Merge ``q``'s statistics into the step's rows: from the kernel's ``per_block`` where it made them."""
+    quality = stats.shape[0] == len(STAT_COLUMNS)
+    if per_block is not None:
+        row, block_row = block_tensor_stats_from_kernel(x, q, per_block, fp8_dtype, spec, quality)
+    else:
+        row, block_row = block_tensor_stats(x, q, fp8_dtype, spec, quality=quality)
     merge_block_row(stats, row, block_stats_row, block_row)
 
 

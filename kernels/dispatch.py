@@ -1,5 +1,5 @@
-"""The one dispatch point for quantize-and-record-statistics (delayed and current scaling), amax, exponent
-histograms and the scale update.
+"""The one dispatch point for quantize-and-record-statistics (delayed and current scaling, block scaling),
+amax, exponent histograms and the scale update.
 
 Each op chooses an implementation by the device type of its tensors. CUDA tensors use the Triton kernels
 (``triton_*.py``) when triton is installed and the GPU has FP8 support (sm_89+); they register themselves
@@ -21,6 +21,7 @@ from contextlib import contextmanager
 
 import torch
 
+from .block_quantize import BlockQuantized, quantize_blocks
 from .histogram import exponent_histogram_reference
 from .quantize import (
     KERNEL_MAX_NUMEL,
@@ -30,6 +31,7 @@ from .quantize import (
 )
 
 __all__ = [
+    "block_quantize",
     "exponent_histogram",
     "fused_scale_update",
     "has_kernel",
@@ -41,6 +43,7 @@ __all__ = [
     "register",
     "tensor_amax",
     "triton_available",
+    "unpack_block_counts",
     "use_reference",
 ]
 
@@ -52,6 +55,7 @@ _TABLES: dict[str, dict[str, Callable]] = {
     "amax": {},
     "histogram": {},
     "scale_update": {},
+    "block_quantize": {},
 }
 _force_reference = False
 
@@ -66,6 +70,7 @@ def register(
     amax: Callable | None = None,
     histogram: Callable | None = None,
     scale_update: Callable | None = None,
+    block_quantize: Callable | None = None,
 ) -> None:
     """Route ``device_type`` (e.g. ``"cuda"``) to other implementations; ``None`` restores the reference."""
     given = {
@@ -76,6 +81,7 @@ def register(
         "amax": amax,
         "histogram": histogram,
         "scale_update": scale_update,
+        "block_quantize": block_quantize,
     }
     for op, fn in given.items():
         if fn is None:
@@ -116,6 +122,7 @@ def _register_triton_for_cuda() -> bool:
     fp8_gpu = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
     if not (fp8_gpu and triton_available()):
         return False
+    from .triton_block_quantize import block_quantize_triton
     from .triton_current import (
         quantize_current_transposed_triton,
         quantize_current_triton,
@@ -133,6 +140,7 @@ def _register_triton_for_cuda() -> bool:
         "amax": tensor_amax_triton,
         "histogram": exponent_histogram_triton,
         "scale_update": scale_update_triton,
+        "block_quantize": block_quantize_triton,
     }
     for op, fn in impls.items():
         _TABLES[op].setdefault("cuda", fn)  # an explicit register() made earlier wins
@@ -237,3 +245,40 @@ def fused_scale_update(device: torch.device | str) -> Callable | None:
     whose new ``scale`` and ``scale_inv`` are 16-byte-aligned vectors (``aligned_scales``); the reference
     returns plain tensors, which the caller lays out itself."""
     return _lookup("scale_update", torch.device(device).type)
+
+
+def block_quantize(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    block: tuple[int, int],
+    scale_format: str,
+    *,
+    power_2_scale: bool = True,
+    amax_epsilon: float = 0.0,
+    stats: bool = False,
+    quality: bool = True,
+) -> tuple[BlockQuantized, dict[str, torch.Tensor] | None]:
+    """Block-scaled quantization (``fp8_kernels.block_quantize.quantize_blocks``, same arguments, same bits):
+    ``(q, per_block)``. Where a kernel is registered (CUDA: ``triton_block_quantize``) and ``stats`` is
+    asked for, ``per_block`` holds each block's statistics from the same pass (``block_quantize_triton``;
+    ``unpack_block_counts`` reads its ``counts``); ``None`` from the reference, whose caller computes them
+    itself (``fp8_trainer.block_linear.block_tensor_stats``)."""
+    fn = _lookup("block_quantize", x.device.type, x.numel())
+    if fn is not None:
+        return fn(
+            x, fp8_dtype, block, scale_format, power_2_scale=power_2_scale, amax_epsilon=amax_epsilon,
+            stats=stats, quality=quality,
+        )  # fmt: skip
+    q = quantize_blocks(
+        x, fp8_dtype, block, scale_format, power_2_scale=power_2_scale, amax_epsilon=amax_epsilon
+    )
+    return q, None
+
+
+#: The fields of a block-quantize kernel's packed per-block ``counts`` (int64), 16 bits each, lowest first.
+BLOCK_COUNT_FIELDS = ("overflow", "underflow", "nonfinite", "subnormal")
+
+
+def unpack_block_counts(counts: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The ``BLOCK_COUNT_FIELDS`` of a kernel's per-block ``counts`` as int64 tensors of its shape."""
+    return {name: (counts >> (16 * i)) & 0xFFFF for i, name in enumerate(BLOCK_COUNT_FIELDS)}

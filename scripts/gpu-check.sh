@@ -174,7 +174,8 @@ EOF
     # ----- GPU tests -----
     local tests=(tests/kernels/test_kernels_gpu.py tests/trainer/test_fp8_linear_gpu.py)
     local extra
-    for extra in tests/kernels/test_ptx.py tests/kernels/test_launch_key.py tests/trainer/test_cuda_graph_gpu.py; do
+    for extra in tests/kernels/test_ptx.py tests/kernels/test_launch_key.py tests/kernels/test_triton_block_quantize.py \
+        tests/trainer/test_cuda_graph_gpu.py; do
         [ -f "$extra" ] && tests+=("$extra")
     done
     # fp8-train's own GPU test is left to the train-* parts below, which run the 124m preset per recipe
