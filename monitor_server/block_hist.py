@@ -6,7 +6,9 @@ A step's entry ``[tensor index, lo, counts]`` says that ``counts[j]`` of the ten
 `BlockHistogram` row per tensor and step holds ``lo`` and the counts as little-endian uint32, trimmed to
 their non-zero span. Compaction (`retention.compact`) replaces the rows of the compacted steps with one row
 per tensor and block of `rollups.COMPACT_BLOCK` steps holding their sum (uint64), so a histogram over a
-compacted range is still exact, at 8-step resolution or coarser.
+compacted range is still exact, at 8-step resolution or coarser. Coarse sums per tensor and block of 64,
+512 and 4096 steps (`HIST_LEVELS`) are written at ingest once the run has moved past the block
+(`update_histogram_sums`), so that a long range is read from about `max_steps` rows (`read_histogram`).
 
 The API (`GET /runs/{id}/block-histogram`) sums a tensor's histograms over aligned buckets of steps: counts,
 not fractions, so that a bucket's column says how many blocks (over its steps) sat at each exponent, and the
