@@ -6,7 +6,9 @@ A step's entry ``[tensor index, lo, counts]`` says that ``counts[j]`` of the ten
 `BlockHistogram` row per tensor and step holds ``lo`` and the counts as little-endian uint32, trimmed to
 their non-zero span. Compaction (`retention.compact`) replaces the rows of the compacted steps with one row
 per tensor and block of `rollups.COMPACT_BLOCK` steps holding their sum (uint64), so a histogram over a
-compacted range is still exact, at 8-step resolution or coarser.
+compacted range is still exact, at 8-step resolution or coarser. Coarse sums per tensor and block of 64,
+512 and 4096 steps (`HIST_LEVELS`) are written at ingest once the run has moved past the block
+(`update_histogram_sums`), so that a long range is read from about `max_steps` rows (`read_histogram`).
 
 The API (`GET /runs/{id}/block-histogram`) sums a tensor's histograms over aligned buckets of steps: counts,
 not fractions, so that a bucket's column says how many blocks (over its steps) sat at each exponent, and the
@@ -25,8 +27,15 @@ from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from fp8_protocol.stats import BLOCK_HIST_BINS, block_fraction, encode_float
-from monitor_server.models import BlockHistogram, StepStat
-from monitor_server.rollups import COMPACT_BLOCK, STAT_IDS, plan_heatmap, read_step_stats
+from monitor_server.models import BlockHistogram, Run, StepStat
+from monitor_server.rollups import (
+    COMPACT_BLOCK,
+    LEVELS,
+    STAT_IDS,
+    cover,
+    plan_heatmap,
+    read_step_stats,
+)
 from monitor_server.wire import WireError
 
 #: the largest count one step's entry may carry (stored as uint32): 2^32 - 1 blocks of 32 values are
@@ -210,6 +219,177 @@ def compact_histograms(session: Session, run_id: int, cut: int) -> int:
     return result.rowcount
 
 
+#: the levels of the histogram sums written at ingest (`update_histogram_sums`): sealed as the heatmap's
+#: rollups are, each from the level beneath it (the 8-step sums are compaction's, not sealed)
+HIST_LEVELS: tuple[int, ...] = tuple(lv for lv in LEVELS if lv > COMPACT_BLOCK)
+
+
+def _children(level: int) -> tuple[int, ...]:
+    """The stored levels a block of `level` is summed from: the steps' own rows and compaction's 8-step sums
+    (disjoint: compaction moves a step from one to the other) beneath the first level, the level below
+    otherwise."""
+    i = HIST_LEVELS.index(level)
+    return (1, COMPACT_BLOCK) if i == 0 else (HIST_LEVELS[i - 1],)
+
+
+def _sum_rows(rows: list, group: np.ndarray, n_groups: int) -> np.ndarray:
+    """(n_groups, 256) uint64: each row's counts (``level``, ``lo``, ``counts``) added to its group's."""
+    matrix = np.zeros((n_groups, BLOCK_HIST_BINS), dtype=np.uint64)
+    for wide in {r.level != 1 for r in rows}:  # a step's own counts are uint32, every sum's uint64
+        mine = [k for k, r in enumerate(rows) if (r.level != 1) == wide]
+        values = unpack_counts(b"".join(rows[k].counts for k in mine), COMPACT_BLOCK if wide else 1)
+        width = 8 if wide else 4
+        lengths = np.fromiter((len(rows[k].counts) // width for k in mine), np.int64, len(mine))
+        los = np.fromiter((rows[k].lo for k in mine), np.int64, len(mine))
+        first = np.cumsum(lengths) - lengths
+        exponent = np.repeat(los - first, lengths) + np.arange(len(values))
+        np.add.at(matrix, (np.repeat(group[mine], lengths), exponent), values)
+    return matrix
+
+
+def _seal_histograms(
+    session: Session, run_id: int, level: int, first: int, last: int, tensors: range
+) -> None:
+    """Write the sums of the blocks [first, last] of `level`, per tensor, from the levels beneath them (a row
+    already there, for a block then still open, is replaced)."""
+    lo, hi = first * level, (last + 1) * level - 1
+    where = (
+        BlockHistogram.run_id == run_id,
+        # every tensor named: the primary key's (tensor, level, step) order is probed, not the run scanned
+        BlockHistogram.tensor.in_(list(tensors)),
+        BlockHistogram.level.in_(_children(level)),
+        BlockHistogram.step.between(lo, hi),
+    )
+    rows = session.execute(
+        select(
+            BlockHistogram.tensor,
+            BlockHistogram.level,
+            BlockHistogram.step,
+            BlockHistogram.lo,
+            BlockHistogram.n_steps,
+            BlockHistogram.counts,
+        ).where(*where)
+    ).all()
+    if not rows:
+        return
+    keys = np.fromiter(((r.tensor << 40) | (r.step // level) for r in rows), np.int64, len(rows))
+    groups, group = np.unique(keys, return_inverse=True)
+    sums = _sum_rows(rows, group, len(groups))
+    n_steps = np.zeros(len(groups), dtype=np.int64)
+    np.add.at(n_steps, group, np.fromiter((r.n_steps for r in rows), np.int64, len(rows)))
+    inserts = []
+    for j, key in enumerate(groups.tolist()):
+        span_lo, counts = _trimmed(sums[j])
+        inserts.append(
+            {
+                "run_id": run_id,
+                "tensor": key >> 40,
+                "level": level,
+                "step": (key & (2**40 - 1)) * level,
+                "lo": span_lo,
+                "n_steps": int(n_steps[j]),
+                "counts": pack_counts(counts, level),
+            }
+        )
+    session.execute(
+        delete(BlockHistogram).where(
+            BlockHistogram.run_id == run_id,
+            BlockHistogram.tensor.in_(list(tensors)),
+            BlockHistogram.level == level,
+            BlockHistogram.step.between(lo, hi),
+        )
+    )
+    session.execute(insert(BlockHistogram), inserts)
+
+
+def _merge_histograms(
+    session: Session, run_id: int, level: int, entries: list[tuple[int, HistEntry]]
+) -> None:
+    """Add late steps' histograms ((step, entry)) into the sealed sums of `level` their steps fall in: read
+    the touched rows once, add, write back (a block that held no histogram of the tensor gets its row)."""
+    sums: dict[tuple[int, int], np.ndarray] = {}
+    n_steps: dict[tuple[int, int], int] = {}
+    for step, e in entries:
+        key = (e.tensor, step // level * level)
+        _add_into(sums, key, e.lo, unpack_counts(e.counts, 1))
+        n_steps[key] = n_steps.get(key, 0) + 1
+    tensors = sorted({t for t, _ in sums})
+    starts = [s for _, s in sums]
+    existing = {
+        (r.tensor, r.step): r
+        for r in session.execute(
+            select(
+                BlockHistogram.tensor,
+                BlockHistogram.step,
+                BlockHistogram.lo,
+                BlockHistogram.n_steps,
+                BlockHistogram.counts,
+            ).where(
+                BlockHistogram.run_id == run_id,
+                BlockHistogram.tensor.in_(tensors),
+                BlockHistogram.level == level,
+                BlockHistogram.step.between(min(starts), max(starts)),
+            )
+        )
+    }
+    inserts, updates = [], []
+    for key, full in sums.items():
+        old = existing.get(key)
+        if old is not None:
+            _add_into(sums, key, old.lo, unpack_counts(old.counts, level))
+        span_lo, counts = _trimmed(full)
+        row = {
+            "run_id": run_id,
+            "tensor": key[0],
+            "level": level,
+            "step": key[1],
+            "lo": span_lo,
+            "n_steps": n_steps[key] + (old.n_steps if old is not None else 0),
+            "counts": pack_counts(counts, level),
+        }
+        (updates if old is not None else inserts).append(row)
+    if inserts:
+        session.execute(insert(BlockHistogram), inserts)
+    if updates:
+        session.execute(update(BlockHistogram), updates)
+
+
+def update_histogram_sums(
+    session: Session,
+    run_id: int,
+    num_tensors: int,
+    hists: dict[int, list[HistEntry]],
+    steps: np.ndarray,
+    last_before: int | None,
+    last_after: int,
+) -> None:
+    """Keep the histogram sums of `HIST_LEVELS` up to date after storing new steps (ascending, not stored
+    before; `hists` by step, those that sent some), as `rollups.update_rollups` does the heatmap's.
+
+    A block of a level is written once the run's last step has moved past it (**sealed**), summed from the
+    level beneath it; the block the run is in has no row yet and is read from the finer levels
+    (`read_histogram`). A step that arrives late, into a sealed block, is added into that block's sum at
+    every level where the block is sealed. The caller holds the run's write lock (no race on a seal or a
+    merge), and has stored the steps' own rows already.
+    """
+    if len(steps) and last_before is not None and hists:
+        for level in HIST_LEVELS:
+            sealed_below = last_before // level * level
+            late = [(s, e) for s in steps.tolist() if s < sealed_below for e in hists.get(s, ())]
+            if not late:
+                if not (steps < sealed_below).any():
+                    break  # a step not late at this level is not late at a coarser one
+                continue
+            _merge_histograms(session, run_id, level, late)
+    lowest = int(steps[0]) if len(steps) else last_after
+    for level in HIST_LEVELS:
+        first = (lowest if last_before is None else last_before) // level
+        last = last_after // level - 1
+        if first > last:
+            break  # nothing sealed at this level, so nothing at a coarser one either
+        _seal_histograms(session, run_id, level, first, last, range(num_tensors))
+
+
 @dataclass
 class BucketedHistogram:
     """A tensor's histograms summed over aligned buckets of `width` steps (only the buckets holding one)."""
@@ -227,7 +407,11 @@ def read_histogram(
 ) -> BucketedHistogram:
     """Tensor `tensor`'s histograms over steps [lo, hi], summed per aligned bucket of steps, at most
     `max_steps` buckets; a range reaching into compacted steps is bucketed no finer than their blocks.
-    Memory: the rows read (one per stored step or compacted block in the range) and the answer."""
+
+    Each bucket is read from the coarsest sums that fit it (`HIST_LEVELS`, sealed blocks only: `cover`),
+    the rest (the range's ends, the block the run is in) from the steps' own rows and the 8-step sums.
+    Memory: the rows read (about max_steps of them, plus two coarse blocks' worth at each end) and the
+    answer."""
     compacted = session.scalar(
         select(func.max(BlockHistogram.step)).where(
             BlockHistogram.run_id == run_id,
@@ -238,23 +422,36 @@ def read_histogram(
     )
     reaches_compacted = compacted is not None and compacted + COMPACT_BLOCK > lo
     plan = plan_heatmap(lo, hi, max_steps, COMPACT_BLOCK if reaches_compacted else 1)
-    rows = session.execute(
-        select(
-            BlockHistogram.level,
-            BlockHistogram.step,
-            BlockHistogram.lo,
-            BlockHistogram.n_steps,
-            BlockHistogram.counts,
-        )
-        .where(
-            BlockHistogram.run_id == run_id,
-            BlockHistogram.tensor == tensor,
-            # a compacted block that starts before `lo` but reaches into it counts whole
-            BlockHistogram.step.between(lo // COMPACT_BLOCK * COMPACT_BLOCK if reaches_compacted else lo, hi),
-        )
-        .order_by(BlockHistogram.step)
-    ).all()
-    rows = [r for r in rows if r.level != 1 or r.step >= lo]
+    last_step = session.scalar(select(Run.last_step).where(Run.id == run_id))
+    usable = [lv for lv in reversed(HIST_LEVELS) if lv <= plan.level]
+    columns = (
+        BlockHistogram.level,
+        BlockHistogram.step,
+        BlockHistogram.lo,
+        BlockHistogram.n_steps,
+        BlockHistogram.counts,
+    )
+    mine = (BlockHistogram.run_id == run_id, BlockHistogram.tensor == tensor)
+    rows: list = []
+    for level, first, last in cover(lo, hi, usable, last_step):
+        if level != 1:
+            rows += session.execute(
+                select(*columns).where(
+                    *mine,
+                    BlockHistogram.level == level,
+                    BlockHistogram.step.between(first * level, last * level),
+                )
+            ).all()
+            continue
+        # a compacted block that starts before the piece but reaches into it counts whole (only at `lo`:
+        # every other piece starts on a coarse block's boundary)
+        start = first // COMPACT_BLOCK * COMPACT_BLOCK if reaches_compacted else first
+        piece = session.execute(
+            select(*columns).where(
+                *mine, BlockHistogram.level.in_((1, COMPACT_BLOCK)), BlockHistogram.step.between(start, last)
+            )
+        ).all()
+        rows += [r for r in piece if r.level != 1 or r.step >= first]
     if not rows:
         return BucketedHistogram(plan.width, [], [], [], None, np.zeros((0, 0), dtype=np.uint64))
     # one pass in numpy over all the rows' counts: each count lands in (its row's bucket, its exponent)
@@ -262,16 +459,7 @@ def read_histogram(
     buckets, row_col = np.unique(row_bucket, return_inverse=True)
     n_steps = np.zeros(len(buckets), dtype=np.int64)
     np.add.at(n_steps, row_col, np.fromiter((r.n_steps for r in rows), np.int64, len(rows)))
-    matrix = np.zeros((len(buckets), BLOCK_HIST_BINS), dtype=np.uint64)
-    for level in {r.level for r in rows}:
-        mine = [k for k, r in enumerate(rows) if r.level == level]
-        values = unpack_counts(b"".join(rows[k].counts for k in mine), level)
-        width = 4 if level == 1 else 8
-        lengths = np.fromiter((len(rows[k].counts) // width for k in mine), np.int64, len(mine))
-        los = np.fromiter((rows[k].lo for k in mine), np.int64, len(mine))
-        first = np.cumsum(lengths) - lengths
-        exponent = np.repeat(los - first, lengths) + np.arange(len(values))
-        np.add.at(matrix, (np.repeat(row_col[mine], lengths), exponent), values)
+    matrix = _sum_rows(rows, row_col, len(buckets))
     nz = np.flatnonzero(matrix.any(axis=0))
     first_e, last_e = int(nz[0]), int(nz[-1])
     return BucketedHistogram(

@@ -8,9 +8,12 @@ handed to a pyarrow writer whose output is drained after every chunk. Parquet ge
 Tables and their columns:
 
 - ``stats``, ``layout=long``: one row per (step, tensor): ``step, tensor, layer, role, amax, scale,
-  overflow, underflow, nonfinite, numel`` (tensors in index order within a step).
-- ``stats``, ``layout=wide``: one row per step: ``step``, then per tensor (index order) per statistic a
-  column ``<tensor name>.<statistic>``, e.g. ``blocks.0.attn.qkv.input.amax``.
+  overflow, underflow, nonfinite, numel`` (tensors in index order within a step), then the quality columns
+  (``sum_sq, err_sq, subnormal, min_abs``) where some step of the range stored them, then the block columns
+  (``blocks, blocks_at_limit, blocks_overflow, blocks_underflow, block_range``) likewise
+  (`exported_columns`); a step that did not carry a group has NaN (Parquet: NaN, not null) in its columns.
+- ``stats``, ``layout=wide``: one row per step: ``step``, then per tensor (index order) per statistic (the
+  same ones, in the same order) a column ``<tensor name>.<statistic>``, e.g. ``blocks.0.attn.qkv.input.amax``.
 - ``scalars``: one row per stored step: ``step``, then one column per scalar name (sorted); empty / null
   where the step did not carry that scalar (a NaN it carried stays NaN).
 - ``events``: ``id, step, kind, created_at, details`` (details as JSON text, non-finite floats spelled as
@@ -35,7 +38,7 @@ import pyarrow.parquet as pq
 from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 
-from fp8_protocol.stats import BASE_COLUMNS as STAT_COLUMNS  # the quality columns are not exported
+from fp8_protocol.stats import BASE_COLUMNS, BLOCK_COLUMNS, QUALITY_COLUMNS
 from monitor_server.alerting import alert_public
 from monitor_server.models import Alert, EventRow, StepRow, StepStat, as_utc
 from monitor_server.rollups import STAT_IDS, unpack_rows
@@ -130,18 +133,47 @@ def _count_stat_steps(sessions: SessionFactory, run_id: int, lo: int, hi: int) -
         return session.scalar(query) or 0
 
 
+def exported_columns(sessions: SessionFactory, run_id: int, lo: int, hi: int) -> tuple[str, ...]:
+    """The statistics exported for steps [lo, hi]: the base columns, and the quality and the block columns
+    each where some step of the range stored them (a step carries a group all or not at all), in
+    `STAT_IDS` order (ascending ids)."""
+    columns = BASE_COLUMNS
+    with sessions() as session:
+        for group in (QUALITY_COLUMNS, BLOCK_COLUMNS):
+            stored = session.scalar(
+                select(StepStat.step)
+                .where(
+                    StepStat.run_id == run_id,
+                    StepStat.metric == STAT_IDS[group[0]],
+                    StepStat.step.between(lo, hi),
+                )
+                .limit(1)
+            )
+            if stored is not None:
+                columns += group
+    return columns
+
+
 def _stat_chunks(
-    sessions: SessionFactory, meta: RunMeta, lo: int, hi: int, per_chunk: int | None = None
+    sessions: SessionFactory,
+    meta: RunMeta,
+    columns: tuple[str, ...],
+    lo: int,
+    hi: int,
+    per_chunk: int | None = None,
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """(steps (S,), statistics (S, 6, T) in STAT_COLUMNS order) for the steps in [lo, hi] that hold
-    statistics, about `per_chunk` steps (default: about CHUNK_CELLS (step, tensor) pairs) at a time.
+    """(steps (S,), statistics (S, len(columns), T) in `columns` order) for the steps in [lo, hi] that
+    hold statistics, about `per_chunk` steps (default: about CHUNK_CELLS (step, tensor) pairs) at a time;
+    NaN for a column that a step did not store (a group it did not carry).
 
     Steps with scalars only (no FP8 layer ran) have no `StepStat` rows and so are not in any chunk. The
     values of a chunk come from one SELECT, so a batch stored meanwhile is in it whole or not at all.
     """
-    T, n_stats = meta.num_tensors, len(STAT_COLUMNS)
+    T, n_stats = meta.num_tensors, len(columns)
     per_chunk = per_chunk or _chunk_steps(T)
-    ids = [STAT_IDS[name] for name in STAT_COLUMNS]  # ascending: ordering rows by id gives STAT_COLUMNS
+    ids = [STAT_IDS[name] for name in columns]
+    column_of = np.full(max(STAT_IDS.values()) + 1, -1, dtype=np.int64)
+    column_of[ids] = np.arange(n_stats)
     cursor = lo
     while cursor <= hi:
         with sessions() as session:
@@ -159,7 +191,7 @@ def _stat_chunks(
             )
             end = hi if last is None else last
             rows = session.execute(
-                select(StepStat.step, StepStat.values)
+                select(StepStat.step, StepStat.metric, StepStat.values)
                 .where(
                     StepStat.run_id == meta.run_id,
                     StepStat.metric.in_(ids),
@@ -169,37 +201,46 @@ def _stat_chunks(
             ).all()
         if not rows:
             return
-        steps = np.fromiter((r.step for r in rows[::n_stats]), np.int64, len(rows) // n_stats)
-        cube = unpack_rows([r.values for r in rows], T).reshape(len(steps), n_stats, T)
+        row_steps = np.fromiter((r.step for r in rows), np.int64, len(rows))
+        steps, step_pos = np.unique(row_steps, return_inverse=True)
+        col_pos = column_of[np.fromiter((r.metric for r in rows), np.int64, len(rows))]
+        values = unpack_rows([r.values for r in rows], T)
+        if len(rows) == len(steps) * n_stats:  # every step stored every column: rows are the cube in order
+            cube = values.reshape(len(steps), n_stats, T)
+        else:
+            cube = np.full((len(steps), n_stats, T), np.nan)
+            cube[step_pos, col_pos] = values
         yield steps, cube
         if last is None:
             return
         cursor = end + 1
 
 
-def stats_long_schema() -> pa.Schema:
-    """Columns of the long statistics table."""
+def stats_long_schema(columns: tuple[str, ...]) -> pa.Schema:
+    """Columns of the long statistics table, with the statistics `columns`."""
     names = pa.dictionary(pa.int32(), pa.string())
     fields = [("step", pa.int64()), ("tensor", names), ("layer", names), ("role", names)]
-    return pa.schema(fields + [(name, pa.float64()) for name in STAT_COLUMNS])
+    return pa.schema(fields + [(name, pa.float64()) for name in columns])
 
 
-def stats_wide_schema(meta: RunMeta) -> pa.Schema:
+def stats_wide_schema(meta: RunMeta, columns: tuple[str, ...]) -> pa.Schema:
     """Columns of the wide statistics table: step, then ``<tensor>.<statistic>`` in tensor order."""
-    cols = [(f"{t.name}.{name}", pa.float64()) for t in meta.tensors for name in STAT_COLUMNS]
+    cols = [(f"{t.name}.{name}", pa.float64()) for t in meta.tensors for name in columns]
     return pa.schema([("step", pa.int64()), *cols])
 
 
-def stats_long(sessions: SessionFactory, meta: RunMeta, lo: int, hi: int) -> Iterator[pa.Table]:
+def stats_long(
+    sessions: SessionFactory, meta: RunMeta, columns: tuple[str, ...], lo: int, hi: int
+) -> Iterator[pa.Table]:
     """The long statistics table in chunks: rows step-major, tensors in index order within a step."""
-    schema = stats_long_schema()
+    schema = stats_long_schema(columns)
     T = meta.num_tensors
     layers = list(meta.layers)
     roles = sorted({t.role for t in meta.tensors})
     tensor_dict = pa.array([t.name for t in meta.tensors], pa.string())
     layer_idx = np.array([layers.index(t.layer) for t in meta.tensors], dtype=np.int32)
     role_idx = np.array([roles.index(t.role) for t in meta.tensors], dtype=np.int32)
-    for steps, cube in _stat_chunks(sessions, meta, lo, hi):
+    for steps, cube in _stat_chunks(sessions, meta, columns, lo, hi):
         S = len(steps)
         tensor_of_row = np.tile(np.arange(T, dtype=np.int32), S)  # (S*T,) row = step-major
         columns = [
@@ -207,12 +248,17 @@ def stats_long(sessions: SessionFactory, meta: RunMeta, lo: int, hi: int) -> Ite
             pa.DictionaryArray.from_arrays(tensor_of_row, tensor_dict),
             pa.DictionaryArray.from_arrays(layer_idx[tensor_of_row], pa.array(layers, pa.string())),
             pa.DictionaryArray.from_arrays(role_idx[tensor_of_row], pa.array(roles, pa.string())),
-        ] + [pa.array(cube[:, j, :].reshape(-1)) for j in range(len(STAT_COLUMNS))]
+        ] + [pa.array(cube[:, j, :].reshape(-1)) for j in range(len(columns))]
         yield pa.Table.from_arrays(columns, schema=schema)
 
 
 def stats_wide(
-    sessions: SessionFactory, meta: RunMeta, lo: int, hi: int, row_groups: int | None = None
+    sessions: SessionFactory,
+    meta: RunMeta,
+    columns: tuple[str, ...],
+    lo: int,
+    hi: int,
+    row_groups: int | None = None,
 ) -> Iterator[pa.Table]:
     """The wide statistics table in chunks: one row per step.
 
@@ -221,17 +267,17 @@ def stats_wide(
     of a 100,000-step run would hold 2 GB of it. Fewer, larger chunks trade that for a larger chunk, which
     is filled from reads of the usual size so that it is held once.
     """
-    schema = stats_wide_schema(meta)
-    n_cols = meta.num_tensors * len(STAT_COLUMNS)
+    schema = stats_wide_schema(meta, columns)
+    n_cols = meta.num_tensors * len(columns)
     per_read = _chunk_steps(meta.num_tensors)
     per_table = per_read
     if row_groups:
         want = -(-_count_stat_steps(sessions, meta.run_id, lo, hi) // row_groups)
         per_table = max(1, -(-want // per_read)) * per_read  # whole reads per table
-    # (T*6, steps): each output column is one contiguous row, so Arrow takes it without another copy;
+    # (T * statistics, steps): each output column is one contiguous row, so Arrow takes it without a copy;
     # rows are tensor-major, statistic-minor like the schema
     block, steps_parts, filled = np.empty((n_cols, per_table)), [], 0
-    for steps, cube in _stat_chunks(sessions, meta, lo, hi, per_read):
+    for steps, cube in _stat_chunks(sessions, meta, columns, lo, hi, per_read):
         n = len(steps)
         if filled + n > block.shape[1] and filled:  # a read that does not fit (a batch landed meanwhile)
             yield _wide_table(schema, steps_parts, block[:, :filled])
@@ -400,9 +446,11 @@ def export(
     """The bytes of one exported table of steps [lo, hi] (a range with lo > hi exports no rows)."""
     if table == "stats" and layout == "wide":
         groups = WIDE_PARQUET_ROW_GROUPS if fmt == "parquet" else None
-        schema, tables = stats_wide_schema(meta), stats_wide(sessions, meta, lo, hi, groups)
+        columns = exported_columns(sessions, meta.run_id, lo, hi)
+        schema, tables = stats_wide_schema(meta, columns), stats_wide(sessions, meta, columns, lo, hi, groups)
     elif table == "stats":
-        schema, tables = stats_long_schema(), stats_long(sessions, meta, lo, hi)
+        columns = exported_columns(sessions, meta.run_id, lo, hi)
+        schema, tables = stats_long_schema(columns), stats_long(sessions, meta, columns, lo, hi)
     elif table == "scalars":
         names = scalar_names(sessions, meta.run_id, lo, hi)
         schema, tables = scalars_schema(names), scalars_table(sessions, meta.run_id, names, lo, hi)

@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 from fp8_protocol.stats import BASE_COLUMNS, BLOCK_COLUMNS, QUALITY_COLUMNS
 from monitor_server import commands as command_ops
-from monitor_server.block_hist import HistEntry, decode_block_hist, hist_rows
+from monitor_server.block_hist import HistEntry, decode_block_hist, hist_rows, update_histogram_sums
 from monitor_server.detectors.ranks import parse_rank_amax
 from monitor_server.detectors.types import EVENT_KINDS, StepBatch
 from monitor_server.models import (
@@ -343,6 +343,16 @@ def store_batch(session: Session, run_id: int, batch: DecodedBatch, fp8_max: np.
         # the rollups follow the run's last step (blocks are written once the run is past them)
         update_rollups(
             session, run_id, stat_steps, with_stats, fp8_max, last_before, max(last, last_before or last)
+        )
+        # and so do the block histograms' coarse sums
+        update_histogram_sums(
+            session,
+            run_id,
+            len(fp8_max),
+            batch.block_hist,
+            new_steps,
+            last_before,
+            max(last, last_before or last),
         )
         if run.last_step is None or last >= run.last_step:
             run.last_step = last

@@ -136,7 +136,8 @@ class StepStat(Base):
 
 class BlockHistogram(Base):
     """The block scale exponent histogram of one tensor: of one step (`level` 1), or summed over the aligned
-    block [step, step + level) of steps once compaction (`retention.py`) dropped the per-step rows.
+    block [step, step + level) of steps: level 8 once compaction (`retention.py`) dropped the per-step rows,
+    levels 64 / 512 / 4096 once the run moved past the block (`block_hist.update_histogram_sums`).
     `counts[j]` blocks had the biased exponent `lo` + j (`monitor_server.block_hist.pack_counts`)."""
 
     __tablename__ = "block_histograms"

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from monitor_server import export
-from tests.support.server import API, STATS, batch_body, create_run, make_tensors, random_stats
+from tests.support.server import API, STATS, batch_body, col, create_run, make_tensors, random_stats
 
 
 def _stats_run(client, steps=(1, 2, 3, 5, 8), n_layers=2, chunk_cells=None):
@@ -192,3 +192,80 @@ def test_read_scope_required(make_client):
 
 def test_file_name():
     assert export.filename(12, "alerts", "parquet") == "run-12-alerts.parquet"
+
+
+QUALITY = ("sum_sq", "err_sq", "subnormal", "min_abs")
+BLOCK = ("blocks", "blocks_at_limit", "blocks_overflow", "blocks_underflow", "block_range")
+
+
+def _mixed_run(client, n_layers=1):
+    """Steps 0-1 base columns only, 2-3 with the quality columns, 4-5 with the quality and block columns,
+    6 with the block columns only."""
+    run = create_run(client, n_layers)
+    T = 3 * n_layers
+    rng = np.random.default_rng(11)
+    stats = random_stats(rng, 7, T) | {
+        "sum_sq": rng.uniform(1, 100, (7, T)),
+        "err_sq": rng.uniform(0, 0.1, (7, T)),
+        "subnormal": rng.integers(0, 9, (7, T)).astype(float),
+        "min_abs": rng.uniform(1e-6, 1e-3, (7, T)),
+        "blocks": np.full((7, T), 128.0),
+        "blocks_at_limit": rng.integers(0, 3, (7, T)).astype(float),
+        "blocks_overflow": rng.integers(0, 2, (7, T)).astype(float),
+        "blocks_underflow": rng.integers(0, 20, (7, T)).astype(float),
+        "block_range": rng.uniform(2, 14, (7, T)),
+    }
+    stats["min_abs"][3, 0] = np.nan  # a NaN sent stays a NaN
+    groups = [(), (), QUALITY, QUALITY, QUALITY + BLOCK, QUALITY + BLOCK, BLOCK]
+    for part in ([0, 1], [2, 3], [4, 5], [6]):  # every step of a batch carries the same statistics
+        steps = [
+            {"step": s, "stats": {n: col(stats[n][s], "float64") for n in (*STATS, *groups[s])}} for s in part
+        ]
+        body = {"idempotency_key": f"m{part[0]}", "steps": steps}
+        r = client.post(f"{API}/runs/{run['id']}/telemetry", json=body)
+        assert r.status_code == 200, r.text
+    expected = {}
+    for name in (*STATS, *QUALITY, *BLOCK):
+        carried = np.array([name in (*STATS, *groups[s]) for s in range(7)])
+        expected[name] = np.where(carried[:, None], stats[name], np.nan)
+    return run, expected
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_stats_carry_the_quality_and_block_columns_where_stored(client, fmt):
+    run, expected = _mixed_run(client)
+    names = [t["name"] for t in make_tensors(1)]
+    rows = _table(_get(client, run["id"], format=fmt, table="stats", layout="long"), fmt)
+    assert list(rows[0]) == ["step", "tensor", "layer", "role", *STATS, *QUALITY, *BLOCK]
+    assert [int(x["step"]) for x in rows] == [s for s in range(7) for _ in names]
+    for name in (*STATS, *QUALITY, *BLOCK):
+        got = np.array([_f(x[name]) for x in rows]).reshape(7, 3)
+        np.testing.assert_array_equal(got, expected[name], err_msg=name)  # NaN where not carried
+    wide = _table(_get(client, run["id"], format=fmt, layout="wide"), fmt)
+    assert list(wide[0]) == ["step"] + [f"{n}.{s}" for n in names for s in (*STATS, *QUALITY, *BLOCK)]
+    for name in (*STATS, *QUALITY, *BLOCK):
+        got = np.array([[_f(x[f"{n}.{name}"]) for n in names] for x in wide])
+        np.testing.assert_array_equal(got, expected[name], err_msg=name)
+    # a range whose steps carried only the base columns exports only those; one with the block columns
+    # only adds those
+    assert list(_table(_get(client, run["id"], format=fmt, to=1), fmt)[0]) == [
+        "step",
+        "tensor",
+        "layer",
+        "role",
+        *STATS,
+    ]
+    only_block = _table(_get(client, run["id"], format=fmt, **{"from": 6}), fmt)
+    assert list(only_block[0]) == ["step", "tensor", "layer", "role", *STATS, *BLOCK]
+
+
+def test_mixed_columns_read_in_chunks_give_the_same_table(client, monkeypatch):
+    run, _ = _mixed_run(client)
+    whole = {fmt: _get(client, run["id"], format=fmt, layout="wide").content for fmt in ("csv", "parquet")}
+    monkeypatch.setattr(export, "CHUNK_CELLS", 4)  # one step a chunk: each chunk's own columns
+    assert _get(client, run["id"], format="csv", layout="wide").content == whole["csv"]
+    a = pq.read_table(io.BytesIO(_get(client, run["id"], format="parquet", layout="wide").content))
+    b = pq.read_table(io.BytesIO(whole["parquet"]))
+    assert a.schema == b.schema
+    for name in a.column_names:
+        np.testing.assert_array_equal(a.column(name).to_numpy(), b.column(name).to_numpy(), err_msg=name)

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 
+import numpy as np
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import Connection, Engine, text
+from sqlalchemy.orm import Session
 
+from monitor_server.block_hist import read_histogram
 from monitor_server.core.db import make_engine
 from monitor_server.migrations import alembic_config, upgrade_to_head
 from monitor_server.models import Base
@@ -130,5 +134,65 @@ def test_block_histograms_migration_adds_its_table_to_a_populated_database(db_ur
             command.downgrade(cfg, "0007")
         with engine.connect() as conn:
             assert conn.execute(text("SELECT count(*) FROM runs")).scalar() == 0  # the rest is untouched
+    finally:
+        engine.dispose()
+
+
+def test_block_histogram_sums_migration_sums_the_sealed_blocks_stored_before_it(db_url):
+    """Histograms stored before revision 0009 (per step, and compaction's 8-step sums) get the coarse sums
+    of the blocks their run had moved past; the answers over them are the per-step sums."""
+    rng = np.random.default_rng(5)
+    last_step = 1100  # sealed: 17 blocks of 64, 2 of 512, none of 4096
+    sent = np.zeros((2, last_step + 1, 256), dtype=np.uint64)
+    engine = make_engine(db_url)
+    try:
+        with at_revision(engine, "0008") as connection:
+            insert_run(connection, "running", num_tensors=2, steps_stored=last_step + 1)
+            connection.execute(text("UPDATE runs SET last_step = :s"), {"s": last_step})
+            rows = []
+            for tensor, step in itertools.product((0, 1), range(last_step + 1)):
+                if (tensor, step % 5) == (1, 0):
+                    continue  # tensor 1 sent no histogram at every fifth step
+                lo = int(rng.integers(100, 130))
+                counts = rng.integers(1, 1000, int(rng.integers(1, 6)))
+                sent[tensor, step, lo : lo + len(counts)] = counts
+                rows.append((tensor, 1, step, lo, 1, counts.astype("<u4").tobytes()))
+            for tensor, start in itertools.product((0, 1), range(0, 96, 8)):  # steps 0-95 compacted
+                block = sent[tensor, start : start + 8].sum(axis=0)
+                nz = np.flatnonzero(block)
+                n = sum(1 for s in range(start, start + 8) if sent[tensor, s].any())
+                rows = [r for r in rows if not (r[0] == tensor and start <= r[2] < start + 8)]
+                rows.append(
+                    (tensor, 8, start, int(nz[0]), n, block[nz[0] : nz[-1] + 1].astype("<u8").tobytes())
+                )
+            connection.execute(
+                text(
+                    "INSERT INTO block_histograms (run_id, tensor, level, step, lo, n_steps, counts) "
+                    "VALUES (1, :t, :level, :step, :lo, :n, :counts)"
+                ),
+                [dict(zip(("t", "level", "step", "lo", "n", "counts"), r, strict=True)) for r in rows],
+            )
+        upgrade_to_head(engine)
+        with engine.connect() as conn:
+            levels = dict(
+                conn.execute(text("SELECT level, count(*) FROM block_histograms GROUP BY level")).all()
+            )
+        assert levels[64] == 2 * 17 and levels[512] == 2 * 2 and 4096 not in levels
+        with Session(engine) as session:
+            for tensor, max_steps in itertools.product((0, 1), (1000, 15, 2, 1)):
+                hist = read_histogram(session, 1, tensor, 0, last_step, max_steps)
+                assert hist.width % {1000: 8, 15: 64, 2: 512, 1: 512}[max_steps] == 0  # read from that level
+                for k, (a, b) in enumerate(zip(hist.starts, hist.ends, strict=True)):
+                    want = sent[tensor, a : b + 1].sum(axis=0)
+                    got = np.zeros(256, dtype=np.uint64)
+                    got[hist.lo : hist.lo + hist.counts.shape[1]] = hist.counts[k]
+                    np.testing.assert_array_equal(got, want)
+                    assert hist.steps[k] == int(sent[tensor, a : b + 1].any(axis=1).sum())
+        cfg = alembic_config()
+        with engine.begin() as connection:
+            cfg.attributes["connection"] = connection
+            command.downgrade(cfg, "0008")
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT max(level) FROM block_histograms")).scalar() == 8
     finally:
         engine.dispose()
