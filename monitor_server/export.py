@@ -243,13 +243,13 @@ def stats_long(
     for steps, cube in _stat_chunks(sessions, meta, columns, lo, hi):
         S = len(steps)
         tensor_of_row = np.tile(np.arange(T, dtype=np.int32), S)  # (S*T,) row = step-major
-        columns = [
+        arrays = [
             pa.array(np.repeat(steps, T)),
             pa.DictionaryArray.from_arrays(tensor_of_row, tensor_dict),
             pa.DictionaryArray.from_arrays(layer_idx[tensor_of_row], pa.array(layers, pa.string())),
             pa.DictionaryArray.from_arrays(role_idx[tensor_of_row], pa.array(roles, pa.string())),
         ] + [pa.array(cube[:, j, :].reshape(-1)) for j in range(len(columns))]
-        yield pa.Table.from_arrays(columns, schema=schema)
+        yield pa.Table.from_arrays(arrays, schema=schema)
 
 
 def stats_wide(

@@ -23,14 +23,22 @@ from typing import Any
 import httpx
 import numpy as np
 
-from fp8_protocol.stats import BASE_COLUMNS
+from fp8_protocol.stats import BASE_COLUMNS, BLOCK_COLUMNS, QUALITY_COLUMNS
 
 from .env import env_token, service_url
 
 __all__ = ["ReadError", "Reader"]
 
 API = "/api/v1"
-STATS = BASE_COLUMNS  # what the service exports (the quality columns are not exported)
+STATS = BASE_COLUMNS  # what every statistics export has
+#: the statistics an export may carry, in its order: the base columns, then the quality and the block
+#: columns where a step of the range stored them
+_EXPORTED = (
+    BASE_COLUMNS,
+    BASE_COLUMNS + QUALITY_COLUMNS,
+    BASE_COLUMNS + BLOCK_COLUMNS,
+    BASE_COLUMNS + QUALITY_COLUMNS + BLOCK_COLUMNS,
+)
 _PAGE = 10_000  # the service's largest events page
 
 
@@ -201,7 +209,9 @@ class Reader:
     def stats(self, run_id: int, start: int | None = None, end: int | None = None) -> dict[str, np.ndarray]:
         """Every statistic of every tensor at the steps in [start, end] that hold statistics, exactly as
         stored: ``{"steps": (S,) int64, "amax": (S, T) float64, "scale": ..., "numel": ...}``, columns in
-        tensor index order (see ``tensors``). Steps with scalars only (no FP8 layer ran) are left out."""
+        tensor index order (see ``tensors``), with the quality columns (``sum_sq`` ...) and the block columns
+        (``blocks`` ...) where a step of the range stored them (NaN at the steps that did not). Steps with
+        scalars only (no FP8 layer ran) are left out."""
         T = len(self.tensors(run_id))
         body = self._export(run_id, "stats", self.format, layout="wide", **{"from": start, "to": end})
         if self.format == "parquet":
@@ -226,10 +236,12 @@ class Reader:
             steps = np.array([int(x) for x in firsts], dtype=np.int64)
             cube = data[:, 1:]
         # the wide layout is tensor-major, statistic-minor: "<tensor>.<statistic>"
-        if [n.rsplit(".", 1)[-1] for n in names[1:]] != list(STATS) * T:
+        suffixes = [n.rsplit(".", 1)[-1] for n in names[1:]]
+        stats = tuple(suffixes[: len(suffixes) // T]) if T else BASE_COLUMNS
+        if stats not in _EXPORTED or suffixes != list(stats) * T:
             raise ReadError(f"unexpected columns in the statistics export: {names[:8]}")
-        cube = cube.reshape(len(steps), T, len(STATS))
-        return {"steps": steps, **{name: np.ascontiguousarray(cube[:, :, j]) for j, name in enumerate(STATS)}}
+        cube = cube.reshape(len(steps), T, len(stats))
+        return {"steps": steps, **{name: np.ascontiguousarray(cube[:, :, j]) for j, name in enumerate(stats)}}
 
     def heatmap(
         self,
@@ -277,7 +289,8 @@ class Reader:
         end: int | None = None,
     ):
         """A pandas DataFrame of one exported table: ``stats`` (``layout="long"``: step, tensor, layer, role
-        and the six statistics per row; ``"wide"``: one row per step, columns ``<tensor>.<statistic>``),
+        and the statistics per row: the six base ones, then the quality and block ones where stored;
+        ``"wide"``: one row per step, columns ``<tensor>.<statistic>``),
         ``scalars``, ``events`` or ``alerts`` (the columns of docs/wire-format.md, *Export*).
 
         Raises:

@@ -140,8 +140,10 @@ def test_many_chunks_give_the_same_table(client, monkeypatch):
     )
     assert r.status_code == 200, r.text
     whole = {fmt: _get(client, run["id"], format=fmt, layout="wide").content for fmt in ("csv", "parquet")}
+    long = _get(client, run["id"], format="csv", layout="long").content
     monkeypatch.setattr(export, "CHUNK_CELLS", 18)
     monkeypatch.setattr(export, "CHUNK_ROWS", 2)
+    assert _get(client, run["id"], format="csv", layout="long").content == long  # the long layout too
     csv_chunked = _get(client, run["id"], format="csv", layout="wide").content
     assert csv_chunked == whole["csv"]
     chunked = pq.ParquetFile(io.BytesIO(_get(client, run["id"], format="parquet", layout="wide").content))

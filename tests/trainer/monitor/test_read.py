@@ -18,7 +18,20 @@ from tests.support import ROOT
 from tests.support.server import pg_database_or_skip, running_server
 from tests.trainer.monitor_utils import FAST, tiny_model, train
 
-STATS = ("amax", "scale", "overflow", "underflow", "nonfinite", "numel")
+# what the job computes and the export carries: the base columns and the quality columns (no block-scaled
+# layer, so no block columns)
+STATS = (
+    "amax",
+    "scale",
+    "overflow",
+    "underflow",
+    "nonfinite",
+    "numel",
+    "sum_sq",
+    "err_sq",
+    "subnormal",
+    "min_abs",
+)
 README = ROOT / "README.md"
 
 
