@@ -45,8 +45,8 @@ enum { P_FMAX, P_OVF_THR, P_OVF_INCL, P_UNF_THR, P_MIN_NORMAL, P_MIN_SUB, P_MANT
 enum { AMAX, SCALE, OVERFLOW, UNDERFLOW, NONFINITE, NUMEL, SUM_SQ, ERR_SQ, SUBNORMAL, MIN_ABS };
 
 typedef struct {
-    uint32_t fmax, ovf_thr, unf_thr, min_normal, magic, round_half, low_mask, rebias, sub_codes;
-    int shift, ovf_inclusive;
+    uint32_t fmax, ovf_above, unf_thr, min_normal, magic, round_half, low_mask, rebias, sub_codes;
+    int shift;
     float magic_f;
 } fmt_t;
 
@@ -75,8 +75,8 @@ static fmt_t make_fmt(const double *p) {
     int mant = (int)p[P_MANT], bias = (int)p[P_BIAS];
     f.shift = 23 - mant;
     f.fmax = f2u((float)p[P_FMAX]);
-    f.ovf_thr = f2u((float)p[P_OVF_THR]);
-    f.ovf_inclusive = p[P_OVF_INCL] != 0.0;
+    /* overflow: a above the threshold, or at it where the threshold is inclusive (one float32 ulp less) */
+    f.ovf_above = f2u((float)p[P_OVF_THR]) - (p[P_OVF_INCL] != 0.0);
     f.unf_thr = f2u((float)p[P_UNF_THR]);
     f.min_normal = f2u((float)p[P_MIN_NORMAL]);
     f.magic_f = (float)(p[P_MIN_SUB] * 8388608.0); /* 2**23 ulps of min_sub */
@@ -130,8 +130,8 @@ typedef struct {
 } lanes_t;
 
 /* W values (m of them real: a short tail is padded with +0, which adds nothing to any column) */
-INLINE void step(const float *x, int64_t m, float scale, const fmt_t *f, uint32_t *codes, lanes_t *l,
-                 int quality) {
+INLINE void step(const float *x, int64_t m, float scale, const fmt_t *restrict f, uint32_t *restrict codes,
+                 lanes_t *restrict l, int quality) {
     vf xv = load_f32(x, m);
     vu xb = (vu)xv;
     vu axb = xb & 0x7fffffffu;
@@ -148,14 +148,16 @@ INLINE void step(const float *x, int64_t m, float scale, const fmt_t *f, uint32_
     vu code = sel(is_sub, (vu)sub - f->magic, (rn >> f->shift) - f->rebias);
     vu out = sel(isnan_, (vu){0} + 0x7fu, code) | ((xb >> 24) & 0x80u);
     memcpy(codes, &out, sizeof out); /* narrowed to bytes by the caller's loop (packs, not per lane) */
-    vi big = f->ovf_inclusive ? (vi)(ab >= f->ovf_thr) : (vi)(ab > f->ovf_thr);
-    l->ovf += finite & big;
+    l->ovf += finite & (vi)(ab > f->ovf_above);
     l->unf += finite & (vi)(axb != 0) & (vi)(ab <= f->unf_thr);
     l->nonfin += ~finite;
     if (quality) {
-        vu nz = sel(finite & (vi)(axb != 0), axb, (vu){0} + 0x7f800000u);
-        l->min_abs = sel((vi)(nz < l->min_abs), nz, l->min_abs);
-        l->subn += finite & (vi)((code - 1u) < f->sub_codes);
+        /* min over |x| bits - 1: zero wraps to the top, and NaN / Inf (0x7F800000 and above) stay above
+         * every finite value; the caller adds the 1 back. A NaN or Inf x has the code of FP8_MAX here
+         * (saturated above), no subnormal's: no mask needed for either */
+        vu key = axb - 1u;
+        l->min_abs = sel((vi)(key < l->min_abs), key, l->min_abs);
+        l->subn += (vi)((code - 1u) < f->sub_codes);
         vf qv = (vf)sel(is_sub, (vu)(sub - f->magic_f), rn);
         vf d = qv - a;
         l->ssq += (vf)((vu)(a * a) & (vu)finite);
@@ -166,13 +168,14 @@ INLINE void step(const float *x, int64_t m, float scale, const fmt_t *f, uint32_
 /* One chunk of at most CHUNK float32 values: quantize into q (if given) and accumulate the statistics. */
 INLINE void chunk(const float *x, int64_t n, float scale, const fmt_t *f, uint8_t *q, acc_t *acc,
                   int quality) {
-    lanes_t l = {{0}, (vu){0} + 0x7f800000u, {0}, {0}, {0}, {0}, {0}, {0}};
+    lanes_t l = {{0}, (vu){0} + 0x7f7fffffu, {0}, {0}, {0}, {0}, {0}, {0}};
+    const fmt_t fl = *f; /* a local copy: the stores to codes cannot alias it, its fields stay in registers */
     uint32_t codes[CHUNK + W];
     int64_t i = 0;
     for (; i + W <= n; i += W)
-        step(x + i, W, scale, f, codes + i, &l, quality);
+        step(x + i, W, scale, &fl, codes + i, &l, quality);
     if (i < n)
-        step(x + i, n - i, scale, f, codes + i, &l, quality);
+        step(x + i, n - i, scale, &fl, codes + i, &l, quality);
     if (q)
         for (int64_t k = 0; k < n; k++)
             q[k] = (uint8_t)codes[k];
@@ -180,7 +183,8 @@ INLINE void chunk(const float *x, int64_t n, float scale, const fmt_t *f, uint8_
     double s1 = 0, s2 = 0;
     for (int j = 0; j < W; j++) {
         acc->amax = l.amax[j] > acc->amax ? l.amax[j] : acc->amax;
-        acc->min_abs = l.min_abs[j] < acc->min_abs ? l.min_abs[j] : acc->min_abs;
+        uint32_t m = l.min_abs[j] < 0x7f7fffffu ? l.min_abs[j] + 1u : 0x7f800000u; /* none: +inf */
+        acc->min_abs = m < acc->min_abs ? m : acc->min_abs;
         o -= l.ovf[j], u -= l.unf[j], nf -= l.nonfin[j], s -= l.subn[j];
         s1 += (double)l.ssq[j], s2 += (double)l.esq[j];
     }
