@@ -8,13 +8,19 @@ process, interleaved in blocks so that drift of the machine hits both alike:
 * ``quality`` - the default: the quality columns too, in the same pass.
 
 Each mode trains its own copy of the model (same seed, same batches). No monitor: the difference is the
-statistics' computation (on the CPU, the reference path's extra torch ops).
+statistics' computation (on the CPU, the extra arithmetic of the fused quantize kernel, ``cpu_fused.c``).
+``--reference`` adds both modes on the PyTorch references (``base-ref``, ``quality-ref``: the CPU path
+before the fused kernel, or where it does not build), interleaved with the others, and prints the paired
+ratios between them.
 
     .venv/bin/python bench/quality_overhead.py [--rounds 10] [--block 10] [--batch-size 16] [--seq-len 64]
+        [--reference]
 
 Prints median and mean step times, the ratio quality/base overall and paired by round (the median over
-rounds of each round's ratio, robust to the machine's drift); writes bench/results/quality_overhead.json.
-Goal: quality/base <= 1.03 on the CPU.
+rounds of each round's ratio, robust to the machine's drift) and the load average; writes
+bench/results/quality_overhead.json. Goal: quality/base <= 1.03 on the CPU. On a shared machine, read the
+numbers beside the load average: a second process on a 2-core machine makes both modes several times
+slower and the ratio noise.
 """
 
 from __future__ import annotations
