@@ -61,7 +61,10 @@ def _compiler() -> str | None:
 
 def _cache_dirs() -> list[Path]:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return [Path(base) / "fp8scope", Path(tempfile.gettempdir()) / f"fp8scope-{os.getuid()}"]
+    return [
+        Path(base) / "fp8scope",
+        Path(tempfile.gettempdir()) / f"fp8scope-{getattr(os, 'getuid', lambda: 0)()}",
+    ]
 
 
 def _build(cc: str) -> Path:
