@@ -8,19 +8,27 @@ process, interleaved in blocks so that drift of the machine hits both alike:
 * ``quality`` - the default: the quality columns too, in the same pass.
 
 Each mode trains its own copy of the model (same seed, same batches). No monitor: the difference is the
-statistics' computation (on the CPU, the reference path's extra torch ops).
+statistics' computation (on the CPU, the extra arithmetic of the fused quantize kernel, ``cpu_fused.c``).
+``--reference`` adds both modes on the PyTorch references (``base-ref``, ``quality-ref``: the CPU path
+before the fused kernel, or where it does not build), interleaved with the others, and prints the paired
+ratios between them.
 
     .venv/bin/python bench/quality_overhead.py [--rounds 10] [--block 10] [--batch-size 16] [--seq-len 64]
+        [--reference]
 
 Prints median and mean step times, the ratio quality/base overall and paired by round (the median over
-rounds of each round's ratio, robust to the machine's drift); writes bench/results/quality_overhead.json.
-Goal: quality/base <= 1.03 on the CPU.
+rounds of each round's ratio, robust to the machine's drift) and the load average; writes
+bench/results/quality_overhead.json. Goal: quality/base <= 1.03 on the CPU. On a shared machine, read the
+numbers beside the load average: a second process on a 2-core machine makes both modes several times
+slower and the ratio noise.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import platform
 import statistics
 import sys
@@ -32,6 +40,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from fp8_kernels import has_kernel, reference_kernels  # noqa: E402
+
 from fp8_trainer import convert_to_fp8, fp8_autocast, tensor_table  # noqa: E402
 from fp8_trainer.convert import get_fp8_state  # noqa: E402
 from fp8_trainer.data import ByteCorpus  # noqa: E402
@@ -39,6 +49,7 @@ from fp8_trainer.model import GPT, PRESETS, fp8_filter  # noqa: E402
 from fp8_trainer.recipe import DelayedScaling  # noqa: E402
 
 MODES = ("base", "quality")
+REFERENCE_MODES = ("base-ref", "quality-ref")
 
 
 class Job:
@@ -49,7 +60,8 @@ class Job:
         self.recipe = DelayedScaling()
         self.model = GPT(PRESETS["tiny"])
         convert_to_fp8(self.model, recipe=self.recipe, module_filter_fn=fp8_filter)
-        get_fp8_state(self.model).set_quality_stats(mode == "quality")
+        get_fp8_state(self.model).set_quality_stats(mode.startswith("quality"))
+        self.reference = mode.endswith("-ref")  # the PyTorch references instead of the CPU's fused kernel
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.corpus = ByteCorpus(seed=0)
         self.args = args
@@ -57,13 +69,24 @@ class Job:
     def step(self) -> float:
         t0 = time.perf_counter()
         x, y = self.corpus.batch("train", self.args.batch_size, self.args.seq_len)
-        with fp8_autocast(fp8_recipe=self.recipe):
-            _, loss = self.model(x, y)
-        loss.backward()  # the FP8 step (history, scales, statistics) closes when backward ends
+        with use_kernels(not self.reference):
+            with fp8_autocast(fp8_recipe=self.recipe):
+                _, loss = self.model(x, y)
+            loss.backward()  # the FP8 step (history, scales, statistics) closes when backward ends
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def use_kernels(enabled: bool):
+    """The dispatch as it is (the fused CPU kernel where it builds), or the PyTorch references."""
+    if enabled:
+        yield
+    else:
+        with reference_kernels():
+            yield
 
 
 def main() -> None:
@@ -73,20 +96,26 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per mode first")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument(
+        "--reference", action="store_true",
+        help="also run both modes on the PyTorch references (base-ref, quality-ref): before the fused kernel",
+    )  # fmt: skip
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "quality_overhead.json"))
     args = p.parse_args()
 
-    jobs = {m: Job(m, args) for m in MODES}
+    modes = MODES + (REFERENCE_MODES if args.reference else ())
+    fused = has_kernel("quantize", "cpu")  # builds the fused CPU kernel now, outside the timed steps
+    jobs = {m: Job(m, args) for m in modes}
     for job in jobs.values():
         for _ in range(args.warmup):
             job.step()
-    widths = {m: get_fp8_state(jobs[m].model).last_stats.shape[1] for m in MODES}
-    assert widths == {"base": 6, "quality": 10}, widths  # each mode really records what it says
-    times: dict[str, list[float]] = {m: [] for m in MODES}
+    widths = {m: get_fp8_state(jobs[m].model).last_stats.shape[1] for m in modes}
+    assert all(widths[m] == (10 if m.startswith("quality") else 6) for m in modes), widths  # as they say
+    times: dict[str, list[float]] = {m: [] for m in modes}
     rounds: list[dict[str, float]] = []
     for r in range(args.rounds):
         this = {}
-        for m in MODES if r % 2 == 0 else MODES[::-1]:
+        for m in modes if r % 2 == 0 else modes[::-1]:
             block = [jobs[m].step() for _ in range(args.block)]
             times[m] += block
             this[m] = statistics.fmean(block)
@@ -95,26 +124,39 @@ def main() -> None:
 
     med = {m: statistics.median(v) for m, v in times.items()}
     mean = {m: statistics.fmean(v) for m, v in times.items()}
-    paired = statistics.median(r["quality"] / r["base"] for r in rounds)
+
+    def paired(a: str, b: str) -> float:
+        return statistics.median(r[a] / r[b] for r in rounds)
+
     print(
         f"tiny GPT, batch {args.batch_size} x {args.seq_len}, torch threads {torch.get_num_threads()}, "
-        f"{args.rounds} rounds x {args.block} steps per mode, {n_tensors} tensors quantized per step"
+        f"{args.rounds} rounds x {args.block} steps per mode, {n_tensors} tensors quantized per step; "
+        f"CPU quantize: {'fused kernel' if fused else 'PyTorch reference (the fused kernel did not build)'}"
+        + (", *-ref: PyTorch reference" if args.reference else "")
     )
-    print(f"{'mode':<8} {'median ms':>10} {'mean ms':>10} {'steps':>6}")
-    for m in MODES:
-        print(f"{m:<8} {med[m] * 1e3:10.2f} {mean[m] * 1e3:10.2f} {len(times[m]):6d}")
+    print(f"{'mode':<12} {'median ms':>10} {'mean ms':>10} {'steps':>6}")
+    for m in modes:
+        print(f"{m:<12} {med[m] * 1e3:10.2f} {mean[m] * 1e3:10.2f} {len(times[m]):6d}")
+    ratio = paired("quality", "base")
     overall = mean["quality"] / mean["base"]
-    print(f"quality/base: paired (median over rounds) {paired:.3f}, overall mean {overall:.3f}, "
+    print(f"quality/base: paired (median over rounds) {ratio:.3f}, overall mean {overall:.3f}, "
           f"median {med['quality'] / med['base']:.3f}; goal <= 1.03: "
-          f"{'met' if paired <= 1.03 else 'NOT met'}")  # fmt: skip
+          f"{'met' if ratio <= 1.03 else 'NOT met'}")  # fmt: skip
+    ratios = {"quality/base": ratio}
+    if args.reference:
+        for a, b in (("quality-ref", "base-ref"), ("base", "base-ref"), ("quality", "quality-ref")):
+            ratios[f"{a}/{b}"] = paired(a, b)
+            print(f"{a}/{b}: paired {ratios[f'{a}/{b}']:.3f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "machine": platform.platform(), "torch_threads": torch.get_num_threads(), "args": vars(args),
-        "tensors": n_tensors, "median_ms": {m: med[m] * 1e3 for m in MODES},
-        "mean_ms": {m: mean[m] * 1e3 for m in MODES}, "ratio_paired_median": paired,
-        "ratio_mean": overall, "step_times_s": times,
+        "fused_cpu_kernel": fused, "load_average": os.getloadavg(),
+        "tensors": n_tensors, "median_ms": {m: med[m] * 1e3 for m in modes},
+        "mean_ms": {m: mean[m] * 1e3 for m in modes}, "ratio_paired_median": ratio,
+        "ratios_paired_median": ratios, "ratio_mean": overall, "step_times_s": times,
     }, indent=1))  # fmt: skip
+    print(f"load average (1, 5, 15 min) at the end: {', '.join(f'{v:.2f}' for v in os.getloadavg())}")
 
 
 if __name__ == "__main__":

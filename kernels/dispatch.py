@@ -3,10 +3,13 @@ amax, exponent histograms and the scale update.
 
 Each op chooses an implementation by the device type of its tensors. CUDA tensors use the Triton kernels
 (``triton_*.py``) when triton is installed and the GPU has FP8 support (sm_89+); they register themselves
-here at the first CUDA call, so importing ``fp8_kernels`` never imports triton. Everything else uses the
-pure-PyTorch references. ``use_reference(True)`` (or ``with reference_kernels():``) forces the references
-everywhere, to compare against them or to debug on a GPU. Tensors beyond ``KERNEL_MAX_NUMEL`` elements
-(the kernels' int32 offsets) use the references too.
+here at the first CUDA call, so importing ``fp8_kernels`` never imports triton. CPU tensors use the fused
+one-pass C kernel (``cpu_fused``) for quantize-with-statistics, delayed and current, where it builds (a C
+compiler, at the first CPU call); the transposed variants then transpose its output. Everything else uses
+the pure-PyTorch references. These are the built-in implementations; ``register`` puts others in front of
+them. ``use_reference(True)`` (or ``with reference_kernels():``) forces the references everywhere, to
+compare against them or to debug on a GPU. Tensors beyond ``KERNEL_MAX_NUMEL`` elements (the kernels' int32
+offsets) use the references too.
 
 A registered implementation must follow the reference's contract exactly (same signature, same statistics
 row, same bits). The scale update's reference is ``fp8_trainer.scaling.delayed_scaling_update``, which
@@ -47,16 +50,20 @@ __all__ = [
     "use_reference",
 ]
 
-_TABLES: dict[str, dict[str, Callable]] = {
-    "quantize": {},
-    "quantize_transposed": {},
-    "current": {},
-    "current_transposed": {},
-    "amax": {},
-    "histogram": {},
-    "scale_update": {},
-    "block_quantize": {},
-}
+_OPS = (
+    "quantize",
+    "quantize_transposed",
+    "current",
+    "current_transposed",
+    "amax",
+    "histogram",
+    "scale_update",
+    "block_quantize",
+)
+#: implementations given to ``register``: they come first
+_TABLES: dict[str, dict[str, Callable]] = {op: {} for op in _OPS}
+#: the built-in kernels (Triton on CUDA, the fused C kernel on the CPU), filled at the first call
+_BUILTIN: dict[str, dict[str, Callable]] = {op: {} for op in _OPS}
 _force_reference = False
 
 
@@ -72,7 +79,8 @@ def register(
     scale_update: Callable | None = None,
     block_quantize: Callable | None = None,
 ) -> None:
-    """Route ``device_type`` (e.g. ``"cuda"``) to other implementations; ``None`` restores the reference."""
+    """Route ``device_type`` (e.g. ``"cuda"``) to other implementations; ``None`` restores the built-in one
+    (the device's kernel where there is one, else the reference)."""
     given = {
         "quantize": quantize,
         "quantize_transposed": quantize_transposed,
@@ -143,7 +151,19 @@ def _register_triton_for_cuda() -> bool:
         "block_quantize": block_quantize_triton,
     }
     for op, fn in impls.items():
-        _TABLES[op].setdefault("cuda", fn)  # an explicit register() made earlier wins
+        _BUILTIN[op]["cuda"] = fn
+    return True
+
+
+@functools.cache
+def _register_fused_cpu() -> bool:
+    """Register the fused CPU kernel once, if it builds (else a warning, once, and the references)."""
+    from .cpu_fused import fused_cpu_available, quantize_current_cpu, quantize_with_stats_cpu
+
+    if not fused_cpu_available():
+        return False
+    _BUILTIN["quantize"]["cpu"] = quantize_with_stats_cpu
+    _BUILTIN["current"]["cpu"] = quantize_current_cpu
     return True
 
 
@@ -152,7 +172,9 @@ def _lookup(op: str, device_type: str, numel: int = 0) -> Callable | None:
         return None
     if device_type == "cuda":
         _register_triton_for_cuda()
-    return _TABLES[op].get(device_type)
+    elif device_type == "cpu":
+        _register_fused_cpu()
+    return _TABLES[op].get(device_type) or _BUILTIN[op].get(device_type)
 
 
 def quantize_with_stats(
@@ -224,8 +246,8 @@ def quantize_current_transposed(
 def has_kernel(op: str, device_type: str) -> bool:
     """True where ``op`` (a ``register`` keyword, e.g. ``"quantize_transposed"``) runs another implementation
     than the PyTorch reference on ``device_type`` (and the reference switch is off)."""
-    if op not in _TABLES:
-        raise ValueError(f"op: unknown kernel op {op!r}; expected one of {sorted(_TABLES)}")
+    if op not in _OPS:
+        raise ValueError(f"op: unknown kernel op {op!r}; expected one of {sorted(_OPS)}")
     return _lookup(op, device_type) is not None
 
 

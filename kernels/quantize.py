@@ -1,7 +1,7 @@
 """Quantize to FP8 and record statistics in the same function: the pure-PyTorch reference.
 
-This is the CPU path and the specification the Triton kernels (``triton_quantize``, ``triton_current``) are
-tested against.
+This is the specification the Triton kernels (``triton_quantize``, ``triton_current``) and the fused CPU
+kernel (``cpu_fused``) are tested against, and the CPU path where that kernel does not build.
 
 Numerics (DESIGN.md, "FP8 facts"):
 

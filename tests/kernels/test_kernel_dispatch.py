@@ -22,8 +22,10 @@ from fp8_kernels import (
     tensor_amax_reference,
     use_reference,
 )
+from fp8_kernels.cpu_fused import fused_cpu_available
 
 from fp8_trainer.scaling import current_scale
+from tests.kernels.exact_checks import same_row
 
 
 def test_import_needs_no_triton():
@@ -96,7 +98,9 @@ def test_transposed_reference_fallback():
     q_ref, row_ref = quantize_with_stats_reference(x, torch.tensor(2.0), torch.float8_e5m2)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     assert torch.equal(qt.view(torch.uint8), q_ref.t().contiguous().view(torch.uint8)) and qt.is_contiguous()
-    assert torch.equal(row, row_ref)
+    # the quantize entry's row (the fused CPU kernel where it builds: the reference's within same_row's bound)
+    assert torch.equal(row, quantize_with_stats(x, torch.tensor(2.0), torch.float8_e5m2)[1])
+    same_row(row, row_ref, "transposed entry's row")
     with pytest.raises(ValueError, match="2-D"):
         quantize_with_stats_transposed(torch.ones(4), torch.tensor(1.0), torch.float8_e5m2)
 
@@ -163,7 +167,8 @@ def test_current_scaling_dispatch_and_switch():
         calls.append(("current", power_2_scale))
         return fp8_kernels.quantize_current_reference(x, fp8_dtype, stats, power_2_scale=power_2_scale)
 
-    assert not has_kernel("current", "cpu") and not has_kernel("current_transposed", "cpu")
+    builtin = fused_cpu_available()  # the fused C kernel, where it builds, is the CPU's built-in entry
+    assert has_kernel("current", "cpu") == builtin and not has_kernel("current_transposed", "cpu")
     fp8_kernels.register("cpu", current=current)
     try:
         assert has_kernel("current", "cpu") and not has_kernel("current_transposed", "cpu")
@@ -178,7 +183,7 @@ def test_current_scaling_dispatch_and_switch():
         assert len(calls) == 2
     finally:
         fp8_kernels.register("cpu")
-    assert not has_kernel("current", "cpu")
+    assert has_kernel("current", "cpu") == builtin  # register(device) restores the built-in entry
     with pytest.raises(ValueError, match="unknown kernel op"):
         has_kernel("transpose", "cpu")
 

@@ -30,13 +30,13 @@ def test_kernel_case_compiled(case):
 
 
 def test_cuda_tensors_dispatch_to_triton():
-    from fp8_kernels.dispatch import _TABLES
+    from fp8_kernels.dispatch import _BUILTIN
     from fp8_kernels.triton_quantize import quantize_with_stats_triton
 
     x = torch.randn(300, 77, device="cuda") * 100
     s = torch.tensor(2.5, device="cuda")
     q, row = fp8_kernels.quantize_with_stats(x, s, torch.float8_e4m3fn)
-    assert _TABLES["quantize"]["cuda"] is quantize_with_stats_triton
+    assert _BUILTIN["quantize"]["cuda"] is quantize_with_stats_triton
     assert fp8_kernels.fused_scale_update("cuda") is not None
     with fp8_kernels.reference_kernels():
         assert fp8_kernels.fused_scale_update("cuda") is None
@@ -150,13 +150,13 @@ def test_fp8_linear_forward_matches_float64_with_kernels():
 
 
 def test_current_scaling_is_one_fused_call_per_tensor():
-    from fp8_kernels.dispatch import _TABLES
+    from fp8_kernels.dispatch import _BUILTIN
     from fp8_kernels.triton_current import quantize_current_transposed_triton, quantize_current_triton
 
     x = torch.randn(300, 77, device="cuda") * 100
     q, scale, row = fp8_kernels.quantize_current(x, torch.float8_e5m2)
-    assert _TABLES["current"]["cuda"] is quantize_current_triton
-    assert _TABLES["current_transposed"]["cuda"] is quantize_current_transposed_triton
+    assert _BUILTIN["current"]["cuda"] is quantize_current_triton
+    assert _BUILTIN["current_transposed"]["cuda"] is quantize_current_transposed_triton
     _, qt, scale_t, row_t = fp8_kernels.quantize_current_transposed(x, torch.float8_e5m2)
     with fp8_kernels.reference_kernels():
         q_ref, scale_ref, row_ref = fp8_kernels.quantize_current(x, torch.float8_e5m2)
