@@ -172,45 +172,9 @@ def compact_histograms(session: Session, run_id: int, cut: int) -> int:
     ).all()
     if not rows:
         return 0
-    sums: dict[tuple[int, int], np.ndarray] = {}
-    n_steps: dict[tuple[int, int], int] = {}
-    for r in rows:
-        key = (r.tensor, r.step // COMPACT_BLOCK * COMPACT_BLOCK)
-        _add_into(sums, key, r.lo, unpack_counts(r.counts, 1))
-        n_steps[key] = n_steps.get(key, 0) + 1
-    existing = {
-        (r.tensor, r.step): r
-        for r in session.execute(
-            select(
-                BlockHistogram.tensor,
-                BlockHistogram.step,
-                BlockHistogram.lo,
-                BlockHistogram.n_steps,
-                BlockHistogram.counts,
-            ).where(
-                BlockHistogram.run_id == run_id,
-                BlockHistogram.level == COMPACT_BLOCK,
-                BlockHistogram.step < cut,
-            )
-        )
-    }
-    inserts, updates = [], []
-    for key, full in sums.items():
-        old = existing.get(key)
-        row = {"run_id": run_id, "tensor": key[0], "level": COMPACT_BLOCK, "step": key[1]}
-        if old is not None:
-            _add_into(sums, key, old.lo, unpack_counts(old.counts, COMPACT_BLOCK))
-        lo, counts = _trimmed(full)
-        row.update(
-            lo=lo,
-            n_steps=n_steps[key] + (old.n_steps if old is not None else 0),
-            counts=pack_counts(counts, COMPACT_BLOCK),
-        )
-        (updates if old is not None else inserts).append(row)
-    if inserts:
-        session.execute(insert(BlockHistogram), inserts)
-    if updates:
-        session.execute(update(BlockHistogram), updates)
+    _merge_histograms(
+        session, run_id, COMPACT_BLOCK, [(r.step, HistEntry(r.tensor, r.lo, r.counts)) for r in rows]
+    )
     result = session.execute(
         delete(BlockHistogram).where(
             BlockHistogram.run_id == run_id, BlockHistogram.level == 1, BlockHistogram.step < cut
@@ -305,8 +269,9 @@ def _seal_histograms(
 def _merge_histograms(
     session: Session, run_id: int, level: int, entries: list[tuple[int, HistEntry]]
 ) -> None:
-    """Add late steps' histograms ((step, entry)) into the sealed sums of `level` their steps fall in: read
-    the touched rows once, add, write back (a block that held no histogram of the tensor gets its row)."""
+    """Add steps' histograms ((step, entry)) into the sums of `level` their steps fall in (late steps into
+    sealed sums; compaction's steps into the 8-step sums): read the touched rows once, add, write back (a
+    block that held no histogram of the tensor gets its row)."""
     sums: dict[tuple[int, int], np.ndarray] = {}
     n_steps: dict[tuple[int, int], int] = {}
     for step, e in entries:
