@@ -221,18 +221,20 @@ INLINE void chunk(const float *x, int64_t n, float scale, const fmt_t *f, uint8_
     acc->sum_sq += s1, acc->err_sq += s2;
 }
 
+/* elements [i, i + m) of x as float32: in place for a float32 input, else widened into buf */
+INLINE const float *as_f32(const void *x, int in_dtype, int64_t i, int64_t m, float *buf) {
+    if (in_dtype == IN_F32)
+        return (const float *)x + i;
+    widen((const uint16_t *)x + i, in_dtype, m, buf);
+    return buf;
+}
+
 INLINE void pass(const void *x, int in_dtype, int64_t n, float scale, const fmt_t *f, uint8_t *q, acc_t *acc,
                  int quality) {
     float buf[CHUNK];
     for (int64_t i = 0; i < n; i += CHUNK) {
         int64_t m = n - i < CHUNK ? n - i : CHUNK;
-        const float *xf;
-        if (in_dtype == IN_F32) {
-            xf = (const float *)x + i;
-        } else {
-            widen((const uint16_t *)x + i, in_dtype, m, buf);
-            xf = buf;
-        }
+        const float *xf = as_f32(x, in_dtype, i, m, buf);
         if (quality)
             chunk(xf, m, scale, f, q ? q + i : 0, acc, 1);
         else
@@ -246,13 +248,7 @@ INLINE uint32_t amax_pass(const void *x, int in_dtype, int64_t n) {
     float buf[CHUNK];
     for (int64_t i = 0; i < n; i += CHUNK) {
         int64_t m = n - i < CHUNK ? n - i : CHUNK;
-        const float *xf;
-        if (in_dtype == IN_F32) {
-            xf = (const float *)x + i;
-        } else {
-            widen((const uint16_t *)x + i, in_dtype, m, buf);
-            xf = buf;
-        }
+        const float *xf = as_f32(x, in_dtype, i, m, buf);
         for (int64_t k = 0; k < m; k += W) {
             vu axb = (vu)(m - k >= W ? load_f32(xf + k, W) : load_f32(xf + k, m - k)) & 0x7fffffffu;
             amax = vmaxu(amax, axb & ~(vu)(axb > 0x7f800000u));
