@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from sqlalchemy import and_, delete, func, insert, select, update
+from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from fp8_protocol.stats import (
@@ -305,15 +305,9 @@ def _seal(session: Session, run_id: int, level: int, first: int, last: int, fp8_
                 continue
             cols, derive = DERIVED[metric]
             need = [STAT_IDS[c] for c in cols]
-            if not all(i in columns for i in need):
-                continue
-            common = present[need[0]]
-            for i in need[1:]:
-                common = np.intersect1d(common, present[i], assume_unique=True)
-            if not len(common):
-                continue
-            mats = [columns[i][np.isin(present[i], common, assume_unique=True)] for i in need]
-            parts[metric] = (common, derive(fp8_max, *mats), how)
+            common, mats = on_common_steps(present, columns, need, T)
+            if len(common):
+                parts[metric] = (common, derive(fp8_max, *(mats[i] for i in need)), how)
         child_blocks = {
             metric: (steps // level, values, how) for metric, (steps, values, how) in parts.items()
         }
@@ -568,25 +562,27 @@ def read_step_stats(
 ) -> tuple[np.ndarray, dict[int, np.ndarray]]:
     """Raw per-step statistics for steps [lo, hi]: (steps (S,), metric id -> (S, T)), for the steps that
     stored every one of `metric_ids` (a step sent without the quality columns has none of theirs)."""
-    out: dict[int, np.ndarray] = {}
-    steps_of: dict[int, np.ndarray] = {}
-    for metric_id in metric_ids:
-        rows = session.execute(
-            select(StepStat.step, StepStat.values)
-            .where(
-                and_(StepStat.run_id == run_id, StepStat.metric == metric_id, StepStat.step.between(lo, hi))
-            )
-            .order_by(StepStat.step)
-        ).all()
-        steps_of[metric_id] = np.fromiter((r.step for r in rows), np.int64, len(rows))
-        out[metric_id] = unpack_rows([r.values for r in rows], num_tensors)
+    present, values = read_step_stats_each(session, run_id, metric_ids, lo, hi, num_tensors)
+    return on_common_steps(present, values, metric_ids, num_tensors)
+
+
+def on_common_steps(
+    present: dict[int, np.ndarray], values: dict[int, np.ndarray], metric_ids: list[int], num_tensors: int
+) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+    """`read_step_stats_each`'s answer cut to the steps that stored every one of `metric_ids`: (steps (S,),
+    metric id -> (S, T))."""
     if not metric_ids:
-        return np.zeros(0, dtype=np.int64), out
-    steps = steps_of[metric_ids[0]]
-    for other in steps_of.values():
-        if not np.array_equal(other, steps):  # some metric lacks some steps: keep the steps all have
-            steps = np.intersect1d(steps, other, assume_unique=True)
-    for metric_id, own in steps_of.items():
-        if len(own) != len(steps):
-            out[metric_id] = out[metric_id][np.isin(own, steps, assume_unique=True)]
+        return np.zeros(0, dtype=np.int64), {}
+    if not all(m in present for m in metric_ids):  # some metric stored no step of the range
+        return np.zeros(0, dtype=np.int64), {m: np.zeros((0, num_tensors)) for m in metric_ids}
+    steps = present[metric_ids[0]]
+    for m in metric_ids[1:]:
+        if not np.array_equal(present[m], steps):  # some metric lacks some steps: keep the steps all have
+            steps = np.intersect1d(steps, present[m], assume_unique=True)
+    out = {
+        m: values[m]
+        if len(present[m]) == len(steps)
+        else values[m][np.isin(present[m], steps, assume_unique=True)]
+        for m in metric_ids
+    }
     return steps, out
