@@ -118,14 +118,14 @@ def test_killed_server_loses_no_detector_state(tmp_path: Path):
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
             _post_steps(http, run_id, stats, lo, hi, prefix)
 
-    with ServerProcess(url, log_path=tmp_path / "a.log").start() as server:
+    with ServerProcess(url, log_path=tmp_path / "a.log") as server:
         with httpx.Client(base_url=f"http://127.0.0.1:{server.port}", timeout=30) as http:
             reference = create_run(http, n_layers=3, name="reference")["id"]
             killed = create_run(http, n_layers=3, name="killed")["id"]
         post(server.port, reference, 0, 60, "r")
         post(server.port, killed, 0, 50, "k")
         server.stop(signal.SIGKILL)
-    with ServerProcess(url, log_path=tmp_path / "b.log").start() as server:
+    with ServerProcess(url, log_path=tmp_path / "b.log") as server:
         post(server.port, killed, 50, 60, "k")
         assert _alerts(server.port, killed) == _alerts(server.port, reference)
         assert _layers(server.port, killed) == _layers(server.port, reference)

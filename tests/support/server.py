@@ -229,6 +229,8 @@ class ServerProcess:
             raise
 
     def __enter__(self) -> ServerProcess:
+        if self.proc is not None and self.proc.poll() is None:  # started already: a second one could not bind
+            return self
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
