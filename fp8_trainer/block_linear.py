@@ -258,8 +258,8 @@ def _assemble(
 ):
     """The ``(row, block_row)`` of ``block_tensor_stats`` from per-block quantities (flat or blocked) and
     ``quality`` ``(sum_sq, err_sq, subnormal)`` or ``None``."""
-    top = torch.argmax(amax_b)
-    amax, scale = amax_b[top], scale_b.flatten()[top]
+    top = torch.argmax(amax_b).reshape(1)  # indexing with a 0-dim tensor would read it on the host
+    amax, scale = amax_b.flatten().index_select(0, top), scale_b.flatten().index_select(0, top)
     overflow_b, underflow_b = overflow_b.flatten(), underflow_b.flatten()
     big, small = big.flatten(), small.flatten()
     drange = torch.where(big > 0, torch.log2(big.double() / small.double()), 0.0).to(torch.float32)

@@ -25,6 +25,7 @@ from .report import health_table
 from .schedule import LR_SCHEDULES
 from .train import Prepared, dist_env, make_recipe, run_config, train
 from .train_config import FP8_RECIPES, HISTORY_LEN, TrainConfig
+from .train_graph import graph_misfit
 
 __all__ = ["TrainConfig", "build_parser", "health_table", "main", "make_recipe", "prepare"]
 
@@ -56,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
                    default=_D.activation_checkpointing,
                    help="recompute each block in backward (torch.utils.checkpoint); the FP8 layers recompute "
                         "in FP8 with the original scales (default %(default)s)")  # fmt: skip
+
+    g.add_argument("--cuda-graph", action="store_true",
+                   help="capture each optimizer step in a CUDA graph after 3 eager steps and replay it: no "
+                        "host work per layer (--device cuda; not with --inject, --halt-on-nonfinite, "
+                        "--activation-checkpointing or several ranks)")  # fmt: skip
 
     g = p.add_argument_group("FP8 recipe")
     g.add_argument("--recipe", choices=(*FP8_RECIPES, "bf16", "fp32"), default=_D.recipe,
@@ -199,6 +205,10 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> Prepared:
         p.error(str(e))
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device available")
+    if a.cuda_graph:
+        misfit = graph_misfit(a, dist_env()[1])
+        if misfit:
+            p.error(misfit)
 
     for flag in ("run_name", "token", "token_file"):
         if getattr(a, flag) is not None and not a.monitor_url:

@@ -28,15 +28,19 @@ inside ``train_step``).
 
 from __future__ import annotations
 
+import os
+import traceback
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .convert import get_fp8_state
 
-__all__ = ["GraphedStep"]
+__all__ = ["GraphedStep", "HostSyncAudit"]
 
 
 class GraphedStep:
@@ -46,7 +50,8 @@ class GraphedStep:
     compiles, cuBLASLt and the caching allocator settle, the optimizer creates its state, the FP8 buffers
     reach their final form); gradients are set to ``None`` after each, and before capture, so that the
     captured backward writes them. ``output`` is what ``train_step`` returned (static tensors once captured:
-    copy what must outlive the next call).
+    copy what must outlive the next call). The last warm-up call runs under ``HostSyncAudit``: a step that
+    synchronises with the host is refused there with the ops named, before any capture.
     """
 
     def __init__(self, train_step: Callable[[], Any], model: nn.Module, *, warmup: int = 3, optimizer=None):
@@ -73,13 +78,21 @@ class GraphedStep:
         for p in self.model.parameters():
             p.grad = None
 
-    def _eager(self) -> Any:
+    def _eager(self, audit: bool) -> Any:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        checker = HostSyncAudit() if audit else nullcontext()
+        with torch.cuda.stream(side), checker:
             out = self.train_step()
             self._zero_grads()
         torch.cuda.current_stream().wait_stream(side)
+        if audit and checker.found:
+            # said now, in words, rather than as the capture's "operation not permitted when stream is
+            # capturing" from somewhere inside the step
+            raise RuntimeError(
+                "GraphedStep: train_step makes the host wait for the GPU, which a CUDA graph cannot capture: "
+                + checker.report()
+            )
         return out
 
     def _capture(self) -> None:
@@ -106,7 +119,9 @@ class GraphedStep:
         state's buffers were replaced)."""
         self.calls += 1
         if self.calls <= self.warmup:
-            self.output = self._eager()
+            # the last warm-up step is checked for host synchronisation: the earlier ones may set things
+            # up (an optimizer's state, lazily made buffers) in ways the captured steps never repeat
+            self.output = self._eager(audit=self.calls == self.warmup)
             return self.output
         if self.graph is None or self._version != self.state.version:
             self._capture()
@@ -114,3 +129,86 @@ class GraphedStep:
         if self._fp8_steps:
             self.state.replayed()
         return self.output
+
+
+# ----- host synchronisation audit ---------------------------------------------------------------------
+
+#: ATen ops that make the host wait for the device: a scalar read (``.item()``, ``bool()``, ``float()``, an
+#: ``if`` on a tensor), ops whose output size depends on the values, comparisons answered on the host
+_SYNC_OPS = {
+    "aten._local_scalar_dense": "a tensor read on the host (.item(), bool(), float(), an if on a tensor)",
+    "aten.nonzero": "nonzero (its output size depends on the values)",
+    "aten.masked_select": "masked_select (its output size depends on the values)",
+    "aten.unique_dim": "unique (its output size depends on the values)",
+    "aten._unique2": "unique (its output size depends on the values)",
+    "aten.unique_consecutive": "unique_consecutive (its output size depends on the values)",
+    "aten.equal": "torch.equal (answered on the host)",
+    "aten.is_nonzero": "a tensor's truth value",
+    "aten.allclose": "torch.allclose (answered on the host)",
+}
+
+
+def _caller() -> str:
+    """``file:line`` of the innermost frame outside torch and this module: where the step asked for it."""
+    here = os.path.abspath(__file__)
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
+    for frame in reversed(traceback.extract_stack()):
+        path = os.path.abspath(frame.filename)
+        if path != here and not path.startswith(torch_dir + os.sep):
+            return f"{os.path.relpath(path) if path.startswith(os.getcwd()) else path}:{frame.lineno}"
+    return "(inside torch)"
+
+
+class HostSyncAudit(TorchDispatchMode):
+    """Records every op dispatched inside it that would make the host wait for the device, which a CUDA
+    graph cannot capture (and which stalls an eager GPU step): scalar reads, value-dependent output sizes
+    (``nonzero``, indexing with a boolean mask), host-answered comparisons, and copies from the GPU into
+    pageable host memory. The same ops are found on the CPU, so a step can be checked there before it
+    meets a GPU (copies to the host show only where the source is on a GPU).
+
+        with HostSyncAudit() as audit:
+            train_step()
+        assert not audit.found, audit.report()
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.found: list[str] = []  # one entry per offending call, in order
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        why = self._why(func, args, kwargs)
+        if why is not None:
+            self.found.append(f"{why} at {_caller()}")
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _why(func, args, kwargs) -> str | None:
+        name = func._schema.name.replace("::", ".")
+        if name in _SYNC_OPS:
+            return f"{name}: {_SYNC_OPS[name]}"
+        if name == "aten.index" and any(
+            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in (args[1] or ())
+        ):
+            return "aten.index: indexing with a boolean mask (its output size depends on the values)"
+        if name == "aten.repeat_interleave" and kwargs.get("output_size") is None and len(args) < 3:
+            return "aten.repeat_interleave without output_size (its output size depends on the values)"
+        if name in ("aten._to_copy", "aten.copy_", "aten.copy"):
+            src = args[1] if name != "aten._to_copy" else args[0]
+            dst_device = kwargs.get("device") if name == "aten._to_copy" else args[0].device
+            if (
+                isinstance(src, torch.Tensor)
+                and src.device.type != "cpu"
+                and dst_device is not None
+                and torch.device(dst_device).type == "cpu"
+                and not (name != "aten._to_copy" and args[0].is_pinned())
+            ):
+                return f"{name}: a copy from {src.device} into pageable host memory"
+        return None
+
+    def report(self) -> str:
+        """The offending ops, each with how many times it was called."""
+        counts: dict[str, int] = {}
+        for why in self.found:
+            counts[why] = counts.get(why, 0) + 1
+        return "; ".join(f"{why} (x{n})" if n > 1 else why for why, n in counts.items())

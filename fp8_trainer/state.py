@@ -329,8 +329,6 @@ class FP8State:
         self.amax_history = torch.where(rows < self.history_len, h, torch.zeros((), device=dev))
         self.reduce_amax = any(self.layer_settings(k)["reduce_amax"] for k in range(self.n_layers))
         if self.block_stats is None and any(spec is not None for spec in self.block_specs):
-            if self.capturable:
-                raise ValueError("scaling: block-scaled layers cannot run in a captured (capturable) step")
             self.block_stats = new_block_stats(self.n_tensors, self.device)  # from now on, every step
         self.version += 1
 
@@ -497,6 +495,12 @@ class FP8State:
             self.last_stats = torch.empty_like(stats)
         self.last_stats.copy_(stats)
         stats.zero_()
+        block = self.block_stats
+        if block is not None:
+            if self.last_block_stats is None or self.last_block_stats.shape != block.shape:
+                self.last_block_stats = torch.empty_like(block)
+            self.last_block_stats.copy_(block)
+            block.zero_()  # new_block_stats' zeros, in place
         stats[:, SCALE] = self.scale
         if stats.shape[1] > MIN_ABS:
             stats[:, MIN_ABS] = torch.inf  # the neutral element of its min
@@ -516,7 +520,7 @@ class FP8State:
         """The host side of a step whose device side ran in place (``capturable``): count it and hand its
         statistics to the readers, as a copy (the buffer is overwritten by the next step). ``end_step``
         calls it; after a CUDA graph replay, nothing runs ``end_step`` and ``GraphedStep`` calls this."""
-        self._deliver(self.last_stats.clone())
+        self._deliver(self._with_block(self.last_stats.clone(), self.last_block_stats))  # with a block: cat
 
     def _deliver(self, stats: torch.Tensor) -> None:
         for box in self._inboxes:
@@ -530,8 +534,6 @@ class FP8State:
         from now on are fresh buffers once more."""
         if self.pending:
             raise RuntimeError("set_capturable: a step is pending; switch between steps")
-        if enabled and self.block_stats is not None:
-            raise RuntimeError("set_capturable: block-scaled statistics are not recorded in captured steps")
         self.capturable = bool(enabled)
         if self.capturable:
             # the scale vectors must be the aligned layout, which the in-place copies then keep

@@ -40,6 +40,7 @@ from .report import fp8_summary, health_table
 from .schedule import lr_at
 from .stats import read_newest, step_stats
 from .train_config import FP8_RECIPES, HISTORY_LEN, TrainConfig
+from .train_graph import GraphedTraining, make_capturable
 
 __all__ = ["Prepared", "TrainResult", "dist_env", "make_recipe", "run_config", "train"]
 
@@ -235,12 +236,14 @@ def evaluate(model: nn.Module, batches, a: TrainConfig, recipe, device) -> float
     return torch.stack(losses).mean().item()
 
 
-def _bf16(a: TrainConfig, device: torch.device):
+def _bf16(a: TrainConfig, device: torch.device, cache: bool = True):
     """bf16 autocast for the bf16 baseline, and on a GPU also around FP8 recipes: what is not an FP8 GEMM
     (attention, LayerNorm, the output head) then runs in bf16 as in FP8 training with Transformer Engine, and
-    tokens/s compare with the bf16 baseline. On the CPU, FP8 runs keep float32 elsewhere (bf16 is slow)."""
+    tokens/s compare with the bf16 baseline. On the CPU, FP8 runs keep float32 elsewhere (bf16 is slow).
+    ``cache=False`` in a captured step (autocast's weight-cast cache would outlive the capture)."""
     fp8_on_gpu = device.type == "cuda" and a.recipe in FP8_RECIPES
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.recipe == "bf16" or fp8_on_gpu)
+    enabled = a.recipe == "bf16" or fp8_on_gpu
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled, cache_enabled=cache)
 
 
 def train(a: TrainConfig, prepared: Prepared | None = None, *, on_step=None, out=print) -> TrainResult:
@@ -286,10 +289,15 @@ def _build(a, prepared: Prepared, rank: int, device):
     ckpt = prepared.checkpoint
     if ckpt is None and a.resume:
         ckpt = load_checkpoint(a.resume)
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"])  # FP8 scaling state included (each layer's _extra_state)
+        opt.load_state_dict(ckpt["optimizer"])
+        for group in opt.param_groups:  # as this run wants it, whatever the saving run was
+            group["capturable"] = False
+    if a.cuda_graph and device.type == "cuda":
+        make_capturable(opt, device)
     if ckpt is None:
         return corpus, recipe, model, opt, 0, None
-    model.load_state_dict(ckpt["model"])  # FP8 scaling state included (each layer's _extra_state)
-    opt.load_state_dict(ckpt["optimizer"])
     torch.set_rng_state(ckpt["rng"]["torch"])
     if "cuda" in ckpt["rng"] and device.type == "cuda":
         torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
@@ -342,19 +350,27 @@ def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -
     shown_url = False
     losses = torch.zeros(a.steps - start, device=device)  # one slot per step: no allocation per step
     dumped: list[torch.Tensor] = []  # --stats-dump: every step's statistics, copied synchronously
+    graphed = (
+        GraphedTraining(a, net, model, opt, recipe, device, lambda: _bf16(a, device, cache=False))
+        if a.cuda_graph
+        else None
+    )
     with _make_monitor(a, model, recipe, config, rank, world) as monitor:
         t_last = progress.t_start = time.perf_counter()
         try:
             for step in range(start + 1, a.steps + 1):
                 # ----- learning rate and this step's injected faults -----
                 lr = step_lr(a, step) * injector.lr_factor(step)
-                for group in opt.param_groups:
-                    group["lr"] = lr
                 for inj in injector.begin(step):
                     say(f"inject: step {step}: {inj.describe()}")
                     monitor.event("injection", step, **inj.details())
 
-                step_loss = _forward_backward(a, net, corpus, recipe, device, world)
+                if graphed is not None:  # the whole optimizer step, replayed (fp8_trainer.train_graph)
+                    step_loss, grad_norm = graphed(corpus, lr)
+                else:
+                    for group in opt.param_groups:
+                        group["lr"] = lr
+                    step_loss = _forward_backward(a, net, corpus, recipe, device, world)
                 injector.end(step)
 
                 if a.halt_on_nonfinite and _nonfinite(step_loss, world):  # before the update: a host sync
@@ -365,7 +381,8 @@ def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -
                     opt.zero_grad(set_to_none=True)
                     break
 
-                grad_norm = _optimizer_step(a, model, opt)
+                if graphed is None:
+                    grad_norm = _optimizer_step(a, model, opt)
                 result.step = step  # at once: an interrupt from here on leaves the weights of this step
                 now = time.perf_counter()
                 tokens_per_s = tokens_per_step / max(now - t_last, 1e-9)  # this step's (host clock)

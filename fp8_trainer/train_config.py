@@ -25,6 +25,8 @@ class TrainConfig:
     seed: int = 0  # weights and data order: a run is repeatable
     device: str = "cpu"  # or "cuda": FP8 recipes then run under bf16 autocast, as with Transformer Engine
     activation_checkpointing: str = "none"  # recompute blocks in backward (model.CHECKPOINT_MODES)
+    # capture each optimizer step in a CUDA graph after 3 eager steps and replay it (fp8_trainer.train_graph)
+    cuda_graph: bool = False
     # ----- FP8 recipe (None: the recipe's default, so a delayed-only flag given to another is refused) -----
     # FP8 scaling "delayed" / "current" (per tensor), "mxfp8" (1x32 blocks, E8M0 scales; dimensions and
     # batch x seq_len divisible by 32) / "block" (FP8 block scaling: 1x128 activations and gradients, 128x128

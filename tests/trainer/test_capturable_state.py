@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import fp8_trainer
+from fp8_trainer.block_linear import BLOCK_WIDTH, split_block_stats
 from fp8_trainer.convert import get_fp8_state
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -19,9 +20,18 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 BUFFERS = ("amax_history", "scale", "scale_inv", "stats", "last_stats", "step_t")
 
 
-def _model() -> nn.Module:
+RECIPES = {
+    "delayed": fp8_trainer.DelayedScaling,
+    "current": fp8_trainer.CurrentScaling,
+    "mxfp8": fp8_trainer.MXFP8BlockScaling,
+    "block": fp8_trainer.Float8BlockScaling,
+}
+
+
+def _model(recipe: str = "delayed") -> nn.Module:
     torch.manual_seed(0)
-    return fp8_trainer.convert_to_fp8(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)))
+    mlp = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    return fp8_trainer.convert_to_fp8(mlp, recipe=RECIPES[recipe]())
 
 
 def _train(model: nn.Module, steps: int, reader=None, on_step=None) -> list:
@@ -29,8 +39,8 @@ def _train(model: nn.Module, steps: int, reader=None, on_step=None) -> list:
     got = []
     g = torch.Generator().manual_seed(1)
     for i in range(steps):
-        x = torch.randn(16, 32, generator=g) * (1 + 3 * (i % 3))  # amaxes that move the scales
-        with fp8_trainer.fp8_autocast():
+        x = torch.randn(32, 32, generator=g) * (1 + 3 * (i % 3))  # amaxes that move the scales
+        with fp8_trainer.fp8_autocast(fp8_recipe=get_fp8_state(model).recipe):
             loss = model(x).square().mean()
         loss.backward()
         opt.step()
@@ -42,28 +52,35 @@ def _train(model: nn.Module, steps: int, reader=None, on_step=None) -> list:
     return got
 
 
-def test_capturable_trains_bit_for_bit_as_default_with_fixed_buffers():
-    plain, cap = _model(), _model()
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_capturable_trains_bit_for_bit_as_default_with_fixed_buffers(recipe):
+    plain, cap = _model(recipe), _model(recipe)
     state = get_fp8_state(cap)
     state.set_capturable(True)
+    block = recipe in ("mxfp8", "block")
+    buffers = BUFFERS + (("block_stats", "last_block_stats") if block else ())
     r_plain, r_cap = fp8_trainer.StatsReader(plain), fp8_trainer.StatsReader(cap)
     _train(cap, 1)  # the first step allocates last_stats
     _train(plain, 1)
     r_plain.poll(), r_cap.poll()
-    ptrs = {name: getattr(state, name).data_ptr() for name in BUFFERS}
+    ptrs = {name: getattr(state, name).data_ptr() for name in buffers}
     seen = []
     got_cap = _train(
-        cap, 6, r_cap, on_step=lambda: seen.append({n: getattr(state, n).data_ptr() for n in BUFFERS})
+        cap, 6, r_cap, on_step=lambda: seen.append({n: getattr(state, n).data_ptr() for n in buffers})
     )
     got_plain = _train(plain, 6, r_plain)
     assert all(s == ptrs for s in seen)  # same addresses every step
     ps = get_fp8_state(plain)
     assert ps.steps == state.steps == 7
-    for name in ("amax_history", "scale", "scale_inv", "last_stats", "step_t"):
+    names = ("amax_history", "scale", "scale_inv", "last_stats", "step_t")
+    for name in names + (("last_block_stats",) if block else ()):
         assert torch.equal(getattr(ps, name), getattr(state, name)), name
     assert [g[0] for g in got_cap[1:]] == [g[0] for g in got_plain[1:]] == list(range(2, 7))
     for a, b in zip(got_cap[1:], got_plain[1:], strict=True):
         assert torch.equal(a[1], b[1])
+    if block:  # readers get the block part (block counts, exponent histogram) of every step, as eagerly
+        assert all(g[1].shape[1] == ps.last_stats.shape[1] + BLOCK_WIDTH for g in got_cap[1:])
+        assert all(split_block_stats(g[1])[1][:, 0].sum() > 0 for g in got_cap[1:])  # blocks counted
     for p, q in zip(plain.parameters(), cap.parameters(), strict=True):
         assert torch.equal(p, q)
     # the statistics handed out are copies: the next step overwrites the buffer, not what a reader holds
