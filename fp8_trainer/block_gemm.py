@@ -34,10 +34,10 @@ Layouts handed over (``prepare_native_args``; ``check_block_scaled_mm_args`` che
 * E8M0 scales (uint8 codes viewed as ``float8_e8m0fnu``): the ``(rows, K / 32)`` codes (a 32x32 weight's
   repeated per row) padded to ``(round_up(rows, 128), round_up(K / 32, 4))`` and swizzled in 128x4 tiles,
   tile-major, inside a tile ``offset = (row % 32) * 16 + (row % 128 // 32) * 4 + col % 4``.
-* Conservative size rules beyond PyTorch's own checks: K a multiple of 128 for FP8 block scaling (PyTorch's
-  checks size the scales with ``K // 128`` in places and ``ceil(K / 128)`` in others) and M a multiple of 8
-  for a 1x128-scaled ``mat_a`` (TE's check on the GEMM's outer dimensions, ``cublaslt_gemm.cu``); K a
-  multiple of 32 for MXFP8 (whole blocks).
+* Conservative size rules beyond PyTorch's own checks: for FP8 block scaling K, and the rows of a 128x128
+  operand, multiples of 128 (PyTorch's meta checks size the scales with ``K // 128`` and ``rows // 128``,
+  its CUDA checks with ``ceil``: whole blocks satisfy both), M a multiple of 8 for a 1x128-scaled ``mat_a``
+  (TE's check on the GEMM's outer dimensions, ``cublaslt_gemm.cu``); K a multiple of 32 for MXFP8.
 
 Falls back to the emulation: the CPU; a GPU or PyTorch without the recipe pair (sm_89, sm_90 for MXFP8,
 sm_100+ for FP8 block scaling, ROCm, PyTorch < 2.10); an E5M2 operand (the HYBRID format's gradients:
@@ -116,7 +116,7 @@ def operand_recipe(q: BlockQuantized) -> str | None:
     return None
 
 
-def _size_reason(kind: str, recipe_a: str, m: int, n: int, k: int) -> str | None:
+def _size_reason(kind: str, recipe_a: str, recipe_b: str, m: int, n: int, k: int) -> str | None:
     """Why ``(M, N, K)`` is not taken natively, ``None`` if it is (module docstring, "size rules")."""
     if k % 16 or n % 16:
         return f"K ({k}) and N ({n}) must be multiples of 16"
@@ -124,6 +124,9 @@ def _size_reason(kind: str, recipe_a: str, m: int, n: int, k: int) -> str | None
         return f"K ({k}) must be a multiple of {_VEC} for FP8 block scaling"
     if kind == BLOCK and recipe_a == "1x128" and m % 8:
         return f"M ({m}) of a 1x128-scaled mat_a must be a multiple of 8"
+    for name, rows, recipe in (("M", m, recipe_a), ("N", n, recipe_b)):
+        if recipe == "128x128" and rows % _VEC:
+            return f"{name} ({rows}) of a 128x128-scaled operand must be a multiple of {_VEC}"
     if kind == MXFP8 and k % _MX:
         return f"K ({k}) must be a multiple of {_MX} for MXFP8"
     return None
@@ -139,7 +142,7 @@ def unsupported_reason(a: BlockQuantized, b: BlockQuantized, kinds: frozenset[st
         return f"no native {kind} GEMM on {a.data.device}"
     if a.data.dtype != _E4M3 or b.data.dtype != _E4M3:
         return f"{a.data.dtype} x {b.data.dtype}: PyTorch's block-scaled GEMMs take E4M3 operands only"
-    return _size_reason(kind, ra, a.data.shape[0], b.data.shape[0], a.data.shape[1])
+    return _size_reason(kind, ra, rb, a.data.shape[0], b.data.shape[0], a.data.shape[1])
 
 
 def _api_available() -> bool:
@@ -334,7 +337,7 @@ def check_block_scaled_mm_args(args: NativeArgs) -> None:
     kind = _PAIRS.get((args.recipe_a, args.recipe_b))
     if kind is None:
         raise ValueError(f"recipe_a, recipe_b: no native GEMM for ({args.recipe_a}, {args.recipe_b})")
-    reason = _size_reason(kind, args.recipe_a, m, n, k)
+    reason = _size_reason(kind, args.recipe_a, args.recipe_b, m, n, k)
     if reason is not None:
         raise ValueError(f"mat_a, mat_b: {reason}")
     _check_scale(args.scale_a, args.recipe_a, m, k, "scale_a", args.mat_a.device)

@@ -235,11 +235,17 @@ def test_checker_rejects_unpadded_128x128_scales():
 
 
 @pytest.mark.parametrize(
-    "m, k, message",
-    [(250, 512, "M \\(250\\)"), (256, 400, "K \\(400\\)"), (256, 136, "K \\(136\\)")],
+    "m, n, k, a_dim, message",
+    [
+        (250, 512, 512, 1, "M \\(250\\) of a 1x128"),
+        (256, 512, 400, 1, "K \\(400\\)"),
+        (256, 512, 136, 1, "K \\(136\\)"),
+        (256, 208, 512, 1, "N \\(208\\) of a 128x128"),  # a partial row of 128x128 weight blocks
+        (136, 512, 512, 2, "M \\(136\\) of a 128x128"),
+    ],
 )
-def test_sizes_outside_the_rules_fall_back(m, k, message):
-    a, b = _block_pair(m=m, k=k)
+def test_sizes_outside_the_rules_fall_back(m, n, k, a_dim, message):
+    a, b = _block_pair(m=m, n=n, k=k, a_dim=a_dim, b_dim=3 - a_dim)
     assert bg.unsupported_reason(a, b, ALL_KINDS) is not None
     args = bg.prepare_native_args(a, b)
     with pytest.raises(ValueError, match=message):
