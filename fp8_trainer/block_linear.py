@@ -17,11 +17,14 @@ column-wise copy in the tensor's orientation, a layout difference that changes n
 the column-wise copies only where a backward GEMM needs them (x's when the weight needs a gradient, w's when
 the input does), and saves them in FP8 with their scales.
 
-GEMM: ``block_scaled_mm(..., accumulate="dequantize")``: both operands dequantized (each FP8 value times its
+GEMM: ``block_gemm`` (``block_gemm.py``): PyTorch's block-scaled ``scaled_mm`` where the GPU has one (FP8
+block scaling on sm_90, MXFP8 on sm_100+, E4M3 operands, the sizes it takes), else
+``block_scaled_mm(..., accumulate="dequantize")``: both operands dequantized (each FP8 value times its
 block's power-of-two scale is exact in float32) and one float32 matmul. A block-scaled tensor-core GEMM
 promotes its partial sums to float32 per K-block (TE's split accumulator), which ``accumulate="blockwise"``
 emulates with one matmul per K-block; on a CPU that is K / 32 matmuls per GEMM for MXFP8, and float32
 accumulation of exact products is at least as precise, so the one-matmul form is the emulation here.
+``block_gemm.gemm_paths()`` says which path each of the three GEMMs took.
 
 Statistics (recorded into the step's row, with no host synchronisation): the base and quality columns per
 element (``fp8_protocol.stats``), with ``scale`` that of the block holding the amax, plus the five
@@ -39,7 +42,6 @@ from fp8_kernels.block_quantize import (
     FP8_BLOCK,
     MXFP8_BLOCK,
     BlockQuantized,
-    block_scaled_mm,
     e8m0_to_scale,
     e8m0_to_scale_inv,
     float32_block_scale,
@@ -49,6 +51,7 @@ from fp8_kernels.quantize import overflow_threshold, subnormal_threshold
 
 from fp8_protocol.stats import BLOCK_COLUMNS, BLOCK_HIST_BINS, STAT_COLUMNS
 
+from .block_gemm import block_gemm
 from .formats import ROLES
 from .recipe import Float8BlockScaling, MXFP8BlockScaling
 
@@ -346,7 +349,7 @@ class _BlockLinearFn(torch.autograd.Function):
             weight.detach(), state.dtypes[iw], specs[1], rowwise=True, columnwise=need_dgrad,
             **state.block_rows(iw, record),
         )  # fmt: skip
-        out = block_scaled_mm(qx, qw)  # fprop, float32
+        out = block_gemm(qx, qw, "fprop")  # float32
         if bias is not None:
             out = out + bias.to(torch.float32)
         ctx.saved = (qxc, qwc)  # FP8 data and scales, not autograd inputs or outputs
@@ -374,9 +377,9 @@ class _BlockLinearFn(torch.autograd.Function):
             state.tracker.queue_end_of_backward(state.on_backward_end)
         grad_x = grad_w = grad_b = None
         if need_dgrad:
-            grad_x = block_scaled_mm(qg, qwc).to(ctx.x_dtype).reshape(ctx.shape)
+            grad_x = block_gemm(qg, qwc, "dgrad").to(ctx.x_dtype).reshape(ctx.shape)
         if need_wgrad:
-            grad_w = block_scaled_mm(qgc, qxc).to(ctx.w_dtype)
+            grad_w = block_gemm(qgc, qxc, "wgrad").to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.sum(0)
         return grad_x, grad_w, grad_b, None, None, None
