@@ -200,6 +200,10 @@ EOF
         --junitxml="$RESULTS/gpu-tests.xml" "${tests[@]}"
     set_detail "$(grep -E '(passed|failed|error|skipped)' "$WORK/gpu-tests.log" | tail -1 | tr -d '=' | sed 's/^ *//; s/ *$//')"
 
+    # which path each block-scaled GEMM takes here (native scaled_mm or the emulation), and why
+    run_part block-gemm-paths 30 "$PY" scripts/block_gemm_paths.py
+    set_detail "$(head -1 "$WORK/block-gemm-paths.log")"
+
     # ----- fp8-train per recipe (the rest after the benchmarks, so a short budget still measures those) -----
     train_runs delayed current bf16
 
