@@ -220,6 +220,10 @@ class FP8State:
         # see fp8_trainer.graphs); version: bumped whenever buffers are replaced outside a step (recipe
         # change, checkpoint load, move), which a captured graph must be re-captured for
         self.capturable = False
+        # per layer, its weight quantized by the step's first recording forward (key, (q, qt, scale_inv)):
+        # the later micro-batches of the step reuse it (fp8_trainer.linear); emptied when a step closes
+        self.weight_cache: dict[int, tuple] = {}
+        self.cache_weights = True  # off only to measure what the cache saves (bench/weight_cache.py)
         # one [statistics of the FP8 steps closed since the reader last took them, how many] per reader
         self._inboxes: list[list] = []
         # the quality statistics (sum_sq, err_sq, subnormal, min_abs) in the same quantize pass; off only
@@ -458,6 +462,7 @@ class FP8State:
         if not self.tracker.pending:
             return
         self.tracker.closed()
+        self.weight_cache.clear()  # the optimizer moves the weights, and the scales change, after a step
         stats = self.stats
         amax = stats[:, AMAX].to(torch.float32)
         if self.group is not None:

@@ -115,10 +115,38 @@ def test_gradient_accumulation_max_amax_and_summed_counts():
     assert state.amax_history[:3, 0].tolist() == [16.0, 16.0, 0.0]  # one entry per step: the max
     stats = fp8_trainer.step_stats(m)
     assert stats[0, 5].item() == (3 + 4 + 5) * 32  # numel summed over micro-batches
-    assert stats[1, 5].item() == 3 * 64 * 32  # the weight is quantized once per micro-batch
+    assert stats[1, 5].item() == 64 * 32  # the weight is quantized (and counted) once per step
     assert stats[0, 1].item() == 448 / 16
     # step 2 under scale 28: 16*28 = 448 fits, nothing saturated; step 1 under scale 1 had none either
     assert stats[0, 2].item() == 0
+
+
+def test_weight_quantized_once_per_step_and_again_after_it_changes():
+    m = net()
+    state = fp8_trainer.get_fp8_state(m)
+    x = torch.randn(4, 32)
+
+    def micro(boundary: bool) -> torch.Tensor:
+        with fp8_autocast(step_boundary=boundary):
+            y = m(x)
+        y.square().mean().backward()
+        return y.detach()
+
+    y1 = micro(False)
+    held = {k: v[1][0] for k, v in state.weight_cache.items()}  # each layer's FP8 weight
+    assert len(held) == 2  # both FP8 layers
+    y2 = micro(False)
+    assert torch.equal(y1, y2)
+    assert all(state.weight_cache[k][1][0] is q for k, q in held.items())  # the same copy, not requantized
+    with torch.no_grad():
+        m.a.weight.mul_(2)  # changed within the step: its version counter moves, its copy is made again
+    y3 = micro(True)
+    assert not torch.equal(y3, y2)
+    assert state.steps == 1 and state.weight_cache == {}  # emptied when the step closed
+    stats = fp8_trainer.step_stats(m)
+    # the first layer's weight recorded twice (the change), the second's once; the inputs three times
+    assert stats[1, 5].item() == 2 * 64 * 32 and stats[4, 5].item() == 48 * 64
+    assert stats[0, 5].item() == 3 * 4 * 32
 
 
 def test_counts_are_recorded_per_step():

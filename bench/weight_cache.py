@@ -1,0 +1,121 @@
+"""Benchmark: what quantizing each weight once per optimizer step (not once per micro-batch) saves a
+training step with gradient accumulation.
+
+The same FP8 run (tiny GPT, delayed scaling, ``--grad-accum`` micro-batches per step) in two modes, in one
+process, interleaved in blocks so that drift of the machine hits both alike:
+
+* ``cached``   - the default: a layer's weight is quantized by the step's first micro-batch and its FP8 copy
+  reused by the others (``fp8_trainer.linear``);
+* ``uncached`` - ``FP8State.cache_weights = False``: quantized at every micro-batch, as before the cache.
+
+Both train their own copy of the model from the same seed on the same batches and must reach the same
+weights bit for bit (checked at the end: the cache changes no value).
+
+    .venv/bin/python bench/weight_cache.py [--rounds 8] [--block 4] [--grad-accum 4]
+
+Prints median step times and the paired ratio cached/uncached (median over rounds of each round's ratio);
+writes bench/results/weight_cache.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from fp8_trainer import convert_to_fp8, fp8_autocast  # noqa: E402
+from fp8_trainer.convert import get_fp8_state  # noqa: E402
+from fp8_trainer.data import ByteCorpus  # noqa: E402
+from fp8_trainer.model import GPT, PRESETS, fp8_filter  # noqa: E402
+from fp8_trainer.recipe import DelayedScaling  # noqa: E402
+
+MODES = ("cached", "uncached")
+
+
+class Job:
+    """One mode's model, optimizer and data stream."""
+
+    def __init__(self, mode: str, args: argparse.Namespace):
+        torch.manual_seed(0)
+        self.recipe = DelayedScaling()
+        self.model = GPT(PRESETS["tiny"])
+        convert_to_fp8(self.model, recipe=self.recipe, module_filter_fn=fp8_filter)
+        get_fp8_state(self.model).cache_weights = mode == "cached"
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.corpus = ByteCorpus(seed=0)
+        self.args = args
+
+    def step(self) -> float:
+        a = self.args
+        t0 = time.perf_counter()
+        for micro in range(a.grad_accum):
+            x, y = self.corpus.batch("train", a.batch_size, a.seq_len)
+            with fp8_autocast(fp8_recipe=self.recipe, step_boundary=micro == a.grad_accum - 1):
+                _, loss = self.model(x, y)
+            (loss / a.grad_accum).backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--block", type=int, default=4, help="steps per mode per round")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per mode first")
+    p.add_argument("--grad-accum", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "weight_cache.json"))
+    args = p.parse_args()
+
+    jobs = {m: Job(m, args) for m in MODES}
+    for job in jobs.values():
+        for _ in range(args.warmup):
+            job.step()
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    rounds: list[dict[str, float]] = []
+    for r in range(args.rounds):
+        this = {}
+        for m in MODES if r % 2 == 0 else MODES[::-1]:
+            block = [jobs[m].step() for _ in range(args.block)]
+            times[m] += block
+            this[m] = statistics.fmean(block)
+        rounds.append(this)
+    same = all(
+        torch.equal(p, q)
+        for p, q in zip(jobs["cached"].model.parameters(), jobs["uncached"].model.parameters(), strict=True)
+    )
+    med = {m: statistics.median(v) for m, v in times.items()}
+    ratio = statistics.median(r["cached"] / r["uncached"] for r in rounds)
+    print(
+        f"tiny GPT, delayed scaling, {args.grad_accum} micro-batches of {args.batch_size} x {args.seq_len} per "
+        f"step, torch threads {torch.get_num_threads()}, {args.rounds} rounds x {args.block} steps per mode"
+    )
+    for m in MODES:
+        print(f"{m:<10} median {med[m] * 1e3:8.2f} ms per step ({len(times[m])} steps)")
+    print(f"cached/uncached: paired (median over rounds) {ratio:.3f}; same weights at the end: {same}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "machine": platform.platform(), "torch_threads": torch.get_num_threads(), "args": vars(args),
+        "load_average": os.getloadavg(), "median_ms": {m: med[m] * 1e3 for m in MODES},
+        "ratio_paired_median": ratio, "same_weights": same, "step_times_s": times,
+    }, indent=1))  # fmt: skip
+    print(f"load average (1, 5, 15 min) at the end: {', '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    if not same:
+        sys.exit("the cached run's weights differ from the uncached run's")
+
+
+if __name__ == "__main__":
+    main()
