@@ -99,8 +99,8 @@ def main() -> None:
     med = {m: statistics.median(v) for m, v in times.items()}
     ratio = statistics.median(r["cached"] / r["uncached"] for r in rounds)
     print(
-        f"tiny GPT, delayed scaling, {args.grad_accum} micro-batches of {args.batch_size} x {args.seq_len} per "
-        f"step, torch threads {torch.get_num_threads()}, {args.rounds} rounds x {args.block} steps per mode"
+        f"tiny GPT, delayed scaling, {args.grad_accum} micro-batches of {args.batch_size} x {args.seq_len} "
+        f"per step, torch threads {torch.get_num_threads()}, {args.rounds} rounds x {args.block} steps a mode"
     )
     for m in MODES:
         print(f"{m:<10} median {med[m] * 1e3:8.2f} ms per step ({len(times[m])} steps)")

@@ -345,9 +345,12 @@ class _BlockLinearFn(torch.autograd.Function):
             x2.detach(), state.dtypes[ix], specs[0], rowwise=True, columnwise=need_wgrad,
             **state.block_rows(ix, record),
         )  # fmt: skip
-        qw, qwc = quantize_block_tensor(
-            weight.detach(), state.dtypes[iw], specs[1], rowwise=True, columnwise=need_dgrad,
-            **state.block_rows(iw, record),
+        qw, qwc = state.quantized_weight(  # once per step (FP8State.quantized_weight)
+            k, weight, ("block", need_dgrad), record,
+            lambda: quantize_block_tensor(
+                weight.detach(), state.dtypes[iw], specs[1], rowwise=True, columnwise=need_dgrad,
+                **state.block_rows(iw, record),
+            ),
         )  # fmt: skip
         out = block_gemm(qx, qw, "fprop")  # float32
         if bias is not None:

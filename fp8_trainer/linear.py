@@ -76,27 +76,6 @@ def _quantize(state: FP8State, i: int, t: torch.Tensor, record: bool, transpose:
     return q, None, scale_inv
 
 
-def _quantized_weight(state: FP8State, k: int, weight: torch.Tensor, record: bool, transpose: bool):
-    """Layer ``k``'s weight as ``_quantize`` returns it, quantized once per step.
-
-    Between the micro-batches of one optimizer step neither the weight nor its scale changes, so its FP8
-    copy is the same: the step's first recording forward quantizes it (and records its statistics), the
-    later ones take that copy (Transformer Engine keeps it the same way when told ``is_first_microbatch``;
-    here the weight's version counter, which every in-place update bumps, and the state's version say
-    whether it still holds). A forward that records nothing (evaluation) neither fills nor needs it.
-    """
-    if not state.cache_weights:
-        return _quantize(state, 3 * k + 1, weight, record, transpose)
-    key = (weight.data_ptr(), weight._version, state.version, transpose)
-    held = state.weight_cache.get(k)
-    if held is not None and held[0] == key:
-        return held[1]
-    got = _quantize(state, 3 * k + 1, weight, record, transpose)
-    if record:
-        state.weight_cache[k] = (key, got)
-    return got
-
-
 class _FP8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, state: FP8State, k: int, record: bool, fused_t: bool):
@@ -104,7 +83,10 @@ class _FP8LinearFn(torch.autograd.Function):
         x2 = x.reshape(-1, shape[-1])
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         qx, qxt, sinv_x = _quantize(state, 3 * k, x2, record, fused_t and need_wgrad)
-        qw, qwt, sinv_w = _quantized_weight(state, k, weight, record, fused_t and need_dgrad)
+        t_w = fused_t and need_dgrad
+        qw, qwt, sinv_w = state.quantized_weight(
+            k, weight, t_w, record, lambda: _quantize(state, 3 * k + 1, weight, record, t_w)
+        )
         ax, aw = gemm_operand(qx), gemm_operand(qw)
         out = fp8_mm(ax, sinv_x, aw.t(), sinv_w, x.dtype, bias, fast_accum=True)  # fprop: as TE does
         # saved: the wgrad operand (tokens, in) and the dgrad operand (out, in), column-major views of the

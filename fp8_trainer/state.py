@@ -448,6 +448,28 @@ class FP8State:
             return {}
         return {"stats": self._rows(i)[0], "block_stats_row": self.block_stats[i]}
 
+    def quantized_weight(self, k: int, weight: torch.Tensor, variant: Any, record: bool, quantize):
+        """Layer ``k``'s weight as ``quantize()`` makes it, quantized once per step.
+
+        Between the micro-batches of one optimizer step neither the weight nor its scale changes, so its
+        FP8 copy is the same: the step's first recording forward quantizes it (and records its statistics),
+        the later ones take that copy (Transformer Engine keeps it the same way when told
+        ``is_first_microbatch``; here the weight's version counter, which every in-place update bumps, and
+        the state's ``version`` say whether it still holds). ``variant`` names what ``quantize`` makes (which
+        copies), so a forward that needs another one quantizes again. A forward that records nothing
+        (evaluation) neither fills the cache nor needs it. ``end_step`` empties it.
+        """
+        if not self.cache_weights:
+            return quantize()
+        key = (weight.data_ptr(), weight._version, self.version, variant)
+        held = self.weight_cache.get(k)
+        if held is not None and held[0] == key:
+            return held[1]
+        got = quantize()
+        if record:
+            self.weight_cache[k] = (key, got)
+        return got
+
     def _new_stats_buffer(self) -> None:
         self.stats = new_stats(self.n_tensors, device=self.device, quality=self.quality_stats)
         self.stats[:, SCALE] = self.scale

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 from torch import nn
 
@@ -121,13 +122,18 @@ def test_gradient_accumulation_max_amax_and_summed_counts():
     assert stats[0, 2].item() == 0
 
 
-def test_weight_quantized_once_per_step_and_again_after_it_changes():
-    m = net()
+@pytest.mark.parametrize(
+    "recipe",
+    [None, fp8_trainer.CurrentScaling(), fp8_trainer.Float8BlockScaling()],
+    ids=["delayed", "current", "block"],
+)
+def test_weight_quantized_once_per_step_and_again_after_it_changes(recipe):
+    m = net(recipe)
     state = fp8_trainer.get_fp8_state(m)
     x = torch.randn(4, 32)
 
     def micro(boundary: bool) -> torch.Tensor:
-        with fp8_autocast(step_boundary=boundary):
+        with fp8_autocast(fp8_recipe=recipe, step_boundary=boundary):
             y = m(x)
         y.square().mean().backward()
         return y.detach()
