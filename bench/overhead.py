@@ -34,6 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.interleaved import interleave  # noqa: E402
 from fp8_trainer import convert_to_fp8, fp8_autocast, tensor_table  # noqa: E402
 from fp8_trainer.data import ByteCorpus  # noqa: E402
 from fp8_trainer.model import GPT, PRESETS, fp8_filter  # noqa: E402
@@ -88,8 +89,6 @@ def main() -> None:
     p.add_argument("--flush-interval", type=float, default=None, help="the Monitor's (default: its own, 1 s)")
     args = p.parse_args()
 
-    times: dict[str, list[float]] = {m: [] for m in MODES}
-    rounds: list[dict[str, float]] = []  # per round, each mode's mean step time: paired comparisons
     with tempfile.TemporaryDirectory() as tmp, running_server(f"sqlite:///{tmp}/bench.db") as server:
         spool = Path(tmp)
         urls = {"off": None, "on": server.url, "dead": f"http://127.0.0.1:{free_port()}"}
@@ -98,15 +97,8 @@ def main() -> None:
             for _ in range(args.warmup):
                 job.step()
         time.sleep(args.pause)
-        for r in range(args.rounds):
-            order = MODES if r % 2 == 0 else MODES[::-1]
-            this = {}
-            for m in order:
-                block = [jobs[m].step() for _ in range(args.block)]
-                times[m] += block
-                this[m] = statistics.fmean(block)
-                time.sleep(args.pause)
-            rounds.append(this)
+        timings = interleave({m: jobs[m].step for m in MODES}, args.rounds, args.block, pause=args.pause)
+        times = timings.steps
         for job in jobs.values():
             if job.monitor is not None:
                 job.monitor.close()
@@ -114,7 +106,7 @@ def main() -> None:
 
     med = {m: statistics.median(v) for m, v in times.items()}
     mean = {m: statistics.fmean(v) for m, v in times.items()}
-    paired = {m: statistics.median(r[m] / r["off"] for r in rounds) for m in MODES}
+    paired = {m: timings.paired(m, "off") for m in MODES}
     rows = [(m, med[m] * 1e3, mean[m] * 1e3, mean[m] / mean["off"], paired[m], len(times[m])) for m in MODES]
     print(f"tiny GPT, batch {args.batch_size} x {args.seq_len}, torch threads {torch.get_num_threads()}, "
           f"{args.rounds} rounds x {args.block} steps per mode, {n_tensors} tensors monitored")  # fmt: skip

@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from fp8_kernels import has_kernel, reference_kernels  # noqa: E402
 
+from bench.interleaved import interleave  # noqa: E402
 from fp8_trainer import convert_to_fp8, fp8_autocast, tensor_table  # noqa: E402
 from fp8_trainer.convert import get_fp8_state  # noqa: E402
 from fp8_trainer.data import ByteCorpus  # noqa: E402
@@ -111,23 +112,14 @@ def main() -> None:
             job.step()
     widths = {m: get_fp8_state(jobs[m].model).last_stats.shape[1] for m in modes}
     assert all(widths[m] == (10 if m.startswith("quality") else 6) for m in modes), widths  # as they say
-    times: dict[str, list[float]] = {m: [] for m in modes}
-    rounds: list[dict[str, float]] = []
-    for r in range(args.rounds):
-        this = {}
-        for m in modes if r % 2 == 0 else modes[::-1]:
-            block = [jobs[m].step() for _ in range(args.block)]
-            times[m] += block
-            this[m] = statistics.fmean(block)
-        rounds.append(this)
+    timings = interleave({m: jobs[m].step for m in modes}, args.rounds, args.block)
+    times = timings.steps
     n_tensors = len(tensor_table(jobs["base"].model))
 
     med = {m: statistics.median(v) for m, v in times.items()}
     mean = {m: statistics.fmean(v) for m, v in times.items()}
 
-    def paired(a: str, b: str) -> float:
-        return statistics.median(r[a] / r[b] for r in rounds)
-
+    paired = timings.paired
     print(
         f"tiny GPT, batch {args.batch_size} x {args.seq_len}, torch threads {torch.get_num_threads()}, "
         f"{args.rounds} rounds x {args.block} steps per mode, {n_tensors} tensors quantized per step; "

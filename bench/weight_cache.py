@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.interleaved import interleave  # noqa: E402
 from fp8_trainer import convert_to_fp8, fp8_autocast  # noqa: E402
 from fp8_trainer.convert import get_fp8_state  # noqa: E402
 from fp8_trainer.data import ByteCorpus  # noqa: E402
@@ -83,34 +83,26 @@ def main() -> None:
     for job in jobs.values():
         for _ in range(args.warmup):
             job.step()
-    times: dict[str, list[float]] = {m: [] for m in MODES}
-    rounds: list[dict[str, float]] = []
-    for r in range(args.rounds):
-        this = {}
-        for m in MODES if r % 2 == 0 else MODES[::-1]:
-            block = [jobs[m].step() for _ in range(args.block)]
-            times[m] += block
-            this[m] = statistics.fmean(block)
-        rounds.append(this)
+    timings = interleave({m: jobs[m].step for m in MODES}, args.rounds, args.block)
     same = all(
         torch.equal(p, q)
         for p, q in zip(jobs["cached"].model.parameters(), jobs["uncached"].model.parameters(), strict=True)
     )
-    med = {m: statistics.median(v) for m, v in times.items()}
-    ratio = statistics.median(r["cached"] / r["uncached"] for r in rounds)
+    med = {m: timings.median(m) for m in MODES}
+    ratio = timings.paired("cached", "uncached")
     print(
         f"tiny GPT, delayed scaling, {args.grad_accum} micro-batches of {args.batch_size} x {args.seq_len} "
         f"per step, torch threads {torch.get_num_threads()}, {args.rounds} rounds x {args.block} steps a mode"
     )
     for m in MODES:
-        print(f"{m:<10} median {med[m] * 1e3:8.2f} ms per step ({len(times[m])} steps)")
+        print(f"{m:<10} median {med[m] * 1e3:8.2f} ms per step ({len(timings.steps[m])} steps)")
     print(f"cached/uncached: paired (median over rounds) {ratio:.3f}; same weights at the end: {same}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "machine": platform.platform(), "torch_threads": torch.get_num_threads(), "args": vars(args),
         "load_average": os.getloadavg(), "median_ms": {m: med[m] * 1e3 for m in MODES},
-        "ratio_paired_median": ratio, "same_weights": same, "step_times_s": times,
+        "ratio_paired_median": ratio, "same_weights": same, "step_times_s": timings.steps,
     }, indent=1))  # fmt: skip
     print(f"load average (1, 5, 15 min) at the end: {', '.join(f'{v:.2f}' for v in os.getloadavg())}")
     if not same:
