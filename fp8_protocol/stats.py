@@ -44,8 +44,9 @@ BLOCK_COLUMNS: tuple[str, ...] = (
 #: ``lo + len(counts) <= BLOCK_HIST_BINS``. Every block is counted once, so the counts add up to the step's
 #: ``blocks``; a block whose amax is NaN has the E8M0 NaN code 255 and lands in the last bin (it is not
 #: counted in ``blocks_at_limit``, whose code-0 blocks include the all-zero ones: a sparse tensor shows a
-#: high share there without losing anything). Over micro-steps the counts add up per bin (the multi-rank
-#: sender of fp8_trainer sends rank 0's block columns and histograms, not a reduction over ranks).
+#: high share there without losing anything). Over micro-steps and over the ranks of a data-parallel job the
+#: counts add up per bin, as the block columns merge (``MERGE``): a multi-rank sender reports the merge of
+#: every rank's block part, so a block that overflowed on any rank shows.
 BLOCK_HIST_BINS = 256
 #: Column positions, by name (``row[AMAX]``).
 AMAX, SCALE, OVERFLOW, UNDERFLOW, NONFINITE, NUMEL = range(len(BASE_COLUMNS))

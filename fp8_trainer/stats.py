@@ -65,6 +65,11 @@ class LateReader:
     def take(self) -> tuple[torch.Tensor, Any] | None:
         raise NotImplementedError
 
+    def has_block_part(self) -> bool:
+        """Whether steps closed from now on carry a block part (``block_linear.split_block_stats``); a
+        reader whose source never block-scales says False."""
+        return False
+
     def _tag(self, n: Any) -> Any:
         return n
 
@@ -121,6 +126,13 @@ class StatsReader(LateReader):
             return None
         self._box[0], self._box[1] = None, 0
         return stats, n
+
+    def has_block_part(self) -> bool:
+        """True once a layer of the model has been block-scaled (it stays so: module docstring). A recipe
+        fact, not one of a step's statistics: every rank applying the same recipes at the same steps gets
+        the same answer at the same step, whether or not FP8 ran on it (the multi-rank gather needs that).
+        """
+        return self._state.block_stats is not None
 
     def _tag(self, n: int) -> tuple[int, int]:
         return self._state.steps, n  # the newest FP8 step in the copy, and how many it merges

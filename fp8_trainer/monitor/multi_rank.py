@@ -6,9 +6,11 @@ with the scalars it kept for that step, and now and then every rank's amaxes; an
 commands in a block's header, every rank enters the broadcast that carries them at the same call and applies
 them there, so all ranks change their recipe between the same two optimizer steps.
 
-Block-scaling statistics (the block columns and scale exponent histograms of block-scaled layers) are not
-gathered: rank 0 reports its own beside the reduced statistics (the gather stays ``(T + 1, 10)`` whatever
-the recipe).
+Block-scaling statistics (the block columns and scale exponent histograms of block-scaled layers) are
+reduced over ranks too: once the model has had a block-scaled layer (the same step on every rank: recipe
+changes are applied in step, above) each rank's block part rides in its gather, and rank 0 reports their
+merge (``reduce_rank_block``: counts and histograms summed, ``block_range`` the max), so an overflowing
+block on any rank shows.
 """
 
 from __future__ import annotations
@@ -21,11 +23,17 @@ from torch import nn
 
 from fp8_protocol.stats import AMAX, BASE_COLUMNS, STAT_COLUMNS
 
-from ..block_linear import split_block_stats
-from ..hostcopy import HostCopy
 from .control import CommandInbox
 from .notices import Notices
-from .ranks import HAS_QUALITY, HAS_STATS, N_COMMANDS, RankSync, reduce_rank_stats
+from .ranks import (
+    HAS_BLOCK,
+    HAS_QUALITY,
+    HAS_STATS,
+    N_COMMANDS,
+    RankSync,
+    reduce_rank_block,
+    reduce_rank_stats,
+)
 from .sender import wire_float
 
 __all__ = ["MultiRankSteps"]
@@ -77,7 +85,6 @@ class MultiRankSteps:
         self.rank_sample_interval = rank_sample_interval
         self._scalars_by_step: dict[int, Any] = {}  # rank 0: the scalars of steps not reported yet
         self._announced: list[list[dict[str, Any]]] = []  # rank 0: commands announced, not yet broadcast
-        self._block_by_step: dict[int, Any] = {}  # rank 0: its own block part of steps not reported yet
 
     def step(self, step: int, holder) -> None:
         n_commands = 0
@@ -92,14 +99,14 @@ class MultiRankSteps:
         if taken is not None:
             stats, merged = taken
             self._notices.merged(merged)
-            stats, block = split_block_stats(stats)
-            if block is not None and self.rank == 0:  # copied asynchronously, read when reported
-                self._block_by_step[step] = HostCopy(block)
         if stats is not None:
             device = stats.device
         else:  # a bf16/fp32 baseline: the gather still needs the backend's device (NCCL: the GPU)
             device = next((p.device for p in self._model.parameters()), torch.device("cpu"))
-        for s, block in self._ranks.step(step, stats, n_commands, device):
+        # the gathered width must agree on every rank: it follows the recipe state, which every rank changes
+        # at the same step, never this rank's own statistics (read before this call applies any command)
+        with_block = self._reader is not None and self._reader.has_block_part()
+        for s, block in self._ranks.step(step, stats, n_commands, device, with_block):
             self._handle_block(s, block, closing=False, now=step)
 
     def close(self) -> None:
@@ -130,7 +137,6 @@ class MultiRankSteps:
         """Rank 0: step ``s``'s reduced statistics to the reporter, and every rank's amaxes now and then."""
         T = self.n_tensors
         holder = self._scalars_by_step.pop(s, None)
-        block = self._block_by_step.pop(s, None)
         if not (header[HAS_STATS] or self._recipe is None):  # no FP8 layer ran in this step on any rank
             self._notices.no_fp8(s)
             self._report(s, None, holder)
@@ -140,8 +146,10 @@ class MultiRankSteps:
         quality = bool(np.all(gathered[with_stats, T, HAS_QUALITY] > 0))
         width = len(STAT_COLUMNS) if quality else len(BASE_COLUMNS)
         reduced = reduce_rank_stats(gathered[:, :T, :width]) if T else None
-        if reduced is not None and block is not None:  # rank 0's own block part (module docstring)
-            reduced = np.concatenate([reduced, block.wait().numpy()], axis=1)
+        if reduced is not None and np.any(gathered[:, T, HAS_BLOCK] > 0):
+            # the ranks without a block part in this step sent zeros there (ranks.py)
+            block = reduce_rank_block(gathered[:, :T, len(STAT_COLUMNS) :])
+            reduced = np.concatenate([reduced, block], axis=1)
         self._report(s, reduced, holder)
         if T and s % self.rank_sample_interval == 0:
             amax = [[wire_float(float(v)) for v in gathered[r, :T, AMAX]] for r in range(gathered.shape[0])]

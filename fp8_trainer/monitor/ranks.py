@@ -2,17 +2,28 @@
 
 Every rank calls ``RankSync.step`` once per optimizer step (inside ``Monitor.step``). It launches one
 ``all_gather`` (``async_op=True``) of a ``(T + 1, 10)`` float64 buffer: rows ``0..T-1`` are this rank's
-``step_stats`` (its own amaxes), row ``T`` a header ``[has_stats, commands_announced, has_quality, 0,
-...]`` (columns ``HAS_STATS``, ``N_COMMANDS`` and ``HAS_QUALITY``: a source without quality statistics
-sends the base columns, and the reduced step then carries the base columns alone). The gather is waited
-for at the next call, a step later, when it has long completed, so nothing waits on the other ranks; on a
-GPU the result then takes one more step to reach the host through a pinned copy.
+``step_stats`` (its own amaxes), row ``T`` a header ``[has_stats, commands_announced, has_quality,
+has_block, 0, ...]`` (columns ``HAS_STATS``, ``N_COMMANDS``, ``HAS_QUALITY`` and ``HAS_BLOCK``: a source
+without quality statistics sends the base columns, and the reduced step then carries the base columns
+alone). The gather is waited for at the next call, a step later, when it has long completed, so nothing
+waits on the other ranks; on a GPU the result then takes one more step to reach the host through a pinned
+copy.
 
-From the gathered ``(W, T + 1, 10)`` block rank 0 reports the *reduced* statistics (each column as
+Once the model has had a block-scaled layer, the buffer is ``(T + 1, 10 + BLOCK_WIDTH)``: the block part
+(``BLOCK_COLUMNS`` and the scale exponent histogram) rides in the same gather. Every rank must gather the
+same shape, so the width does not follow the step's own statistics (a rank in which no FP8 ran has none)
+but the caller's ``with_block``, which the monitor takes from the model's recipe state; every rank changes
+its recipe at the same step (the command broadcast below, or the training script on every rank), so every
+rank widens its gather at the same step. A rank without a block part in the step sends zeros there, the
+neutral element of every block column's merge, as ``merge_step_stats`` merges a step without one.
+
+From the gathered ``(W, T + 1, 10)`` (or wider) block rank 0 reports the *reduced* statistics (each column as
 ``fp8_protocol.stats.MERGE`` says: amax: max over ranks, NaN ignored, as the kernels' amaxes ignore it;
 scale: the one of the rank whose amax is the max, so the pair stays consistent under current scaling,
 where each rank has its own; overflow, underflow, nonfinite, numel and the sums of squares: summed;
-min_abs: min) and, every ``rank_sample_interval`` steps, the per-rank amaxes as a ``rank_amax`` event.
+min_abs: min), the reduced block part where any rank had one (``reduce_rank_block``: the block counts and
+histogram bins summed, ``block_range`` the max, as over micro-steps), and, every ``rank_sample_interval``
+steps, the per-rank amaxes as a ``rank_amax`` event.
 
 Commands (only rank 0 hears from the service) ride on the same collective: rank 0 writes how many it
 announces into the header; every rank reads that header at the same ``Monitor.step`` call, and only then
@@ -29,15 +40,25 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fp8_protocol.stats import AMAX, BASE_COLUMNS, MERGE, MIN_ABS, SCALE, STAT_COLUMNS
+from fp8_protocol.stats import AMAX, BASE_COLUMNS, BLOCK_COLUMNS, MERGE, MIN_ABS, SCALE, STAT_COLUMNS
 
+from ..block_linear import BLOCK_WIDTH, split_block_stats
 from ..hostcopy import HostCopy
 
-__all__ = ["HAS_QUALITY", "HAS_STATS", "N_COMMANDS", "RankSync", "reduce_rank_stats"]
+__all__ = [
+    "HAS_BLOCK",
+    "HAS_QUALITY",
+    "HAS_STATS",
+    "N_COMMANDS",
+    "RankSync",
+    "reduce_rank_block",
+    "reduce_rank_stats",
+]
 
 #: Columns of the header row (row ``T``) of a gathered block: whether the rank had statistics in the step,
-#: how many commands rank 0 announced in it, and whether its statistics have the quality columns.
-HAS_STATS, N_COMMANDS, HAS_QUALITY = 0, 1, 2
+#: how many commands rank 0 announced in it, whether its statistics have the quality columns, and whether
+#: they have a block part.
+HAS_STATS, N_COMMANDS, HAS_QUALITY, HAS_BLOCK = 0, 1, 2, 3
 
 
 def reduce_rank_stats(block: np.ndarray) -> np.ndarray:
@@ -60,6 +81,17 @@ def reduce_rank_stats(block: np.ndarray) -> np.ndarray:
     return out
 
 
+def reduce_rank_block(block: np.ndarray) -> np.ndarray:
+    """``(W, T, BLOCK_WIDTH)`` per-rank block parts -> ``(T, BLOCK_WIDTH)``, as steps merge over micro-steps
+    (``merge_step_stats``): each ``BLOCK_COLUMNS`` column as ``MERGE`` says (``block_range`` the max, NaN
+    ignored; the block counts summed), the histogram bins summed (every rank's blocks counted once)."""
+    out = block.sum(axis=0)
+    for j, name in enumerate(BLOCK_COLUMNS):
+        if MERGE[name] == "max":
+            out[:, j] = np.fmax.reduce(block[:, :, j], axis=0)
+    return out
+
+
 class RankSync:
     """The per-step gather pipeline of one rank (see the module docstring)."""
 
@@ -72,22 +104,32 @@ class RankSync:
         self._host: deque = deque()  # (step, HostCopy)
 
     def step(
-        self, step: int, stats: torch.Tensor | None, n_commands: int, device
+        self, step: int, stats: torch.Tensor | None, n_commands: int, device, with_block: bool = False
     ) -> list[tuple[int, np.ndarray]]:
         """Collect the gathers that are ready (older steps), then launch this step's gather.
 
-        Returns ``[(step, block (W, T + 1, 6))]`` for the steps whose data reached the host now.
+        ``stats``: this rank's statistics of the step, with or without a block part (``split_block_stats``),
+        None where no FP8 ran. ``with_block``: whether this step's gather carries block parts; it sets the
+        gathered width, so it must be the same on every rank (module docstring).
+
+        Returns ``[(step, block (W, T + 1, 10 or 10 + BLOCK_WIDTH))]`` for the steps whose data reached the
+        host now.
         """
         ready = self._collect()
         T = self.n_tensors
+        C = len(STAT_COLUMNS)
         # always the full width, so every rank gathers the same shape; min_abs +inf where a rank has no
         # quality statistics (the neutral element of its min), and the header says which ranks have them
-        buf = torch.zeros(T + 1, len(STAT_COLUMNS), dtype=torch.float64, device=device)
+        buf = torch.zeros(T + 1, C + (BLOCK_WIDTH if with_block else 0), dtype=torch.float64, device=device)
         buf[:T, MIN_ABS] = torch.inf
+        stats, block = split_block_stats(stats)
         if stats is not None:
             buf[:T, : stats.shape[1]] = stats
             buf[T, HAS_STATS] = 1.0
             buf[T, HAS_QUALITY] = float(stats.shape[1] > len(BASE_COLUMNS))
+        if block is not None and with_block:  # else zeros: the neutral element of the block merge
+            buf[:T, C:] = block
+            buf[T, HAS_BLOCK] = 1.0
         buf[T, N_COMMANDS] = float(n_commands)
         gathered = [torch.empty_like(buf) for _ in range(self.world)]
         work = dist.all_gather(gathered, buf, group=self.group, async_op=True)

@@ -4,7 +4,9 @@ The service on main does not take the block columns yet (its side is built again
 in parallel), so the posts are captured by a small local HTTP server standing in for it, and checked against
 what the job computed: the five ``BLOCK_COLUMNS`` in every step once the run has had a block-scaled tensor
 (zeros for per-tensor-scaled tensors), and ``"block_hist"`` (``[tensor index, lo, counts]``, the non-zero
-span) for the block-scaled tensors of each step."""
+span) for the block-scaled tensors of each step. In a data-parallel job (2 gloo ranks) the block part rank 0
+posts is the merge of every rank's, as micro-steps merge (counts and histograms summed, ``block_range`` the
+max)."""
 
 from __future__ import annotations
 
@@ -22,9 +24,12 @@ import fp8_trainer
 from fp8_protocol.spool import API
 from fp8_protocol.stats import BLOCK_COLUMNS, BLOCK_HIST_BINS, STAT_COLUMNS
 from fp8_trainer import Monitor
+from fp8_trainer.block_linear import BLOCK_WIDTH, split_block_stats
 from fp8_trainer.monitor.control import apply_commands
+from fp8_trainer.monitor.ranks import reduce_rank_block
 from fp8_trainer.monitor.sender import StepRecord, block_hist_entries, step_body
-from fp8_trainer.recipe import Float8BlockScaling
+from fp8_trainer.recipe import DelayedScaling, Float8BlockScaling
+from fp8_trainer.state import merge_step_stats
 from tests.trainer.gloo import gloo_group, rank_step, spawn_ranks
 from tests.trainer.monitor_utils import FAST, tiny_model
 
@@ -162,6 +167,43 @@ def test_step_body_block_columns_are_sticky_and_zero_for_per_tensor_records():
     assert _unpack(body["stats"]["block_range"]).tolist() == [0, 0, 4.5]
 
 
+def _sent_block(body: dict, n_tensors: int) -> np.ndarray:
+    """The block part a step's payload carries, (T, BLOCK_WIDTH): the five columns, then the histogram."""
+    hist = np.zeros((n_tensors, BLOCK_HIST_BINS))
+    for index, lo, counts in body.get("block_hist", []):
+        hist[index, lo : lo + len(counts)] = counts
+    columns = np.stack([_unpack(body["stats"][name]) for name in BLOCK_COLUMNS], axis=1)
+    return np.concatenate([columns, hist], axis=1)
+
+
+def _merged_over_ranks(parts: list[np.ndarray]) -> np.ndarray:
+    """The ranks' block parts merged as micro-steps merge (merge_step_stats): everything summed but
+    block_range, the max."""
+    merged = np.sum(parts, axis=0)
+    j = BLOCK_COLUMNS.index("block_range")
+    merged[:, j] = np.fmax.reduce([p[:, j] for p in parts], axis=0)
+    return merged
+
+
+def test_rank_reduction_of_block_parts_is_the_micro_step_merge():
+    """reduce_rank_block folds the ranks' block parts as merge_step_stats folds micro-steps: a NaN
+    block_range loses to a number (fmax), a rank without a block part (zeros) adds nothing."""
+    rng = np.random.default_rng(5)
+    W, T = 3, 4
+    stats = rng.uniform(1, 10, size=(W, T, len(STAT_COLUMNS)))
+    block = rng.integers(0, 50, size=(W, T, BLOCK_WIDTH)).astype(np.float64)
+    j = BLOCK_COLUMNS.index("block_range")
+    block[:, :, j] = rng.uniform(0, 20, size=(W, T))
+    block[0, 1, j] = np.nan  # a rank whose worst block had a NaN range
+    block[2] = 0.0  # a rank with no block part in this step
+    want = torch.from_numpy(np.concatenate([stats[0], block[0]], axis=1))
+    for r in range(1, W):
+        want = merge_step_stats(want, torch.from_numpy(np.concatenate([stats[r], block[r]], axis=1)))
+    got = reduce_rank_block(block)
+    np.testing.assert_array_equal(got, split_block_stats(want.numpy())[1])
+    assert got[1, j] == block[1, 1, j]  # NaN ignored
+
+
 def _rank_worker(rank: int, port: int, url: str, spool_dir: str, out) -> None:
     with gloo_group(rank, port, 2):
         model, recipe = tiny_model(recipe=Float8BlockScaling())  # any token count: the ranks' differ
@@ -179,7 +221,7 @@ def _rank_worker(rank: int, port: int, url: str, spool_dir: str, out) -> None:
 
 
 @pytest.mark.slow
-def test_two_ranks_send_reduced_statistics_and_rank_0s_block_part(capture, tmp_path):
+def test_two_ranks_send_statistics_and_block_part_reduced_over_ranks(capture, tmp_path):
     url = f"http://127.0.0.1:{capture.server_address[1]}"
     res = spawn_ranks(_rank_worker, 2, url, str(tmp_path))
     steps = {s["step"]: s for b in capture.batches for s in b.get("steps", [])}
@@ -188,9 +230,89 @@ def test_two_ranks_send_reduced_statistics_and_rank_0s_block_part(capture, tmp_p
         (s0, b0), (s1, b1) = res[0][step], res[1][step]
         assert not np.array_equal(b0, b1)  # the ranks saw different data
         np.testing.assert_array_equal(_unpack(body["stats"]["numel"]), s0[:, 5] + s1[:, 5])  # reduced
-        for j, name in enumerate(BLOCK_COLUMNS):  # rank 0's own (docs/fp8-semantics.md)
-            np.testing.assert_array_equal(_unpack(body["stats"][name]), b0[:, j])
-        hist = np.zeros_like(b0[:, len(BLOCK_COLUMNS) :])
-        for index, lo, counts in body["block_hist"]:
-            hist[index, lo : lo + len(counts)] = counts
-        np.testing.assert_array_equal(hist, b0[:, len(BLOCK_COLUMNS) :])
+        sent = _sent_block(body, len(s0))
+        np.testing.assert_array_equal(sent, _merged_over_ranks([b0, b1]))
+
+
+LAYER = "blocks.0.mlp.fc"
+SWITCH = 3  # the step from which LAYER is MXFP8 on every rank
+NO_FP8_ON_RANK_1 = 5  # a step rank 1 runs without FP8 (rank 0 with)
+OUTLIER = 2.0**20  # one input value on rank 1: its block's scale jumps and the rest of the block flushes to 0
+
+
+def _add_outlier(module, args):
+    (x,) = args
+    spike = torch.zeros_like(x)
+    spike[0, 0, 0] = OUTLIER
+    return (x + spike,)
+
+
+def _switching_worker(rank: int, port: int, url: str, spool_dir: str, out) -> None:
+    with gloo_group(rank, port, 2):
+        # per-tensor (delayed) scaling everywhere at first; no amax all-reduce, so that rank 1 may run a step
+        # without FP8 while rank 0 runs it in FP8 (the all-reduce would wait for it)
+        model, recipe = tiny_model(recipe=DelayedScaling(amax_history_len=4, reduce_amax=False))
+        mon = Monitor(url, "ddp-switch", model, recipe, spool_path=f"{spool_dir}/s{rank}.jsonl", **FAST)
+        if rank == 1:
+            model.get_submodule(LAYER).register_forward_pre_hook(_add_outlier)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        gen = torch.Generator().manual_seed(100 + rank)
+        state = fp8_trainer.get_fp8_state(model)
+        seen = {}
+        for step in range(1, 8):
+            if step == SWITCH:  # every rank, between the same two optimizer steps
+                fp8_trainer.set_layer_recipe(model, LAYER, scaling="mxfp8")
+            fp8 = not (rank == 1 and step == NO_FP8_ON_RANK_1)
+            x = torch.randint(0, 256, (2, 16), generator=gen)  # 32 tokens: MXFP8's multiple of 32
+            with fp8_trainer.fp8_autocast(fp8_recipe=recipe, enabled=fp8):
+                _, loss = model(x, x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            block = state.last_block_stats
+            seen[step] = None
+            if fp8:
+                seen[step] = (
+                    state.last_stats.clone().numpy(),
+                    None if block is None else block.clone().numpy(),
+                )
+            mon.step(step)
+        mon.close()
+        out[rank] = {"seen": seen, "k": state.layer_index(LAYER)}
+
+
+@pytest.mark.slow
+def test_block_part_is_reduced_over_ranks_from_a_mid_run_switch_to_mxfp8(capture, tmp_path):
+    """Rank 1 alone has an outlier in LAYER's input: what reaches the service shows its block, merged with
+    rank 0's, from the step the layer became block-scaled on, also in a step where rank 1 ran no FP8."""
+    url = f"http://127.0.0.1:{capture.server_address[1]}"
+    res = spawn_ranks(_switching_worker, 2, url, str(tmp_path))
+    assert capture.status == "finished"
+    steps = {s["step"]: s for b in capture.batches for s in b.get("steps", [])}
+    assert sorted(steps) == list(range(1, 8))
+    rows = slice(3 * res[0]["k"], 3 * res[0]["k"] + 3)
+    for step, body in steps.items():
+        ran = [res[r]["seen"][step] for r in (0, 1) if res[r]["seen"][step] is not None]
+        numel = sum(stats[:, 5] for stats, _ in ran)
+        np.testing.assert_array_equal(_unpack(body["stats"]["numel"]), numel)  # per-tensor part as before
+        if step < SWITCH:  # no block-scaled layer yet: no block part (zero columns at most, batch-sticky)
+            assert all(block is None for _, block in ran) and "block_hist" not in body
+            assert all(
+                np.all(_unpack(body["stats"][name]) == 0) for name in BLOCK_COLUMNS if name in body["stats"]
+            )
+            continue
+        sent = _sent_block(body, len(numel))
+        np.testing.assert_array_equal(sent, _merged_over_ranks([block for _, block in ran]))
+        assert np.all(sent[rows, 0] > 0)
+        assert [e[0] for e in body["block_hist"]] == list(range(rows.start, rows.stop))  # LAYER's 3 tensors
+        if step == NO_FP8_ON_RANK_1:
+            continue
+        (_, b0), (_, b1) = ran
+        # what only rank 1 saw reaches the service: the outlier's block flushed to zero, its wider range,
+        # and the scale exponent bin its block landed in
+        inp = rows.start  # LAYER's input
+        j_under, j_range = BLOCK_COLUMNS.index("blocks_underflow"), BLOCK_COLUMNS.index("block_range")
+        assert b1[inp, j_under] > 0 and sent[inp, j_under] == b0[inp, j_under] + b1[inp, j_under]
+        assert b1[inp, j_range] > b0[inp, j_range] and sent[inp, j_range] == b1[inp, j_range]
+        outlier_bins = (b1[inp, len(BLOCK_COLUMNS) :] > 0) & (b0[inp, len(BLOCK_COLUMNS) :] == 0)
+        assert outlier_bins.any() and np.all(sent[inp, len(BLOCK_COLUMNS) :][outlier_bins] > 0)
