@@ -81,7 +81,7 @@ class GraphedStep:
     def _eager(self, audit: bool) -> Any:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        checker = HostSyncAudit() if audit else nullcontext()
+        checker = HostSyncAudit(device_types=("cuda",)) if audit else nullcontext()
         with torch.cuda.stream(side), checker:
             out = self.train_step()
             self._zero_grads()
@@ -169,18 +169,31 @@ class HostSyncAudit(TorchDispatchMode):
         with HostSyncAudit() as audit:
             train_step()
         assert not audit.found, audit.report()
+
+    ``device_types``: count only ops on tensors of these device types (``GraphedStep`` passes
+    ``("cuda",)``: reading a CPU tensor on the host is no wait for the GPU and captures fine); by default
+    every tensor counts, so that a step run on the CPU is checked as if it ran on a GPU.
     """
 
-    def __init__(self):
+    def __init__(self, device_types: tuple[str, ...] | None = None):
         super().__init__()
+        self.device_types = device_types
         self.found: list[str] = []  # one entry per offending call, in order
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         why = self._why(func, args, kwargs)
-        if why is not None:
+        if why is not None and self._counted(func, args):
             self.found.append(f"{why} at {_caller()}")
         return func(*args, **kwargs)
+
+    def _counted(self, func, args) -> bool:
+        """Whether an offending op is on a device this audit counts (a copy always is: its rule already
+        asks for a GPU source)."""
+        if self.device_types is None or func._schema.name in ("aten::_to_copy", "aten::copy_", "aten::copy"):
+            return True
+        subject = args[0] if args else None
+        return not isinstance(subject, torch.Tensor) or subject.device.type in self.device_types
 
     @staticmethod
     def _why(func, args, kwargs) -> str | None:

@@ -100,6 +100,9 @@ def test_audit_names_the_op_and_where_the_step_asked_for_it():
     assert "test_train_cuda_graph.py:" in audit.found[0]  # where the step asked for it
     assert audit.found[1].startswith("aten.index: indexing with a boolean mask")
     assert audit.found[2].startswith("aten.nonzero") and audit.found[3].startswith("aten.equal")
+    with HostSyncAudit(device_types=("cuda",)) as on_gpu_only:  # GraphedStep's: CPU tensors are no wait
+        x.sum().item()
+    assert on_gpu_only.found == []
     with HostSyncAudit() as clean:
         torch.where(x > 0, x, 0.0).amax()  # the capturable way to write the same
         x[torch.argmax(x).reshape(1)]  # an integer index tensor: no read on the host
