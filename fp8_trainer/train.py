@@ -350,11 +350,14 @@ def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -
     shown_url = False
     losses = torch.zeros(a.steps - start, device=device)  # one slot per step: no allocation per step
     dumped: list[torch.Tensor] = []  # --stats-dump: every step's statistics, copied synchronously
-    graphed = (
-        GraphedTraining(a, net, model, opt, recipe, device, lambda: _bf16(a, device, cache=False))
-        if a.cuda_graph
-        else None
-    )
+    graphed = None
+    if a.cuda_graph:
+
+        def captured(batches):  # the eager step's parts, from the static inputs (fp8_trainer.train_graph)
+            loss = _forward_backward(a, net, batches, recipe, device, world, captured=True)
+            return loss, _clip_and_step(a, model, opt)
+
+        graphed = GraphedTraining(a, model, opt, device, captured)
     with _make_monitor(a, model, recipe, config, rank, world) as monitor:
         t_last = progress.t_start = time.perf_counter()
         try:
@@ -370,7 +373,8 @@ def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -
                 else:
                     for group in opt.param_groups:
                         group["lr"] = lr
-                    step_loss = _forward_backward(a, net, corpus, recipe, device, world)
+                    batch = lambda _: _next_batch(a, corpus, device)  # noqa: E731
+                    step_loss = _forward_backward(a, net, batch, recipe, device, world)
                 injector.end(step)
 
                 if a.halt_on_nonfinite and _nonfinite(step_loss, world):  # before the update: a host sync
@@ -426,10 +430,16 @@ def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -
 
 def _optimizer_step(a: TrainConfig, model: nn.Module, opt) -> torch.Tensor:
     """Clip (or only measure) the gradient norm, step, drop the gradients; the norm, on the device."""
+    grad_norm = _clip_and_step(a, model, opt)
+    opt.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+def _clip_and_step(a: TrainConfig, model: nn.Module, opt) -> torch.Tensor:
+    """Clip (or only measure) the gradient norm and step; the norm, on the device."""
     max_norm = a.grad_clip if a.grad_clip > 0 else math.inf  # inf: only measure the norm
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     opt.step()
-    opt.zero_grad(set_to_none=True)
     return grad_norm
 
 
@@ -460,20 +470,29 @@ def _evaluate_and_save(
         _save(a, model, opt, step, config, corpus, world, lead, say)
 
 
-def _forward_backward(a, net: nn.Module, corpus: Corpus, recipe, device, world: int) -> torch.Tensor:
-    """One optimizer step's forward and backward over its micro-batches (the FP8 step closes after the
-    last); returns the step's mean loss, on the device."""
+def _next_batch(a: TrainConfig, corpus: Corpus, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The corpus's next training micro-batch on ``device``, ``(B, T)`` each."""
+    x, y = corpus.batch("train", a.batch_size, a.seq_len)
+    if device.type == "cuda":  # pinned host memory: the copy overlaps the previous kernels
+        x = x.pin_memory().to(device, non_blocking=True)
+        y = y.pin_memory().to(device, non_blocking=True)
+    return x, y
+
+
+def _forward_backward(
+    a, net: nn.Module, batches, recipe, device, world: int, captured: bool = False
+) -> torch.Tensor:
+    """One optimizer step's forward and backward over its micro-batches, micro-batch ``m`` from
+    ``batches(m)`` (the FP8 step closes after the last); returns the step's mean loss, on the device.
+    ``captured``: the step runs inside a CUDA graph (``_bf16``'s cache off)."""
     step_loss = torch.zeros((), device=device)
     for micro in range(a.grad_accum):
-        x, y = corpus.batch("train", a.batch_size, a.seq_len)  # (B, T) each
-        if device.type == "cuda":  # pinned host memory: the copy overlaps the previous kernels
-            x = x.pin_memory().to(device, non_blocking=True)
-            y = y.pin_memory().to(device, non_blocking=True)
+        x, y = batches(micro)
         last = micro == a.grad_accum - 1
         no_sync = net.no_sync() if world > 1 and not last else nullcontext()  # all-reduce grads once
         with no_sync:
             fp8 = fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe, step_boundary=last)
-            with fp8, _bf16(a, device):
+            with fp8, _bf16(a, device, cache=not captured):
                 _, loss = net(x, y)
             (loss / a.grad_accum).backward()
         step_loss += loss.detach() / a.grad_accum

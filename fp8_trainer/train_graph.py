@@ -17,18 +17,17 @@ up for capture here). A recipe change from the dashboard between steps makes the
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from .autocast import fp8_autocast
 from .data import Corpus
 from .graphs import GraphedStep
 
 __all__ = ["GraphedTraining", "graph_misfit", "make_capturable"]
 
+Pair = tuple[torch.Tensor, torch.Tensor]  # (x, y) of a micro-batch; (loss, grad_norm) of a step
 WARMUP = 3  # eager steps before the capture (Triton compiles, the optimizer makes its state)
 
 
@@ -64,47 +63,34 @@ def make_capturable(opt: torch.optim.Optimizer, device: torch.device) -> None:
 class GraphedTraining:
     """One optimizer step per call, replayed from a CUDA graph once captured.
 
-    ``step_fn`` is what the graph captures; the ``runner`` that calls it is ``GraphedStep`` (on the CPU, a
-    test hands in a runner that calls it eagerly, to check the same Python without a GPU).
+    ``step(batches)`` is the step the graph captures: forward and backward of every micro-batch (the FP8
+    step closing after the last), clipping and the optimizer step, returning ``(loss, grad_norm)``; it takes
+    micro-batch ``m`` from ``batches(m)``, here the static input buffers. It must not zero the gradients:
+    ``GraphedStep`` sets them to None before the capture, so the first backward writes them afresh. The
+    ``runner`` that calls it is ``GraphedStep`` (on the CPU, a test hands in a runner that calls it eagerly,
+    to check the same Python without a GPU).
     """
 
     def __init__(
         self,
         a,
-        net: nn.Module,
         model: nn.Module,
         opt: torch.optim.Optimizer,
-        recipe,
         device: torch.device,
-        autocast: Callable[[], object],
+        step: Callable[[Callable[[int], Pair]], Pair],
         runner=None,
     ):
-        self.a, self.net, self.model, self.opt, self.recipe = a, net, model, opt, recipe
-        self.autocast = autocast  # the bf16 autocast of fp8-train, built for the step
+        self.a, self.opt = a, opt
         shape = (a.grad_accum, a.batch_size, a.seq_len)
         self.x = torch.zeros(shape, dtype=torch.long, device=device)
         self.y = torch.zeros(shape, dtype=torch.long, device=device)
-        self.max_norm = a.grad_clip if a.grad_clip > 0 else math.inf
-        self.runner = (runner or GraphedStep)(self.step_fn, model, warmup=WARMUP, optimizer=opt)
+        self.runner = (runner or GraphedStep)(lambda: step(self._static), model, warmup=WARMUP, optimizer=opt)
 
-    def step_fn(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The captured step: forward and backward of every micro-batch from the static inputs (the FP8 step
-        closes after the last), clipping, the optimizer step. Gradients are written afresh by the first
-        backward (``GraphedStep`` sets them to None before the capture), so nothing zeroes them here."""
-        a = self.a
-        step_loss = torch.zeros((), device=self.x.device)
-        for micro in range(a.grad_accum):
-            last = micro == a.grad_accum - 1
-            fp8 = fp8_autocast(enabled=self.recipe is not None, fp8_recipe=self.recipe, step_boundary=last)
-            with fp8, self.autocast():
-                _, loss = self.net(self.x[micro], self.y[micro])
-            (loss / a.grad_accum).backward()
-            step_loss += loss.detach() / a.grad_accum
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
-        self.opt.step()
-        return step_loss, grad_norm
+    def _static(self, micro: int) -> Pair:
+        """Micro-batch ``micro`` of the step, in the buffers a replay reads."""
+        return self.x[micro], self.y[micro]
 
-    def __call__(self, corpus: Corpus, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, corpus: Corpus, lr: float) -> Pair:
         """One optimizer step on the corpus's next micro-batches at learning rate ``lr``: ``(loss,
         grad_norm)``, device tensors of this step (copies: the next replay overwrites the graph's)."""
         a, pin = self.a, self.x.device.type == "cuda"
