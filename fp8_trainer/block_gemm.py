@@ -62,6 +62,8 @@ import torch
 from fp8_kernels import SCALE_ALIGN_BYTES
 from fp8_kernels.block_quantize import BlockQuantized, block_scaled_mm, e8m0_to_scale_inv
 
+from .gemm import check_once_per_layout
+
 __all__ = [
     "BLOCK",
     "MXFP8",
@@ -353,21 +355,7 @@ def check_block_scaled_mm_args(args: NativeArgs) -> None:
         raise ValueError("use_fast_accum: block scaling uses the split accumulator, not fast accumulation")
 
 
-_CHECKED: set[tuple] = set()  # argument layouts (not pointers) the full check passed
-
-
-def _check_cached(args: NativeArgs) -> None:
-    """The full check once per layout, then only the pointers' alignment; the same errors either way."""
-    ts = (args.mat_a, args.mat_b, args.scale_a, args.scale_b)
-    key = (
-        tuple((t.shape, t.stride(), t.dtype, t.device) for t in ts),
-        args.recipe_a, args.recipe_b, args.swizzle, args.output_dtype, args.use_fast_accum,
-    )  # fmt: skip
-    if key not in _CHECKED:
-        check_block_scaled_mm_args(args)
-        _CHECKED.add(key)
-    elif any(t.data_ptr() % SCALE_ALIGN_BYTES for t in ts):
-        check_block_scaled_mm_args(args)  # raises, naming the argument
+_CHECKED: set[tuple] = set()  # argument layouts ``check_block_scaled_mm_args`` passed
 
 
 # --- what the native call computes -------------------------------------------------------------------------
@@ -478,7 +466,13 @@ def block_gemm(a: BlockQuantized, b: BlockQuantized, gemm: str = "gemm") -> torc
     reason = reason or _REFUSED.get(key)
     if reason is None:
         args = prepare_native_args(a, b)
-        _check_cached(args)  # a failure here is a bug in the layouts above: raised, not emulated
+        # a failure here is a bug in the layouts above: raised, not emulated
+        check_once_per_layout(
+            _CHECKED,
+            lambda: check_block_scaled_mm_args(args),
+            (args.mat_a, args.mat_b, args.scale_a, args.scale_b),
+            (args.recipe_a, args.recipe_b, args.swizzle, args.output_dtype, args.use_fast_accum),
+        )
         try:
             out = _call_native(args)
         except torch.OutOfMemoryError:

@@ -30,11 +30,12 @@ Accumulation: fprop uses cuBLASLt's fast accumulation (``use_fast_accum=True``),
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 
 import torch
 from fp8_kernels import SCALE_ALIGN_BYTES
 
-__all__ = ["check_scaled_mm_args", "fp8_mm", "gemm_operand", "uses_scaled_mm"]
+__all__ = ["check_once_per_layout", "check_scaled_mm_args", "fp8_mm", "gemm_operand", "uses_scaled_mm"]
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -114,24 +115,22 @@ def check_scaled_mm_args(
             raise ValueError(f"bias: expected {out_dtype} ({n},), got {bias.dtype} {tuple(bias.shape)}")
 
 
-#: argument layouts ``check_scaled_mm_args`` passed: shapes, strides, dtypes, devices (not the pointers)
-_CHECKED: set[tuple] = set()
+def check_once_per_layout(
+    checked: set, check: Callable[[], None], tensors: Sequence[torch.Tensor], other: tuple
+) -> None:
+    """``check()`` (which raises, naming the argument) for a hot path: in full once per layout, then only the
+    ``tensors``' 16-byte alignment, which changes from call to call; the same errors either way. A layout is
+    the tensors' shapes, strides, dtypes and devices plus ``other`` (the arguments that are not tensors);
+    ``checked`` holds the layouts that passed, one set per kind of call."""
+    key = (tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors), other)
+    if key not in checked:
+        check()
+        checked.add(key)
+    elif any(t.data_ptr() % SCALE_ALIGN_BYTES for t in tensors):
+        check()  # raises, naming the argument
 
 
-def _check_fast(a, b, scale_a, scale_b, out_dtype, bias) -> None:
-    """``check_scaled_mm_args`` for the hot path: the full check once per layout, then only the pointers'
-    alignment (which changes from call to call); the same errors either way."""
-    key = (
-        a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
-        scale_a.dtype, scale_a.shape, scale_a.device, scale_b.dtype, scale_b.shape, scale_b.device,
-        out_dtype, None if bias is None else (bias.dtype, bias.shape),
-    )  # fmt: skip
-    if key not in _CHECKED:
-        check_scaled_mm_args(a, b, scale_a, scale_b, out_dtype, bias)
-        _CHECKED.add(key)
-        return
-    if (a.data_ptr() | b.data_ptr() | scale_a.data_ptr() | scale_b.data_ptr()) % SCALE_ALIGN_BYTES:
-        check_scaled_mm_args(a, b, scale_a, scale_b, out_dtype, bias)  # raises, naming the argument
+_CHECKED: set[tuple] = set()  # argument layouts ``check_scaled_mm_args`` passed
 
 
 def _pad_k(t: torch.Tensor, kp: int) -> torch.Tensor:
@@ -157,7 +156,12 @@ def _scaled_mm(a, scale_inv_a, b, scale_inv_b, out_dtype, bias, fast_accum: bool
         mm_bias = None
     else:
         mm_bias = bias if bias.dtype == gemm_dtype else bias.to(gemm_dtype)
-    _check_fast(a, b, scale_inv_a, scale_inv_b, gemm_dtype, mm_bias)
+    check_once_per_layout(
+        _CHECKED,
+        lambda: check_scaled_mm_args(a, b, scale_inv_a, scale_inv_b, gemm_dtype, mm_bias),
+        (a, b, scale_inv_a, scale_inv_b),
+        (gemm_dtype, None if mm_bias is None else (mm_bias.dtype, mm_bias.shape)),
+    )
     out = torch._scaled_mm(
         a, b, scale_a=scale_inv_a, scale_b=scale_inv_b, bias=mm_bias, out_dtype=gemm_dtype,
         use_fast_accum=fast_accum,
