@@ -33,8 +33,10 @@ from monitor_server.rollups import (
     LEVELS,
     STAT_IDS,
     cover,
+    late_steps,
     plan_heatmap,
     read_step_stats,
+    sealed_blocks,
 )
 from monitor_server.wire import WireError
 
@@ -337,21 +339,11 @@ def update_histogram_sums(
     every level where the block is sealed. The caller holds the run's write lock (no race on a seal or a
     merge), and has stored the steps' own rows already.
     """
-    if len(steps) and last_before is not None and hists:
-        for level in HIST_LEVELS:
-            sealed_below = last_before // level * level
-            late = [(s, e) for s in steps.tolist() if s < sealed_below for e in hists.get(s, ())]
-            if not late:
-                if not (steps < sealed_below).any():
-                    break  # a step not late at this level is not late at a coarser one
-                continue
-            _merge_histograms(session, run_id, level, late)
-    lowest = int(steps[0]) if len(steps) else last_after
-    for level in HIST_LEVELS:
-        first = (lowest if last_before is None else last_before) // level
-        last = last_after // level - 1
-        if first > last:
-            break  # nothing sealed at this level, so nothing at a coarser one either
+    for level, late in late_steps(HIST_LEVELS, steps, last_before) if hists else ():
+        entries = [(s, e) for s in steps[late].tolist() for e in hists.get(s, ())]
+        if entries:  # late steps without histograms add nothing
+            _merge_histograms(session, run_id, level, entries)
+    for level, first, last in sealed_blocks(HIST_LEVELS, steps, last_before, last_after):
         _seal_histograms(session, run_id, level, first, last, range(num_tensors))
 
 

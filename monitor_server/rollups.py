@@ -25,7 +25,7 @@ max.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -231,21 +231,41 @@ def update_rollups(
     run's write lock, so neither the sealing nor a merge can race.
     """
     T = len(fp8_max)
-    if len(steps) and last_before is not None:
-        for level in LEVELS:
-            late = steps < last_before // level * level
-            if late.any():
-                sub = {name: m[late] for name, m in stats.items()}
-                _merge_into_blocks(session, run_id, level, steps[late], _metric_values(sub, fp8_max), T)
-            else:
-                break  # a step not late at this level is not late at a coarser one
+    for level, late in late_steps(LEVELS, steps, last_before):
+        sub = {name: m[late] for name, m in stats.items()}
+        _merge_into_blocks(session, run_id, level, steps[late], _metric_values(sub, fp8_max), T)
+    for level, first, last in sealed_blocks(LEVELS, steps, last_before, last_after):
+        _seal(session, run_id, level, first, last, fp8_max)
+
+
+def late_steps(
+    levels: tuple[int, ...], steps: np.ndarray, last_before: int | None
+) -> Iterator[tuple[int, np.ndarray]]:
+    """``(level, mask)`` of the new ``steps`` (ascending) that arrive late at each level: into a block the
+    run had sealed before this batch (its last step was ``last_before``). Stops at the first level where
+    none is: a step not late at one level is not late at a coarser one."""
+    if not len(steps) or last_before is None:
+        return
+    for level in levels:
+        late = steps < last_before // level * level
+        if not late.any():
+            return
+        yield level, late
+
+
+def sealed_blocks(
+    levels: tuple[int, ...], steps: np.ndarray, last_before: int | None, last_after: int
+) -> Iterator[tuple[int, int, int]]:
+    """``(level, first, last)``: the blocks of each level that this batch seals, those the run's last step
+    moved past from ``last_before`` (a new run: from its first new step) to ``last_after``. Stops at the
+    first level that seals none: a coarser one seals none either."""
     lowest = int(steps[0]) if len(steps) else last_after
-    for level in LEVELS:
+    for level in levels:
         first = (lowest if last_before is None else last_before) // level
         last = last_after // level - 1
         if first > last:
-            break  # nothing sealed at this level, so nothing at a coarser one either
-        _seal(session, run_id, level, first, last, fp8_max)
+            return
+        yield level, first, last
 
 
 def _merge_into_blocks(
