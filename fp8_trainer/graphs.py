@@ -148,6 +148,9 @@ _SYNC_OPS = {
 }
 
 
+_COPY_OPS = ("aten._to_copy", "aten.copy_", "aten.copy")
+
+
 def _caller() -> str:
     """``file:line`` of the innermost frame outside torch and this module: where the step asked for it."""
     here = os.path.abspath(__file__)
@@ -182,22 +185,22 @@ class HostSyncAudit(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        why = self._why(func, args, kwargs)
-        if why is not None and self._counted(func, args):
+        name = func._schema.name.replace("::", ".")
+        why = self._why(name, args, kwargs)
+        if why is not None and self._counted(name, args):
             self.found.append(f"{why} at {_caller()}")
         return func(*args, **kwargs)
 
-    def _counted(self, func, args) -> bool:
+    def _counted(self, name: str, args) -> bool:
         """Whether an offending op is on a device this audit counts (a copy always is: its rule already
         asks for a GPU source)."""
-        if self.device_types is None or func._schema.name in ("aten::_to_copy", "aten::copy_", "aten::copy"):
+        if self.device_types is None or name in _COPY_OPS:
             return True
         subject = args[0] if args else None
         return not isinstance(subject, torch.Tensor) or subject.device.type in self.device_types
 
     @staticmethod
-    def _why(func, args, kwargs) -> str | None:
-        name = func._schema.name.replace("::", ".")
+    def _why(name: str, args, kwargs) -> str | None:
         if name in _SYNC_OPS:
             return f"{name}: {_SYNC_OPS[name]}"
         if name == "aten.index" and any(
@@ -206,7 +209,7 @@ class HostSyncAudit(TorchDispatchMode):
             return "aten.index: indexing with a boolean mask (its output size depends on the values)"
         if name == "aten.repeat_interleave" and kwargs.get("output_size") is None and len(args) < 3:
             return "aten.repeat_interleave without output_size (its output size depends on the values)"
-        if name in ("aten._to_copy", "aten.copy_", "aten.copy"):
+        if name in _COPY_OPS:
             src = args[1] if name != "aten._to_copy" else args[0]
             dst_device = kwargs.get("device") if name == "aten._to_copy" else args[0].device
             if (

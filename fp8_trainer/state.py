@@ -184,6 +184,16 @@ def _scale_update_reference(amax_history, amax, scale, *, most_recent, enabled, 
     return history, new_scale, torch.reciprocal(new_scale)
 
 
+def _move_into(held: torch.Tensor | None, t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in ``held`` (made anew only where missing or of another shape, so its address stays
+    from step to step), and ``t`` zeroed in place: a capturable step's hand-over of its statistics."""
+    if held is None or held.shape != t.shape:
+        held = torch.empty_like(t)
+    held.copy_(t)
+    t.zero_()
+    return held
+
+
 class FP8State:
     """Scaling state and statistics of every quantized tensor of one model."""
 
@@ -518,16 +528,9 @@ class FP8State:
         self.amax_history.copy_(history)
         self.scale.copy_(scale)
         self.scale_inv.copy_(scale_inv)
-        if self.last_stats is None or self.last_stats.shape != stats.shape:
-            self.last_stats = torch.empty_like(stats)
-        self.last_stats.copy_(stats)
-        stats.zero_()
-        block = self.block_stats
-        if block is not None:
-            if self.last_block_stats is None or self.last_block_stats.shape != block.shape:
-                self.last_block_stats = torch.empty_like(block)
-            self.last_block_stats.copy_(block)
-            block.zero_()  # new_block_stats' zeros, in place
+        self.last_stats = _move_into(self.last_stats, stats)
+        if self.block_stats is not None:  # zeroed: new_block_stats' zeros, in place
+            self.last_block_stats = _move_into(self.last_block_stats, self.block_stats)
         stats[:, SCALE] = self.scale
         if stats.shape[1] > MIN_ABS:
             stats[:, MIN_ABS] = torch.inf  # the neutral element of its min
