@@ -32,6 +32,7 @@ __all__ = [
     "FLOAT32_MAX",
     "launch",
     "launch_key",
+    "LANE",
     "MAX_BLOCKS_PER_PROGRAM",
     "abs_bits",
     "amax_bits",
@@ -44,6 +45,7 @@ __all__ = [
     "load_f32",
     "persistent_grid",
     "prefetch",
+    "saturating_cast",
     "tile_2d",
     "to_f32",
 ]
@@ -65,9 +67,16 @@ def grid_cap(device: torch.device) -> int:
     return 3
 
 
-#: Most blocks (tiles) one program of the quantize kernels walks: its per-element counts are packed in
-#: 8-bit fields (``triton_quantize``). 2**31 elements in blocks of 4096 need 2057 programs for this.
-MAX_BLOCKS_PER_PROGRAM = 2**8 - 1
+#: Consecutive elements (along a block's or tile's last axis) whose statistics the quantize kernels fold
+#: into one accumulator slot per block (``triton_quantize._runs``): a run stays in one thread's registers,
+#: so the accumulators are 8 times narrower than a block at no extra instruction and no cross-thread work.
+_LANE = 8
+LANE = tl.constexpr(_LANE)
+
+#: Most blocks (tiles) one program of the quantize kernels walks: a slot's counts are packed in 8-bit
+#: fields, each at most ``LANE`` per block (``triton_quantize``). 2**31 elements in blocks of 4096 need
+#: 16913 programs for this.
+MAX_BLOCKS_PER_PROGRAM = (2**8 - 1) // _LANE
 
 
 def persistent_grid(n_blocks: int, device: torch.device) -> int:
@@ -89,6 +98,23 @@ def tile_2d(device: torch.device) -> tuple[int, int, int]:
     whole 16-byte FP8 vectors. On CUDA 16 elements per thread (the 16-byte FP8 vector), no register spills
     on sm_90 (about 120 registers, ``test_ptx.py``)."""
     return (128, 64, 16) if device.type == "cuda" else (32, 32, 4)
+
+
+def saturating_cast(device: torch.device) -> bool:
+    """Whether Triton's float32 -> FP8 cast on ``device`` saturates by itself, so the kernels may skip their
+    clamp: on NVIDIA GPUs from sm_89 it is one ``cvt.rn.satfinite.{e4m3,e5m2}x2.f32`` per pair (PTX ISA:
+    values beyond the largest finite value and infinities become it, with their sign; NaN stays NaN), which
+    gives the bits of the clamp-then-cast of ``quantize_with_stats_reference`` (``test_ptx.py`` checks the
+    instruction; the GPU kernel tests the bits). Not under the interpreter (CPU tensors), whose cast does
+    not saturate, nor on ROCm or older GPUs."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def prefetch(device: torch.device) -> bool:

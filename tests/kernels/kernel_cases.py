@@ -248,7 +248,7 @@ def _amax_keeps_scale(device: torch.device) -> None:
 @case("quantize-many-blocks-per-program")
 def _many_blocks(device: torch.device) -> None:
     # every program walks tens of blocks, each element position collecting overflows, underflows and
-    # non-finite elements in its packed per-element counters (10 bits apart)
+    # non-finite elements in its packed per-slot counters (8 bits apart, at most LANE per block)
     from fp8_kernels.triton_launch import block_1d, grid_cap
     from fp8_kernels.triton_quantize import launch_quantize
 
