@@ -105,8 +105,8 @@ def saturating_cast(device: torch.device) -> bool:
     clamp: on NVIDIA GPUs from sm_89 it is one ``cvt.rn.satfinite.{e4m3,e5m2}x2.f32`` per pair (PTX ISA:
     values beyond the largest finite value and infinities become it, with their sign; NaN stays NaN), which
     gives the bits of the clamp-then-cast of ``quantize_with_stats_reference`` (the GPU kernel tests check
-    the bits; no CPU test checks this path). Not under the interpreter (CPU tensors), whose cast does
-    not saturate, nor on ROCm or older GPUs."""
+    the bits; ``test_ptx.py`` that the sm_90 build then has the cast and no clamp). Not under the
+    interpreter (CPU tensors), whose cast does not saturate, nor on ROCm or older GPUs."""
     if device.type != "cuda" or torch.version.hip is not None:
         return False
     return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)

@@ -21,6 +21,7 @@ loop was 16 x ``ld.global.b16`` and 16 x ``st.global.b8`` per thread; now it is 
 from __future__ import annotations
 
 import re
+import struct
 from collections import Counter
 
 import pytest
@@ -184,6 +185,43 @@ def test_transposed_odd_and_size_one_compile(sm90, record, shape):
         torch.zeros(shape, dtype=torch.bfloat16), torch.tensor(1.0), E5M2
     )
     assert "st.global" in _ptx(sm90, rec)
+
+
+# ----- the FP8 cast: clamped by the kernel, or saturated by the cast itself (sm_89+) -----
+def _lower_clamps(ptx: str, fmax: float) -> int:
+    """``max.f32 r, x, -fmax`` instructions: the lower half of the clamp to the FP8 range (nothing else in
+    these kernels takes the max with ``-fmax``)."""
+    imm = f"0f{struct.unpack('<I', struct.pack('<f', -fmax))[0]:08X}"
+    return len(re.findall(rf"\bmax(?:\.\w+)*\.f32\s+[^;]*,\s*{imm};", ptx))
+
+
+@pytest.mark.parametrize("kernel", ["_quantize_kernel", "_quantize_t_kernel"])
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+def test_saturating_cast_replaces_the_clamp(sm90, record, monkeypatch, kernel, fp8):
+    # Where saturating_cast(device) holds (CUDA sm_89+), the FP8 output is the cast alone: its cvt.satfinite
+    # maps beyond-range values and infinities to +-max, as the clamp would; elsewhere the kernel clamps first.
+    from fp8_kernels import triton_quantize
+
+    fmax = torch.finfo(fp8).max
+    x = torch.zeros(512, 1024, dtype=torch.bfloat16)
+    quantize = (
+        triton_quantize.quantize_with_stats_triton
+        if kernel == "_quantize_kernel"
+        else triton_quantize.quantize_with_stats_transposed_triton
+    )
+    found = {}
+    for saturates in (False, True):
+        monkeypatch.setattr(triton_quantize, "saturating_cast", lambda device, s=saturates: s)
+        rec = record(triton_quantize, kernel)
+        quantize(x, torch.tensor(1.0), fp8)
+        assert rec.launches[0][1]["SAT_CAST"] is saturates
+        ptx = _ptx(sm90, rec)
+        name = "e4m3x2" if fp8 == E4M3 else "e5m2x2"
+        assert re.search(rf"cvt\.rn\.satfinite\.{name}\.f32", ptx), "no saturating FP8 cast in the PTX"
+        found[saturates] = _lower_clamps(ptx, fmax)
+        monkeypatch.setattr(triton_quantize, kernel, rec.fn)
+    # clamped: at least one per element of a thread's block (16 here); saturating: none at all
+    assert found[False] >= 16 and found[True] == 0, found
 
 
 # ----- current scaling: the amax pass and the quantize pass deriving its scale -----
