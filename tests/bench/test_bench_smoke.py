@@ -153,3 +153,24 @@ def test_profile_gpu_smoke(tmp_path):
     for name in ("nn.Linear", "fp8scope delayed", "fp8scope current"):
         assert f"{name}" in text and "ms per call" in text
     assert "_FP8LinearFn" in text  # the profiler table of the FP8 layer's host operations
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed (pip install '.[dev]')")
+def test_sass_profile_runs_without_a_gpu(tmp_path):
+    # the sm_90 build needs no GPU: the script's numbers are the real ones here, not a smoke run's
+    out = tmp_path / "sass.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "sass.py"), "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    if proc.returncode == 3:  # this Triton cannot build for sm_90 here, or lacks nvdisasm
+        pytest.skip(proc.stderr.strip().splitlines()[-1])
+    assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    rows = {r["kernel"]: r for r in json.loads(out.read_text())["rows"]}
+    assert len(rows) == 6 and "quantize 1-D, quality" in proc.stdout
+    for row in rows.values():  # each main loop found, loading its input
+        assert row["loop_instructions"] > 0 and row["loop_global_loads"] >= 1, row
+    # the statistics of the quality columns cost instructions: more per iteration than the base columns'
+    quality, base = rows["quantize 1-D, quality"], rows["quantize 1-D, base"]
+    assert quality["loop_instructions"] > base["loop_instructions"], (quality, base)

@@ -1,17 +1,13 @@
 """The Triton kernels compiled for sm_90 on this machine, no GPU and no launch: the PTX of every kernel's main
-loop reads and writes 16-byte vectors, and odd and size-1 shapes compile.
+loop reads and writes 16-byte vectors, odd and size-1 shapes compile, and the quantize kernels' machine code
+(SASS) keeps its main loop free of barriers, shuffles and spills.
 
-How: each launcher (``launch_quantize``, ``tensor_amax_triton``, the current-scaling entries,
-``exponent_histogram_triton``, ``scale_update_triton``) runs on CPU tensors with the CUDA block sizes and its
-kernel replaced by a recorder. The recorded arguments then go through what a real launch does before it
-compiles (Triton's argument binder: types, 16-byte pointer alignment, integer specialisation, for a
-``GPUTarget("cuda", 90, 32)`` backend) and ``triton.compile``, which runs the whole pipeline (ttir, ttgir,
-llir, ptx, and ptxas for the cubin; Triton ships ptxas). Where ptxas could not run, the PTX stage alone
-would do: ``CUDABackend.add_stages`` fills an ordered dict of stages (``ttir`` ... ``ptx``, ``cubin``), and
-running them up to ``ptx`` on ``ASTSource.make_ir``'s module gives the same text.
-
-The binder and ``JITFunction._pack_args`` are Triton internals (of the 3.x line); the tests skip, with the
-reason, where this Triton lacks them or its CUDA backend cannot compile here.
+How (``fp8_kernels.cross_build``): each launcher (``launch_quantize``, ``tensor_amax_triton``, the
+current-scaling entries, ``exponent_histogram_triton``, ``scale_update_triton``) runs on CPU tensors with
+the CUDA block sizes and its kernel replaced by a recorder; the recorded arguments then go through Triton's
+argument binder and ``triton.compile`` for a ``GPUTarget("cuda", 90, 32)`` backend, down to the cubin (Triton
+ships ptxas, and the ``nvdisasm`` / ``cuobjdump`` that read it). The binder is a Triton internal (of the 3.x
+line); the tests skip, with the reason, where this Triton lacks it or its CUDA backend cannot build here.
 
 Before the restructuring (sizes in ``do_not_specialize`` and every block masked) the 1-D quantize kernel's
 loop was 16 x ``ld.global.b16`` and 16 x ``st.global.b8`` per thread; now it is 2 x ``ld.global.v4.b32``
@@ -28,71 +24,33 @@ import pytest
 import torch
 from fp8_kernels import triton_available
 
+if triton_available():
+    from fp8_kernels import cross_build
+
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not triton_available(), reason="triton is not installed (pip install '.[dev]')"),
 ]
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-CUDA = torch.device("cuda")  # only its type is read: the launchers' block sizes for a GPU
 
 
 @pytest.fixture(scope="module")
 def sm90():
     """``compile(kernel, args, kwargs) -> CompiledKernel`` for sm_90, as a launch would compile it."""
     try:
-        import triton
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource, make_backend
-        from triton.runtime.jit import create_function_from_signature
-
-        target = GPUTarget("cuda", 90, 32)
-        backend = make_backend(target)
-    except Exception as e:  # an old or CPU-only Triton
-        pytest.skip(f"this Triton cannot build for CUDA here: {e!r}")
-
-    def compile_sm90(fn, args, kwargs):
-        binder = create_function_from_signature(fn.signature, fn.params, backend)
-        bound, specialization, options = binder(*args, **kwargs)
-        options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
-        src = ASTSource(fn, signature, constexprs, attrs)
-        return triton.compile(src, target=target, options=options.__dict__)
-
-    from fp8_kernels.triton_current import _amax_kernel
-
-    x = torch.zeros(16)
-    try:
-        compile_sm90(_amax_kernel, (x, torch.zeros(()), 16), dict(IS_BF16=False, BLOCK=1024, num_warps=4))
-    except Exception as e:
-        pytest.skip(f"cannot compile a Triton kernel for sm_90 here: {e!r}")
-    return compile_sm90
-
-
-class _Recorder:
-    """Stands in for a kernel: ``kernel[grid](*args, **kwargs)`` records the launch instead of running it."""
-
-    def __init__(self, fn):
-        self.fn = fn
-        self.launches: list[tuple[tuple, dict]] = []
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.launches.append((args, kwargs))
+        return cross_build.sm90_compiler()
+    except RuntimeError as e:
+        pytest.skip(str(e))
 
 
 @pytest.fixture
 def record(monkeypatch):
-    """``record(module, kernel_name) -> _Recorder``; the launchers use the CUDA block sizes meanwhile."""
-    from fp8_kernels import triton_current, triton_histogram, triton_launch, triton_quantize
-    from fp8_kernels import triton_scale_update as scale_update
+    """``record(module, kernel_name) -> Recorder``; the launchers use the CUDA block sizes meanwhile."""
+    cross_build.cuda_sizes(monkeypatch.setattr)
 
-    for module in (triton_quantize, triton_current, triton_histogram):
-        monkeypatch.setattr(module, "block_1d", lambda device: triton_launch.block_1d(CUDA))
-    monkeypatch.setattr(triton_quantize, "tile_2d", lambda device: triton_launch.tile_2d(CUDA))
-    cuda_blocks = triton_launch.block_scale_update(CUDA)
-    monkeypatch.setattr(scale_update, "block_scale_update", lambda device: cuda_blocks)
-
-    def recorder(module, name: str) -> _Recorder:
-        rec = _Recorder(getattr(module, name))
+    def recorder(module, name: str) -> cross_build.Recorder:
+        rec = cross_build.Recorder(getattr(module, name))
         monkeypatch.setattr(module, name, rec)
         return rec
 
@@ -108,7 +66,7 @@ def _global(ptx: str, op: str) -> Counter:
     return widths
 
 
-def _ptx(sm90, rec: _Recorder, index: int = 0) -> str:
+def _ptx(sm90, rec: cross_build.Recorder, index: int = 0) -> str:
     assert len(rec.launches) > index, "the launcher launched nothing"
     args, kwargs = rec.launches[index]
     return sm90(rec.fn, args, kwargs).asm["ptx"]
@@ -127,7 +85,7 @@ def test_quantize_main_loop_is_vectorised(sm90, record, dtype, fp8):
     x = torch.zeros(4 * 4096 + 3, dtype=dtype)  # the size is no part of the compiled kernel
     triton_quantize.quantize_with_stats_triton(x, torch.tensor(1.0), fp8)
     ptx = _ptx(sm90, rec)
-    block, warps = triton_launch.block_1d(CUDA)
+    block, warps = triton_launch.block_1d(cross_build.CUDA)
     elems = _per_thread(block, warps)  # 16
     loads, stores = _global(ptx, "ld"), _global(ptx, "st")
     # the input: elems * element_size bytes per thread in 16-byte loads; the FP8 output: one 16-byte store
@@ -153,7 +111,7 @@ def test_transposed_quantize_vectorised_both_layouts(sm90, record, dtype, fp8):
     x = torch.zeros(256 + 16, 512 + 48, dtype=dtype)  # rows of both layouts multiples of 16; edge tiles
     triton_quantize.quantize_with_stats_transposed_triton(x, torch.tensor(1.0), fp8)
     ptx = _ptx(sm90, rec)
-    bm, bn, warps = triton_launch.tile_2d(CUDA)
+    bm, bn, warps = triton_launch.tile_2d(cross_build.CUDA)
     elems = _per_thread(bm * bn, warps)
     loads, stores = _global(ptx, "ld"), _global(ptx, "st")
     assert loads[128] >= elems * x.element_size() // 16, loads
@@ -195,33 +153,58 @@ def _lower_clamps(ptx: str, fmax: float) -> int:
     return len(re.findall(rf"\bmax(?:\.\w+)*\.f32\s+[^;]*,\s*{imm};", ptx))
 
 
-@pytest.mark.parametrize("kernel", ["_quantize_kernel", "_quantize_t_kernel"])
-@pytest.mark.parametrize("fp8", [E4M3, E5M2])
-def test_saturating_cast_replaces_the_clamp(sm90, record, monkeypatch, kernel, fp8):
-    # Where saturating_cast(device) holds (CUDA sm_89+), the FP8 output is the cast alone: its cvt.satfinite
-    # maps beyond-range values and infinities to +-max, as the clamp would; elsewhere the kernel clamps first.
+_QUANTIZE_ENTRIES = {
+    "_quantize_kernel": "quantize_with_stats_triton",
+    "_quantize_t_kernel": "quantize_with_stats_transposed_triton",
+}
+
+
+def _build_quantize(sm90, kernel: str, fp8, *, saturating_cast: bool, quality: bool = True):
+    """The sm_90 build of quantize kernel ``kernel`` for a bf16 (512, 1024) input, as its launcher does it."""
     from fp8_kernels import triton_quantize
 
-    fmax = torch.finfo(fp8).max
-    x = torch.zeros(512, 1024, dtype=torch.bfloat16)
-    quantize = (
-        triton_quantize.quantize_with_stats_triton
-        if kernel == "_quantize_kernel"
-        else triton_quantize.quantize_with_stats_transposed_triton
-    )
+    with cross_build.recorded(triton_quantize, kernel, saturating_cast=saturating_cast) as rec:
+        stats = None if quality else torch.zeros(6, dtype=torch.float64)  # the base columns alone
+        entry = getattr(triton_quantize, _QUANTIZE_ENTRIES[kernel])
+        entry(torch.zeros(512, 1024, dtype=torch.bfloat16), torch.tensor(1.0), fp8, stats)
+    args, kwargs = rec.launches[0]
+    assert kwargs["SAT_CAST"] is saturating_cast and kwargs["QUALITY"] is quality
+    return sm90(rec.fn, args, kwargs)
+
+
+@pytest.mark.parametrize("kernel", list(_QUANTIZE_ENTRIES))
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+def test_saturating_cast_replaces_the_clamp(sm90, kernel, fp8):
+    # Where saturating_cast(device) holds (CUDA sm_89+), the FP8 output is the cast alone: its cvt.satfinite
+    # maps beyond-range values and infinities to +-max, as the clamp would; elsewhere the kernel clamps first.
     found = {}
     for saturates in (False, True):
-        monkeypatch.setattr(triton_quantize, "saturating_cast", lambda device, s=saturates: s)
-        rec = record(triton_quantize, kernel)
-        quantize(x, torch.tensor(1.0), fp8)
-        assert rec.launches[0][1]["SAT_CAST"] is saturates
-        ptx = _ptx(sm90, rec)
+        ptx = _build_quantize(sm90, kernel, fp8, saturating_cast=saturates).asm["ptx"]
         name = "e4m3x2" if fp8 == E4M3 else "e5m2x2"
         assert re.search(rf"cvt\.rn\.satfinite\.{name}\.f32", ptx), "no saturating FP8 cast in the PTX"
-        found[saturates] = _lower_clamps(ptx, fmax)
-        monkeypatch.setattr(triton_quantize, kernel, rec.fn)
+        found[saturates] = _lower_clamps(ptx, torch.finfo(fp8).max)
     # clamped: at least one per element of a thread's block (16 here); saturating: none at all
     assert found[False] >= 16 and found[True] == 0, found
+
+
+@pytest.mark.parametrize("quality", [True, False], ids=["quality", "base"])
+@pytest.mark.parametrize("kernel", list(_QUANTIZE_ENTRIES))
+def test_quantize_main_loop_has_no_barrier_shuffle_or_spill(sm90, kernel, quality):
+    # Statistics fold per run of LANE consecutive elements inside one thread, so nothing crosses threads
+    # until a program ends: no warp shuffle and (1-D) no barrier per block. Before, a block's tree reduction
+    # cost 24 SHFL and 4 BAR.SYNC per iteration of the 1-D quality loop, and the 2-D one spilled.
+    try:
+        prof = cross_build.sass_profile(
+            _build_quantize(sm90, kernel, E4M3, saturating_cast=True, quality=quality)
+        )
+    except RuntimeError as e:  # no nvdisasm / cuobjdump with this Triton
+        pytest.skip(str(e))
+    loop = prof.main_loop()
+    assert prof.count(loop, "LDG") >= 2 and prof.count(loop, "STG") >= 1, loop  # the data pass itself
+    assert prof.count(loop, "SHFL") == 0, loop
+    # the 2-D kernel's loop keeps the two barriers of its transpose through shared memory
+    assert prof.count(loop, "BAR") == (0 if kernel == "_quantize_kernel" else 2), loop
+    assert prof.count(loop, "STL") == 0 and prof.stack_bytes == 0, f"spills: {prof.stack_bytes} stack bytes"
 
 
 # ----- current scaling: the amax pass and the quantize pass deriving its scale -----
@@ -237,7 +220,7 @@ def test_current_scaling_passes_vectorised(sm90, record, transposed, power_2_sca
         triton_current.quantize_current_transposed_triton(x, E4M3, power_2_scale=power_2_scale)
     else:
         triton_current.quantize_current_triton(x, E4M3, power_2_scale=power_2_scale)
-    block, warps = triton_launch.block_1d(CUDA)
+    block, warps = triton_launch.block_1d(cross_build.CUDA)
     assert _global(_ptx(sm90, amax_rec), "ld")[128] >= _per_thread(block, warps) * 2 // 16
     flags = quant_rec.launches[0][1]
     assert flags["SCALE_FROM_AMAX"] and flags["POW2_SCALE"] == power_2_scale
@@ -261,7 +244,7 @@ def test_histogram_loads_vectorised(sm90, record, dtype, n):
 
     rec = record(triton_histogram, "_histogram_kernel")
     triton_histogram.exponent_histogram_triton(torch.zeros(n, dtype=dtype))
-    block, warps = triton_launch.block_1d(CUDA)
+    block, warps = triton_launch.block_1d(cross_build.CUDA)
     loads = _global(_ptx(sm90, rec), "ld")
     assert loads[128] >= _per_thread(block, warps) * torch.zeros((), dtype=dtype).element_size() // 16, loads
 

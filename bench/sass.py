@@ -1,0 +1,152 @@
+"""The machine code of the fused quantize kernels for sm_90 (H100 / H200), built without a GPU: per kernel,
+the registers per thread, the stack frame (spills), and the main loop's instructions per
+iteration, barriers, warp shuffles, global loads and stores.
+
+Not a timing: what a kernel costs on a GPU also depends on memory latency and on how many programs an SM
+holds. It is the measurement that can be made without a GPU, and how a change to a kernel's inner loop is
+checked before a GPU says what it is worth. ``bytes / instr.`` divides the bytes one thread moves per
+iteration (bf16 in; FP8 out, twice for the transposed kernel) by the loop's instructions. For scale, from
+an H200's data sheet: 4.8 TB/s over 132 SMs x 4 schedulers x 32 threads x 1.98 GHz of issue (one warp
+instruction per scheduler and clock) is about 0.14 bytes per thread instruction; a loop below that cannot
+keep the memory busy however well its loads are in flight.
+
+Each kernel is built the way its launcher builds it on a GPU (``fp8_kernels.cross_build``: CUDA block sizes,
+Triton's argument binder, ``triton.compile`` for ``GPUTarget("cuda", 90, 32)``, the FP8 cast saturating as on
+sm_89+), for a bf16 input; ``nvdisasm`` and ``cuobjdump``, shipped with Triton, read the cubin.
+
+    python bench/sass.py [--out bench/results/sass.json]
+
+Exit status 3 where this Triton cannot build for sm_90 here or ships no ``nvdisasm`` / ``cuobjdump``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+X_SHAPE = (512, 1024)  # sizes are no part of the compiled kernels
+
+
+def _kernels():
+    """``(name, module, kernel attribute, FP8 bytes written per input element, call)``: ``call()`` runs the
+    launcher once on CPU tensors."""
+    from fp8_kernels import triton_current, triton_histogram, triton_quantize
+
+    x = torch.zeros(X_SHAPE, dtype=torch.bfloat16)
+    one = torch.tensor(1.0)
+    base = lambda: torch.zeros(6, dtype=torch.float64)  # noqa: E731  (a row of the base columns alone)
+    q1, q2 = triton_quantize.quantize_with_stats_triton, triton_quantize.quantize_with_stats_transposed_triton
+    amax, hist = triton_current.tensor_amax_triton, triton_histogram.exponent_histogram_triton
+    return [
+        ("quantize 1-D, quality", triton_quantize, "_quantize_kernel", 1, lambda: q1(x, one, E4M3)),
+        ("quantize 1-D, base", triton_quantize, "_quantize_kernel", 1, lambda: q1(x, one, E4M3, base())),
+        ("quantize 2-D (+ transpose), quality", triton_quantize, "_quantize_t_kernel", 2,
+         lambda: q2(x, one, E4M3)),
+        ("quantize 2-D (+ transpose), base", triton_quantize, "_quantize_t_kernel", 2,
+         lambda: q2(x, one, E4M3, base())),
+        ("current: amax pass", triton_current, "_amax_kernel", 0, lambda: amax(x)),
+        ("exponent histogram", triton_histogram, "_histogram_kernel", 0, lambda: hist(x)),
+    ]  # fmt: skip
+
+
+def _threads(kwargs: dict) -> int:
+    return 32 * kwargs.get("num_warps", 4)
+
+
+def _block_elems(kwargs: dict) -> int:
+    return kwargs["BLOCK"] if "BLOCK" in kwargs else kwargs["BLOCK_M"] * kwargs["BLOCK_N"]
+
+
+def profile_all(compile_sm90) -> list[dict]:
+    """One row per kernel of ``_kernels``, built by ``compile_sm90`` (``cross_build.sm90_compiler()``)."""
+    from fp8_kernels import cross_build
+
+    rows = []
+    for name, module, attr, written, call in _kernels():
+        with cross_build.recorded(module, attr, saturating_cast=True) as rec:
+            call()
+        args, kwargs = rec.launches[0]
+        prof = cross_build.sass_profile(compile_sm90(rec.fn, args, kwargs))
+        loop = prof.main_loop()
+        moved = _block_elems(kwargs) * (2 + written) // _threads(kwargs)  # per thread and iteration
+        rows.append(
+            {
+                "kernel": name,
+                "registers": prof.registers,
+                "stack_bytes": prof.stack_bytes,
+                "loop_instructions": len(loop),
+                "loop_barriers": prof.count(loop, "BAR"),
+                "loop_shuffles": prof.count(loop, "SHFL"),
+                "loop_global_loads": prof.count(loop, "LDG"),
+                "loop_global_stores": prof.count(loop, "STG"),
+                "loop_spills": prof.count(loop, "STL") + prof.count(loop, "LDL"),
+                "bytes_per_thread": moved,
+                "bytes_per_instruction": round(moved / len(loop), 3),
+                "kernel_instructions": prof.instructions,
+            }
+        )
+    return rows
+
+
+COLUMNS = [
+    ("kernel", "kernel", "{}"),
+    ("registers", "regs", "{}"),
+    ("stack_bytes", "stack B", "{}"),
+    ("loop_instructions", "loop instr.", "{}"),
+    ("loop_barriers", "BAR", "{}"),
+    ("loop_shuffles", "SHFL", "{}"),
+    ("loop_global_loads", "LDG", "{}"),
+    ("loop_global_stores", "STG", "{}"),
+    ("loop_spills", "STL+LDL", "{}"),
+    ("bytes_per_instruction", "bytes / instr.", "{:.3f}"),
+]
+
+
+def table(rows: list[dict]) -> str:
+    cells = [[h for _, h, _ in COLUMNS]] + [[f.format(r[k]) for k, _, f in COLUMNS] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
+    lines = [
+        "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in cells
+    ]
+    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "sass.json"))
+    a = p.parse_args(argv)
+    import triton
+    from fp8_kernels import cross_build
+
+    try:
+        compile_sm90 = cross_build.sm90_compiler()
+        rows = profile_all(compile_sm90)
+    except RuntimeError as e:  # this Triton cannot build for sm_90 here, or ships no nvdisasm
+        print(f"sass.py: cannot profile here: {e}", file=sys.stderr)
+        return 3
+    summary = table(rows)
+    print(f"sm_90 machine code, Triton {triton.__version__}, bf16 input, main loop per iteration:\n{summary}")
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "target": "sm_90",
+        "triton": triton.__version__,
+        "torch": torch.__version__,
+        "host": platform.node(),
+    }
+    out.write_text(json.dumps({"meta": meta, "rows": rows, "summary": summary}, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,194 @@
+"""The Triton kernels built for an NVIDIA GPU on a machine without one: what a launch would compile, and a
+static profile of its machine code (SASS).
+
+A launcher (``launch_quantize``, ``tensor_amax_triton``, ...) runs on CPU tensors with the CUDA block sizes
+(``cuda_sizes``) and its kernel replaced by a recorder (``recorded``); the recorded arguments then go
+through what a real launch does before it compiles (Triton's argument binder: types, 16-byte pointer
+alignment, integer specialisation, for a ``GPUTarget("cuda", 90, 32)`` backend) and ``triton.compile``,
+which runs the whole pipeline (ttir, ttgir, llir, ptx, and ptxas for the cubin; Triton ships ptxas).
+``sass_profile`` reads the cubin with the ``nvdisasm`` and ``cuobjdump`` Triton ships beside ptxas.
+
+The binder and ``JITFunction._pack_args`` are Triton internals (of the 3.x line): ``sm90_compiler`` raises
+``RuntimeError`` with the reason where this Triton lacks them or its CUDA backend cannot build here.
+``tests/kernels/test_ptx.py`` and ``bench/sass.py`` are the users.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import subprocess
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["Recorder", "SassProfile", "cuda_sizes", "recorded", "sass_profile", "sm90_compiler"]
+
+CUDA = torch.device("cuda")  # only its type is read: the launchers' block sizes for a GPU
+
+
+def sm90_compiler() -> Callable[[Any, tuple, dict], Any]:
+    """``compile(kernel, args, kwargs) -> CompiledKernel`` for sm_90, as a launch would compile it; raises
+    ``RuntimeError`` (with the cause) where this Triton cannot build for CUDA here."""
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource, make_backend
+        from triton.runtime.jit import create_function_from_signature
+
+        target = GPUTarget("cuda", 90, 32)
+        backend = make_backend(target)
+    except Exception as e:  # an old or CPU-only Triton
+        raise RuntimeError(f"this Triton cannot build for CUDA here: {e!r}") from e
+
+    def compile_sm90(fn, args: tuple, kwargs: dict):
+        binder = create_function_from_signature(fn.signature, fn.params, backend)
+        bound, specialization, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+        return triton.compile(
+            ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__
+        )
+
+    from .triton_current import _amax_kernel
+
+    try:
+        compile_sm90(
+            _amax_kernel, (torch.zeros(16), torch.zeros(()), 16), dict(IS_BF16=False, BLOCK=1024, num_warps=4)
+        )
+    except Exception as e:
+        raise RuntimeError(f"cannot compile a Triton kernel for sm_90 here: {e!r}") from e
+    return compile_sm90
+
+
+class Recorder:
+    """Stands in for a kernel: ``kernel[grid](*args, **kwargs)`` records the launch instead of running it."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.launches: list[tuple[tuple, dict]] = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((args, kwargs))
+
+
+def cuda_sizes(patch: Callable[[Any, str, Any], None]) -> None:
+    """Make the launchers choose the CUDA block sizes for CPU tensors; ``patch(module, name, value)`` sets an
+    attribute (``monkeypatch.setattr``, or a setter that remembers what to restore)."""
+    from . import triton_current, triton_histogram, triton_launch, triton_quantize
+    from . import triton_scale_update as scale_update
+
+    for module in (triton_quantize, triton_current, triton_histogram):
+        patch(module, "block_1d", lambda device: triton_launch.block_1d(CUDA))
+    patch(triton_quantize, "tile_2d", lambda device: triton_launch.tile_2d(CUDA))
+    cuda_blocks = triton_launch.block_scale_update(CUDA)
+    patch(scale_update, "block_scale_update", lambda device: cuda_blocks)
+
+
+@contextlib.contextmanager
+def recorded(module, name: str, *, saturating_cast: bool | None = None) -> Iterator[Recorder]:
+    """``with recorded(triton_quantize, "_quantize_kernel") as rec:`` runs launchers on CPU tensors with the
+    CUDA block sizes, ``module.name`` replaced by a ``Recorder``; ``saturating_cast`` forces the launchers'
+    view of the device's FP8 cast (``triton_launch.saturating_cast``: ``True`` as on sm_89+)."""
+    from . import triton_quantize
+
+    undo: list[tuple[Any, str, Any]] = []
+
+    def patch(mod, attr, value):
+        undo.append((mod, attr, getattr(mod, attr)))
+        setattr(mod, attr, value)
+
+    try:
+        cuda_sizes(patch)
+        if saturating_cast is not None:
+            patch(triton_quantize, "saturating_cast", lambda device: saturating_cast)
+        rec = Recorder(getattr(module, name))
+        patch(module, name, rec)
+        yield rec
+    finally:
+        for mod, attr, value in reversed(undo):
+            setattr(mod, attr, value)
+
+
+def _tool(name: str) -> Path:
+    import triton
+
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    if not path.exists():
+        raise RuntimeError(f"{name}: not shipped with this Triton ({path} is missing)")
+    return path
+
+
+_INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", re.M)
+_LABEL = re.compile(r"^(\.L_x_\d+):", re.M)
+_PREDICATE = re.compile(r"^@!?U?P(?:T|\d+)\s+")
+_BRANCH = re.compile(r"\bBRA\s+`\((\.L_x_\d+)\)")
+
+
+@dataclass(frozen=True)
+class SassProfile:
+    """What the machine code of one kernel says about its cost, without running it."""
+
+    registers: int  #: per thread (``cuobjdump -res-usage``: REG)
+    stack_bytes: int  #: per thread: the stack frame, where ptxas spills registers (STACK)
+    instructions: int  #: in the whole kernel
+    loops: tuple[tuple[str, ...], ...]  #: each loop's body (backward branch to its label), in code order
+
+    def main_loop(self) -> tuple[str, ...]:
+        """The longest loop body: the grid-stride walk over full blocks (tiles)."""
+        if not self.loops:
+            raise ValueError("the kernel has no loop")
+        return max(self.loops, key=len)
+
+    @staticmethod
+    def count(body: tuple[str, ...], opcode: str) -> int:
+        """Instructions of ``body`` whose opcode (predicate dropped) starts with ``opcode`` (``"BAR"``,
+        ``"SHFL"``, ``"STL"`` ...)."""
+        return sum(1 for ins in body if _PREDICATE.sub("", ins).startswith(opcode))
+
+
+def _loops(sass: str) -> tuple[tuple[str, ...], ...]:
+    """Each backward branch's span (from its target label to the branch) as the instructions in it."""
+    events: list[tuple[int, str, str]] = [(m.start(), "label", m.group(1)) for m in _LABEL.finditer(sass)]
+    events += [(m.start(), "ins", m.group(2)) for m in _INSTR.finditer(sass)]
+    events.sort()
+    seen: dict[str, int] = {}  # label -> index in code of the next instruction
+    code: list[str] = []
+    loops = []
+    for _, kind, text in events:
+        if kind == "label":
+            seen[text] = len(code)
+            continue
+        code.append(text)
+        target = _BRANCH.search(text)
+        if target and target.group(1) in seen:  # backward: the label came first
+            body = tuple(code[seen[target.group(1)] :])
+            if len(body) > 1:  # not the branch to itself that ends the code
+                loops.append(body)
+    return tuple(loops)
+
+
+def sass_profile(compiled) -> SassProfile:
+    """Registers, stack frame and loop bodies of a ``CompiledKernel`` for sm_90 (from ``sm90_compiler``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        usage = subprocess.run(
+            [_tool("cuobjdump"), "-res-usage", cubin], capture_output=True, text=True, check=True
+        ).stdout
+        sass = subprocess.run(
+            [_tool("nvdisasm"), "-c", cubin], capture_output=True, text=True, check=True
+        ).stdout
+    regs = re.search(r"\bREG:(\d+)", usage)
+    stack = re.search(r"\bSTACK:(\d+)", usage)
+    if regs is None or stack is None:
+        raise RuntimeError(f"cuobjdump -res-usage: no REG / STACK in {usage!r}")
+    return SassProfile(
+        registers=int(regs.group(1)),
+        stack_bytes=int(stack.group(1)),
+        instructions=len(_INSTR.findall(sass)),
+        loops=_loops(sass),
+    )
