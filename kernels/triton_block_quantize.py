@@ -14,7 +14,7 @@ of the elements that exist). The numerics, per block, are the reference's (its m
   dtype's largest finite value where that overflows, 1 for a zero or Inf amax, optionally the mantissa
   cleared; ``scale_inv = 1 / scale`` correctly rounded.
 * ``q = fp8_satfinite(x * scale)``: the float32 product clamped to ``+-FP8_MAX`` (NaN kept), rounded to the
-  format *arithmetically* (``triton_quantize._round_fp8``), the sign put back on the bits, then cast: the
+  format *arithmetically*, the sign put back on the bits, then cast (``triton_quantize._fp8_rounded``): the
   cast only meets values the format holds exactly, so it cannot round differently on a GPU and under the
   interpreter (whose float8 cast rounds some values wrongly).
 
@@ -44,7 +44,7 @@ import triton.language as tl
 from .block_quantize import BlockQuantized
 from .quantize import KERNEL_MAX_NUMEL, fp8_max
 from .triton_launch import abs_bits, as_kernel_input, divisor, format_constants, launch, load_f32
-from .triton_quantize import _round_fp8
+from .triton_quantize import _fp8_rounded
 
 __all__ = ["block_quantize_triton", "block_tile"]
 
@@ -148,14 +148,9 @@ def _tile(
     amax = _block_reduce_max(tl.where(ax_bits > 0x7F800000, 0, ax_bits), TWO_D).to(tl.float32, bitcast=True)
     scale, inv, stored = _scales(amax, FMAX, RCP_FMAX, E8M0, POW2_SCALE, AMAX_EPS, INPUT_MAX)
     xs = x * _per_row(scale, TWO_D)
-    a = tl.minimum(tl.abs(xs), FMAX)  # a NaN's bits are replaced below
-    r = _round_fp8(a, MIN_NORMAL, SUB_MAGIC, DROP)  # |q| as float32
-    sign = xs.to(tl.int32, bitcast=True) & -2147483648  # 0x80000000
-    q = (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-    # NaN: the format's NaN pattern with x's sign (0x7F / 0xFF, as torch's cast), written on the bits
-    q_bits = q.to(q_ptr.dtype.element_ty).to(tl.uint8, bitcast=True)
-    q_bits = tl.where(xs != xs, ((sign >> 24) & 0x80 | 0x7F).to(tl.uint8), q_bits)
-    tl.store(q_ptr.to(tl.pointer_type(tl.uint8)) + offs, q_bits, mask=mask)
+    q8, q = _fp8_rounded(xs, q_ptr.dtype.element_ty, FMAX, MIN_NORMAL, SUB_MAGIC, DROP)
+    tl.store(q_ptr + offs, q8, mask=mask)
+    r = tl.abs(q)  # |q| as float32 (meaningless for NaN, which is not finite)
     # per-block outputs: one per row of the tile (1 x B blocks) or one for the tile (a B x B block)
     if TWO_D:
         slot = tm * GN + tn

@@ -15,12 +15,16 @@ program keeps two int32 accumulators: the amax bits, and the four counts packed 
 is at most one of overflow, underflow, non-finite, subnormal; ``persistent_grid`` gives no program more
 than ``MAX_BLOCKS_PER_PROGRAM`` < 2**8 blocks), which saves the registers of four separate accumulators.
 
+The FP8 cast: where the float32 -> FP8 cast saturates by itself (``saturating_cast``: CUDA sm_89+, whose
+``cvt.rn.satfinite`` maps values beyond ``FP8_MAX`` and infinities to ``+-FP8_MAX`` and keeps NaN) it is
+the cast alone, one instruction per pair of elements. Elsewhere (the interpreter, whose float8 cast rounds
+some values wrongly, DESIGN.md known traps; ROCm) ``v`` is rounded to the format *arithmetically*
+(``_round_fp8``: a mantissa rounding on the bits for normals, the add of a power of two for subnormals) and
+the cast meets only values the format holds, so the bits are the reference's on both.
+
 Quality statistics (``QUALITY``, a 10-column row; a 6-column row skips them) come from the same values:
 per element ``|x * scale|`` of the finite elements (0 for NaN/Inf), its square, and the square of its
-round-trip error ``r - |x * scale|``, where ``r`` is the FP8 value of the clamped ``|x * scale|`` rounded to
-nearest even *arithmetically* (``_round_fp8``: a mantissa rounding on the bits for normals, the add of
-a power of two for subnormals), equal to what the cast gives on a GPU, and exact under the interpreter,
-whose float8 cast rounds some values wrongly (DESIGN.md, known traps).
+round-trip error ``|q| - |x * scale|`` with ``q`` the FP8 value just written (read back as float32).
 
 Accumulators: every statistic is folded per run of ``LANE`` (8) consecutive elements into one slot
 (``_runs``): a run lies in one thread's registers, so nothing crosses threads until the program's end (no
@@ -28,11 +32,13 @@ shuffle or barrier per block), and the accumulators are 8 times narrower than a 
 run are summed in float32 and added to the run's float64 slot (within (LANE - 1) * 2**-24 relative); counts
 are packed 8 bits apart per slot, each at most ``LANE * MAX_BLOCKS_PER_PROGRAM`` < 2**8. ``min_abs`` is a
 min over the bits of ``|x|`` with zeros and non-finite elements read as Inf's bits, folded into the row
-with an integer atomic min on the float64 bits. Where the float32 -> FP8 cast saturates by itself
-(``saturating_cast``: sm_89+), the explicit clamp is skipped for the FP8 output. sm_90 SASS of the main
-loops (bf16 in, ``cuobjdump -res-usage``, ``nvdisasm``; Triton 3.9), before -> after: 1-D with quality
-899 -> 675 instructions per iteration, 4 -> 0 barriers, 139 -> 115 registers; 1-D without 340 -> 321,
-94 -> 59 registers; 2-D with quality 1095 -> 822, 6 -> 2 barriers (the transpose's own), spills gone.
+with an integer atomic min on the float64 bits.
+
+sm_90 SASS of the main loops (bf16 in, ``bench/sass.py``; Triton 3.9), from the block-wise tree reductions
+and the clamp and re-rounding before each cast, to now: 1-D with quality 899 -> 585 instructions per
+iteration, 4 -> 0 barriers, 139 -> 106 registers; 1-D without 340 -> 321, 94 -> 59 registers; 2-D with
+quality 1095 -> 726, 6 -> 2 barriers (the transpose's own), no spill in the loop (88 -> 16 bytes of stack,
+three values kept across the loop); 2-D without 582 -> 418.
 
 Memory access: the 1-D kernel walks full ``BLOCK``s with no mask and one masked tail block; the 2-D kernel
 walks full tiles with no mask, then the edge tiles (last tile column, last tile row) masked. Unmasked blocks
@@ -114,27 +120,47 @@ def _clamp(xs, FMAX: tl.constexpr):
 
 
 @triton.jit
-def _to_fp8(xs, dtype, FMAX: tl.constexpr, SAT_CAST: tl.constexpr):
-    """``xs`` cast to the FP8 ``dtype`` as ``_clamp(xs)`` would be: ``SAT_CAST`` where the cast itself
-    saturates (sm_89+: ``cvt.rn.satfinite``, values beyond the format's largest finite value and infinities
-    become that value with their sign, NaN stays NaN), so the clamp's three instructions per element go."""
-    if SAT_CAST:
-        return xs.to(dtype)
-    else:
-        return _clamp(xs, FMAX).to(dtype)
+def _fp8_rounded(
+    xs, dtype, FMAX: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, DROP: tl.constexpr
+):  # fmt: skip
+    """``xs`` clamped to ``+-FMAX`` and rounded to the FP8 format on the float32 bits (``_round_fp8``), then
+    cast: ``(q in dtype, q as float32)``. The cast meets only values the format holds, so it cannot round
+    differently on a GPU and under the interpreter (whose float8 cast rounds some values wrongly). NaN gets
+    the format's NaN pattern ``0x7F`` with its sign, as torch's cast (its float32 value is meaningless)."""
+    r = _round_fp8(tl.minimum(tl.abs(xs), FMAX), MIN_NORMAL, SUB_MAGIC, DROP)
+    sign = xs.to(tl.int32, bitcast=True) & -2147483648  # 0x80000000
+    qf = (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    q_bits = qf.to(dtype).to(tl.uint8, bitcast=True)
+    q_bits = tl.where(xs != xs, ((sign >> 24) & 0x80 | 0x7F).to(tl.uint8), q_bits)
+    return q_bits.to(dtype, bitcast=True), qf
 
 
 @triton.jit
-def _quality_terms(
-    x, af, sq_acc, err_acc, min_acc, FMAX: tl.constexpr, MIN_NORMAL: tl.constexpr,
-    SUB_MAGIC: tl.constexpr, DROP: tl.constexpr,
+def _to_fp8(
+    xs, dtype, FMAX: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, DROP: tl.constexpr,
+    SAT_CAST: tl.constexpr,
 ):  # fmt: skip
+    """``xs`` in the FP8 ``dtype``, saturated (``clamp(xs, -FMAX, FMAX)``, NaN kept, rounded to nearest
+    even): ``(q, q as float32)``, the second for the quality statistics (unused otherwise: it costs
+    nothing). ``SAT_CAST`` where the cast itself does all that (sm_89+: ``cvt.rn.satfinite``, values beyond
+    the format's largest finite value and infinities become it with their sign, NaN stays NaN): one
+    instruction per pair of elements, the float32 value read back from ``q``; elsewhere (the interpreter,
+    ROCm) ``_fp8_rounded``."""
+    if SAT_CAST:
+        q = xs.to(dtype)
+        return q, q.to(tl.float32)
+    else:
+        return _fp8_rounded(xs, dtype, FMAX, MIN_NORMAL, SUB_MAGIC, DROP)
+
+
+@triton.jit
+def _quality_terms(x, qf, af, sq_acc, err_acc, min_acc):
     """The quality accumulators (one slot per run of ``LANE`` elements, ``_runs``) after one block or tile:
-    ``+ sum(af**2)``, ``+ sum((fp8(af) - af)**2)`` (scaled domain; each run's float32 sum added to its
-    float64 slot), ``min`` with the bits of the smallest non-zero finite ``|x|`` (zeros and non-finite
-    elements read as Inf's bits)."""
-    d = _round_fp8(tl.minimum(af, FMAX), MIN_NORMAL, SUB_MAGIC, DROP) - af
+    ``+ sum(af**2)``, ``+ sum((|qf| - af)**2)`` with ``qf`` the FP8 value as float32 (``_to_fp8``: the
+    scaled domain; 0 for a non-finite ``x``; each run's float32 sum added to its float64 slot), ``min`` with
+    the bits of the smallest non-zero finite ``|x|`` (zeros and non-finite elements read as Inf's bits)."""
     bits = abs_bits(x)
+    d = tl.where(bits < 0x7F800000, tl.abs(qf) - af, 0.0)
     min_bits = tl.where((bits == 0) | (bits >= 0x7F800000), 0x7F800000, bits)
     sq, err, low = tl.reduce((_runs(af * af), _runs(d * d), _runs(min_bits)), len(x.shape), _sum_sum_min)
     return sq_acc + sq.to(tl.float64), err_acc + err.to(tl.float64), tl.minimum(min_acc, low)
@@ -263,13 +289,12 @@ def _quantize_values(
     bits, counts, xs, af = _scale_and_count(
         x, scale, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, SUBNORMAL_TOP, QUALITY
     )
-    tl.store(q_ptr + offs, _to_fp8(xs, q_ptr.dtype.element_ty, FMAX, SAT_CAST), mask=mask)
+    q, qf = _to_fp8(xs, q_ptr.dtype.element_ty, FMAX, MIN_NORMAL, SUB_MAGIC, DROP, SAT_CAST)
+    tl.store(q_ptr + offs, q, mask=mask)
     if STORE_PRECAST:
         tl.store(precast_ptr + offs, _clamp(xs, FMAX), mask=mask)
     if QUALITY:
-        sq_acc, err_acc, min_acc = _quality_terms(
-            x, af, sq_acc, err_acc, min_acc, FMAX, MIN_NORMAL, SUB_MAGIC, DROP
-        )
+        sq_acc, err_acc, min_acc = _quality_terms(x, qf, af, sq_acc, err_acc, min_acc)
     amax_run, count_run = tl.reduce((_runs(bits), _runs(counts)), len(x.shape), _max_sum)
     return tl.maximum(amax_acc, amax_run), count_acc + count_run, sq_acc, err_acc, min_acc
 
@@ -382,15 +407,13 @@ def _quantize_tile_values(
     bits, counts, xs, af = _scale_and_count(
         x, scale, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, SUBNORMAL_TOP, QUALITY
     )
-    q = _to_fp8(xs, q_ptr.dtype.element_ty, FMAX, SAT_CAST)
+    q, qf = _to_fp8(xs, q_ptr.dtype.element_ty, FMAX, MIN_NORMAL, SUB_MAGIC, DROP, SAT_CAST)
     tl.store(q_ptr + offs, q, mask=mask)
     tl.store(qt_ptr + offs_t, tl.trans(q), mask=mask_t)
     if STORE_PRECAST:
         tl.store(precast_ptr + offs, _clamp(xs, FMAX), mask=mask)
     if QUALITY:
-        sq_acc, err_acc, min_acc = _quality_terms(
-            x, af, sq_acc, err_acc, min_acc, FMAX, MIN_NORMAL, SUB_MAGIC, DROP
-        )
+        sq_acc, err_acc, min_acc = _quality_terms(x, qf, af, sq_acc, err_acc, min_acc)
     amax_run, count_run = tl.reduce((_runs(bits), _runs(counts)), len(x.shape), _max_sum)
     return tl.maximum(amax_acc, amax_run), count_acc + count_run, sq_acc, err_acc, min_acc
 

@@ -13,10 +13,10 @@ import sys
 
 import pytest
 import torch
-from fp8_kernels import triton_available
+from fp8_kernels import cross_build, triton_available
 
 from tests.kernels import block_cases
-from tests.kernels.test_ptx import CUDA, _global, _per_thread, _ptx, record, sm90  # noqa: F401 (fixtures)
+from tests.kernels.test_ptx import _global, _per_thread, _ptx, record, sm90  # noqa: F401 (fixtures)
 from tests.support import ROOT
 from tests.support.gpu import FP8_GPU
 
@@ -66,7 +66,7 @@ def block_record(record, monkeypatch):  # noqa: F811
     from fp8_kernels import triton_block_quantize as tbq
 
     tile = tbq.block_tile
-    monkeypatch.setattr(tbq, "block_tile", lambda device, block: tile(CUDA, block))
+    monkeypatch.setattr(tbq, "block_tile", lambda device, block: tile(cross_build.CUDA, block))
     return record(tbq, "_block_quantize_kernel")
 
 
@@ -88,7 +88,7 @@ def test_block_quantize_vectorised(sm90, block_record, block, fmt, dtype, fp8, s
     x = torch.zeros(512 + 7, 1024, dtype=dtype)  # an edge tile row: the size is no part of the kernel
     block_quantize_triton(x, fp8, block, fmt, stats=stats)
     ptx = _ptx(sm90, block_record)
-    tile_m, warps = block_tile(CUDA, block)
+    tile_m, warps = block_tile(cross_build.CUDA, block)
     elems = _per_thread(tile_m * block[1], warps)
     loads, stores = _global(ptx, "ld"), _global(ptx, "st")
     # per thread: its elements of x in 16-byte loads, its FP8 outputs in one 16-byte store (16 elements)
