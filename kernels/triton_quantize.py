@@ -31,8 +31,8 @@ Accumulators: every statistic is folded per run of ``LANE`` (8) consecutive elem
 shuffle or barrier per block), and the accumulators are 8 times narrower than a block. The squares of a
 run are summed in float32 and added to the run's float64 slot (within (LANE - 1) * 2**-24 relative); counts
 are packed 8 bits apart per slot, each at most ``LANE * MAX_BLOCKS_PER_PROGRAM`` < 2**8. ``min_abs`` is a
-min over the bits of ``|x|`` with zeros and non-finite elements read as Inf's bits, folded into the row
-with an integer atomic min on the float64 bits.
+min over the bits of ``|x|`` minus one, unsigned, so that zeros (which wrap) and non-finite elements
+never win (``_min_abs_bits``), folded into the row with an integer atomic min on the float64 bits.
 
 sm_90 SASS of the main loops (bf16 in, ``bench/sass.py``; Triton 3.9), from the block-wise tree reductions
 and the clamp and re-rounding before each cast, to now: 1-D with quality 899 -> 585 instructions per
@@ -102,13 +102,14 @@ def _scale_and_count(
     a = tl.abs(xs)
     # E5M2: the midpoint above FP8_MAX rounds up (to Inf); E4M3: it rounds down to FP8_MAX
     big = a >= OVF_THRESHOLD if OVF_INCLUSIVE else a > OVF_THRESHOLD
-    overflow = big & finite  # includes finite x whose product overflowed to Inf
-    underflow = (a <= UNDERFLOW) & (ax_bits != 0)  # non-zero, rounds to zero; NaN compares False
-    counts = overflow.to(tl.int32) | (underflow.to(tl.int32) << 8) | ((~finite).to(tl.int32) << 16)
     af = tl.where(finite, a, 0.0)
     if QUALITY:
-        subnormal = (af > UNDERFLOW) & (af < SUBNORMAL_TOP)  # lands on a non-zero subnormal
-        counts = counts | (subnormal.to(tl.int32) << 24)
+        counts = tl.where((a > UNDERFLOW) & (a < SUBNORMAL_TOP), 1 << 24, 0)
+        counts = tl.where(big, 1, counts)
+    else:
+        counts = tl.where(big, 1, 0)
+    counts = tl.where((a <= UNDERFLOW) & (ax_bits != 0), 256, counts)
+    counts = tl.where(finite, counts, 1 << 16)
     amax_bits = tl.where(ax_bits > 0x7F800000, 0, ax_bits)  # NaN ignored by the amax
     return amax_bits, counts, xs, af
 
@@ -158,12 +159,20 @@ def _quality_terms(x, qf, af, sq_acc, err_acc, min_acc):
     """The quality accumulators (one slot per run of ``LANE`` elements, ``_runs``) after one block or tile:
     ``+ sum(af**2)``, ``+ sum((|qf| - af)**2)`` with ``qf`` the FP8 value as float32 (``_to_fp8``: the
     scaled domain; 0 for a non-finite ``x``; each run's float32 sum added to its float64 slot), ``min`` with
-    the bits of the smallest non-zero finite ``|x|`` (zeros and non-finite elements read as Inf's bits)."""
+    the bits of ``|x|`` minus one, unsigned (``_min_abs_bits``)."""
     bits = abs_bits(x)
     d = tl.where(bits < 0x7F800000, tl.abs(qf) - af, 0.0)
-    min_bits = tl.where((bits == 0) | (bits >= 0x7F800000), 0x7F800000, bits)
-    sq, err, low = tl.reduce((_runs(af * af), _runs(d * d), _runs(min_bits)), len(x.shape), _sum_sum_min)
+    low_bits = (bits - 1).to(tl.uint32, bitcast=True)  # see _min_abs_bits
+    sq, err, low = tl.reduce((_runs(af * af), _runs(d * d), _runs(low_bits)), len(x.shape), _sum_sum_min)
     return sq_acc + sq.to(tl.float64), err_acc + err.to(tl.float64), tl.minimum(min_acc, low)
+
+
+@triton.jit
+def _min_abs_bits(low):
+    """The bits of the smallest non-zero finite ``|x|`` (Inf's where there is none) from the unsigned min of
+    ``abs_bits(x) - 1`` (``_quality_terms``): a zero wraps to the largest uint32 and a non-finite element
+    is at least Inf's bits - 1, so neither can be the min unless nothing else was there."""
+    return (tl.minimum(low, 0x7F7FFFFF) + 1).to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -315,7 +324,7 @@ def _quantize_kernel(
     count_acc = tl.zeros([BLOCK // LANE], dtype=tl.int32)
     sq_acc = tl.zeros([BLOCK // LANE], dtype=tl.float64)
     err_acc = tl.zeros([BLOCK // LANE], dtype=tl.float64)
-    min_acc = tl.full([BLOCK // LANE], 0x7F800000, dtype=tl.int32)
+    min_acc = tl.full([BLOCK // LANE], 0xFFFFFFFF, dtype=tl.uint32)
     n_full = n // BLOCK
     lanes = tl.arange(0, BLOCK)
     if PREFETCH:
@@ -355,7 +364,7 @@ def _quantize_kernel(
     if QUALITY:
         _accumulate_quality(
             stats_ptr, tl.sum((count_acc >> 24) & 255, axis=0), tl.sum(sq_acc, axis=0),
-            tl.sum(err_acc, axis=0), tl.min(min_acc, axis=0), scale,
+            tl.sum(err_acc, axis=0), _min_abs_bits(tl.min(min_acc, axis=0)), scale,
         )  # fmt: skip
 
 
@@ -438,7 +447,7 @@ def _quantize_t_kernel(
     count_acc = tl.zeros([BLOCK_M, BLOCK_N // LANE], dtype=tl.int32)
     sq_acc = tl.zeros([BLOCK_M, BLOCK_N // LANE], dtype=tl.float64)
     err_acc = tl.zeros([BLOCK_M, BLOCK_N // LANE], dtype=tl.float64)
-    min_acc = tl.full([BLOCK_M, BLOCK_N // LANE], 0x7F800000, dtype=tl.int32)
+    min_acc = tl.full([BLOCK_M, BLOCK_N // LANE], 0xFFFFFFFF, dtype=tl.uint32)
     full_m = M // BLOCK_M
     full_n = N // BLOCK_N
     n_full = full_m * full_n
@@ -497,7 +506,7 @@ def _quantize_t_kernel(
         _accumulate_quality(
             stats_ptr, tl.sum(tl.sum((count_acc >> 24) & 255, axis=1), axis=0),
             tl.sum(tl.sum(sq_acc, axis=1), axis=0), tl.sum(tl.sum(err_acc, axis=1), axis=0),
-            tl.min(tl.min(min_acc, axis=1), axis=0), scale,
+            _min_abs_bits(tl.min(tl.min(min_acc, axis=1), axis=0)), scale,
         )  # fmt: skip
 
 
