@@ -103,6 +103,9 @@ def _scale_and_count(
     # E5M2: the midpoint above FP8_MAX rounds up (to Inf); E4M3: it rounds down to FP8_MAX
     big = a >= OVF_THRESHOLD if OVF_INCLUSIVE else a > OVF_THRESHOLD
     af = tl.where(finite, a, 0.0)
+    # at most one field set, as nested selects of the packed values: subnormal (lands on a non-zero FP8
+    # subnormal; QUALITY only), overflow (a finite x's product may have overflowed to Inf), underflow
+    # (non-zero, rounds to zero; NaN compares False), and non-finite over all of them
     if QUALITY:
         counts = tl.where((a > UNDERFLOW) & (a < SUBNORMAL_TOP), 1 << 24, 0)
         counts = tl.where(big, 1, counts)
