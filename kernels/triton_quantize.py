@@ -6,14 +6,15 @@ cast to FP8 with round-to-nearest-even, and the element's contribution to the st
 ``|x|`` and ``|x * scale|`` on the way. Optionally the same pass writes the transposed FP8 tensor (the
 operand layout the backward GEMMs want) and, for tests, the pre-cast values ``v`` themselves.
 
-Why the bit tricks: ``amax`` is a max over the bit patterns of ``|x|`` (integer order equals float order for
-non-negative floats) with NaN patterns (above Inf's ``0x7F800000``) read as 0, so NaN elements are ignored
-(Transformer Engine's ``fmaxf``) identically on a GPU and in the interpreter, whose float ``max`` handle NaN
-differently. The same trick accumulates the float64 ``amax`` column across calls with an integer atomic max.
-Counts are float64 atomic adds of integers, exact below 2**53 and independent of order. Per element a
-program keeps two int32 accumulators: the amax bits, and the four counts packed 8 bits apart (an element
-is at most one of overflow, underflow, non-finite, subnormal; ``persistent_grid`` gives no program more
-than ``MAX_BLOCKS_PER_PROGRAM`` < 2**8 blocks), which saves the registers of four separate accumulators.
+NaN and the amax: ``amax`` is a float max with ``maxnumf`` semantics (``tl.maximum``: ``max.f32`` on a GPU,
+``np.fmax`` in the interpreter), under which a NaN loses to any number, so NaN elements are ignored
+(Transformer Engine's ``fmaxf``) and Inf is kept, identically on both (the propagating ``maximumf`` would
+not do). The float64 ``amax`` column is accumulated across calls with an integer atomic max on its bits
+(integer order equals float order for non-negative floats). Counts are float64 atomic adds of integers,
+exact below 2**53 and independent of order. Per element a program keeps two 32-bit accumulators: the amax,
+and the four counts packed 8 bits apart (an element is at most one of overflow, underflow, non-finite,
+subnormal; ``persistent_grid`` gives no program more than ``MAX_BLOCKS_PER_PROGRAM`` < 2**8 blocks), which
+saves the registers of four separate accumulators.
 
 The FP8 cast: where the float32 -> FP8 cast saturates by itself (``saturating_cast``: CUDA sm_89+, whose
 ``cvt.rn.satfinite`` maps values beyond ``FP8_MAX`` and infinities to ``+-FP8_MAX`` and keeps NaN) it is
@@ -34,11 +35,11 @@ are packed 8 bits apart per slot, each at most ``LANE * MAX_BLOCKS_PER_PROGRAM``
 min over the bits of ``|x|`` minus one, unsigned, so that zeros (which wrap) and non-finite elements
 never win (``_min_abs_bits``), folded into the row with an integer atomic min on the float64 bits.
 
-sm_90 SASS of the main loops (bf16 in, ``bench/sass.py``; Triton 3.9), from the block-wise tree reductions
-and the clamp and re-rounding before each cast, to now: 1-D with quality 899 -> 585 instructions per
-iteration, 4 -> 0 barriers, 139 -> 106 registers; 1-D without 340 -> 321, 94 -> 59 registers; 2-D with
-quality 1095 -> 726, 6 -> 2 barriers (the transpose's own), no spill in the loop (88 -> 16 bytes of stack,
-three values kept across the loop); 2-D without 582 -> 418.
+sm_90 SASS of the main loops (bf16 in, ``bench/sass.py``; Triton 3.9), from the block-wise tree reductions,
+the clamp and the re-rounding for the error, bit-pattern amax and OR-packed counts, to now: 1-D with quality
+899 -> 478 instructions per iteration, 4 -> 0 barriers, 139 -> 108 registers; 1-D without 340 -> 247,
+94 -> 62 registers; 2-D with quality 1095 -> 586, 6 -> 2 barriers (the transpose's own), 88 bytes of spills
+-> none; 2-D without 582 -> 360.
 
 Memory access: the 1-D kernel walks full ``BLOCK``s with no mask and one masked tail block; the 2-D kernel
 walks full tiles with no mask, then the edge tiles (last tile column, last tile row) masked. Unmasked blocks
@@ -93,9 +94,9 @@ def _scale_and_count(
     x, scale, FMAX: tl.constexpr, UNDERFLOW: tl.constexpr, OVF_THRESHOLD: tl.constexpr,
     OVF_INCLUSIVE: tl.constexpr, SUBNORMAL_TOP: tl.constexpr, QUALITY: tl.constexpr,
 ):  # fmt: skip
-    """One element's ``(|x| bits with NaN as 0, packed counts, pre-cast value, |x * scale| of a finite x
-    else 0)``: the counts overflow, underflow, non-finite and subnormal exclude each other, so one int32
-    holds them, 8 bits apart."""
+    """One element's ``(|x|, packed counts, pre-cast value, |x * scale| of a finite x else 0)``: the counts
+    overflow, underflow, non-finite and subnormal exclude each other, so one int32 holds them, 8 bits
+    apart."""
     ax_bits = abs_bits(x)
     finite = ax_bits < 0x7F800000  # exponent all ones: Inf or NaN
     xs = x * scale
@@ -113,8 +114,7 @@ def _scale_and_count(
         counts = tl.where(big, 1, 0)
     counts = tl.where((a <= UNDERFLOW) & (ax_bits != 0), 256, counts)
     counts = tl.where(finite, counts, 1 << 16)
-    amax_bits = tl.where(ax_bits > 0x7F800000, 0, ax_bits)  # NaN ignored by the amax
-    return amax_bits, counts, xs, af
+    return tl.abs(x), counts, xs, af
 
 
 @triton.jit
@@ -192,7 +192,7 @@ def _runs(v):
 
 @triton.jit
 def _max_sum(a1, c1, a2, c2):
-    return tl.maximum(a1, a2), c1 + c2
+    return tl.maximum(a1, a2), c1 + c2  # maxnumf: a NaN loses to any number
 
 
 @triton.jit
@@ -251,7 +251,7 @@ def _accumulate_quality(stats_ptr, subnormal, sq, err, min_bits, scale):
 
 @triton.jit
 def _accumulate_stats(
-    stats_ptr, amax_ptr, scale_out_ptr, amax_bits, overflow, underflow, nonfinite, scale, n,
+    stats_ptr, amax_ptr, scale_out_ptr, amax, overflow, underflow, nonfinite, scale, n,
     HAS_AMAX: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr,
 ):  # fmt: skip
     """Fold one program's totals into the float64 statistics row (columns ``BASE_COLUMNS``): amax fmax,
@@ -262,7 +262,7 @@ def _accumulate_stats(
             a = abs_bits(tl.load(amax_ptr).to(tl.float32))
             if _fmax_into(stats_ptr, tl.where(a > 0x7F800000, 0, a).to(tl.float32, bitcast=True)):
                 tl.store(stats_ptr + 1, scale.to(tl.float64))
-    elif _fmax_into(stats_ptr, amax_bits.to(tl.float32, bitcast=True)):
+    elif _fmax_into(stats_ptr, amax):
         tl.store(stats_ptr + 1, scale.to(tl.float64))
     tl.atomic_add(stats_ptr + 2, overflow.to(tl.float64))
     tl.atomic_add(stats_ptr + 3, underflow.to(tl.float64))
@@ -298,7 +298,7 @@ def _quantize_values(
     QUALITY: tl.constexpr, STORE_PRECAST: tl.constexpr, SAT_CAST: tl.constexpr,
 ):  # fmt: skip
     """``_quantize_block`` on values already loaded (float32)."""
-    bits, counts, xs, af = _scale_and_count(
+    ax, counts, xs, af = _scale_and_count(
         x, scale, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, SUBNORMAL_TOP, QUALITY
     )
     q, qf = _to_fp8(xs, q_ptr.dtype.element_ty, FMAX, MIN_NORMAL, SUB_MAGIC, DROP, SAT_CAST)
@@ -307,7 +307,7 @@ def _quantize_values(
         tl.store(precast_ptr + offs, _clamp(xs, FMAX), mask=mask)
     if QUALITY:
         sq_acc, err_acc, min_acc = _quality_terms(x, qf, af, sq_acc, err_acc, min_acc)
-    amax_run, count_run = tl.reduce((_runs(bits), _runs(counts)), len(x.shape), _max_sum)
+    amax_run, count_run = tl.reduce((_runs(ax), _runs(counts)), len(x.shape), _max_sum)
     return tl.maximum(amax_acc, amax_run), count_acc + count_run, sq_acc, err_acc, min_acc
 
 
@@ -323,7 +323,7 @@ def _quantize_kernel(
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     scale = _load_scale(scale_ptr, amax_ptr, FMAX, SCALE_FROM_AMAX, POW2_SCALE)
-    amax_acc = tl.zeros([BLOCK // LANE], dtype=tl.int32)
+    amax_acc = tl.zeros([BLOCK // LANE], dtype=tl.float32)
     count_acc = tl.zeros([BLOCK // LANE], dtype=tl.int32)
     sq_acc = tl.zeros([BLOCK // LANE], dtype=tl.float64)
     err_acc = tl.zeros([BLOCK // LANE], dtype=tl.float64)
@@ -416,7 +416,7 @@ def _quantize_tile_values(
     QUALITY: tl.constexpr, STORE_PRECAST: tl.constexpr, SAT_CAST: tl.constexpr,
 ):  # fmt: skip
     """``_quantize_tile`` on values already loaded (float32)."""
-    bits, counts, xs, af = _scale_and_count(
+    ax, counts, xs, af = _scale_and_count(
         x, scale, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, SUBNORMAL_TOP, QUALITY
     )
     q, qf = _to_fp8(xs, q_ptr.dtype.element_ty, FMAX, MIN_NORMAL, SUB_MAGIC, DROP, SAT_CAST)
@@ -426,7 +426,7 @@ def _quantize_tile_values(
         tl.store(precast_ptr + offs, _clamp(xs, FMAX), mask=mask)
     if QUALITY:
         sq_acc, err_acc, min_acc = _quality_terms(x, qf, af, sq_acc, err_acc, min_acc)
-    amax_run, count_run = tl.reduce((_runs(bits), _runs(counts)), len(x.shape), _max_sum)
+    amax_run, count_run = tl.reduce((_runs(ax), _runs(counts)), len(x.shape), _max_sum)
     return tl.maximum(amax_acc, amax_run), count_acc + count_run, sq_acc, err_acc, min_acc
 
 
@@ -446,7 +446,7 @@ def _quantize_t_kernel(
     M = (M // DIV_M) * DIV_M
     N = (N // DIV_N) * DIV_N
     scale = _load_scale(scale_ptr, amax_ptr, FMAX, SCALE_FROM_AMAX, POW2_SCALE)
-    amax_acc = tl.zeros([BLOCK_M, BLOCK_N // LANE], dtype=tl.int32)
+    amax_acc = tl.zeros([BLOCK_M, BLOCK_N // LANE], dtype=tl.float32)
     count_acc = tl.zeros([BLOCK_M, BLOCK_N // LANE], dtype=tl.int32)
     sq_acc = tl.zeros([BLOCK_M, BLOCK_N // LANE], dtype=tl.float64)
     err_acc = tl.zeros([BLOCK_M, BLOCK_N // LANE], dtype=tl.float64)
@@ -497,12 +497,12 @@ def _quantize_t_kernel(
             BLOCK_N,
         )  # fmt: skip
     # unpack before summing: each field of a slot is at most LANE * MAX_BLOCKS_PER_PROGRAM (< 2**8)
-    amax_bits = tl.max(tl.max(amax_acc, axis=1), axis=0)
+    amax = tl.max(tl.max(amax_acc, axis=1), axis=0)
     overflow = tl.sum(tl.sum(count_acc & 255, axis=1), axis=0)
     underflow = tl.sum(tl.sum((count_acc >> 8) & 255, axis=1), axis=0)
     nonfinite = tl.sum(tl.sum((count_acc >> 16) & 255, axis=1), axis=0)
     _accumulate_stats(
-        stats_ptr, amax_ptr, scale_out_ptr, amax_bits, overflow, underflow, nonfinite, scale, M * N,
+        stats_ptr, amax_ptr, scale_out_ptr, amax, overflow, underflow, nonfinite, scale, M * N,
         HAS_AMAX, SCALE_FROM_AMAX,
     )  # fmt: skip
     if QUALITY:
