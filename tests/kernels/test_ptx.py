@@ -209,8 +209,8 @@ def test_quantize_loops_have_no_barrier_shuffle_or_spill(sm90, kernel, quality):
     loop = prof.main_loop()
     assert prof.count(loop, "LDG") >= 2 and prof.count(loop, "STG") >= 1, loop  # the data pass itself
     assert prof.count(loop, "SHFL") == 0, loop
-    # the 2-D kernel's loop keeps the two barriers of its transpose through shared memory
-    assert prof.count(loop, "BAR") == (0 if kernel == "_quantize_kernel" else 2), loop
+    # the 2-D kernel's loop keeps the barriers of its transpose through shared memory (2 with Triton 3.9)
+    assert prof.count(loop, "BAR") <= (0 if kernel == "_quantize_kernel" else 2), loop
     # no spill traffic in any loop (the 2-D quality kernel, at the 128-register cap of 512 threads, keeps
     # three values on its stack across the loops: 3 stores and 3 loads per program)
     for body in prof.loops:
