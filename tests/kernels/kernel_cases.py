@@ -647,13 +647,23 @@ def _bench_smoke(device: torch.device) -> None:
         out = Path(tmp) / "kernels.json"
         assert mod.main(["--smoke", "--out", str(out)]) == 0
         data = json.loads(out.read_text())
+    # the JSON in the layout scripts/gpu-check.sh reads (its numbers are not measurements here)
+    assert data["meta"]["smoke"] is True and isinstance(data["summary"], str) and data["summary"]
     rows = data["rows"]
     assert [r["numel"] for r in rows] == [2**10, 2**12]
     for r in rows:
         assert all(r["stats_match_eager"].values()), r["stats_match_eager"]
+        for impl in ("copy", "triton", "eager", "compile", "triton+T", "eager+T"):
+            assert r[impl]["ms"] > 0 and r[impl]["gbps"] > 0 and r[impl]["calls_per_sample"] >= 1, impl
         for impl in ("triton", "eager", "compile", "triton+T"):
-            assert r[impl]["ms"] > 0 and r[impl]["fraction_of_copy"] > 0, r
-    assert data["meta"]["copy_gbps"] > 0
+            assert r[impl]["fraction_of_copy"] > 0, r
+    assert data["correct"] is True
+    assert set(data["goals"]) == {
+        "triton_80pct_of_copy", "triton_T_80pct_of_copy", "triton_2x_eager", "triton_T_2x_eager"
+    }  # fmt: skip
+    for g in data["goals"].values():
+        assert isinstance(g["met"], bool) and g["met"] == (g["value"] >= g["target"]), g
+    assert "back-to-back" in data["meta"]["timing"] and data["meta"]["copy_gbps"] > 0
 
 
 # ----- runner -----
