@@ -274,6 +274,16 @@ def _accumulate_stats(
 
 
 @triton.jit
+def _fold(x, ax, counts, qf, af, amax_acc, count_acc, sq_acc, err_acc, min_acc, QUALITY: tl.constexpr):
+    """The accumulators after one block (1-D) or tile (2-D), from ``_scale_and_count``'s and ``_to_fp8``'s
+    per-element values, each folded per run (``_runs``)."""
+    if QUALITY:
+        sq_acc, err_acc, min_acc = _quality_terms(x, qf, af, sq_acc, err_acc, min_acc)
+    amax_run, count_run = tl.reduce((_runs(ax), _runs(counts)), len(x.shape), _max_sum)
+    return tl.maximum(amax_acc, amax_run), count_acc + count_run, sq_acc, err_acc, min_acc
+
+
+@triton.jit
 def _quantize_block(
     x_ptr, q_ptr, precast_ptr, offs, mask, scale, amax_acc, count_acc, sq_acc, err_acc, min_acc,
     FMAX: tl.constexpr, UNDERFLOW: tl.constexpr, OVF_THRESHOLD: tl.constexpr, OVF_INCLUSIVE: tl.constexpr,
@@ -305,10 +315,7 @@ def _quantize_values(
     tl.store(q_ptr + offs, q, mask=mask)
     if STORE_PRECAST:
         tl.store(precast_ptr + offs, _clamp(xs, FMAX), mask=mask)
-    if QUALITY:
-        sq_acc, err_acc, min_acc = _quality_terms(x, qf, af, sq_acc, err_acc, min_acc)
-    amax_run, count_run = tl.reduce((_runs(ax), _runs(counts)), len(x.shape), _max_sum)
-    return tl.maximum(amax_acc, amax_run), count_acc + count_run, sq_acc, err_acc, min_acc
+    return _fold(x, ax, counts, qf, af, amax_acc, count_acc, sq_acc, err_acc, min_acc, QUALITY)
 
 
 @triton.jit(do_not_specialize=["n"])
@@ -424,10 +431,7 @@ def _quantize_tile_values(
     tl.store(qt_ptr + offs_t, tl.trans(q), mask=mask_t)
     if STORE_PRECAST:
         tl.store(precast_ptr + offs, _clamp(xs, FMAX), mask=mask)
-    if QUALITY:
-        sq_acc, err_acc, min_acc = _quality_terms(x, qf, af, sq_acc, err_acc, min_acc)
-    amax_run, count_run = tl.reduce((_runs(ax), _runs(counts)), len(x.shape), _max_sum)
-    return tl.maximum(amax_acc, amax_run), count_acc + count_run, sq_acc, err_acc, min_acc
+    return _fold(x, ax, counts, qf, af, amax_acc, count_acc, sq_acc, err_acc, min_acc, QUALITY)
 
 
 @triton.jit(do_not_specialize=["M", "N"])
