@@ -102,11 +102,12 @@ def tile_2d(device: torch.device) -> tuple[int, int, int]:
 
 def saturating_cast(device: torch.device) -> bool:
     """Whether Triton's float32 -> FP8 cast on ``device`` saturates by itself, so the kernels may skip their
-    clamp: on NVIDIA GPUs from sm_89 it is one ``cvt.rn.satfinite.{e4m3,e5m2}x2.f32`` per pair (PTX ISA:
-    values beyond the largest finite value and infinities become it, with their sign; NaN stays NaN), which
-    gives the bits of the clamp-then-cast of ``quantize_with_stats_reference`` (the GPU kernel tests check
-    the bits; ``test_ptx.py`` that the sm_90 build then has the cast and no clamp). Not under the
-    interpreter (CPU tensors), whose cast does not saturate, nor on ROCm or older GPUs."""
+    clamp and arithmetic rounding (``triton_quantize._to_fp8``): on NVIDIA GPUs from sm_89 it is one
+    ``cvt.rn.satfinite.{e4m3,e5m2}x2.f32`` per pair (PTX ISA: values beyond the largest finite value and
+    infinities become it, with their sign; NaN stays NaN), which gives the bits of the clamp-then-cast of
+    ``quantize_with_stats_reference`` (the GPU kernel tests check the bits; ``test_ptx.py`` that the sm_90
+    build then has the cast alone). Not under the interpreter (CPU tensors), whose cast rounds some values
+    wrongly, nor on ROCm or older GPUs."""
     if device.type != "cuda" or torch.version.hip is not None:
         return False
     return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
