@@ -2,12 +2,7 @@
 Triton kernels (under TRITON_INTERPRET=1, in a subprocess) against a first-principles float64 computation
 (``quality_reference.py``) on hand-built tensors, and the SQNR numbers of issue 17."""
 
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +21,7 @@ from fp8_protocol.stats import (
     subnormal_fraction,
 )
 from tests.kernels.quality_reference import quality_first_principles
+from tests.support import interpreter
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 NAN, INF = float("nan"), float("inf")
@@ -137,17 +133,10 @@ def test_base_row_skips_quality_and_current_scaling_has_it():
     _check(row, x, scale.item(), E5M2, RTOL)
 
 
-ROOT = Path(__file__).resolve().parents[2]
-RUNNER = [sys.executable, "-m", "tests.kernels.quality_cases_triton"]  # run from ROOT
-
-
 @pytest.mark.slow
+@pytest.mark.interpreter("quality_cases")
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed (pip install '.[dev]')")
-def test_triton_interpreted_matches_first_principles(tmp_path):
-    out = tmp_path / "quality.json"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([*RUNNER, str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    done = json.loads(out.read_text())
+def test_triton_interpreted_matches_first_principles():
+    done = interpreter.results("quality_cases")
     # every case, both formats, the 1-D and 2-D kernels, delayed and current scaling, accumulation
     assert len(done) >= 2 * len(_cases()) * 3, done

@@ -6,46 +6,29 @@ against the reference path)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from fp8_kernels import cross_build, triton_available
 
 from tests.kernels import block_cases
 from tests.kernels.test_ptx import _global, _per_thread, _ptx, record, sm90  # noqa: F401 (fixtures)
-from tests.support import ROOT
+from tests.support import interpreter
 from tests.support.gpu import FP8_GPU
 
 needs_triton = pytest.mark.skipif(
     not triton_available(), reason="triton is not installed (pip install .[dev])"
 )
-RUNNER = [sys.executable, "-m", "tests.kernels.block_cases"]  # run from ROOT
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
 # ----- the interpreter on the CPU -----
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("block_interp") / "results.json"
-    proc = subprocess.run(
-        [*RUNNER, "--json", str(out)],
-        cwd=ROOT,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if proc.returncode != 0 or not out.exists():
-        output = f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        pytest.fail(f"block_cases runner failed (rc {proc.returncode}):\n{output}")
-    return json.loads(out.read_text())
+def results() -> dict:
+    return interpreter.results("block_cases")
 
 
 @needs_triton
+@pytest.mark.interpreter("block_cases")
 @pytest.mark.parametrize("case", block_cases.case_names())
 def test_block_case_interpreted(case, results):
     assert case in results, f"{case}: not run by the interpreter runner"
@@ -54,6 +37,7 @@ def test_block_case_interpreted(case, results):
 
 
 @needs_triton
+@pytest.mark.interpreter("block_cases")
 def test_runner_ran_every_case(results):
     assert sorted(results) == sorted(block_cases.case_names())
     assert len(results) == 4 * 3 * 2 + 4  # recipes x input dtypes x FP8 formats, and four more cases

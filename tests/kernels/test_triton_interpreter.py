@@ -1,11 +1,11 @@
 """Every Triton kernel under TRITON_INTERPRET=1 against its PyTorch reference (the cases: kernel_cases.py).
 
 The interpreter is chosen when triton is imported and holds for the whole process, so the cases run in one
-subprocess with the variable set; this process (and any GPU test in it) keeps the compiled path. Each case
-is one parametrised test here, failing with the case's own traceback.
+subprocess with the variable set (started in the background when collection ends: tests.support.interpreter);
+this process (and any GPU test in it) keeps the compiled path. Each case is one parametrised test here,
+failing with the case's own traceback.
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -14,7 +14,7 @@ import pytest
 from fp8_kernels import triton_available
 
 from tests.kernels import kernel_cases
-from tests.support import ROOT
+from tests.support import ROOT, interpreter
 
 pytestmark = [
     pytest.mark.slow,
@@ -25,24 +25,11 @@ RUNNER = [sys.executable, "-m", "tests.kernels.kernel_cases"]  # run from ROOT
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("interp") / "results.json"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [*RUNNER, "--json", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if proc.returncode != 0 or not out.exists():
-        pytest.fail(
-            f"interpreter runner failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        )
-    return json.loads(out.read_text())
+def results() -> dict:
+    return interpreter.results("kernel_cases")
 
 
+@pytest.mark.interpreter("kernel_cases")
 @pytest.mark.parametrize("case", kernel_cases.case_names("cpu"))
 def test_kernel_case_interpreted(case, results):
     assert case in results, f"{case}: not run by the interpreter runner"
@@ -51,9 +38,19 @@ def test_kernel_case_interpreted(case, results):
         pytest.fail(f"{case} (interpreted):\n{error}", pytrace=False)
 
 
+@pytest.mark.interpreter("kernel_cases")
 def test_runner_ran_exactly_the_cases(results):
     assert sorted(results) == sorted(kernel_cases.case_names("cpu"))
     assert len(results) > 80
+
+
+@pytest.mark.interpreter("kernel_cases")
+def test_the_runs_started_when_collection_ended(request):
+    # started beside the rest of the suite, not by the first test that reads them, and read at the end
+    assert "kernel_cases" in interpreter.started_at_collection
+    items = request.session.items
+    readers = [i for i, item in enumerate(items) if item.get_closest_marker("interpreter")]
+    assert readers == list(range(len(items) - len(readers), len(items)))
 
 
 def test_interpreter_did_not_leak_into_this_process():
