@@ -41,7 +41,7 @@ from collections import deque
 from pathlib import Path
 
 import torch
-from fp8_kernels import new_stats
+from fp8_kernels import fp8_gpu, new_stats
 from gpu_timing import goal, ms_per_call, sync
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         device, sizes, reps, backend = torch.device("cpu"), [2**10, 2**12], 2, "eager"
         copy_bytes, l2_bytes = 2**20, 0
     else:
-        if not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
+        if not fp8_gpu():
             print("bench/kernels.py: needs a CUDA GPU with FP8 support (sm_89+); none here, nothing measured")
             return 0
         device, reps, backend = torch.device("cuda"), a.reps, "inductor"

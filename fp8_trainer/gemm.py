@@ -29,11 +29,10 @@ Accumulation: fprop uses cuBLASLt's fast accumulation (``use_fast_accum=True``),
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 
 import torch
-from fp8_kernels import SCALE_ALIGN_BYTES
+from fp8_kernels import SCALE_ALIGN_BYTES, fp8_gpu
 
 __all__ = ["check_once_per_layout", "check_scaled_mm_args", "fp8_mm", "gemm_operand", "uses_scaled_mm"]
 
@@ -41,16 +40,9 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@functools.cache
-def _device_has_fp8_mm(index: int) -> bool:
-    return hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability(index) >= (8, 9)
-
-
 def uses_scaled_mm(device: torch.device) -> bool:
     """True where the GEMMs run as real FP8 GEMMs (``torch._scaled_mm``)."""
-    if device.type != "cuda":
-        return False
-    return _device_has_fp8_mm(device.index if device.index is not None else torch.cuda.current_device())
+    return fp8_gpu(device) and hasattr(torch, "_scaled_mm")
 
 
 def gemm_operand(q: torch.Tensor) -> torch.Tensor:

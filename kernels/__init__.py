@@ -6,6 +6,7 @@ the first CUDA call (see ``dispatch``).
 
 from .dispatch import (
     exponent_histogram,
+    fp8_gpu,
     fused_scale_update,
     has_kernel,
     quantize_current,
@@ -48,6 +49,7 @@ __all__ = [
     "dequantize",
     "exponent_histogram",
     "exponent_histogram_reference",
+    "fp8_gpu",
     "fp8_max",
     "new_stats",
     "fused_scale_update",

@@ -36,6 +36,7 @@ from .quantize import (
 __all__ = [
     "block_quantize",
     "exponent_histogram",
+    "fp8_gpu",
     "fused_scale_update",
     "has_kernel",
     "quantize_current",
@@ -124,11 +125,27 @@ def triton_available() -> bool:
     return True
 
 
+def fp8_gpu(device: torch.device | None = None) -> bool:
+    """Whether ``device`` (default: the current CUDA device, if any) is a CUDA GPU with FP8 tensor cores:
+    compute capability 8.9 or later (Ada, Hopper, Blackwell). Read once per device."""
+    if device is None:
+        if not torch.cuda.is_available():
+            return False
+        device = torch.device("cuda")
+    if device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 @functools.cache
 def _register_triton_for_cuda() -> bool:
     """Register the Triton kernels for CUDA once, if triton is installed and the GPU supports FP8."""
-    fp8_gpu = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
-    if not (fp8_gpu and triton_available()):
+    if not (fp8_gpu() and triton_available()):
         return False
     from .triton_block_quantize import block_quantize_triton
     from .triton_current import (

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .dispatch import fp8_gpu
 from .quantize import fp8_max, overflow_threshold, subnormal_threshold, underflow_threshold
 
 __all__ = [
@@ -108,14 +109,7 @@ def saturating_cast(device: torch.device) -> bool:
     ``quantize_with_stats_reference`` (the GPU kernel tests check the bits; ``test_ptx.py`` that the sm_90
     build then has the cast alone). Not under the interpreter (CPU tensors), whose cast rounds some values
     wrongly, nor on ROCm or older GPUs."""
-    if device.type != "cuda" or torch.version.hip is not None:
-        return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
-
-
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+    return torch.version.hip is None and fp8_gpu(device)
 
 
 def prefetch(device: torch.device) -> bool:

@@ -2,17 +2,12 @@
 
 import fp8_kernels
 import pytest
-import torch
 
 #: skip, with the reason, unless a CUDA GPU with FP8 support (sm_89+) and triton are here
 FP8_GPU = [
     pytest.mark.gpu,
     pytest.mark.skipif(
-        not (
-            torch.cuda.is_available()
-            and torch.cuda.get_device_capability() >= (8, 9)
-            and fp8_kernels.triton_available()
-        ),
+        not (fp8_kernels.fp8_gpu() and fp8_kernels.triton_available()),
         reason="needs a CUDA GPU with FP8 support (sm_89+) and triton",
     ),
 ]
