@@ -194,6 +194,18 @@ def test_saturating_cast_replaces_the_arithmetic_rounding(sm90, kernel, fp8):
     assert len(re.findall(rf"cvt\.rn\.f16x2\.{name}", cast)) >= 8
 
 
+def test_fp_fusion_is_asked_for_not_left_to_the_default(sm90, monkeypatch):
+    # Triton 3.9 announces that its default will turn FP fusion off; the launches pass it explicitly
+    # (triton_launch.FP_FUSION), so the kernels build the same whatever the default: here flipped
+    from fp8_kernels import triton_launch
+
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0" if triton_launch.FP_FUSION else "1")
+    compiled = _build_quantize(sm90, "_quantize_kernel", E4M3, saturating_cast=True)
+    assert compiled.metadata.enable_fp_fusion is triton_launch.FP_FUSION
+    # the sums of squares: one fma per element with fusion, a mul and an add without
+    assert ("fma.rn.f32" in compiled.asm["ptx"]) is triton_launch.FP_FUSION
+
+
 @pytest.mark.parametrize("quality", [True, False], ids=["quality", "base"])
 @pytest.mark.parametrize("kernel", list(_QUANTIZE_ENTRIES))
 def test_quantize_loops_have_no_barrier_shuffle_or_spill(sm90, kernel, quality):
