@@ -45,7 +45,10 @@ def sm90_compiler() -> Callable[[Any, tuple, dict], Any]:
     except Exception as e:  # an old or CPU-only Triton
         raise RuntimeError(f"this Triton cannot build for CUDA here: {e!r}") from e
 
+    from .triton_launch import FP_FUSION
+
     def compile_sm90(fn, args: tuple, kwargs: dict):
+        kwargs = {"enable_fp_fusion": FP_FUSION, **kwargs}  # as triton_launch.launch passes it
         binder = create_function_from_signature(fn.signature, fn.params, backend)
         bound, specialization, options = binder(*args, **kwargs)
         options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)

@@ -197,10 +197,14 @@ def test_saturating_cast_replaces_the_arithmetic_rounding(sm90, kernel, fp8):
 def test_fp_fusion_is_asked_for_not_left_to_the_default(sm90, monkeypatch):
     # Triton 3.9 announces that its default will turn FP fusion off; the launches pass it explicitly
     # (triton_launch.FP_FUSION), so the kernels build the same whatever the default: here flipped
-    from fp8_kernels import triton_launch
+    from fp8_kernels import triton_launch, triton_quantize
 
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0" if triton_launch.FP_FUSION else "1")
-    compiled = _build_quantize(sm90, "_quantize_kernel", E4M3, saturating_cast=True)
+    with cross_build.recorded(triton_quantize, "_quantize_kernel", saturating_cast=True) as rec:
+        triton_quantize.quantize_with_stats_triton(torch.zeros(512, 1024), torch.tensor(1.0), E4M3)
+    args, kwargs = rec.launches[0]
+    assert kwargs["enable_fp_fusion"] is triton_launch.FP_FUSION  # what a GPU launch asks for
+    compiled = sm90(rec.fn, args, kwargs)
     assert compiled.metadata.enable_fp_fusion is triton_launch.FP_FUSION
     # the sums of squares: one fma per element with fusion, a mul and an add without
     assert ("fma.rn.f32" in compiled.asm["ptx"]) is triton_launch.FP_FUSION
