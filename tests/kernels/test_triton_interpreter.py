@@ -21,7 +21,7 @@ pytestmark = [
     pytest.mark.skipif(not triton_available(), reason="triton is not installed (pip install '.[dev]')"),
 ]
 
-RUNNER = [sys.executable, "-m", "tests.kernels.kernel_cases"]  # run from ROOT
+RUNNER = [sys.executable, "-m", interpreter.RUNS["kernel_cases"][0]]  # run from ROOT
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ RUNS: dict[str, list[str]] = {
     "block_cases": ["tests.kernels.block_cases", "--json", "{out}"],
     "quality_cases": ["tests.kernels.quality_cases_triton", "{out}"],
 }
-#: how long one run may take, measured from its own start (the slowest takes about ten minutes of one core)
+#: how long one run may take, from its own start (the slowest, kernel_cases, takes minutes of one core)
 RUN_TIMEOUT_S = 1800
 
 
@@ -108,18 +108,14 @@ def _run(name: str, out: Path) -> Outcome:
     return Outcome(proc.returncode, stdout, stderr, out)
 
 
-def outcome(name: str) -> Outcome:
-    """Wait for the named run (starting it if nobody has) and return how it ended."""
-    start([name])
-    _done[name].wait()
-    return _outcomes[name]
-
-
 def results(name: str) -> dict:
-    """The JSON the named run wrote; fails the calling test with the run's output if it did not finish."""
+    """The JSON the named run wrote, once it has ended (started here if nobody has started it); fails the
+    calling test with the run's output if it did not finish."""
     import pytest
 
-    ended = outcome(name)
+    start([name])
+    _done[name].wait()
+    ended = _outcomes[name]
     failure = ended.failure()
     if failure is not None:
         pytest.fail(f"interpreter runner {name} failed ({failure})", pytrace=False)
