@@ -1,7 +1,9 @@
 """Launch configurations of the fused quantize kernels, side by side on one GPU: which block / tile size,
-warps and grid size move the most bytes per second, each checked bit for bit against the PyTorch reference.
+warps, grid size and form of the main loop's loads move the most bytes per second, each checked bit for bit
+against the PyTorch reference.
 
-The configuration is what ``fp8_kernels.triton_launch`` chooses (``block_1d``, ``tile_2d``, ``grid_cap``);
+The configuration is what ``fp8_kernels.triton_launch`` chooses (``block_1d``, ``tile_2d``, ``grid_cap``,
+``prefetch`` and ``pipeline_stages``);
 this script swaps those functions for each candidate, the way ``tests/kernels/test_ptx.py`` does, so the
 kernels themselves are the shipped ones. Shapes are activation- and gradient-sized bf16 tensors of the GPT
 benchmark and of the Linear goal shape (each several times the L2 with rotating inputs); bandwidth counts an
@@ -35,12 +37,17 @@ from tests.kernels.exact_checks import same_row  # the kernel tests' rule for a 
 SHAPES_1D = [(16384, 3072)]
 SHAPES_2D = [(16384, 768), (8192, 14336)]
 SMOKE_SHAPES = [(48, 80)]
-# (BLOCK, num_warps); (BLOCK_M, BLOCK_N, num_warps); programs per SM of the persistent grid; whether a
-# program loads its next block before working on the current one
-CONFIGS_1D = [(4096, 8), (2048, 4), (4096, 4), (8192, 8)]
-CONFIGS_2D = [(128, 64, 16), (64, 64, 8), (64, 64, 4), (128, 64, 8), (64, 128, 8)]
+# (BLOCK, num_warps); (BLOCK_M, BLOCK_N, num_warps), narrowed from an H200 sweep over (4096, 8), (2048, 4),
+# (4096, 4), (8192, 8) and (128, 64, 16), (64, 64, 8), (64, 64, 4), (128, 64, 8), (64, 128, 8) whose best
+# were (4096, 8), (64, 64, 4) for 16384 x 768 and (128, 64, 16) for 8192 x 14336; programs per SM of the
+# persistent grid
+CONFIGS_1D = [(4096, 8), (2048, 4)]
+CONFIGS_2D = [(128, 64, 16), (64, 64, 8), (64, 64, 4)]
 PROGRAMS_PER_SM = [4, 8]
-PREFETCH = [True, False]
+# the main loop's loads: (name, prefetch, pipeline_stages): the register prefetch (the next block loaded
+# into registers before the current one is worked on; the plain loop lost to it in 23 of 28 pairs on an
+# H200), or Triton's software pipeline (asynchronous copies into shared memory, stages - 1 blocks ahead)
+LOADS = [("prefetch", True, 1), ("pipeline x3", False, 3), ("pipeline x4", False, 4)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         triton_launch.tile_2d(device),
         triton_launch.grid_cap(device),
         triton_launch.prefetch(device),
+        triton_launch.pipeline_stages(device),
     )
     results = []
 
@@ -84,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
             copy_ms = timed(lambda i, o=outs, x=xs, k=n_bufs: o[i % k].copy_(x[i % k]), n_bufs)
             copy_gbs = 4 * m * n / (copy_ms * 1e-3) / 1e9
             useful = (4 if transpose else 3) * m * n
-            for cfg, per_sm, pre in itertools.product(
-                configs if not a.smoke else configs[:2], PROGRAMS_PER_SM if not a.smoke else [4], PREFETCH
+            for cfg, per_sm, (loads, pre, stages) in itertools.product(
+                configs if not a.smoke else configs[:2], PROGRAMS_PER_SM if not a.smoke else [4], LOADS
             ):
                 if transpose:
                     triton_quantize.tile_2d = lambda dev, c=cfg: c if dev.type == "cuda" else (16, 16, 4)
@@ -93,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                     triton_quantize.block_1d = lambda dev, c=cfg: c if dev.type == "cuda" else (64, 4)
                 triton_launch.grid_cap = lambda dev, k=per_sm: k * sms if dev.type == "cuda" else 3
                 triton_quantize.prefetch = lambda dev, f=pre: f
+                triton_quantize.pipeline_stages = lambda dev, k=stages: k
                 try:
                     q, qt, row, _ = triton_quantize.launch_quantize(
                         xs[0], scale, fp8, None, transpose=transpose
@@ -125,20 +134,21 @@ def main(argv: list[str] | None = None) -> int:
                     "shape": f"{m}x{n}",
                     "config": list(cfg),
                     "programs_per_sm": per_sm,
-                    "prefetch": pre,
+                    "loads": loads,
                     "ms": ms,
                     "GB/s": gbs,
                     "of_copy": gbs / copy_gbs,
                     "exact": exact,
                     "shipped": (cfg == (shipped[1] if transpose else shipped[0]))
                     and per_sm * sms == shipped[2]
-                    and pre == shipped[3],
+                    and pre == shipped[3]
+                    and (pre or stages == shipped[4]),
                     "error": err,
                 }
                 results.append(res)
                 print(
                     f"{res['kernel']:<10} {res['shape']:<12} {str(cfg):<16} x{per_sm:<3} "
-                    f"{'prefetch' if pre else 'no-pref.':<8} {ms:8.4f} ms "
+                    f"{loads:<11} {ms:8.4f} ms "
                     f"{gbs:8.0f} GB/s {res['of_copy']:6.1%} of copy ({copy_gbs:.0f})  exact={exact}"
                     + ("  <- shipped" if res["shipped"] else "")
                     + (f"  {err}" if err else ""),
@@ -153,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     print("best per kernel and shape:")
     for (kernel, shape), r in best.items():
         print(
-            f"  {kernel:<10} {shape:<12} {r['config']} x{r['programs_per_sm']} prefetch={r['prefetch']}: "
+            f"  {kernel:<10} {shape:<12} {r['config']} x{r['programs_per_sm']} {r['loads']}: "
             f"{r['of_copy']:.1%} of copy"
         )
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

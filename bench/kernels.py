@@ -8,7 +8,10 @@ the quality statistics cost), ``eager`` and
 torchao's own amax + saturated cast compiled (``tensor_to_amax``, ``to_fp8_saturated``: no statistics, the
 work torchao does per tensor), ``copy`` a plain ``x.clone()`` of the same input. ``triton+T`` is the
 same kernel also writing the transposed FP8 tensor (the input viewed as rows of 1024), the layout backward
-GEMMs take; ``eager+T`` is the reference followed by ``q.t().contiguous()``.
+GEMMs take; ``eager+T`` is the reference followed by ``q.t().contiguous()``. ``triton-pipe`` and
+``triton+T-pipe`` are the same two kernels with their main loop's loads in Triton's software pipeline
+(``fp8_kernels.triton_launch.pipeline_stages``: asynchronous copies into shared memory, several blocks ahead)
+instead of the shipped register prefetch: the alternative, timed beside it.
 
 Bandwidth is useful bytes / time: the input read once and every output written once (bf16 in, FP8 out, and
 one more FP8 write for the transposes), as a fraction of the device's copy bandwidth measured in the same
@@ -53,6 +56,8 @@ STATS_IMPLS = (
     "compile",
     "triton+T",
     "eager+T",
+    "triton-pipe",
+    "triton+T-pipe",
 )  # those that produce a full statistics row
 
 
@@ -97,6 +102,22 @@ def make_torchao(fp8: torch.dtype, backend: str):
     return torch.compile(torchao_cast, backend=backend), None
 
 
+def pipelined(fn):
+    """``fn`` run with the quantize kernels' loads in Triton's software pipeline (``prefetch`` off for the
+    call, so ``pipeline_stages`` applies) instead of the shipped register prefetch."""
+    from fp8_kernels import triton_quantize
+
+    def run(*args):
+        shipped = triton_quantize.prefetch
+        triton_quantize.prefetch = lambda device: False
+        try:
+            return fn(*args)
+        finally:
+            triton_quantize.prefetch = shipped
+
+    return run
+
+
 def build_impls(fp8: torch.dtype, backend: str, with_torchao: bool):
     """name -> ``fn(x, scale, stats) -> outputs``, and why torchao is missing (or ``None``)."""
     from fp8_kernels import quantize_with_stats_reference
@@ -108,16 +129,19 @@ def build_impls(fp8: torch.dtype, backend: str, with_torchao: bool):
         q, row = quantize_with_stats_reference(x.view(-1, 1024), scale, fp8, stats)
         return q, q.t().contiguous(), row
 
+    def triton_t(x, scale, stats):
+        return quantize_with_stats_transposed_triton(x.view(-1, 1024), scale, fp8, stats)
+
     impls = {
         "copy": lambda x, scale, stats: x.clone(),  # a fresh output each call, as the others write
         "triton": lambda x, scale, stats: quantize_with_stats_triton(x, scale, fp8, stats),
         "triton-base": lambda x, scale, stats: quantize_with_stats_triton(x, scale, fp8, stats),  # 6-col row
         "eager": lambda x, scale, stats: quantize_with_stats_reference(x, scale, fp8, stats),
         "compile": lambda x, scale, stats: compiled(x, scale, fp8, stats),
-        "triton+T": lambda x, scale, stats: quantize_with_stats_transposed_triton(
-            x.view(-1, 1024), scale, fp8, stats
-        ),
+        "triton+T": triton_t,
         "eager+T": eager_t,
+        "triton-pipe": pipelined(lambda x, scale, stats: quantize_with_stats_triton(x, scale, fp8, stats)),
+        "triton+T-pipe": pipelined(triton_t),
     }
     why_not = "not requested"
     if with_torchao:
@@ -141,7 +165,7 @@ def useful_bytes(name: str, n: int) -> int:
     """Bytes an ideal implementation moves: bf16 read, FP8 written (twice for the transposed variants)."""
     if name == "copy":
         return 4 * n
-    return 3 * n + (n if name.endswith("+T") else 0)
+    return 3 * n + (n if "+T" in name else 0)
 
 
 def bench_size(n: int, impls: dict, fp8, device, reps: int, l2_bytes: int, smoke: bool) -> dict:
@@ -160,12 +184,12 @@ def bench_size(n: int, impls: dict, fp8, device, reps: int, l2_bytes: int, smoke
     bits_match = None
     if device.type == "cuda":  # the interpreter's float8 casts are not trusted (DESIGN.md, "Known traps")
         ref_q = rows["eager"][0].view(torch.uint8)
+        ref_qt = rows["eager+T"][1].view(torch.uint8)
         bits_match = {
-            "triton": torch.equal(rows["triton"][0].view(torch.uint8), ref_q),
-            "triton+T": torch.equal(
-                rows["triton+T"][1].view(torch.uint8), rows["eager+T"][1].view(torch.uint8)
-            ),
+            name: torch.equal(rows[name][0].view(torch.uint8), ref_q) for name in ("triton", "triton-pipe")
         }
+        for name in ("triton+T", "triton+T-pipe"):
+            bits_match[name] = torch.equal(rows[name][1].view(torch.uint8), ref_qt)
     for name, ok in {**stats_match, **(bits_match or {})}.items():
         if not ok:
             print(f"WARNING: {name} at {n} elements differs from the eager reference")
@@ -259,7 +283,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"torchao baseline: not measured ({torchao_missing})")
     cols = [
         c
-        for c in ("triton", "triton-base", "triton+T", "eager", "eager+T", "compile", "torchao", "copy")
+        for c in (
+            *("triton", "triton-base", "triton+T", "triton-pipe", "triton+T-pipe"),
+            *("eager", "eager+T", "compile", "torchao", "copy"),
+        )
         if c in impls
     ]
     header = f"{'numel':>10} " + " ".join(f"{c + ' GB/s':>13} {'%copy':>5}" for c in cols)
@@ -305,7 +332,9 @@ def main(argv: list[str] | None = None) -> int:
         f"2^{int(math.log2(big['numel']))}: triton {big['triton']['gbps']:.0f} GB/s "
         f"({big['triton']['fraction_of_copy']:.0%} of copy {copy_gbps:.0f}), "
         f"+T {big['triton+T']['fraction_of_copy']:.0%}, "
-        f"base-only {big['triton-base']['fraction_of_copy']:.0%}; "
+        f"base-only {big['triton-base']['fraction_of_copy']:.0%}, "
+        f"pipelined {big['triton-pipe']['fraction_of_copy']:.0%}, "
+        f"+T {big['triton+T-pipe']['fraction_of_copy']:.0%}; "
         f"x eager {big['speedup_vs_eager']:.2f}, "
         f"+T x eager {big['speedup_T_vs_eager_T']:.2f}"
         + (f", x torchao {big['speedup_vs_torchao']:.2f}" if "torchao" in impls else ", torchao n/a")

@@ -1,6 +1,7 @@
 """The machine code of the fused quantize kernels for sm_90 (H100 / H200), built without a GPU: per kernel,
-the registers per thread, the stack frame (spills), and the main loop's instructions per
-iteration, barriers, warp shuffles, global loads and stores.
+the registers per thread, the stack frame (spills), the shared memory, the main loop's instructions per
+iteration, barriers, warp shuffles, global loads and stores, and what that means for memory: how many
+programs an SM runs at once, and how many bytes of input they keep in flight.
 
 Not a timing: what a kernel costs on a GPU also depends on memory latency and on how many programs an SM
 holds. It is the measurement that can be made without a GPU, and how a change to a kernel's inner loop is
@@ -9,6 +10,15 @@ iteration (bf16 in; FP8 out, twice for the transposed kernel) by the loop's inst
 an H200's data sheet: 4.8 TB/s over 132 SMs x 4 schedulers x 32 threads x 1.98 GHz of issue (one warp
 instruction per scheduler and clock) is about 0.14 bytes per thread instruction; a loop below that cannot
 keep the memory busy however well its loads are in flight.
+
+``programs / SM``: of the ``PROGRAMS_PER_SM`` a persistent grid launches per SM, how many run at once given
+the registers and shared memory (the occupancy model; ``cross_build.SassProfile.programs_per_sm``).
+``KiB in flight / SM``: those programs times the blocks (tiles) each has in flight when it waits for one
+times its input bytes: 2 for the register prefetch (the current block and the next one, loaded before the
+current is worked on), ``stages - 1`` for Triton's software pipeline (the ``pipelined`` rows: the same
+kernels with ``prefetch`` off, ``triton_launch.pipeline_stages``), 1 for a plain loop. By Little's law a
+kernel streams at most its bytes in flight over the memory latency; the figure is what the loads ask for,
+not a measurement.
 
 Each kernel is built the way its launcher builds it on a GPU (``fp8_kernels.cross_build``: CUDA block sizes,
 Triton's argument binder, ``triton.compile`` for ``GPUTarget("cuda", 90, 32)``, the FP8 cast saturating as on
@@ -34,8 +44,8 @@ X_SHAPE = (512, 1024)  # sizes are no part of the compiled kernels
 
 
 def _kernels():
-    """``(name, module, kernel attribute, FP8 bytes written per input element, call)``: ``call()`` runs the
-    launcher once on CPU tensors."""
+    """``(name, module, kernel attribute, FP8 bytes written per input element, call, constexprs)``: ``call()``
+    runs the launcher once on CPU tensors; ``constexprs`` override what it passed (the ``pipelined`` rows)."""
     from fp8_kernels import triton_current, triton_histogram, triton_quantize
 
     x = torch.zeros(X_SHAPE, dtype=torch.bfloat16)
@@ -43,16 +53,22 @@ def _kernels():
     base = lambda: torch.zeros(6, dtype=torch.float64)  # noqa: E731  (a row of the base columns alone)
     q1, q2 = triton_quantize.quantize_with_stats_triton, triton_quantize.quantize_with_stats_transposed_triton
     amax, hist = triton_current.tensor_amax_triton, triton_histogram.exponent_histogram_triton
+    quantize = [
+        ("quantize 1-D, quality", "_quantize_kernel", 1, lambda: q1(x, one, E4M3)),
+        ("quantize 1-D, base", "_quantize_kernel", 1, lambda: q1(x, one, E4M3, base())),
+        ("quantize 2-D (+ transpose), quality", "_quantize_t_kernel", 2, lambda: q2(x, one, E4M3)),
+        ("quantize 2-D (+ transpose), base", "_quantize_t_kernel", 2, lambda: q2(x, one, E4M3, base())),
+    ]
+    pipe = {"PREFETCH": False}  # the loads in Triton's software pipeline (its stages: pipeline_stages)
     return [
-        ("quantize 1-D, quality", triton_quantize, "_quantize_kernel", 1, lambda: q1(x, one, E4M3)),
-        ("quantize 1-D, base", triton_quantize, "_quantize_kernel", 1, lambda: q1(x, one, E4M3, base())),
-        ("quantize 2-D (+ transpose), quality", triton_quantize, "_quantize_t_kernel", 2,
-         lambda: q2(x, one, E4M3)),
-        ("quantize 2-D (+ transpose), base", triton_quantize, "_quantize_t_kernel", 2,
-         lambda: q2(x, one, E4M3, base())),
-        ("current: amax pass", triton_current, "_amax_kernel", 0, lambda: amax(x)),
-        ("exponent histogram", triton_histogram, "_histogram_kernel", 0, lambda: hist(x)),
-    ]  # fmt: skip
+        *((name, triton_quantize, attr, out, call, {}) for name, attr, out, call in quantize),
+        *(
+            (f"{name}, pipelined", triton_quantize, attr, out, call, pipe)
+            for name, attr, out, call in quantize
+        ),
+        ("current: amax pass", triton_current, "_amax_kernel", 0, lambda: amax(x), {}),
+        ("exponent histogram", triton_histogram, "_histogram_kernel", 0, lambda: hist(x), {}),
+    ]
 
 
 def _threads(kwargs: dict) -> int:
@@ -63,23 +79,37 @@ def _block_elems(kwargs: dict) -> int:
     return kwargs["BLOCK"] if "BLOCK" in kwargs else kwargs["BLOCK_M"] * kwargs["BLOCK_N"]
 
 
+def _in_flight(kwargs: dict) -> int:
+    """Blocks (tiles) a program has in flight when it waits for one (see the module's docstring)."""
+    if "PREFETCH" not in kwargs:
+        return 1
+    return 2 if kwargs["PREFETCH"] else max(1, kwargs["STAGES"] - 1)
+
+
 def profile_all(compile_sm90) -> list[dict]:
     """One row per kernel of ``_kernels``, built by ``compile_sm90`` (``cross_build.sm90_compiler()``)."""
     from fp8_kernels import cross_build
+    from fp8_kernels.triton_launch import PROGRAMS_PER_SM
 
     rows = []
-    for name, module, attr, written, call in _kernels():
+    for name, module, attr, written, call, constexprs in _kernels():
         with cross_build.recorded(module, attr, saturating_cast=True) as rec:
             call()
         args, kwargs = rec.launches[0]
+        kwargs = {**kwargs, **constexprs}
         prof = cross_build.sass_profile(compile_sm90(rec.fn, args, kwargs))
         loop = prof.main_loop()
         moved = _block_elems(kwargs) * (2 + written) // _threads(kwargs)  # per thread and iteration
+        programs = min(PROGRAMS_PER_SM, prof.programs_per_sm(_threads(kwargs)))
+        block_bytes = _block_elems(kwargs) * 2  # bf16 in
         rows.append(
             {
                 "kernel": name,
                 "registers": prof.registers,
                 "stack_bytes": prof.stack_bytes,
+                "shared_bytes": prof.shared_bytes,
+                "programs_per_sm": programs,
+                "kib_in_flight_per_sm": programs * _in_flight(kwargs) * block_bytes / 1024,
                 "loop_instructions": len(loop),
                 "loop_barriers": prof.count(loop, "BAR"),
                 "loop_shuffles": prof.count(loop, "SHFL"),
@@ -98,6 +128,9 @@ COLUMNS = [
     ("kernel", "kernel", "{}"),
     ("registers", "regs", "{}"),
     ("stack_bytes", "stack B", "{}"),
+    ("shared_bytes", "shared B", "{}"),
+    ("programs_per_sm", "programs / SM", "{}"),
+    ("kib_in_flight_per_sm", "KiB in flight / SM", "{:.0f}"),
     ("loop_instructions", "loop instr.", "{}"),
     ("loop_barriers", "BAR", "{}"),
     ("loop_shuffles", "SHFL", "{}"),

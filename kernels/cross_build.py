@@ -130,6 +130,12 @@ _LABEL = re.compile(r"^(\.L_x_\d+):", re.M)
 _PREDICATE = re.compile(r"^@!?U?P(?:T|\d+)\s+")
 _BRANCH = re.compile(r"\bBRA\s+`\((\.L_x_\d+)\)")
 
+# What one sm_90 SM holds (the CUDA C++ Programming Guide's table for compute capability 9.0): registers,
+# threads, resident programs (thread blocks), shared memory; in the occupancy model registers are allocated
+# per warp in units of 256, and the runtime reserves 1 KiB of shared memory per program
+SM90_REGISTERS, SM90_THREADS, SM90_PROGRAMS, SM90_SHARED = 65536, 2048, 32, 228 * 1024
+_REGISTER_UNIT, _SHARED_RESERVED = 256, 1024
+
 
 @dataclass(frozen=True)
 class SassProfile:
@@ -139,6 +145,16 @@ class SassProfile:
     stack_bytes: int  #: per thread: the stack frame, where ptxas spills registers (STACK)
     instructions: int  #: in the whole kernel
     loops: tuple[tuple[str, ...], ...]  #: each loop's body (backward branch to its label), in code order
+    shared_bytes: int = 0  #: per program: the shared memory a launch asks for (Triton's metadata)
+
+    def programs_per_sm(self, threads: int) -> int:
+        """How many programs of ``threads`` threads one sm_90 SM runs at once with these registers and this
+        shared memory: the least of the register, thread, program and shared-memory limits."""
+        warps = -(-threads // 32)
+        per_warp = -(-self.registers * 32 // _REGISTER_UNIT) * _REGISTER_UNIT
+        by_registers = (SM90_REGISTERS // per_warp) // warps if per_warp else SM90_PROGRAMS
+        by_shared = SM90_SHARED // (self.shared_bytes + _SHARED_RESERVED)
+        return min(by_registers, SM90_THREADS // (warps * 32), SM90_PROGRAMS, by_shared)
 
     def main_loop(self) -> tuple[str, ...]:
         """The longest loop body: the grid-stride walk over full blocks (tiles)."""
@@ -194,4 +210,5 @@ def sass_profile(compiled) -> SassProfile:
         stack_bytes=int(stack.group(1)),
         instructions=len(_INSTR.findall(sass)),
         loops=_loops(sass),
+        shared_bytes=int(getattr(compiled.metadata, "shared", 0) or 0),
     )

@@ -35,6 +35,7 @@ __all__ = [
     "launch_key",
     "LANE",
     "MAX_BLOCKS_PER_PROGRAM",
+    "PROGRAMS_PER_SM",
     "abs_bits",
     "amax_bits",
     "as_kernel_input",
@@ -45,6 +46,7 @@ __all__ = [
     "grid_cap",
     "load_f32",
     "persistent_grid",
+    "pipeline_stages",
     "prefetch",
     "saturating_cast",
     "tile_2d",
@@ -60,11 +62,16 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+#: Programs per SM of a persistent kernel's grid on CUDA (``grid_cap``); how many of them an SM runs at once
+#: depends on their registers and shared memory (``bench/sass.py``)
+PROGRAMS_PER_SM = 4
+
+
 def grid_cap(device: torch.device) -> int:
     """Programs to launch for a persistent kernel on ``device`` (more only for ``MAX_BLOCKS_PER_PROGRAM``)."""
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return 4 * _sm_count(index)
+        return PROGRAMS_PER_SM * _sm_count(index)
     return 3
 
 
@@ -117,8 +124,20 @@ def prefetch(device: torch.device) -> bool:
     so that two are in flight per program: a program's loads would otherwise wait alone for memory (one
     128 x 64 tile per SM in flight is about a third of what an H200 needs to stream at full bandwidth).
     On every device, so that the interpreter tests run the code the GPU runs; ``bench/kernel_configs.py``
-    measures both forms side by side."""
+    measures both forms side by side. Where it is off, ``pipeline_stages`` says how the main loop keeps
+    loads in flight instead."""
     return True
+
+
+def pipeline_stages(device: torch.device) -> int:
+    """``num_stages`` of the quantize kernels' main loop (``tl.range``) where ``prefetch`` is off: Triton's
+    software pipeline. From 2 on, the sm_90 build turns the loop's loads into asynchronous copies into shared
+    memory (``cp.async``, 16 bytes each), issued ``stages - 1`` blocks (tiles) ahead, which hold no registers:
+    the register prefetch holds the next block in registers, and registers limit how many programs an SM
+    runs (``bench/sass.py``: registers, programs per SM, bytes in flight). 1 is the plain loop. The
+    interpreter runs every loop plainly. ``bench/kernels.py`` (``triton-pipe`` rows) and
+    ``bench/kernel_configs.py`` time this form beside the shipped one."""
+    return 4
 
 
 def block_scale_update(device: torch.device) -> tuple[int, int]:

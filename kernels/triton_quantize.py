@@ -45,7 +45,12 @@ Memory access: the 1-D kernel walks full ``BLOCK``s with no mask and one masked 
 walks full tiles with no mask, then the edge tiles (last tile column, last tile row) masked. Unmasked blocks
 at multiples of ``BLOCK`` let the compiler emit 16-byte vector loads and stores; for the 2-D kernel rows must
 also start aligned, which the launcher makes visible with the ``DIV_M`` / ``DIV_N`` constexprs
-(``triton_launch``). Nothing depends on a hint for correctness: the masked paths handle every size.
+(``triton_launch``). Nothing depends on a hint for correctness: the masked paths handle every size. A
+program keeps loads in flight while it works: the shipped form (``triton_launch.prefetch``) loads its next
+block (tile) into registers before working on the current one; the other (``PREFETCH`` off) leaves the loop
+to Triton's software pipeline (``tl.range(num_stages=STAGES)``, ``triton_launch.pipeline_stages``), whose
+sm_90 build copies blocks into shared memory asynchronously, ``STAGES - 1`` ahead, and holds none in
+registers. Both visit the same blocks in the same order; ``bench/kernels.py`` times them side by side.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ from .triton_launch import (
     launch,
     load_f32,
     persistent_grid,
+    pipeline_stages,
     prefetch,
     saturating_cast,
     tile_2d,
@@ -325,7 +331,7 @@ def _quantize_kernel(
     SUBNORMAL_TOP: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, DROP: tl.constexpr,
     QUALITY: tl.constexpr, HAS_AMAX: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr, POW2_SCALE: tl.constexpr,
     STORE_PRECAST: tl.constexpr, SAT_CAST: tl.constexpr, IS_BF16: tl.constexpr, PREFETCH: tl.constexpr,
-    BLOCK: tl.constexpr,
+    STAGES: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -350,8 +356,8 @@ def _quantize_kernel(
                 sq_acc, err_acc, min_acc, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, SUBNORMAL_TOP,
                 MIN_NORMAL, SUB_MAGIC, DROP, QUALITY, STORE_PRECAST, SAT_CAST,
             )  # fmt: skip
-    else:
-        for b in range(pid, n_full, nprog):  # full blocks: no mask
+    else:  # Triton's software pipeline (STAGES >= 2 on a GPU: copies STAGES - 1 blocks ahead)
+        for b in tl.range(pid, n_full, nprog, num_stages=STAGES):  # full blocks: no mask
             amax_acc, count_acc, sq_acc, err_acc, min_acc = _quantize_block(
                 x_ptr, q_ptr, precast_ptr, b * BLOCK + lanes, None, scale, amax_acc, count_acc,
                 sq_acc, err_acc, min_acc, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, SUBNORMAL_TOP,
@@ -441,7 +447,7 @@ def _quantize_t_kernel(
     SUBNORMAL_TOP: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, DROP: tl.constexpr,
     QUALITY: tl.constexpr, HAS_AMAX: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr, POW2_SCALE: tl.constexpr,
     STORE_PRECAST: tl.constexpr, SAT_CAST: tl.constexpr, IS_BF16: tl.constexpr, DIV_M: tl.constexpr,
-    DIV_N: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr,
+    DIV_N: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -477,8 +483,8 @@ def _quantize_t_kernel(
                 amax_acc, count_acc, sq_acc, err_acc, min_acc, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE,
                 SUBNORMAL_TOP, MIN_NORMAL, SUB_MAGIC, DROP, QUALITY, STORE_PRECAST, SAT_CAST,
             )  # fmt: skip
-    else:
-        for t in range(pid, n_full, nprog):  # full tiles: no mask
+    else:  # Triton's software pipeline, as in the 1-D kernel
+        for t in tl.range(pid, n_full, nprog, num_stages=STAGES):  # full tiles: no mask
             tm = t // full_n
             tn = t - tm * full_n
             amax_acc, count_acc, sq_acc, err_acc, min_acc = _quantize_tile(
@@ -590,6 +596,7 @@ def launch_quantize(
         STORE_PRECAST=precast is not None,
         IS_BF16=is_bf16,
         PREFETCH=prefetch(x.device),
+        STAGES=pipeline_stages(x.device),
         SAT_CAST=saturating_cast(x.device),
     )
     amax_arg = amax if amax is not None else scale_t

@@ -89,6 +89,42 @@ def test_gpu_check_is_valid_bash():
     assert proc.returncode == 2 and "usage:" in proc.stderr
 
 
+def test_gpu_check_parts_selects_by_name_and_prefix():
+    # GPU_CHECK_PARTS picks parts for a short lease: names, trailing-* prefixes; versions and import always
+    script = GPU_CHECK.read_text()
+    selected = script[script.index("selected() {") : script.index("\n}\n", script.index("selected() {")) + 3]
+    probe = "for p in versions import gpu-tests train-delayed train-delayed-graph bench-gpt bench-linear; do "
+    probe += 'selected "$p" && printf "%s " "$p"; done; true'
+
+    def chosen(parts: str | None) -> list[str]:
+        env = {k: v for k, v in os.environ.items() if k != "GPU_CHECK_PARTS"}
+        if parts is not None:
+            env["GPU_CHECK_PARTS"] = parts
+        proc = subprocess.run(["bash", "-c", selected + probe], capture_output=True, text=True, env=env)
+        assert proc.returncode == 0 and not proc.stderr, proc.stderr
+        return proc.stdout.split()
+
+    every = [
+        "versions",
+        "import",
+        "gpu-tests",
+        "train-delayed",
+        "train-delayed-graph",
+        "bench-gpt",
+        "bench-linear",
+    ]
+    assert chosen(None) == every
+    assert chosen("bench-gpt,train-*") == [
+        "versions",
+        "import",
+        "train-delayed",
+        "train-delayed-graph",
+        "bench-gpt",
+    ]
+    assert chosen("gpu-tests") == ["versions", "import", "gpu-tests"]
+    assert chosen("train") == ["versions", "import"]  # a whole name, not a prefix, without the *
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is present: gpu-check.sh would run")
 @pytest.mark.parametrize("python", ["this", "missing"])
 def test_gpu_check_without_cuda_exits_2(python, tmp_path):
@@ -104,7 +140,8 @@ def test_gpu_check_without_cuda_exits_2(python, tmp_path):
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed (pip install '.[dev]')")
 def test_kernel_configs_smoke(tmp_path):
     # every candidate configuration is run through the shipped kernels and checked (statistics here; bits too
-    # on a GPU); the smoke mode runs two per kernel, with and without prefetch, under the interpreter
+    # on a GPU); the smoke mode runs two per kernel, each with every form of the main loop's loads (the
+    # register prefetch, Triton's software pipeline), under the interpreter
     out = tmp_path / "kernel_configs.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "kernel_configs.py"), "--smoke", "--out", str(out)],
@@ -112,8 +149,8 @@ def test_kernel_configs_smoke(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     results = json.loads(out.read_text())["results"]
-    assert {r["kernel"] for r in results} == {"1-D", "transposed"} and len(results) == 8
-    assert {r["prefetch"] for r in results} == {True, False}  # both forms of the main loop, side by side
+    assert {r["kernel"] for r in results} == {"1-D", "transposed"} and len(results) == 12
+    assert {r["loads"] for r in results} == {"prefetch", "pipeline x3", "pipeline x4"}  # side by side
     assert all(r["exact"] and r["error"] is None for r in results), results
 
 
@@ -154,9 +191,15 @@ def test_sass_profile_runs_without_a_gpu(tmp_path):
         pytest.skip(proc.stderr.strip().splitlines()[-1])
     assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     rows = {r["kernel"]: r for r in json.loads(out.read_text())["rows"]}
-    assert len(rows) == 6 and "quantize 1-D, quality" in proc.stdout
-    for row in rows.values():  # each main loop found, loading its input
+    assert len(rows) == 10 and "quantize 1-D, quality" in proc.stdout
+    for row in rows.values():  # each main loop found, loading its input; each program fits on an SM
         assert row["loop_instructions"] > 0 and row["loop_global_loads"] >= 1, row
+        assert row["programs_per_sm"] >= 1 and row["kib_in_flight_per_sm"] > 0, row
     # the statistics of the quality columns cost instructions: more per iteration than the base columns'
     quality, base = rows["quantize 1-D, quality"], rows["quantize 1-D, base"]
     assert quality["loop_instructions"] > base["loop_instructions"], (quality, base)
+    # the pipelined loads stage their blocks in shared memory, several ahead: more bytes in flight per SM
+    for kernel in ("quantize 1-D, quality", "quantize 2-D (+ transpose), quality"):
+        shipped, piped = rows[kernel], rows[f"{kernel}, pipelined"]
+        assert piped["shared_bytes"] > shipped["shared_bytes"], (shipped, piped)
+        assert piped["kib_in_flight_per_sm"] > shipped["kib_in_flight_per_sm"], (shipped, piped)

@@ -192,3 +192,41 @@ def test_cached_launch_matches_the_generic_launch_bit_for_bit():
                     assert torch.equal(out[1].view(torch.uint8), first[1].view(torch.uint8))
                 assert torch.equal(out[2], first[2])
     assert len(triton_launch._HANDLES) == 4  # two kernels x (aligned, misaligned input)
+
+
+@pytest.mark.parametrize("quality", [True, False], ids=["quality", "base"])
+def test_pipelined_loads_give_the_shipped_bits(monkeypatch, quality):
+    """The quantize kernels with their loads in Triton's software pipeline (``prefetch`` off: the form
+    ``bench/kernels.py`` times beside the shipped one) write the same FP8 bits, transposes and statistics as
+    the shipped register prefetch, on sizes with full blocks, a tail, edge tiles and a single element."""
+    from fp8_kernels import new_stats, triton_quantize
+    from fp8_kernels.triton_quantize import launch_quantize
+
+    from fp8_protocol.stats import ERR_SQ, SUM_SQ
+
+    torch.manual_seed(0)
+    scale = torch.tensor(3.0, device="cuda")
+    shapes = [(4096, 1024), (3000, 1030), (129, 65), (1, 1), (8192, 2048)]
+    for m, n in shapes:
+        x = (torch.randn(m, n, device="cuda") * 60).to(torch.bfloat16)
+        x.view(-1)[:: max(1, x.numel() // 7)] = float("nan")
+        for transpose in (False, True):
+            outs = []
+            for pre in (True, False):
+                monkeypatch.setattr(triton_quantize, "prefetch", lambda device, p=pre: p)
+                outs.append(
+                    launch_quantize(x, scale, torch.float8_e4m3fn, new_stats(device="cuda", quality=quality),
+                                    transpose=transpose)
+                )  # fmt: skip
+            (q, qt, row, _), (q_p, qt_p, row_p, _) = outs
+            assert torch.equal(q_p.view(torch.uint8), q.view(torch.uint8)), (m, n, transpose)
+            if transpose:
+                assert torch.equal(qt_p.view(torch.uint8), qt.view(torch.uint8)), (m, n)
+            # every column exactly but the sums of squares: float64 atomic adds of per-program sums,
+            # whose order across programs is the GPU's
+            sums = [SUM_SQ, ERR_SQ] if quality else []
+            exact = [c for c in range(row.shape[0]) if c not in sums]
+            assert torch.equal(row_p[exact].nan_to_num(-1), row[exact].nan_to_num(-1)), (m, n, row, row_p)
+            assert torch.allclose(row_p[sums], row[sums], rtol=1e-12, atol=0), (m, n, row, row_p)
+            ref_q, ref_row = quantize_with_stats_reference(x, scale, torch.float8_e4m3fn, None)
+            assert torch.equal(q_p.view(torch.uint8), ref_q.view(torch.uint8)), (m, n)

@@ -163,8 +163,14 @@ _QUANTIZE_ENTRIES = {
 }
 
 
-def _build_quantize(sm90, kernel: str, fp8, *, saturating_cast: bool, quality: bool = True):
-    """The sm_90 build of quantize kernel ``kernel`` for a bf16 (512, 1024) input, as its launcher does it."""
+def _build_quantize(sm90, kernel: str, fp8, *, saturating_cast: bool, quality: bool = True, **constexprs):
+    """The sm_90 build of quantize kernel ``kernel`` for a bf16 (512, 1024) input, as its launcher does it
+    (``constexprs`` override what it passed)."""
+    return _build_quantize_with_args(sm90, kernel, fp8, saturating_cast, quality, constexprs)[0]
+
+
+def _build_quantize_with_args(sm90, kernel: str, fp8, saturating_cast: bool, quality: bool, constexprs: dict):
+    """``(build, the launch's keyword arguments)``: see ``_build_quantize``."""
     from fp8_kernels import triton_quantize
 
     with cross_build.recorded(triton_quantize, kernel, saturating_cast=saturating_cast) as rec:
@@ -173,7 +179,8 @@ def _build_quantize(sm90, kernel: str, fp8, *, saturating_cast: bool, quality: b
         entry(torch.zeros(512, 1024, dtype=torch.bfloat16), torch.tensor(1.0), fp8, stats)
     args, kwargs = rec.launches[0]
     assert kwargs["SAT_CAST"] is saturating_cast and kwargs["QUALITY"] is quality
-    return sm90(rec.fn, args, kwargs)
+    kwargs = {**kwargs, **constexprs}
+    return sm90(rec.fn, args, kwargs), kwargs
 
 
 @pytest.mark.parametrize("kernel", list(_QUANTIZE_ENTRIES))
@@ -229,6 +236,47 @@ def test_quantize_loops_have_no_barrier_shuffle_or_spill(sm90, kernel, quality):
     assert prof.count(loop, "BAR") <= (0 if kernel == "_quantize_kernel" else 2), loop
     # no spill traffic in any loop (the 2-D quality kernel, at the 128-register cap of 512 threads, keeps
     # three values on its stack across the loops: 3 stores and 3 loads per program)
+    for body in prof.loops:
+        assert prof.count(body, "STL") == 0 and prof.count(body, "LDL") == 0, body
+
+
+def test_programs_per_sm_follows_the_occupancy_model():
+    # registers go per warp in units of 256: 108 per thread is 3584 per warp, 18 warps of the 64K file, two
+    # 8-warp programs; shared memory with its 1 KiB reserve per program; at most 2048 threads
+    def fit(registers, threads, shared=0):
+        return cross_build.SassProfile(registers, 0, 0, (), shared).programs_per_sm(threads)
+
+    assert [fit(108, 256), fit(80, 256), fit(62, 256), fit(48, 256)] == [2, 3, 4, 5]
+    assert [fit(127, 512), fit(73, 512), fit(64, 512)] == [1, 1, 2]
+    assert fit(48, 256, shared=49152) == 4 and fit(48, 256, shared=24576) == 5  # 228 KiB / 49 KiB
+    assert fit(16, 1024) == 2 and fit(16, 32) == 32  # the thread and program limits
+
+
+@pytest.mark.parametrize("quality", [True, False], ids=["quality", "base"])
+@pytest.mark.parametrize("kernel", list(_QUANTIZE_ENTRIES))
+def test_pipelined_loads_are_asynchronous_copies_into_shared_memory(sm90, kernel, quality):
+    # With prefetch off the main loop is Triton's software pipeline (triton_launch.pipeline_stages): its
+    # loads become 16-byte cp.async copies into shared memory, stages - 1 blocks (tiles) ahead, and no
+    # register holds a block in flight, where the register prefetch holds the next one in registers.
+    from fp8_kernels import triton_launch
+
+    stages = triton_launch.pipeline_stages(cross_build.CUDA)
+    assert stages >= 3  # deeper than the register prefetch's two blocks
+    shipped, _ = _build_quantize_with_args(sm90, kernel, E4M3, True, quality, {})
+    piped, kwargs = _build_quantize_with_args(sm90, kernel, E4M3, True, quality, {"PREFETCH": False})
+    copy = r"cp\.async\.cg\.shared\.global\s+\[[^]]+\],\s*\[[^]]+\],\s*(?:16|0x10)\b"  # 16 bytes each
+    assert re.search(copy, piped.asm["ptx"]) and not re.search(copy, shipped.asm["ptx"])
+    try:
+        prof, prof_shipped = cross_build.sass_profile(piped), cross_build.sass_profile(shipped)
+    except RuntimeError as e:  # no nvdisasm / cuobjdump with this Triton
+        pytest.skip(str(e))
+    block_bytes = 2 * (kwargs["BLOCK"] if "BLOCK" in kwargs else kwargs["BLOCK_M"] * kwargs["BLOCK_N"])
+    threads = 32 * kwargs["num_warps"]
+    loop = prof.main_loop()
+    assert prof.count(loop, "LDGSTS") == block_bytes // threads // 16, loop  # the whole block, 16 B each
+    assert prof.count(loop, "LDG.") == 0, loop  # and no load into registers
+    assert prof.shared_bytes >= (stages - 1) * block_bytes
+    assert prof.registers <= prof_shipped.registers, (prof.registers, prof_shipped.registers)
     for body in prof.loops:
         assert prof.count(body, "STL") == 0 and prof.count(body, "LDL") == 0, body
 
