@@ -7,7 +7,8 @@ the quality statistics cost), ``eager`` and
 ``compile`` the PyTorch reference run eagerly and through torch.compile, ``torchao`` (where torchao imports)
 torchao's own amax + saturated cast compiled (``tensor_to_amax``, ``to_fp8_saturated``: no statistics, the
 work torchao does per tensor), ``copy`` a plain ``x.clone()`` of the same input. ``triton+T`` is the
-same kernel also writing the transposed FP8 tensor (the input viewed as rows of 1024), the layout backward
+same kernel also writing the transposed FP8 tensor (the input viewed as rows of 1024; 32 in the smoke run,
+whose interpreter walks tiles slowly), the layout backward
 GEMMs take; ``eager+T`` is the reference followed by ``q.t().contiguous()``. ``triton-pipe`` and
 ``triton+T-pipe`` are the same two kernels with their main loop's loads in Triton's software pipeline
 (``fp8_kernels.triton_launch.pipeline_stages``: asynchronous copies into shared memory, several blocks ahead)
@@ -118,19 +119,20 @@ def pipelined(fn):
     return run
 
 
-def build_impls(fp8: torch.dtype, backend: str, with_torchao: bool):
-    """name -> ``fn(x, scale, stats) -> outputs``, and why torchao is missing (or ``None``)."""
+def build_impls(fp8: torch.dtype, backend: str, with_torchao: bool, width: int = 1024):
+    """name -> ``fn(x, scale, stats) -> outputs``, and why torchao is missing (or ``None``); the transposed
+    variants view ``x`` as rows of ``width``."""
     from fp8_kernels import quantize_with_stats_reference
     from fp8_kernels.triton_quantize import quantize_with_stats_transposed_triton, quantize_with_stats_triton
 
     compiled = torch.compile(quantize_with_stats_reference, backend=backend)
 
     def eager_t(x, scale, stats):
-        q, row = quantize_with_stats_reference(x.view(-1, 1024), scale, fp8, stats)
+        q, row = quantize_with_stats_reference(x.view(-1, width), scale, fp8, stats)
         return q, q.t().contiguous(), row
 
     def triton_t(x, scale, stats):
-        return quantize_with_stats_transposed_triton(x.view(-1, 1024), scale, fp8, stats)
+        return quantize_with_stats_transposed_triton(x.view(-1, width), scale, fp8, stats)
 
     impls = {
         "copy": lambda x, scale, stats: x.clone(),  # a fresh output each call, as the others write
@@ -264,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         if hasattr(dynamo, knob):
             setattr(dynamo, knob, max(64, getattr(dynamo, knob)))
     fp8 = FORMATS[a.format]
-    impls, torchao_missing = build_impls(fp8, backend, not a.no_torchao)
+    impls, torchao_missing = build_impls(fp8, backend, not a.no_torchao, width=32 if a.smoke else 1024)
     if "torchao" in impls:
         try:  # a torchao that imports but does not run with this torch: measure the others
             probe = torch.randn(2**12, device=device).to(torch.bfloat16)

@@ -653,7 +653,9 @@ def _bench_smoke(device: torch.device) -> None:
     assert [r["numel"] for r in rows] == [2**10, 2**12]
     for r in rows:
         assert all(r["stats_match_eager"].values()), r["stats_match_eager"]
-        for impl in ("copy", "triton", "eager", "compile", "triton+T", "eager+T"):
+        assert {"triton-pipe", "triton+T-pipe"} <= set(r["stats_match_eager"])  # the pipelined loads too
+        impls = ("copy", "triton", "eager", "compile", "triton+T", "eager+T", "triton-pipe", "triton+T-pipe")
+        for impl in impls:
             assert r[impl]["ms"] > 0 and r[impl]["gbps"] > 0 and r[impl]["calls_per_sample"] >= 1, impl
         for impl in ("triton", "eager", "compile", "triton+T"):
             assert r[impl]["fraction_of_copy"] > 0, r
