@@ -131,12 +131,13 @@ def prefetch(device: torch.device) -> bool:
 
 def pipeline_stages(device: torch.device) -> int:
     """``num_stages`` of the quantize kernels' main loop (``tl.range``) where ``prefetch`` is off: Triton's
-    software pipeline. From 2 on, the sm_90 build turns the loop's loads into asynchronous copies into shared
-    memory (``cp.async``, 16 bytes each), issued ``stages - 1`` blocks (tiles) ahead, which hold no registers:
-    the register prefetch holds the next block in registers, and registers limit how many programs an SM
-    runs (``bench/sass.py``: registers, programs per SM, bytes in flight). 1 is the plain loop. The
-    interpreter runs every loop plainly. ``bench/kernels.py`` (``triton-pipe`` rows) and
-    ``bench/kernel_configs.py`` time this form beside the shipped one."""
+    software pipeline. With 3 or 4 stages the sm_90 build turns the loop's loads into asynchronous copies into
+    shared memory (``cp.async``, 16 bytes each; ``test_ptx.py``), issued ``stages - 1`` blocks (tiles) ahead,
+    which hold no registers, where the register prefetch holds the next block in registers, and registers
+    limit how many programs an SM runs (``bench/sass.py``: registers, programs per SM, bytes in flight).
+    With 2, Triton 3.9 leaves the 2-D kernel's loop unpipelined; 1 is the plain loop. The interpreter runs
+    every loop plainly. ``bench/kernels.py`` (``triton-pipe`` rows) and ``bench/kernel_configs.py`` time this
+    form beside the shipped one."""
     return 4
 
 

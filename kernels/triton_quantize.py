@@ -25,7 +25,9 @@ the cast meets only values the format holds, so the bits are the reference's on 
 
 Quality statistics (``QUALITY``, a 10-column row; a 6-column row skips them) come from the same values:
 per element ``|x * scale|`` of the finite elements (0 for NaN/Inf), its square, and the square of its
-round-trip error ``|q| - |x * scale|`` with ``q`` the FP8 value just written (read back as float32).
+round-trip error ``|q| - |x * scale|`` with ``|q|`` the FP8 value of ``|x * scale|`` as float32 (the cast
+is symmetric in the sign: the magnitude of the value just written; for NaN/Inf the cast of 0, so the error
+is 0 with no select).
 
 Accumulators: every statistic is folded per run of ``LANE`` (8) consecutive elements into one slot
 (``_runs``): a run lies in one thread's registers, so nothing crosses threads until the program's end (no
@@ -36,10 +38,11 @@ min over the bits of ``|x|`` minus one, unsigned, so that zeros (which wrap) and
 never win (``_min_abs_bits``), folded into the row with an integer atomic min on the float64 bits.
 
 sm_90 SASS of the main loops (bf16 in, ``bench/sass.py``; Triton 3.9), from the block-wise tree reductions,
-the clamp and the re-rounding for the error, bit-pattern amax and OR-packed counts, to now: 1-D with quality
-899 -> 478 instructions per iteration, 4 -> 0 barriers, 139 -> 108 registers; 1-D without 340 -> 247,
-94 -> 62 registers; 2-D with quality 1095 -> 586, 6 -> 2 barriers (the transpose's own), 88 bytes of spills
--> none; 2-D without 582 -> 360.
+the clamp and the re-rounding for the error, bit-pattern amax and OR-packed counts, the error from the cast
+of ``|x * scale|`` and one underflow compare, to now: 1-D with quality 899 -> 412 instructions per
+iteration, 4 -> 0 barriers, 139 -> 94 registers; 1-D without 340 -> 247, 94 -> 62 registers; 2-D with
+quality 1095 -> 555, 6 -> 2 barriers (the transpose's own), 88 bytes of spills -> none; 2-D without
+582 -> 360.
 
 Memory access: the 1-D kernel walks full ``BLOCK``s with no mask and one masked tail block; the 2-D kernel
 walks full tiles with no mask, then the edge tiles (last tile column, last tile row) masked. Unmasked blocks
@@ -112,13 +115,16 @@ def _scale_and_count(
     af = tl.where(finite, a, 0.0)
     # at most one field set, as nested selects of the packed values: subnormal (lands on a non-zero FP8
     # subnormal; QUALITY only), overflow (a finite x's product may have overflowed to Inf), underflow
-    # (non-zero, rounds to zero; NaN compares False), and non-finite over all of them
+    # (non-zero, rounds to zero), and non-finite over all of them. One compare with the underflow threshold
+    # serves both sides of it: a NaN product, which fails it, comes from a NaN x (the scale is finite and
+    # positive), whose non-finite select comes last
+    above = a > UNDERFLOW
     if QUALITY:
-        counts = tl.where((a > UNDERFLOW) & (a < SUBNORMAL_TOP), 1 << 24, 0)
+        counts = tl.where(above & (a < SUBNORMAL_TOP), 1 << 24, 0)
         counts = tl.where(big, 1, counts)
     else:
         counts = tl.where(big, 1, 0)
-    counts = tl.where((a <= UNDERFLOW) & (ax_bits != 0), 256, counts)
+    counts = tl.where((~above) & (ax_bits != 0), 256, counts)
     counts = tl.where(finite, counts, 1 << 16)
     return tl.abs(x), counts, xs, af
 
@@ -164,13 +170,14 @@ def _to_fp8(
 
 
 @triton.jit
-def _quality_terms(x, qf, af, sq_acc, err_acc, min_acc):
+def _quality_terms(x, qa, af, sq_acc, err_acc, min_acc):
     """The quality accumulators (one slot per run of ``LANE`` elements, ``_runs``) after one block or tile:
-    ``+ sum(af**2)``, ``+ sum((|qf| - af)**2)`` with ``qf`` the FP8 value as float32 (``_to_fp8``: the
-    scaled domain; 0 for a non-finite ``x``; each run's float32 sum added to its float64 slot), ``min`` with
-    the bits of ``|x|`` minus one, unsigned (``_min_abs_bits``)."""
+    ``+ sum(af**2)``, ``+ sum((qa - af)**2)`` with ``qa`` the FP8 value of ``af`` as float32 (``_to_fp8``;
+    the scaled domain; each run's float32 sum added to its float64 slot), ``min`` with the bits of ``|x|``
+    minus one, unsigned (``_min_abs_bits``). ``qa`` is ``|q|`` for a finite ``x`` (the cast is symmetric in
+    the sign) and 0 for a non-finite one, whose ``af`` is 0: its error is 0 with no select."""
     bits = abs_bits(x)
-    d = tl.where(bits < 0x7F800000, tl.abs(qf) - af, 0.0)
+    d = qa - af
     low_bits = (bits - 1).to(tl.uint32, bitcast=True)  # see _min_abs_bits
     sq, err, low = tl.reduce((_runs(af * af), _runs(d * d), _runs(low_bits)), len(x.shape), _sum_sum_min)
     return sq_acc + sq.to(tl.float64), err_acc + err.to(tl.float64), tl.minimum(min_acc, low)
@@ -280,11 +287,11 @@ def _accumulate_stats(
 
 
 @triton.jit
-def _fold(x, ax, counts, qf, af, amax_acc, count_acc, sq_acc, err_acc, min_acc, QUALITY: tl.constexpr):
+def _fold(x, ax, counts, qa, af, amax_acc, count_acc, sq_acc, err_acc, min_acc, QUALITY: tl.constexpr):
     """The accumulators after one block (1-D) or tile (2-D), from ``_scale_and_count``'s and ``_to_fp8``'s
     per-element values, each folded per run (``_runs``)."""
     if QUALITY:
-        sq_acc, err_acc, min_acc = _quality_terms(x, qf, af, sq_acc, err_acc, min_acc)
+        sq_acc, err_acc, min_acc = _quality_terms(x, qa, af, sq_acc, err_acc, min_acc)
     amax_run, count_run = tl.reduce((_runs(ax), _runs(counts)), len(x.shape), _max_sum)
     return tl.maximum(amax_acc, amax_run), count_acc + count_run, sq_acc, err_acc, min_acc
 
@@ -317,11 +324,14 @@ def _quantize_values(
     ax, counts, xs, af = _scale_and_count(
         x, scale, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, SUBNORMAL_TOP, QUALITY
     )
-    q, qf = _to_fp8(xs, q_ptr.dtype.element_ty, FMAX, MIN_NORMAL, SUB_MAGIC, DROP, SAT_CAST)
+    q, _ = _to_fp8(xs, q_ptr.dtype.element_ty, FMAX, MIN_NORMAL, SUB_MAGIC, DROP, SAT_CAST)
+    qa = af  # unused without QUALITY
+    if QUALITY:  # |q| as float32, 0 for a non-finite x (_quality_terms)
+        _, qa = _to_fp8(af, q_ptr.dtype.element_ty, FMAX, MIN_NORMAL, SUB_MAGIC, DROP, SAT_CAST)
     tl.store(q_ptr + offs, q, mask=mask)
     if STORE_PRECAST:
         tl.store(precast_ptr + offs, _clamp(xs, FMAX), mask=mask)
-    return _fold(x, ax, counts, qf, af, amax_acc, count_acc, sq_acc, err_acc, min_acc, QUALITY)
+    return _fold(x, ax, counts, qa, af, amax_acc, count_acc, sq_acc, err_acc, min_acc, QUALITY)
 
 
 @triton.jit(do_not_specialize=["n"])
@@ -432,12 +442,15 @@ def _quantize_tile_values(
     ax, counts, xs, af = _scale_and_count(
         x, scale, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, SUBNORMAL_TOP, QUALITY
     )
-    q, qf = _to_fp8(xs, q_ptr.dtype.element_ty, FMAX, MIN_NORMAL, SUB_MAGIC, DROP, SAT_CAST)
+    q, _ = _to_fp8(xs, q_ptr.dtype.element_ty, FMAX, MIN_NORMAL, SUB_MAGIC, DROP, SAT_CAST)
+    qa = af  # unused without QUALITY
+    if QUALITY:  # |q| as float32, 0 for a non-finite x (_quality_terms)
+        _, qa = _to_fp8(af, q_ptr.dtype.element_ty, FMAX, MIN_NORMAL, SUB_MAGIC, DROP, SAT_CAST)
     tl.store(q_ptr + offs, q, mask=mask)
     tl.store(qt_ptr + offs_t, tl.trans(q), mask=mask_t)
     if STORE_PRECAST:
         tl.store(precast_ptr + offs, _clamp(xs, FMAX), mask=mask)
-    return _fold(x, ax, counts, qf, af, amax_acc, count_acc, sq_acc, err_acc, min_acc, QUALITY)
+    return _fold(x, ax, counts, qa, af, amax_acc, count_acc, sq_acc, err_acc, min_acc, QUALITY)
 
 
 @triton.jit(do_not_specialize=["M", "N"])

@@ -234,8 +234,8 @@ def test_quantize_loops_have_no_barrier_shuffle_or_spill(sm90, kernel, quality):
     assert prof.count(loop, "SHFL") == 0, loop
     # the 2-D kernel's loop keeps the barriers of its transpose through shared memory (2 with Triton 3.9)
     assert prof.count(loop, "BAR") <= (0 if kernel == "_quantize_kernel" else 2), loop
-    # no spill traffic in any loop (the 2-D quality kernel, at the 128-register cap of 512 threads, keeps
-    # three values on its stack across the loops: 3 stores and 3 loads per program)
+    # no spill traffic in any loop (a build may keep a few values on its stack across the loops, stored
+    # and loaded once per program: Triton 3.6's 1-D quality kernel, 16 bytes)
     for body in prof.loops:
         assert prof.count(body, "STL") == 0 and prof.count(body, "LDL") == 0, body
 
