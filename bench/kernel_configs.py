@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             copy_gbs = 4 * m * n / (copy_ms * 1e-3) / 1e9
             useful = (4 if transpose else 3) * m * n
             for cfg, per_sm, (loads, pre, stages) in itertools.product(
-                configs if not a.smoke else configs[:2], PROGRAMS_PER_SM if not a.smoke else [4], LOADS
+                configs if not a.smoke else configs[:1], PROGRAMS_PER_SM if not a.smoke else [4], LOADS
             ):
                 if transpose:
                     triton_quantize.tile_2d = lambda dev, c=cfg: c if dev.type == "cuda" else (16, 16, 4)
