@@ -163,14 +163,14 @@ _QUANTIZE_ENTRIES = {
 }
 
 
-def _build_quantize(sm90, kernel: str, fp8, *, saturating_cast: bool, quality: bool = True, **constexprs):
-    """The sm_90 build of quantize kernel ``kernel`` for a bf16 (512, 1024) input, as its launcher does it
-    (``constexprs`` override what it passed)."""
-    return _build_quantize_with_args(sm90, kernel, fp8, saturating_cast, quality, constexprs)[0]
+def _build_quantize(sm90, kernel: str, fp8, *, saturating_cast: bool, quality: bool = True):
+    """The sm_90 build of quantize kernel ``kernel`` for a bf16 (512, 1024) input, as its launcher does it."""
+    return _build_quantize_with_args(sm90, kernel, fp8, saturating_cast, quality, {})[0]
 
 
 def _build_quantize_with_args(sm90, kernel: str, fp8, saturating_cast: bool, quality: bool, constexprs: dict):
-    """``(build, the launch's keyword arguments)``: see ``_build_quantize``."""
+    """``(build, the launch's keyword arguments)`` as ``_build_quantize``, ``constexprs`` overriding what the
+    launcher passed."""
     from fp8_kernels import triton_quantize
 
     with cross_build.recorded(triton_quantize, kernel, saturating_cast=saturating_cast) as rec:
