@@ -16,15 +16,19 @@ in their block Linears:
 * ``bf16+graph`` / ``delayed+graph``: the whole step (forward, backward, clipping, AdamW with
   ``capturable=True``) captured in a CUDA graph by ``fp8_trainer.graphs.GraphedStep`` after three eager
   steps and replayed, inputs copied into static buffers (CUDA only): what is left once the host's launch
-  overhead is gone, for both.
+  overhead is gone, for both;
+* ``bf16+compile`` / ``delayed+compile`` / ``delayed+compile+graph``: the model under ``torch.compile``
+  (default mode). bf16 compiles whole; fp8scope compiles what lies between its FP8 Linears (LayerNorm,
+  attention, GELU, residual adds, the head and loss), each FP8 Linear a graph break that runs as it does
+  eagerly; ``+graph`` then captures that step as above.
 
 The batch is random token ids already on the device (the data loader is not what is measured), rotating
 over a few batches. Each configuration first runs ``--warmup`` steps (compilation, autotuning, allocator),
 then ``--steps`` steps timed with one synchronisation before and one after (host clock; CUDA events give
 the same within a few microseconds); rounds alternate over the configurations and the table shows the
 median over rounds. Goals (CUDA): fp8scope delayed >= 1.3x the tokens/s of bf16, and >= torchao; the same
-1.3x for fp8scope delayed in a CUDA graph (against eager bf16, the issue's baseline; the table also shows
-bf16 in a graph).
+1.3x for fp8scope delayed in a CUDA graph, compiled, and both (against eager bf16, the issue's baseline; the
+table also shows bf16 in a graph and compiled, and ``x same`` is each row against bf16 run the same way).
 
     python bench/gpt_throughput.py [--preset 124m] [--batch-size 16] [--seq-len 1024] [--warmup 5]
         [--steps 20] [--rounds 2] [--configs bf16,delayed,current,torchao]
@@ -40,6 +44,7 @@ import json
 import platform
 import statistics
 import time
+import types
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -50,8 +55,25 @@ from fp8_trainer import CurrentScaling, DelayedScaling, StatsReader, convert_to_
 from fp8_trainer.graphs import GraphedStep
 from fp8_trainer.model import GPT, fp8_filter, preset_config
 
-CONFIGS = ("bf16", "delayed", "current", "torchao", "bf16+graph", "delayed+graph")
+CONFIGS = (
+    "bf16", "delayed", "current", "torchao", "bf16+graph", "delayed+graph",
+    "bf16+compile", "delayed+compile", "bf16+compile+graph", "delayed+compile+graph",
+)  # fmt: skip
 GPT2_VOCAB = 50304  # GPT-2's 50257 padded to a multiple of 64
+
+
+def _own_code(model: torch.nn.Module) -> None:
+    """Give ``model``'s GPT modules forwards with code objects of their own. Dynamo keeps its compiled
+    entries per code object, so the configurations compiled in this one process would otherwise share them:
+    the bf16 model, compiled whole, then passes the guards of the FP8 model's first graph (which ends at the
+    first FP8 Linear, a graph break) and runs in its pieces (measured on the CPU: 6x slower steps)."""
+    for m in model.modules():
+        f = type(m).forward
+        if type(m).__module__ == GPT.__module__:
+            own = types.FunctionType(
+                f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__
+            )
+            m.forward = types.MethodType(own, m)
 
 
 class Job:
@@ -66,7 +88,8 @@ class Job:
         self.note = ""
         self.graphed = None
         forward = self.model
-        base, graph = config.removesuffix("+graph"), config.endswith("+graph")
+        base, *modes = config.split("+")
+        graph = "graph" in modes
         if graph and device.type != "cuda":
             raise RuntimeError("CUDA graphs need a CUDA GPU")
         if base in ("delayed", "current"):
@@ -86,8 +109,13 @@ class Job:
             )
             self.note = "tensorwise" if device.type == "cuda" else "emulate"
             if device.type == "cuda" and not args.no_compile:
+                _own_code(self.model)
                 forward = torch.compile(self.model)
                 self.note += ", compiled"
+        if "compile" in modes:
+            _own_code(self.model)
+            forward = torch.compile(self.model)
+            self.note = "compiled"
         self.forward = forward
         self.opt = torch.optim.AdamW(
             self.model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0, capturable=graph
@@ -108,7 +136,7 @@ class Job:
         None before capture, not zeroed here), autocast without its cast cache (as capture requires)."""
         fp8 = fp8_autocast(fp8_recipe=self.recipe) if self.recipe is not None else nullcontext()
         with fp8, torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=False):
-            _, loss = self.model(self.x, self.y)
+            _, loss = self.forward(self.x, self.y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
@@ -176,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             jobs[config] = Job(config, a, device, vocab)
         except Exception as e:  # torchao missing or not working with this torch, no CUDA for a graph
-            if config != "torchao" and not config.endswith("+graph"):
+            if config != "torchao" and "+" not in config:  # a compile or a capture may fail: say so
                 raise
             skipped[config] = f"unavailable ({type(e).__name__}: {e})"
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -190,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             run_steps(job, batches, a.warmup, 0)
         except Exception as e:
-            if config.endswith("+graph"):  # a capture that fails: say so, measure the others
+            if "+" in config:  # a compile or a capture that fails: say so, measure the others
                 skipped[config] = f"failed ({type(e).__name__}: {e})"
                 del jobs[config]
                 continue
@@ -221,10 +249,13 @@ def main(argv: list[str] | None = None) -> int:
         + (" (smoke: not a measurement)" if a.smoke else "")
     )
     base = statistics.median(jobs["bf16"].tokens_per_s) if "bf16" in jobs else None
-    print(f"{'config':<18} {'tokens/s':>12} {'step ms':>9} {'x bf16':>7} {'final loss':>10}  notes")
+    head = ("config", "tokens/s", "step ms", "x bf16", "x same", "final loss")
+    print(f"{head[0]:<30} {head[1]:>12} {head[2]:>9} {head[3]:>7} {head[4]:>7} {head[5]:>10}  notes")
     results = {}
     for config, job in jobs.items():
         tps = statistics.median(job.tokens_per_s)
+        same = jobs.get("+".join(["bf16", *config.split("+")[1:]]))  # bf16 run the same way
+        x_same = tps / statistics.median(same.tokens_per_s) if same is not None else None
         final = float(job.losses[-1]) if job.losses else float("nan")
         note = job.note or ("statistics read one step late" if job.reader is not None else "")
         results[config] = {
@@ -232,15 +263,18 @@ def main(argv: list[str] | None = None) -> int:
             "tokens_per_s_rounds": job.tokens_per_s,
             "step_ms": statistics.median(job.step_ms),
             "x_bf16": tps / base if base else None,
+            "x_bf16_same_mode": x_same,
             "final_loss": final,
             "stats_polled": job.polled,
             "note": note,
         }
         ratio = f"{tps / base:7.2f}" if base else f"{'n/a':>7}"
+        ratio_same = f"{x_same:7.2f}" if x_same is not None else f"{'n/a':>7}"
         label = config if config.startswith(("bf16", "torchao")) else f"fp8scope {config}"
-        print(f"{label:<18} {tps:12,.0f} {results[config]['step_ms']:9.2f} {ratio} {final:10.4f}  {note}")
+        step_ms = results[config]["step_ms"]
+        print(f"{label:<30} {tps:12,.0f} {step_ms:9.2f} {ratio} {ratio_same} {final:10.4f}  {note}")
     for config, why in skipped.items():
-        print(f"{config:<18} {'n/a':>12}  {why}")
+        print(f"{config:<30} {'n/a':>12}  {why}")
 
     goals = {}
     if device.type == "cuda" and "delayed" in results:
@@ -250,6 +284,14 @@ def main(argv: list[str] | None = None) -> int:
             goals["graphed_1.3x_bf16"] = goal(
                 results["delayed+graph"]["x_bf16"], 1.3, "tokens/s, fp8scope delayed in a CUDA graph vs bf16"
             )
+        for config, key, what in (
+            ("delayed+compile", "compiled_1.3x_bf16", "compiled"),
+            ("delayed+compile+graph", "compiled_graphed_1.3x_bf16", "compiled and in a CUDA graph"),
+        ):
+            if base and config in results:
+                goals[key] = goal(
+                    results[config]["x_bf16"], 1.3, f"tokens/s, fp8scope delayed {what} vs bf16"
+                )
         if "torchao" in results:
             goals["delayed_vs_torchao"] = goal(
                 results["delayed"]["tokens_per_s"] / results["torchao"]["tokens_per_s"], 1.0,
@@ -258,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         print("goals:")
         for key, gl in goals.items():
             verdict = "met" if gl["met"] else "NOT met"
-            print(f"  {key:<20} {gl['value']:6.2f} (target >= {gl['target']:g}): {verdict}")
+            print(f"  {key:<26} {gl['value']:6.2f} (target >= {gl['target']:g}): {verdict}")
     else:
         print("goals: assessed on CUDA only")
     finite = all(v["final_loss"] == v["final_loss"] for v in results.values())

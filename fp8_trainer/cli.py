@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "host work per layer (--device cuda; not with --inject, --halt-on-nonfinite, "
                         "--activation-checkpointing or several ranks)")  # fmt: skip
 
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the model: the layers between the FP8 Linears are fused, each FP8 "
+                        "Linear runs as it does eagerly (a graph break); the first step compiles")  # fmt: skip
+
     g = p.add_argument_group("FP8 recipe")
     g.add_argument("--recipe", choices=(*FP8_RECIPES, "bf16", "fp32"), default=_D.recipe,
                    help="FP8 scaling (per tensor: delayed, current; block-scaled: mxfp8, block), or a "
@@ -205,6 +209,9 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> Prepared:
         p.error(str(e))
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device available")
+    if a.compile and a.activation_checkpointing != "none":  # an FP8 Linear's graph break inside a checkpoint
+        p.error("--compile with --activation-checkpointing: nothing would compile (torch.compile runs a "
+                "checkpointed block that holds a graph break eagerly, so the whole model would)")  # fmt: skip
     if a.cuda_graph:
         misfit = graph_misfit(a, dist_env()[1])
         if misfit:

@@ -29,6 +29,14 @@ grad_output is recorded by whichever backward runs. In reentrant mode the gradie
 region is a nested backward pass; the end-of-step callback is queued from the recompute, on the outer pass,
 so that the step closes when the whole backward ends.
 
+``torch.compile``: ``Linear.forward`` is ``torch.compiler.disable``d, so a compiled model breaks its graph at
+each FP8 Linear and runs the layer exactly as it runs eagerly, while what lies between the layers
+(LayerNorm, attention, activations, residual adds, the loss) compiles and fuses. Dynamo does not trace the
+runtime's Python state (regions, step tracking, recorded-forward sets): that state changes every step, and
+traced, it made every step recompile and trained wrongly. ``fp8_autocast`` may be inside the compiled
+function or around its call. ``fullgraph=True`` cannot hold (each layer is a break), and activation checkpointing
+leaves a checkpointed block that holds a break uncompiled as a whole.
+
 Block-scaled layers (``scaling`` ``"mxfp8"`` or ``"block"``) run ``block_linear._BlockLinearFn`` instead:
 the same three GEMMs on block-scaled copies (see that module for which copy feeds which GEMM).
 
@@ -172,6 +180,7 @@ class Linear(nn.Linear):
         """Restore the slice saved by ``get_extra_state`` (call ``convert_to_fp8`` before loading)."""
         self._state().load_layer_extra_state(self._fp8_index, state)
 
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))

@@ -225,6 +225,7 @@ def _largest_factor(scale: np.float32, bound: np.float32, *, strict: bool) -> np
     return a
 
 
+@torch.compiler.disable  # under torch.compile: a graph break, the hook runs as it does eagerly
 def _forward_hook(state: HookedState, k: int, module: nn.Module, args, output) -> None:
     x = args[0] if args else None
     if not isinstance(x, torch.Tensor) or not state.enabled[k]:

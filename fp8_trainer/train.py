@@ -328,6 +328,8 @@ def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -
         if world > 1
         else model
     )
+    if a.compile:  # evaluation and checkpoints keep the eager model (no recompile for no_grad)
+        net = torch.compile(net)
     config = run_config(a, corpus.vocab_size)
     injector = Injector(model, [parse_injection(s) for s in a.inject or ()])
     val_batches = corpus.val_batches(a.eval_iters, a.batch_size, a.seq_len) if a.eval_interval else []

@@ -27,6 +27,10 @@ class TrainConfig:
     activation_checkpointing: str = "none"  # recompute blocks in backward (model.CHECKPOINT_MODES)
     # capture each optimizer step in a CUDA graph after 3 eager steps and replay it (fp8_trainer.train_graph)
     cuda_graph: bool = False
+    # torch.compile the model: what lies between the FP8 Linears (LayerNorm, attention, GELU, residuals) is
+    # fused; each FP8 Linear runs as it does eagerly, a graph break (fp8_trainer.linear); not with activation
+    # checkpointing, where a graph break inside a checkpointed block leaves the whole model eager
+    compile: bool = False
     # ----- FP8 recipe (None: the recipe's default, so a delayed-only flag given to another is refused) -----
     # FP8 scaling "delayed" / "current" (per tensor), "mxfp8" (1x32 blocks, E8M0 scales; dimensions and
     # batch x seq_len divisible by 32) / "block" (FP8 block scaling: 1x128 activations and gradients, 128x128

@@ -47,11 +47,14 @@ fi
 BUDGET=${GPU_CHECK_BUDGET:-300}
 RESULTS=${OUT:-$ROOT/bench/results/gpu-check}
 mkdir -p "$RESULTS"
-rm -f "$RESULTS"/{kernels,linear,gpt_throughput,kernel_configs}.json "$RESULTS/gpu-tests.xml" # none left from an earlier run
+rm -f "$RESULTS"/{kernels,linear,gpt_throughput,gpt_compile,kernel_configs}.json "$RESULTS/gpu-tests.xml" # none left from an earlier run
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 START=$(date +%s)
 NAMES=() STATUS=() SECS=() DETAILS=()
+# bench/gpt_throughput.py's configurations, eager and CUDA-graph ones (bench-gpt), compiled ones (bench-gpt-compile)
+GPT_EAGER=bf16,delayed,current,torchao,bf16+graph,delayed+graph
+GPT_COMPILED=bf16+compile,delayed+compile,bf16+compile+graph,delayed+compile+graph
 RAN=0 # whether the last run_part ran its command
 
 # run_part NAME CAP_SECONDS CMD...: runs CMD under timeout, its output to the terminal and $WORK/NAME.log
@@ -122,11 +125,13 @@ EOF
 # fp8-train --device cuda for each RUN (a recipe; RECIPE-graph: the same with --cuda-graph, each optimizer
 # step replayed from a CUDA graph): 12 steps of the 124m preset, its step-12 line in the summary
 train_runs() {
-    local run recipe line flags
+    local run recipe line flags cap
     for run in "$@"; do
-        recipe=${run%-graph} flags=()
-        [ "$run" != "$recipe" ] && flags=(--cuda-graph)
-        run_part "train-$run" 45 "$PY" -m fp8_trainer.cli --device cuda --preset 124m --recipe "$recipe" \
+        # NAME[-compile][-graph]: the recipe, then --compile (the first steps compile) and --cuda-graph
+        recipe=${run%%-*} flags=() cap=45
+        case $run in *-compile*) flags+=(--compile) cap=150 ;; esac
+        case $run in *-graph) flags+=(--cuda-graph) ;; esac
+        run_part "train-$run" "$cap" "$PY" -m fp8_trainer.cli --device cuda --preset 124m --recipe "$recipe" \
             --steps 12 --batch-size 8 --seq-len 1024 --eval-interval 0 --log-interval 6 --no-progress "${flags[@]}"
         line=$(grep -sE '^step +12 ' "$WORK/train-$run.log" | tail -1 | tr -s ' ')
         if [ "$RAN" = 1 ] && grep -q 'non-finite' "$WORK/train-$run.log"; then
@@ -227,15 +232,19 @@ EOF
 
     # ----- benchmarks: the goals not yet met on a GPU first (GPT throughput, kernel bandwidth) -----
     run_part bench-gpt 200 "$PY" bench/gpt_throughput.py --preset 124m --batch-size 16 --seq-len 1024 \
-        --warmup 5 --steps 20 --rounds 2 --out "$RESULTS/gpt_throughput.json"
+        --warmup 5 --steps 20 --rounds 2 --configs "$GPT_EAGER" --out "$RESULTS/gpt_throughput.json"
     bench_detail "$RESULTS/gpt_throughput.json"
     run_part bench-kernels 100 "$PY" bench/kernels.py --min-exp 22 --max-exp 28 --step-exp 2 --reps 10 \
         --out "$RESULTS/kernels.json"
     bench_detail "$RESULTS/kernels.json"
+    # the same GPT with torch.compile (each configuration's first steps compile: a part of its own)
+    run_part bench-gpt-compile 240 "$PY" bench/gpt_throughput.py --preset 124m --batch-size 16 --seq-len 1024 \
+        --warmup 5 --steps 20 --rounds 2 --configs "bf16,$GPT_COMPILED" --out "$RESULTS/gpt_compile.json"
+    bench_detail "$RESULTS/gpt_compile.json"
     run_part bench-linear 120 "$PY" bench/linear.py --device cuda --reps 10 --out "$RESULTS/linear.json"
     bench_detail "$RESULTS/linear.json"
 
-    train_runs delayed-graph mxfp8 block
+    train_runs delayed-graph mxfp8 block delayed-compile-graph
 
     # ----- diagnostics: where the time goes, and the kernels' launch configurations side by side -----
     run_part kernel-configs 90 "$PY" bench/kernel_configs.py --reps 5 --out "$RESULTS/kernel_configs.json"
@@ -260,7 +269,7 @@ summary() {
     "$PY" - "$RESULTS" <<'EOF' 2>/dev/null
 import json, pathlib, sys
 met, missed = [], []
-for name in ("kernels", "linear", "gpt_throughput"):
+for name in ("kernels", "linear", "gpt_throughput", "gpt_compile"):
     path = pathlib.Path(sys.argv[1]) / f"{name}.json"
     if path.exists():
         for key, g in json.loads(path.read_text())["goals"].items():

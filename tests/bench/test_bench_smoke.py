@@ -3,6 +3,7 @@ measures: each benchmark's ``--smoke`` mode runs as a script and writes its JSON
 reads (its numbers are not measurements), and gpu-check.sh refuses a machine without a CUDA GPU before
 running anything."""
 
+import ast
 import json
 import math
 import os
@@ -62,12 +63,17 @@ def test_gpt_throughput_smoke(tmp_path):
     data = run_bench("gpt_throughput.py", tmp_path / "g.json")
     results, meta = data["results"], data["meta"]
     assert meta["preset"] == "tiny" and meta["steps"] == 2 and meta["device_type"] == "cpu"
-    assert {"bf16", "delayed", "current"} <= set(results)
+    assert {"bf16", "delayed", "current", "bf16+compile", "delayed+compile"} <= set(results)
     assert "torchao" in results or "torchao" in meta["skipped"]
     for name, r in results.items():
         assert r["tokens_per_s"] > 0 and math.isfinite(r["final_loss"]), (name, r)
-    for name in ("delayed", "current"):  # statistics on: read one step late while training
+    for name in ("delayed", "current", "delayed+compile"):  # statistics on: read one step late while training
         assert results[name]["stats_polled"] >= 1, results[name]
+    # each row against bf16 run the same way (eager, compiled)
+    for name, same in (("delayed", "bf16"), ("delayed+compile", "bf16+compile")):
+        want = results[name]["tokens_per_s"] / results[same]["tokens_per_s"]
+        assert results[name]["x_bf16_same_mode"] == pytest.approx(want), name
+    assert {"bf16+graph", "delayed+compile+graph"} <= set(meta["skipped"])  # CUDA only
     assert data["goals"] == {}
 
 
@@ -123,6 +129,54 @@ def test_gpu_check_parts_selects_by_name_and_prefix():
     ]
     assert chosen("gpu-tests") == ["versions", "import", "gpu-tests"]
     assert chosen("train") == ["versions", "import"]  # a whole name, not a prefix, without the *
+
+
+def _function(script: str, name: str) -> str:
+    start = script.index(f"{name}() {{")
+    return script[start : script.index("\n}\n", start) + 3]
+
+
+def test_gpu_check_train_runs_take_their_flags_from_the_name():
+    # train_runs NAME[-compile][-graph]: the recipe, --compile, --cuda-graph (run_part stubbed: prints them)
+    probe = 'run_part() { echo "$1 $2 ${*:3}"; }; WORK=$(mktemp -d); RAN=0; set_detail() { :; }; '
+    probe += "train_runs delayed delayed-graph delayed-compile-graph mxfp8"
+    proc = subprocess.run(
+        ["bash", "-c", _function(GPU_CHECK.read_text(), "train_runs") + probe], capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and not proc.stderr, proc.stderr
+    runs = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()}
+    assert list(runs) == [
+        "train-delayed",
+        "train-delayed-graph",
+        "train-delayed-compile-graph",
+        "train-mxfp8",
+    ]
+    for name, (cap, *cmd) in runs.items():
+        assert cmd[cmd.index("--recipe") + 1] == name.split("-")[1], cmd
+        assert ("--compile" in cmd) == ("-compile" in name) and ("--cuda-graph" in cmd) == name.endswith(
+            "-graph"
+        )
+        assert int(cap) == (150 if "-compile" in name else 45)  # the first steps compile
+
+
+def test_gpu_check_runs_every_gpt_configuration():
+    # bench-gpt and bench-gpt-compile together measure every configuration bench/gpt_throughput.py knows
+    tree = ast.parse((ROOT / "bench" / "gpt_throughput.py").read_text())
+    (configs,) = [
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and [t.id for t in node.targets if isinstance(t, ast.Name)] == ["CONFIGS"]
+    ]
+    script = GPU_CHECK.read_text()
+    lists = {}
+    for name in ("GPT_EAGER", "GPT_COMPILED"):
+        line = next(x for x in script.splitlines() if x.startswith(f"{name}="))
+        lists[name] = line.split("=", 1)[1].split(",")
+    assert sorted(lists["GPT_EAGER"] + lists["GPT_COMPILED"]) == sorted(configs)
+    assert all("compile" in c for c in lists["GPT_COMPILED"]) and not any(
+        "compile" in c for c in lists["GPT_EAGER"]
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is present: gpu-check.sh would run")

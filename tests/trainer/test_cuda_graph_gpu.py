@@ -131,11 +131,13 @@ def test_a_model_without_fp8_layers_is_graphed_too():
     assert losses[-1] < losses[0]
 
 
-def test_fp8_train_cuda_graph_trains_as_the_eager_loop(monkeypatch):
+@pytest.mark.parametrize("compile_model", [False, True], ids=["eager", "compiled"])
+def test_fp8_train_cuda_graph_trains_as_the_eager_loop(monkeypatch, compile_model):
     """``fp8-train --cuda-graph``: captured once after the warm-up, every later step a replay, and the run's
     losses those of the eager loop. The first step's loss is the same forward on the same weights, bit for
     bit; later ones follow updates by the capturable AdamW (a tensor learning rate), whose arithmetic is
-    not the eager AdamW's to the last bit, so they are compared at bf16's resolution."""
+    not the eager AdamW's to the last bit, so they are compared at bf16's resolution. With ``--compile``
+    (both runs), the compiled parts between the FP8 Linears are captured with them."""
     from fp8_trainer import train_graph
     from fp8_trainer.train import train
     from fp8_trainer.train_config import TrainConfig
@@ -149,7 +151,7 @@ def test_fp8_train_cuda_graph_trains_as_the_eager_loop(monkeypatch):
 
     monkeypatch.setattr(train_graph, "GraphedStep", Recorded)
     base = dict(preset="tiny", steps=12, batch_size=8, seq_len=64, eval_interval=0, progress=False,
-                device="cuda", grad_accum=2, min_lr=1e-4, warmup_steps=2)  # fmt: skip
+                device="cuda", grad_accum=2, min_lr=1e-4, warmup_steps=2, compile=compile_model)  # fmt: skip
     eager = train(TrainConfig(**base), out=lambda s: None)
     graphed = train(TrainConfig(**base, cuda_graph=True), out=lambda s: None)
     (runner,) = runners
