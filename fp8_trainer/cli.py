@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the model: the layers between the FP8 Linears are fused, each FP8 "
-                        "Linear runs as it does eagerly (a graph break); the first step compiles")  # fmt: skip
+                        "Linear runs eagerly (a graph break); the first steps compile")  # fmt: skip
 
     g = p.add_argument_group("FP8 recipe")
     g.add_argument("--recipe", choices=(*FP8_RECIPES, "bf16", "fp32"), default=_D.recipe,

@@ -154,6 +154,7 @@ class TEStats(LateReader):
         self.source = "transformer_engine"
 
     def _counter(self, k: int):
+        @torch.compiler.disable  # under torch.compile too: a count that changes every step is not traced
         def hook(module, args):
             if torch.is_grad_enabled() and getattr(module, "fp8", False):
                 self._forwards[k] += 1

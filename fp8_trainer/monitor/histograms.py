@@ -68,8 +68,11 @@ class Histograms:
             except Exception:
                 self._log_once("histogram", "fp8scope monitor: exponent histogram failed", exc=True)
 
+        # the hooks run as they do eagerly under torch.compile too (a graph break each; Dynamo recompiles the
+        # caller's frame when a hook comes and goes, not on every step)
         if info["role"] == "input":
 
+            @torch.compiler.disable
             def pre_hook(m, args):
                 if not torch.is_grad_enabled():  # an evaluation forward: wait for the next training one
                     return
@@ -80,6 +83,7 @@ class Histograms:
             handle = module.register_forward_pre_hook(pre_hook)
         else:
 
+            @torch.compiler.disable
             def fwd_hook(m, args, output):
                 if not torch.is_grad_enabled():  # an evaluation forward has no backward
                     return

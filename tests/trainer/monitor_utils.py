@@ -24,15 +24,17 @@ def tiny_model(recipe=None, n_layer: int = 1, seed: int = 0):
     return model, recipe
 
 
-def train(model, recipe, monitor, steps: int, start: int = 1, seed: int = 0, hook=None):
-    """A plain loop; returns per step (the loss, a copy of step_stats) as the job computed them."""
+def train(model, recipe, monitor, steps: int, start: int = 1, seed: int = 0, hook=None, forward=None):
+    """A plain loop; returns per step (the loss, a copy of step_stats) as the job computed them. ``forward``
+    (default: the model) is what is called, e.g. ``torch.compile(model)``."""
+    forward = model if forward is None else forward
     gen = torch.Generator().manual_seed(seed + start)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     seen = {}
     for step in range(start, start + steps):
         x = torch.randint(0, 256, (4, 16), generator=gen)
         with fp8_autocast(fp8_recipe=recipe):
-            _, loss = model(x, x)
+            _, loss = forward(x, x)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -8,6 +8,8 @@ import logging
 import numpy as np
 import pytest
 import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
 
 from fp8_trainer import DelayedScaling, Monitor, fp8_autocast, step_stats, tensor_table
 from fp8_trainer.model import GPT, GPTConfig
@@ -186,7 +188,11 @@ def test_loss_spike_event_with_flight_recorder(server, tmp_path):
     assert [a["first_step"] for a in alerts] == [spike_at]
 
 
-def test_nonfinite_event_names_the_tensor_and_histograms_it(server, tmp_path):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_nonfinite_event_names_the_tensor_and_histograms_it(server, tmp_path, compiled):
+    # compiled: the histogram hooks the event installs run under torch.compile as they do eagerly
+    torch._dynamo.reset()
+    counters.clear()
     model, recipe = tiny_model()
     layer = "blocks.0.mlp.fc"
     poisoned = 6
@@ -199,7 +205,7 @@ def test_nonfinite_event_names_the_tensor_and_histograms_it(server, tmp_path):
     spool = tmp_path / "s.jsonl"
     with Monitor(server.url, "nan", model, recipe, spool_path=spool, alerts_refresh=0.1, **FAST) as mon:
         assert mon.open_alerts == 0
-        seen = train(model, recipe, mon, 9, hook=poison)
+        seen = train(model, recipe, mon, 9, hook=poison, forward=torch.compile(model) if compiled else None)
         assert wait_until(lambda: mon.open_alerts > 0)  # the job sees the service's alerts (progress bar)
     events = _events(server.url, mon.run_id, "nonfinite")
     stat_events = [e for e in events if e["details"]["what"] == "statistics"]
@@ -236,6 +242,12 @@ def test_nonfinite_event_names_the_tensor_and_histograms_it(server, tmp_path):
         for e in follow
     )
     np.testing.assert_equal(len(follow), len(involved))
+    if compiled:  # the graphs broke at the FP8 Linears and the hooks only: Dynamo traced neither
+        reasons = list(counters["graph_break"])
+        assert reasons and all(
+            any(f in r for f in ("Linear.forward", "pre_hook", "fwd_hook")) for r in reasons
+        )
+        torch._dynamo.reset()
 
 
 def test_steps_without_fp8_send_their_scalars_and_say_why(server, tmp_path, caplog):
