@@ -219,7 +219,8 @@ EOF
         [ -f "$extra" ] && tests+=("$extra")
     done
     # fp8-train's own GPU test is left to the train-* parts below, which run the 124m preset per recipe
-    run_part gpu-tests 120 "$PY" -m pytest -q -p no:cacheprovider -o addopts=-rfEs -k "not fp8_train_cli" \
+    # (180 s: the CUDA-graph test of fp8-train --compile compiles the tiny preset first)
+    run_part gpu-tests 180 "$PY" -m pytest -q -p no:cacheprovider -o addopts=-rfEs -k "not fp8_train_cli" \
         --junitxml="$RESULTS/gpu-tests.xml" "${tests[@]}"
     set_detail "$(grep -sE '(passed|failed|error|skipped)' "$WORK/gpu-tests.log" | tail -1 | tr -d '=' | sed 's/^ *//; s/ *$//')"
 
