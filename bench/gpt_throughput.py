@@ -28,7 +28,8 @@ then ``--steps`` steps timed with one synchronisation before and one after (host
 the same within a few microseconds); rounds alternate over the configurations and the table shows the
 median over rounds. Goals (CUDA): fp8scope delayed >= 1.3x the tokens/s of bf16, and >= torchao; the same
 1.3x for fp8scope delayed in a CUDA graph, compiled, and both (against eager bf16, the issue's baseline; the
-table also shows bf16 in a graph and compiled, and ``x same`` is each row against bf16 run the same way).
+table also shows bf16 in a graph and compiled, and ``x same`` is each row against bf16 run the same way:
+torchao, compiled on CUDA, against ``bf16+compile`` where that ran).
 
     python bench/gpt_throughput.py [--preset 124m] [--batch-size 16] [--seq-len 1024] [--warmup 5]
         [--steps 20] [--rounds 2] [--configs bf16,delayed,current,torchao]
@@ -89,6 +90,7 @@ class Job:
         self.graphed = None
         forward = self.model
         base, *modes = config.split("+")
+        self.modes = modes  # how it runs: [], or "compile" and/or "graph"
         graph = "graph" in modes
         if graph and device.type != "cuda":
             raise RuntimeError("CUDA graphs need a CUDA GPU")
@@ -112,6 +114,7 @@ class Job:
                 _own_code(self.model)
                 forward = torch.compile(self.model)
                 self.note += ", compiled"
+                self.modes = ["compile"]
         if "compile" in modes:
             _own_code(self.model)
             forward = torch.compile(self.model)
@@ -228,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                 skipped[config] = f"failed ({type(e).__name__}: {e})"
                 del jobs[config]
                 continue
-            job.forward = job.model
+            job.forward, job.modes = job.model, []
             job.note = job.note.replace("compiled", f"eager (torch.compile failed: {type(e).__name__})")
             try:
                 run_steps(job, batches, a.warmup, 0)
@@ -254,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for config, job in jobs.items():
         tps = statistics.median(job.tokens_per_s)
-        same = jobs.get("+".join(["bf16", *config.split("+")[1:]]))  # bf16 run the same way
+        same = jobs.get("+".join(["bf16", *job.modes]))  # bf16 run the same way (torchao: compiled)
         x_same = tps / statistics.median(same.tokens_per_s) if same is not None else None
         final = float(job.losses[-1]) if job.losses else float("nan")
         note = job.note or ("statistics read one step late" if job.reader is not None else "")
