@@ -2,7 +2,7 @@
 
 Not a benchmark with goals (bench/linear.py and bench/gpt_throughput.py are): a diagnostic that says which
 kernels and which host-side operations a step spends its time in, so that an optimisation starts from a
-measurement. Three parts, each printed as a table:
+measurement. Its parts, each printed as a table:
 
 * host time per call: forward+backward of one small layer (512 x 512 x 512), N calls back to back and one
   synchronisation, so the GPU work is negligible and the wall time per call is the host's (Python, dispatch,
@@ -10,7 +10,8 @@ measurement. Three parts, each printed as a table:
 * the kernels of one FP8 Linear forward+backward at the goal shape (8192 x 4096 x 14336), delayed scaling,
   by total device time;
 * the kernels and the host operations of one GPT-124M training step (delayed scaling, statistics read one
-  step late), by total device time and by host self time.
+  step late), by total device time and by host self time; ``gpt-compiled``: the same step with the model
+  under ``torch.compile`` (what lies between the FP8 Linears fused).
 
     python bench/profile_gpu.py [--out profile.txt]
     python bench/profile_gpu.py --smoke     # tiny sizes on the CPU: exercises the script only
@@ -155,7 +156,7 @@ def linear_kernels(device, dtype, shape, out) -> None:
         )
 
 
-def gpt_step(device, preset: str, batch: int, seq: int, out) -> None:
+def gpt_step(device, preset: str, batch: int, seq: int, out, compiled: bool = False) -> None:
     torch.manual_seed(0)
     model = GPT(preset_config(preset, 50304)).to(device)
     recipe = fp8_trainer.DelayedScaling()
@@ -164,10 +165,11 @@ def gpt_step(device, preset: str, batch: int, seq: int, out) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0)
     x = torch.randint(0, 50304, (batch, seq), device=device)
     y = torch.randint(0, 50304, (batch, seq), device=device)
+    forward = torch.compile(model) if compiled else model  # compiled: the warm-up steps compile
 
     def step():
         with fp8_trainer.fp8_autocast(fp8_recipe=recipe), torch.autocast(device.type, dtype=torch.bfloat16):
-            _, loss = model(x, y)
+            _, loss = forward(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -182,7 +184,7 @@ def gpt_step(device, preset: str, batch: int, seq: int, out) -> None:
         step()
     sync(device)
     print(
-        f"\n== GPT {preset}, batch {batch}x{seq}, delayed: "
+        f"\n== GPT {preset}, batch {batch}x{seq}, delayed{', compiled' if compiled else ''}: "
         f"{(time.perf_counter() - t0) / 3 * 1e3:.1f} ms per step ==",
         file=out,
     )
@@ -202,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=None, help="also write the tables to this file")
     p.add_argument(
-        "--only", default=None, help="comma-separated parts: python,host,linear,gpt (default: all)"
+        "--only",
+        default=None,
+        help="comma-separated parts: python,host,linear,gpt,gpt-compiled (default: all)",
     )
     a = p.parse_args(argv)
     device = torch.device("cpu" if a.smoke or not torch.cuda.is_available() else "cuda")
@@ -237,6 +241,17 @@ def run_parts(a: argparse.Namespace, device: torch.device, dtype: torch.dtype, o
             "gpt",
             lambda: gpt_step(
                 device, "tiny" if a.smoke else "124m", 2 if a.smoke else 16, 32 if a.smoke else 1024, out
+            ),
+        ),
+        (
+            "gpt-compiled",
+            lambda: gpt_step(
+                device,
+                "tiny" if a.smoke else "124m",
+                2 if a.smoke else 16,
+                32 if a.smoke else 1024,
+                out,
+                True,
             ),
         ),
     ]

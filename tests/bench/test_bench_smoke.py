@@ -216,7 +216,7 @@ def test_profile_gpu_smoke(tmp_path):
             str(ROOT / "bench" / "profile_gpu.py"),
             "--smoke",
             "--only",
-            "host",
+            "host,gpt-compiled",
             "--out",
             str(out),
         ],
@@ -230,6 +230,8 @@ def test_profile_gpu_smoke(tmp_path):
     for name in ("nn.Linear", "fp8scope delayed", "fp8scope current"):
         assert f"{name}" in text and "ms per call" in text
     assert "_FP8LinearFn" in text  # the profiler table of the FP8 layer's host operations
+    # the compiled GPT step: the FP8 layers between compiled graphs
+    assert "delayed, compiled:" in text and "CompiledFunction" in text
 
 
 @pytest.mark.slow
