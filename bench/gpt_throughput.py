@@ -17,7 +17,7 @@ in their block Linears:
   ``capturable=True``) captured in a CUDA graph by ``fp8_trainer.graphs.GraphedStep`` after three eager
   steps and replayed, inputs copied into static buffers (CUDA only): what is left once the host's launch
   overhead is gone, for both;
-* ``bf16+compile`` / ``delayed+compile`` / ``delayed+compile+graph``: the model under ``torch.compile``
+* ``bf16+compile`` / ``delayed+compile`` (and ``+graph`` of each): the model under ``torch.compile``
   (default mode). bf16 compiles whole; fp8scope compiles what lies between its FP8 Linears (LayerNorm,
   attention, GELU, residual adds, the head and loss), each FP8 Linear a graph break that runs as it does
   eagerly; ``+graph`` then captures that step as above.

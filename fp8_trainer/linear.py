@@ -34,8 +34,9 @@ each FP8 Linear and runs the layer exactly as it runs eagerly, while what lies b
 (LayerNorm, attention, activations, residual adds, the loss) compiles and fuses. Dynamo does not trace the
 runtime's Python state (regions, step tracking, recorded-forward sets): that state changes every step, and
 traced, it made every step recompile and trained wrongly. ``fp8_autocast`` may be inside the compiled
-function or around its call. ``fullgraph=True`` cannot hold (each layer is a break), and activation
-checkpointing leaves a checkpointed block that holds a break uncompiled as a whole.
+function or around its call. ``fullgraph=True`` cannot hold (each layer is a break), and under activation
+checkpointing Dynamo runs the frame that calls a checkpointed block holding a break eagerly (for the GPT of
+``fp8_trainer.model``: the whole model).
 
 Block-scaled layers (``scaling`` ``"mxfp8"`` or ``"block"``) run ``block_linear._BlockLinearFn`` instead:
 the same three GEMMs on block-scaled copies (see that module for which copy feeds which GEMM).

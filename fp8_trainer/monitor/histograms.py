@@ -68,8 +68,7 @@ class Histograms:
             except Exception:
                 self._log_once("histogram", "fp8scope monitor: exponent histogram failed", exc=True)
 
-        # the hooks run as they do eagerly under torch.compile too (a graph break each; Dynamo recompiles the
-        # caller's frame when a hook comes and goes, not on every step)
+        # the hooks run as they do eagerly under torch.compile too (not traced: a graph break each)
         if info["role"] == "input":
 
             @torch.compiler.disable
