@@ -230,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_parts(a: argparse.Namespace, device: torch.device, dtype: torch.dtype, out) -> int:
     """Each part asked for, its tables to ``out``; 1 where one failed (the others still ran)."""
+    gpt_shape = ("tiny", 2, 32) if a.smoke else ("124m", 16, 1024)  # preset, batch, sequence length
     parts = [
         ("python", lambda: host_python(device, dtype, 5 if a.smoke else 200, out)),
         ("host", lambda: host_time(device, dtype, 5 if a.smoke else 200, out)),
@@ -237,23 +238,8 @@ def run_parts(a: argparse.Namespace, device: torch.device, dtype: torch.dtype, o
             "linear",
             lambda: linear_kernels(device, dtype, (64, 32, 48) if a.smoke else (8192, 4096, 14336), out),
         ),
-        (
-            "gpt",
-            lambda: gpt_step(
-                device, "tiny" if a.smoke else "124m", 2 if a.smoke else 16, 32 if a.smoke else 1024, out
-            ),
-        ),
-        (
-            "gpt-compiled",
-            lambda: gpt_step(
-                device,
-                "tiny" if a.smoke else "124m",
-                2 if a.smoke else 16,
-                32 if a.smoke else 1024,
-                out,
-                True,
-            ),
-        ),
+        ("gpt", lambda: gpt_step(device, *gpt_shape, out)),
+        ("gpt-compiled", lambda: gpt_step(device, *gpt_shape, out, compiled=True)),
     ]
     if a.only:
         parts = [(name, part) for name, part in parts if name in a.only.split(",")]

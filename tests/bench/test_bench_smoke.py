@@ -95,10 +95,16 @@ def test_gpu_check_is_valid_bash():
     assert proc.returncode == 2 and "usage:" in proc.stderr
 
 
+def _function(script: str, name: str) -> str:
+    """The bash function ``name`` of ``script``, as text (from its ``name() {`` line to its closing brace)."""
+    start = script.index(f"{name}() {{")
+    return script[start : script.index("\n}\n", start) + 3]
+
+
 def test_gpu_check_parts_selects_by_name_and_prefix():
     # GPU_CHECK_PARTS picks parts for a short lease: names, trailing-* prefixes; versions and import always
     script = GPU_CHECK.read_text()
-    selected = script[script.index("selected() {") : script.index("\n}\n", script.index("selected() {")) + 3]
+    selected = _function(script, "selected")
     probe = "for p in versions import gpu-tests train-delayed train-delayed-graph bench-gpt bench-linear; do "
     probe += 'selected "$p" && printf "%s " "$p"; done; true'
 
@@ -129,11 +135,6 @@ def test_gpu_check_parts_selects_by_name_and_prefix():
     ]
     assert chosen("gpu-tests") == ["versions", "import", "gpu-tests"]
     assert chosen("train") == ["versions", "import"]  # a whole name, not a prefix, without the *
-
-
-def _function(script: str, name: str) -> str:
-    start = script.index(f"{name}() {{")
-    return script[start : script.index("\n}\n", start) + 3]
 
 
 def test_gpu_check_train_runs_take_their_flags_from_the_name():

@@ -19,6 +19,20 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(n)
 
 
+@pytest.fixture
+def dynamo() -> Iterator[Any]:
+    """``torch.compile`` from a clean slate: Dynamo's caches reset and its counters (graphs, graph-break
+    reasons) cleared before the test, and again after it. Yields the counters."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield counters
+    torch._dynamo.reset()
+    counters.clear()
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """A real `fp8-monitor serve` (a `tests.support.server.ServerProcess`) on a fresh SQLite database, one per

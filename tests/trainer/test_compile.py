@@ -16,7 +16,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch._dynamo
 from torch._dynamo.utils import counters
 
 from fp8_trainer import CurrentScaling, DelayedScaling, cli, convert_to_fp8, fp8_autocast
@@ -39,15 +38,6 @@ AMAX_RTOL = 1e-5  # the first EXACT_STEPS steps
 EXACT_STEPS = 2
 E5M2_STEP = 0.25  # later steps: an E5M2 value's relative spacing is at most 2^-2
 AMAX, SCALE, NONFINITE, NUMEL = 0, 1, 4, 5  # fp8_protocol.stats.STAT_COLUMNS
-
-
-@pytest.fixture
-def dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield counters
-    torch._dynamo.reset()
-    counters.clear()
 
 
 def _gpt(recipe=None) -> GPT:

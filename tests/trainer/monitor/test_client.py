@@ -8,8 +8,6 @@ import logging
 import numpy as np
 import pytest
 import torch
-import torch._dynamo
-from torch._dynamo.utils import counters
 
 from fp8_trainer import DelayedScaling, Monitor, fp8_autocast, step_stats, tensor_table
 from fp8_trainer.model import GPT, GPTConfig
@@ -189,10 +187,8 @@ def test_loss_spike_event_with_flight_recorder(server, tmp_path):
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_nonfinite_event_names_the_tensor_and_histograms_it(server, tmp_path, compiled):
+def test_nonfinite_event_names_the_tensor_and_histograms_it(server, tmp_path, dynamo, compiled):
     # compiled: the histogram hooks the event installs run under torch.compile as they do eagerly
-    torch._dynamo.reset()
-    counters.clear()
     model, recipe = tiny_model()
     layer = "blocks.0.mlp.fc"
     poisoned = 6
@@ -243,11 +239,10 @@ def test_nonfinite_event_names_the_tensor_and_histograms_it(server, tmp_path, co
     )
     np.testing.assert_equal(len(follow), len(involved))
     if compiled:  # the graphs broke at the FP8 Linears and the hooks only: Dynamo traced neither
-        reasons = list(counters["graph_break"])
+        reasons = list(dynamo["graph_break"])
         assert reasons and all(
             any(f in r for f in ("Linear.forward", "pre_hook", "fwd_hook")) for r in reasons
         )
-        torch._dynamo.reset()
 
 
 def test_steps_without_fp8_send_their_scalars_and_say_why(server, tmp_path, caplog):
