@@ -47,7 +47,7 @@ fi
 BUDGET=${GPU_CHECK_BUDGET:-300}
 RESULTS=${OUT:-$ROOT/bench/results/gpu-check}
 mkdir -p "$RESULTS"
-rm -f "$RESULTS"/{kernels,linear,gpt_throughput,gpt_compile,kernel_configs}.json "$RESULTS/gpu-tests.xml" # none left from an earlier run
+rm -f "$RESULTS"/{kernels,linear,gpt_throughput,gpt_compile,kernel_configs,gpt_ceiling_124m,gpt_ceiling_1.3b,gpt_throughput_1.3b}.json "$RESULTS/gpu-tests.xml" # none left from an earlier run
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 START=$(date +%s)
@@ -235,6 +235,10 @@ EOF
     run_part bench-gpt 200 "$PY" bench/gpt_throughput.py --preset 124m --batch-size 16 --seq-len 1024 \
         --warmup 5 --steps 20 --rounds 2 --configs "$GPT_EAGER" --out "$RESULTS/gpt_throughput.json"
     bench_detail "$RESULTS/gpt_throughput.json"
+    # what FP8 can buy that step at most: its bf16 step time against the GEMMs FP8 replaces (Amdahl)
+    run_part bench-ceiling 90 "$PY" bench/gpt_ceiling.py --preset 124m --batch-size 16 --seq-len 1024 \
+        --out "$RESULTS/gpt_ceiling_124m.json"
+    bench_detail "$RESULTS/gpt_ceiling_124m.json"
     run_part bench-kernels 100 "$PY" bench/kernels.py --min-exp 22 --max-exp 28 --step-exp 2 --reps 10 \
         --out "$RESULTS/kernels.json"
     bench_detail "$RESULTS/kernels.json"
@@ -244,6 +248,13 @@ EOF
     bench_detail "$RESULTS/gpt_compile.json"
     run_part bench-linear 120 "$PY" bench/linear.py --device cuda --reps 10 --out "$RESULTS/linear.json"
     bench_detail "$RESULTS/linear.json"
+    # a model whose Linears are more of the step: the same ceiling and throughput at 1.3b
+    run_part bench-ceiling-1.3b 120 "$PY" bench/gpt_ceiling.py --preset 1.3b --batch-size 8 --seq-len 2048 \
+        --out "$RESULTS/gpt_ceiling_1.3b.json"
+    bench_detail "$RESULTS/gpt_ceiling_1.3b.json"
+    run_part bench-gpt-1.3b 200 "$PY" bench/gpt_throughput.py --preset 1.3b --batch-size 8 --seq-len 2048 \
+        --warmup 3 --steps 8 --rounds 2 --configs "$GPT_EAGER" --out "$RESULTS/gpt_throughput_1.3b.json"
+    bench_detail "$RESULTS/gpt_throughput_1.3b.json"
 
     train_runs delayed-graph mxfp8 block delayed-compile-graph
 

@@ -77,6 +77,41 @@ def test_gpt_throughput_smoke(tmp_path):
     assert data["goals"] == {}
 
 
+@pytest.mark.slow
+def test_gpt_ceiling_smoke(tmp_path):
+    data = run_bench("gpt_ceiling.py", tmp_path / "c.json")
+    meta, gemms, quant = data["meta"], data["gemm_ms"], data["quantize_ms"]
+    # the Linears fp8_filter converts in the tiny preset (4 blocks, n_embd 128), read off the model
+    assert meta["linears"] == {
+        "attn.qkv": [128, 384, 4],
+        "attn.proj": [128, 128, 4],
+        "mlp.fc": [128, 512, 4],
+        "mlp.fc2": [512, 128, 4],
+    }
+    calls = ("fprop", "dgrad", "wgrad")
+    for name in meta["linears"]:
+        assert all(gemms[name][f"{kind} {c}"] > 0 for kind in ("bf16", "fp8") for c in calls), gemms[name]
+    assert set(quant) == {f"{n}.{w}" for n in meta["linears"] for w in ("input", "weight", "grad_output")} | {
+        "end_step"
+    }
+    assert all(v > 0 for v in quant.values()), quant
+    # one step's totals: every converted Linear's three GEMMs and quantize calls, once per layer
+    step = data["per_step_ms"]
+    for kind in ("bf16", "fp8"):
+        want = sum(4 * gemms[n][f"{kind} {c}"] for n in meta["linears"] for c in calls)
+        assert step[f"gemm_{kind}"] == pytest.approx(want), kind
+    assert step["quantize"] == pytest.approx(
+        quant["end_step"] + 4 * (sum(quant.values()) - quant["end_step"])
+    )
+    (bf16,) = data["ceilings"].values()  # bf16 eager only on the CPU
+    t, g16, g8, q = bf16["step_ms"], step["gemm_bf16"], step["gemm_fp8"], step["quantize"]
+    assert 0 < g16 < t  # the GEMMs are part of the step
+    assert bf16["gemm_share"] == pytest.approx(g16 / t)
+    assert bf16["ceiling"] == pytest.approx(t / (t - g16 + g8))  # Amdahl: the GEMMs swapped, all else kept
+    assert bf16["with_quantize"] == pytest.approx(t / (t - g16 + g8 + q))
+    assert data["goals"] == {}  # assessed on CUDA only
+
+
 def run_gpu_check(*args: str, python: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["bash", str(GPU_CHECK), *args],

@@ -1,0 +1,265 @@
+"""How much FP8 can speed up a GPT training step at most: the bf16 step, and the GEMMs FP8 replaces in it,
+measured side by side in one run.
+
+FP8 here replaces only the block Linears' GEMMs (qkv, proj, fc, fc2 in each block: ``fp8_filter``); the
+embeddings, LayerNorm, attention, the tied ``lm_head``, the loss and the optimizer stay as they are. So by
+Amdahl's law a step can get at most as fast as
+
+    ceiling        = T_step / (T_step - G_bf16 + G_fp8)          FP8 GEMMs, quantization and host work free
+    with quantize  = T_step / (T_step - G_bf16 + G_fp8 + Q)      fp8scope's quantize kernels added
+
+where, for the preset and batch of ``bench/gpt_throughput.py`` and measured in this run:
+
+* ``T_step``: the bf16 training step (autocast, AdamW), as ``gpt_throughput.py`` runs it: eager, and in a
+  CUDA graph (no host launch cost: the step's device time);
+* ``G_bf16``: the block Linears' three GEMMs per layer (fprop ``F.linear`` with bias, dgrad and wgrad), at
+  the step's shapes (tokens x in x out), bfloat16, for each of them: what ``nn.Linear`` runs under autocast;
+* ``G_fp8``: the same GEMMs as FP8 ``torch._scaled_mm`` calls with the operand layouts and accumulation of
+  fp8scope's ``Linear`` (``fp8_trainer.gemm.fp8_mm``: fast accumulation for fprop, operands already in
+  their layouts);
+* ``Q``: fp8scope's quantize calls of one step at these shapes (each layer's input and weight E4M3,
+  grad_output E5M2, each with its transposed copy where the GEMMs need one, statistics recorded: what
+  ``Linear`` runs), plus the step's one scale update, delayed scaling.
+
+Each GEMM / quantize time is N back-to-back calls between one pair of CUDA events (``gpu_timing``); a step
+time is ``--steps`` steps with one synchronisation before and after (median of two rounds). The ceiling says
+whether a goal such as "1.3x bf16 tokens/s" is reachable for this model and batch at all, whatever the
+runtime does: where the GEMMs FP8 speeds up are a small part of the step, it is not. ``--preset 350m`` /
+``1.3b`` measure the same for wider models.
+
+    python bench/gpt_ceiling.py [--preset 124m] [--batch-size 16] [--seq-len 1024] [--steps 10]
+    python bench/gpt_ceiling.py --smoke   # tiny preset on the CPU: exercises the script only
+
+The JSON goes to bench/results/gpt_ceiling_<preset>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from gpt_throughput import GPT2_VOCAB, Job, run_steps
+from gpu_timing import goal, ms_per_call, sync
+
+from fp8_trainer.gemm import fp8_mm, gemm_operand
+from fp8_trainer.linear import _quantize, fused_transposes
+from fp8_trainer.model import GPT, GPTConfig, fp8_filter, preset_config
+from fp8_trainer.state import FP8State
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+SAMPLE_MS = 20.0
+
+
+def fp8_linears(cfg: GPTConfig) -> dict[str, tuple[int, int, int]]:
+    """The Linears ``fp8_filter`` converts, one entry per kind: ``name: (in_features, out_features, count)``
+    (``blocks.3.mlp.fc`` counts as ``mlp.fc``), read off the model itself (built on the meta device)."""
+    with torch.device("meta"):
+        model = GPT(cfg)
+    out: dict[str, tuple[int, int, int]] = {}
+    for fqn, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and fp8_filter(mod, fqn):
+            kind = ".".join(p for p in fqn.split(".") if not p.isdigit() and p != "blocks")
+            k, n, count = mod.in_features, mod.out_features, out.get(kind, (0, 0, 0))[2]
+            if count and out[kind][:2] != (k, n):
+                raise ValueError(f"{fqn}: {k}x{n}, but other {kind} layers are {out[kind][:2]}")
+            out[kind] = (k, n, count + 1)
+    return out
+
+
+def timed(fn, device: torch.device) -> float:
+    """Milliseconds per call of ``fn``: back-to-back calls, as many as make a sample about SAMPLE_MS long,
+    median of three samples."""
+    for _ in range(3):
+        fn(0)
+    sync(device)
+    once = max(ms_per_call(fn, 3, device), 1e-3)
+    n = max(3, min(200, int(SAMPLE_MS / once)))
+    return statistics.median(ms_per_call(fn, n, device) for _ in range(3))
+
+
+def fp8_operand(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A GEMM operand of FP8 values in ``dtype`` (in the emulation's float32 form off the GPU)."""
+    return gemm_operand(torch.randn(shape, device=device).clamp(-200, 200).to(dtype))
+
+
+def gemm_times(m: int, k: int, n: int, device: torch.device, dtype: torch.dtype) -> dict[str, float]:
+    """ms per call of fprop, dgrad and wgrad of one ``(m tokens, k in, n out)`` Linear, in ``dtype`` (what
+    ``nn.Linear`` runs) and as fp8scope's FP8 GEMMs."""
+    x = torch.randn(m, k, device=device, dtype=dtype)
+    w = torch.randn(n, k, device=device, dtype=dtype)
+    b = torch.randn(n, device=device, dtype=dtype)
+    g = torch.randn(m, n, device=device, dtype=dtype)
+    one = torch.ones((), device=device)
+    qx, qw, qg = (
+        fp8_operand((m, k), E4M3, device),
+        fp8_operand((n, k), E4M3, device),
+        fp8_operand((m, n), E5M2, device),
+    )
+    # the layouts fp8scope's Linear hands fp8_mm: transposes stored contiguously where the GEMM wants them
+    qxt, qwt, qgt = qx.t().contiguous(), qw.t().contiguous(), qg.t().contiguous()
+    return {
+        "bf16 fprop": timed(lambda i: F.linear(x, w, b), device),
+        "bf16 dgrad": timed(lambda i: g @ w, device),
+        "bf16 wgrad": timed(lambda i: g.t() @ x, device),
+        "fp8 fprop": timed(lambda i: fp8_mm(qx, one, qw.t(), one, dtype, b, fast_accum=True), device),
+        "fp8 dgrad": timed(lambda i: fp8_mm(qg, one, qwt.t(), one, dtype), device),
+        "fp8 wgrad": timed(lambda i: fp8_mm(qgt, one, qxt.t(), one, dtype), device),
+    }
+
+
+def quantize_times(
+    linears: dict[str, tuple[int, int, int]], m: int, device: torch.device, dtype: torch.dtype
+) -> dict[str, float]:
+    """ms per call of each quantize one block's Linears run in a step (delayed scaling, statistics recorded,
+    the transposed copy written in the same pass where the GEMMs need it), and of the step's scale update."""
+    state = FP8State(list(linears), device=device, layer_shapes=[(n, k) for k, n, _ in linears.values()])
+    out = {}
+    for li, (name, (k, n, _)) in enumerate(linears.items()):
+        fused_t = fused_transposes(state, li, device)
+        for j, (what, shape) in enumerate((("input", (m, k)), ("weight", (n, k)), ("grad_output", (m, n)))):
+            t = torch.randn(shape, device=device, dtype=dtype)
+            out[f"{name}.{what}"] = timed(
+                lambda _, i_t=3 * li + j, t=t, tr=fused_t: _quantize(state, i_t, t, True, tr), device
+            )
+    out["end_step"] = timed(lambda i: state.end_step(), device)
+    return out
+
+
+def step_times(args: argparse.Namespace, device: torch.device, vocab: int) -> dict[str, float]:
+    """ms per bf16 training step of each of ``args.step_configs`` (``gpt_throughput.Job``): ``args.steps``
+    steps with one synchronisation before and after, median of two such rounds."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    batches = []
+    for _ in range(4):
+        ids = torch.randint(0, vocab, (args.batch_size, args.seq_len + 1), generator=g).to(device)
+        batches.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
+    out = {}
+    for config in args.step_configs:
+        job = Job(config, args, device, vocab)
+        run_steps(job, batches, args.warmup, 0)
+        out[config] = statistics.median(
+            run_steps(job, batches, args.steps, r * args.steps) * 1e3 / args.steps for r in range(2)
+        )
+        del job
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="124m")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps per step configuration")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per step configuration")
+    p.add_argument("--step-configs", default=None, help="bf16 step configurations of gpt_throughput.py "
+                   "(default: bf16,bf16+graph on CUDA, bf16 elsewhere)")  # fmt: skip
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--smoke", action="store_true", help="tiny preset, 2 steps, on the CPU")
+    p.add_argument("--out", default=None, help="default: bench/results/gpt_ceiling_<preset>.json")
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.preset, a.batch_size, a.seq_len, a.warmup, a.steps, a.device = "tiny", 2, 32, 1, 2, "cpu"
+    device = torch.device(a.device)
+    default_steps = "bf16,bf16+graph" if device.type == "cuda" else "bf16"
+    a.step_configs = [c.strip() for c in (a.step_configs or default_steps).split(",") if c.strip()]
+    bad = [c for c in a.step_configs if c.split("+")[0] != "bf16"]
+    if bad:
+        p.error(f"--step-configs: bf16 configurations only (bf16[+compile][+graph]), got {bad}")
+    a.no_compile = False
+    vocab = 256 if a.smoke else GPT2_VOCAB
+    cfg = preset_config(a.preset, vocab)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    m = a.batch_size * a.seq_len
+    linears = fp8_linears(cfg)
+
+    steps = step_times(a, device, vocab)
+    gemms = {name: gemm_times(m, k, n, device, dtype) for name, (k, n, _) in linears.items()}
+    quant = quantize_times(linears, m, device, dtype)
+
+    def per_step(kind: str) -> float:  # ms of the GEMMs of every converted Linear in one step
+        calls = ("fprop", "dgrad", "wgrad")
+        return sum(linears[name][2] * sum(t[f"{kind} {c}"] for c in calls) for name, t in gemms.items())
+
+    g_bf16, g_fp8 = per_step("bf16"), per_step("fp8")
+    q = quant["end_step"] + sum(
+        linears[name][2] * sum(quant[f"{name}.{what}"] for what in ("input", "weight", "grad_output"))
+        for name in linears
+    )
+    ceilings = {}
+    for config, t in steps.items():
+        rest = t - g_bf16
+        ceilings[config] = {
+            "step_ms": t,
+            "gemm_share": g_bf16 / t,
+            "ceiling": t / (rest + g_fp8) if rest + g_fp8 > 0 else None,
+            "with_quantize": t / (rest + g_fp8 + q) if rest + g_fp8 + q > 0 else None,
+        }
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    print(
+        f"GPT {a.preset}, batch {a.batch_size} x {a.seq_len} = {m} tokens, {name}, {dtype}: "
+        f"what FP8 on the block Linears can buy at most" + (" (smoke: not a measurement)" if a.smoke else "")
+    )
+    print(f"\n{'Linear (tokens x in x out)':<36} {'bf16 ms':>9} {'fp8 ms':>9} {'x':>6}   (fprop+dgrad+wgrad)")
+    for lname, (k, n, _) in linears.items():
+        t = gemms[lname]
+        b16 = sum(t[f"bf16 {g}"] for g in ("fprop", "dgrad", "wgrad"))
+        f8 = sum(t[f"fp8 {g}"] for g in ("fprop", "dgrad", "wgrad"))
+        print(f"{lname + f' ({m}x{k}x{n})':<36} {b16:9.3f} {f8:9.3f} {b16 / f8:6.2f}")
+    n_linears = sum(c for *_, c in linears.values())
+    print(
+        f"per step ({n_linears} Linears): GEMMs bf16 {g_bf16:.2f} ms, FP8 {g_fp8:.2f} ms "
+        f"(saves {g_bf16 - g_fp8:.2f}); fp8scope quantize + scale update {q:.2f} ms"
+    )
+    print(f"\n{'bf16 step':<22} {'step ms':>9} {'GEMM share':>11} {'ceiling':>8} {'w/ quantize':>12}")
+    for config, c in ceilings.items():
+        ceil = f"{c['ceiling']:8.2f}" if c["ceiling"] else f"{'n/a':>8}"
+        wq = f"{c['with_quantize']:12.2f}" if c["with_quantize"] else f"{'n/a':>12}"
+        print(f"{config:<22} {c['step_ms']:9.2f} {c['gemm_share']:11.1%} {ceil} {wq}")
+    print(
+        "ceiling: the step's speed-up with the block Linears' GEMMs in FP8 and all else as in bf16, "
+        "quantization and host work free; w/ quantize: plus fp8scope's quantize kernels"
+    )
+
+    out = Path(a.out) if a.out else Path(__file__).parent / "results" / f"gpt_ceiling_{a.preset}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "device": name, "device_type": device.type, "smoke": a.smoke, "torch": torch.__version__,
+        "preset": a.preset, "batch_size": a.batch_size, "seq_len": a.seq_len, "tokens": m,
+        "linears": linears, "dtype": str(dtype), "steps": a.steps, "warmup": a.warmup,
+    }  # fmt: skip
+    best = max((c["ceiling"] for c in ceilings.values() if c["ceiling"]), default=None)
+    goals = {}
+    if device.type == "cuda" and best is not None:
+        goals["ceiling_reaches_1.3x"] = goal(
+            best, 1.3, "the best ceiling: can FP8 GEMMs make this step 1.3x?"
+        )
+    head = f"{a.preset} b{a.batch_size}x{a.seq_len}: GEMMs bf16 {g_bf16:.1f} ms, FP8 {g_fp8:.1f} ms"
+    summary = f"{head}, quantize {q:.1f} ms; " + ", ".join(
+        f"{config} {c['step_ms']:.1f} ms/step, GEMM share {c['gemm_share']:.0%}, "
+        f"ceiling x{c['ceiling'] or 0:.2f} (x{c['with_quantize'] or 0:.2f} w/ quantize)"
+        for config, c in ceilings.items()
+    )
+    data = {
+        "meta": meta,
+        "goals": goals,
+        "summary": summary,
+        "gemm_ms": gemms,
+        "quantize_ms": quant,
+        "per_step_ms": {"gemm_bf16": g_bf16, "gemm_fp8": g_fp8, "quantize": q},
+        "ceilings": ceilings,
+    }
+    out.write_text(json.dumps(data, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
