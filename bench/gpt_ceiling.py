@@ -19,7 +19,8 @@ where, for the preset and batch of ``bench/gpt_throughput.py`` and measured in t
   their layouts);
 * ``Q``: fp8scope's quantize calls of one step at these shapes (each layer's input and weight E4M3,
   grad_output E5M2, each with its transposed copy where the GEMMs need one, statistics recorded: what
-  ``Linear`` runs), plus the step's one scale update, delayed scaling.
+  ``Linear`` runs), plus the step's one scale update, delayed scaling; also without the quality statistics
+  (``FP8State.set_quality_stats(False)``), which the ceiling's second column does not use.
 
 Each GEMM / quantize time is N back-to-back calls between one pair of CUDA events (``gpu_timing``); a step
 time is ``--steps`` steps with one synchronisation before and after (median of two rounds). The ceiling says
@@ -113,11 +114,12 @@ def gemm_times(m: int, k: int, n: int, device: torch.device, dtype: torch.dtype)
 
 
 def quantize_times(
-    linears: dict[str, tuple[int, int, int]], m: int, device: torch.device, dtype: torch.dtype
+    linears: dict[str, tuple[int, int, int]], m: int, device: torch.device, dtype: torch.dtype, quality: bool
 ) -> dict[str, float]:
     """ms per call of each quantize one block's Linears run in a step (delayed scaling, statistics recorded,
     the transposed copy written in the same pass where the GEMMs need it), and of the step's scale update."""
     state = FP8State(list(linears), device=device, layer_shapes=[(n, k) for k, n, _ in linears.values()])
+    state.set_quality_stats(quality)
     out = {}
     for li, (name, (k, n, _)) in enumerate(linears.items()):
         fused_t = fused_transposes(state, li, device)
@@ -181,17 +183,22 @@ def main(argv: list[str] | None = None) -> int:
 
     steps = step_times(a, device, vocab)
     gemms = {name: gemm_times(m, k, n, device, dtype) for name, (k, n, _) in linears.items()}
-    quant = quantize_times(linears, m, device, dtype)
+    quant = quantize_times(linears, m, device, dtype, quality=True)
+    quant_base = quantize_times(linears, m, device, dtype, quality=False)
 
     def per_step(kind: str) -> float:  # ms of the GEMMs of every converted Linear in one step
         calls = ("fprop", "dgrad", "wgrad")
         return sum(linears[name][2] * sum(t[f"{kind} {c}"] for c in calls) for name, t in gemms.items())
 
     g_bf16, g_fp8 = per_step("bf16"), per_step("fp8")
-    q = quant["end_step"] + sum(
-        linears[name][2] * sum(quant[f"{name}.{what}"] for what in ("input", "weight", "grad_output"))
-        for name in linears
-    )
+
+    def quantize_per_step(times: dict[str, float]) -> float:  # every quantize call of a step, the update
+        return times["end_step"] + sum(
+            linears[name][2] * sum(times[f"{name}.{what}"] for what in ("input", "weight", "grad_output"))
+            for name in linears
+        )
+
+    q, q_base = quantize_per_step(quant), quantize_per_step(quant_base)
     ceilings = {}
     for config, t in steps.items():
         rest = t - g_bf16
@@ -216,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     n_linears = sum(c for *_, c in linears.values())
     print(
         f"per step ({n_linears} Linears): GEMMs bf16 {g_bf16:.2f} ms, FP8 {g_fp8:.2f} ms "
-        f"(saves {g_bf16 - g_fp8:.2f}); fp8scope quantize + scale update {q:.2f} ms"
+        f"(saves {g_bf16 - g_fp8:.2f}); fp8scope quantize + scale update {q:.2f} ms "
+        f"({q_base:.2f} without the quality statistics)"
     )
     print(f"\n{'bf16 step':<22} {'step ms':>9} {'GEMM share':>11} {'ceiling':>8} {'w/ quantize':>12}")
     for config, c in ceilings.items():
@@ -253,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summary,
         "gemm_ms": gemms,
         "quantize_ms": quant,
-        "per_step_ms": {"gemm_bf16": g_bf16, "gemm_fp8": g_fp8, "quantize": q},
+        "quantize_base_ms": quant_base,
+        "per_step_ms": {"gemm_bf16": g_bf16, "gemm_fp8": g_fp8, "quantize": q, "quantize_base": q_base},
         "ceilings": ceilings,
     }
     out.write_text(json.dumps(data, indent=2))

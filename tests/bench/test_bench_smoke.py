@@ -100,9 +100,9 @@ def test_gpt_ceiling_smoke(tmp_path):
     for kind in ("bf16", "fp8"):
         want = sum(4 * gemms[n][f"{kind} {c}"] for n in meta["linears"] for c in calls)
         assert step[f"gemm_{kind}"] == pytest.approx(want), kind
-    assert step["quantize"] == pytest.approx(
-        quant["end_step"] + 4 * (sum(quant.values()) - quant["end_step"])
-    )
+    for key, times in (("quantize", quant), ("quantize_base", data["quantize_base_ms"])):
+        assert set(times) == set(quant) and all(v > 0 for v in times.values()), times
+        assert step[key] == pytest.approx(times["end_step"] + 4 * (sum(times.values()) - times["end_step"]))
     (bf16,) = data["ceilings"].values()  # bf16 eager only on the CPU
     t, g16, g8, q = bf16["step_ms"], step["gemm_bf16"], step["gemm_fp8"], step["quantize"]
     assert 0 < g16 < t  # the GEMMs are part of the step
