@@ -132,25 +132,33 @@ def quantize_times(
     return out
 
 
-def step_times(args: argparse.Namespace, device: torch.device, vocab: int) -> dict[str, float]:
+def step_times(
+    args: argparse.Namespace, device: torch.device, vocab: int
+) -> tuple[dict[str, float], dict[str, str]]:
     """ms per bf16 training step of each of ``args.step_configs`` (``gpt_throughput.Job``): ``args.steps``
-    steps with one synchronisation before and after, median of two such rounds."""
+    steps with one synchronisation before and after, median of two such rounds; and the configurations that
+    failed (other than eager bf16), with why."""
     g = torch.Generator(device="cpu").manual_seed(0)
     batches = []
     for _ in range(4):
         ids = torch.randint(0, vocab, (args.batch_size, args.seq_len + 1), generator=g).to(device)
         batches.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
-    out = {}
+    out, failed = {}, {}
     for config in args.step_configs:
-        job = Job(config, args, device, vocab)
-        run_steps(job, batches, args.warmup, 0)
-        out[config] = statistics.median(
-            run_steps(job, batches, args.steps, r * args.steps) * 1e3 / args.steps for r in range(2)
-        )
-        del job
+        try:
+            job = Job(config, args, device, vocab)
+            run_steps(job, batches, args.warmup, 0)
+            out[config] = statistics.median(
+                run_steps(job, batches, args.steps, r * args.steps) * 1e3 / args.steps for r in range(2)
+            )
+        except Exception as e:  # a capture or compile that fails: say so, keep the others
+            if config == "bf16":
+                raise
+            failed[config] = f"failed ({type(e).__name__}: {e})"
+        job = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return out
+    return out, failed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     m = a.batch_size * a.seq_len
     linears = fp8_linears(cfg)
 
-    steps = step_times(a, device, vocab)
+    steps, failed = step_times(a, device, vocab)
     gemms = {name: gemm_times(m, k, n, device, dtype) for name, (k, n, _) in linears.items()}
     quant = quantize_times(linears, m, device, dtype, quality=True)
     quant_base = quantize_times(linears, m, device, dtype, quality=False)
@@ -231,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         ceil = f"{c['ceiling']:8.2f}" if c["ceiling"] else f"{'n/a':>8}"
         wq = f"{c['with_quantize']:12.2f}" if c["with_quantize"] else f"{'n/a':>12}"
         print(f"{config:<22} {c['step_ms']:9.2f} {c['gemm_share']:11.1%} {ceil} {wq}")
+    for config, why in failed.items():
+        print(f"{config:<22} {'n/a':>9}  {why}")
     print(
         "ceiling: the step's speed-up with the block Linears' GEMMs in FP8 and all else as in bf16, "
         "quantization and host work free; w/ quantize: plus fp8scope's quantize kernels"
@@ -240,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "device": name, "device_type": device.type, "smoke": a.smoke, "torch": torch.__version__,
-        "preset": a.preset, "batch_size": a.batch_size, "seq_len": a.seq_len, "tokens": m,
+        "preset": a.preset, "batch_size": a.batch_size, "seq_len": a.seq_len, "tokens": m, "failed": failed,
         "linears": linears, "dtype": str(dtype), "steps": a.steps, "warmup": a.warmup,
     }  # fmt: skip
     best = max((c["ceiling"] for c in ceilings.values() if c["ceiling"]), default=None)
