@@ -17,7 +17,7 @@ where, for the preset and batch of ``bench/gpt_throughput.py`` and measured in t
 * ``G_fp8``: the same GEMMs as FP8 ``torch._scaled_mm`` calls with the operand layouts and accumulation of
   fp8scope's ``Linear`` (``fp8_trainer.gemm.fp8_mm``: fast accumulation for fprop, operands already in
   their layouts);
-* ``Q``: fp8scope's quantize calls of one step at these shapes (each layer's input and weight E4M3,
+* ``Q``: fp8scope's quantize calls of one step at these shapes (each layer's input and float32 weight E4M3,
   grad_output E5M2, each with its transposed copy where the GEMMs need one, statistics recorded: what
   ``Linear`` runs), plus the step's one scale update, delayed scaling; also without the quality statistics
   (``FP8State.set_quality_stats(False)``), which the ceiling's second column does not use.
@@ -124,7 +124,8 @@ def quantize_times(
     for li, (name, (k, n, _)) in enumerate(linears.items()):
         fused_t = fused_transposes(state, li, device)
         for j, (what, shape) in enumerate((("input", (m, k)), ("weight", (n, k)), ("grad_output", (m, n)))):
-            t = torch.randn(shape, device=device, dtype=dtype)
+            # the weight is the float32 master weight (autocast leaves it so; the FP8 Linear quantizes it)
+            t = torch.randn(shape, device=device, dtype=torch.float32 if what == "weight" else dtype)
             out[f"{name}.{what}"] = timed(
                 lambda _, i_t=3 * li + j, t=t, tr=fused_t: _quantize(state, i_t, t, True, tr), device
             )
