@@ -431,8 +431,10 @@ class FP8State:
         stats = stats if record else None
         if self.current[i // 3]:
             # one dispatch entry: amax pass, scale and quantize pass (fused Triton kernels on CUDA)
-            q, scale, _ = quantize_current(x, self.dtypes[i], stats, power_2_scale=self.power_2_scale)
-            return q, torch.reciprocal(scale)
+            q, _, scale_inv, _ = quantize_current(
+                x, self.dtypes[i], stats, power_2_scale=self.power_2_scale, return_scale_inv=True
+            )
+            return q, scale_inv
         q, _ = quantize_with_stats(x, scale, self.dtypes[i], stats)
         return q, scale_inv
 
@@ -444,10 +446,10 @@ class FP8State:
         stats, scale, scale_inv = self._rows(i)
         stats = stats if record else None
         if self.current[i // 3]:
-            q, qt, scale, _ = quantize_current_transposed(
-                x, self.dtypes[i], stats, power_2_scale=self.power_2_scale
+            q, qt, _, scale_inv, _ = quantize_current_transposed(
+                x, self.dtypes[i], stats, power_2_scale=self.power_2_scale, return_scale_inv=True
             )
-            return q, qt, torch.reciprocal(scale)
+            return q, qt, scale_inv
         q, qt, _ = quantize_with_stats_transposed(x, scale, self.dtypes[i], stats)
         return q, qt, scale_inv
 

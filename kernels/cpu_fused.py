@@ -191,13 +191,21 @@ def quantize_with_stats_cpu(
 
 
 def quantize_current_cpu(
-    x: torch.Tensor, fp8_dtype: torch.dtype, stats: torch.Tensor | None = None, *, power_2_scale: bool = False
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    stats: torch.Tensor | None = None,
+    *,
+    power_2_scale: bool = False,
+    return_scale_inv: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """``quantize_current_reference`` in two passes, the amax and the quantize pass, with the scale
-    computed between them in C as ``current_scale_reference`` does: ``(q, scale, stats_row)``."""
+    computed between them in C as ``current_scale_reference`` does: ``(q, scale, stats_row)``, or ``(q,
+    scale, scale_inv, stats_row)`` with ``return_scale_inv``."""
     width = _row_width(stats)
     if not _takes(x, fp8_dtype, stats):
-        return quantize_current_reference(x, fp8_dtype, stats, power_2_scale=power_2_scale)
+        return quantize_current_reference(
+            x, fp8_dtype, stats, power_2_scale=power_2_scale, return_scale_inv=return_scale_inv
+        )
     x = x.detach().contiguous()
     q = torch.empty(x.shape, dtype=fp8_dtype)
     scale = torch.empty((), dtype=torch.float32)
@@ -217,4 +225,4 @@ def quantize_current_cpu(
         stats is not None,
         None,
     )  # fmt: skip  (a current scale is always finite and positive)
-    return q, scale, row
+    return (q, scale, torch.reciprocal(scale), row) if return_scale_inv else (q, scale, row)

@@ -229,8 +229,13 @@ def quantize_with_stats_transposed(
 
 
 def quantize_current(
-    x: torch.Tensor, fp8_dtype: torch.dtype, stats: torch.Tensor | None = None, *, power_2_scale: bool = False
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    stats: torch.Tensor | None = None,
+    *,
+    power_2_scale: bool = False,
+    return_scale_inv: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Current scaling: quantize ``x`` with ``FP8_MAX / max |x|`` (NaN elements ignored by the max) and record
     its statistics, one call for the amax pass, the scale and the quantize pass: ``(q, scale, stats_row)``
     (``quantize_current_reference``). ``power_2_scale`` rounds the scale down to a power of two
@@ -238,26 +243,39 @@ def quantize_current(
 
     On CUDA the Triton kernels derive the scale on the device between their two passes; on the CPU it is
     the reference's torch ops. Either way nothing is read on the host.
+
+    ``return_scale_inv``: ``(q, scale, scale_inv, stats_row)``, ``scale_inv`` being
+    ``torch.reciprocal(scale)`` bit for bit and 16-byte aligned (the GEMM's operand scale); the Triton
+    kernels write it in their quantize pass, which saves the GEMM path a launch per tensor. Every
+    ``current`` kernel takes this keyword.
     """
     fn = _lookup("current", x.device.type, x.numel()) or quantize_current_reference
+    if return_scale_inv:
+        return fn(x, fp8_dtype, stats, power_2_scale=power_2_scale, return_scale_inv=True)
     return fn(x, fp8_dtype, stats, power_2_scale=power_2_scale)
 
 
 def quantize_current_transposed(
-    x: torch.Tensor, fp8_dtype: torch.dtype, stats: torch.Tensor | None = None, *, power_2_scale: bool = False
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    stats: torch.Tensor | None = None,
+    *,
+    power_2_scale: bool = False,
+    return_scale_inv: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """As ``quantize_current`` for a 2-D ``x``, also returning ``qt = q.t().contiguous()``:
-    ``(q, qt, scale, row)``.
+    ``(q, qt, scale, row)``, or ``(q, qt, scale, scale_inv, row)`` with ``return_scale_inv``.
 
     The Triton kernel writes both layouts in its quantize pass; the reference transposes ``q``.
     """
     fn = _lookup("current_transposed", x.device.type, x.numel())
+    inv = {"return_scale_inv": True} if return_scale_inv else {}
     if fn is not None:
-        return fn(x, fp8_dtype, stats, power_2_scale=power_2_scale)
+        return fn(x, fp8_dtype, stats, power_2_scale=power_2_scale, **inv)
     if x.dim() != 2:
         raise ValueError(f"x: the transposed output needs a 2-D tensor, got shape {tuple(x.shape)}")
-    q, scale, row = quantize_current(x, fp8_dtype, stats, power_2_scale=power_2_scale)
-    return q, q.t().contiguous(), scale, row
+    q, *rest = quantize_current(x, fp8_dtype, stats, power_2_scale=power_2_scale, **inv)
+    return (q, q.t().contiguous(), *rest)
 
 
 def has_kernel(op: str, device_type: str) -> bool:

@@ -350,15 +350,21 @@ def current_scale_reference(
 
 
 def quantize_current_reference(
-    x: torch.Tensor, fp8_dtype: torch.dtype, stats: torch.Tensor | None = None, *, power_2_scale: bool = False
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    stats: torch.Tensor | None = None,
+    *,
+    power_2_scale: bool = False,
+    return_scale_inv: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Current scaling: ``max |x|`` (NaN ignored), the scale from it (``current_scale_reference``), then
     ``quantize_with_stats_reference`` with that scale. Returns ``(q, scale, stats_row)``, ``scale`` a float32
-    0-dim tensor; no host read."""
+    0-dim tensor; no host read. ``return_scale_inv``: ``(q, scale, scale_inv, stats_row)`` with
+    ``scale_inv = torch.reciprocal(scale)`` (what every ``current`` kernel returns there, bit for bit)."""
     amax = tensor_amax_reference(x.detach())
     scale = current_scale_reference(amax, fp8_dtype, power_2_scale=power_2_scale)
     q, row = quantize_with_stats_reference(x, scale, fp8_dtype, stats, amax=amax)
-    return q, scale, row
+    return (q, scale, torch.reciprocal(scale), row) if return_scale_inv else (q, scale, row)
 
 
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

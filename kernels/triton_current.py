@@ -39,17 +39,28 @@ def _amax_kernel(x_ptr, out_ptr, n, IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
     tl.atomic_max(out_ptr.to(tl.pointer_type(tl.int32)), tl.max(acc, axis=0))
 
 
-def tensor_amax_triton(x: torch.Tensor) -> torch.Tensor:
-    """Triton twin of ``tensor_amax_reference``: ``max |x|`` as a float32 0-dim tensor, NaN ignored."""
+def tensor_amax_triton(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton twin of ``tensor_amax_reference``: ``max |x|`` as a float32 0-dim tensor, NaN ignored.
+    ``out``: a zeroed float32 0-dim tensor to reduce into (and return), instead of a fresh one."""
     if x.numel() > MAX_NUMEL:
         raise ValueError(f"x: {x.numel()} elements exceed the Triton kernel's limit of {MAX_NUMEL}")
     xc, is_bf16 = as_kernel_input(x)
-    out = torch.zeros((), dtype=torch.float32, device=x.device)
+    if out is None:
+        out = torch.zeros((), dtype=torch.float32, device=x.device)
     n = xc.numel()
     block, warps = block_1d(x.device)
     grid = max(1, min(triton.cdiv(n, block), grid_cap(x.device)))
     launch(_amax_kernel, grid, xc, out, n, IS_BF16=is_bf16, BLOCK=block, num_warps=warps)
     return out
+
+
+def _scalars(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One zeroed float32 buffer for a call's scalars, each 16 bytes from the next (the GEMM reads the
+    reciprocal, and cuBLASLt wants 16-byte-aligned scale pointers): the amax pass's 0-dim accumulator
+    (element 0), and the quantize pass's ``scale_out`` (elements 4 on: its scale, then its reciprocal at 8).
+    One allocation and one fill launch for all three."""
+    buf = torch.zeros(12, dtype=torch.float32, device=device)
+    return buf[0], buf[4:]
 
 
 def quantize_current_triton(
@@ -59,18 +70,22 @@ def quantize_current_triton(
     *,
     power_2_scale: bool = False,
     precast: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return_scale_inv: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Current scaling in two passes: ``(q, scale, stats_row)``; ``scale`` is a float32 0-dim tensor.
 
     ``power_2_scale``: round the scale down to a power of two. ``precast`` as in
-    ``triton_quantize.launch_quantize`` (the clamped scaled values, for tests).
+    ``triton_quantize.launch_quantize`` (the clamped scaled values, for tests). ``return_scale_inv``: also
+    return ``1 / scale`` (``(q, scale, scale_inv, stats_row)``), written by the quantize pass (no launch of
+    its own), 16-byte aligned.
     """
-    amax = tensor_amax_triton(x)
+    amax, scale_out = _scalars(x.device)
+    tensor_amax_triton(x, out=amax)
     q, _, row, scale = launch_quantize(
         x, None, fp8_dtype, stats, amax=amax, scale_from_amax=True, precast=precast,
-        power_2_scale=power_2_scale,
+        power_2_scale=power_2_scale, scale_out=scale_out,
     )  # fmt: skip
-    return q, scale, row
+    return (q, scale, scale_out[4], row) if return_scale_inv else (q, scale, row)
 
 
 def quantize_current_transposed_triton(
@@ -80,14 +95,17 @@ def quantize_current_transposed_triton(
     *,
     power_2_scale: bool = False,
     precast: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return_scale_inv: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """As ``quantize_current_triton`` for a 2-D ``x``, the quantize pass also writing the transposed FP8
-    tensor: ``(q, qt, scale, stats_row)`` with ``qt == q.t().contiguous()``."""
+    tensor: ``(q, qt, scale, stats_row)`` with ``qt == q.t().contiguous()`` (``(q, qt, scale, scale_inv,
+    stats_row)`` with ``return_scale_inv``)."""
     if x.dim() != 2:  # before the amax pass: nothing launched for a bad operand
         raise ValueError(f"x: the transposed output needs a 2-D tensor, got shape {tuple(x.shape)}")
-    amax = tensor_amax_triton(x)
+    amax, scale_out = _scalars(x.device)
+    tensor_amax_triton(x, out=amax)
     q, qt, row, scale = launch_quantize(
         x, None, fp8_dtype, stats, amax=amax, scale_from_amax=True, precast=precast, transpose=True,
-        power_2_scale=power_2_scale,
+        power_2_scale=power_2_scale, scale_out=scale_out,
     )  # fmt: skip
-    return q, qt, scale, row
+    return (q, qt, scale, scale_out[4], row) if return_scale_inv else (q, qt, scale, row)

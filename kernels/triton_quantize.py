@@ -282,8 +282,9 @@ def _accumulate_stats(
     tl.atomic_add(stats_ptr + 4, nonfinite.to(tl.float64))
     if pid == 0:
         tl.atomic_add(stats_ptr + 5, n.to(tl.float64))
-        if SCALE_FROM_AMAX:
+        if SCALE_FROM_AMAX:  # the scale, and 16 bytes on its reciprocal (the GEMM's scale_inv, IEEE-rounded)
             tl.store(scale_out_ptr, scale)
+            tl.store(scale_out_ptr + 4, tl.math.div_rn(1.0 + tl.zeros_like(scale), scale))
 
 
 @triton.jit
@@ -579,6 +580,7 @@ def launch_quantize(
     precast: torch.Tensor | None = None,
     transpose: bool = False,
     power_2_scale: bool = False,
+    scale_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Run the fused kernel; ``(q, qt or None, stats_row, scale used as a float32 0-dim tensor)``.
 
@@ -586,6 +588,10 @@ def launch_quantize(
         scale_from_amax: current scaling in-kernel: the scale is ``FP8_MAX / amax`` clamped to the float32
             maximum, 1 for a zero or non-finite ``amax`` (``amax`` required, ``scale`` ignored).
         power_2_scale: with ``scale_from_amax``, round that scale down to a power of two.
+        scale_out: with ``scale_from_amax``, a float32 buffer of at least 5 elements, its start 16-byte
+            aligned: the kernel writes the scale to element 0 and its reciprocal (``torch.reciprocal``'s
+            bits) to element 4, where each is a 16-byte-aligned 0-dim view (the GEMM's ``scale_inv``); a fresh
+            one when not given. The scale returned is the view of element 0.
         precast: optional contiguous float32 tensor of ``x``'s shape that receives the clamped ``x * scale``
             values before the FP8 cast (for exact comparisons where the cast itself cannot be trusted).
         transpose: also write ``q.t().contiguous()`` in the same pass (2-D ``x`` only).
@@ -597,7 +603,7 @@ def launch_quantize(
     if power_2_scale and not scale_from_amax:
         raise ValueError("power_2_scale: applies to current scaling (scale_from_amax) only")
     consts = format_constants(fp8_dtype)
-    scale_t = _scale_operand(scale, amax, scale_from_amax)
+    scale_t = _scale_operand(scale, amax, scale_from_amax, scale_out)
     xc, is_bf16 = as_kernel_input(x)
     q = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     flags = dict(
@@ -661,12 +667,24 @@ def quantize_with_stats_transposed_triton(
     return q, qt, row
 
 
-def _scale_operand(scale, amax, scale_from_amax: bool) -> torch.Tensor:
-    """The scale the kernel reads, or (current scaling) the fresh 0-dim buffer it writes its scale to."""
+def _scale_operand(scale, amax, scale_from_amax: bool, scale_out: torch.Tensor | None = None) -> torch.Tensor:
+    """The scale the kernel reads, or (current scaling) the 0-dim view of element 0 of the buffer it writes
+    its scale and, at element 4, the scale's reciprocal to (``scale_out``, or a fresh one)."""
     if scale_from_amax:
         if amax is None:
             raise ValueError("scale_from_amax: needs amax")
-        return torch.empty((), dtype=torch.float32, device=amax.device)
+        if scale_out is None:
+            scale_out = torch.empty(8, dtype=torch.float32, device=amax.device)
+        elif (
+            scale_out.dtype != torch.float32 or scale_out.dim() != 1 or scale_out.numel() < 5
+            or scale_out.stride(0) != 1 or scale_out.data_ptr() % 16 or scale_out.device != amax.device
+        ):  # fmt: skip
+            raise ValueError(
+                "scale_out: expected a contiguous 1-D float32 buffer of at least 5 elements, 16-byte "
+                f"aligned, on {amax.device}; got {scale_out.dtype} {tuple(scale_out.shape)} "
+                f"on {scale_out.device}"
+            )
+        return scale_out[0]
     if scale is None:
         raise ValueError("scale: required unless scale_from_amax")
     return scale if scale.dtype == torch.float32 else scale.to(torch.float32)

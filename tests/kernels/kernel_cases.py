@@ -330,7 +330,11 @@ def _fresh_row(device: torch.device) -> None:
 
 @case("quantize-rejects-bad-operands")
 def _bad_operands(device: torch.device) -> None:
-    from fp8_kernels.triton_quantize import quantize_with_stats_transposed_triton, quantize_with_stats_triton
+    from fp8_kernels.triton_quantize import (
+        launch_quantize,
+        quantize_with_stats_transposed_triton,
+        quantize_with_stats_triton,
+    )
 
     x, s = torch.ones(4, device=device), torch.tensor(1.0, device=device)
     bad = [
@@ -342,6 +346,15 @@ def _bad_operands(device: torch.device) -> None:
         ),
         (lambda: quantize_with_stats_transposed_triton(x, s, torch.float8_e4m3fn), "2-D"),
     ]
+    for buf in (torch.zeros(4, device=device), torch.zeros(8, device=device)[1:], torch.zeros(8).double()):
+        bad.append(  # current scaling's scale_out: too short, misaligned, not float32
+            (
+                lambda buf=buf: launch_quantize(
+                    x, None, torch.float8_e4m3fn, None, amax=s, scale_from_amax=True, scale_out=buf
+                ),
+                "scale_out",
+            )
+        )
     for fn, word in bad:
         try:
             fn()
@@ -388,8 +401,11 @@ def _current_case(dtype_name: str, fmt: str, shape_name: str, fill: str, transpo
             assert scale_ref.item() != 1.0
         _, row_ref = quantize_with_stats_reference(x, scale_ref, fp8, amax=amax)
         # the dispatch's reference (the CPU path of FP8State) is the same torch ops
-        _, scale_disp, row_disp = quantize_current_reference(x, fp8, power_2_scale=pow2)
+        _, scale_disp, sinv_disp, row_disp = quantize_current_reference(
+            x, fp8, power_2_scale=pow2, return_scale_inv=True
+        )
         _same(scale_disp, scale_ref, "current scale of quantize_current_reference")
+        _same(sinv_disp, torch.reciprocal(scale_ref), "scale_inv of quantize_current_reference")
         _same_row(row_disp, row_ref, "statistics row of quantize_current_reference")
         pre = torch.empty(shape, dtype=torch.float32, device=device)
         if transpose:
@@ -398,8 +414,8 @@ def _current_case(dtype_name: str, fmt: str, shape_name: str, fill: str, transpo
             buf[1] = torch.tensor([2.5, 9.0, 1, 2, 3, 40], dtype=torch.float64)
             expected_row = buf[1].clone()
             quantize_with_stats_reference(x, scale_ref, fp8, expected_row, amax=amax)
-            q, qt, scale, row = quantize_current_transposed_triton(
-                x, fp8, buf[1], precast=pre, power_2_scale=pow2
+            q, qt, scale, scale_inv, row = quantize_current_transposed_triton(
+                x, fp8, buf[1], precast=pre, power_2_scale=pow2, return_scale_inv=True
             )
             assert row.data_ptr() == buf[1].data_ptr()
             _same(buf[1], expected_row, "accumulated statistics row")
@@ -407,9 +423,21 @@ def _current_case(dtype_name: str, fmt: str, shape_name: str, fill: str, transpo
             assert qt.is_contiguous() and qt.shape == (shape[1], shape[0])
             _same_bits(qt, q.t().contiguous(), "transposed output vs q.t()")
         else:
-            q, scale, row = quantize_current_triton(x, fp8, precast=pre, power_2_scale=pow2)
+            q, scale, scale_inv, row = quantize_current_triton(
+                x, fp8, precast=pre, power_2_scale=pow2, return_scale_inv=True
+            )
             _same_row(row, row_ref, "statistics row")
+            # without return_scale_inv: the same scale and row, three outputs
+            q3, scale3, row3 = quantize_current_triton(x, fp8, power_2_scale=pow2)
+            _same(scale3, scale_ref, "current scale (no scale_inv asked)")
+            _same_row(row3, row_ref, "statistics row (no scale_inv asked)")
+            _same_bits(q3, q, "FP8 bits (no scale_inv asked)")
         _same(scale, scale_ref, "current scale")
+        # the quantize pass writes the GEMM's scale_inv: torch.reciprocal's bits, 16-byte aligned as cuBLASLt
+        # needs its scale pointers (fp8_trainer.gemm.check_scaled_mm_args)
+        _same(scale_inv, torch.reciprocal(scale_ref), "scale_inv")
+        assert scale.dim() == scale_inv.dim() == 0 and scale_inv.dtype == torch.float32
+        assert scale.data_ptr() % 16 == 0 and scale_inv.data_ptr() % 16 == 0, "scale / scale_inv alignment"
         _same(pre, _expected_precast(x, scale_ref, fp8), "pre-cast values")
         _same_bits(q, pre.to(fp8), "FP8 bits vs torch cast of the pre-cast values")
 

@@ -111,14 +111,15 @@ def _current_linear(device: torch.device) -> None:
     state, stats = fp8_trainer.get_fp8_state(model), fp8_trainer.step_stats(model)
     calls = _by_row(log, "current")
     assert sorted(calls) == list(range(6))
-    for i, (xi, (_, scale, _)) in calls.items():
+    for i, (xi, (_, scale, scale_inv, _)) in calls.items():  # the state asks for scale_inv too
         _, scale_ref, row_ref = quantize_current_reference(xi, state.dtypes[i])
         same(scale, scale_ref, f"tensor {i}: current scale")
+        same(scale_inv, torch.reciprocal(scale_ref), f"tensor {i}: scale_inv written by the kernel")
         same_row(stats[i], row_ref, f"tensor {i}: statistics row")
-    # the GEMMs consumed exactly the kernels' q with scale_inv = 1 / their scale (the bits of q itself are
+    # the GEMMs consumed exactly the kernels' q and the scale_inv they wrote (the bits of q itself are
     # checked on a GPU: the interpreter's float8 rounding, DESIGN.md "Known traps")
     a = {i: gemm_operand(out[0]) for i, (_, out) in calls.items()}
-    s = {i: torch.reciprocal(out[1]) for i, (_, out) in calls.items()}
+    s = {i: out[2] for i, (_, out) in calls.items()}
     same(y, fp8_mm(a[3], s[3], a[4].t(), s[4], torch.float32, model[2].bias), "output")
     same(model[2].weight.grad, fp8_mm(a[5].t(), s[5], a[3], s[3], torch.float32), "layer 1 wgrad")
     same(model[0].weight.grad, fp8_mm(a[2].t(), s[2], a[0], s[0], torch.float32), "layer 0 wgrad")
@@ -172,7 +173,7 @@ def _real_fp8_gemms(device: torch.device, gemms: list) -> Iterator[None]:
 
     def checked(a, b, **kwargs):
         assert a.is_contiguous() and b.t().is_contiguous(), f"layouts: a {a.stride()}, b {b.stride()}"
-        gemms.append((a, b))
+        gemms.append((a, b, kwargs["scale_a"], kwargs["scale_b"]))
         return real(a, b, **kwargs)
 
     patches = [(torch, "_scaled_mm", checked)]
@@ -214,8 +215,16 @@ def _fused_transposes(device: torch.device) -> None:
                     out = {i: res for i, (_, res) in _by_row(log, op_t).items()}
                     (qx, qxt), (qw, qwt), (qg, qgt) = (out[i][:2] for i in range(3))
                     expected = [(qx, qw), (qg, qwt), (qgt, qxt)]  # fprop, dgrad, wgrad
-                    for k, ((a, b), (qa, qb)) in enumerate(zip(gemms, expected, strict=True)):
+                    for k, ((a, b, *_), (qa, qb)) in enumerate(zip(gemms, expected, strict=True)):
                         assert (a.data_ptr(), b.data_ptr()) == (qa.data_ptr(), qb.data_ptr()), (where, k)
+                    if op == "current":  # and the scale_inv each quantize pass wrote, not a reciprocal of it
+                        sx, sw, sg = (out[i][3] for i in range(3))  # (q, qt, scale, scale_inv, row)
+                        expected = [(sx, sw), (sg, sw), (sg, sx)]
+                        for k, ((*_, s_a, s_b), (e_a, e_b)) in enumerate(zip(gemms, expected, strict=True)):
+                            assert (s_a.data_ptr(), s_b.data_ptr()) == (e_a.data_ptr(), e_b.data_ptr()), (
+                                where,
+                                k,
+                            )
                 runs.append(_layer_results(y, x, layer))
             same_results(*runs, f"fused transposes vs transposing copies ({where})")
         # only the transposes a backward GEMM reads: weight (dgrad), input and grad_output (wgrad)
