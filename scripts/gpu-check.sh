@@ -17,7 +17,7 @@
 # minutes on an H200; a part that would start with too little left is skipped and counts as failed).
 # GPU_CHECK_PARTS=a,b,... runs only the parts named (a name ending in * names every part it begins: train-*),
 # in the script's order, for a short lease: the others show as "not selected" and count as nothing; versions
-# and import always run (e.g. GPU_CHECK_PARTS=gpu-tests,bench-gpt,bench-kernels).
+# and import always run (e.g. GPU_CHECK_PARTS=gpu-tests,bench-gpt,bench-ceiling,bench-kernels).
 # Output goes to the terminal and, with the JSON results and the test report, to $OUT/ when OUT is set
 # (else bench/results/gpu-check/).
 # Exit status: 0 every part passed (benchmark goals are reported, not enforced), 1 a part failed, 2 no CUDA
