@@ -125,3 +125,32 @@ def test_a_run_that_ends_closes_the_form_and_its_pending_command_live(server, pa
     assert "the run is finished" in page.text_content("#recipe-readonly")
     assert page.is_disabled("#recipe-margin")
     no_page_errors(page)
+
+
+#: for each cell of the "In force" table: its text, and whether, scrolled into its box's view, the point at
+#: its centre is the cell itself (not the "Change" form beside it, drawn over it)
+CELLS_ON_TOP = """() => {
+  const box = document.querySelector('#recipe-effective');
+  const out = [];
+  for (const cell of box.querySelectorAll('th, td')) {
+    cell.scrollIntoView({block: 'center', inline: 'nearest'});
+    const r = cell.getBoundingClientRect();
+    const hit = document.elementFromPoint(r.left + r.width / 2, r.top + r.height / 2);
+    out.push([cell.textContent, hit === cell || cell.contains(hit)]);
+  }
+  return out;
+}"""
+
+
+def test_in_force_table_is_never_drawn_under_the_change_form(server, page):
+    # the recipe panel is one column of two; its "In force" table has a column per setting, wider than its
+    # half of the panel at the tests' viewport: it scrolls in its own box, every cell reachable and on top
+    run = create_run(server.url, "recipe-wide", 2)
+    post_steps(server.url, run["id"], "a", 0, smooth_stats(5, 6))
+    open_run(page, server.url, run["id"])
+    page.wait_for_selector("#recipe-effective table.recipe td")
+    cells = page.evaluate(CELLS_ON_TOP)
+    assert len(cells) >= 14, cells  # target and every setting, header and the model row
+    hidden = [text for text, on_top in cells if not on_top]
+    assert not hidden, f"cells drawn under another element: {hidden}"
+    no_page_errors(page)
