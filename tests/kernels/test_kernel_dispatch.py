@@ -1,6 +1,7 @@
 """fp8_kernels dispatch: references on the CPU, the reference switch, no triton import, empty tensors,
 current scaling as one entry."""
 
+import contextlib
 import subprocess
 import sys
 
@@ -215,3 +216,25 @@ def test_persistent_grid_bounds_the_blocks_of_a_program():
         g = persistent_grid(n_blocks, cpu)
         assert 1 <= g <= max(1, n_blocks) and -(-n_blocks // g) <= MAX_BLOCKS_PER_PROGRAM, (n_blocks, g)
         assert g == max(1, min(n_blocks, grid_cap(cpu))) or n_blocks > grid_cap(cpu) * MAX_BLOCKS_PER_PROGRAM
+
+
+@pytest.mark.parametrize("kernels", ["builtin", "reference"])
+def test_current_scaling_returns_scale_inv_when_asked(kernels):
+    # the GEMM path asks every current kernel for scale_inv too: torch.reciprocal's bits, 16-byte aligned,
+    # and nothing else changes (the CPU's built-in entry, then the references; the transposed call falls
+    # back to the 1-D entry and q.t() here)
+    x = torch.randn(24, 16) * torch.logspace(-2, 2, 16)
+    fp8 = torch.float8_e4m3fn
+    ctx = reference_kernels() if kernels == "reference" else contextlib.nullcontext()
+    with ctx:
+        q, scale, row = quantize_current(x, fp8, power_2_scale=True)
+        q1, scale1, scale_inv1, row1 = quantize_current(x, fp8, power_2_scale=True, return_scale_inv=True)
+        q2, qt2, scale2, scale_inv2, row2 = quantize_current_transposed(x, fp8, return_scale_inv=True)
+    assert torch.equal(q1.view(torch.uint8), q.view(torch.uint8)) and torch.equal(scale1, scale)
+    same_row(row1, row, "statistics row with scale_inv asked")
+    assert torch.equal(scale_inv1, torch.reciprocal(scale)) and scale_inv1.dtype == torch.float32
+    assert torch.equal(scale2, current_scale(x.abs().amax(), 448.0)) and scale2 != scale  # no pow2 here
+    assert torch.equal(scale_inv2, torch.reciprocal(scale2))
+    assert torch.equal(qt2.view(torch.uint8), q2.t().contiguous().view(torch.uint8))
+    for s in (scale_inv1, scale_inv2):
+        assert s.dim() == 0 and s.data_ptr() % 16 == 0
