@@ -5,7 +5,9 @@ before a full pass over it: pass 1 reduces ``max |x|`` (NaN elements ignored, as
 ``fmaxf``: one NaN does not decide the whole tensor's scale) into a 0-dim float32 on the device; pass 2 is
 the fused quantize kernel of ``triton_quantize``, which derives ``scale = FP8_MAX / amax`` itself (clamped
 to the float32 maximum, 1 for a zero or non-finite amax, optionally rounded down to a power of two, as
-``fp8_trainer.scaling.current_scale``) and records the same statistics as delayed scaling. Nothing is read
+``fp8_trainer.scaling.current_scale``) and records the same statistics as delayed scaling; asked for it, it
+also writes the scale's reciprocal, the GEMM's ``scale_inv``, so that no launch of its own computes it. The
+amax accumulator, the scale and ``scale_inv`` share one zeroed buffer, each 16-byte aligned. Nothing is read
 on the host in between. The transposed variant writes ``q.t().contiguous()`` in the same quantize pass, as
 ``triton_quantize`` does for delayed scaling.
 """
