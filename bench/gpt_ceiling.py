@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from gpt_throughput import GPT2_VOCAB, Job, run_steps
-from gpu_timing import goal, ms_per_call, sync
+from gpu_timing import calls_per_sample, goal, ms_per_call
 
 from fp8_trainer.gemm import fp8_mm, gemm_operand
 from fp8_trainer.linear import _quantize, fused_transposes
@@ -77,9 +77,7 @@ def timed(fn, device: torch.device) -> float:
     median of three samples."""
     for _ in range(3):
         fn(0)
-    sync(device)
-    once = max(ms_per_call(fn, 3, device), 1e-3)
-    n = max(3, min(200, int(SAMPLE_MS / once)))
+    n = calls_per_sample(fn, device, SAMPLE_MS, min_calls=3, max_calls=200, floor_ms=1e-3)
     return statistics.median(ms_per_call(fn, n, device) for _ in range(3))
 
 

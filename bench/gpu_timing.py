@@ -7,11 +7,12 @@ the CPU (smoke runs) the wall clock stands in.
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
 
-__all__ = ["goal", "ms_per_call", "sync"]
+__all__ = ["calls_per_sample", "goal", "ms_per_call", "sync"]
 
 
 def sync(device: torch.device) -> None:
@@ -34,6 +35,21 @@ def ms_per_call(fn, n_calls: int, device: torch.device) -> float:
     for i in range(n_calls):
         fn(i)
     return (time.perf_counter() - t0) * 1e3 / n_calls
+
+
+def calls_per_sample(
+    fn, device: torch.device, sample_ms: float, *, min_calls: int, max_calls: int, floor_ms: float
+) -> int:
+    """N back-to-back calls of ``fn(i)`` that make a sample of about ``sample_ms``: three calls timed between
+    two synchronisations (host clock), each counted as at least ``floor_ms``; N within
+    ``[min_calls, max_calls]``."""
+    sync(device)
+    t0 = time.perf_counter()
+    for i in range(3):
+        fn(i)
+    sync(device)
+    est = (time.perf_counter() - t0) * 1e3 / 3
+    return int(min(max_calls, max(min_calls, math.ceil(sample_ms / max(est, floor_ms)))))
 
 
 def goal(value: float, target: float, what: str) -> dict:

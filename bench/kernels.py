@@ -40,13 +40,12 @@ import os
 import platform
 import statistics
 import sys
-import time
 from collections import deque
 from pathlib import Path
 
 import torch
 from fp8_kernels import fp8_gpu, new_stats
-from gpu_timing import goal, ms_per_call, sync
+from gpu_timing import calls_per_sample, goal, ms_per_call
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 COPY_BYTES = 2**30  # copy bandwidth reference: far beyond any L2 cache
@@ -62,17 +61,11 @@ STATS_IMPLS = (
 )  # those that produce a full statistics row
 
 
-def calls_per_sample(fn, device: torch.device, min_calls: int, smoke: bool) -> int:
+def sample_calls(fn, device: torch.device, min_calls: int, smoke: bool) -> int:
     """N for a sample of about ``SAMPLE_MS`` (at least ``min_calls``: every rotating buffer once)."""
     if smoke:
         return 2
-    sync(device)
-    t0 = time.perf_counter()
-    for i in range(3):
-        fn(i)
-    sync(device)
-    est = (time.perf_counter() - t0) * 1e3 / 3
-    return int(min(2000, max(min_calls, math.ceil(SAMPLE_MS / max(est, 1e-4)))))
+    return calls_per_sample(fn, device, SAMPLE_MS, min_calls=min_calls, max_calls=2000, floor_ms=1e-4)
 
 
 def copy_bandwidth(nbytes: int, device: torch.device, reps: int, smoke: bool) -> float:
@@ -84,7 +77,7 @@ def copy_bandwidth(nbytes: int, device: torch.device, reps: int, smoke: bool) ->
         dst.copy_(src)
 
     fn(0)
-    n = calls_per_sample(fn, device, 3, smoke)
+    n = sample_calls(fn, device, 3, smoke)
     ms = statistics.median(ms_per_call(fn, n, device) for _ in range(reps))
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
@@ -207,7 +200,7 @@ def bench_size(n: int, impls: dict, fp8, device, reps: int, l2_bytes: int, smoke
 
         run(0)  # compilation, autotuning
         runs[name] = run
-        counts[name] = calls_per_sample(run, device, n_bufs, smoke)
+        counts[name] = sample_calls(run, device, n_bufs, smoke)
     times: dict[str, list[float]] = {name: [] for name in impls}
     for _ in range(reps):
         for name, run in runs.items():

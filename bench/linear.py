@@ -32,11 +32,10 @@ import json
 import math
 import platform
 import statistics
-import time
 from pathlib import Path
 
 import torch
-from gpu_timing import goal, ms_per_call, sync
+from gpu_timing import calls_per_sample, goal, ms_per_call
 from torch import nn
 
 import fp8_trainer
@@ -134,13 +133,9 @@ def bench_shape(m: int, k: int, n: int, device, reps: int, smoke: bool, use_torc
             continue
         for i in range(3):
             run(i)
-        sync(device)
-        t0 = time.perf_counter()
-        for i in range(3):
-            run(i)
-        sync(device)
-        est = (time.perf_counter() - t0) * 1e3 / 3
-        counts[name] = int(min(200, max(n_bufs, math.ceil(SAMPLE_MS / max(est, 1e-3)))))
+        counts[name] = calls_per_sample(
+            run, device, SAMPLE_MS, min_calls=n_bufs, max_calls=200, floor_ms=1e-3
+        )
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(reps):
         for name, run in runs.items():
