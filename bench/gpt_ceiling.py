@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from gpt_throughput import GPT2_VOCAB, Job, run_steps
+from gpt_throughput import GPT2_VOCAB, Job, random_batches, run_steps
 from gpu_timing import calls_per_sample, goal, ms_per_call
 
 from fp8_trainer.gemm import fp8_mm, gemm_operand
@@ -137,11 +137,7 @@ def step_times(
     """ms per bf16 training step of each of ``args.step_configs`` (``gpt_throughput.Job``): ``args.steps``
     steps with one synchronisation before and after, median of two such rounds; and the configurations that
     failed (other than eager bf16), with why."""
-    g = torch.Generator(device="cpu").manual_seed(0)
-    batches = []
-    for _ in range(4):
-        ids = torch.randint(0, vocab, (args.batch_size, args.seq_len + 1), generator=g).to(device)
-        batches.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
+    batches = random_batches(args, vocab, device)
     out, failed = {}, {}
     for config in args.step_configs:
         try:

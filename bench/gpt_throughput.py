@@ -167,6 +167,17 @@ class Job:
         self.losses.append(loss.detach())
 
 
+def random_batches(args: argparse.Namespace, vocab: int, device: torch.device, n: int = 4) -> list[tuple]:
+    """``n`` batches ``(x, y)`` of random token ids on ``device``, each ``(batch_size, seq_len)``, ``y`` the
+    next tokens of ``x`` (seeded: every configuration and script sees the same)."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    batches = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (args.batch_size, args.seq_len + 1), generator=g).to(device)
+        batches.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
+    return batches
+
+
 def run_steps(job: Job, batches: list[tuple[torch.Tensor, torch.Tensor]], n: int, start: int) -> float:
     """Seconds for ``n`` steps, synchronised only before and after."""
     sync(job.device)
@@ -211,11 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             if config != "torchao" and "+" not in config:  # a compile or a capture may fail: say so
                 raise
             skipped[config] = f"unavailable ({type(e).__name__}: {e})"
-    g = torch.Generator(device="cpu").manual_seed(0)
-    batches = []
-    for _ in range(4):
-        ids = torch.randint(0, vocab, (a.batch_size, a.seq_len + 1), generator=g).to(device)
-        batches.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))  # (B, T) each
+    batches = random_batches(a, vocab, device)
     tokens = a.batch_size * a.seq_len
 
     for config, job in list(jobs.items()):  # warm-up; a compile that fails leaves torchao uncompiled
