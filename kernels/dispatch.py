@@ -250,9 +250,7 @@ def quantize_current(
     ``current`` kernel takes this keyword.
     """
     fn = _lookup("current", x.device.type, x.numel()) or quantize_current_reference
-    if return_scale_inv:
-        return fn(x, fp8_dtype, stats, power_2_scale=power_2_scale, return_scale_inv=True)
-    return fn(x, fp8_dtype, stats, power_2_scale=power_2_scale)
+    return fn(x, fp8_dtype, stats, power_2_scale=power_2_scale, return_scale_inv=return_scale_inv)
 
 
 def quantize_current_transposed(
@@ -269,12 +267,13 @@ def quantize_current_transposed(
     The Triton kernel writes both layouts in its quantize pass; the reference transposes ``q``.
     """
     fn = _lookup("current_transposed", x.device.type, x.numel())
-    inv = {"return_scale_inv": True} if return_scale_inv else {}
     if fn is not None:
-        return fn(x, fp8_dtype, stats, power_2_scale=power_2_scale, **inv)
+        return fn(x, fp8_dtype, stats, power_2_scale=power_2_scale, return_scale_inv=return_scale_inv)
     if x.dim() != 2:
         raise ValueError(f"x: the transposed output needs a 2-D tensor, got shape {tuple(x.shape)}")
-    q, *rest = quantize_current(x, fp8_dtype, stats, power_2_scale=power_2_scale, **inv)
+    q, *rest = quantize_current(
+        x, fp8_dtype, stats, power_2_scale=power_2_scale, return_scale_inv=return_scale_inv
+    )
     return (q, q.t().contiguous(), *rest)
 
 

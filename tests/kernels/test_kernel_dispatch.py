@@ -179,9 +179,11 @@ def test_current_scaling_reference_is_the_torch_ops_it_replaces(fp8):
 def test_current_scaling_dispatch_and_switch():
     calls = []
 
-    def current(x, fp8_dtype, stats=None, *, power_2_scale=False):
+    def current(x, fp8_dtype, stats=None, *, power_2_scale=False, return_scale_inv=False):
         calls.append(("current", power_2_scale))
-        return fp8_kernels.quantize_current_reference(x, fp8_dtype, stats, power_2_scale=power_2_scale)
+        return fp8_kernels.quantize_current_reference(
+            x, fp8_dtype, stats, power_2_scale=power_2_scale, return_scale_inv=return_scale_inv
+        )
 
     builtin = fused_cpu_available()  # the fused C kernel, where it builds, is the CPU's built-in entry
     assert has_kernel("current", "cpu") == builtin and not has_kernel("current_transposed", "cpu")
