@@ -32,6 +32,7 @@ Exit status 3 where this Triton cannot build for sm_90 here or ships no ``nvdisa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import sys
@@ -52,7 +53,8 @@ def _kernels():
     one = torch.tensor(1.0)
     base = lambda: torch.zeros(6, dtype=torch.float64)  # noqa: E731  (a row of the base columns alone)
     q1, q2 = triton_quantize.quantize_with_stats_triton, triton_quantize.quantize_with_stats_transposed_triton
-    amax, hist = triton_current.tensor_amax_triton, triton_histogram.exponent_histogram_triton
+    amax, hist = triton_current.amax_pass, triton_histogram.exponent_histogram_triton
+    c1, c2 = triton_current.quantize_current_triton, triton_current.quantize_current_transposed_triton
     quantize = [
         ("quantize 1-D, quality", "_quantize_kernel", 1, lambda: q1(x, one, E4M3)),
         ("quantize 1-D, base", "_quantize_kernel", 1, lambda: q1(x, one, E4M3, base())),
@@ -67,6 +69,9 @@ def _kernels():
             for name, attr, out, call in quantize
         ),
         ("current: amax pass", triton_current, "_amax_kernel", 0, lambda: amax(x), {}),
+        # the quantize pass of current scaling: its scale from the amax pass's partial maxima
+        ("current: quantize 1-D, quality", triton_quantize, "_quantize_kernel", 1, lambda: c1(x, E4M3), {}),
+        ("current: quantize 2-D, quality", triton_quantize, "_quantize_t_kernel", 2, lambda: c2(x, E4M3), {}),
         ("exponent histogram", triton_histogram, "_histogram_kernel", 0, lambda: hist(x), {}),
     ]
 
@@ -88,12 +93,15 @@ def _in_flight(kwargs: dict) -> int:
 
 def profile_all(compile_sm90) -> list[dict]:
     """One row per kernel of ``_kernels``, built by ``compile_sm90`` (``cross_build.sm90_compiler()``)."""
-    from fp8_kernels import cross_build
+    from fp8_kernels import cross_build, triton_current
     from fp8_kernels.triton_launch import PROGRAMS_PER_SM
 
     rows = []
     for name, module, attr, written, call, constexprs in _kernels():
-        with cross_build.recorded(module, attr, saturating_cast=True) as rec:
+        with contextlib.ExitStack() as stack:
+            rec = stack.enter_context(cross_build.recorded(module, attr, saturating_cast=True))
+            if attr != "_amax_kernel":  # current scaling's amax pass, recorded, not run
+                stack.enter_context(cross_build.recorded(triton_current, "_amax_kernel"))
             call()
         args, kwargs = rec.launches[0]
         kwargs = {**kwargs, **constexprs}

@@ -60,7 +60,9 @@ def sm90_compiler() -> Callable[[Any, tuple, dict], Any]:
 
     try:
         compile_sm90(
-            _amax_kernel, (torch.zeros(16), torch.zeros(()), 16), dict(IS_BF16=False, BLOCK=1024, num_warps=4)
+            _amax_kernel,
+            (torch.zeros(16), torch.zeros(()), 16),
+            dict(IS_BF16=False, BLOCK=1024, PER_PROGRAM=False, num_warps=4),
         )
     except Exception as e:
         raise RuntimeError(f"cannot compile a Triton kernel for sm_90 here: {e!r}") from e
@@ -73,8 +75,10 @@ class Recorder:
     def __init__(self, fn):
         self.fn = fn
         self.launches: list[tuple[tuple, dict]] = []
+        self.grids: list[tuple] = []
 
     def __getitem__(self, grid):
+        self.grids.append(grid)
         return lambda *args, **kwargs: self.launches.append((args, kwargs))
 
 

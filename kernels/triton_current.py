@@ -2,14 +2,20 @@
 
 The scale of current scaling depends on the amax of the very tensor being quantized, so it cannot be known
 before a full pass over it: pass 1 reduces ``max |x|`` (NaN elements ignored, as Transformer Engine's
-``fmaxf``: one NaN does not decide the whole tensor's scale) into a 0-dim float32 on the device; pass 2 is
-the fused quantize kernel of ``triton_quantize``, which derives ``scale = FP8_MAX / amax`` itself (clamped
-to the float32 maximum, 1 for a zero or non-finite amax, optionally rounded down to a power of two, as
-``fp8_trainer.scaling.current_scale``) and records the same statistics as delayed scaling; asked for it, it
-also writes the scale's reciprocal, the GEMM's ``scale_inv``, so that no launch of its own computes it. The
-amax accumulator, the scale and ``scale_inv`` share one zeroed buffer, each 16-byte aligned. Nothing is read
-on the host in between. The transposed variant writes ``q.t().contiguous()`` in the same quantize pass, as
+``fmaxf``: one NaN does not decide the whole tensor's scale), each of its programs writing its own partial
+maximum (the float32 bits of ``|x|``, as int32) to a slot of its own; pass 2 is the fused quantize kernel of
+``triton_quantize``, which reduces those partial maxima (a few hundred words, read from L2 by every program)
+and derives ``scale = FP8_MAX / amax`` itself (clamped to the float32 maximum, 1 for a zero or non-finite
+amax, optionally rounded down to a power of two, as ``fp8_trainer.scaling.current_scale``), and records the
+same statistics as delayed scaling; asked for it, it also writes the scale's reciprocal, the GEMM's
+``scale_inv``, so that no launch of its own computes it. The scale, ``scale_inv`` and the partial maxima
+share one uninitialised buffer (the scale and ``scale_inv`` each 16-byte aligned): every slot is written
+before it is read, so nothing fills it first, and a call is two launches. Nothing is read on the host in
+between. The transposed variant writes ``q.t().contiguous()`` in the same quantize pass, as
 ``triton_quantize`` does for delayed scaling.
+
+``tensor_amax_triton``, the amax alone as a 0-dim tensor, reduces into one zeroed word with an atomic max
+instead (the same kernel, ``PER_PROGRAM`` off).
 """
 
 from __future__ import annotations
@@ -21,13 +27,14 @@ import triton.language as tl
 from .triton_launch import amax_bits, as_kernel_input, block_1d, grid_cap, launch, load_f32
 from .triton_quantize import MAX_NUMEL, launch_quantize
 
-__all__ = ["quantize_current_transposed_triton", "quantize_current_triton", "tensor_amax_triton"]
+__all__ = ["amax_pass", "quantize_current_transposed_triton", "quantize_current_triton", "tensor_amax_triton"]
 
 
 @triton.jit(do_not_specialize=["n"])
-def _amax_kernel(x_ptr, out_ptr, n, IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
-    """``out = max(out, max |x|)`` over the bit patterns, NaN read as 0 (ignored on every backend): full
-    blocks unmasked (vector loads), then one masked tail block."""
+def _amax_kernel(x_ptr, out_ptr, n, IS_BF16: tl.constexpr, BLOCK: tl.constexpr, PER_PROGRAM: tl.constexpr):
+    """``max |x|`` over the bit patterns, NaN read as 0 (ignored on every backend): full blocks unmasked
+    (vector loads), then one masked tail block. ``PER_PROGRAM``: each program stores its own maximum's bits
+    at ``out[program]`` (int32); otherwise ``out = max(out, max |x|)``, an atomic max into a 0-dim float32."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     acc = tl.zeros([BLOCK], dtype=tl.int32)
@@ -38,31 +45,44 @@ def _amax_kernel(x_ptr, out_ptr, n, IS_BF16: tl.constexpr, BLOCK: tl.constexpr):
     if (pid == n_full % nprog) & (tail < n):
         offs = tail + tl.arange(0, BLOCK)
         acc = tl.maximum(acc, amax_bits(load_f32(x_ptr, offs, offs < n, IS_BF16)))
-    tl.atomic_max(out_ptr.to(tl.pointer_type(tl.int32)), tl.max(acc, axis=0))
+    if PER_PROGRAM:
+        tl.store(out_ptr + pid, tl.max(acc, axis=0))
+    else:
+        tl.atomic_max(out_ptr.to(tl.pointer_type(tl.int32)), tl.max(acc, axis=0))
+
+
+def _amax_launch(x: torch.Tensor) -> tuple[int, tuple, dict]:
+    """``(programs, runtime arguments after out, constexprs and options)`` of the amax kernel over ``x``."""
+    if x.numel() > MAX_NUMEL:
+        raise ValueError(f"x: {x.numel()} elements exceed the Triton kernel's limit of {MAX_NUMEL}")
+    xc, is_bf16 = as_kernel_input(x)
+    n = xc.numel()
+    block, warps = block_1d(x.device)
+    grid = max(1, min(triton.cdiv(n, block), grid_cap(x.device)))
+    return grid, (xc, n), dict(IS_BF16=is_bf16, BLOCK=block, num_warps=warps)
 
 
 def tensor_amax_triton(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton twin of ``tensor_amax_reference``: ``max |x|`` as a float32 0-dim tensor, NaN ignored.
     ``out``: a zeroed float32 0-dim tensor to reduce into (and return), instead of a fresh one."""
-    if x.numel() > MAX_NUMEL:
-        raise ValueError(f"x: {x.numel()} elements exceed the Triton kernel's limit of {MAX_NUMEL}")
-    xc, is_bf16 = as_kernel_input(x)
+    grid, (xc, n), kwargs = _amax_launch(x)
     if out is None:
         out = torch.zeros((), dtype=torch.float32, device=x.device)
-    n = xc.numel()
-    block, warps = block_1d(x.device)
-    grid = max(1, min(triton.cdiv(n, block), grid_cap(x.device)))
-    launch(_amax_kernel, grid, xc, out, n, IS_BF16=is_bf16, BLOCK=block, num_warps=warps)
+    launch(_amax_kernel, grid, xc, out, n, PER_PROGRAM=False, **kwargs)
     return out
 
 
-def _scalars(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """One zeroed float32 buffer for a call's scalars, each 16 bytes from the next (the GEMM reads the
-    reciprocal, and cuBLASLt wants 16-byte-aligned scale pointers): the amax pass's 0-dim accumulator
-    (element 0), and the quantize pass's ``scale_out`` (elements 4 on: its scale, then its reciprocal at 8).
-    One allocation and one fill launch for all three."""
-    buf = torch.zeros(12, dtype=torch.float32, device=device)
-    return buf[0], buf[4:]
+def amax_pass(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass 1 of a call: ``(amax_parts, scale_out)``, the partial maxima of ``|x|``, one per program of the
+    amax kernel (int32 bits, ``launch_quantize``'s ``amax_parts``), and the 8 words the quantize pass writes
+    its scale (element 0) and ``scale_inv`` (element 4) to, each 16-byte aligned as cuBLASLt wants the GEMM's
+    scale pointers. One allocation, no fill: the amax kernel writes every partial, the quantize pass both
+    scalars."""
+    grid, (xc, n), kwargs = _amax_launch(x)
+    buf = torch.empty(8 + grid, dtype=torch.float32, device=x.device)
+    parts = buf[8:].view(torch.int32)
+    launch(_amax_kernel, grid, xc, parts, n, PER_PROGRAM=True, **kwargs)
+    return parts, buf[:8]
 
 
 def quantize_current_triton(
@@ -81,10 +101,9 @@ def quantize_current_triton(
     return ``1 / scale`` (``(q, scale, scale_inv, stats_row)``), written by the quantize pass (no launch of
     its own), 16-byte aligned.
     """
-    amax, scale_out = _scalars(x.device)
-    tensor_amax_triton(x, out=amax)
+    parts, scale_out = amax_pass(x)
     q, _, row, scale = launch_quantize(
-        x, None, fp8_dtype, stats, amax=amax, scale_from_amax=True, precast=precast,
+        x, None, fp8_dtype, stats, amax_parts=parts, scale_from_amax=True, precast=precast,
         power_2_scale=power_2_scale, scale_out=scale_out,
     )  # fmt: skip
     return (q, scale, scale_out[4], row) if return_scale_inv else (q, scale, row)
@@ -104,10 +123,9 @@ def quantize_current_transposed_triton(
     stats_row)`` with ``return_scale_inv``)."""
     if x.dim() != 2:  # before the amax pass: nothing launched for a bad operand
         raise ValueError(f"x: the transposed output needs a 2-D tensor, got shape {tuple(x.shape)}")
-    amax, scale_out = _scalars(x.device)
-    tensor_amax_triton(x, out=amax)
+    parts, scale_out = amax_pass(x)
     q, qt, row, scale = launch_quantize(
-        x, None, fp8_dtype, stats, amax=amax, scale_from_amax=True, precast=precast, transpose=True,
+        x, None, fp8_dtype, stats, amax_parts=parts, scale_from_amax=True, precast=precast, transpose=True,
         power_2_scale=power_2_scale, scale_out=scale_out,
     )  # fmt: skip
     return (q, qt, scale, scale_out[4], row) if return_scale_inv else (q, qt, scale, row)

@@ -214,13 +214,32 @@ def _sum_sum_min(s1, e1, m1, s2, e2, m2):
 
 
 @triton.jit
-def _load_scale(
-    scale_ptr, amax_ptr, FMAX: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr, POW2_SCALE: tl.constexpr
-):
+def _given_amax(amax_ptr, amax_n, HAS_AMAX: tl.constexpr, AMAX_PARTS: tl.constexpr):
+    """The amax handed to the kernel, as a float32 ``|amax|`` (0 without one): one value of any float dtype,
+    or (``AMAX_PARTS``) the maximum of ``amax_n`` partial maxima, the float32 bits of ``|x|`` as int32 (the
+    current-scaling amax pass's, NaN already read as 0; integer order is float order for them), read 128 at a
+    time. Read once, at the program's start: a value held through the main loop costs one register, where
+    the pointer and count to read it again at the end cost three. (sm_90, bf16 in, with the quality
+    statistics: one 1024-wide masked read of the partials instead of the 128-wide loop raised the 1-D
+    kernel's registers from 80 to 94, from three programs per SM to two; ``bench/sass.py``.)"""
+    if not HAS_AMAX:
+        return 0.0
+    elif AMAX_PARTS:
+        i = tl.arange(0, 128)
+        acc = tl.zeros([128], dtype=tl.int32)
+        for c in range(0, amax_n, 128):
+            acc = tl.maximum(acc, tl.load(amax_ptr + c + i, mask=c + i < amax_n, other=0))
+        return tl.max(acc, axis=0).to(tl.float32, bitcast=True)
+    else:
+        return tl.abs(tl.load(amax_ptr).to(tl.float32))
+
+
+@triton.jit
+def _load_scale(scale_ptr, amax, FMAX: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr, POW2_SCALE: tl.constexpr):
     """The scale: given, or (current scaling) ``FP8_MAX / amax`` clamped, 1 for a zero/non-finite amax,
-    optionally rounded down to a power of two (the bits masked with ``0xFF800000``)."""
+    optionally rounded down to a power of two (the bits masked with ``0xFF800000``); ``amax`` is
+    ``_given_amax``'s."""
     if SCALE_FROM_AMAX:
-        amax = tl.abs(tl.load(amax_ptr).to(tl.float32))
         s = tl.minimum(tl.math.div_rn(FMAX + tl.zeros_like(amax), amax), 3.4028234663852886e38)
         ok = (amax > 0) & (amax.to(tl.int32, bitcast=True) < 0x7F800000)
         s = tl.where(ok, s, 1.0)
@@ -264,7 +283,7 @@ def _accumulate_quality(stats_ptr, subnormal, sq, err, min_bits, scale):
 
 @triton.jit
 def _accumulate_stats(
-    stats_ptr, amax_ptr, scale_out_ptr, amax, overflow, underflow, nonfinite, scale, n,
+    stats_ptr, given_amax, scale_out_ptr, amax, overflow, underflow, nonfinite, scale, n,
     HAS_AMAX: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr,
 ):  # fmt: skip
     """Fold one program's totals into the float64 statistics row (columns ``BASE_COLUMNS``): amax fmax,
@@ -272,7 +291,7 @@ def _accumulate_stats(
     pid = tl.program_id(0)
     if HAS_AMAX:
         if pid == 0:
-            a = abs_bits(tl.load(amax_ptr).to(tl.float32))
+            a = abs_bits(given_amax)
             if _fmax_into(stats_ptr, tl.where(a > 0x7F800000, 0, a).to(tl.float32, bitcast=True)):
                 tl.store(stats_ptr + 1, scale.to(tl.float64))
     elif _fmax_into(stats_ptr, amax):
@@ -335,18 +354,19 @@ def _quantize_values(
     return _fold(x, ax, counts, qa, af, amax_acc, count_acc, sq_acc, err_acc, min_acc, QUALITY)
 
 
-@triton.jit(do_not_specialize=["n"])
+@triton.jit(do_not_specialize=["n", "amax_n"])
 def _quantize_kernel(
-    x_ptr, q_ptr, scale_ptr, amax_ptr, stats_ptr, precast_ptr, scale_out_ptr, n,
+    x_ptr, q_ptr, scale_ptr, amax_ptr, amax_n, stats_ptr, precast_ptr, scale_out_ptr, n,
     FMAX: tl.constexpr, UNDERFLOW: tl.constexpr, OVF_THRESHOLD: tl.constexpr, OVF_INCLUSIVE: tl.constexpr,
     SUBNORMAL_TOP: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, DROP: tl.constexpr,
     QUALITY: tl.constexpr, HAS_AMAX: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr, POW2_SCALE: tl.constexpr,
     STORE_PRECAST: tl.constexpr, SAT_CAST: tl.constexpr, IS_BF16: tl.constexpr, PREFETCH: tl.constexpr,
-    STAGES: tl.constexpr, BLOCK: tl.constexpr,
+    STAGES: tl.constexpr, AMAX_PARTS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    scale = _load_scale(scale_ptr, amax_ptr, FMAX, SCALE_FROM_AMAX, POW2_SCALE)
+    given_amax = _given_amax(amax_ptr, amax_n, HAS_AMAX, AMAX_PARTS)
+    scale = _load_scale(scale_ptr, given_amax, FMAX, SCALE_FROM_AMAX, POW2_SCALE)
     amax_acc = tl.zeros([BLOCK // LANE], dtype=tl.float32)
     count_acc = tl.zeros([BLOCK // LANE], dtype=tl.int32)
     sq_acc = tl.zeros([BLOCK // LANE], dtype=tl.float64)
@@ -384,7 +404,7 @@ def _quantize_kernel(
         )  # fmt: skip
     # unpack before summing: each field of a slot is at most LANE * MAX_BLOCKS_PER_PROGRAM (< 2**8)
     _accumulate_stats(
-        stats_ptr, amax_ptr, scale_out_ptr, tl.max(amax_acc, axis=0), tl.sum(count_acc & 255, axis=0),
+        stats_ptr, given_amax, scale_out_ptr, tl.max(amax_acc, axis=0), tl.sum(count_acc & 255, axis=0),
         tl.sum((count_acc >> 8) & 255, axis=0), tl.sum((count_acc >> 16) & 255, axis=0), scale, n,
         HAS_AMAX, SCALE_FROM_AMAX,
     )  # fmt: skip
@@ -454,22 +474,23 @@ def _quantize_tile_values(
     return _fold(x, ax, counts, qa, af, amax_acc, count_acc, sq_acc, err_acc, min_acc, QUALITY)
 
 
-@triton.jit(do_not_specialize=["M", "N"])
+@triton.jit(do_not_specialize=["M", "N", "amax_n"])
 def _quantize_t_kernel(
-    x_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, stats_ptr, precast_ptr, scale_out_ptr, M, N,
+    x_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, amax_n, stats_ptr, precast_ptr, scale_out_ptr, M, N,
     FMAX: tl.constexpr, UNDERFLOW: tl.constexpr, OVF_THRESHOLD: tl.constexpr, OVF_INCLUSIVE: tl.constexpr,
     SUBNORMAL_TOP: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, DROP: tl.constexpr,
     QUALITY: tl.constexpr, HAS_AMAX: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr, POW2_SCALE: tl.constexpr,
     STORE_PRECAST: tl.constexpr, SAT_CAST: tl.constexpr, IS_BF16: tl.constexpr, DIV_M: tl.constexpr,
-    DIV_N: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    DIV_N: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr, AMAX_PARTS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     # exact (the launcher passes a divisor of each): the compiler then knows rows start 16-aligned
     M = (M // DIV_M) * DIV_M
     N = (N // DIV_N) * DIV_N
-    scale = _load_scale(scale_ptr, amax_ptr, FMAX, SCALE_FROM_AMAX, POW2_SCALE)
+    given_amax = _given_amax(amax_ptr, amax_n, HAS_AMAX, AMAX_PARTS)
+    scale = _load_scale(scale_ptr, given_amax, FMAX, SCALE_FROM_AMAX, POW2_SCALE)
     amax_acc = tl.zeros([BLOCK_M, BLOCK_N // LANE], dtype=tl.float32)
     count_acc = tl.zeros([BLOCK_M, BLOCK_N // LANE], dtype=tl.int32)
     sq_acc = tl.zeros([BLOCK_M, BLOCK_N // LANE], dtype=tl.float64)
@@ -526,7 +547,7 @@ def _quantize_t_kernel(
     underflow = tl.sum(tl.sum((count_acc >> 8) & 255, axis=1), axis=0)
     nonfinite = tl.sum(tl.sum((count_acc >> 16) & 255, axis=1), axis=0)
     _accumulate_stats(
-        stats_ptr, amax_ptr, scale_out_ptr, amax, overflow, underflow, nonfinite, scale, M * N,
+        stats_ptr, given_amax, scale_out_ptr, amax, overflow, underflow, nonfinite, scale, M * N,
         HAS_AMAX, SCALE_FROM_AMAX,
     )  # fmt: skip
     if QUALITY:
@@ -562,6 +583,21 @@ def _check(x, scale, stats, precast, amax) -> torch.Tensor:
     return stats
 
 
+def _check_amax_parts(parts: torch.Tensor | None, amax: torch.Tensor | None, device: torch.device) -> None:
+    if parts is None:
+        return
+    if amax is not None:
+        raise ValueError("amax_parts: give amax or amax_parts, not both")
+    if (
+        parts.dtype != torch.int32 or parts.dim() != 1 or not parts.is_contiguous() or parts.numel() < 1
+        or parts.numel() >= 2**31 or parts.device != device
+    ):  # fmt: skip
+        raise ValueError(
+            f"amax_parts: expected a contiguous, non-empty 1-D int32 tensor of partial maxima on {device}, "
+            f"got {parts.dtype} {tuple(parts.shape)} on {parts.device}"
+        )
+
+
 def _check_precast(precast: torch.Tensor | None, x: torch.Tensor) -> None:
     if precast is not None and (
         precast.dtype != torch.float32 or precast.shape != x.shape or not precast.is_contiguous()
@@ -576,6 +612,7 @@ def launch_quantize(
     stats: torch.Tensor | None,
     *,
     amax: torch.Tensor | None = None,
+    amax_parts: torch.Tensor | None = None,
     scale_from_amax: bool = False,
     precast: torch.Tensor | None = None,
     transpose: bool = False,
@@ -585,8 +622,13 @@ def launch_quantize(
     """Run the fused kernel; ``(q, qt or None, stats_row, scale used as a float32 0-dim tensor)``.
 
     Args:
+        amax: ``x``'s amax, a 0-dim float tensor, recorded in the statistics row instead of the kernel's own.
+        amax_parts: instead of ``amax``, partial maxima whose maximum is the amax: a contiguous 1-D int32
+            tensor of float32 bit patterns of ``|x|`` (NaN read as 0), as the current-scaling amax pass writes
+            them (``triton_current``).
         scale_from_amax: current scaling in-kernel: the scale is ``FP8_MAX / amax`` clamped to the float32
-            maximum, 1 for a zero or non-finite ``amax`` (``amax`` required, ``scale`` ignored).
+            maximum, 1 for a zero or non-finite ``amax`` (``amax`` or ``amax_parts`` required, ``scale``
+            ignored).
         power_2_scale: with ``scale_from_amax``, round that scale down to a power of two.
         scale_out: with ``scale_from_amax``, a float32 buffer of at least 5 elements, its start 16-byte
             aligned: the kernel writes the scale to element 0 and its reciprocal (``torch.reciprocal``'s
@@ -598,18 +640,20 @@ def launch_quantize(
     """
     row = _check(x, scale, stats, precast, amax)
     _check_precast(precast, x)
+    _check_amax_parts(amax_parts, amax, x.device)
     if transpose and x.dim() != 2:
         raise ValueError(f"x: the transposed output needs a 2-D tensor, got shape {tuple(x.shape)}")
     if power_2_scale and not scale_from_amax:
         raise ValueError("power_2_scale: applies to current scaling (scale_from_amax) only")
     consts = format_constants(fp8_dtype)
-    scale_t = _scale_operand(scale, amax, scale_from_amax, scale_out)
+    given = amax if amax is not None else amax_parts
+    scale_t = _scale_operand(scale, given, scale_from_amax, scale_out)
     xc, is_bf16 = as_kernel_input(x)
     q = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     flags = dict(
         **consts,
         QUALITY=row.shape[0] == len(STAT_COLUMNS),
-        HAS_AMAX=amax is not None,
+        HAS_AMAX=given is not None,
         SCALE_FROM_AMAX=scale_from_amax,
         POW2_SCALE=power_2_scale,
         STORE_PRECAST=precast is not None,
@@ -617,15 +661,17 @@ def launch_quantize(
         PREFETCH=prefetch(x.device),
         STAGES=pipeline_stages(x.device),
         SAT_CAST=saturating_cast(x.device),
+        AMAX_PARTS=amax_parts is not None,
     )
-    amax_arg = amax if amax is not None else scale_t
+    amax_arg = given if given is not None else scale_t
+    amax_n = amax_parts.numel() if amax_parts is not None else 1
     precast_arg = precast if precast is not None else q
     if not transpose:
         n = xc.numel()
         block, warps = block_1d(x.device)
         grid = persistent_grid(triton.cdiv(n, block), x.device)
         launch(
-            _quantize_kernel, grid, xc, q, scale_t, amax_arg, row, precast_arg, scale_t, n,
+            _quantize_kernel, grid, xc, q, scale_t, amax_arg, amax_n, row, precast_arg, scale_t, n,
             BLOCK=block, num_warps=warps, **flags,
         )  # fmt: skip
         return q, None, row, scale_t
@@ -634,7 +680,7 @@ def launch_quantize(
     bm, bn, warps = tile_2d(x.device)
     grid = persistent_grid(triton.cdiv(m, bm) * triton.cdiv(n, bn), x.device)
     launch(
-        _quantize_t_kernel, grid, xc, q, qt, scale_t, amax_arg, row, precast_arg, scale_t, m, n,
+        _quantize_t_kernel, grid, xc, q, qt, scale_t, amax_arg, amax_n, row, precast_arg, scale_t, m, n,
         DIV_M=divisor(m), DIV_N=divisor(n), BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, **flags,
     )  # fmt: skip
     return q, qt, row, scale_t
@@ -672,7 +718,7 @@ def _scale_operand(scale, amax, scale_from_amax: bool, scale_out: torch.Tensor |
     its scale and, at element 4, the scale's reciprocal to (``scale_out``, or a fresh one)."""
     if scale_from_amax:
         if amax is None:
-            raise ValueError("scale_from_amax: needs amax")
+            raise ValueError("scale_from_amax: needs amax or amax_parts")
         if scale_out is None:
             scale_out = torch.empty(8, dtype=torch.float32, device=amax.device)
         elif (

@@ -286,7 +286,7 @@ def test_sass_profile_runs_without_a_gpu(tmp_path):
         pytest.skip(proc.stderr.strip().splitlines()[-1])
     assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     rows = {r["kernel"]: r for r in json.loads(out.read_text())["rows"]}
-    assert len(rows) == 10 and "quantize 1-D, quality" in proc.stdout
+    assert len(rows) == 12 and "quantize 1-D, quality" in proc.stdout
     for row in rows.values():  # each main loop found, loading its input; each program fits on an SM
         assert row["loop_instructions"] > 0 and row["loop_global_loads"] >= 1, row
         assert row["programs_per_sm"] >= 1 and row["kib_in_flight_per_sm"] > 0, row
@@ -298,3 +298,8 @@ def test_sass_profile_runs_without_a_gpu(tmp_path):
         shipped, piped = rows[kernel], rows[f"{kernel}, pipelined"]
         assert piped["shared_bytes"] > shipped["shared_bytes"], (shipped, piped)
         assert piped["kib_in_flight_per_sm"] > shipped["kib_in_flight_per_sm"], (shipped, piped)
+    # current scaling's quantize pass reduces the amax pass's partial maxima before its loop: no spill in
+    # the loop, and no fewer programs per SM than the same kernel given its scale (delayed scaling)
+    for current, delayed in (("1-D", "1-D"), ("2-D", "2-D (+ transpose)")):
+        cur, dly = rows[f"current: quantize {current}, quality"], rows[f"quantize {delayed}, quality"]
+        assert cur["loop_spills"] == 0 and cur["programs_per_sm"] >= dly["programs_per_sm"], (cur, dly)

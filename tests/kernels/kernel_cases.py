@@ -355,6 +355,21 @@ def _bad_operands(device: torch.device) -> None:
                 "scale_out",
             )
         )
+    parts_bits = torch.tensor([0x3F800000], dtype=torch.int32, device=device)  # 1.0
+    for parts, also_amax in (
+        (parts_bits.float(), None),  # float, not the int32 bits
+        (torch.zeros(0, dtype=torch.int32, device=device), None),  # none at all
+        (torch.zeros(4, dtype=torch.int32, device=device)[::2], None),  # not contiguous
+        (parts_bits, s),  # and amax as well
+    ):
+        bad.append(
+            (
+                lambda parts=parts, also_amax=also_amax: launch_quantize(
+                    x, None, torch.float8_e4m3fn, None, amax=also_amax, amax_parts=parts, scale_from_amax=True
+                ),
+                "amax_parts",
+            )
+        )
     for fn, word in bad:
         try:
             fn()
@@ -452,6 +467,41 @@ for _d in DTYPES:
     case(f"current-{_d}-e5m2-17-tiny")(_current_case(_d, "e5m2", "17", "tiny"))
     case(f"current-{_d}-e4m3-4097-nan-finite")(_current_case(_d, "e4m3", "4097", "nan-finite"))
     case(f"current-{_d}-e5m2-2048-finite-pow2")(_current_case(_d, "e5m2", "2048", "finite", pow2=True))
+
+
+@case("current-amax-from-every-program")
+def _current_amax_from_every_program(device: torch.device) -> None:
+    """The amax pass leaves one partial maximum per program and the quantize pass reduces them all: the
+    tensor's maximum is put in each block (and the tail) in turn, so that every program holds it once."""
+    from fp8_kernels.triton_current import amax_pass, quantize_current_triton
+    from fp8_kernels.triton_launch import block_1d, grid_cap
+
+    from fp8_trainer.scaling import current_scale
+
+    block, _ = block_1d(device)
+    programs = grid_cap(device)
+    n = block * (programs + 1) + 5  # a block for every program, a second for one of them, and a tail
+    x = torch.linspace(-1.0, 1.0, n, device=device)
+    holders = set()
+    for pos in [*(b * block + 7 for b in range(programs + 1)), n - 1]:
+        x[pos] = -300.0
+        parts, _ = amax_pass(x)
+        assert parts.dtype == torch.int32 and parts.numel() == programs, (parts.dtype, parts.shape)
+        holders.add(int(parts.argmax()))
+        amax = tensor_amax_reference(x)
+        _same(parts.max().view(torch.float32), amax, f"largest partial maximum, maximum at {pos}")
+        q, scale, scale_inv, row = quantize_current_triton(x, torch.float8_e4m3fn, return_scale_inv=True)
+        _same(scale, current_scale(amax, 448.0), f"scale, maximum at {pos}")
+        _same(scale_inv, torch.reciprocal(scale), f"scale_inv, maximum at {pos}")
+        assert row[0].item() == 300.0, row[0].item()
+        x[pos] = 0.0
+    assert holders == set(range(programs)), f"partials holding the maximum: {sorted(holders)}"
+    # an Inf in one program's share and a NaN in another's: the Inf is the amax, the scale falls back to 1
+    x[7], x[block + 7] = INF, NAN
+    q, scale, row = quantize_current_triton(x, torch.float8_e4m3fn)
+    assert scale.item() == 1.0 and row[0].item() == INF, (scale.item(), row[0].item())
+
+
 case("current-fp32-e4m3-17-all-nan")(_current_case("fp32", "e4m3", "17", "all-nan"))
 case("current-fp32-e5m2-17-tiny-pow2")(_current_case("fp32", "e5m2", "17", "tiny", pow2=True))
 for _d, _f, _s, _fill, _pow2 in [

@@ -295,12 +295,53 @@ def test_current_scaling_passes_vectorised(sm90, record, transposed, power_2_sca
     else:
         triton_current.quantize_current_triton(x, E4M3, power_2_scale=power_2_scale)
     block, warps = triton_launch.block_1d(cross_build.CUDA)
-    assert _global(_ptx(sm90, amax_rec), "ld")[128] >= _per_thread(block, warps) * 2 // 16
+    amax_ptx = _ptx(sm90, amax_rec)
+    assert _global(amax_ptx, "ld")[128] >= _per_thread(block, warps) * 2 // 16
+    # each program stores its own partial maximum: no atomic, so nothing has to zero the buffer first
+    assert "atom" not in amax_ptx and _global(amax_ptx, "st")[32] >= 1
     flags = quant_rec.launches[0][1]
     assert flags["SCALE_FROM_AMAX"] and flags["POW2_SCALE"] == power_2_scale
+    assert flags["AMAX_PARTS"]
     ptx = _ptx(sm90, quant_rec)
     loads, stores = _global(ptx, "ld"), _global(ptx, "st")
     assert loads[128] >= 2 and stores[128] >= (2 if transposed else 1), (loads, stores)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_current_scaling_is_two_launches_into_one_unfilled_buffer(record, transposed):
+    # the launchers as on a GPU, kernels recorded: the amax pass and the quantize pass are all the device work
+    # of a call (no fill of an accumulator first), and the quantize pass reads the partial maxima the amax
+    # pass wrote, one per program, from the buffer whose head takes the scale and scale_inv
+    from fp8_kernels import new_stats, triton_current, triton_quantize
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    amax_rec = record(triton_current, "_amax_kernel")
+    quant_rec = record(triton_quantize, "_quantize_t_kernel" if transposed else "_quantize_kernel")
+    x = torch.zeros(300, 1000, dtype=torch.bfloat16)
+    entry = (
+        triton_current.quantize_current_transposed_triton
+        if transposed
+        else triton_current.quantize_current_triton
+    )
+    row = new_stats()  # a layer's row of the step's statistics buffer, as FP8State passes it
+    with Ops() as ops:
+        *_, scale, scale_inv, _ = entry(x, E4M3, row, return_scale_inv=True)
+    device_work = [n for n in ops.names if n not in ("empty", "view", "slice", "select", "alias", "detach")]
+    assert device_work == [] and len(amax_rec.launches) == len(quant_rec.launches) == 1, ops.names
+    (amax_args, amax_kwargs), (quant_args, quant_kwargs) = amax_rec.launches[0], quant_rec.launches[0]
+    parts = amax_args[1]
+    assert amax_kwargs["PER_PROGRAM"] and quant_kwargs["AMAX_PARTS"] and quant_kwargs["SCALE_FROM_AMAX"]
+    assert parts.dtype == torch.int32 and parts.numel() == amax_rec.grids[0][0] > 1, (parts, amax_rec.grids)
+    amax_at = 4 if transposed else 3  # x, q, (qt,) scale, amax_parts, amax_n
+    assert quant_args[amax_at].data_ptr() == parts.data_ptr() and quant_args[amax_at + 1] == parts.numel()
+    assert scale.data_ptr() + 32 == parts.data_ptr() and scale_inv.data_ptr() == scale.data_ptr() + 16
 
 
 def test_amax_size_one_compiles(sm90, record):
@@ -308,7 +349,8 @@ def test_amax_size_one_compiles(sm90, record):
 
     rec = record(triton_current, "_amax_kernel")
     triton_current.tensor_amax_triton(torch.zeros(1, dtype=torch.float16))
-    assert "atom" in _ptx(sm90, rec)
+    triton_current.amax_pass(torch.zeros(1, dtype=torch.float16))
+    assert "atom" in _ptx(sm90, rec, 0) and "atom" not in _ptx(sm90, rec, 1)
 
 
 # ----- exponent histogram -----
