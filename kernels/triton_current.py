@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_launch import amax_bits, as_kernel_input, block_1d, grid_cap, launch, load_f32
+from .triton_launch import amax_bits, as_kernel_input, block_1d, cdiv, grid_cap, launch, load_f32
 from .triton_quantize import MAX_NUMEL, launch_quantize
 
 __all__ = ["amax_pass", "quantize_current_transposed_triton", "quantize_current_triton", "tensor_amax_triton"]
@@ -58,7 +58,7 @@ def _amax_launch(x: torch.Tensor) -> tuple[int, tuple, dict]:
     xc, is_bf16 = as_kernel_input(x)
     n = xc.numel()
     block, warps = block_1d(x.device)
-    grid = max(1, min(triton.cdiv(n, block), grid_cap(x.device)))
+    grid = max(1, min(cdiv(n, block), grid_cap(x.device)))
     return grid, (xc, n), dict(IS_BF16=is_bf16, BLOCK=block, num_warps=warps)
 
 

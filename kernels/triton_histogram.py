@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .histogram import EXP_MIN, HIST_BINS
-from .triton_launch import as_kernel_input, block_1d, grid_cap, launch, load_f32
+from .triton_launch import as_kernel_input, block_1d, cdiv, grid_cap, launch, load_f32
 from .triton_quantize import MAX_NUMEL
 
 __all__ = ["exponent_histogram_triton"]
@@ -69,7 +69,7 @@ def exponent_histogram_triton(x: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(HIST_BINS, dtype=torch.int64, device=x.device)
     n = xc.numel()
     block, warps = block_1d(x.device)
-    grid = max(1, min(triton.cdiv(n, block), grid_cap(x.device)))
+    grid = max(1, min(cdiv(n, block), grid_cap(x.device)))
     launch(
         _histogram_kernel,
         grid,

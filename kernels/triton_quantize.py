@@ -68,6 +68,7 @@ from .triton_launch import (
     abs_bits,
     as_kernel_input,
     block_1d,
+    cdiv,
     divisor,
     format_constants,
     launch,
@@ -669,7 +670,7 @@ def launch_quantize(
     if not transpose:
         n = xc.numel()
         block, warps = block_1d(x.device)
-        grid = persistent_grid(triton.cdiv(n, block), x.device)
+        grid = persistent_grid(cdiv(n, block), x.device)
         launch(
             _quantize_kernel, grid, xc, q, scale_t, amax_arg, amax_n, row, precast_arg, scale_t, n,
             BLOCK=block, num_warps=warps, **flags,
@@ -678,7 +679,7 @@ def launch_quantize(
     m, n = xc.shape
     qt = torch.empty((n, m), dtype=fp8_dtype, device=x.device)
     bm, bn, warps = tile_2d(x.device)
-    grid = persistent_grid(triton.cdiv(m, bm) * triton.cdiv(n, bn), x.device)
+    grid = persistent_grid(cdiv(m, bm) * cdiv(n, bn), x.device)
     launch(
         _quantize_t_kernel, grid, xc, q, qt, scale_t, amax_arg, amax_n, row, precast_arg, scale_t, m, n,
         DIV_M=divisor(m), DIV_N=divisor(n), BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, **flags,

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .layout import aligned_scales
-from .triton_launch import block_scale_update, divisor, launch
+from .triton_launch import block_scale_update, cdiv, divisor, launch
 
 __all__ = ["scale_update_triton"]
 
@@ -146,7 +146,7 @@ def scale_update_triton(
     scale_f = scale.to(torch.float32)  # a float32 view stays a view (its stride is passed)
     block_l, block_n = block_scale_update(hist.device)
     launch(
-        _scale_update_kernel, triton.cdiv(n, block_n),
+        _scale_update_kernel, cdiv(n, block_n),
         hist, amax, amax.stride(0), scale_f, scale_f.stride(0), scaled_max, most_recent.contiguous(),
         history_len.contiguous(), interval.contiguous(), step, enabled.contiguous(),
         new_hist, new_scale, new_scale_inv, length, n,
