@@ -28,7 +28,11 @@ def test_postmortem_and_comparison(server, page):
     for step, t in (FIRST_BAD, LATER_BAD):
         stats["amax"][step, t] = np.nan
         stats["nonfinite"][step, t] = 4
-    flight = [{"step": s, "loss": 2.0 + (s == 100) * 5.0, "grad_norm": 1.0} for s in range(85, 101)]
+    flight = [
+        {"step": s, "loss": 2.0 + (s == 100) * 5.0, "grad_norm": 1.0, "tokens_per_s": 12000.0 + s,
+         "overflow": 2000 * (s == 100)}
+        for s in range(85, 101)
+    ]  # fmt: skip
     events = [
         {
             "kind": "loss_spike",
@@ -65,6 +69,23 @@ def test_postmortem_and_comparison(server, page):
     assert "flight recorder" in page.text_content("#postmortem .timeline[data-step='100']")
     assert page.get_attribute("#postmortem .timeline[data-step='180']", "data-points") == str(180 - 116 + 1)
     assert "stored series" in page.text_content("#postmortem .timeline[data-step='180']")
+    # each series of the recorder in a strip of its own (units differ by orders of magnitude), named in
+    # it, the strips apart, no legend over the plot; the spike marked on the loss
+    plot = "#postmortem .timeline[data-step='100'] .timeline-plot"
+    drawn = page.evaluate(
+        f"""(() => {{ const p = document.querySelector("{plot}");
+        const axes = Object.keys(p.layout).filter(k => /^yaxis[0-9]*$/.test(k));
+        return {{traces: p.data.map(t => [t.name, t.yaxis]), legend: p.layout.showlegend,
+                 domains: Object.fromEntries(axes.map(k => ["y" + k.slice(5), p.layout[k].domain])),
+                 labels: p.layout.annotations.map(a => a.text)}}; }})()"""
+    )
+    series = [t for t in drawn["traces"] if t[0] != "spike"]
+    assert [name for name, _ in series] == ["loss", "grad_norm", "tokens_per_s", "overflow"], drawn
+    assert drawn["labels"] == ["loss", "grad_norm", "tokens_per_s", "overflow"] and drawn["legend"] is False
+    assert len({axis for _, axis in series}) == 4 and ["spike", "y"] in drawn["traces"], drawn
+    spans = sorted(drawn["domains"][axis] for _, axis in series)
+    assert all(lo < hi <= nxt_lo for (lo, hi), (nxt_lo, _) in zip(spans, spans[1:], strict=False)), spans
+    assert page.locator(f"{plot} g.legend").count() == 0
     # spike markers on the loss curve
     spikes = page.evaluate("document.getElementById('curves').data.find(t => t.name === 'loss spike').x")
     assert sorted(spikes) == [100, 180]

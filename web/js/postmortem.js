@@ -7,6 +7,9 @@ import { el, fmt, plotly, plotlyText, replace } from "./dom.js";
 
 const SPIKE_WINDOW = 64; // steps shown before a spike when no flight recorder came with it
 const MAX_TIMELINES = 6;
+const MAX_STRIPS = 12; // series drawn per timeline (a flight recorder may carry any number)
+const STRIP_PX = 48; // height of one series' strip
+const STRIP_GAP = 0.18; // of a strip, left empty below it
 
 /** The run's first non-finite value: {step, tensorIndex, name} from the nonfinite alerts (their evidence
  * names the run's first) or, failing that, from the earliest nonfinite client event. */
@@ -157,25 +160,47 @@ export class PostMortem {
       box.append(el("details", {}, el("summary", {}, "exponent histograms sent with the event"),
         el("pre", { class: "json" }, JSON.stringify(details.histograms, null, 1).slice(0, 20000))));
     }
-    const names = Object.keys(rec.series);
-    const traces = names.map((name, i) => ({
-      type: "scatter", mode: "lines+markers", name: plotlyText(name), x: rec.steps,
-      y: rec.series[name].map((v) => (Number.isFinite(v) ? v : null)), yaxis: i === 0 ? "y" : "y2",
-      marker: { size: 4 },
-    }));
-    traces.push({
-      type: "scatter", mode: "markers", name: "spike", x: [spike.step],
-      y: [rec.series.loss ? rec.series.loss[rec.steps.indexOf(spike.step)] ?? null : null],
-      marker: { symbol: "x", size: 12, color: "#d62728" }, hovertemplate: `spike at step ${spike.step}<extra></extra>`,
+    // small multiples: a strip per series, each on its own y axis, all on the step axis (one axis for
+    // series of different units hid most of them, and a legend of a dozen names covered the plot)
+    const all = Object.keys(rec.series).sort((x, y) => (y === "loss") - (x === "loss"));
+    const names = all.slice(0, MAX_STRIPS);
+    if (all.length > names.length) {
+      box.append(el("p", { class: "muted" }, `${all.length - names.length} more series in the event, not drawn`));
+    }
+    const strip = 1 / Math.max(1, names.length);
+    const axis = (i) => (i === 0 ? "y" : `y${i + 1}`);
+    const layout = {
+      height: 45 + STRIP_PX * Math.max(2, names.length), margin: { l: 50, r: 10, t: 10, b: 35 },
+      xaxis: { title: { text: "step" }, anchor: axis(names.length - 1) }, showlegend: false, hovermode: "x unified",
+      annotations: [], shapes: [],
+    };
+    const traces = names.map((name, i) => {
+      const top = 1 - i * strip;
+      layout[i === 0 ? "yaxis" : `yaxis${i + 1}`] = {
+        domain: [Math.max(0, top - strip + STRIP_GAP * strip), top], nticks: 3, tickfont: { size: 9 }, zeroline: false,
+      };
+      layout.annotations.push({
+        xref: "paper", yref: "paper", x: 0.01, y: top, xanchor: "left", yanchor: "top", showarrow: false,
+        text: plotlyText(name), font: { size: 10 }, bgcolor: "rgba(255,255,255,0.7)",
+      });
+      return {
+        type: "scatter", mode: "lines+markers", name: plotlyText(name), x: rec.steps,
+        y: rec.series[name].map((v) => (Number.isFinite(v) ? v : null)), yaxis: axis(i), marker: { size: 3 },
+      };
     });
+    const lossAt = names.indexOf("loss");
+    if (lossAt >= 0) {
+      traces.push({
+        type: "scatter", mode: "markers", name: "spike", x: [spike.step], yaxis: axis(lossAt),
+        y: [rec.series.loss[rec.steps.indexOf(spike.step)] ?? null],
+        marker: { symbol: "x", size: 10, color: "#d62728" }, hovertemplate: `spike at step ${spike.step}<extra></extra>`,
+      });
+    }
+    // the spike's step through every strip, and each step with a non-finite value in magenta
+    layout.shapes.push({ type: "line", x0: spike.step, x1: spike.step, yref: "paper", y0: 0, y1: 1, line: { color: "#d62728", dash: "dot", width: 1 } });
     const nonfinite = rec.steps.filter((_, i) => names.some((n) => rec.series[n][i] !== null && !Number.isFinite(rec.series[n][i])));
-    await (await plotly()).newPlot(plot, traces, {
-      height: 220, margin: { l: 50, r: 50, t: 10, b: 35 },
-      xaxis: { title: { text: "step" } }, yaxis: { title: { text: plotlyText(names[0] || "") } },
-      yaxis2: { overlaying: "y", side: "right", showgrid: false },
-      shapes: nonfinite.map((s) => ({ type: "line", x0: s, x1: s, yref: "paper", y0: 0, y1: 1, line: { color: "#ff00ff", dash: "dash" } })),
-      legend: { orientation: "h", y: 1.15 }, showlegend: true,
-    }, { displaylogo: false, responsive: true });
+    for (const s of nonfinite) layout.shapes.push({ type: "line", x0: s, x1: s, yref: "paper", y0: 0, y1: 1, line: { color: "#ff00ff", dash: "dash" } });
+    await (await plotly()).newPlot(plot, traces, layout, { displaylogo: false, responsive: true });
     box.dataset.points = String(rec.steps.length);
     box.title = `values: ${names.map((n) => `${n} last ${fmt(rec.series[n][rec.series[n].length - 1])}`).join(", ")}`;
   }
