@@ -159,7 +159,7 @@ class _Progress:
             shown = self.lagged.push(loss)  # the loss of the step before: no stall
             tps = self.smooth_tps
             self.smooth_tps = tokens_per_s if tps is None else 0.9 * tps + 0.1 * tokens_per_s
-            postfix = {"tok/s": f"{self.smooth_tps:,.0f}", "alerts": monitor.open_alerts}
+            postfix = {"tok/s": f"{self.smooth_tps:,.0f}", "incidents": monitor.open_incidents}
             if shown is not None:
                 postfix = {"loss": f"{shown:.4f}", **postfix}
             self.bar.set_postfix(postfix, refresh=False)
@@ -170,8 +170,10 @@ class _Progress:
             line = f"step {step:5d}  loss {loss.item():.4f}  lr {lr:.3g}"
             line += f"  {elapsed / done * 1e3:.0f} ms/step"
             line += f"  {self.tokens_per_step * done / elapsed:,.0f} tok/s"
-            if a.monitor_url:
-                line += f"  alerts {monitor.open_alerts}"
+            if a.monitor_url:  # incidents, as the dashboard groups the alerts: one NaN is one, not dozens
+                line += f"  incidents {monitor.open_incidents}"
+                if monitor.open_alerts:
+                    line += f" ({monitor.open_alerts} alerts)"
             self.say(line)
             if recipe is not None and step != a.steps:
                 got = read_newest(model)  # synchronous, at log intervals only
@@ -186,6 +188,7 @@ class _NoMonitor:
     """Stands in for ``fp8_trainer.Monitor`` when no ``--monitor-url`` is given."""
 
     open_alerts = 0
+    open_incidents = 0
 
     def __enter__(self):
         return self

@@ -263,6 +263,12 @@ class Monitor:
         return self.sender.open_alerts if self.sender else 0
 
     @property
+    def open_incidents(self) -> int:
+        """Open incidents of the run as last seen: its open alerts grouped by cause, so that one NaN that
+        spreads to every tensor is one incident (refreshed with ``open_alerts``; 0 if unknown)."""
+        return self.sender.open_incidents if self.sender else 0
+
+    @property
     def spooling(self) -> bool:
         """True while telemetry goes to the spool file instead of the service."""
         return bool(self.sender and self.sender.spooling)

@@ -180,6 +180,7 @@ class Sender(threading.Thread):
         self.run_id: int | None = None
         self.refused: str | None = None  # why the service refused the run, in words
         self.open_alerts = 0
+        self.open_incidents = 0
         self.spooling = False
         self.spooled: deque[int] = deque()  # offsets of spooled batches not yet delivered
         self.spool_must_stay = False  # a refused batch or the status lives only in the spool
@@ -478,7 +479,9 @@ class Sender(threading.Thread):
         try:
             r = self.http.get(f"{self.base}/runs/{self.run_id}", timeout=min(self.cfg.http_timeout, 2.0))
             if r.status_code == 200:
-                self.open_alerts = int(r.json().get("open_alerts") or 0)
+                body = r.json()
+                self.open_alerts = int(body.get("open_alerts") or 0)
+                self.open_incidents = int(body.get("open_incidents") or 0)
         except httpx.HTTPError:
             pass  # the next telemetry post notices an outage
 

@@ -105,6 +105,6 @@ def test_progress_bar_on_a_terminal():
     assert proc.wait(timeout=60) == 0
     os.close(leader)
     bar = b"".join(chunks).decode(errors="replace")
-    assert "12/12" in bar and "loss=" in bar and "tok/s=" in bar and "alerts=0" in bar
+    assert "12/12" in bar and "loss=" in bar and "tok/s=" in bar and "incidents=0" in bar
     assert "step     6  val loss" in out and "FP8 health after step 12" in out  # still printed
     assert "step     2  loss" not in out  # the bar replaces the periodic lines

@@ -203,6 +203,9 @@ def test_nonfinite_event_names_the_tensor_and_histograms_it(server, tmp_path, dy
         assert mon.open_alerts == 0
         seen = train(model, recipe, mon, 9, hook=poison, forward=torch.compile(model) if compiled else None)
         assert wait_until(lambda: mon.open_alerts > 0)  # the job sees the service's alerts (progress bar)
+        # the poisoned weight spreads to other tensors: more alerts than incidents, one incident at least
+        grouped = wait_until(lambda: 0 < mon.open_incidents < mon.open_alerts)
+        assert grouped, (mon.open_incidents, mon.open_alerts)
     events = _events(server.url, mon.run_id, "nonfinite")
     stat_events = [e for e in events if e["details"]["what"] == "statistics"]
     assert stat_events[0]["step"] == poisoned
