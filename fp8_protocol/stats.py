@@ -102,12 +102,18 @@ def encode_float(x: float) -> float | str:
 # others) over a real one.
 
 
-def sqnr_db(sum_sq, err_sq):
-    """Signal-to-quantization-noise ratio in dB, 10·log10(Σx² / Σ(q(x)−x)²): +inf for an exact round trip
-    (an all-zero tensor included: nothing was lost)."""
+def sqnr_db(sum_sq, err_sq, numel=None, nonfinite=None):
+    """Signal-to-quantization-noise ratio in dB, 10·log10(Σx² / Σ(q(x)−x)²) over the finite elements: +inf
+    for an exact round trip (an all-zero tensor included: nothing was lost). Given ``numel`` and
+    ``nonfinite``, NaN for a tensor without a finite element: its sums are zero because nothing was measured,
+    and +inf would read as a perfect round trip of a tensor that is all NaN or Inf."""
     signal, noise = np.asarray(sum_sq, dtype=np.float64), np.asarray(err_sq, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where((signal == 0) & (noise == 0), np.inf, 10.0 * np.log10(signal / noise))
+        db = np.where((signal == 0) & (noise == 0), np.inf, 10.0 * np.log10(signal / noise))
+    if numel is None or nonfinite is None:
+        return db
+    finite = np.asarray(numel, dtype=np.float64) - np.asarray(nonfinite, dtype=np.float64)
+    return np.where(finite > 0, db, np.nan)
 
 
 def rms(sum_sq, numel, nonfinite):

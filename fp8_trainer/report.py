@@ -24,7 +24,7 @@ def fp8_summary(stats: torch.Tensor) -> str:
     if (
         s.shape[1] > ERR_SQ
     ):  # the quality columns: the worst tensor's SQNR (tensors that ran, exact ones aside)
-        db = sqnr_db(s[:, SUM_SQ].numpy(), s[:, ERR_SQ].numpy())
+        db = sqnr_db(s[:, SUM_SQ].numpy(), s[:, ERR_SQ].numpy(), s[:, NUMEL].numpy(), s[:, NONFINITE].numpy())
         db = db[np.isfinite(db)]
         if db.size:
             line += f", min SQNR {db.min():.1f} dB"

@@ -137,7 +137,10 @@ def headroom(amax: np.ndarray, scale: np.ndarray, fp8_max: np.ndarray) -> np.nda
 #: derived metric id -> (the stored columns it is computed from, f(fp8_max, *columns) -> (S, T) per step)
 DERIVED: dict[int, tuple[tuple[str, ...], Callable[..., np.ndarray]]] = {
     HEADROOM_ID: (("amax", "scale"), lambda fp8_max, amax, scale: headroom(amax, scale, fp8_max)),
-    SQNR_ID: (("sum_sq", "err_sq"), lambda _, sum_sq, err_sq: sqnr_db(sum_sq, err_sq)),
+    SQNR_ID: (
+        ("sum_sq", "err_sq", "numel", "nonfinite"),
+        lambda _, sum_sq, err_sq, numel, nonfinite: sqnr_db(sum_sq, err_sq, numel, nonfinite),
+    ),
     SUBNORMAL_FRACTION_ID: (("subnormal", "numel"), lambda _, sub, numel: subnormal_fraction(sub, numel)),
     DYNAMIC_RANGE_ID: (("amax", "min_abs"), lambda _, amax, min_abs: dynamic_range(amax, min_abs)),
     OUTLIER_RATIO_ID: (

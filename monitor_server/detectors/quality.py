@@ -65,8 +65,8 @@ class SqnrDropDetector(Detector, key="sqnr_drop", order=55):
     episode of consecutive dropping steps, after `sqnr_consecutive` of them, severity warning, critical
     when the drop exceeds ``2 * sqnr_drop_db``. The dropped steps enter the window too, so a tensor that
     settles at a new level ends its episode once the median has followed it (a further fall fires again).
-    Steps without the quality columns, and an undefined SQNR (an all-zero tensor, NaN) or an exact round
-    trip (+inf), are skipped: they neither drop nor enter the level.
+    Steps without the quality columns, and an undefined SQNR (a tensor without a finite element, NaN) or an
+    exact round trip (+inf), are skipped: they neither drop nor enter the level.
     """
 
     # (sqnr_window, T) previous usable SQNR values, NaN where none; a changed sqnr_window restarts the window
@@ -90,7 +90,8 @@ class SqnrDropDetector(Detector, key="sqnr_drop", order=55):
         sum_sq, err_sq = view.stats.get("sum_sq"), view.stats.get("err_sq")
         if sum_sq is None or err_sq is None:
             return []
-        return self.process(view.steps, sqnr_db(sum_sq, err_sq), view.watched)
+        sqnr = sqnr_db(sum_sq, err_sq, view.stats.get("numel"), view.stats.get("nonfinite"))
+        return self.process(view.steps, sqnr, view.watched)
 
     def process(self, steps: np.ndarray, sqnr: np.ndarray, watched: np.ndarray) -> list[Finding]:
         cfg = self.config

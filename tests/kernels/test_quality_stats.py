@@ -80,6 +80,13 @@ def test_edge_cases_by_hand():
     _, row = quantize_with_stats_reference(torch.tensor([NAN, INF, -INF, 3.0]), torch.tensor(1.0), E4M3)
     assert row[NONFINITE].item() == 3 and row[SUM_SQ].item() == 9.0 and row[ERR_SQ].item() == 0.0
     assert row[MIN_ABS].item() == 3.0
+    # no finite element: sums of zero that measured nothing, so no SQNR (not the +inf of an exact trip),
+    # where an all-zero tensor, measured and exact, keeps its +inf
+    _, row = quantize_with_stats_reference(torch.tensor([NAN, INF, -INF]), torch.tensor(1.0), E4M3)
+    args = [row[c].item() for c in (SUM_SQ, ERR_SQ, NUMEL, NONFINITE)]
+    assert args[:2] == [0.0, 0.0] and math.isnan(sqnr_db(*args)) and sqnr_db(*args[:2]) == INF
+    _, row = quantize_with_stats_reference(torch.zeros(3), torch.tensor(1.0), E4M3)
+    assert sqnr_db(*[row[c].item() for c in (SUM_SQ, ERR_SQ, NUMEL, NONFINITE)]) == INF
     # saturation is error: 500 -> 448
     _, row = quantize_with_stats_reference(torch.tensor([500.0]), torch.tensor(1.0), E4M3)
     assert row[ERR_SQ].item() == 52.0**2

@@ -83,6 +83,23 @@ def test_the_same_run_without_the_drop_raises_nothing(client):
     assert all(20.0 < layer["sqnr_db"] < 40.0 for layer in layers(client, run_id).values())
 
 
+def test_a_layer_gone_non_finite_never_shows_a_perfect_sqnr(client):
+    # a NaN reaches blocks.2.mlp.fc's input for good: every element non-finite, so the kernel's sums of
+    # squares are zero, and 0/0 is no measurement, not an exact round trip (+inf dB)
+    run, _ = realistic_run(drop=False)
+    t, bad = index_of(run.tensors, 2, "input"), slice(180, None)
+    run.stats["nonfinite"][bad, t] = run.stats["numel"][bad, t]
+    run.stats["amax"][bad, t] = 0.0  # NaN elements never win the amax
+    run.stats["sum_sq"][bad, t] = run.stats["err_sq"][bad, t] = 0.0
+    run_id = post_run(client, run)
+    entry = layers(client, run_id)["blocks.2.mlp.fc"]
+    measured = 10.0 * np.log10(run.stats["sum_sq"][179, t] / run.stats["err_sq"][179, t])
+    tensor = next(x for x in entry["tensors"] if x["index"] == t)
+    assert tensor["sqnr_db"] == pytest.approx(measured, rel=1e-12)  # its last measured value
+    assert entry["sqnr_db"] is not None and 20.0 < entry["sqnr_db"] < 40.0, entry
+    assert [a["kind"] for a in alerts(client, run_id)] == ["nonfinite"]  # and no SQNR alert from it
+
+
 def test_a_run_without_quality_columns_raises_nothing_and_shows_no_sqnr(client):
     run, _ = realistic_run(drop=True)  # the drop is in err_sq, which this sender does not send
     run_id = post_run(client, run, quality=False)

@@ -38,11 +38,16 @@ def expected_per_step(stats: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     with np.errstate(divide="ignore", invalid="ignore"):
         finite = stats["numel"] - stats["nonfinite"]
         return {
-            # nothing to measure (all zero): the neutral value, which a bucket's worst-of never picks
+            # nothing lost (all zero): the neutral value, which a bucket's worst-of never picks; nothing
+            # measured (no finite element): undefined, NaN, never the perfect +inf
             "sqnr": np.where(
-                (stats["sum_sq"] == 0) & (stats["err_sq"] == 0),
-                np.inf,
-                10.0 * np.log10(stats["sum_sq"] / stats["err_sq"]),
+                finite <= 0,
+                np.nan,
+                np.where(
+                    (stats["sum_sq"] == 0) & (stats["err_sq"] == 0),
+                    np.inf,
+                    10.0 * np.log10(stats["sum_sq"] / stats["err_sq"]),
+                ),
             ),
             "subnormal": stats["subnormal"] / stats["numel"],
             "dynamic_range": np.where(
@@ -113,6 +118,9 @@ def test_quality_heatmaps_match_numpy_at_every_width(client):
     stats["sum_sq"][400, 2] = stats["err_sq"][400, 2] = 0.0  # an all-zero tensor: SQNR +inf (nothing lost)
     stats["min_abs"][401, 3] = np.inf  # no non-zero value: dynamic range 0
     stats["err_sq"][402, 4] = np.nan  # a real NaN: it shows
+    # a tensor without a finite element (all NaN/Inf): its sums are zero because nothing was measured
+    stats["nonfinite"][403, 7] = stats["numel"][403, 7]
+    stats["sum_sq"][403, 7] = stats["err_sq"][403, 7] = 0.0
     stats["err_sq"][2500, 5] = stats["sum_sq"][2500, 5] * 1e-1  # a one-step SQNR dip to 10 dB
     stats["amax"][2700, 6] *= 1e4  # a one-step outlier
     steps = np.arange(S) + 5
@@ -145,6 +153,7 @@ def test_quality_heatmaps_match_numpy_at_every_width(client):
     # step with nothing to measure neither hides the tensor's worst step nor shows as a fault
     _, sqnr = heatmap(client, run["id"], metric="sqnr", max_cols=1)
     assert np.isnan(sqnr[4, 0]) and sqnr[5, 0] == pytest.approx(10.0, abs=1e-9)
+    assert np.isnan(sqnr[7, 0])  # the all-non-finite step shows, as undefined (not a perfect +inf)
     assert sqnr[2, 0] == pytest.approx(
         np.min(np.delete(per_step["sqnr"][with_quality][:, 2], 400)), rel=1e-12
     )
