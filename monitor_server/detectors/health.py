@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from .nonfinite import forward_backward_order
 from .types import Finding, TensorMeta, encode_float
 
 SEVERITY_RANK = {"ok": 0, "info": 1, "warning": 2, "critical": 3}
@@ -78,6 +79,9 @@ def layer_health(
     per-tensor fact (``saturation``). Any open alert also marks the layer diverging.
     severity = the worst reason ("ok" if none); score = sum of reason weights (info 1,
     warning 10, critical 100) plus a small term for the least headroom, so healthy layers rank by headroom.
+    Ranked by severity, then by the onset of the layer's earliest open alert (its step, then its tensor's
+    forward-then-backward position, the incidents' root-cause order: where a NaN spreads to every layer, the
+    layer it started in comes first, not the one with the most alerts), then by score.
     Alerts without a tensor (loss_spike, stalled) belong to no layer and are ignored here.
     ``sqnr_db`` is the layer's worst (lowest) latest tensor SQNR in dB, None when none of its tensors has
     one (a run without the quality columns).
@@ -91,6 +95,8 @@ def layer_health(
     for i, meta in enumerate(tensors):
         if meta.layer:
             layers.setdefault(meta.layer, []).append(i)
+    position = np.empty(len(tensors), dtype=np.int64)
+    position[forward_backward_order(tensors)] = np.arange(len(tensors))
     alerts_by_tensor: dict[int, list[dict]] = {}
     for alert in open_alerts:
         t = alert.get("tensor_index")
@@ -101,9 +107,13 @@ def layer_health(
     for order, (layer, idx) in enumerate(layers.items()):
         reasons: list[tuple[str, str]] = []  # (severity, text)
         diverging = False
+        onset = (np.inf, np.inf)  # the earliest open alert's (step, forward-then-backward position)
         for i in idx:
             name = tensors[i].name
             for a in alerts_by_tensor.get(i, []):
+                step = a.get("onset_step", a.get("first_step"))
+                if isinstance(step, int | float):
+                    onset = min(onset, (float(step), float(position[i])))
                 sev = a.get("severity") if a.get("severity") in SEVERITY_WEIGHT else "warning"
                 reasons.append(
                     (
@@ -158,11 +168,12 @@ def layer_health(
                 "sqnr_db": encode_float(known.min()) if known.size else None,
                 "tensors": [_tensor_entry(tensors[i], i, snap, head, sat, sqnr, sqnr_level) for i in idx],
                 "_order": order,
+                "_onset": onset,
             }
         )
-    out.sort(key=lambda d: (-d["score"], d["_order"]))
+    out.sort(key=lambda d: (-SEVERITY_RANK[d["severity"]], d["_onset"], -d["score"], d["_order"]))
     for d in out:
-        del d["_order"]
+        del d["_order"], d["_onset"]
     return out
 
 

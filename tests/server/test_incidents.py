@@ -108,6 +108,20 @@ def test_a_nan_that_spreads_is_one_incident_with_its_root_first(recorded):
     assert run["open_incidents"] == 1 and run["open_alerts"] == 13
 
 
+def test_the_layers_table_ranks_the_layer_a_nan_started_in_first(client):
+    # every layer ends up critical with the same alerts; the user looks at the top row for where it began:
+    # the onset's step, then the forward-then-backward order (blocks.0 went bad only in the backward pass)
+    rid = create_run(client, n_layers=N_LAYERS)["id"]
+    s = quiet_stats(20, T)
+    nan_in_layer(s, 10, layer=1)
+    post_batch(client, rid, "a", 0, s)
+    r = client.get(f"{API}/runs/{rid}/layers")
+    assert r.status_code == 200, r.text
+    layers = r.json()
+    assert [x["layer"] for x in layers] == [f"blocks.{k}.mlp.fc" for k in (1, 2, 3, 0)], layers
+    assert {x["severity"] for x in layers} == {"critical"}
+
+
 def test_an_earlier_onset_found_later_becomes_the_root(recorded):
     client = recorded
     rid = create_run(client, n_layers=N_LAYERS)["id"]
