@@ -43,6 +43,8 @@ def test_postmortem_and_comparison(server, page):
         {"kind": "loss_spike", "step": 180, "details": {}},
     ]
     losses = np.full(STEPS, 2.0)
+    losses[165:168] = np.nan  # three non-finite losses in a row, then one alone
+    losses[190] = np.inf
     post_steps(server.url, run["id"], "a", 0, stats, losses=losses, events=events)
     post_steps(server.url, twin["id"], "a", 0, twin_stats, losses=losses + 0.5)
     assert httpx.patch(f"{server.url}{API}/runs/{run['id']}", json={"status": "crashed"}).status_code == 200
@@ -89,6 +91,12 @@ def test_postmortem_and_comparison(server, page):
     # spike markers on the loss curve
     spikes = page.evaluate("document.getElementById('curves').data.find(t => t.name === 'loss spike').x")
     assert sorted(spikes) == [100, 180]
+    # each run of non-finite losses one band, named in its hover (not a dashed line per step)
+    curves = "document.getElementById('curves')"
+    bands = page.evaluate(f"{curves}.layout.shapes.filter(s => s.type === 'rect').map(s => [s.x0, s.x1])")
+    assert bands == [[164.5, 167.5], [189.5, 190.5]], bands
+    marks = page.evaluate(f"{curves}.data.find(t => t.name === 'non-finite loss').text")
+    assert marks == ["non-finite loss from step 165 to 167", "non-finite loss at step 190"], marks
 
     # comparison: loss overlay and the amax difference (twin is 2x everywhere -> -1 binade)
     page.goto(f"{server.url}/#/compare?a={run['id']}&b={twin['id']}")

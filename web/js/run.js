@@ -57,6 +57,21 @@ function eventText(e) {
   return `${e.details.name} at step ${e.step}${rest.length ? `: ${rest.join(", ")}` : ""}`;
 }
 
+/** Runs of consecutive non-finite values of a series (NaN, ±Inf, or null), as [first step, last step]. */
+export function nonfiniteSpans(steps, values) {
+  const spans = [];
+  let start = null;
+  for (let i = 0; i <= steps.length; i++) {
+    const bad = i < steps.length && !Number.isFinite(values[i]);
+    if (bad && start === null) start = i;
+    if (!bad && start !== null) {
+      spans.push([steps[start], steps[i - 1]]);
+      start = null;
+    }
+  }
+  return spans;
+}
+
 const CURVES_HEIGHT = 340;
 const CURVES_MARGIN = { l: 60, r: 60, t: 10, b: 40 };
 
@@ -135,7 +150,6 @@ class Curves {
   async draw() {
     const Plotly = await plotly();
     const clean = (v) => (Number.isFinite(v) ? v : null);
-    const nonfinite = this.loss.steps.filter((_, i) => !Number.isFinite(this.loss.values[i]));
     const spikes = (this.markers.spikes || []).map(([step, text]) => ({ step, text, y: this.lossAt(step) }));
     const others = (this.markers.others || []).map((a) => ({ a, y: this.lossAt(a.first_step) }));
     const marks = (this.markers.marks || []).map((m) => ({ ...m, y: this.lossAt(m.step) }));
@@ -164,7 +178,19 @@ class Curves {
         marker: { symbol: "diamond", size: 8, color: "#8c564b" },
       },
     ];
-    const shapes = nonfinite.map((s) => ({ type: "line", x0: s, x1: s, yref: "paper", y0: 0.4, y1: 1, line: { color: "#ff00ff", width: 1, dash: "dash" } }));
+    // each run of consecutive non-finite losses as one band (a line per step drew a forest of dashes
+    // once a NaN stuck), named in its hover
+    const spans = nonfiniteSpans(this.loss.steps, this.loss.values);
+    const shapes = spans.map(([a, b]) => ({
+      type: "rect", x0: a - 0.5, x1: b + 0.5, yref: "paper", y0: 0.4, y1: 1, fillcolor: "rgba(255,0,255,0.15)",
+      line: { color: "#ff00ff", width: 1 }, layer: "below",
+    }));
+    traces.push({
+      type: "scatter", mode: "markers", name: "non-finite loss", x: spans.map(([a]) => a), y: spans.map(([a]) => this.lossAt(a)),
+      text: spans.map(([a, b]) => (a === b ? `non-finite loss at step ${a}` : `non-finite loss from step ${a} to ${b}`)),
+      hovertemplate: "%{text}<extra></extra>", marker: { symbol: "square", size: 9, color: "#ff00ff" },
+      visible: spans.length ? true : "legendonly",
+    });
     const layout = {
       height: CURVES_HEIGHT,
       margin: CURVES_MARGIN,
