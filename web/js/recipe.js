@@ -6,6 +6,9 @@ import { api, auth } from "./api.js";
 import { badge, el, replace } from "./dom.js";
 
 const FIELDS = ["margin", "amax_history_len", "amax_compute_algo", "interval", "scaling", "fp8_enabled"];
+// settings of delayed scaling alone: current scaling derives each scale from the tensor's own amax
+const DELAYED_ONLY = new Set(["margin", "amax_history_len", "amax_compute_algo", "interval"]);
+const UNUSED = "not used by current scaling (in force again after a switch to delayed)";
 const STATE_KIND = { pending: "info", delivered: "info", applied: "ok", rejected: "bad" };
 
 function show(value) {
@@ -153,7 +156,13 @@ export class RecipeEditor {
       el("table", { class: "recipe" },
         el("thead", {}, el("tr", {}, el("th", {}, "target"), ...FIELDS.map((f) => el("th", {}, f.replace(/_/g, " "))))),
         el("tbody", {}, rows.map(([target, values]) =>
-          el("tr", { dataset: { target } }, el("td", { class: "name" }, target), ...FIELDS.map((f) => el("td", {}, show(values[f]))))))),
+          el("tr", { dataset: { target } }, el("td", { class: "name" }, target), ...FIELDS.map((f) =>
+            values.scaling === "current" && DELAYED_ONLY.has(f)
+              ? el("td", { class: "muted unused", title: UNUSED }, show(values[f]))
+              : el("td", {}, show(values[f]))))))),
+      rows.some(([, values]) => values.scaling === "current")
+        ? el("p", { class: "muted", id: "recipe-unused-note" }, `Greyed: ${UNUSED}.`)
+        : [],
     );
     const selected = this.inputs.target.value;
     replace(this.inputs.target, el("option", { value: "model" }, "whole model"), this.layers.map((l) => el("option", { value: l }, l)));
