@@ -47,10 +47,14 @@ def _run(script: str, *args: str, pg: str) -> str:
 
 def test_fleet_bench_small(tmp_path, pg_server_url):
     out = tmp_path / "fleet.json"
-    args = ["--runs", "4", "--tensors", "32", "--seconds", "12", "--nan-runs", "2", "--no-kill"]
-    _run("fleet.py", *args, "--keep-steps", "4", "--out", str(out), pg=pg_server_url)
+    # a step per second per run; compaction drops whole blocks of 8 steps older than the last 2 kept, so
+    # it needs 10 steps of each run: 16 s leaves room for a loaded machine whose sender loop runs late
+    # (at 12 s with 4 kept, a run that got 11 steps out had nothing to compact)
+    args = ["--runs", "4", "--tensors", "32", "--seconds", "16", "--nan-runs", "2", "--no-kill"]
+    _run("fleet.py", *args, "--keep-steps", "2", "--out", str(out), pg=pg_server_url)
     (r,) = json.loads(out.read_text())
     assert r["steps_sent"] == r["steps_stored"] > 0 and r["steps_lost"] == r["steps_twice"] == 0
+    assert r["steps_stored"] >= 4 * 10, r  # enough for compaction to drop a block of each run
     assert r["nan_runs"] == 2 and r["incidents"] == 2 and r["nonfinite_alerts"] == 2
     assert r["webhook_messages"] == 2 and r["other_alerts"] == 0
     assert r["local_p50_s"] is not None  # the stream of the instance that took each step saw it
