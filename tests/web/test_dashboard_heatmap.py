@@ -176,3 +176,41 @@ def test_step_axis_stays_in_sight_with_hundreds_of_rows(server, page):
         )
         assert view["ticks"] == view["plotTicks"] and "0" in view["ticks"]
     no_page_errors(page)
+
+
+def test_cells_of_tensors_with_non_finite_elements_are_marked_in_every_view(server, page):
+    # as the kernels report them: an amax ignores NaN, so a tensor with a few NaN elements keeps a normal
+    # amax and one gone all NaN reports 0 (an empty cell); the nonfinite count is what says so, and the
+    # heatmap marks those cells whatever metric it shows
+    steps, t_few, t_all = 60, 4, 7
+    run = create_run(server.url, "nonfinite-cells", N_LAYERS)
+    stats = smooth_stats(steps, 3 * N_LAYERS)
+    stats["nonfinite"][30, t_few] = 5
+    stats["nonfinite"][40:45, t_all] = 4096
+    stats["amax"][40:45, t_all] = 0.0
+    post_steps(server.url, run["id"], "a", 0, stats)
+    open_run(page, server.url, run["id"], stream=False)
+    page.wait_for_function(
+        "() => document.getElementById('heatmap').data.some(t => t.name === 'non-finite elements')"
+    )
+    state = heatmap_state(page)
+    assert state["dx"] == 1 and state["cols"] == steps  # a bucket per step
+    rows = {name: i for i, name in enumerate(state["ticktext"])}
+    few, gone = rows["blocks.1.mlp.fc.weight"], rows["blocks.2.mlp.fc.weight"]
+    marked = sorted(tuple(cell) for cell in state["markers"]["non-finite elements"]["cells"])
+    assert marked == [(few, 30), *((gone, c) for c in range(40, 45))], marked
+    assert state["z"][few][30] is not None  # the amax still shows under its mark
+    assert "non-finite elements present" in state["info"]
+    # another metric: the same cells
+    page.select_option("#heatmap-metric", "underflow")
+    page.wait_for_function(
+        "() => document.getElementById('heatmap').data.some(t => t.name === 'non-finite elements'"
+        " && (t.customdata || []).length === 6)"
+    )
+    # the nonfinite view colours the counts themselves: no marks
+    page.select_option("#heatmap-metric", "nonfinite")
+    page.wait_for_function(
+        "() => window.fp8scope.heatmapQuery.metric === 'nonfinite' && "
+        "!document.getElementById('heatmap').data.some(t => t.name === 'non-finite elements')"
+    )
+    no_page_errors(page)

@@ -38,6 +38,9 @@ export const SPECIAL = {
   2: ["+Inf", "#111111"],
   3: ["-Inf", "#00bcd4"],
   4: ["saturated (headroom ≤ 0)", "#ff7f00"],
+  // a cell whose tensor had NaN/Inf elements (the nonfinite count), whatever the metric shows there: an amax
+  // ignores NaN, so a tensor gone all NaN has an amax of 0 (an empty cell) and one with a few a normal one
+  5: ["non-finite elements", "#ff00ff", "square-open"],
 };
 const HOVER_METRICS = ["amax", "scale", "overflow", "underflow", "nonfinite"];
 const MARGIN = { l: 230, r: 20, t: 10, b: 40 };
@@ -180,6 +183,7 @@ export class Heatmap {
     if (seq !== this.seq || this.dead) return; // a newer request superseded this one
     this.data = data;
     this.companions = new Map([[this.metric, data]]);
+    this.nonfinite = null;
     if (this.firstPaint && !this.plotted) {
       // the first frame now; plotly.js is held back until it is painted
       const painted = this.firstPaint;
@@ -187,6 +191,18 @@ export class Heatmap {
       this.paintPreview();
       painted(Boolean(this.previewCanvas));
     }
+    await this.render();
+    await this.markNonfinite(seq);
+  }
+
+  /** After the first drawing: the nonfinite counts of the same buckets, and the cells they mark (code 5),
+   * drawn again where there are any. */
+  async markNonfinite(seq) {
+    if (this.metric === "nonfinite") return; // its own colours show the counts
+    const c = await this.companion("nonfinite").catch(() => null);
+    if (seq !== this.seq || this.dead || !c || c !== this.companions.get("nonfinite")) return;
+    if (!c.vals.some((v) => v > 0)) return;
+    this.nonfinite = c;
     await this.render();
   }
 
@@ -239,6 +255,8 @@ export class Heatmap {
     const specials = new Map(Object.keys(SPECIAL).map((code) => [Number(code), []])); // code -> [[r, c]]
     let nSpecial = 0;
     const logScale = this.metric === "amax" || this.metric === "scale";
+    const nf = this.nonfinite && this.nonfinite.C === C ? this.nonfinite.vals : null;
+    const hasNonfinite = (row, c) => row.indices.some((t) => nf[t * C + c] > 0);
     for (let r = 0; r < R; r++) {
       const zr = new Array(C);
       const single = rows[r].indices.length === 1 ? rows[r].indices[0] * C : -1;
@@ -251,11 +269,12 @@ export class Heatmap {
         if (single >= 0) v = d.vals[single + c];
         else v = this.rowValue(d, rows[r], c, this.metric)[0];
         // the common case inline (finite positive amax/scale); everything else through cellColour
-        if (logScale && v > 0 && v < Infinity) {
+        if (logScale && v > 0 && v < Infinity && !(nf && hasNonfinite(rows[r], c))) {
           zr[c] = Math.log2(v);
           continue;
         }
-        const [colour, code] = cellColour(this.metric, v, false);
+        let [colour, code] = cellColour(this.metric, v, false);
+        if (code === null && nf && hasNonfinite(rows[r], c)) code = 5;
         zr[c] = colour;
         if (code !== null) {
           specials.get(code).push([r, c]);
@@ -325,7 +344,8 @@ export class Heatmap {
     ];
     // non-finite (and saturated) cells: few, so one square marker each, drawn above the colours and listed
     // in the legend; a pathological run with very many falls back to a second (regular) heatmap
-    const codes = Object.keys(SPECIAL).map(Number).filter((code) => code !== 4 || this.metric === "headroom");
+    const codes = Object.keys(SPECIAL).map(Number)
+      .filter((code) => (code !== 4 || this.metric === "headroom") && (code !== 5 || specials.get(5).length));
     if (nSpecial > MAX_MARKERS) {
       const special = z.map(() => new Array(C).fill(null));
       for (const [code, cells] of specials) for (const [r, c] of cells) special[r][c] = code;
@@ -342,7 +362,9 @@ export class Heatmap {
       traces.push({
         type: "scatter", mode: "markers", name: SPECIAL[code][0], showlegend: true, hoverinfo: "none", cliponaxis: true,
         x: cells.length ? cells.map(([, c]) => centre(c)) : [null], y: cells.length ? cells.map(([r]) => r) : [null],
-        customdata: cells, marker: { symbol: "square", size, color: SPECIAL[code][1], line: { width: 0 } },
+        customdata: cells, marker: SPECIAL[code][2]
+          ? { symbol: SPECIAL[code][2], size, color: SPECIAL[code][1], line: { width: 2, color: SPECIAL[code][1] } }
+          : { symbol: "square", size, color: SPECIAL[code][1], line: { width: 0 } },
       });
     }
     const shapes = [];
@@ -367,7 +389,8 @@ export class Heatmap {
     };
     const present = new Set([...specials].filter(([, cells]) => cells.length).map(([code]) => code));
     this.info.textContent = `${R} rows × ${C} buckets of ${w} step${w === 1 ? "" : "s"}` +
-      (present.has(1) ? " · NaN present" : "") + (present.has(2) || present.has(3) ? " · Inf present" : "");
+      (present.has(1) ? " · NaN present" : "") + (present.has(2) || present.has(3) ? " · Inf present" : "") +
+      (present.has(5) ? " · non-finite elements present" : "");
     if (this.dead) return;
     mark("heatmap-traces");
     if (!this.plotted) {
