@@ -263,6 +263,17 @@ class Monitor:
         return self.sender.open_alerts if self.sender else 0
 
     @property
+    def first_nonfinite(self) -> tuple[int, str] | None:
+        """(step, tensor name) of the run's first non-finite statistics as this process detected them (the
+        tensor first in the order a NaN spreads: where it began); None while there has been none."""
+        reporter = getattr(self, "_reporter", None)
+        first = reporter.detector.first_nonfinite if reporter is not None else None
+        if first is None:
+            return None
+        step, index = first
+        return step, str(self.tensors[index].get("name", index)) if index < len(self.tensors) else str(index)
+
+    @property
     def open_incidents(self) -> int:
         """Open incidents of the run as last seen: its open alerts grouped by cause, so that one NaN that
         spreads to every tensor is one incident (refreshed with ``open_alerts``; 0 if unknown)."""

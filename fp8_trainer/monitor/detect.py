@@ -109,6 +109,9 @@ class Detector:
         self.loss_rule = LossSpikeRule(LossSpikeParams.of(cfg))
         self.loss_nonfinite = False
         self.bad_tensors: set[int] = set()
+        #: (step, tensor index) of the run's first non-finite statistics: the culprit, first in the order
+        #: a non-finite value spreads; None while there has been none
+        self.first_nonfinite: tuple[int, int] | None = None
 
     def check(self, rec: StepRecord) -> list[tuple[str, dict[str, Any], list[int]]]:
         """Events for this step: ``(kind, details, involved tensor indices)``."""
@@ -137,6 +140,8 @@ class Detector:
         new = sorted(bad - self.bad_tensors, key=lambda t: (self.rank.get(t, t), t))
         self.bad_tensors = bad
         if new:
+            if self.first_nonfinite is None:
+                self.first_nonfinite = (int(rec.step), int(new[0]))
             details = {
                 "what": "statistics",
                 "tensor_index": new[0],  # the service's detectors attach the alert to this tensor

@@ -19,6 +19,8 @@ def test_nan_in_an_activation_is_a_nonfinite_alert_on_that_tensor_and_step(serve
     proc = train("--steps", "20", "--monitor-url", server.url, "--run-name", "e2e-nan",
                  "--inject", "nan:blocks.1.mlp.fc@12")  # fmt: skip
     assert "nan" in proc.stdout.lower() and "blocks.1.mlp.fc" in proc.stdout
+    # the end of the job's output names where it began (its health table shows the last step, all NaN)
+    assert "first non-finite: blocks.1.mlp.fc.input at step 12" in proc.stdout, proc.stdout[-2000:]
     run = run_by_name(api, "e2e-nan")
     found = _alerts(api, run["id"], "nonfinite")
     first = min(found, key=lambda a: (a["first_step"], a["id"]))

@@ -206,6 +206,8 @@ def test_nonfinite_event_names_the_tensor_and_histograms_it(server, tmp_path, dy
         # the poisoned weight spreads to other tensors: more alerts than incidents, one incident at least
         grouped = wait_until(lambda: 0 < mon.open_incidents < mon.open_alerts)
         assert grouped, (mon.open_incidents, mon.open_alerts)
+    # where it began, as the job itself saw it: the poisoned weight, not the tensors it spread to
+    assert mon.first_nonfinite == (poisoned, f"{layer}.weight"), mon.first_nonfinite
     events = _events(server.url, mon.run_id, "nonfinite")
     stat_events = [e for e in events if e["details"]["what"] == "statistics"]
     assert stat_events[0]["step"] == poisoned
