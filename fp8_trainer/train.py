@@ -189,6 +189,7 @@ class _NoMonitor:
 
     open_alerts = 0
     open_incidents = 0
+    first_nonfinite = None
 
     def __enter__(self):
         return self
@@ -424,7 +425,7 @@ def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -
         if got is not None:
             say(f"FP8 health after step {got[0]} (per layer; counts summed over input, weight, grad_output):")
             say(health_table(model, got[1]))
-        first = getattr(monitor, "first_nonfinite", None)
+        first = monitor.first_nonfinite
         if first is not None:  # the worst tensor above is where a NaN spread to, not where it began
             say(f"first non-finite: {first[1]} at step {first[0]}")
     result.losses = losses[: result.step - start].tolist()  # one host copy, at the end

@@ -222,7 +222,8 @@ def _given_amax(amax_ptr, amax_n, HAS_AMAX: tl.constexpr, AMAX_PARTS: tl.constex
     time. Read once, at the program's start: a value held through the main loop costs one register, where
     the pointer and count to read it again at the end cost three. (sm_90, bf16 in, with the quality
     statistics: one 1024-wide masked read of the partials instead of the 128-wide loop raised the 1-D
-    kernel's registers from 80 to 94, from three programs per SM to two; ``bench/sass.py``.)"""
+    kernel's registers from 80 to 94, from three programs per SM to two, both built through
+    ``cross_build.sass_profile``; ``bench/sass.py`` profiles the shipped form.)"""
     if not HAS_AMAX:
         return 0.0
     elif AMAX_PARTS:

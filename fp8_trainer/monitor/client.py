@@ -266,12 +266,11 @@ class Monitor:
     def first_nonfinite(self) -> tuple[int, str] | None:
         """(step, tensor name) of the run's first non-finite statistics as this process detected them (the
         tensor first in the order a NaN spreads: where it began); None while there has been none."""
-        reporter = getattr(self, "_reporter", None)
-        first = reporter.detector.first_nonfinite if reporter is not None else None
+        first = self.detector.first_nonfinite
         if first is None:
             return None
         step, index = first
-        return step, str(self.tensors[index].get("name", index)) if index < len(self.tensors) else str(index)
+        return step, self.tensors[index]["name"]
 
     @property
     def open_incidents(self) -> int:

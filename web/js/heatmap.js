@@ -200,7 +200,7 @@ export class Heatmap {
   async markNonfinite(seq) {
     if (this.metric === "nonfinite") return; // its own colours show the counts
     const c = await this.companion("nonfinite").catch(() => null);
-    if (seq !== this.seq || this.dead || !c || c !== this.companions.get("nonfinite")) return;
+    if (seq !== this.seq || this.dead || !c) return;
     if (!c.vals.some((v) => v > 0)) return;
     this.nonfinite = c;
     await this.render();
@@ -268,13 +268,14 @@ export class Heatmap {
         }
         if (single >= 0) v = d.vals[single + c];
         else v = this.rowValue(d, rows[r], c, this.metric)[0];
+        const flagged = nf !== null && hasNonfinite(rows[r], c);
         // the common case inline (finite positive amax/scale); everything else through cellColour
-        if (logScale && v > 0 && v < Infinity && !(nf && hasNonfinite(rows[r], c))) {
+        if (logScale && v > 0 && v < Infinity && !flagged) {
           zr[c] = Math.log2(v);
           continue;
         }
         let [colour, code] = cellColour(this.metric, v, false);
-        if (code === null && nf && hasNonfinite(rows[r], c)) code = 5;
+        if (code === null && flagged) code = 5;
         zr[c] = colour;
         if (code !== null) {
           specials.get(code).push([r, c]);
