@@ -122,13 +122,22 @@ def test_heatmap_tensors_buckets_nan_zoom(server, page):
     assert head["markers"]["NaN"]["cells"] == [[row, col]]
     assert len({m["colour"] for m in head["markers"].values()}) == 4
 
-    # a layer's drill-down: amax, scale, overflow and underflow lines of its three tensors
+    # a layer's drill-down: amax, scale, overflow, underflow and non-finite lines of its three tensors
     page.click("#layers-table tr:has(td.name:text-is('blocks.1.mlp.fc'))")
     page.wait_for_selector("#drilldown-plot .main-svg")
     lines = page.evaluate(
         "document.getElementById('drilldown-plot').data.filter(t => t.mode === 'lines').map(t => t.yaxis)"
     )
-    assert sorted(lines) == sorted(["y", "y2", "y3", "y4"] * 3)
+    assert sorted(lines) == sorted(["y", "y2", "y3", "y4", "y5"] * 3)
+    # its weight's NaN: one band over the bucket that holds it, one marker named in the hover
+    drill = page.evaluate(
+        "(() => { const gd = document.getElementById('drilldown-plot');"
+        " return {bands: gd.layout.shapes.map(s => [s.x0, s.x1]),"
+        " text: gd.data.find(t => t.name === 'non-finite elements').text}; })()"
+    )
+    assert len(drill["bands"]) == 1 and drill["bands"][0][0] < NAN_STEP < drill["bands"][0][1], drill
+    assert len(drill["text"]) == 1
+    assert drill["text"][0].startswith("blocks.1.mlp.fc.weight: non-finite elements ")
     no_page_errors(page)
 
 

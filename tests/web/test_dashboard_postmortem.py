@@ -101,8 +101,20 @@ def test_postmortem_and_comparison(server, page):
     # comparison: loss overlay and the amax difference (twin is 2x everywhere -> -1 binade)
     page.goto(f"{server.url}/#/compare?a={run['id']}&b={twin['id']}")
     page.wait_for_function("() => window.fp8scope.drawn.compare !== undefined")
-    losses_drawn = page.evaluate("document.getElementById('compare-loss').data.map(t => t.y[0])")
-    assert losses_drawn == [2.0, 2.5]
+    drawn = page.evaluate(
+        "document.getElementById('compare-loss').data"
+        ".map(t => [t.mode, t.mode === 'lines' ? t.y[0] : t.text])"
+    )
+    # both runs' non-finite losses (the twin's are the same steps) named per run, after the two lines
+    assert drawn == [
+        ["lines", 2.0],
+        ["lines", 2.5],
+        *[
+            ["markers", [f"#{r['id']} {r['name']}: non-finite loss from step 165 to 167",
+                         f"#{r['id']} {r['name']}: non-finite loss at step 190"]]
+            for r in (run, twin)
+        ],
+    ], drawn  # fmt: skip
     diff = page.evaluate(
         "(() => { const d = document.getElementById('compare-diff').data;"
         " return {z: d[0].z, s: d[1].z, x0: d[0].x0, dx: d[0].dx}; })()"

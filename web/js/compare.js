@@ -1,23 +1,31 @@
 // Comparison of up to 8 runs: any scalar overlaid, the config diff, and between any two of them the heatmap
 // difference log2 amax(A) - log2 amax(B) per tensor (matched by name) over the step range both cover, with
-// the same bucket layout on both sides.
+// the same bucket layout on both sides. Where a run went non-finite it says so: its loss (any scalar) as
+// bands in the run's colour, and the difference's cells where either tensor had NaN/Inf elements marked
+// (an amax ignores NaN, so a tensor gone all NaN has an amax of 0 and no ratio to draw).
 
 import { api, num } from "./api.js";
 import { configText, flattenConfig } from "./config.js";
-import { el, plotly, plotlyText, replace } from "./dom.js";
+import { el, fmt, plotly, plotlyText, replace } from "./dom.js";
 import { ROLE_ORDER, SPECIAL, fetchHeatmap } from "./heatmap.js";
+import { finiteNear, nonfiniteSpans, spanText } from "./nonfinite.js";
 
-/** Per tensor name in A's order that B also has: the row of log2(A) - log2(B) values (NaN/Inf codes apart). */
-export function amaxDifference(a, b) {
+/** Per tensor name in A's order that B also has: the row of log2(A) - log2(B) values (NaN/Inf codes apart).
+ * With the runs' nonfinite counts in the same bucket layout (`nfA`, `nfB`), `flagged` lists the cells where
+ * either tensor counted non-finite elements, as [row, column, count in A, count in B]. */
+export function amaxDifference(a, b, nfA = null, nfB = null) {
   const bIndex = new Map(b.tensors.map((t) => [t.name, t.index]));
   const layerOrder = new Map();
   for (const t of a.tensors) if (!layerOrder.has(t.layer)) layerOrder.set(t.layer, layerOrder.size);
   const shared = a.tensors.filter((t) => bIndex.has(t.name))
     .sort((x, y) => (layerOrder.get(x.layer) - layerOrder.get(y.layer)) || (ROLE_ORDER[x.role] - ROLE_ORDER[y.role]) || (x.index - y.index));
   const C = Math.min(a.C, b.C);
+  const countsA = nfA && nfA.C === a.C ? nfA.vals : null;
+  const countsB = nfB && nfB.C === b.C ? nfB.vals : null;
   const z = [];
   const special = [];
-  for (const t of shared) {
+  const flagged = [];
+  shared.forEach((t, r) => {
     const j = bIndex.get(t.name);
     const zr = new Array(C).fill(null);
     const sr = new Array(C).fill(null);
@@ -28,12 +36,18 @@ export function amaxDifference(a, b) {
       if (Number.isNaN(va) || Number.isNaN(vb)) sr[c] = 1;
       else if (!Number.isFinite(va) || !Number.isFinite(vb)) sr[c] = 2;
       else if (va > 0 && vb > 0) zr[c] = Math.log2(va) - Math.log2(vb);
+      const na = countsA ? countsA[t.index * a.C + c] : 0;
+      const nb = countsB ? countsB[j * b.C + c] : 0;
+      if (na > 0 || nb > 0) flagged.push([r, c, na, nb]);
     }
     z.push(zr);
     special.push(sr);
-  }
-  return { shared, z, special, onlyA: a.tensors.length - shared.length, onlyB: b.tensors.length - shared.length };
+  });
+  return { shared, z, special, flagged, onlyA: a.tensors.length - shared.length, onlyB: b.tensors.length - shared.length };
 }
+
+/** Beyond this many flagged cells the difference draws them as an overlay heatmap instead of one marker each. */
+const MAX_MARKERS = 20000;
 
 export const MAX_RUNS = 8;
 const COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"];
@@ -137,6 +151,8 @@ export async function mountCompare(container, { runs: runIds = [], a = null, b =
     const layout = { height: 80 + 220 * Math.max(1, picked.length), margin: { l: 70, r: 20, t: 10, b: 40 }, legend: { orientation: "h", y: 1.08 },
       xaxis: { title: { text: "step" }, anchor: `y${picked.length <= 1 ? "" : picked.length}` } };
     const traces = [];
+    const shapes = [];
+    const bad = []; // marker traces of non-finite spans, after the lines
     picked.forEach((n, k) => {
       const axis = k === 0 ? "" : String(k + 1);
       const top = 1 - k * (h + gap);
@@ -144,11 +160,25 @@ export async function mountCompare(container, { runs: runIds = [], a = null, b =
       chosen.forEach((r, i) => {
         const sr = got[i].series[n];
         if (!sr) return;
+        const values = sr.values.map(num);
         traces.push({ type: "scatter", mode: "lines", name: plotlyText(`#${r.id} ${r.name}`), legendgroup: String(r.id), showlegend: k === 0,
-          x: sr.steps, y: sr.values.map((v) => (Number.isFinite(num(v)) ? num(v) : null)), yaxis: `y${axis}`, line: { color: COLOURS[i], width: 1.3 } });
+          x: sr.steps, y: values.map((v) => (Number.isFinite(v) ? v : null)), yaxis: `y${axis}`, line: { color: COLOURS[i], width: 1.3 } });
+        // where this run's values were NaN/Inf: a band in its colour over the chart, a marker named in the hover
+        const spans = nonfiniteSpans(sr.steps, values);
+        if (!spans.length) return;
+        for (const [a, b] of spans) {
+          shapes.push({ type: "rect", xref: "x", yref: `y${axis} domain`, x0: a - 0.5, x1: b + 0.5, y0: 0, y1: 1, layer: "below",
+            fillcolor: COLOURS[i], opacity: 0.15, line: { color: COLOURS[i], width: 1, dash: "dot" } });
+        }
+        bad.push({ type: "scatter", mode: "markers", name: plotlyText(`#${r.id} ${r.name}: non-finite`), legendgroup: String(r.id),
+          showlegend: !bad.some((t) => t.legendgroup === String(r.id)), yaxis: `y${axis}`, meta: { run: r.id, scalar: n, spans },
+          x: spans.map(([a]) => a), y: spans.map(([a]) => finiteNear(sr.steps, values, a)),
+          text: spans.map((span) => plotlyText(`#${r.id} ${r.name}: ${spanText(`non-finite ${n}`, span)}`)), hovertemplate: "%{text}<extra></extra>",
+          marker: { symbol: "square", size: 9, color: SPECIAL[1][1], line: { color: COLOURS[i], width: 2 } } });
       });
     });
-    await Plotly.react(lossPlot, traces, layout, { displaylogo: false, responsive: true });
+    layout.shapes = shapes;
+    await Plotly.react(lossPlot, [...traces, ...bad], layout, { displaylogo: false, responsive: true });
   };
   replace(picker, names.map((n) => el("label", { class: "pick", dataset: { name: n } },
     el("input", { type: "checkbox", checked: selected.has(n), onchange: (ev) => {
@@ -169,11 +199,19 @@ export async function mountCompare(container, { runs: runIds = [], a = null, b =
     return { destroy() {} };
   }
   const cols = Math.max(100, Math.round((diffPlot.clientWidth || 900) - 250));
-  const [pa, pb] = await Promise.all([runA, runB].map((r) => fetchHeatmap(r.id, { metric: "amax", from, to, max_cols: cols })));
-  const diff = amaxDifference(pa, pb);
-  diffInfo.textContent = `#${runA.id} − #${runB.id}: steps ${from}–${to}, buckets of ${pa.bucket_width} step${pa.bucket_width === 1 ? "" : "s"}; ${diff.shared.length} tensors in both` +
-    (diff.onlyA ? `, ${diff.onlyA} only in A` : "") + (diff.onlyB ? `, ${diff.onlyB} only in B` : "");
+  const [pa, pb, nfA, nfB] = await Promise.all([["amax", runA], ["amax", runB], ["nonfinite", runA], ["nonfinite", runB]]
+    .map(([metric, r]) => fetchHeatmap(r.id, { metric, from, to, max_cols: cols })));
+  const diff = amaxDifference(pa, pb, nfA, nfB);
   const C = Math.min(pa.C, pb.C);
+  // where each run's tensors first had non-finite elements (the cells marked below)
+  const firstBad = (which) => {
+    const cols = diff.flagged.filter((f) => f[which] > 0).map((f) => f[1]);
+    return cols.length ? pa.bucket_start[Math.min(...cols)] : null;
+  };
+  const badText = [[runA, firstBad(2)], [runB, firstBad(3)]]
+    .map(([r, step]) => (step === null ? "" : `; non-finite elements in #${r.id} from step ${step}`)).join("");
+  diffInfo.textContent = `#${runA.id} − #${runB.id}: steps ${from}–${to}, buckets of ${pa.bucket_width} step${pa.bucket_width === 1 ? "" : "s"}; ${diff.shared.length} tensors in both` +
+    (diff.onlyA ? `, ${diff.onlyA} only in A` : "") + (diff.onlyB ? `, ${diff.onlyB} only in B` : "") + badText;
   // buckets are aligned to multiples of the width: drawn as a regular grid (fast in plotly)
   const w = pa.bucket_width;
   const x0 = Math.floor(pa.bucket_start[0] / w) * w + w / 2;
@@ -182,14 +220,27 @@ export async function mountCompare(container, { runs: runIds = [], a = null, b =
   const every = Math.max(1, Math.ceil(11 / rowH));
   let lim = 0;
   for (const row of diff.z) for (const v of row) if (v !== null) lim = Math.max(lim, Math.abs(v));
+  // cells where either tensor had non-finite elements: an open square each, as on the run page (a filled
+  // overlay, code 3, where there are too many for markers)
+  const many = diff.flagged.length > MAX_MARKERS;
+  if (many) for (const [r, c] of diff.flagged) if (diff.special[r][c] === null) diff.special[r][c] = 3;
+  const cells = many ? [] : diff.flagged;
+  const size = Math.max(6, Math.min(14, rowH + 2));
   await Plotly.newPlot(diffPlot, [
     { type: "heatmap", x0, dx: w, y0: 0, dy: 1, z: diff.z, zsmooth: false, colorscale: "RdBu", reversescale: true, zmin: -lim || -1, zmax: lim || 1,
       text: diff.shared.map((t) => new Array(C).fill(plotlyText(t.name))), hovertemplate: "%{text}<br>step %{x}<br>log2 ratio %{z:.2f}<extra></extra>",
       colorbar: { title: { text: "log2 A/B" }, thickness: 12 } },
-    { type: "heatmap", x0, dx: w, y0: 0, dy: 1, z: diff.special, zsmooth: false, colorscale: [[0, SPECIAL[1][1]], [0.5, SPECIAL[1][1]], [0.5, SPECIAL[2][1]], [1, SPECIAL[2][1]]],
-      zmin: 0.5, zmax: 2.5, showscale: false, hoverinfo: "skip" },
+    { type: "heatmap", x0, dx: w, y0: 0, dy: 1, z: diff.special, zsmooth: false,
+      colorscale: [[0, SPECIAL[1][1]], [1 / 3, SPECIAL[1][1]], [1 / 3, SPECIAL[2][1]], [2 / 3, SPECIAL[2][1]], [2 / 3, SPECIAL[5][1]], [1, SPECIAL[5][1]]],
+      zmin: 0.5, zmax: 3.5, showscale: false, hoverinfo: "skip" },
     { type: "scatter", mode: "markers", x: [null], y: [null], name: "NaN in either", marker: { symbol: "square", size: 11, color: SPECIAL[1][1] } },
     { type: "scatter", mode: "markers", x: [null], y: [null], name: "Inf in either", marker: { symbol: "square", size: 11, color: SPECIAL[2][1] } },
+    { type: "scatter", mode: "markers", name: "non-finite elements in either", cliponaxis: true, meta: { flagged: diff.flagged.length },
+      x: cells.length ? cells.map(([, c]) => x0 + c * w) : [null], y: cells.length ? cells.map(([r]) => r) : [null],
+      text: cells.map(([r, c, na, nb]) => `${plotlyText(diff.shared[r].name)}<br>steps ${pa.bucket_start[c]}–${pa.bucket_end[c]}<br>non-finite elements: #${runA.id} ${fmt(na)}, #${runB.id} ${fmt(nb)}`),
+      hovertemplate: "%{text}<extra></extra>",
+      marker: { symbol: many ? "square" : SPECIAL[5][2], size: many ? 11 : size, color: SPECIAL[5][1], line: { width: 2, color: SPECIAL[5][1] } },
+      showlegend: diff.flagged.length > 0 },
   ], {
     height: Math.max(200, R * rowH + 60), margin: { l: 230, r: 20, t: 10, b: 40 },
     xaxis: { title: { text: "step" } },

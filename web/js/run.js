@@ -5,7 +5,8 @@
 import { api, auth, num, subscribe } from "./api.js";
 import { badge, deferPlotly, el, fmt, mark, panel, plotly, plotlyText, replace, sourceBadge, statusBadge, throttle } from "./dom.js";
 import { BlockHistPanel } from "./blockhist.js";
-import { Heatmap, fetchHeatmap } from "./heatmap.js";
+import { Heatmap, SPECIAL, fetchHeatmap } from "./heatmap.js";
+import { bucketSpans, finiteNear, nonfiniteSpans, spanText } from "./nonfinite.js";
 import { afterPaint, curvesPreview } from "./preview.js";
 import { IncidentsPanel, SEVERITY_KIND } from "./incidents.js";
 import { PostMortem } from "./postmortem.js";
@@ -57,21 +58,6 @@ function eventText(e) {
   return `${e.details.name} at step ${e.step}${rest.length ? `: ${rest.join(", ")}` : ""}`;
 }
 
-/** Runs of consecutive non-finite values of a series (NaN, ±Inf, or null), as [first step, last step]. */
-export function nonfiniteSpans(steps, values) {
-  const spans = [];
-  let start = null;
-  for (let i = 0; i <= steps.length; i++) {
-    const bad = i < steps.length && !Number.isFinite(values[i]);
-    if (bad && start === null) start = i;
-    if (!bad && start !== null) {
-      spans.push([steps[start], steps[i - 1]]);
-      start = null;
-    }
-  }
-  return spans;
-}
-
 const CURVES_HEIGHT = 340;
 const CURVES_MARGIN = { l: 60, r: 60, t: 10, b: 40 };
 
@@ -121,17 +107,7 @@ class Curves {
 
   /** Loss near `step` (for placing a marker on the curve). */
   lossAt(step) {
-    const { steps, values } = this.loss;
-    let best = null;
-    let dist = Infinity;
-    for (let i = 0; i < steps.length; i++) {
-      const d = Math.abs(steps[i] - step);
-      if (d < dist && Number.isFinite(values[i])) {
-        dist = d;
-        best = values[i];
-      }
-    }
-    return best;
+    return finiteNear(this.loss.steps, this.loss.values, step);
   }
 
   setMarkers(alerts, events) {
@@ -187,7 +163,7 @@ class Curves {
     }));
     traces.push({
       type: "scatter", mode: "markers", name: "non-finite loss", x: spans.map(([a]) => a), y: spans.map(([a]) => this.lossAt(a)),
-      text: spans.map(([a, b]) => (a === b ? `non-finite loss at step ${a}` : `non-finite loss from step ${a} to ${b}`)),
+      text: spans.map((span) => spanText("non-finite loss", span)),
       hovertemplate: "%{text}<extra></extra>", marker: { symbol: "square", size: 9, color: "#ff00ff" },
       visible: spans.length ? true : "legendonly",
     });
@@ -488,16 +464,19 @@ function reasonsList(reasons) {
   return [shown, rest];
 }
 
-/** amax, scale, overflow and underflow lines of one layer's tensors. */
+/** amax, scale, overflow, underflow and non-finite lines of one layer's tensors; the steps where any of them
+ * counted non-finite elements as bands across every panel (an amax ignores NaN: a tensor gone all NaN shows an
+ * amax of 0, which the log axis leaves out, so the counts are what say where the values went). */
 async function drillDown(container, runId, layer, tensors) {
   const mine = tensors.filter((t) => t.layer === layer);
   replace(container, el("h3", {}, "Layer ", el("span", { class: "name" }, layer)), el("p", { class: "muted" }, "loading…"));
-  const metrics = ["amax", "scale", "overflow", "underflow"];
+  const metrics = ["amax", "scale", "overflow", "underflow", "nonfinite"];
   const maps = await Promise.all(metrics.map((metric) => fetchHeatmap(runId, { metric, max_cols: 600 })));
   const plot = el("div", { id: "drilldown-plot" });
   replace(container, el("h3", {}, "Layer ", el("span", { class: "name" }, layer)), plot);
   const traces = [];
   const colours = ["#1f77b4", "#ff7f0e", "#2ca02c"];
+  const panels = metrics.length;
   maps.forEach((hm, k) => {
     const x = hm.bucket_start;
     mine.forEach((t, j) => {
@@ -507,25 +486,36 @@ async function drillDown(container, runId, layer, tensors) {
         name: plotlyText(t.role), legendgroup: t.role, showlegend: k === 0, line: { color: colours[j % 3], width: 1.2 },
         hovertemplate: `${plotlyText(t.name)}<br>${metrics[k]} %{y}<br>step %{x}<extra></extra>`,
       });
-      const bad = raw.map((v, i) => (v !== null && !Number.isFinite(v) ? i : -1)).filter((i) => i >= 0);
-      if (bad.length) {
-        traces.push({
-          type: "scatter", mode: "markers", x: bad.map((i) => x[i]), y: bad.map(() => null), yaxis: `y${k + 1}`, showlegend: false,
-          marker: { color: "#ff00ff", symbol: "x" }, name: "non-finite",
-        });
-      }
     });
   });
+  // one band per span of buckets where any of the layer's tensors had non-finite elements; one marker per
+  // tensor and span on the counts' panel, named in its hover
+  const counts = maps[metrics.indexOf("nonfinite")];
+  const shapes = bucketSpans(counts, mine.map((t) => t.index)).map(([a, b]) => ({
+    type: "rect", x0: a - 0.5, x1: b + 0.5, yref: "paper", y0: 0, y1: 1, fillcolor: "rgba(255,0,255,0.12)",
+    line: { color: SPECIAL[5][1], width: 1 }, layer: "below",
+  }));
+  const marks = mine.flatMap((t) => bucketSpans(counts, [t.index]).map((span) => {
+    const c = counts.bucket_start.indexOf(span[0]);
+    return { x: span[0], y: counts.vals[t.index * counts.C + c], text: plotlyText(`${t.name}: ${spanText("non-finite elements", span)}`) };
+  }));
+  traces.push({
+    type: "scatter", mode: "markers", name: "non-finite elements", x: marks.map((m) => m.x), y: marks.map((m) => m.y),
+    yaxis: `y${panels}`, text: marks.map((m) => m.text), hovertemplate: "%{text}<extra></extra>",
+    marker: { symbol: SPECIAL[5][2], size: 9, color: SPECIAL[5][1], line: { width: 2, color: SPECIAL[5][1] } },
+    visible: marks.length ? true : "legendonly",
+  });
   const layout = {
-    height: 520,
+    height: 620,
     margin: { l: 60, r: 20, t: 20, b: 40 },
-    grid: { rows: 4, columns: 1, shared_xaxes: true },
+    grid: { rows: panels, columns: 1, shared_xaxes: true },
     xaxis: { title: { text: "step (bucket start)" } },
     legend: { orientation: "h", y: 1.05 },
+    shapes,
   };
   metrics.forEach((m, k) => {
-    const lo = 1 - (k + 1) * 0.25 + 0.03;
-    layout[`yaxis${k === 0 ? "" : k + 1}`] = { title: { text: m }, type: m === "amax" || m === "scale" ? "log" : "linear", domain: [lo, lo + 0.19] };
+    const lo = 1 - (k + 1) / panels + 0.03;
+    layout[`yaxis${k === 0 ? "" : k + 1}`] = { title: { text: m === "nonfinite" ? "non-finite" : m }, type: m === "amax" || m === "scale" ? "log" : "linear", domain: [lo, lo + 1 / panels - 0.06] };
   });
   await (await plotly()).newPlot(plot, traces, layout, { displaylogo: false, responsive: true });
 }

@@ -1,0 +1,96 @@
+"""What a user sees of a real run that went NaN: `fp8-train` with a NaN injected into one layer's input,
+streamed into the service beside a healthy twin (same seed), then the run page's heatmap, the layer's
+drill-down and the comparison with the twin, each asked where the non-finite values began."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from tests.support.server import API
+from tests.web.browser import no_page_errors, open_run
+
+pytestmark = pytest.mark.slow  # real trainings, a real browser and server
+
+STEPS, NAN_STEP, LAYER = 16, 9, "blocks.1.mlp.fc"
+FLAGS = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--steps", str(STEPS)]
+FLAGS += ["--eval-interval", "0", "--no-progress", "--log-interval", "1000"]
+
+
+def train(url: str, name: str, tmp_path, *extra: str) -> int:
+    cmd = [sys.executable, "-m", "fp8_trainer.cli", *FLAGS, "--monitor-url", url, "--run-name", name, *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    runs = httpx.get(f"{url}{API}/runs", params={"q": name}).json()
+    return next(r["id"] for r in runs if r["name"] == name)
+
+
+def marks(page, plot: str, trace: str) -> dict[str, set[int]]:
+    """The cells marked by `trace` on heatmap `plot` (one step per bucket): tensor name -> steps."""
+    got = page.evaluate(
+        """([plot, trace]) => {
+        const gd = document.getElementById(plot);
+        const t = gd.data.find(t => t.name === trace);
+        return {x: t ? t.x : [], y: t ? t.y : [], names: gd.layout.yaxis.ticktext, dx: gd.data[0].dx};
+    }""",
+        [plot, trace],
+    )
+    assert got["dx"] == 1 and len(got["names"]) == 48  # every row labelled, a cell is a step
+    cells: dict[str, set[int]] = {}
+    for x, row in zip(got["x"], got["y"], strict=True):
+        if x is not None:
+            cells.setdefault(got["names"][row], set()).add(int(x))  # x is the cell's centre, step + 0.5
+    return cells
+
+
+def test_a_real_nan_run_on_the_run_page_the_drill_down_and_the_comparison(server, page, tmp_path):
+    twin = train(server.url, "nan-twin-healthy", tmp_path)
+    bad = train(server.url, "nan-twin-poisoned", tmp_path, "--inject", f"nan:{LAYER}@{NAN_STEP}")
+
+    # the run page: the heatmap marks, from the injection on, every tensor with non-finite elements; the
+    # first marked cell of the step is the poisoned input, the layers before it in the forward pass clean
+    open_run(page, server.url, bad, stream=False)
+    page.wait_for_function(
+        "() => (document.getElementById('heatmap').data || []).some(t => t.name === 'non-finite elements')"
+    )
+    assert "non-finite elements present" in page.text_content("#heatmap-info")
+    marked = marks(page, "heatmap", "non-finite elements")
+    assert min(min(steps) for steps in marked.values()) == NAN_STEP
+    assert NAN_STEP in marked[f"{LAYER}.input"]
+    assert NAN_STEP not in marked.get("blocks.0.attn.qkv.input", set())
+    assert NAN_STEP not in marked.get("blocks.0.attn.qkv.weight", set())
+    # the NaN reached every tensor by the next step and stayed
+    assert len(marked) == 48 and all(set(range(NAN_STEP + 1, STEPS + 1)) <= s for s in marked.values())
+
+    # the layer's drill-down: the counts' panel, and a band from the injection to the end of the run
+    page.click(f"#layers-table tr:has(td.name:text-is('{LAYER}'))")
+    page.wait_for_selector("#drilldown-plot .main-svg")
+    drill = page.evaluate(
+        "(() => { const gd = document.getElementById('drilldown-plot');"
+        " return {bands: gd.layout.shapes.map(s => [s.x0, s.x1]),"
+        " text: gd.data.find(t => t.name === 'non-finite elements').text}; })()"
+    )
+    assert drill["bands"] == [[NAN_STEP - 0.5, STEPS + 0.5]], drill
+    assert f"{LAYER}.input: non-finite elements from step {NAN_STEP} to {STEPS}" in drill["text"]
+
+    # the comparison with the healthy twin: the poisoned run's loss as a band in its colour, the twin's
+    # none; the amax difference says where the poisoned run's tensors went non-finite and marks them
+    page.goto(f"{server.url}/#/compare?runs={bad},{twin}")
+    page.wait_for_function("() => window.fp8scope.drawn.compare !== undefined")
+    scalars = page.evaluate(
+        "(() => { const gd = document.getElementById('compare-loss');"
+        " return {bad: gd.data.filter(t => t.meta && t.meta.spans).map(t => [t.meta.run, t.meta.spans]),"
+        " bands: gd.layout.shapes.map(s => [s.x0, s.x1])}; })()"
+    )
+    assert scalars["bad"] == [[bad, [[NAN_STEP, STEPS]]]], scalars
+    assert scalars["bands"] == [[NAN_STEP - 0.5, STEPS + 0.5]]
+    info = page.text_content("#compare-diff-info")
+    assert info.endswith(f"non-finite elements in #{bad} from step {NAN_STEP}"), info
+    # the same cells as on the poisoned run's own page (the twin has none)
+    assert marks(page, "compare-diff", "non-finite elements in either") == marked
+    no_page_errors(page)

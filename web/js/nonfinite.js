@@ -1,0 +1,50 @@
+// Where something went non-finite, as spans of consecutive steps: a loss that became NaN (one band per span,
+// not a line per step), a tensor whose statistics counted NaN/Inf elements. An amax ignores NaN, so a
+// tensor gone all NaN reports an amax of 0: the non-finite counts, not the amax, say where it happened.
+
+/** Runs of consecutive indices i of `xs` where `bad(i)` holds, as [xs[first], xs[last]]. */
+export function spansWhere(xs, bad) {
+  const spans = [];
+  let start = null;
+  for (let i = 0; i <= xs.length; i++) {
+    const isBad = i < xs.length && bad(i);
+    if (isBad && start === null) start = i;
+    if (!isBad && start !== null) {
+      spans.push([xs[start], xs[i - 1]]);
+      start = null;
+    }
+  }
+  return spans;
+}
+
+/** Runs of consecutive non-finite values of a series (NaN, ±Inf, or null), as [first step, last step]. */
+export function nonfiniteSpans(steps, values) {
+  return spansWhere(steps, (i) => !Number.isFinite(values[i]));
+}
+
+/** Spans of the buckets of a parsed heatmap of nonfinite counts (`fetchHeatmap(..., {metric: "nonfinite"})`)
+ * where any of the tensors `indices` counted non-finite elements, as [first step, last step]. */
+export function bucketSpans(counts, indices) {
+  const cols = [...Array(counts.C).keys()];
+  const hit = (c) => !counts.emptyCol[c] && indices.some((t) => counts.vals[t * counts.C + c] > 0);
+  return spansWhere(cols, hit).map(([a, b]) => [counts.bucket_start[a], counts.bucket_end[b]]);
+}
+
+/** "what at step a" or "what from step a to b". */
+export function spanText(what, [a, b]) {
+  return a === b ? `${what} at step ${a}` : `${what} from step ${a} to ${b}`;
+}
+
+/** The finite value of a series nearest to `step` (where a marker for a non-finite span sits), or null. */
+export function finiteNear(steps, values, step) {
+  let best = null;
+  let dist = Infinity;
+  for (let i = 0; i < steps.length; i++) {
+    const d = Math.abs(steps[i] - step);
+    if (d < dist && Number.isFinite(values[i])) {
+      dist = d;
+      best = values[i];
+    }
+  }
+  return best;
+}
