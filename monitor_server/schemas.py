@@ -490,7 +490,9 @@ class TensorHealth(PublicModel):
     underflow_total: WireFloat
     nonfinite_total: WireFloat
     sqnr_db: WireFloat | None = Field(
-        None, description="its latest SQNR in dB; null without quality statistics"
+        None,
+        description="its latest SQNR in dB; NaN when that step had no finite element; null without quality"
+        " statistics",
     )
     sqnr_level_db: WireFloat | None = Field(
         None,
@@ -518,7 +520,8 @@ class LayerHealth(PublicModel):
     reasons: list[str] = Field(description="why it is flagged, worst first")
     sqnr_db: WireFloat | None = Field(
         None,
-        description="the worst latest SQNR (dB) of its tensors; null when the run sends no quality columns",
+        description="the worst latest SQNR (dB) of its tensors; NaN when one of them had no finite element in"
+        " its latest step; null when the run sends no quality columns",
     )
     block_range: WireFloat | None = Field(
         None,

@@ -333,6 +333,7 @@ class DetectorEngine:
             saturation_log2=self.config.saturation_log2,
             warming_up=self.amax_seen < self.warmup,
             sqnr_db=sqnr.last_sqnr,
+            sqnr_nonfinite=sqnr.last_nonfinite,
             sqnr_level_db=sqnr.level,
         )
         return layer_health(self.tensors, snap, open_alerts)

@@ -35,6 +35,8 @@ class TensorSnapshot:
     warming_up: np.ndarray  # (T,) bool: the tensor's amax history has not filled yet
     sqnr_db: np.ndarray | None = None  # (T,) latest SQNR in dB (NaN: none, the run sends no quality columns)
     sqnr_level_db: np.ndarray | None = None  # (T,) its recent level (the SQNR-drop detector's median)
+    # (T,) bool: the latest step with an SQNR verdict had no finite element (NaN there: nothing was measured)
+    sqnr_nonfinite: np.ndarray | None = None
 
 
 def headroom_log2(amax: np.ndarray, scale: np.ndarray, fp8_max: np.ndarray) -> np.ndarray:
@@ -84,12 +86,14 @@ def layer_health(
     layer it started in comes first, not the one with the most alerts), then by score.
     Alerts without a tensor (loss_spike, stalled) belong to no layer and are ignored here.
     ``sqnr_db`` is the layer's worst (lowest) latest tensor SQNR in dB, None when none of its tensors has
-    one (a run without the quality columns).
+    one (a run without the quality columns), NaN when one of them had no finite element in its latest
+    step (a tensor gone all NaN: its last finite SQNR would read as a healthy quantization).
     """
     head = headroom_log2(snap.last_amax, snap.last_scale, snap.fp8_max)
     n = len(tensors)
     sqnr = snap.sqnr_db if snap.sqnr_db is not None else np.full(n, np.nan)
     sqnr_level = snap.sqnr_level_db if snap.sqnr_level_db is not None else np.full(n, np.nan)
+    dead = snap.sqnr_nonfinite if snap.sqnr_nonfinite is not None else np.zeros(n, dtype=bool)
     sat = saturation_state(head, snap.fp8_max, snap.fp8_rounding, snap.saturation_log2)
     layers: dict[str, list[int]] = {}
     for i, meta in enumerate(tensors):
@@ -158,6 +162,8 @@ def layer_health(
         )
         reasons.sort(key=lambda r: -SEVERITY_RANK[r[0]])
         known = sqnr[idx][~np.isnan(sqnr[idx])]
+        gone = dead[idx].any()  # a tensor with nothing finite left: no SQNR to report, and worse than any
+        entries = [_tensor_entry(tensors[i], i, snap, head, sat, sqnr, sqnr_level, dead) for i in idx]
         out.append(
             {
                 "layer": layer,
@@ -165,8 +171,8 @@ def layer_health(
                 "score": score,
                 "diverging": diverging,
                 "reasons": [text for _, text in reasons],
-                "sqnr_db": encode_float(known.min()) if known.size else None,
-                "tensors": [_tensor_entry(tensors[i], i, snap, head, sat, sqnr, sqnr_level) for i in idx],
+                "sqnr_db": "NaN" if gone else encode_float(known.min()) if known.size else None,
+                "tensors": entries,
                 "_order": order,
                 "_onset": onset,
             }
@@ -185,6 +191,7 @@ def _tensor_entry(
     sat: np.ndarray,
     sqnr: np.ndarray,
     sqnr_level: np.ndarray,
+    dead: np.ndarray,
 ) -> dict[str, Any]:
     return {
         "index": meta.index,
@@ -199,7 +206,7 @@ def _tensor_entry(
         "overflow_total": encode_float(snap.overflow_total[i]),
         "underflow_total": encode_float(snap.underflow_total[i]),
         "nonfinite_total": encode_float(snap.nonfinite_total[i]),
-        "sqnr_db": None if np.isnan(sqnr[i]) else encode_float(sqnr[i]),
+        "sqnr_db": "NaN" if dead[i] else None if np.isnan(sqnr[i]) else encode_float(sqnr[i]),
         "sqnr_level_db": None if np.isnan(sqnr_level[i]) else encode_float(sqnr_level[i]),
     }
 

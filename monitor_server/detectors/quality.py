@@ -74,6 +74,8 @@ class SqnrDropDetector(Detector, key="sqnr_drop", order=55):
     run: np.ndarray = array_state(np.int64)  # (T,) length of the open episode
     fired: np.ndarray = array_state(bool)  # (T,) fired in the open episode
     last_sqnr: np.ndarray = array_state(np.float64)  # (T,) latest defined SQNR (+inf kept), for layer health
+    # (T,) whether the latest step with a verdict had no finite element (its SQNR NaN: nothing measured)
+    last_nonfinite: np.ndarray = array_state(bool, optional=True)
     level: np.ndarray = array_state(np.float64)  # (T,) the recent level at the latest usable step
     tail: Tail = nested_state()  # SQNR values, for evidence
 
@@ -83,6 +85,7 @@ class SqnrDropDetector(Detector, key="sqnr_drop", order=55):
         self.run = np.zeros(n, dtype=np.int64)
         self.fired = np.zeros(n, dtype=bool)
         self.last_sqnr = np.full(n, np.nan)
+        self.last_nonfinite = np.zeros(n, dtype=bool)
         self.level = np.full(n, np.nan)
         self.tail = Tail(n)
 
@@ -90,10 +93,18 @@ class SqnrDropDetector(Detector, key="sqnr_drop", order=55):
         sum_sq, err_sq = view.stats.get("sum_sq"), view.stats.get("err_sq")
         if sum_sq is None or err_sq is None:
             return []
-        sqnr = sqnr_db(sum_sq, err_sq, view.stats.get("numel"), view.stats.get("nonfinite"))
-        return self.process(view.steps, sqnr, view.watched)
+        numel, nonfinite = view.stats.get("numel"), view.stats.get("nonfinite")
+        sqnr = sqnr_db(sum_sq, err_sq, numel, nonfinite)
+        dead = None
+        if numel is not None and nonfinite is not None:
+            dead = (np.asarray(numel) > 0) & (np.asarray(nonfinite) >= np.asarray(numel))
+        return self.process(view.steps, sqnr, view.watched, dead)
 
-    def process(self, steps: np.ndarray, sqnr: np.ndarray, watched: np.ndarray) -> list[Finding]:
+    def process(
+        self, steps: np.ndarray, sqnr: np.ndarray, watched: np.ndarray, dead: np.ndarray | None = None
+    ) -> list[Finding]:
+        """``dead``: (S, T) where a tensor had no finite element (its SQNR NaN because nothing was measured,
+        not because the step sent no quality statistics)."""
         cfg = self.config
         s_len, n = sqnr.shape
         w = cfg.sqnr_window
@@ -109,9 +120,12 @@ class SqnrDropDetector(Detector, key="sqnr_drop", order=55):
             mask, self.run, [self.fired], lambda run, c: [run >= cfg.sqnr_consecutive]
         )
         self.ring = ext[-w:].copy()
-        defined = ~np.isnan(sqnr)
+        dead = np.zeros(sqnr.shape, dtype=bool) if dead is None else dead
+        defined = ~np.isnan(sqnr) | dead
         last = s_len - 1 - np.argmax(defined[::-1], axis=0)
-        self.last_sqnr = np.where(defined.any(axis=0), sqnr[last, np.arange(n)], self.last_sqnr)
+        seen = defined.any(axis=0)
+        self.last_sqnr = np.where(seen, sqnr[last, np.arange(n)], self.last_sqnr)
+        self.last_nonfinite = np.where(seen, dead[last, np.arange(n)], self.last_nonfinite)
         last_valid = s_len - 1 - np.argmax(valid[::-1], axis=0)
         self.level = np.where(valid.any(axis=0), level[last_valid, np.arange(n)], self.level)
 

@@ -92,12 +92,29 @@ def test_a_layer_gone_non_finite_never_shows_a_perfect_sqnr(client):
     run.stats["amax"][bad, t] = 0.0  # NaN elements never win the amax
     run.stats["sum_sq"][bad, t] = run.stats["err_sq"][bad, t] = 0.0
     run_id = post_run(client, run)
-    entry = layers(client, run_id)["blocks.2.mlp.fc"]
-    measured = 10.0 * np.log10(run.stats["sum_sq"][179, t] / run.stats["err_sq"][179, t])
+    # nor its last finite one, a healthy-looking 30 dB beside a layer that is all NaN: NaN, for the
+    # tensor and its layer; the other layers keep theirs
+    by_layer = layers(client, run_id)
+    entry = by_layer["blocks.2.mlp.fc"]
     tensor = next(x for x in entry["tensors"] if x["index"] == t)
-    assert tensor["sqnr_db"] == pytest.approx(measured, rel=1e-12)  # its last measured value
-    assert entry["sqnr_db"] is not None and 20.0 < entry["sqnr_db"] < 40.0, entry
+    assert tensor["sqnr_db"] == "NaN" and entry["sqnr_db"] == "NaN", entry
+    others = [x for x in entry["tensors"] if x["index"] != t]
+    assert all(20.0 < x["sqnr_db"] < 40.0 for x in others), others
+    assert all(20.0 < v["sqnr_db"] < 40.0 for k, v in by_layer.items() if k != "blocks.2.mlp.fc")
     assert [a["kind"] for a in alerts(client, run_id)] == ["nonfinite"]  # and no SQNR alert from it
+
+
+def test_a_tensor_that_recovers_shows_its_sqnr_again(client):
+    # the NaN steps pass (a skipped step, a reloaded checkpoint): the latest step measures again
+    run, _ = realistic_run(drop=False)
+    t, bad = index_of(run.tensors, 2, "input"), slice(150, 160)
+    run.stats["nonfinite"][bad, t] = run.stats["numel"][bad, t]
+    run.stats["sum_sq"][bad, t] = run.stats["err_sq"][bad, t] = 0.0
+    run_id = post_run(client, run)
+    entry = layers(client, run_id)["blocks.2.mlp.fc"]
+    tensor = next(x for x in entry["tensors"] if x["index"] == t)
+    last = 10.0 * np.log10(run.stats["sum_sq"][-1, t] / run.stats["err_sq"][-1, t])
+    assert tensor["sqnr_db"] == pytest.approx(last, rel=1e-12)
 
 
 def test_a_run_without_quality_columns_raises_nothing_and_shows_no_sqnr(client):

@@ -67,6 +67,11 @@ def test_a_real_nan_run_on_the_run_page_the_drill_down_and_the_comparison(server
     # the NaN reached every tensor by the next step and stayed
     assert len(marked) == 48 and all(set(range(NAN_STEP + 1, STEPS + 1)) <= s for s in marked.values())
 
+    # the layers table: no SQNR left to show for a layer whose tensors hold nothing finite (its last finite
+    # one, a healthy-looking 25 dB, would say the quantization is fine)
+    sqnr = page.text_content(f"#layers-table tr:has(td.name:text-is('{LAYER}')) td.sqnr")
+    assert sqnr == "NaN", sqnr
+
     # the layer's drill-down: the counts' panel, and a band from the injection to the end of the run
     page.click(f"#layers-table tr:has(td.name:text-is('{LAYER}'))")
     page.wait_for_selector("#drilldown-plot .main-svg")

@@ -53,7 +53,11 @@ def test_any_scalar_charted_live_with_events_config_and_tags(server, page):
     config = {"lr": 0.0003, "model": {"n_layer": 2, "n_embd": 64}, "recipe": "delayed"}
     run = create_run(server.url, "tracked", 2, config=config, tags=["sweep-1"])
     rid = run["id"]
-    scalars = {"accuracy": lambda s: s / 100.0, "tokens_per_s": lambda s: 1000.0 + s, "lr": lambda s: 3e-4}
+    scalars = {
+        "accuracy": lambda s: s / 100.0,
+        "tokens_per_s": lambda s: 2000.0 + 300.0 * s,
+        "lr": lambda s: 3e-4,
+    }
     _post(server, rid, "a", 0, 30, scalars)
     _event(server, rid, "e1", 10, "eval", val_loss=2.5)
     _event(server, rid, "e2", 20, "eval", val_loss=2.4)
@@ -72,6 +76,11 @@ def test_any_scalar_charted_live_with_events_config_and_tags(server, page):
     # pick one more
     page.check("#scalars-picker label[data-name='lr'] input")
     page.wait_for_function("() => document.getElementById('scalars-plot').data.length === 4")
+    # ticks as numbers are written (plotly's exponent form labelled 4000 tokens/s "0.4e+4")
+    ticks = page.eval_on_selector_all(
+        "#scalars-plot .yaxislayer-above text", "ts => ts.map(t => t.textContent)"
+    )
+    assert "4000" in ticks and not any("e+" in t for t in ticks), ticks
     # the val loss beside the loss, and the job's events as markers on it
     curves = traces(page, "curves")
     assert curves["val loss"] == {"x": [10, 20], "y": [2.5, 2.4]}

@@ -156,7 +156,7 @@ export async function mountCompare(container, { runs: runIds = [], a = null, b =
     picked.forEach((n, k) => {
       const axis = k === 0 ? "" : String(k + 1);
       const top = 1 - k * (h + gap);
-      layout[`yaxis${axis}`] = { title: { text: plotlyText(n) }, domain: [Math.max(0, top - h), top], exponentformat: "e" };
+      layout[`yaxis${axis}`] = { title: { text: plotlyText(n) }, domain: [Math.max(0, top - h), top], tickformat: "~g" };
       chosen.forEach((r, i) => {
         const sr = got[i].series[n];
         if (!sr) return;

@@ -294,7 +294,8 @@ class Scalars {
     const traces = names.map((n, i) => {
       const axis = i === 0 ? "" : String(i + 1);
       const top = 1 - i * (h + gap);
-      layout[`yaxis${axis}`] = { title: { text: plotlyText(n), font: { size: 11 } }, domain: [Math.max(0, top - h), top], exponentformat: "e" };
+      // "~g": 8000 and 0.0003 as written, 1.2e+7 beyond (plotly's exponent form labelled tokens/s "0.8e+4")
+      layout[`yaxis${axis}`] = { title: { text: plotlyText(n), font: { size: 11 } }, domain: [Math.max(0, top - h), top], tickformat: "~g" };
       const ev = !this.scalarNames.includes(n);
       return {
         type: "scatter", mode: ev ? "lines+markers" : "lines", name: plotlyText(n), x: got[n].steps,

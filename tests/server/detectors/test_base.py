@@ -33,8 +33,10 @@ STORED_LAYOUT = {
     "overflow": {"run", "fired", "fired_critical", "tail"},
     "divergence": {"ring_q", "ring_ok", "run", "fired", "last_growth", "tail"},
     "underflow": {"run", "fired", "tail"},
-    "sqnr_drop": {"ring", "run", "fired", "last_sqnr", "level", "tail"},
+    "sqnr_drop": {"ring", "run", "fired", "last_sqnr", "last_nonfinite", "level", "tail"},
 }
+#: fields added since, optional in a stored state (one persisted before them keeps the fresh value)
+ADDED_SINCE = {("sqnr_drop", "last_nonfinite")}
 
 
 def differences(a: Any, b: Any, path: str = "") -> list[str]:
@@ -71,6 +73,10 @@ def processed_engine(stop: int) -> DetectorEngine:
     # critical episodes still open at step 105 too: an overflow jump and a broken scale
     run.stats["overflow"][104, index_of(run.tensors, 1, "weight")] = 0.05 * run.stats["numel"][104, 0]
     run.stats["scale"][103:107, index_of(run.tensors, 2, "weight")] = 0.0
+    # a tensor with no finite element in the last step before the stop at 303 (no SQNR measured there)
+    gone = index_of(run.tensors, 3, "input")
+    run.stats["nonfinite"][302, gone] = run.stats["numel"][302, gone]
+    run.stats["sum_sq"][302, gone] = run.stats["err_sq"][302, gone] = 0.0
     engine = DetectorEngine(CONFIG, run.tensors, None)
     engine.process(run.batch(0, stop // 2))
     engine.process(run.batch(stop // 2, stop))
@@ -113,6 +119,19 @@ def test_the_stored_layout_is_the_persisted_one():
     assert {key: set(state[key]) for key in STORED_LAYOUT} == STORED_LAYOUT
     for key in ("scale_collapse", "overflow", "divergence", "underflow", "sqnr_drop"):
         assert set(state[key]["tail"]) == {"steps", "values"}
+
+
+def test_a_state_stored_before_the_added_fields_loads_with_their_fresh_values():
+    engine = processed_engine(303)
+    state = json.loads(json.dumps(engine.state_dict(), allow_nan=False))
+    for key, name in ADDED_SINCE:
+        del state[key][name]
+    older = DetectorEngine(CONFIG, engine.tensors, None)
+    older.load_state_dict(state)
+    fresh = DetectorEngine(CONFIG, engine.tensors, None)
+    for key, name in ADDED_SINCE:
+        assert differences(getattr(older.detectors[key], name), getattr(fresh.detectors[key], name)) == []
+        assert differences(getattr(engine.detectors[key], name), getattr(fresh.detectors[key], name)) != []
 
 
 def test_state_left_undeclared_fails_the_round_trip():
