@@ -647,45 +647,72 @@ def launch_quantize(
         raise ValueError(f"x: the transposed output needs a 2-D tensor, got shape {tuple(x.shape)}")
     if power_2_scale and not scale_from_amax:
         raise ValueError("power_2_scale: applies to current scaling (scale_from_amax) only")
-    consts = format_constants(fp8_dtype)
+    format_constants(fp8_dtype)  # refuses anything but the two FP8 dtypes, before allocating (cached)
+    device = x.device
     given = amax if amax is not None else amax_parts
     scale_t = _scale_operand(scale, given, scale_from_amax, scale_out)
     xc, is_bf16 = as_kernel_input(x)
-    q = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
-    flags = dict(
-        **consts,
-        QUALITY=row.shape[0] == len(STAT_COLUMNS),
-        HAS_AMAX=given is not None,
-        SCALE_FROM_AMAX=scale_from_amax,
-        POW2_SCALE=power_2_scale,
-        STORE_PRECAST=precast is not None,
-        IS_BF16=is_bf16,
-        PREFETCH=prefetch(x.device),
-        STAGES=pipeline_stages(x.device),
-        SAT_CAST=saturating_cast(x.device),
-        AMAX_PARTS=amax_parts is not None,
-    )
+    q = torch.empty(x.shape, dtype=fp8_dtype, device=device)
     amax_arg = given if given is not None else scale_t
     amax_n = amax_parts.numel() if amax_parts is not None else 1
     precast_arg = precast if precast is not None else q
+    shape = (  # the kernel's choices: whatever in this call selects its constexprs and launch options
+        device, is_bf16, fp8_dtype, row.shape[0] == len(STAT_COLUMNS), given is not None, scale_from_amax,
+        power_2_scale, precast is not None, amax_parts is not None,
+    )  # fmt: skip
     if not transpose:
         n = xc.numel()
-        block, warps = block_1d(x.device)
-        grid = persistent_grid(cdiv(n, block), x.device)
-        launch(
-            _quantize_kernel, grid, xc, q, scale_t, amax_arg, amax_n, row, precast_arg, scale_t, n,
-            BLOCK=block, num_warps=warps, **flags,
-        )  # fmt: skip
+        block, kwargs = _plan(shape, None)
+        grid = persistent_grid(cdiv(n, block), device)
+        args = (xc, q, scale_t, amax_arg, amax_n, row, precast_arg, scale_t, n)
+        launch(_quantize_kernel, grid, *args, **kwargs)
         return q, None, row, scale_t
     m, n = xc.shape
-    qt = torch.empty((n, m), dtype=fp8_dtype, device=x.device)
-    bm, bn, warps = tile_2d(x.device)
-    grid = persistent_grid(cdiv(m, bm) * cdiv(n, bn), x.device)
-    launch(
-        _quantize_t_kernel, grid, xc, q, qt, scale_t, amax_arg, amax_n, row, precast_arg, scale_t, m, n,
-        DIV_M=divisor(m), DIV_N=divisor(n), BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, **flags,
-    )  # fmt: skip
+    qt = torch.empty((n, m), dtype=fp8_dtype, device=device)
+    (bm, bn), kwargs = _plan(shape, (divisor(m), divisor(n)))
+    grid = persistent_grid(cdiv(m, bm) * cdiv(n, bn), device)
+    args = (xc, q, qt, scale_t, amax_arg, amax_n, row, precast_arg, scale_t, m, n)
+    launch(_quantize_t_kernel, grid, *args, **kwargs)
     return q, qt, row, scale_t
+
+
+#: ``(call shape, 2-D divisors, the launch-configuration functions)`` -> ``(block or tile, launch keywords)``
+_PLANS: dict[tuple, tuple] = {}
+
+
+def _plan(shape: tuple, divisors: tuple[int, int] | None) -> tuple:
+    """The constexprs and launch options of a quantize launch, built once per call shape instead of per call
+    (about a third of the launcher's host time, ``bench/launch_host.py``): ``(BLOCK, kwargs)`` for the 1-D
+    kernel (``divisors`` None), ``((BLOCK_M, BLOCK_N), kwargs)`` for the 2-D one. The functions that choose
+    sizes and forms are part of the key, so a test (or ``cross_build.recorded``) that replaces one gets plans
+    of its own."""
+    config = (block_1d, tile_2d, prefetch, pipeline_stages, saturating_cast)
+    key = (shape, divisors, config)
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan
+    device, is_bf16, fp8_dtype, quality, has_amax, from_amax, pow2, store_precast, parts = shape
+    kwargs = dict(
+        **format_constants(fp8_dtype),
+        QUALITY=quality,
+        HAS_AMAX=has_amax,
+        SCALE_FROM_AMAX=from_amax,
+        POW2_SCALE=pow2,
+        STORE_PRECAST=store_precast,
+        IS_BF16=is_bf16,
+        PREFETCH=prefetch(device),
+        STAGES=pipeline_stages(device),
+        SAT_CAST=saturating_cast(device),
+        AMAX_PARTS=parts,
+    )
+    if divisors is None:
+        block, kwargs["num_warps"] = block_1d(device)
+        plan = (block, kwargs | dict(BLOCK=block))
+    else:
+        bm, bn, kwargs["num_warps"] = tile_2d(device)
+        plan = ((bm, bn), kwargs | dict(DIV_M=divisors[0], DIV_N=divisors[1], BLOCK_M=bm, BLOCK_N=bn))
+    _PLANS[key] = plan
+    return plan
 
 
 def quantize_with_stats_triton(

@@ -303,3 +303,19 @@ def test_sass_profile_runs_without_a_gpu(tmp_path):
     for current, delayed in (("1-D", "1-D"), ("2-D", "2-D (+ transpose)")):
         cur, dly = rows[f"current: quantize {current}, quality"], rows[f"quantize {delayed}, quality"]
         assert cur["loop_spills"] == 0 and cur["programs_per_sm"] >= dly["programs_per_sm"], (cur, dly)
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed (pip install '.[dev]')")
+def test_launch_host_smoke(tmp_path):
+    data = run_bench("launch_host.py", tmp_path / "lh.json")
+    rows = {r["launcher"]: r for r in data["rows"]}
+    assert set(rows) == {
+        "delayed, 1-D",
+        "delayed, transposed",
+        "current, 1-D (amax + quantize)",
+        "current, transposed (amax + quantize)",
+    }
+    for r in rows.values():  # every form timed; the launcher's share is what it costs above the allocations
+        us = r["us_per_call"]
+        assert set(us) == {"planned", "rebuilt", "floor"} and all(v > 0 for v in us.values()), r
+        assert r["launcher_us"]["planned"] == pytest.approx(us["planned"] - us["floor"])

@@ -49,6 +49,8 @@ def test_heatmap_tensors_buckets_nan_zoom(server, page):
     state = heatmap_state(page)
     # one row per tensor, grouped by layer with input, weight, grad_output inside each
     assert state["rows"] == 3 * N_LAYERS
+    # twelve rows fit in the scroll box: the plot's own step axis is in sight, so no second one below it
+    assert page.eval_on_selector("#heatmap-axis", "a => a.hidden && a.getBoundingClientRect().height === 0")
     assert state["ticktext"][:3] == [
         "blocks.0.mlp.fc.input",
         "blocks.0.mlp.fc.weight",

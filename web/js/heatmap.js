@@ -455,10 +455,14 @@ export class Heatmap {
     });
   }
 
-  /** Copy the plot's step ticks into the sticky axis strip, at the same horizontal positions. */
+  /** Copy the plot's step ticks into the sticky axis strip, at the same horizontal positions; the strip is
+   * hidden while the whole plot fits in its scroll box (its own axis is then in sight: two would show). */
   drawAxis() {
     const ax = this.plot._fullLayout && this.plot._fullLayout.xaxis;
     if (!ax || !ax._vals) return;
+    const room = parseFloat(getComputedStyle(this.scroller).maxHeight);
+    this.axis.hidden = Number.isFinite(room) && this.plot.getBoundingClientRect().height <= room;
+    if (this.axis.hidden) return;
     const ticks = ax._vals.map((t) => {
       const x = ax._offset + ax.l2p(t.x);
       return el("span", { class: "tick", style: `left: ${x.toFixed(1)}px` }, t.text.replace(/<[^>]*>/g, ""));
