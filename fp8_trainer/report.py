@@ -13,12 +13,22 @@ from .convert import tensor_table
 __all__ = ["fp8_summary", "health_table"]
 
 
+def _amax(s: torch.Tensor) -> torch.Tensor:
+    """Each row's amax, NaN where no element was finite: the amax ignores NaN, so a tensor gone all NaN
+    reports 0, which a table would show as a tensor of zeros."""
+    gone = (s[:, NUMEL] > 0) & (s[:, NONFINITE] >= s[:, NUMEL])
+    return torch.where(gone, torch.nan, s[:, AMAX])
+
+
 def fp8_summary(stats: torch.Tensor) -> str:
-    """One line over all tensors of a step: the largest amax, the summed counts and, where the block has the
-    quality columns, the lowest SQNR of a tensor."""
+    """One line over all tensors of a step: the largest amax (of the tensors with a finite element; NaN when
+    none has one), the summed counts and, where the block has the quality columns, the lowest SQNR of a
+    tensor."""
     s = stats.to("cpu", torch.float64)
+    amax = _amax(s)
+    top = amax[~amax.isnan()].max() if not amax.isnan().all() else torch.tensor(torch.nan)
     line = (
-        f"fp8: max amax {s[:, AMAX].max():.3g}, overflow {int(s[:, OVERFLOW].sum())}, "
+        f"fp8: max amax {top:.3g}, overflow {int(s[:, OVERFLOW].sum())}, "
         f"underflow {int(s[:, UNDERFLOW].sum())}, nonfinite {int(s[:, NONFINITE].sum())}"
     )
     if (
@@ -32,9 +42,11 @@ def fp8_summary(stats: torch.Tensor) -> str:
 
 
 def health_table(model: nn.Module, stats: torch.Tensor) -> str:
-    """Per-layer FP8 health: amax and scale per role, counts summed over roles, worst tensor flagged."""
+    """Per-layer FP8 health: amax and scale per role (amax NaN for a tensor without a finite element),
+    counts summed over roles, worst tensor flagged."""
     table = tensor_table(model)
     s = stats.to("cpu", torch.float64)
+    amax = _amax(s)
     lines = [
         f"{'layer':<22} {'in amax':>9} {'in scale':>9} {'w amax':>9} {'w scale':>9} {'go amax':>9} "
         f"{'go scale':>9} {'overflow':>9} {'underflow':>9} {'nonfinite':>9}"
@@ -42,7 +54,7 @@ def health_table(model: nn.Module, stats: torch.Tensor) -> str:
     worst, worst_key = None, (0.0, 0.0, 0.0)
     for i in range(0, len(table), 3):
         rows = s[i : i + 3]
-        cells = " ".join(f"{rows[r, AMAX]:9.3g} {rows[r, SCALE]:9.3g}" for r in range(3))
+        cells = " ".join(f"{amax[i + r]:9.3g} {rows[r, SCALE]:9.3g}" for r in range(3))
         ovf, unf, nf = (int(rows[:, c].sum()) for c in (OVERFLOW, UNDERFLOW, NONFINITE))
         lines.append(f"{table[i].layer:<22} {cells} {ovf:9d} {unf:9d} {nf:9d}")
         for r in range(3):

@@ -21,6 +21,9 @@ def test_nan_in_an_activation_is_a_nonfinite_alert_on_that_tensor_and_step(serve
     assert "nan" in proc.stdout.lower() and "blocks.1.mlp.fc" in proc.stdout
     # the end of the job's output names where it began (its health table shows the last step, all NaN)
     assert "first non-finite: blocks.1.mlp.fc.input at step 12" in proc.stdout, proc.stdout[-2000:]
+    # there every tensor is all NaN: its amax reads nan, not the 0 an amax that ignores NaN reports
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("blocks.")]
+    assert len(rows) == 16 and all(r[1] == r[3] == r[5] == "nan" for r in rows), rows
     run = run_by_name(api, "e2e-nan")
     found = _alerts(api, run["id"], "nonfinite")
     first = min(found, key=lambda a: (a["first_step"], a["id"]))
