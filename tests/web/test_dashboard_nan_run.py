@@ -13,6 +13,7 @@ import pytest
 
 from tests.support.server import API
 from tests.web.browser import no_page_errors, open_run
+from tests.web.dashboard_data import create_run, post_steps, smooth_stats
 
 pytestmark = pytest.mark.slow  # real trainings, a real browser and server
 
@@ -98,4 +99,35 @@ def test_a_real_nan_run_on_the_run_page_the_drill_down_and_the_comparison(server
     assert info.endswith(f"non-finite elements in #{bad} from step {NAN_STEP}"), info
     # the same cells as on the poisoned run's own page (the twin has none)
     assert marks(page, "compare-diff", "non-finite elements in either") == marked
+    no_page_errors(page)
+
+
+def test_a_comparison_with_a_run_gone_nan_across_hundreds_of_tensors(server, page):
+    # more non-finite cells than markers are drawn for: the difference fills them in the overlay instead,
+    # and still names where the run's began
+    layers, steps, bad_from = 100, 200, 50
+    runs = [create_run(server.url, name, layers) for name in ("wide-nan", "wide-ok")]
+    for run, poisoned in zip(runs, (True, False), strict=True):
+        stats = smooth_stats(steps, 3 * layers)
+        if poisoned:
+            stats["nonfinite"][bad_from:] = 1000.0
+            stats["amax"][bad_from:] = 0.0  # the amax ignores NaN: all NaN reads 0
+        post_steps(server.url, run["id"], "a", 0, stats)
+    bad, ok = (r["id"] for r in runs)
+    page.goto(f"{server.url}/#/compare?runs={bad},{ok}")
+    page.wait_for_function("() => window.fp8scope.drawn.compare !== undefined")
+    info = page.text_content("#compare-diff-info")
+    assert info.endswith(f"non-finite elements in #{bad} from step {bad_from}"), info
+    drawn = page.evaluate(
+        """() => {
+        const d = document.getElementById('compare-diff').data;
+        const t = d.find(t => t.name === 'non-finite elements in either');
+        const overlay = d[1].z.flat();
+        return {flagged: t.meta.flagged, markers: t.x.filter(x => x !== null).length, dx: d[0].dx,
+                filled: overlay.filter(v => v === 3).length};
+    }"""
+    )
+    cells = 3 * layers * (steps - bad_from)
+    assert drawn["dx"] == 1 and drawn["flagged"] == cells > 20000, drawn
+    assert drawn["markers"] == 0 and drawn["filled"] == cells, drawn
     no_page_errors(page)

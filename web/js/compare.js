@@ -204,9 +204,11 @@ export async function mountCompare(container, { runs: runIds = [], a = null, b =
   const diff = amaxDifference(pa, pb, nfA, nfB);
   const C = Math.min(pa.C, pb.C);
   // where each run's tensors first had non-finite elements (the cells marked below)
+  // a loop, not Math.min(...cells): a run gone NaN can flag every cell of the plot, more than a call spreads
   const firstBad = (which) => {
-    const cols = diff.flagged.filter((f) => f[which] > 0).map((f) => f[1]);
-    return cols.length ? pa.bucket_start[Math.min(...cols)] : null;
+    let first = Infinity;
+    for (const f of diff.flagged) if (f[which] > 0 && f[1] < first) first = f[1];
+    return first === Infinity ? null : pa.bucket_start[first];
   };
   const badText = [[runA, firstBad(2)], [runB, firstBad(3)]]
     .map(([r, step]) => (step === null ? "" : `; non-finite elements in #${r.id} from step ${step}`)).join("");

@@ -22,10 +22,15 @@ function stepSeen(runId, step) {
 /** An explicit axis range for a constant series (plotly would centre it in [v - 1, v + 1], which for a
  * learning rate of 3e-4 hides it); undefined (autorange) otherwise. */
 function constantRange(values) {
-  const finite = values.filter(Number.isFinite);
-  if (!finite.length) return undefined;
-  const lo = Math.min(...finite);
-  const hi = Math.max(...finite);
+  // a loop, not Math.min(...values): a live series can grow past the arguments a call may spread
+  let lo = Infinity;
+  let hi = -Infinity;
+  for (const v of values) {
+    if (!Number.isFinite(v)) continue;
+    lo = Math.min(lo, v);
+    hi = Math.max(hi, v);
+  }
+  if (lo === Infinity) return undefined;
   if (lo !== hi) return undefined;
   return lo === 0 ? [-1, 1] : [Math.min(0, 2 * lo), Math.max(0, 2 * lo)];
 }
