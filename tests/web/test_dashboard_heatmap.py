@@ -17,6 +17,7 @@ N_LAYERS = 4
 STEPS = 3000
 NAN_STEP, NAN_TENSOR = 1234, 4  # blocks.1.mlp.fc.weight
 SATURATED_STEP = 2000
+SATURATED = "saturated (values lost at the FP8 max)"  # the headroom view's marker of saturated cells
 
 
 def heatmap_state(page) -> dict:
@@ -116,11 +117,11 @@ def test_heatmap_tensors_buckets_nan_zoom(server, page):
     page.click("#heatmap-reset")
     page.select_option("#heatmap-metric", "headroom")
     page.wait_for_function(
-        "() => document.getElementById('heatmap').data.some(t => t.name === 'saturated (headroom ≤ 0)')"
+        "name => document.getElementById('heatmap').data.some(t => t.name === name)", arg=SATURATED
     )
     head = heatmap_state(page)
     sat_col = SATURATED_STEP // head["dx"] - (head["x0"] - head["dx"] / 2) // head["dx"]
-    assert head["markers"]["saturated (headroom ≤ 0)"]["cells"] == [[0, sat_col]]
+    assert head["markers"][SATURATED]["cells"] == [[0, sat_col]]
     assert head["markers"]["NaN"]["cells"] == [[row, col]]
     assert len({m["colour"] for m in head["markers"].values()}) == 4
 
@@ -224,4 +225,41 @@ def test_cells_of_tensors_with_non_finite_elements_are_marked_in_every_view(serv
         "() => window.fp8scope.heatmapQuery.metric === 'nonfinite' && "
         "!document.getElementById('heatmap').data.some(t => t.name === 'non-finite elements')"
     )
+    no_page_errors(page)
+
+
+def test_headroom_marks_saturation_not_rounding_to_the_max(server, page):
+    # delayed scaling with margin 0 puts amax * scale at the FP8 max whenever the amax repeats its history
+    # maximum, a little above it when the amax creeps up: that rounds to the max and loses nothing. Only
+    # beyond each format's rounding limit (464 in e4m3, 61440 in e5m2) were values lost
+    steps = 10
+    run = create_run(server.url, "headroom-limits", 1)  # input and weight e4m3, grad_output e5m2 (HYBRID)
+    stats = smooth_stats(steps, 3)
+    stats["scale"][:] = 1.0
+    stats["amax"][:] = [224.0, 224.0, 28672.0]  # one binade of headroom each
+    stats["amax"][2, 0] = 448.0 * 2**0.03  # e4m3: rounds to 448, nothing lost
+    stats["amax"][5, 0] = 448.0 * 2**0.08  # e4m3: beyond 464, saturated
+    stats["amax"][3, 2] = 57344.0 * 2**0.08  # e5m2: below 61440, nothing lost
+    stats["amax"][6, 2] = 57344.0 * 2**0.15  # e5m2: saturated
+    stats["amax"][7, 1] = 0.0  # nothing to saturate: no colour, and not "+Inf"
+    post_steps(server.url, run["id"], "a", 0, stats)
+    page.goto(f"{server.url}/#/runs/{run['id']}?metric=headroom")
+    page.wait_for_function("() => window.fp8scope.drawn.heatmap !== undefined")
+    page.wait_for_function("() => window.fp8scope.heatmapQuery.metric === 'headroom'")
+    state = heatmap_state(page)
+    assert state["dx"] == 1 and state["x0"] == 0.5  # a bucket per step from step 0: column c is step c
+    assert sorted(map(tuple, state["markers"][SATURATED]["cells"])) == [
+        (0, 5),
+        (2, 6),
+    ]
+    assert state["markers"]["+Inf"]["cells"] == [] and state["z"][1][7] is None
+    assert state["z"][0][2] == pytest.approx(-0.03) and state["z"][2][3] == pytest.approx(-0.08)
+    # a collapsed layer: each tensor against its own format (the e5m2 tensor's -0.08 is no saturation)
+    page.click("#heatmap-collapse")
+    page.wait_for_function("() => document.getElementById('heatmap').data[0].z.length === 1")
+    collapsed = heatmap_state(page)
+    assert sorted(map(tuple, collapsed["markers"][SATURATED]["cells"])) == [
+        (0, 5),
+        (0, 6),
+    ]
     no_page_errors(page)

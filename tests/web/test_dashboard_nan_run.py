@@ -18,12 +18,15 @@ from tests.web.dashboard_data import create_run, post_steps, smooth_stats
 pytestmark = pytest.mark.slow  # real trainings, a real browser and server
 
 STEPS, NAN_STEP, LAYER = 16, 9, "blocks.1.mlp.fc"
-FLAGS = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--steps", str(STEPS)]
+SATURATED = "saturated (values lost at the FP8 max)"  # the headroom view's marker
+TWIN_STEPS = 40  # the healthy twin trains on: long enough for delayed scaling to clip some amax highs
+FLAGS = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32"]
 FLAGS += ["--eval-interval", "0", "--no-progress", "--log-interval", "1000"]
 
 
-def train(url: str, name: str, tmp_path, *extra: str) -> int:
-    cmd = [sys.executable, "-m", "fp8_trainer.cli", *FLAGS, "--monitor-url", url, "--run-name", name, *extra]
+def train(url: str, name: str, tmp_path, *extra: str, steps: int = STEPS) -> int:
+    cmd = [sys.executable, "-m", "fp8_trainer.cli", *FLAGS, "--steps", str(steps), "--monitor-url", url]
+    cmd += ["--run-name", name, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -50,7 +53,7 @@ def marks(page, plot: str, trace: str) -> dict[str, set[int]]:
 
 
 def test_a_real_nan_run_on_the_run_page_the_drill_down_and_the_comparison(server, page, tmp_path):
-    twin = train(server.url, "nan-twin-healthy", tmp_path)
+    twin = train(server.url, "nan-twin-healthy", tmp_path, steps=TWIN_STEPS)
     bad = train(server.url, "nan-twin-poisoned", tmp_path, "--inject", f"nan:{LAYER}@{NAN_STEP}")
 
     # the run page: the heatmap marks, from the injection on, every tensor with non-finite elements; the
@@ -99,6 +102,27 @@ def test_a_real_nan_run_on_the_run_page_the_drill_down_and_the_comparison(server
     assert info.endswith(f"non-finite elements in #{bad} from step {NAN_STEP}"), info
     # the same cells as on the poisoned run's own page (the twin has none)
     assert marks(page, "compare-diff", "non-finite elements in either") == marked
+    no_page_errors(page)
+
+    # the healthy twin's headroom: the cells marked saturated are the cells whose overflow count is not
+    # zero (delayed scaling with margin 0 keeps amax * scale at the FP8 max, which rounds and loses nothing)
+    page.goto(f"{server.url}/#/runs/{twin}?metric=headroom")
+    page.wait_for_function(
+        "name => { const gd = document.getElementById('heatmap');"
+        " return gd && gd.data && gd.data.some(t => t.name === name); }",
+        arg=SATURATED,
+    )
+    saturated = marks(page, "heatmap", SATURATED)
+    overflow = httpx.get(
+        f"{server.url}{API}/runs/{twin}/heatmap", params={"metric": "overflow", "max_cols": 2000}
+    ).json()
+    assert overflow["bucket_width"] == 1
+    counted = {}
+    for t, row in zip(overflow["tensors"], overflow["values"], strict=True):
+        for step, v in zip(overflow["bucket_start"], row, strict=True):
+            if v is not None and float(v) > 0:
+                counted.setdefault(t["name"], set()).add(step)
+    assert counted and saturated == counted, (saturated, counted)
     no_page_errors(page)
 
 

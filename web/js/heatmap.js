@@ -37,11 +37,16 @@ export const SPECIAL = {
   1: ["NaN", "#ff00ff"],
   2: ["+Inf", "#111111"],
   3: ["-Inf", "#00bcd4"],
-  4: ["saturated (headroom ≤ 0)", "#ff7f00"],
+  4: ["saturated (values lost at the FP8 max)", "#ff7f00"],
   // a cell whose tensor had NaN/Inf elements (the nonfinite count), whatever the metric shows there: an amax
   // ignores NaN, so a tensor gone all NaN has an amax of 0 (an empty cell) and one with a few a normal one
   5: ["non-finite elements", "#ff00ff", "square-open"],
 };
+/** Per FP8 format, the headroom below which values were lost to saturation: log2(FP8 max / the value where a
+ * scaled element stops rounding to the max: 464 in e4m3, 61440 in e5m2). Between it and 0, amax·scale rounds
+ * to the max and nothing is lost (delayed scaling with margin 0 sits there whenever the amax repeats its
+ * history maximum): the service's saturation states say the same (`at_max` is not saturation). */
+export const SATURATED_BELOW = { e4m3: Math.log2(448 / 464), e5m2: Math.log2(57344 / 61440) };
 const HOVER_METRICS = ["amax", "scale", "overflow", "underflow", "nonfinite"];
 const MARGIN = { l: 230, r: 20, t: 10, b: 40 };
 const COLORBAR_PX = 90; // the colour bar sits right of the cells
@@ -79,11 +84,14 @@ function aggregate(how, values) {
 /** (colour value or null, overlay code or null) of a raw cell value for `metric`. */
 export function cellColour(metric, v, isEmpty) {
   if (isEmpty) return [null, null];
+  // an amax of 0 (a tensor of zeros, or one gone all NaN, which its own mark shows) has nothing to saturate:
+  // no colour, not the "+Inf" of a value gone infinite
+  if (metric === "headroom" && v === Infinity) return [null, null];
   if (Number.isNaN(v)) return [null, 1];
   if (v === Infinity) return [null, 2];
   if (v === -Infinity) return [null, 3];
   if (metric === "amax" || metric === "scale") return [v > 0 ? Math.log2(v) : null, null];
-  if (metric === "headroom") return v <= 0 ? [v, 4] : [v, null];
+  if (metric === "headroom") return [v, null]; // saturation is per tensor and format (Heatmap.saturated)
   if (metric === "sqnr" || metric === "dynamic_range" || metric === "block_range") return [v, null];
   if (metric === "subnormal" || metric.startsWith("block_")) return [100 * v, null];
   if (metric === "outlier_ratio") return [v > 0 ? Math.log10(v) : null, null];
@@ -255,6 +263,7 @@ export class Heatmap {
     const specials = new Map(Object.keys(SPECIAL).map((code) => [Number(code), []])); // code -> [[r, c]]
     let nSpecial = 0;
     const logScale = this.metric === "amax" || this.metric === "scale";
+    const headroom = this.metric === "headroom";
     const nf = this.nonfinite && this.nonfinite.C === C ? this.nonfinite.vals : null;
     const hasNonfinite = (row, c) => row.indices.some((t) => nf[t * C + c] > 0);
     for (let r = 0; r < R; r++) {
@@ -275,6 +284,7 @@ export class Heatmap {
           continue;
         }
         let [colour, code] = cellColour(this.metric, v, false);
+        if (code === null && headroom && this.saturated(d, rows[r], c)) code = 4;
         if (code === null && flagged) code = 5;
         zr[c] = colour;
         if (code !== null) {
@@ -285,6 +295,15 @@ export class Heatmap {
       z[r] = zr;
     }
     return { rows, z, specials, nSpecial };
+  }
+
+  /** Whether a tensor of `row` lost values to saturation in column c of headroom data `d`: its headroom
+   * below its format's `SATURATED_BELOW` (each tensor against its own format in a collapsed layer). */
+  saturated(d, row, c) {
+    if (!this.formats || this.formats.data !== d) {
+      this.formats = { data: d, of: new Map(d.tensors.map((t) => [t.index, t.format])) };
+    }
+    return row.indices.some((t) => d.vals[t * d.C + c] < (SATURATED_BELOW[this.formats.of.get(t)] ?? 0));
   }
 
   /** Row height in pixels, plot height, and the rows labelled on the y axis ([[row, label]]). */
