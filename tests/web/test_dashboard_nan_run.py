@@ -59,6 +59,9 @@ def test_a_real_nan_run_on_the_run_page_the_drill_down_and_the_comparison(server
     # the run page: the heatmap marks, from the injection on, every tensor with non-finite elements; the
     # first marked cell of the step is the poisoned input, the layers before it in the forward pass clean
     open_run(page, server.url, bad, stream=False)
+    # the learning rate is never negative: its axis starts at 0 (autorange pads below the lowest value)
+    start = page.evaluate("document.getElementById('curves')._fullLayout.yaxis3.range[0]")
+    assert start == 0, start
     page.wait_for_function(
         "() => (document.getElementById('heatmap').data || []).some(t => t.name === 'non-finite elements')"
     )

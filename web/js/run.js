@@ -178,7 +178,8 @@ class Curves {
       xaxis: { title: { text: "step" }, anchor: "y2" },
       yaxis: { title: { text: "loss" }, domain: [0.4, 1] },
       yaxis2: { title: { text: "grad norm" }, domain: [0, 0.32] },
-      yaxis3: { title: { text: "lr" }, overlaying: "y2", side: "right", showgrid: false, range: constantRange(this.lr.values), exponentformat: "e" },
+      // never negative: the axis starts at 0 (autorange padded it to -0.0014 under an lr spike)
+      yaxis3: { title: { text: "lr" }, overlaying: "y2", side: "right", showgrid: false, range: constantRange(this.lr.values), rangemode: "tozero", exponentformat: "e" },
       legend: { orientation: "h", y: 1.08 },
       shapes,
     };
