@@ -254,6 +254,12 @@ def test_headroom_marks_saturation_not_rounding_to_the_max(server, page):
     ]
     assert state["markers"]["+Inf"]["cells"] == [] and state["z"][1][7] is None
     assert state["z"][0][2] == pytest.approx(-0.03) and state["z"][2][3] == pytest.approx(-0.08)
+    # the colours span at least -1 to 4 binades, whatever narrower range the data has (current scaling's
+    # headrooms are all 0 up to rounding: fitted, that noise would fill the whole colour scale)
+    zrange = page.evaluate(
+        "(() => { const t = document.getElementById('heatmap').data[0]; return [t.zmin, t.zmax]; })()"
+    )
+    assert zrange == [-1, 4], zrange
     # a collapsed layer: each tensor against its own format (the e5m2 tensor's -0.08 is no saturation)
     page.click("#heatmap-collapse")
     page.wait_for_function("() => document.getElementById('heatmap').data[0].z.length === 1")

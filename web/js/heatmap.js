@@ -20,7 +20,9 @@ export const METRICS = {
   overflow: { label: "overflow (count)", agg: "sum", colorscale: "Reds", colorbar: "log10(1+count)", unit: "" },
   underflow: { label: "underflow (count)", agg: "sum", colorscale: "Blues", colorbar: "log10(1+count)", unit: "" },
   nonfinite: { label: "non-finite (count)", agg: "sum", colorscale: "Purples", colorbar: "log10(1+count)", unit: "" },
-  headroom: { label: "headroom log2(FP8_MAX/(amax·scale))", agg: "min", colorscale: "YlGnBu", colorbar: "headroom (binades)", unit: " binades" },
+  // the colours span at least -1 to 4 binades: current scaling's headrooms are all 0 up to float rounding,
+  // which a range fitted to the data spread over the whole scale as a random pattern (±80 nano-binades)
+  headroom: { label: "headroom log2(FP8_MAX/(amax·scale))", agg: "min", colorscale: "YlGnBu", colorbar: "headroom (binades)", unit: " binades", span: [-1, 4] },
   sqnr: { label: "SQNR (dB, worst of bucket)", agg: "min", colorscale: RED_YELLOW_GREEN, colorbar: "SQNR (dB)", unit: " dB" },
   subnormal: { label: "subnormal (% of values, max)", agg: "max", colorscale: YELLOW_ORANGE_RED, colorbar: "% subnormal", unit: "" },
   dynamic_range: { label: "dynamic range log2(amax/min|x|) (binades, max)", agg: "max", colorscale: YELLOW_ORANGE_RED, colorbar: "binades", unit: " binades" },
@@ -79,6 +81,22 @@ function aggregate(how, values) {
     else out = Math.min(out, v);
   }
   return out;
+}
+
+/** [zmin, zmax] of the colours of `z` for `metric`: the data's own range, widened to the metric's `span`
+ * where it has one; undefined (plotly fits the data) otherwise. */
+export function colourRange(metric, z) {
+  const span = METRICS[metric].span;
+  if (!span) return undefined;
+  let [lo, hi] = span;
+  for (const row of z) {
+    for (const v of row) {
+      if (v === null) continue;
+      if (v < lo) lo = v;
+      if (v > hi) hi = v;
+    }
+  }
+  return [lo, hi];
 }
 
 /** (colour value or null, overlay code or null) of a raw cell value for `metric`. */
@@ -329,7 +347,7 @@ export class Heatmap {
     const canvas = heatmapPreview({
       width: this.scroller.clientWidth || 900, height, z, C: this.data.C, specials: cells, labels,
       margin: MARGIN, right: COLORBAR_PX, metric: this.metric, colorscale: METRICS[this.metric].colorscale,
-      markerSize: markerSize(rowH),
+      markerSize: markerSize(rowH), range: colourRange(this.metric, z),
     });
     if (this.previewCanvas) this.previewCanvas.replaceWith(canvas);
     else this.scroller.prepend(canvas);
@@ -355,9 +373,11 @@ export class Heatmap {
     const tickvals = labels.map(([i]) => i);
     const ticktext = labels.map(([, label]) => plotlyText(label));
     const m = METRICS[this.metric];
+    const range = colourRange(this.metric, z);
     const traces = [
       {
         type: "heatmap", name: "values", x0: x0 + w / 2, dx: w, y0: 0, dy: 1, z, colorscale: m.colorscale, hoverinfo: "none",
+        ...(range ? { zmin: range[0], zmax: range[1] } : {}),
         colorbar: { title: { text: m.colorbar, side: "right" }, thickness: 12, len: Math.min(1, 400 / height), y: 1, yanchor: "top" },
         zsmooth: false,
       },

@@ -56,15 +56,15 @@ function canvas(id, width, height) {
  *   colour bar) as the plotly layout; `colorscale`: the plotly trace's, drawn as it is when given as
  *   [[fraction, "#rrggbb"], ...] (a named one: Viridis for amax, else grey).
  */
-export function heatmapPreview({ width, height, z, C, specials, labels, margin, right, metric, colorscale, markerSize }) {
+export function heatmapPreview({ width, height, z, C, specials, labels, margin, right, metric, colorscale, markerSize, range }) {
   const R = z.length;
   const [c, ctx] = canvas("heatmap-preview", width, height);
   const cellsW = Math.max(1, width - margin.l - margin.r - right);
   const cellsH = Math.max(1, height - margin.t - margin.b);
   if (R && C) {
-    let lo = Infinity;
-    let hi = -Infinity;
-    for (const row of z) for (const v of row) if (v !== null) { if (v < lo) lo = v; if (v > hi) hi = v; }
+    // the colours' range: as plotly's trace gets it (`range`), or fitted to the data
+    let [lo, hi] = range || [Infinity, -Infinity];
+    if (!range) for (const row of z) for (const v of row) if (v !== null) { if (v < lo) lo = v; if (v > hi) hi = v; }
     const span = hi > lo ? hi - lo : 1;
     const table = lut(Array.isArray(colorscale) ? colorscale : metric === "amax" ? VIRIDIS : GREY);
     // one pixel per cell, scaled up without smoothing: the same blocks plotly draws with zsmooth false
