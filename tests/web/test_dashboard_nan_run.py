@@ -74,6 +74,20 @@ def test_a_real_nan_run_on_the_run_page_the_drill_down_and_the_comparison(server
     # the NaN reached every tensor by the next step and stayed
     assert len(marked) == 48 and all(set(range(NAN_STEP + 1, STEPS + 1)) <= s for s in marked.values())
 
+    # any scalar charted: its non-finite values as a band, named in a marker's hover
+    page.check("#scalars-picker label[data-name='loss'] input")
+    page.wait_for_function(
+        "() => (document.getElementById('scalars-plot').data || []).some(t => t.name === 'loss: non-finite')"
+    )
+    loss = page.evaluate(
+        "(() => { const gd = document.getElementById('scalars-plot');"
+        " return {spans: gd.data.find(t => t.name === 'loss: non-finite').meta.spans,"
+        " bands: gd.layout.shapes.map(s => [s.x0, s.x1, s.yref])}; })()"
+    )
+    axis = page.evaluate("document.getElementById('scalars-plot').data.find(t => t.name === 'loss').yaxis")
+    assert loss["spans"] == [[NAN_STEP, STEPS]], loss
+    assert [NAN_STEP - 0.5, STEPS + 0.5, f"{axis} domain"] in loss["bands"], (loss, axis)
+
     # the layers table: no SQNR left to show for a layer whose tensors hold nothing finite (its last finite
     # one, a healthy-looking 25 dB, would say the quantization is fine)
     sqnr = page.text_content(f"#layers-table tr:has(td.name:text-is('{LAYER}')) td.sqnr")

@@ -8,7 +8,7 @@ import { api, num } from "./api.js";
 import { configText, flattenConfig } from "./config.js";
 import { el, fmt, plotly, plotlyText, replace } from "./dom.js";
 import { ROLE_ORDER, SPECIAL, fetchHeatmap } from "./heatmap.js";
-import { finiteNear, nonfiniteSpans, spanText } from "./nonfinite.js";
+import { bandShapes, finiteNear, nonfiniteSpans, spanText } from "./nonfinite.js";
 
 /** Per tensor name in A's order that B also has: the row of log2(A) - log2(B) values (NaN/Inf codes apart).
  * With the runs' nonfinite counts in the same bucket layout (`nfA`, `nfB`), `flagged` lists the cells where
@@ -166,10 +166,7 @@ export async function mountCompare(container, { runs: runIds = [], a = null, b =
         // where this run's values were NaN/Inf: a band in its colour over the chart, a marker named in the hover
         const spans = nonfiniteSpans(sr.steps, values);
         if (!spans.length) return;
-        for (const [a, b] of spans) {
-          shapes.push({ type: "rect", xref: "x", yref: `y${axis} domain`, x0: a - 0.5, x1: b + 0.5, y0: 0, y1: 1, layer: "below",
-            fillcolor: COLOURS[i], opacity: 0.15, line: { color: COLOURS[i], width: 1, dash: "dot" } });
-        }
+        shapes.push(...bandShapes(spans, { colour: COLOURS[i], yref: `y${axis} domain`, dash: "dot" }));
         bad.push({ type: "scatter", mode: "markers", name: plotlyText(`#${r.id} ${r.name}: non-finite`), legendgroup: String(r.id),
           showlegend: !bad.some((t) => t.legendgroup === String(r.id)), yaxis: `y${axis}`, meta: { run: r.id, scalar: n, spans },
           x: spans.map(([a]) => a), y: spans.map(([a]) => finiteNear(sr.steps, values, a)),

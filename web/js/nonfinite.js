@@ -48,3 +48,12 @@ export function finiteNear(steps, values, step) {
   }
   return best;
 }
+
+/** Plotly rectangles over steps [a, b] of each span, behind the traces: `yref` "paper" (with `y0`, `y1`) or
+ * an axis' domain ("y2 domain"), filled with `colour` at `opacity`, outlined in it (`dash` optional). */
+export function bandShapes(spans, { colour = "#ff00ff", opacity = 0.15, yref = "paper", y0 = 0, y1 = 1, dash } = {}) {
+  return spans.map(([a, b]) => ({
+    type: "rect", xref: "x", yref, x0: a - 0.5, x1: b + 0.5, y0, y1, layer: "below", fillcolor: colour, opacity,
+    line: { color: colour, width: 1, ...(dash ? { dash } : {}) },
+  }));
+}

@@ -6,7 +6,7 @@ import { api, auth, num, subscribe } from "./api.js";
 import { badge, deferPlotly, el, fmt, mark, panel, plotly, plotlyText, replace, sourceBadge, statusBadge, throttle } from "./dom.js";
 import { BlockHistPanel } from "./blockhist.js";
 import { Heatmap, SPECIAL, fetchHeatmap } from "./heatmap.js";
-import { bucketSpans, finiteNear, nonfiniteSpans, spanText } from "./nonfinite.js";
+import { bandShapes, bucketSpans, finiteNear, nonfiniteSpans, spanText } from "./nonfinite.js";
 import { afterPaint, curvesPreview } from "./preview.js";
 import { IncidentsPanel, SEVERITY_KIND } from "./incidents.js";
 import { PostMortem } from "./postmortem.js";
@@ -162,10 +162,7 @@ class Curves {
     // each run of consecutive non-finite losses as one band (a line per step drew a forest of dashes
     // once a NaN stuck), named in its hover
     const spans = nonfiniteSpans(this.loss.steps, this.loss.values);
-    const shapes = spans.map(([a, b]) => ({
-      type: "rect", x0: a - 0.5, x1: b + 0.5, yref: "paper", y0: 0.4, y1: 1, fillcolor: "rgba(255,0,255,0.15)",
-      line: { color: "#ff00ff", width: 1 }, layer: "below",
-    }));
+    const shapes = bandShapes(spans, { y0: 0.4 });
     traces.push({
       type: "scatter", mode: "markers", name: "non-finite loss", x: spans.map(([a]) => a), y: spans.map(([a]) => this.lossAt(a)),
       text: spans.map((span) => spanText("non-finite loss", span)),
@@ -297,17 +294,31 @@ class Scalars {
     const gap = 0.06;
     const h = (1 - gap * (names.length - 1)) / names.length;
     const layout = { height: 60 + 150 * names.length, margin: { l: 70, r: 20, t: 10, b: 40 }, showlegend: false, xaxis: { title: { text: "step" }, anchor: `y${names.length === 1 ? "" : names.length}` } };
+    layout.shapes = [];
+    const bad = []; // a marker per span of non-finite values, named in its hover, after the lines
     const traces = names.map((n, i) => {
       const axis = i === 0 ? "" : String(i + 1);
       const top = 1 - i * (h + gap);
       // "~g": 8000 and 0.0003 as written, 1.2e+7 beyond (plotly's exponent form labelled tokens/s "0.8e+4")
       layout[`yaxis${axis}`] = { title: { text: plotlyText(n), font: { size: 11 } }, domain: [Math.max(0, top - h), top], tickformat: "~g" };
       const ev = !this.scalarNames.includes(n);
+      const { steps, values } = got[n];
+      const spans = nonfiniteSpans(steps, values);
+      if (spans.length) {
+        layout.shapes.push(...bandShapes(spans, { yref: `y${axis} domain` }));
+        bad.push({
+          type: "scatter", mode: "markers", name: plotlyText(`${n}: non-finite`), x: spans.map(([a]) => a),
+          y: spans.map(([a]) => finiteNear(steps, values, a)), yaxis: `y${axis}`, meta: { scalar: n, spans },
+          text: spans.map((span) => plotlyText(spanText(`non-finite ${n}`, span))), hovertemplate: "%{text}<extra></extra>",
+          marker: { symbol: "square", size: 9, color: "#ff00ff" },
+        });
+      }
       return {
-        type: "scatter", mode: ev ? "lines+markers" : "lines", name: plotlyText(n), x: got[n].steps,
-        y: got[n].values.map((v) => (Number.isFinite(v) ? v : null)), yaxis: `y${axis}`, line: { width: 1.3 },
+        type: "scatter", mode: ev ? "lines+markers" : "lines", name: plotlyText(n), x: steps,
+        y: values.map((v) => (Number.isFinite(v) ? v : null)), yaxis: `y${axis}`, line: { width: 1.3 },
       };
     });
+    traces.push(...bad);
     if (this.dead) return;
     this.inflight = this.drawn ? Plotly.react(this.plot, traces, layout, { displaylogo: false, responsive: true })
       : Plotly.newPlot(this.plot, traces, layout, { displaylogo: false, responsive: true });
@@ -498,10 +509,7 @@ async function drillDown(container, runId, layer, tensors) {
   // one band per span of buckets where any of the layer's tensors had non-finite elements; one marker per
   // tensor and span on the counts' panel, named in its hover
   const counts = maps[metrics.indexOf("nonfinite")];
-  const shapes = bucketSpans(counts, mine.map((t) => t.index)).map(([a, b]) => ({
-    type: "rect", x0: a - 0.5, x1: b + 0.5, yref: "paper", y0: 0, y1: 1, fillcolor: "rgba(255,0,255,0.12)",
-    line: { color: SPECIAL[5][1], width: 1 }, layer: "below",
-  }));
+  const shapes = bandShapes(bucketSpans(counts, mine.map((t) => t.index)), { colour: SPECIAL[5][1], opacity: 0.12 });
   const marks = mine.flatMap((t) => bucketSpans(counts, [t.index]).map((span) => {
     const c = counts.bucket_start.indexOf(span[0]);
     return { x: span[0], y: counts.vals[t.index * counts.C + c], text: plotlyText(`${t.name}: ${spanText("non-finite elements", span)}`) };
