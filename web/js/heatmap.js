@@ -535,7 +535,8 @@ export class Heatmap {
       else lines.push([row.layer, `${row.indices.length} tensors (collapsed; bucket ${METRICS[this.metric].agg})`]);
       lines.push(["steps", `${d.bucket_start[c]}–${d.bucket_end[c]} (${d.bucket_steps[c]} stored)`]);
       const [v, isEmpty] = this.rowValue(d, row, c, this.metric);
-      lines.push([this.metric, isEmpty ? "no data" : `${fmt(v)}${Number.isFinite(v) ? METRICS[this.metric].unit : ""}`]);
+      const note = this.metric === "headroom" && v === Infinity ? " (amax 0: nothing to saturate)" : "";
+      lines.push([this.metric, isEmpty ? "no data" : `${fmt(v)}${Number.isFinite(v) ? METRICS[this.metric].unit : note}`]);
       for (const metric of HOVER_METRICS) {
         if (metric === this.metric) continue;
         const comp = this.companions.get(metric);
