@@ -260,6 +260,17 @@ def test_headroom_marks_saturation_not_rounding_to_the_max(server, page):
         "(() => { const t = document.getElementById('heatmap').data[0]; return [t.zmin, t.zmax]; })()"
     )
     assert zrange == [-1, 4], zrange
+    # hovering the empty cell says why it is empty
+    x, y = page.evaluate(
+        """([c, r]) => { const gd = document.getElementById('heatmap'); const L = gd._fullLayout;
+        const box = gd.querySelector('.nsewdrag').getBoundingClientRect(); const t = gd.data[0];
+        return [box.x + L.xaxis.l2p(t.x0 + c * t.dx), box.y + L.yaxis.l2p(r)]; }""",
+        [7, 1],
+    )
+    page.mouse.move(x - 1, y)
+    page.mouse.move(x, y)
+    page.wait_for_selector("#tooltip:not([hidden])")
+    assert "headroom +Inf (amax 0: nothing to saturate)" in page.text_content("#tooltip")
     # a collapsed layer: each tensor against its own format (the e5m2 tensor's -0.08 is no saturation)
     page.click("#heatmap-collapse")
     page.wait_for_function("() => document.getElementById('heatmap').data[0].z.length === 1")
