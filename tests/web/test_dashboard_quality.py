@@ -181,3 +181,34 @@ def test_a_run_without_quality_statistics_shows_a_blank_sqnr(server, page):
     z = page.evaluate("document.getElementById('heatmap').data[0].z")
     assert len(z) == 3 * N_LAYERS and all(v is None for row in z for v in row)
     no_page_errors(page)
+
+
+def test_the_comparison_takes_the_difference_of_any_metric(server, page):
+    # B is A with 6 dB less SQNR everywhere (err_sq x 10**0.6) and 4x the overflow counts
+    a_stats = quality_stats(seed=4)
+    a_stats["overflow"] = np.full_like(a_stats["amax"], 9.0)
+    b_stats = {k: v.copy() for k, v in a_stats.items()}
+    b_stats["err_sq"] *= 10.0**0.6
+    b_stats["overflow"] = np.full_like(a_stats["amax"], 39.0)
+    run_a, run_b = post_run(server, "diff-a", a_stats, True), post_run(server, "diff-b", b_stats, True)
+    page.goto(f"{server.url}/#/compare?runs={run_a['id']},{run_b['id']}&metric=sqnr")
+    page.wait_for_function("() => window.fp8scope.drawn.compare !== undefined")
+    assert page.text_content("#compare-diff-title").startswith("Heatmap difference: SQNR(A) − SQNR(B), dB")
+    assert page.input_value("#compare-metric") == "sqnr"
+
+    def values() -> list[float]:
+        z = page.evaluate("document.getElementById('compare-diff').data[0].z")
+        return [v for row in z for v in row if v is not None]
+
+    got = values()
+    assert len(got) == 3 * N_LAYERS * STEPS and all(v == pytest.approx(6.0, abs=1e-9) for v in got)
+    # another metric from the picker: the address keeps it, the pair stays
+    page.evaluate("window.fp8scope.drawn.compare = undefined")
+    page.select_option("#compare-metric", "overflow")
+    page.wait_for_function("() => location.hash.includes('metric=overflow')")
+    page.wait_for_function("() => window.fp8scope.drawn.compare !== undefined")
+    assert f"a={run_a['id']}" in page.evaluate("location.hash")
+    got = values()
+    want = np.log10(1 + 9.0) - np.log10(1 + 39.0)  # log10(1 + count), A - B
+    assert len(got) == 3 * N_LAYERS * STEPS and all(v == pytest.approx(want, abs=1e-9) for v in got)
+    no_page_errors(page)

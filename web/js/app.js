@@ -1,5 +1,6 @@
 // Boot and routing: #/ (runs list), #/runs/<id>[?incident=<id>] (run page, an incident open),
-// #/compare?runs=<id>,<id>,...[&a=<id>&b=<id>] (up to 8 runs; a and b: the heatmap difference's pair).
+// #/compare?runs=<id>,<id>,...[&a=<id>&b=<id>][&metric=<name>] (up to 8 runs; a and b: the heatmap
+// difference's pair, metric: what it is the difference of).
 
 import { ApiError, auth, unauthorized, whoami } from "./api.js";
 import { el, plotly, replace } from "./dom.js";
@@ -31,7 +32,8 @@ function route() {
   }
   if (parts[0] === "compare") {
     const runs = (params.get("runs") || "").split(",").filter((id) => /^\d+$/.test(id));
-    return { view: mountCompare, args: { runs, a: params.get("a"), b: params.get("b") } };
+    // ?metric=sqnr: the difference heatmap of that metric (an unknown name: amax)
+    return { view: mountCompare, args: { runs, a: params.get("a"), b: params.get("b"), metric: params.get("metric") } };
   }
   return { view: mountRuns, args: {} };
 }

@@ -1,6 +1,6 @@
 // Comparison of up to 8 runs: any scalar overlaid, the config diff, and between any two of them the heatmap
-// difference log2 amax(A) - log2 amax(B) per tensor (matched by name) over the step range both cover, with
-// the same bucket layout on both sides. Where a run went non-finite it says so: its loss (any scalar) as
+// difference of a metric (log2 amax(A) - log2 amax(B) by default; scale, SQNR, headroom, overflow, underflow)
+// per tensor (matched by name) over the step range both cover, with the same bucket layout on both sides. Where a run went non-finite it says so: its loss (any scalar) as
 // bands in the run's colour, and the difference's cells where either tensor had NaN/Inf elements marked
 // (an amax ignores NaN, so a tensor gone all NaN has an amax of 0 and no ratio to draw).
 
@@ -10,10 +10,24 @@ import { el, fmt, plotly, plotlyText, replace } from "./dom.js";
 import { ROLE_ORDER, SPECIAL, fetchHeatmap } from "./heatmap.js";
 import { bandShapes, finiteNear, nonfiniteSpans, spanText } from "./nonfinite.js";
 
-/** Per tensor name in A's order that B also has: the row of log2(A) - log2(B) values (NaN/Inf codes apart).
- * With the runs' nonfinite counts in the same bucket layout (`nfA`, `nfB`), `flagged` lists the cells where
- * either tensor counted non-finite elements, as [row, column, count in A, count in B]. */
-export function amaxDifference(a, b, nfA = null, nfB = null) {
+/** The heatmap metrics the difference can be taken of: its title, the colour bar's, the hover's label, and the
+ * difference of two finite cell values (null where there is none). amax and scale as a log2 ratio (binades),
+ * SQNR and headroom as plain differences (dB, binades), counts as a difference of log10(1 + count). */
+export const DIFF_METRICS = {
+  amax: { title: "log2 amax(A) − log2 amax(B)", bar: "log2 A/B", hover: "log2 ratio", diff: (a, b) => (a > 0 && b > 0 ? Math.log2(a) - Math.log2(b) : null) },
+  scale: { title: "log2 scale(A) − log2 scale(B)", bar: "log2 A/B", hover: "log2 ratio", diff: (a, b) => (a > 0 && b > 0 ? Math.log2(a) - Math.log2(b) : null) },
+  sqnr: { title: "SQNR(A) − SQNR(B), dB (worst of each bucket)", bar: "dB A−B", hover: "SQNR A−B (dB)", diff: (a, b) => a - b },
+  headroom: { title: "headroom(A) − headroom(B), binades (least of each bucket)", bar: "binades A−B", hover: "headroom A−B", diff: (a, b) => a - b },
+  overflow: { title: "log10(1 + overflow) A − B", bar: "log10 A−B", hover: "log10(1+overflow) A−B", diff: (a, b) => Math.log10(1 + a) - Math.log10(1 + b) },
+  underflow: { title: "log10(1 + underflow) A − B", bar: "log10 A−B", hover: "log10(1+underflow) A−B", diff: (a, b) => Math.log10(1 + a) - Math.log10(1 + b) },
+};
+
+/** Per tensor name in A's order that B also has: the row of `DIFF_METRICS[metric].diff(A, B)` values (NaN and
+ * Inf as codes 1 and 2 instead). With the runs' nonfinite counts in the same bucket layout (`nfA`, `nfB`),
+ * `flagged` lists the cells where either tensor counted non-finite elements, as [row, column, count in A,
+ * count in B]. */
+export function heatmapDifference(a, b, metric = "amax", nfA = null, nfB = null) {
+  const diff = DIFF_METRICS[metric].diff;
   const bIndex = new Map(b.tensors.map((t) => [t.name, t.index]));
   const layerOrder = new Map();
   for (const t of a.tensors) if (!layerOrder.has(t.layer)) layerOrder.set(t.layer, layerOrder.size);
@@ -35,7 +49,7 @@ export function amaxDifference(a, b, nfA = null, nfB = null) {
       const vb = b.vals[j * b.C + c];
       if (Number.isNaN(va) || Number.isNaN(vb)) sr[c] = 1;
       else if (!Number.isFinite(va) || !Number.isFinite(vb)) sr[c] = 2;
-      else if (va > 0 && vb > 0) zr[c] = Math.log2(va) - Math.log2(vb);
+      else zr[c] = diff(va, vb);
       const na = countsA ? countsA[t.index * a.C + c] : 0;
       const nb = countsB ? countsB[j * b.C + c] : 0;
       if (na > 0 || nb > 0) flagged.push([r, c, na, nb]);
@@ -62,16 +76,18 @@ export function configDiff(runs) {
   });
 }
 
-function hashFor(ids, pair) {
+function hashFor(ids, pair, metric = "amax") {
   const q = new URLSearchParams({ runs: ids.join(",") });
   if (pair && pair[0] && pair[1]) {
     q.set("a", pair[0]);
     q.set("b", pair[1]);
   }
+  if (metric !== "amax") q.set("metric", metric);
   return `#/compare?${q.toString().replace(/%2C/g, ",")}`;
 }
 
-export async function mountCompare(container, { runs: runIds = [], a = null, b = null }) {
+export async function mountCompare(container, { runs: runIds = [], a = null, b = null, metric = null }) {
+  const diffMetric = Object.hasOwn(DIFF_METRICS, metric || "") ? metric : "amax";
   const all = await api("/runs?limit=1000");
   const byId = new Map(all.map((r) => [String(r.id), r]));
   let ids = [...new Set([...(runIds.length ? runIds : [a, b]).filter(Boolean).map(String)])].filter((id) => byId.has(id)).slice(0, MAX_RUNS);
@@ -84,13 +100,13 @@ export async function mountCompare(container, { runs: runIds = [], a = null, b =
     all.filter((r) => !ids.includes(String(r.id))).map((r) => el("option", { value: r.id }, `#${r.id} ${r.name}`)));
   add.disabled = ids.length >= MAX_RUNS;
   add.addEventListener("change", () => {
-    if (add.value) location.hash = hashFor([...ids, add.value], [pairA, pairB]);
+    if (add.value) location.hash = hashFor([...ids, add.value], [pairA, pairB], diffMetric);
   });
   const chips = el("div", { class: "tags", id: "compare-runs" }, chosen.map((r, i) =>
     el("span", { class: "tag chosen", dataset: { runId: r.id } },
       el("span", { class: "swatch", style: `background: ${COLOURS[i]}` }), `#${r.id} ${r.name} `,
       el("button", { type: "button", class: "small remove", title: "leave this run out", onclick: () => {
-        location.hash = hashFor(ids.filter((id) => id !== String(r.id)), [pairA, pairB]);
+        location.hash = hashFor(ids.filter((id) => id !== String(r.id)), [pairA, pairB], diffMetric);
       } }, "×"))));
   const info = el("p", { class: "muted", id: "compare-info" });
   const picker = el("div", { class: "picker", id: "compare-scalars-picker" });
@@ -101,19 +117,24 @@ export async function mountCompare(container, { runs: runIds = [], a = null, b =
     const select = el("select", { id: `compare-${name}`, "aria-label": `run ${name.toUpperCase()}` },
       chosen.map((r) => el("option", { value: r.id, selected: String(r.id) === String(id) }, `#${r.id} ${r.name}`)));
     select.addEventListener("change", () => {
-      location.hash = hashFor(ids, name === "a" ? [select.value, pairB] : [pairA, select.value]);
+      location.hash = hashFor(ids, name === "a" ? [select.value, pairB] : [pairA, select.value], diffMetric);
     });
     return select;
   };
   const diffPlot = el("div", { id: "compare-diff" });
+  const metricPick = el("select", { id: "compare-metric", "aria-label": "metric of the difference" },
+    Object.keys(DIFF_METRICS).map((m) => el("option", { value: m, selected: m === diffMetric }, m)));
+  metricPick.addEventListener("change", () => {
+    location.hash = hashFor(ids, [pairA, pairB], metricPick.value);
+  });
   replace(container,
     el("section", { class: "panel" }, el("h2", {}, `Compare runs (up to ${MAX_RUNS})`),
       el("div", { class: "controls" }, chips, add), info),
     el("section", { class: "panel" }, el("h2", {}, "Scalars"), picker, lossPlot),
     el("section", { class: "panel" }, el("div", { class: "panel-head" }, el("h2", {}, "Config"),
       el("label", { class: "muted" }, onlyDiff, " only keys that differ")), configTable),
-    el("section", { class: "panel" }, el("h2", {}, "Heatmap difference: log2 amax(A) − log2 amax(B)"),
-      el("div", { class: "controls" }, el("label", {}, "A ", pick(pairA, "a")), el("label", {}, "B ", pick(pairB, "b"))),
+    el("section", { class: "panel" }, el("h2", { id: "compare-diff-title" }, `Heatmap difference: ${DIFF_METRICS[diffMetric].title}`),
+      el("div", { class: "controls" }, el("label", {}, "A ", pick(pairA, "a")), el("label", {}, "B ", pick(pairB, "b")), metricPick),
       el("p", { class: "muted", id: "compare-diff-info" }),
       el("div", { class: "heatmap-scroll" }, diffPlot)));
   if (chosen.length < 2) {
@@ -196,9 +217,10 @@ export async function mountCompare(container, { runs: runIds = [], a = null, b =
     return { destroy() {} };
   }
   const cols = Math.max(100, Math.round((diffPlot.clientWidth || 900) - 250));
-  const [pa, pb, nfA, nfB] = await Promise.all([["amax", runA], ["amax", runB], ["nonfinite", runA], ["nonfinite", runB]]
-    .map(([metric, r]) => fetchHeatmap(r.id, { metric, from, to, max_cols: cols })));
-  const diff = amaxDifference(pa, pb, nfA, nfB);
+  const [pa, pb, nfA, nfB] = await Promise.all([[diffMetric, runA], [diffMetric, runB], ["nonfinite", runA], ["nonfinite", runB]]
+    .map(([m, r]) => fetchHeatmap(r.id, { metric: m, from, to, max_cols: cols })));
+  const diff = heatmapDifference(pa, pb, diffMetric, nfA, nfB);
+  const shown = DIFF_METRICS[diffMetric];
   const C = Math.min(pa.C, pb.C);
   // where each run's tensors first had non-finite elements (the cells marked below)
   // a loop, not Math.min(...cells): a run gone NaN can flag every cell of the plot, more than a call spreads
@@ -227,8 +249,8 @@ export async function mountCompare(container, { runs: runIds = [], a = null, b =
   const size = Math.max(6, Math.min(14, rowH + 2));
   await Plotly.newPlot(diffPlot, [
     { type: "heatmap", x0, dx: w, y0: 0, dy: 1, z: diff.z, zsmooth: false, colorscale: "RdBu", reversescale: true, zmin: -lim || -1, zmax: lim || 1,
-      text: diff.shared.map((t) => new Array(C).fill(plotlyText(t.name))), hovertemplate: "%{text}<br>step %{x}<br>log2 ratio %{z:.2f}<extra></extra>",
-      colorbar: { title: { text: "log2 A/B" }, thickness: 12 } },
+      text: diff.shared.map((t) => new Array(C).fill(plotlyText(t.name))), hovertemplate: `%{text}<br>step %{x}<br>${shown.hover} %{z:.2f}<extra></extra>`,
+      colorbar: { title: { text: shown.bar }, thickness: 12 } },
     { type: "heatmap", x0, dx: w, y0: 0, dy: 1, z: diff.special, zsmooth: false,
       colorscale: [[0, SPECIAL[1][1]], [1 / 3, SPECIAL[1][1]], [1 / 3, SPECIAL[2][1]], [2 / 3, SPECIAL[2][1]], [2 / 3, SPECIAL[5][1]], [1, SPECIAL[5][1]]],
       zmin: 0.5, zmax: 3.5, showscale: false, hoverinfo: "skip" },
