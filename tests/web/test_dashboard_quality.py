@@ -211,4 +211,12 @@ def test_the_comparison_takes_the_difference_of_any_metric(server, page):
     got = values()
     want = np.log10(1 + 9.0) - np.log10(1 + 39.0)  # log10(1 + count), A - B
     assert len(got) == 3 * N_LAYERS * STEPS and all(v == pytest.approx(want, abs=1e-9) for v in got)
+    # against a run sent without the quality columns: nothing to subtract, and the page says why
+    bare = post_run(server, "diff-bare", smooth_stats(STEPS, 3 * N_LAYERS, seed=2), quality=False)
+    page.evaluate("window.fp8scope.drawn.compare = undefined")
+    page.goto(f"{server.url}/#/compare?runs={run_a['id']},{bare['id']}&metric=sqnr")
+    page.wait_for_function("() => window.fp8scope.drawn.compare !== undefined")
+    assert values() == []
+    info = page.text_content("#compare-diff-info")
+    assert info.endswith(f"; no sqnr values stored for #{bare['id']} in these steps"), info
     no_page_errors(page)

@@ -233,6 +233,9 @@ export async function mountCompare(container, { runs: runIds = [], a = null, b =
     .map(([r, step]) => (step === null ? "" : `; non-finite elements in #${r.id} from step ${step}`)).join("");
   diffInfo.textContent = `#${runA.id} − #${runB.id}: steps ${from}–${to}, buckets of ${pa.bucket_width} step${pa.bucket_width === 1 ? "" : "s"}; ${diff.shared.length} tensors in both` +
     (diff.onlyA ? `, ${diff.onlyA} only in A` : "") + (diff.onlyB ? `, ${diff.onlyB} only in B` : "") + badText;
+  // a run that stored none of this metric here (SQNR of a run sent without the quality columns): say so
+  const without = [[runA, pa], [runB, pb]].filter(([, h]) => h.emptyCol.every((e) => e === 1)).map(([r]) => `#${r.id}`);
+  if (without.length) diffInfo.textContent += `; no ${diffMetric} values stored for ${without.join(" and ")} in these steps`;
   // buckets are aligned to multiples of the width: drawn as a regular grid (fast in plotly)
   const w = pa.bucket_width;
   const x0 = Math.floor(pa.bucket_start[0] / w) * w + w / 2;
