@@ -202,6 +202,11 @@ def test_the_comparison_takes_the_difference_of_any_metric(server, page):
 
     got = values()
     assert len(got) == 3 * N_LAYERS * STEPS and all(v == pytest.approx(6.0, abs=1e-9) for v in got)
+    # per layer and role, in numbers: the mean over the buckets
+    table = page.eval_on_selector_all(
+        "#compare-diff-layers tbody tr", "trs => trs.map(tr => [...tr.cells].map(c => c.textContent))"
+    )
+    assert table == [[f"blocks.{k}.mlp.fc", "+6.00", "+6.00", "+6.00"] for k in range(N_LAYERS)], table
     # another metric from the picker: the address keeps it, the pair stays
     page.evaluate("window.fp8scope.drawn.compare = undefined")
     page.select_option("#compare-metric", "overflow")
@@ -217,6 +222,10 @@ def test_the_comparison_takes_the_difference_of_any_metric(server, page):
     page.goto(f"{server.url}/#/compare?runs={run_a['id']},{bare['id']}&metric=sqnr")
     page.wait_for_function("() => window.fp8scope.drawn.compare !== undefined")
     assert values() == []
+    cells = page.eval_on_selector_all(
+        "#compare-diff-layers tbody td.num", "tds => tds.map(td => td.textContent)"
+    )
+    assert cells == ["–"] * 3 * N_LAYERS
     info = page.text_content("#compare-diff-info")
     assert info.endswith(f"; no sqnr values stored for #{bare['id']} in these steps"), info
     no_page_errors(page)

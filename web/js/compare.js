@@ -63,6 +63,24 @@ export function heatmapDifference(a, b, metric = "amax", nfA = null, nfB = null)
 /** Beyond this many flagged cells the difference draws them as an overlay heatmap instead of one marker each. */
 const MAX_MARKERS = 20000;
 
+/** Per layer (in `diff`'s row order), each role's mean difference over the buckets where it has one (null
+ * where none): which layers a recipe change helps, in numbers beside the picture. */
+export function layerMeans(diff) {
+  const layers = new Map();
+  diff.shared.forEach((t, r) => {
+    let sum = 0;
+    let n = 0;
+    for (const v of diff.z[r]) {
+      if (v === null) continue;
+      sum += v;
+      n++;
+    }
+    if (!layers.has(t.layer)) layers.set(t.layer, {});
+    layers.get(t.layer)[t.role] = n ? sum / n : null;
+  });
+  return [...layers].map(([layer, roles]) => ({ layer, ...roles }));
+}
+
 export const MAX_RUNS = 8;
 const COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"];
 
@@ -122,6 +140,7 @@ export async function mountCompare(container, { runs: runIds = [], a = null, b =
     return select;
   };
   const diffPlot = el("div", { id: "compare-diff" });
+  const layerTable = el("table", { id: "compare-diff-layers", class: "config", hidden: true });
   const metricPick = el("select", { id: "compare-metric", "aria-label": "metric of the difference" },
     Object.keys(DIFF_METRICS).map((m) => el("option", { value: m, selected: m === diffMetric }, m)));
   metricPick.addEventListener("change", () => {
@@ -136,7 +155,7 @@ export async function mountCompare(container, { runs: runIds = [], a = null, b =
     el("section", { class: "panel" }, el("h2", { id: "compare-diff-title" }, `Heatmap difference: ${DIFF_METRICS[diffMetric].title}`),
       el("div", { class: "controls" }, el("label", {}, "A ", pick(pairA, "a")), el("label", {}, "B ", pick(pairB, "b")), metricPick),
       el("p", { class: "muted", id: "compare-diff-info" }),
-      el("div", { class: "heatmap-scroll" }, diffPlot)));
+      el("div", { class: "heatmap-scroll" }, diffPlot), layerTable));
   if (chosen.length < 2) {
     info.textContent = "Pick at least two runs.";
     return { destroy() {} };
@@ -272,6 +291,16 @@ export async function mountCompare(container, { runs: runIds = [], a = null, b =
       ticktext: diff.shared.filter((_, i) => i % every === 0).map((t) => plotlyText(t.name)) },
     legend: { orientation: "h", y: 1, yanchor: "bottom" },
   }, { displaylogo: false, responsive: true });
+  // the same differences per layer and role, averaged over the buckets both runs have
+  const means = layerMeans(diff);
+  const signed = (v) => (Math.abs(v) < 0.005 ? "0.00" : `${v > 0 ? "+" : ""}${v.toFixed(2)}`); // no "-0.00"
+  const cell = (v) => el("td", { class: "num" }, v === null || v === undefined ? "–" : signed(v));
+  replace(layerTable,
+    el("caption", { class: "muted" }, `A − B per tensor, the mean over the buckets both runs have (${shown.bar})`),
+    el("thead", {}, el("tr", {}, ["layer", "input", "weight", "grad_output"].map((h) => el("th", {}, h)))),
+    el("tbody", {}, means.map((m) => el("tr", { dataset: { layer: m.layer } }, el("td", { class: "name" }, m.layer),
+      cell(m.input), cell(m.weight), cell(m.grad_output)))));
+  layerTable.hidden = !means.length;
   window.fp8scope.drawn.compare = performance.now();
   return { destroy() {} };
 }
