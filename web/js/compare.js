@@ -1,8 +1,9 @@
 // Comparison of up to 8 runs: any scalar overlaid, the config diff, and between any two of them the heatmap
 // difference of a metric (log2 amax(A) - log2 amax(B) by default; scale, SQNR, headroom, overflow, underflow)
-// per tensor (matched by name) over the step range both cover, with the same bucket layout on both sides. Where a run went non-finite it says so: its loss (any scalar) as
-// bands in the run's colour, and the difference's cells where either tensor had NaN/Inf elements marked
-// (an amax ignores NaN, so a tensor gone all NaN has an amax of 0 and no ratio to draw).
+// per tensor (matched by name) over the step range both cover, with the same bucket layout on both sides,
+// and its mean per layer and role. Where a run went non-finite it says so: its loss (any scalar) as bands in
+// the run's colour, and the difference's cells where either tensor had NaN/Inf elements marked (an amax
+// ignores NaN, so a tensor gone all NaN has an amax of 0 and no ratio to draw).
 
 import { api, num } from "./api.js";
 import { configText, flattenConfig } from "./config.js";
