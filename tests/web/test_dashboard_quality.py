@@ -145,6 +145,18 @@ def test_sqnr_heatmap_hover_first_frame_and_layers_column(server, page):
     assert header == ["Layer", "Severity", "SQNR (dB)", "Block range", "Reasons"]
     expected = {f"blocks.{k}.mlp.fc": f"{sqnr[-1, 3 * k : 3 * k + 3].min():.1f}" for k in range(N_LAYERS)}
     assert dict(rows) == expected
+    # the layer's drill-down adds an SQNR panel: the dip's tensor reaches its 7.5 dB at its step
+    page.click("#layers-table tr:has(td.name:text-is('blocks.2.mlp.fc'))")
+    page.wait_for_selector("#drilldown-plot .main-svg")
+    drill = page.evaluate(
+        """() => { const gd = document.getElementById('drilldown-plot');
+        const axis = Object.keys(gd.layout).find(k => k.startsWith('yaxis')
+            && gd.layout[k].title.text === 'SQNR (dB)').replace('axis', '');
+        const t = gd.data.find(t => t.yaxis === axis && t.name === 'input');
+        return {x: t.x, y: t.y}; }"""
+    )
+    low = int(np.nanargmin(np.array(drill["y"], dtype=np.float64)))
+    assert drill["x"][low] == DIP_STEP and drill["y"][low] == pytest.approx(DIP_DB, abs=1e-9), drill
 
     # the other quality metrics: their colour bars, and cells that are the API's values as the legend says
     # (subnormal in percent, outlier ratio in log10)
@@ -180,6 +192,14 @@ def test_a_run_without_quality_statistics_shows_a_blank_sqnr(server, page):
     )
     z = page.evaluate("document.getElementById('heatmap').data[0].z")
     assert len(z) == 3 * N_LAYERS and all(v is None for row in z for v in row)
+    # its drill-down: no SQNR panel for SQNR it never sent
+    page.click("#layers-table tr:has(td.name:text-is('blocks.1.mlp.fc'))")
+    page.wait_for_selector("#drilldown-plot .main-svg")
+    titles = page.evaluate(
+        "(() => { const l = document.getElementById('drilldown-plot').layout;"
+        " return Object.keys(l).filter(k => k.startsWith('yaxis')).map(k => l[k].title.text); })()"
+    )
+    assert titles == ["amax", "scale", "overflow", "underflow", "non-finite"], titles
     no_page_errors(page)
 
 

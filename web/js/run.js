@@ -482,14 +482,19 @@ function reasonsList(reasons) {
   return [shown, rest];
 }
 
-/** amax, scale, overflow, underflow and non-finite lines of one layer's tensors; the steps where any of them
- * counted non-finite elements as bands across every panel (an amax ignores NaN: a tensor gone all NaN shows an
- * amax of 0, which the log axis leaves out, so the counts are what say where the values went). */
+/** amax, scale, overflow, underflow, non-finite (and SQNR) lines of one layer's tensors; the steps where any
+ * of them counted non-finite elements as bands across every panel (an amax ignores NaN: a tensor gone all NaN
+ * shows an amax of 0, which the log axis leaves out, so the counts are what say where the values went). */
 async function drillDown(container, runId, layer, tensors) {
   const mine = tensors.filter((t) => t.layer === layer);
   replace(container, el("h3", {}, "Layer ", el("span", { class: "name" }, layer)), el("p", { class: "muted" }, "loading…"));
-  const metrics = ["amax", "scale", "overflow", "underflow", "nonfinite"];
+  // and the SQNR (dB) where the run sends the quality columns (a run without them stores no SQNR bucket)
+  const metrics = ["amax", "scale", "overflow", "underflow", "nonfinite", "sqnr"];
   const maps = await Promise.all(metrics.map((metric) => fetchHeatmap(runId, { metric, max_cols: 600 })));
+  if (maps[metrics.length - 1].emptyCol.every((e) => e === 1)) {
+    metrics.pop();
+    maps.pop();
+  }
   const plot = el("div", { id: "drilldown-plot" });
   replace(container, el("h3", {}, "Layer ", el("span", { class: "name" }, layer)), plot);
   const traces = [];
@@ -516,12 +521,12 @@ async function drillDown(container, runId, layer, tensors) {
   }));
   traces.push({
     type: "scatter", mode: "markers", name: "non-finite elements", x: marks.map((m) => m.x), y: marks.map((m) => m.y),
-    yaxis: `y${panels}`, text: marks.map((m) => m.text), hovertemplate: "%{text}<extra></extra>",
+    yaxis: `y${metrics.indexOf("nonfinite") + 1}`, text: marks.map((m) => m.text), hovertemplate: "%{text}<extra></extra>",
     marker: { symbol: SPECIAL[5][2], size: 9, color: SPECIAL[5][1], line: { width: 2, color: SPECIAL[5][1] } },
     visible: marks.length ? true : "legendonly",
   });
   const layout = {
-    height: 620,
+    height: 120 + 100 * panels,
     margin: { l: 60, r: 20, t: 20, b: 40 },
     grid: { rows: panels, columns: 1, shared_xaxes: true },
     xaxis: { title: { text: "step (bucket start)" } },
@@ -530,7 +535,8 @@ async function drillDown(container, runId, layer, tensors) {
   };
   metrics.forEach((m, k) => {
     const lo = 1 - (k + 1) / panels + 0.03;
-    layout[`yaxis${k === 0 ? "" : k + 1}`] = { title: { text: m === "nonfinite" ? "non-finite" : m }, type: m === "amax" || m === "scale" ? "log" : "linear", domain: [lo, lo + 1 / panels - 0.06] };
+    const title = m === "nonfinite" ? "non-finite" : m === "sqnr" ? "SQNR (dB)" : m;
+    layout[`yaxis${k === 0 ? "" : k + 1}`] = { title: { text: title }, type: m === "amax" || m === "scale" ? "log" : "linear", domain: [lo, lo + 1 / panels - 0.06] };
   });
   await (await plotly()).newPlot(plot, traces, layout, { displaylogo: false, responsive: true });
 }
