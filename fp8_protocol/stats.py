@@ -116,6 +116,13 @@ def sqnr_db(sum_sq, err_sq, numel=None, nonfinite=None):
     return np.where(finite > 0, db, np.nan)
 
 
+def no_finite_element(numel, nonfinite):
+    """Where a tensor had elements and none of them finite: its amax (which ignores NaN) reads 0 and its sums
+    of squares are zero because nothing was measured, not because the tensor was zero."""
+    numel = np.asarray(numel, dtype=np.float64)
+    return (numel > 0) & (np.asarray(nonfinite, dtype=np.float64) >= numel)
+
+
 def rms(sum_sq, numel, nonfinite):
     """Root mean square of the finite values (NaN when there are none)."""
     with np.errstate(divide="ignore", invalid="ignore"):

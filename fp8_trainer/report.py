@@ -6,7 +6,18 @@ import numpy as np
 import torch
 from torch import nn
 
-from fp8_protocol.stats import AMAX, ERR_SQ, NONFINITE, NUMEL, OVERFLOW, SCALE, SUM_SQ, UNDERFLOW, sqnr_db
+from fp8_protocol.stats import (
+    AMAX,
+    ERR_SQ,
+    NONFINITE,
+    NUMEL,
+    OVERFLOW,
+    SCALE,
+    SUM_SQ,
+    UNDERFLOW,
+    no_finite_element,
+    sqnr_db,
+)
 
 from .convert import tensor_table
 
@@ -16,7 +27,7 @@ __all__ = ["fp8_summary", "health_table"]
 def _amax(s: torch.Tensor) -> torch.Tensor:
     """Each row's amax, NaN where no element was finite: the amax ignores NaN, so a tensor gone all NaN
     reports 0, which a table would show as a tensor of zeros."""
-    gone = (s[:, NUMEL] > 0) & (s[:, NONFINITE] >= s[:, NUMEL])
+    gone = torch.from_numpy(no_finite_element(s[:, NUMEL].numpy(), s[:, NONFINITE].numpy()))
     return torch.where(gone, torch.nan, s[:, AMAX])
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fp8_protocol.stats import sqnr_db
+from fp8_protocol.stats import no_finite_element, sqnr_db
 
 from .base import BatchView, Detector, array_state, nested_state
 from .episodes import advance
@@ -95,9 +95,7 @@ class SqnrDropDetector(Detector, key="sqnr_drop", order=55):
             return []
         numel, nonfinite = view.stats.get("numel"), view.stats.get("nonfinite")
         sqnr = sqnr_db(sum_sq, err_sq, numel, nonfinite)
-        dead = None
-        if numel is not None and nonfinite is not None:
-            dead = (np.asarray(numel) > 0) & (np.asarray(nonfinite) >= np.asarray(numel))
+        dead = None if numel is None or nonfinite is None else no_finite_element(numel, nonfinite)
         return self.process(view.steps, sqnr, view.watched, dead)
 
     def process(
