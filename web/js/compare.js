@@ -9,7 +9,7 @@ import { api, num } from "./api.js";
 import { configText, flattenConfig } from "./config.js";
 import { el, fmt, plotly, plotlyText, replace } from "./dom.js";
 import { ROLE_ORDER, SPECIAL, fetchHeatmap } from "./heatmap.js";
-import { bandShapes, finiteNear, nonfiniteSpans, spanText } from "./nonfinite.js";
+import { bandShapes, nonfiniteSpans, spanMarkers } from "./nonfinite.js";
 
 /** The heatmap metrics the difference can be taken of: its title, the colour bar's, the hover's label, and the
  * difference of two finite cell values (null where there is none). amax and scale as a log2 ratio (binades),
@@ -208,11 +208,10 @@ export async function mountCompare(container, { runs: runIds = [], a = null, b =
         const spans = nonfiniteSpans(sr.steps, values);
         if (!spans.length) return;
         shapes.push(...bandShapes(spans, { colour: COLOURS[i], yref: `y${axis} domain`, dash: "dot" }));
-        bad.push({ type: "scatter", mode: "markers", name: plotlyText(`#${r.id} ${r.name}: non-finite`), legendgroup: String(r.id),
+        bad.push(spanMarkers(spans, sr.steps, values, `#${r.id} ${r.name}: non-finite ${n}`, {
+          name: plotlyText(`#${r.id} ${r.name}: non-finite`), legendgroup: String(r.id),
           showlegend: !bad.some((t) => t.legendgroup === String(r.id)), yaxis: `y${axis}`, meta: { run: r.id, scalar: n, spans },
-          x: spans.map(([a]) => a), y: spans.map(([a]) => finiteNear(sr.steps, values, a)),
-          text: spans.map((span) => plotlyText(`#${r.id} ${r.name}: ${spanText(`non-finite ${n}`, span)}`)), hovertemplate: "%{text}<extra></extra>",
-          marker: { symbol: "square", size: 9, color: SPECIAL[1][1], line: { color: COLOURS[i], width: 2 } } });
+          marker: { symbol: "square", size: 9, color: SPECIAL[1][1], line: { color: COLOURS[i], width: 2 } } }));
       });
     });
     layout.shapes = shapes;

@@ -2,6 +2,8 @@
 // not a line per step), a tensor whose statistics counted NaN/Inf elements. An amax ignores NaN, so a
 // tensor gone all NaN reports an amax of 0: the non-finite counts, not the amax, say where it happened.
 
+import { plotlyText } from "./dom.js";
+
 /** Runs of consecutive indices i of `xs` where `bad(i)` holds, as [xs[first], xs[last]]. */
 export function spansWhere(xs, bad) {
   const spans = [];
@@ -56,4 +58,14 @@ export function bandShapes(spans, { colour = "#ff00ff", opacity = 0.15, yref = "
     type: "rect", xref: "x", yref, x0: a - 0.5, x1: b + 0.5, y0, y1, layer: "below", fillcolor: colour, opacity,
     line: { color: colour, width: 1, ...(dash ? { dash } : {}) },
   }));
+}
+
+/** A plotly marker trace for the spans of a series: a square at each span's first step on the series' nearest
+ * finite value, its hover "<what> from step a to b"; `extra` (name, axis, meta, a marker of its own) merged in. */
+export function spanMarkers(spans, steps, values, what, extra = {}) {
+  return {
+    type: "scatter", mode: "markers", x: spans.map(([a]) => a), y: spans.map(([a]) => finiteNear(steps, values, a)),
+    text: spans.map((span) => plotlyText(spanText(what, span))), hovertemplate: "%{text}<extra></extra>",
+    marker: { symbol: "square", size: 9, color: "#ff00ff" }, ...extra,
+  };
 }

@@ -6,7 +6,7 @@ import { api, auth, num, subscribe } from "./api.js";
 import { badge, deferPlotly, el, fmt, mark, panel, plotly, plotlyText, replace, sourceBadge, statusBadge, throttle } from "./dom.js";
 import { BlockHistPanel } from "./blockhist.js";
 import { Heatmap, SPECIAL, fetchHeatmap } from "./heatmap.js";
-import { bandShapes, bucketSpans, finiteNear, nonfiniteSpans, spanText } from "./nonfinite.js";
+import { bandShapes, bucketSpans, finiteNear, nonfiniteSpans, spanMarkers, spanText } from "./nonfinite.js";
 import { afterPaint, curvesPreview } from "./preview.js";
 import { IncidentsPanel, SEVERITY_KIND } from "./incidents.js";
 import { PostMortem } from "./postmortem.js";
@@ -163,12 +163,8 @@ class Curves {
     // once a NaN stuck), named in its hover
     const spans = nonfiniteSpans(this.loss.steps, this.loss.values);
     const shapes = bandShapes(spans, { y0: 0.4 });
-    traces.push({
-      type: "scatter", mode: "markers", name: "non-finite loss", x: spans.map(([a]) => a), y: spans.map(([a]) => this.lossAt(a)),
-      text: spans.map((span) => spanText("non-finite loss", span)),
-      hovertemplate: "%{text}<extra></extra>", marker: { symbol: "square", size: 9, color: "#ff00ff" },
-      visible: spans.length ? true : "legendonly",
-    });
+    traces.push(spanMarkers(spans, this.loss.steps, this.loss.values, "non-finite loss",
+      { name: "non-finite loss", visible: spans.length ? true : "legendonly" }));
     const layout = {
       height: CURVES_HEIGHT,
       margin: CURVES_MARGIN,
@@ -306,12 +302,8 @@ class Scalars {
       const spans = nonfiniteSpans(steps, values);
       if (spans.length) {
         layout.shapes.push(...bandShapes(spans, { yref: `y${axis} domain` }));
-        bad.push({
-          type: "scatter", mode: "markers", name: plotlyText(`${n}: non-finite`), x: spans.map(([a]) => a),
-          y: spans.map(([a]) => finiteNear(steps, values, a)), yaxis: `y${axis}`, meta: { scalar: n, spans },
-          text: spans.map((span) => plotlyText(spanText(`non-finite ${n}`, span))), hovertemplate: "%{text}<extra></extra>",
-          marker: { symbol: "square", size: 9, color: "#ff00ff" },
-        });
+        bad.push(spanMarkers(spans, steps, values, `non-finite ${n}`,
+          { name: plotlyText(`${n}: non-finite`), yaxis: `y${axis}`, meta: { scalar: n, spans } }));
       }
       return {
         type: "scatter", mode: ev ? "lines+markers" : "lines", name: plotlyText(n), x: steps,
