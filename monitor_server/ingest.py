@@ -71,6 +71,8 @@ class StoreResult:
     new_steps: StepBatch
     commands: list[Command]  # every unacknowledged command, for the response
     changed_commands: list[Command]  # commands whose state this batch changed (delivered, acked)
+    #: the client events as stored (with their `id`, `run_id` and `created_at`), in the batch's order
+    events: list[dict[str, Any]] = field(default_factory=list)
 
 
 #: the largest step number accepted: 2^53 - 1, the largest integer a JavaScript number (the dashboard) and a
@@ -368,11 +370,12 @@ def store_batch(session: Session, run_id: int, batch: DecodedBatch, fp8_max: np.
             run.scalar_names = sorted(known.union(scalar_names))
         if run.status == "crashed":  # closed by the server as abandoned, and its client is back
             run.status = "running"
-    if batch.events:
-        session.execute(
-            insert(EventRow.__table__),
-            [{"run_id": run_id, "created_at": now, **ev} for ev in batch.events],
-        )
+    events = [{"run_id": run_id, "created_at": now, **ev} for ev in batch.events]
+    if events:
+        # the ids let the stream name each event as lists do (a big one is then fetched whole by its id)
+        table = EventRow.__table__
+        ids = session.scalars(insert(table).returning(table.c.id, sort_by_parameter_order=True), events)
+        events = [{**ev, "id": event_id} for ev, event_id in zip(events, ids, strict=True)]
     run.last_telemetry_at = now
     run.updated_at = now
     changed = command_ops.apply_acks(session, run, batch.acks)
@@ -391,4 +394,4 @@ def store_batch(session: Session, run_id: int, batch: DecodedBatch, fp8_max: np.
         present={name: np.array([name in sc for sc in new_scalars], dtype=bool) for name in scalar_names},
         has_stats=None if has_stats.all() else has_stats,
     )
-    return StoreResult(False, new_batch, commands, changed)
+    return StoreResult(False, new_batch, commands, changed, events)

@@ -101,8 +101,8 @@ def ingest_batch(
             for command in changed:
                 ctx.broker.publish(run_id, "command", iso_dates(command))
             if not result.duplicate:
-                for event in batch.events:  # light, as lists show them: a stream never carries megabytes
-                    ctx.broker.publish(run_id, "event", event_light(event))
+                for event in result.events:  # light, as lists show them: a stream never carries megabytes
+                    ctx.broker.publish(run_id, "event", iso_dates(event_light(event)))
         if not result.duplicate:
             try:
                 ctx.detection.after_ingest(run_id, result.new_steps, batch.events)

@@ -7,6 +7,7 @@ import random
 import signal
 import threading
 import time
+from datetime import datetime
 
 import httpx
 import numpy as np
@@ -143,6 +144,10 @@ def _read_comment(lines, needle: str, timeout: float) -> bool:
     return False
 
 
+def _instant(iso: str) -> datetime:
+    return datetime.fromisoformat(iso.replace("Z", "+00:00"))
+
+
 def test_sse_step_event_keepalive_and_clean_shutdown(tmp_path):
     db_url = f"sqlite:///{tmp_path / 'sse.db'}"
     env = {"FP8SCOPE_SSE_KEEPALIVE_SECONDS": "0.3"}
@@ -164,9 +169,21 @@ def test_sse_step_event_keepalive_and_clean_shutdown(tmp_path):
             step = [e for e in events if e[0] == "step"]
             assert step and '"step":41' in step[0][1] and '"max_amax":123.0' in step[0][1]
             assert '"loss":1.5' in step[0][1]
-            # the client event follows its step on the stream (light: small details whole)
+            # the client event follows its step on the stream (light: small details whole), as the list
+            # shows it: under its stored id, which reads the event whole
             light = {**spike, "details_bytes": len(json.dumps(spike["details"], separators=(",", ":")))}
-            assert [json.loads(d) for n, d in events if n == "event"] == [{**light, "details_complete": True}]
+            (streamed,) = [json.loads(d) for n, d in events if n == "event"]
+            (listed,) = httpx.get(f"{server.url}{API}/runs/{rid}/events").json()
+            assert streamed == {
+                **light,
+                "details_complete": True,
+                "id": listed["id"],
+                "run_id": rid,
+                "created_at": streamed["created_at"],
+            }
+            assert _instant(streamed["created_at"]) == _instant(listed["created_at"])
+            whole = httpx.get(f"{server.url}{API}/runs/{rid}/events/{streamed['id']}").json()
+            assert whole["details"] == spike["details"] and whole["step"] == 41
             # a command shows up as a `command` event
             httpx.post(f"{server.url}{API}/runs/{rid}/commands", json={"changes": {"margin": 1}})
             events, _ = _read_events(lines, "command", timeout=30)

@@ -126,3 +126,33 @@ def test_postmortem_and_comparison(server, page):
     # rows in layer order (input, weight, grad_output): tensor 7 is row 7, tensor 1 is row 1
     assert flagged == [(1, 160), (7, 150)]
     no_page_errors(page)
+
+
+def test_loss_spike_arriving_live_shows_its_flight_recorder(server, page):
+    """A loss spike sent while the run page is open: its big event comes over the stream as a summary, and
+    the page fetches the whole event (the flight recorder) by the id the stream names it by."""
+    run = create_run(server.url, "live-spike", 2)
+    post_steps(server.url, run["id"], "a", 0, smooth_stats(60, 6, seed=3))
+    open_run(page, server.url, run["id"])
+    flight = [{"step": s, "loss": 2.0 + (s == 60) * 4.0, "grad_norm": 1.0} for s in range(37, 61)]
+    details = {"last_steps": flight, "histograms": {"blocks.0.mlp.fc.weight": list(range(2000))}}
+    spike = {"kind": "loss_spike", "step": 60, "details": details}
+    mark = {"kind": "custom", "step": 60, "details": {"name": "checkpoint"}}
+    post_steps(
+        server.url,
+        run["id"],
+        "b",
+        60,
+        smooth_stats(1, 6, seed=4),
+        losses=np.array([6.0]),
+        events=[spike, mark],
+    )
+    box = "#postmortem .timeline[data-step='60']"
+    page.wait_for_selector(f"{box}[data-points]")
+    assert page.get_attribute(box, "data-points") == str(len(flight))
+    assert "flight recorder: 24 steps sent with the event" in page.text_content(box)
+    # the events the stream brought are the stored ones: a list loaded meanwhile does not add them twice
+    marks = "() => document.getElementById('curves').data.find((t) => t.name === 'events').x"
+    page.wait_for_function(f"() => ({marks})().length > 0")
+    assert page.evaluate(f"({marks})()") == [60]
+    no_page_errors(page)

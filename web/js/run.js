@@ -779,6 +779,7 @@ export async function mountRun(container, { runId, incident = null, metric = nul
     {
       onopen: () => {
         refreshRun(); // steps stored between the first fetch and the connection
+        store.loadEvents().then(refreshCurves); // and events (merged by id with what the stream brings)
         if (opens++) {
           // reconnected: catch up on what the stream missed meanwhile
           alerts.load();

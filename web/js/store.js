@@ -5,6 +5,8 @@
 
 import { api } from "./api.js";
 
+const byStepThenId = (a, b) => a.step - b.step || a.id - b.id;
+
 export class RunStore {
   constructor(runId) {
     this.runId = runId;
@@ -77,10 +79,14 @@ export class RunStore {
     return this.state.run;
   }
 
-  /** The run's events (the newest 1000); a failure is recorded, not thrown. */
+  /** The run's events (the first 1000 in step order), merged with any the stream delivered meanwhile; a
+   * failure is recorded, not thrown. */
   async loadEvents() {
     try {
-      this.set("events", await api(`/runs/${this.runId}/events?limit=1000`));
+      const loaded = await api(`/runs/${this.runId}/events?limit=1000`);
+      const ids = new Set(loaded.map((e) => e.id));
+      const streamed = (this.state.events || []).filter((e) => !ids.has(e.id));
+      this.set("events", streamed.length ? [...loaded, ...streamed].sort(byStepThenId) : loaded);
     } catch (err) {
       this.fail("events", err);
     }
@@ -107,8 +113,11 @@ export class RunStore {
     this.notify("commands"); // a failed load stays reported: the trail may still lack older commands
   }
 
-  /** A live event from the stream. */
+  /** A live event from the stream, under its stored id (as `GET /runs/{id}/events/{event_id}` knows it); one
+   * the list already holds (a load and the stream may both deliver it) is not added twice. */
   pushEvent(e) {
-    this.set("events", [...this.state.events, { ...e, id: `live-${this.state.events.length}` }]);
+    const events = this.state.events || [];
+    if (events.some((x) => x.id === e.id)) return;
+    this.set("events", [...events, e]);
   }
 }
