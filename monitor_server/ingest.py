@@ -73,6 +73,7 @@ class StoreResult:
     changed_commands: list[Command]  # commands whose state this batch changed (delivered, acked)
     #: the client events as stored (with their `id`, `run_id` and `created_at`), in the batch's order
     events: list[dict[str, Any]] = field(default_factory=list)
+    steps_stored: int = 0  # the run's stored steps, this batch's included
 
 
 #: the largest step number accepted: 2^53 - 1, the largest integer a JavaScript number (the dashboard) and a
@@ -394,4 +395,4 @@ def store_batch(session: Session, run_id: int, batch: DecodedBatch, fp8_max: np.
         present={name: np.array([name in sc for sc in new_scalars], dtype=bool) for name in scalar_names},
         has_stats=None if has_stats.all() else has_stats,
     )
-    return StoreResult(False, new_batch, commands, changed, events)
+    return StoreResult(False, new_batch, commands, changed, events, run.steps_stored)

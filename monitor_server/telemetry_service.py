@@ -39,9 +39,10 @@ class IngestOutcome:
     commands: list[dict[str, Any]]
 
 
-def step_summaries(batch: StepBatch) -> list[dict[str, Any]]:
+def step_summaries(batch: StepBatch, steps_stored: int) -> list[dict[str, Any]]:
     """Per stored step: loss, max amax over tensors and total overflow / nonfinite counts (for SSE); the
-    statistics are None for a step that carried none (no FP8 layer ran in it, or a run without tensors)."""
+    statistics are None for a step that carried none (no FP8 layer ran in it, or a run without tensors).
+    `steps_stored` (the run's count with the whole batch) gives each its count once it was stored."""
     S = len(batch.steps)
     if not S:
         return []
@@ -62,6 +63,7 @@ def step_summaries(batch: StepBatch) -> list[dict[str, Any]]:
             "max_amax": encode_float(max_amax[i]) if with_stats[i] else None,
             "overflow": encode_float(overflow[i]) if with_stats[i] else None,
             "nonfinite": encode_float(nonfinite[i]) if with_stats[i] else None,
+            "steps_stored": steps_stored - (S - 1 - i),
         }
         for i, s in enumerate(batch.steps.tolist())
     ]
@@ -96,7 +98,7 @@ def ingest_batch(
         ctx.metrics.values.inc(with_stats * meta.num_tensors * len(result.new_steps.stats))
         ctx.metrics.latency.observe(time.perf_counter() - started)
         if ctx.broker.has_subscribers(run_id):
-            for summary in step_summaries(result.new_steps):
+            for summary in step_summaries(result.new_steps, result.steps_stored):
                 ctx.broker.publish(run_id, "step", summary)
             for command in changed:
                 ctx.broker.publish(run_id, "command", iso_dates(command))

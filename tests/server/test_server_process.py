@@ -168,7 +168,7 @@ def test_sse_step_event_keepalive_and_clean_shutdown(tmp_path):
             events, comments = _read_events(lines, "event", timeout=30)
             step = [e for e in events if e[0] == "step"]
             assert step and '"step":41' in step[0][1] and '"max_amax":123.0' in step[0][1]
-            assert '"loss":1.5' in step[0][1]
+            assert '"loss":1.5' in step[0][1] and '"steps_stored":1' in step[0][1]
             # the client event follows its step on the stream (light: small details whole), as the list
             # shows it: under its stored id, which reads the event whole
             light = {**spike, "details_bytes": len(json.dumps(spike["details"], separators=(",", ":")))}

@@ -30,11 +30,47 @@ def test_step_posted_appears_without_reload(server, page):
     assert seen_ms / 1000 - posted < 2.0
     assert page.evaluate("window.__sameDocument") is True  # no reload happened
     assert page.text_content("#run-last-loss") == "1.25"
+    assert page.text_content("#run-steps-stored") == "51"  # steps 0-49, then 50: follows the last step
     # the loss curve got the new point appended
     page.wait_for_function(
         "() => { const x = document.getElementById('curves').data[0].x; return x[x.length - 1] === 50; }"
     )
     assert page.evaluate("document.getElementById('curves').data[0].y.at(-1)") == 1.25
+    no_page_errors(page)
+
+
+def test_header_counts_follow_the_stream_and_never_step_back(server, page):
+    """The header's last step and stored-step count follow the live steps of a multi-step batch, and a run
+    read the server answered before those steps arrived (a refresh racing the stream) does not put them
+    back to what they were."""
+    run = create_run(server.url, "live-counts", 1)
+    rid = run["id"]
+    post_steps(server.url, rid, "first", 0, smooth_stats(50, 3))
+    open_run(page, server.url, rid)
+    held = []  # the page's next GET /runs/{id}, answered now and handed to the page later
+
+    def hold(route):
+        held.append((route, route.fetch()))
+
+    page.route(lambda url: url.split("?")[0].endswith(f"{API}/runs/{rid}"), hold)
+    # a rename makes the page re-read the run; the answer is taken while the run has 50 steps
+    assert httpx.patch(f"{server.url}{API}/runs/{rid}", json={"name": "live-counts-2"}).status_code == 200
+    deadline = time.monotonic() + 10
+    while not held and time.monotonic() < deadline:
+        page.wait_for_timeout(50)  # lets Playwright dispatch the route handler
+    assert held, "the page did not re-read the run"
+    post_steps(server.url, rid, "more", 50, smooth_stats(20, 3, seed=1))
+    page.wait_for_function(
+        "() => document.getElementById('run-last-step').textContent === '69'", timeout=3000
+    )
+    assert page.text_content("#run-steps-stored") == "70"
+    page.evaluate("document.getElementById('run-last-step').dataset.before = '1'")
+    route, answer = held.pop()
+    route.fulfill(response=answer)  # the header is drawn again from the older answer
+    page.wait_for_function("() => !document.getElementById('run-last-step').dataset.before", timeout=3000)
+    assert page.text_content("#run-name") == "live-counts-2"
+    assert (page.text_content("#run-last-step"), page.text_content("#run-steps-stored")) == ("69", "70")
+    page.unroute_all()
     no_page_errors(page)
 
 

@@ -608,7 +608,7 @@ export async function mountRun(container, { runId, incident = null, metric = nul
       el("dl", { class: "facts" },
         el("dt", {}, "last step"), el("dd", { id: "run-last-step" }, r.last_step === null ? "–" : String(r.last_step)),
         el("dt", {}, "last loss"), el("dd", { id: "run-last-loss" }, fmt(num(r.last_loss))),
-        el("dt", {}, "steps stored"), el("dd", {}, String(r.steps_stored)),
+        el("dt", {}, "steps stored"), el("dd", { id: "run-steps-stored" }, String(r.steps_stored)),
         el("dt", {}, "tensors"), el("dd", {}, String(r.num_tensors)),
         el("dt", {}, "host"), el("dd", {}, r.host || "–"),
         el("dt", {}, "open incidents"), el("dd", { id: "run-open-incidents" }, String(r.open_incidents ?? 0)),
@@ -743,9 +743,14 @@ export async function mountRun(container, { runId, incident = null, metric = nul
         if (r.last_step === null || d.step > r.last_step) {
           r.last_step = d.step;
           r.last_loss = d.loss;
-          r.steps_stored += 1;
           document.getElementById("run-last-step").textContent = String(d.step);
           document.getElementById("run-last-loss").textContent = fmt(num(d.loss));
+        }
+        if (d.steps_stored > r.steps_stored) {
+          // beside the last step, the count follows it too (it stayed at the page's first fetch, so a live
+          // run read "last step 263, steps stored 221": steps that looked lost)
+          r.steps_stored = d.steps_stored;
+          document.getElementById("run-steps-stored").textContent = String(r.steps_stored);
         }
         stepSeen(runId, d.step);
         if (d.loss !== null && d.loss !== undefined) pendingLoss.push({ step: d.step, loss: num(d.loss) });

@@ -68,10 +68,16 @@ export class RunStore {
     return this.tensorsRequest;
   }
 
-  /** GET /runs/{id}; failures are recorded and rethrown. */
+  /** GET /runs/{id}; failures are recorded and rethrown. An answer older than the steps the stream has
+   * brought meanwhile keeps their last step, loss and count (the header does not step back). */
   async loadRun() {
     try {
-      this.set("run", await api(`/runs/${this.runId}`));
+      const run = await api(`/runs/${this.runId}`);
+      const known = this.state.run;
+      if (known && known.id === run.id && known.last_step !== null && !(run.last_step >= known.last_step)) {
+        Object.assign(run, { last_step: known.last_step, last_loss: known.last_loss, steps_stored: known.steps_stored });
+      }
+      this.set("run", run);
     } catch (err) {
       this.fail("run", err);
       throw err;
