@@ -256,7 +256,7 @@ def title(root: dict[str, Any] | None, n_tensors: int) -> str:
     label = KIND_LABEL.get(root["kind"], root["kind"])
     if root["tensor_name"]:
         where = f" in {root['tensor_name']}"
-    elif root["kind"] in ("loss_spike", "nonfinite"):
+    elif root["kind"] == "nonfinite":  # a loss spike is the loss's by name ("loss spike in the loss")
         where = " in the loss"
     else:
         where = ""

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from monitor_server.incidents import title
 from tests.support.polling import wait_until
 from tests.support.server import API, create_run, post_batch, quiet_stats
 
@@ -288,3 +289,14 @@ def test_an_alert_stored_before_incidents_existed_joins_one_when_it_is_updated(c
     (incident,) = incidents(client, rid)
     assert incident["alert_count"] == 1 and incident["root"]["first_step"] == 3
     assert incident["root"]["last_step"] == 12 and incident["last_step"] == 12
+
+
+def test_titles_name_where_the_fault_is_once():
+    def root(kind: str, tensor: str | None) -> dict:
+        return {"kind": kind, "tensor_name": tensor, "onset_step": 221}
+
+    assert title(root("loss_spike", None), 0) == "loss spike at step 221"
+    assert title(root("nonfinite", None), 0) == "non-finite values in the loss at step 221"
+    assert title(root("overflow_burst", "blocks.0.mlp.fc.weight"), 2).endswith(
+        " in blocks.0.mlp.fc.weight at step 221 (2 tensors affected)"
+    )
