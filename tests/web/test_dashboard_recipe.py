@@ -156,25 +156,27 @@ def test_in_force_table_is_never_drawn_under_the_change_form(server, page):
     no_page_errors(page)
 
 
-def test_a_current_scaling_run_greys_the_settings_it_does_not_use(server, page):
-    # current scaling takes each scale from the tensor's own amax: margin, history, algorithm and interval
-    # are delayed scaling's, shown greyed with the reason; a delayed run's table has none of that
+def test_a_current_or_block_scaling_run_greys_the_settings_it_does_not_use(server, page):
+    # current scaling takes each scale from the tensor's own amax, block scaling each block's from the
+    # block's: margin, history, algorithm and interval are delayed scaling's, shown greyed with the reason;
+    # a delayed run's table has none of that
     cells_js = "tds => tds.map(td => [td.textContent, td.classList.contains('unused')])"
     runs = {}
-    for scaling in ("current", "delayed"):
+    for scaling in ("current", "mxfp8", "block", "delayed"):
         run = create_run(server.url, f"{scaling}-run", 2, recipe={"format": "HYBRID", "scaling": scaling})
         post_steps(server.url, run["id"], "a", 0, smooth_stats(5, 6))
         open_run(page, server.url, run["id"])
         page.wait_for_selector("#recipe-effective tr[data-target='model'] td")
         runs[scaling] = page.eval_on_selector_all("#recipe-effective tr[data-target='model'] td", cells_js)
         note = page.locator("#recipe-unused-note")
-        if scaling == "current":
-            assert "not used by current scaling" in note.text_content()
-        else:
+        if scaling == "delayed":
             assert note.count() == 0
+        else:
+            assert f"not used by {scaling} scaling" in note.text_content()
     unused = [True] * 4
-    assert runs["current"] == [[v, u] for v, u in zip(
-        ["model", "0", "1024", "max", "1", "current", "on"], [False, *unused, False, False], strict=True
-    )]  # fmt: skip
+    for scaling in ("current", "mxfp8", "block"):
+        assert runs[scaling] == [[v, u] for v, u in zip(
+            ["model", "0", "1024", "max", "1", scaling, "on"], [False, *unused, False, False], strict=True
+        )]  # fmt: skip
     assert [u for _, u in runs["delayed"]] == [False] * 7 and runs["delayed"][5][0] == "delayed"
     no_page_errors(page)

@@ -6,9 +6,10 @@ import { api, auth } from "./api.js";
 import { badge, el, replace } from "./dom.js";
 
 const FIELDS = ["margin", "amax_history_len", "amax_compute_algo", "interval", "scaling", "fp8_enabled"];
-// settings of delayed scaling alone: current scaling derives each scale from the tensor's own amax
+// settings of delayed scaling alone: current scaling derives each scale from the tensor's own amax, and
+// block scaling (mxfp8, block) each block's from the block's own
 const DELAYED_ONLY = new Set(["margin", "amax_history_len", "amax_compute_algo", "interval"]);
-const UNUSED = "not used by current scaling (in force again after a switch to delayed)";
+const unusedBy = (scalings) => `not used by ${scalings.join(" or ")} scaling (in force again after a switch to delayed)`;
 const STATE_KIND = { pending: "info", delivered: "info", applied: "ok", rejected: "bad" };
 
 function show(value) {
@@ -151,18 +152,18 @@ export class RecipeEditor {
     if (!this.run) return;
     const eff = this.run.effective_recipe || { model: {}, layers: {} };
     const rows = [["model", eff.model], ...Object.entries(eff.layers || {})];
+    const notDelayed = (values) => Boolean(values.scaling) && values.scaling !== "delayed";
+    const others = [...new Set(rows.filter(([, values]) => notDelayed(values)).map(([, values]) => values.scaling))];
     replace(
       this.effective,
       el("table", { class: "recipe" },
         el("thead", {}, el("tr", {}, el("th", {}, "target"), ...FIELDS.map((f) => el("th", {}, f.replace(/_/g, " "))))),
         el("tbody", {}, rows.map(([target, values]) =>
           el("tr", { dataset: { target } }, el("td", { class: "name" }, target), ...FIELDS.map((f) =>
-            values.scaling === "current" && DELAYED_ONLY.has(f)
-              ? el("td", { class: "muted unused", title: UNUSED }, show(values[f]))
+            notDelayed(values) && DELAYED_ONLY.has(f)
+              ? el("td", { class: "muted unused", title: unusedBy([values.scaling]) }, show(values[f]))
               : el("td", {}, show(values[f]))))))),
-      rows.some(([, values]) => values.scaling === "current")
-        ? el("p", { class: "muted", id: "recipe-unused-note" }, `Greyed: ${UNUSED}.`)
-        : [],
+      others.length ? el("p", { class: "muted", id: "recipe-unused-note" }, `Greyed: ${unusedBy(others)}.`) : [],
     );
     const selected = this.inputs.target.value;
     replace(this.inputs.target, el("option", { value: "model" }, "whole model"), this.layers.map((l) => el("option", { value: l }, l)));
