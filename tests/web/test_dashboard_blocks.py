@@ -156,6 +156,37 @@ def test_block_histogram_heatmap_metrics_and_layers_column(server, page):
     no_page_errors(page)
 
 
+def test_layers_table_never_rounds_blocks_at_a_limit_to_none(server, page):
+    """One block of 8192 at a scale limit is 0.012%: the block range column says "<0.1% at limit", not
+    "0.0% at limit"; one of 128 says 0.8%; none says nothing."""
+    run = create_run(server.url, "limits-run", N_LAYERS)
+    stats = smooth_stats(1, T, seed=1)
+    blocks = np.full((1, T), 8192.0)
+    blocks[0, 3:6] = BLOCKS
+    at_limit = np.zeros((1, T))
+    at_limit[0, 1] = 1  # blocks.0.mlp.fc.weight: 1 of 8192
+    at_limit[0, 4] = 1  # blocks.1.mlp.fc.weight: 1 of 128
+    stats |= {
+        "blocks": blocks,
+        "blocks_at_limit": at_limit,
+        "blocks_overflow": np.zeros((1, T)),
+        "blocks_underflow": np.zeros((1, T)),
+        "block_range": np.full((1, T), 5.0),
+    }
+    post_block_steps(server.url, run["id"], 0, stats, [[]], 1)
+    open_run(page, server.url, run["id"])
+    page.wait_for_selector("#layers-table tbody tr td.block-range")
+    rows = page.eval_on_selector_all(
+        "#layers-table tbody tr", "rs => rs.map(r => [r.cells[0].textContent, r.cells[3].textContent])"
+    )
+    assert dict(rows) == {
+        "blocks.0.mlp.fc": "5.0 (<0.1% at limit)",
+        "blocks.1.mlp.fc": "5.0 (0.8% at limit)",
+        "blocks.2.mlp.fc": "5.0",
+    }
+    no_page_errors(page)
+
+
 def test_recipe_editor_sends_block_scaling(server, page):
     run, _, _ = post_block_run(server.url)
     rid = run["id"]

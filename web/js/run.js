@@ -456,7 +456,10 @@ function blockText(range, atLimit) {
   const r = num(range);
   const share = num(atLimit);
   const text = Number.isFinite(r) ? r.toFixed(1) : fmt(r);
-  return share > 0 ? `${text} (${(100 * share).toFixed(1)}% at limit)` : text;
+  if (!(share > 0)) return text;
+  // a share under 0.05% is not "0.0%": some blocks are at the limit
+  const pct = share < 0.0005 ? "<0.1" : (100 * share).toFixed(1);
+  return `${text} (${pct}% at limit)`;
 }
 
 /** A table row that says a request failed (instead of an empty table). */
