@@ -49,6 +49,25 @@ def traces(page, plot: str) -> dict:
     )
 
 
+def test_a_usual_value_that_appears_live_is_charted_as_on_a_reload(server, page):
+    """The first evaluation arrives after the page opened: its val loss is checked and charted, as a reload
+    would show it; a usual value the user unchecked stays unchecked when more values appear."""
+    run = create_run(server.url, "evals-later", 2)
+    rid = run["id"]
+    _post(server, rid, "a", 0, 20, {"tokens_per_s": lambda s: 2000.0 + s})
+    open_run(page, server.url, rid)
+    page.wait_for_function("() => (document.getElementById('scalars-plot').data || []).length === 1")
+    page.uncheck("#scalars-picker label[data-name='tokens_per_s'] input")
+    _event(server, rid, "e1", 20, "eval", val_loss=2.5)
+    page.wait_for_selector("#scalars-picker label[data-name='eval.val_loss'] input:checked")
+    page.wait_for_function(
+        "() => (document.getElementById('scalars-plot').data || []).some(t => t.name === 'eval.val_loss')"
+    )
+    assert sorted(traces(page, "scalars-plot")) == ["eval.val_loss"]
+    assert not page.is_checked("#scalars-picker label[data-name='tokens_per_s'] input")
+    no_page_errors(page)
+
+
 def test_any_scalar_charted_live_with_events_config_and_tags(server, page):
     config = {"lr": 0.0003, "model": {"n_layer": 2, "n_embd": 64}, "recipe": "delayed"}
     run = create_run(server.url, "tracked", 2, config=config, tags=["sweep-1"])

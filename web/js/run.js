@@ -218,7 +218,8 @@ class Scalars {
     this.scalarNames = [];
     this.eventNames = [];
     this.events = [];
-    this.selected = null;
+    this.selected = new Set();
+    this.offered = new Set(); // every name the picker has shown: a default is checked when it first appears
     this.picker = el("div", { id: "scalars-picker", class: "picker" });
     this.empty = el("p", { class: "muted", id: "scalars-empty" }, "Pick the values to chart.");
     this.plot = el("div", { id: "scalars-plot" });
@@ -233,8 +234,12 @@ class Scalars {
     const changed = scalarNames.join("\n") !== this.scalarNames.join("\n") || eventNames.join("\n") !== this.eventNames.join("\n");
     this.scalarNames = scalarNames;
     this.eventNames = eventNames;
-    if (this.selected === null && (scalarNames.length || eventNames.length)) {
-      this.selected = new Set([...scalarNames, ...eventNames].filter((n) => DEFAULT_SCALARS.includes(n)));
+    // a default that appears later in a live run (the first evaluation's val loss) is checked as it would
+    // be on a reload; one the user has seen and unchecked stays unchecked
+    for (const name of [...scalarNames, ...eventNames]) {
+      if (this.offered.has(name)) continue;
+      this.offered.add(name);
+      if (DEFAULT_SCALARS.includes(name)) this.selected.add(name);
     }
     if (changed) this.renderPicker();
   }
@@ -243,7 +248,7 @@ class Scalars {
     const box = (name, source) =>
       el("label", { class: "pick", dataset: { name, source } },
         el("input", {
-          type: "checkbox", value: name, checked: this.selected && this.selected.has(name),
+          type: "checkbox", value: name, checked: this.selected.has(name),
           onchange: (ev) => {
             if (ev.target.checked) this.selected.add(name);
             else this.selected.delete(name);
@@ -256,7 +261,7 @@ class Scalars {
   }
 
   async load() {
-    const chosen = [...(this.selected || [])].filter((n) => this.scalarNames.includes(n) || this.eventNames.includes(n)).sort();
+    const chosen = [...this.selected].filter((n) => this.scalarNames.includes(n) || this.eventNames.includes(n)).sort();
     this.empty.hidden = chosen.length > 0;
     if (!chosen.length) {
       if (this.drawn) (await plotly()).purge(this.plot);
