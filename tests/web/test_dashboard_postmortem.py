@@ -54,7 +54,7 @@ def test_postmortem_and_comparison(server, page):
     page.wait_for_selector("#first-nonfinite")
     assert page.text_content("#first-nonfinite .name") == "blocks.2.mlp.fc.weight"
     assert "at step 150" in page.text_content("#first-nonfinite")
-    assert "crashed" in page.text_content("#postmortem")
+    assert "This run crashed." in page.text_content("#postmortem")
     page.click("#show-first-nonfinite")
     page.wait_for_function(
         "() => document.getElementById('heatmap-info').textContent.includes('buckets of 1 step ')"

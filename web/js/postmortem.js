@@ -7,6 +7,7 @@ import { el, fmt, plotly, plotlyText, replace } from "./dom.js";
 
 const SPIKE_WINDOW = 64; // steps shown before a spike when no flight recorder came with it
 const MAX_TIMELINES = 6;
+const ENDED = { finished: "finished", crashed: "crashed", interrupted: "was interrupted", halted: "was halted" };
 const MAX_STRIPS = 12; // series drawn per timeline (a flight recorder may carry any number)
 const STRIP_PX = 48; // height of one series' strip
 const STRIP_GAP = 0.18; // of a strip, left empty below it
@@ -109,7 +110,7 @@ export class PostMortem {
     if (key === this.drawnSpikes) return;
     this.drawnSpikes = key;
     const parts = [];
-    if (finished) parts.push(el("p", { class: "muted" }, `This run is ${run.status}.`));
+    if (finished) parts.push(el("p", { class: "muted" }, `This run ${ENDED[run.status] || `ended (${run.status})`}.`));
     if (first) {
       const label = `first non-finite: ${first.name} at step ${first.step}`;
       const go = el("button", { type: "button", class: "small", id: "show-first-nonfinite" }, "Show in heatmap");
