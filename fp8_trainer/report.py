@@ -81,5 +81,13 @@ def health_table(model: nn.Module, stats: torch.Tensor) -> str:
         lines.append("all tensors healthy: no overflow, underflow or non-finite values")
     else:
         nf, ovf, unf = worst_key
-        lines.append(f"worst: {worst} (nonfinite {int(nf)}, overflow {ovf:.2%}, underflow {unf:.2%})")
+        lines.append(f"worst: {worst} (nonfinite {int(nf)}, overflow {share(ovf)}, underflow {share(unf)})")
     return "\n".join(lines)
+
+
+def share(fraction: float) -> str:
+    """A fraction of elements as a percentage; one too small for two decimals reads "<0.01%", not "0.00%"
+    (a few saturated elements of millions are still saturated)."""
+    if 0 < fraction < 0.00005:
+        return "<0.01%"
+    return f"{fraction:.2%}"
