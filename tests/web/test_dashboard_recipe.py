@@ -180,3 +180,39 @@ def test_a_current_or_block_scaling_run_greys_the_settings_it_does_not_use(serve
         )]  # fmt: skip
     assert [u for _, u in runs["delayed"]] == [False] * 7 and runs["delayed"][5][0] == "delayed"
     no_page_errors(page)
+
+
+def test_an_applied_change_is_marked_where_it_took_effect(server, page):
+    """A change applied while the page is open gets a star on the loss curve and at the heatmap's top row,
+    named in its hover, and a dashed line across both plots at the step it took effect; a pending or
+    rejected change gets none."""
+    run = create_run(server.url, "marked-run", 2)
+    rid = run["id"]
+    post_steps(server.url, rid, "a", 0, smooth_stats(60, 6))
+    open_run(page, server.url, rid)
+    applied = httpx.post(f"{server.url}{API}/runs/{rid}/commands", json={"changes": {"margin": 2}}).json()
+    refused = httpx.post(
+        f"{server.url}{API}/runs/{rid}/commands",
+        json={"target": "blocks.0.mlp.fc", "changes": {"interval": 3}},
+    ).json()
+    httpx.post(f"{server.url}{API}/runs/{rid}/commands", json={"changes": {"margin": 1}})  # stays pending
+    post_steps(server.url, rid, "b", 60, smooth_stats(1, 6))  # delivers them
+    acks = [
+        {"command_id": applied["id"], "state": "applied", "step": 61},
+        {"command_id": refused["id"], "state": "rejected", "reason": "no"},
+    ]
+    post_steps(server.url, rid, "c", 61, smooth_stats(1, 6), acks=acks)
+    marks = "id => (document.getElementById(id).data || []).find(t => t.name === 'recipe changes')"
+    for plot in ("curves", "heatmap"):
+        page.wait_for_function(f"id => {{ const t = ({marks})(id); return t && t.x.length > 0; }}", arg=plot)
+        trace = page.evaluate(f"id => {{ const t = ({marks})(id); return {{x: t.x, text: t.text}}; }}", plot)
+        assert trace["x"] == [61], plot
+        (text,) = trace["text"]
+        assert text.startswith(f"recipe change #{applied['id']} (model) at step 61: margin = 2 (was "), text
+        lines = page.evaluate(
+            "id => document.getElementById(id).layout.shapes"
+            ".filter(s => s.type === 'line').map(s => [s.x0, s.x1])",
+            plot,
+        )
+        assert lines == [[61, 61]], plot
+    no_page_errors(page)

@@ -6,6 +6,7 @@
 import { apiBinary, qs } from "./api.js";
 import { el, fmt, mark, plotly, plotlyText, replace } from "./dom.js";
 import { heatmapPreview } from "./preview.js";
+import { CHANGE_COLOUR, changeLines } from "./recipe.js";
 
 // the quantization-quality scales, as plotly colour scales so that the canvas first frame draws the same
 // colours: ColorBrewer RdYlGn (SQNR: low, the bad end, is red) and YlOrRd (the others: high is bad)
@@ -407,7 +408,16 @@ export class Heatmap {
           : { symbol: "square", size, color: SPECIAL[code][1], line: { width: 0 } },
       });
     }
-    const shapes = [];
+    const changes = this.changes || [];
+    if (changes.length) {
+      // each change named where its line meets the top row (the lines themselves are shapes: no hover)
+      traces.push({
+        type: "scatter", mode: "markers", name: "recipe changes", x: changes.map((c) => c.step), y: changes.map(() => -0.5),
+        text: changes.map((c) => plotlyText(c.text)), hovertemplate: "%{text}<extra></extra>", cliponaxis: false,
+        marker: { symbol: "star", size: 12, color: CHANGE_COLOUR, line: { width: 1, color: "#fff" } },
+      });
+    }
+    const shapes = changeLines(changes);
     const annotations = [];
     if (this.marker && C) {
       const r = rows.findIndex((row) => row.indices.includes(this.marker.tensorIndex));
@@ -559,6 +569,13 @@ export class Heatmap {
       this.tooltip.style.top = `${e.clientY + 14}px`;
     }
     show();
+  }
+
+  /** The applied recipe changes ({step, text}): a dashed line across the rows at each. */
+  setChanges(changes) {
+    if (JSON.stringify(changes) === JSON.stringify(this.changes || [])) return;
+    this.changes = changes;
+    if (this.data) this.render();
   }
 
   /** Outline the cell of (step, tensor) with a label (the first non-finite value). */

@@ -23,6 +23,28 @@ function changesText(changes) {
   return Object.entries(changes).map(([k, v]) => `${k} = ${show(v)}`).join(", ");
 }
 
+/** The run's applied recipe changes as {step, id, text}, in step order: where each took effect, what it
+ * changed and what it replaced (markers on the curves and the heatmap). */
+export function appliedChanges(commands) {
+  return [...commands.values()]
+    .filter((c) => c.state === "applied" && Number.isFinite(c.applied_step))
+    .sort((a, b) => a.applied_step - b.applied_step || a.id - b.id)
+    .map((c) => {
+      const what = `${c.kind === "rollback" ? `rollback of #${c.rollback_of}: ` : ""}${changesText(c.changes)}`;
+      return { step: c.applied_step, id: c.id, text: `recipe change #${c.id} (${c.target}) at step ${c.applied_step}: ${what} (was ${changesText(c.previous)})` };
+    });
+}
+
+export const CHANGE_COLOUR = "#17becf";
+
+/** A dashed vertical line across a plot (shapes of its x axis, in steps) at each applied recipe change. */
+export function changeLines(changes) {
+  return changes.map((c) => ({
+    type: "line", xref: "x", yref: "paper", x0: c.step, x1: c.step, y0: 0, y1: 1, layer: "above",
+    line: { color: CHANGE_COLOUR, width: 1.5, dash: "dash" },
+  }));
+}
+
 /** The state of a command as one line: "applied at step 120", "rejected: reason", ... */
 export function stateText(c) {
   if (c.state === "applied") return `applied at step ${c.applied_step}`;

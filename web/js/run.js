@@ -10,7 +10,7 @@ import { bandShapes, bucketSpans, finiteNear, nonfiniteSpans, spanMarkers, spanT
 import { afterPaint, curvesPreview } from "./preview.js";
 import { IncidentsPanel, SEVERITY_KIND } from "./incidents.js";
 import { PostMortem } from "./postmortem.js";
-import { RecipeEditor } from "./recipe.js";
+import { CHANGE_COLOUR, RecipeEditor, appliedChanges, changeLines } from "./recipe.js";
 import { RunStore } from "./store.js";
 import { configText, flattenConfig, parseTags } from "./config.js";
 
@@ -64,6 +64,7 @@ function eventText(e) {
 }
 
 const CURVES_HEIGHT = 340;
+
 const CURVES_MARGIN = { l: 60, r: 60, t: 10, b: 40 };
 
 /** Loss, lr and grad-norm curves; live loss points are appended; markers for spikes and alerts. */
@@ -78,6 +79,14 @@ class Curves {
     container.append(this.plot);
     this.loss = { steps: [], values: [] };
     this.markers = [];
+    this.changes = [];
+  }
+
+  /** The applied recipe changes ({step, text}): a marker on the loss and a line across the plot each. */
+  setChanges(changes) {
+    if (JSON.stringify(changes) === JSON.stringify(this.changes)) return;
+    this.changes = changes;
+    if (this.drawn) this.draw();
   }
 
   async load() {
@@ -161,8 +170,15 @@ class Curves {
     ];
     // each run of consecutive non-finite losses as one band (a line per step drew a forest of dashes
     // once a NaN stuck), named in its hover
+    const changes = this.changes.map((c) => ({ ...c, y: this.lossAt(c.step) }));
+    traces.push({
+      type: "scatter", mode: "markers", name: "recipe changes", x: changes.map((c) => c.step), y: changes.map((c) => c.y),
+      text: changes.map((c) => plotlyText(c.text)), hovertemplate: "%{text}<extra></extra>",
+      marker: { symbol: "star", size: 12, color: CHANGE_COLOUR, line: { width: 1, color: "#fff" } },
+      visible: changes.length ? true : "legendonly",
+    });
     const spans = nonfiniteSpans(this.loss.steps, this.loss.values);
-    const shapes = bandShapes(spans, { y0: 0.4 });
+    const shapes = [...bandShapes(spans, { y0: 0.4 }), ...changeLines(changes)];
     traces.push(spanMarkers(spans, this.loss.steps, this.loss.values, "non-finite loss",
       { name: "non-finite loss", visible: spans.length ? true : "legendonly" }));
     const layout = {
@@ -650,6 +666,12 @@ export async function mountRun(container, { runId, incident = null, metric = nul
     layers.fill();
   });
   const recipe = new RecipeEditor(recipePanel, runId, store);
+  // where each applied recipe change took effect, on the curves and the heatmap (loaded, posted, streamed)
+  store.subscribe("commands", (commands) => {
+    const changes = appliedChanges(commands);
+    curves.setChanges(changes);
+    heatmap.setChanges(changes);
+  });
   const blockHist = new BlockHistPanel(blockPanel, runId, store);
   // the layers table says whether the run sends block statistics (and which tensor has the widest blocks)
   const loadLayers = () => layers.load().then(() => blockHist.update(layers.layers)).catch((err) => console.warn("block histogram", err));
