@@ -84,6 +84,30 @@ export async function apiBinary(path, { signal } = {}) {
   return response.arrayBuffer();
 }
 
+/** Save the file a GET under /api/v1 answers (an attachment). Without a token the browser fetches it
+ * itself and streams it to disk; with one (which a plain link cannot send) it is fetched here with the
+ * Authorization header and handed over whole. */
+export async function download(path) {
+  const link = document.createElement("a");
+  if (!auth.token()) {
+    link.href = API + path;
+    link.download = "";
+    link.click();
+    return;
+  }
+  const response = await fetch(API + path, { headers: headers({ Accept: "*/*" }) });
+  if (!response.ok) {
+    const detail = await errorDetail(response);
+    if (response.status === 401) unauthorized.dispatchEvent(new CustomEvent("unauthorized", { detail }));
+    throw new ApiError(response.status, detail);
+  }
+  const named = /filename="([^"]+)"/.exec(response.headers.get("Content-Disposition") || "");
+  link.href = URL.createObjectURL(await response.blob());
+  link.download = named ? named[1] : "";
+  link.click();
+  setTimeout(() => URL.revokeObjectURL(link.href), 60_000);
+}
+
 /** Ask the server who we are; sets auth.principal (null on 401). */
 export async function whoami() {
   try {

@@ -13,6 +13,7 @@ import { PostMortem } from "./postmortem.js";
 import { CHANGE_COLOUR, RecipeEditor, appliedChanges, changeLines } from "./recipe.js";
 import { RunStore } from "./store.js";
 import { configText, flattenConfig, parseTags } from "./config.js";
+import { downloadMenu } from "./download.js";
 
 function stepSeen(runId, step) {
   const key = `${runId}:${step}`;
@@ -621,6 +622,7 @@ export async function mountRun(container, { runId, incident = null, metric = nul
     el("div", { class: "two-col" }, configPanel, recipePanel),
   );
 
+  const downloads = downloadMenu(runId);
   function renderHeader() {
     const r = store.get("run");
     replace(
@@ -638,6 +640,7 @@ export async function mountRun(container, { runId, incident = null, metric = nul
         el("dt", {}, "open incidents"), el("dd", { id: "run-open-incidents" }, String(r.open_incidents ?? 0)),
         el("dt", {}, "open alerts"), el("dd", { id: "run-open-alerts" }, String(r.open_alerts))),
       el("a", { href: `#/compare?a=${r.id}`, class: "small" }, "Compare with another run…"),
+      downloads, // the same element each time: what is typed in it survives the header's redraws
     );
   }
   const curves = new Curves(curvesPanel, runId, onDrawn, preview ? firstFrames.curves : null);
