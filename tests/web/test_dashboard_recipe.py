@@ -216,3 +216,46 @@ def test_an_applied_change_is_marked_where_it_took_effect(server, page):
         )
         assert lines == [[61, 61]], plot
     no_page_errors(page)
+
+
+def test_compare_shows_the_changes_applied_to_each_run(server, page):
+    """Two runs from the same config, one given a margin during training: the comparison says so beside
+    the config, and marks the step in that run's colour on its scalars and on the difference heatmap."""
+    changed = create_run(server.url, "margin-pushed", 2)
+    plain = create_run(server.url, "untouched", 2)
+    for run in (changed, plain):
+        post_steps(server.url, run["id"], "a", 0, smooth_stats(30, 6))
+    cmd = httpx.post(
+        f"{server.url}{API}/runs/{changed['id']}/commands", json={"changes": {"margin": 2}}
+    ).json()
+    post_steps(server.url, changed["id"], "b", 30, smooth_stats(1, 6))
+    acks = [{"command_id": cmd["id"], "state": "applied", "step": 31}]
+    post_steps(server.url, changed["id"], "c", 31, smooth_stats(9, 6), acks=acks)
+    post_steps(server.url, plain["id"], "b", 30, smooth_stats(10, 6))
+
+    page.goto(f"{server.url}/#/compare?runs={changed['id']},{plain['id']}")
+    page.wait_for_function("() => window.fp8scope.drawn.compare !== undefined")
+    row = page.eval_on_selector(
+        "#compare-config tr[data-key='recipe changes applied']", "tr => [...tr.cells].map(c => c.textContent)"
+    )
+    assert row == ["recipe changes applied", "margin = 2 at step 31", "none"]
+    stars = page.evaluate(
+        "() => document.getElementById('compare-loss').data"
+        ".filter(t => (t.name || '').endsWith('recipe changes')).map(t => [t.name, t.x, t.marker.color])"
+    )
+    colours = page.evaluate(
+        "() => [...document.querySelectorAll('#compare-runs .swatch')]"
+        ".map(s => getComputedStyle(s).backgroundColor)"
+    )
+    assert len(stars) == 1 and stars[0][:2] == [f"#{changed['id']} margin-pushed: recipe changes", [31]]
+    lines = {
+        plot: page.evaluate(
+            "id => document.getElementById(id).layout.shapes"
+            ".filter(s => s.type === 'line').map(s => [s.x0, s.line.color])",
+            plot,
+        )
+        for plot in ("compare-loss", "compare-diff")
+    }
+    assert lines["compare-loss"] == lines["compare-diff"] == [[31, stars[0][2]]]
+    assert colours[0] == "rgb(31, 119, 180)" and stars[0][2] == "#1f77b4"  # the changed run's colour
+    no_page_errors(page)

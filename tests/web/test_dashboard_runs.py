@@ -139,7 +139,7 @@ def test_compare_four_runs_scalars_config_and_any_pair(server, page):
     assert rows == [["lr", "0.001", "0.002", "0.003", "0.004"]]
     page.uncheck("#compare-config-diff")
     keys = page.eval_on_selector_all("#compare-config tbody tr", "trs => trs.map(tr => tr.dataset.key)")
-    assert keys == ["lr", "model.n_layer", "seed"]
+    assert keys == ["lr", "model.n_layer", "seed", "recipe changes applied"]
     # the amax difference between any two of them: run 3 has 8x run 0's amax -> 3 binades
     page.select_option("#compare-a", str(runs[3]["id"]))
     # the page is drawn again for the new pair (A = run 3, B still run 1) before B is changed

@@ -9,7 +9,8 @@ import { api, num } from "./api.js";
 import { configText, flattenConfig } from "./config.js";
 import { el, fmt, plotly, plotlyText, replace } from "./dom.js";
 import { ROLE_ORDER, SPECIAL, fetchHeatmap } from "./heatmap.js";
-import { bandShapes, nonfiniteSpans, spanMarkers } from "./nonfinite.js";
+import { bandShapes, finiteNear, nonfiniteSpans, spanMarkers } from "./nonfinite.js";
+import { appliedChanges, changeLines } from "./recipe.js";
 
 /** The heatmap metrics the difference can be taken of: its title, the colour bar's, the hover's label, and the
  * difference of two finite cell values (null where there is none). amax and scale as a log2 ratio (binades),
@@ -163,13 +164,20 @@ export async function mountCompare(container, { runs: runIds = [], a = null, b =
   }
   info.textContent = `${chosen.length} runs`;
 
-  // config diff
-  const rows = configDiff(chosen);
+  // the recipe changes applied to each run while it trained (a run that cannot be read: none shown)
+  const changes = await Promise.all(chosen.map((r) => api(`/runs/${r.id}/commands`).then(appliedChanges, (err) => {
+    console.warn("commands", err);
+    return [];
+  })));
+  // config diff, and beside it what was changed during each run (the config is how it started)
+  const changeTexts = changes.map((list) => (list.length ? list.map((c) => c.short).join("; ") : "none"));
+  const rows = [...configDiff(chosen),
+    { key: "recipe changes applied", texts: changeTexts, differs: new Set(changeTexts).size > 1, changes: true }];
   const fillConfig = () => {
     const shown = onlyDiff.checked ? rows.filter((r) => r.differs) : rows;
     replace(configTable,
       el("thead", {}, el("tr", {}, el("th", {}, "key"), chosen.map((r) => el("th", { class: "name" }, `#${r.id} ${r.name}`)))),
-      el("tbody", {}, shown.length ? shown.map((r) => el("tr", { class: r.differs ? "differs" : "", dataset: { key: r.key } },
+      el("tbody", {}, shown.length ? shown.map((r) => el("tr", { class: `${r.differs ? "differs" : ""}${r.changes ? " changes" : ""}`, dataset: { key: r.key } },
         el("td", { class: "name" }, r.key), r.texts.map((t) => el("td", { class: "name" }, t))))
         : el("tr", {}, el("td", { colspan: chosen.length + 1, class: "muted" }, "The configs agree on every key."))));
   };
@@ -214,8 +222,19 @@ export async function mountCompare(container, { runs: runIds = [], a = null, b =
           marker: { symbol: "square", size: 9, color: SPECIAL[1][1], line: { color: COLOURS[i], width: 2 } } }));
       });
     });
+    // each run's applied recipe changes: a dashed line in its colour, a star on its first chart
+    const starred = [];
+    chosen.forEach((r, i) => {
+      if (!changes[i].length || !picked.length) return;
+      shapes.push(...changeLines(changes[i], COLOURS[i]));
+      const sr = got[i].series[picked[0]];
+      const at = (step) => (sr ? finiteNear(sr.steps, sr.values.map(num), step) : null);
+      starred.push({ type: "scatter", mode: "markers", name: plotlyText(`#${r.id} ${r.name}: recipe changes`), legendgroup: String(r.id),
+        x: changes[i].map((c) => c.step), y: changes[i].map((c) => at(c.step)), text: changes[i].map((c) => plotlyText(`#${r.id} ${r.name}: ${c.text}`)),
+        hovertemplate: "%{text}<extra></extra>", marker: { symbol: "star", size: 12, color: COLOURS[i], line: { width: 1, color: "#fff" } } });
+    });
     layout.shapes = shapes;
-    await Plotly.react(lossPlot, [...traces, ...bad], layout, { displaylogo: false, responsive: true });
+    await Plotly.react(lossPlot, [...traces, ...bad, ...starred], layout, { displaylogo: false, responsive: true });
   };
   replace(picker, names.map((n) => el("label", { class: "pick", dataset: { name: n } },
     el("input", { type: "checkbox", checked: selected.has(n), onchange: (ev) => {
@@ -290,6 +309,11 @@ export async function mountCompare(container, { runs: runIds = [], a = null, b =
     yaxis: { autorange: "reversed", fixedrange: true, tickvals: diff.shared.map((_, i) => i).filter((i) => i % every === 0),
       ticktext: diff.shared.filter((_, i) => i % every === 0).map((t) => plotlyText(t.name)) },
     legend: { orientation: "h", y: 1, yanchor: "bottom" },
+    // where a recipe change took effect in A or B, in the run's colour (a difference may start there)
+    shapes: [pairA, pairB].flatMap((id) => {
+      const i = ids.indexOf(id);
+      return changeLines(changes[i].filter((c) => c.step >= from && c.step <= to), COLOURS[i]);
+    }),
   }, { displaylogo: false, responsive: true });
   // the same differences per layer and role, averaged over the buckets both runs have
   const means = layerMeans(diff);

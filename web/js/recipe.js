@@ -23,25 +23,30 @@ function changesText(changes) {
   return Object.entries(changes).map(([k, v]) => `${k} = ${show(v)}`).join(", ");
 }
 
-/** The run's applied recipe changes as {step, id, text}, in step order: where each took effect, what it
- * changed and what it replaced (markers on the curves and the heatmap). */
+/** The run's applied recipe changes (a Map or an array of commands) as {step, id, short, text}, in step
+ * order: where each took effect, what it changed and what it replaced (markers on the curves and the
+ * heatmap; `short` for a table cell). */
 export function appliedChanges(commands) {
   return [...commands.values()]
     .filter((c) => c.state === "applied" && Number.isFinite(c.applied_step))
     .sort((a, b) => a.applied_step - b.applied_step || a.id - b.id)
     .map((c) => {
       const what = `${c.kind === "rollback" ? `rollback of #${c.rollback_of}: ` : ""}${changesText(c.changes)}`;
-      return { step: c.applied_step, id: c.id, text: `recipe change #${c.id} (${c.target}) at step ${c.applied_step}: ${what} (was ${changesText(c.previous)})` };
+      const where = c.target === "model" ? "" : ` on ${c.target}`;
+      return {
+        step: c.applied_step, id: c.id, short: `${what}${where} at step ${c.applied_step}`,
+        text: `recipe change #${c.id} (${c.target}) at step ${c.applied_step}: ${what} (was ${changesText(c.previous)})`,
+      };
     });
 }
 
 export const CHANGE_COLOUR = "#17becf";
 
 /** A dashed vertical line across a plot (shapes of its x axis, in steps) at each applied recipe change. */
-export function changeLines(changes) {
+export function changeLines(changes, colour = CHANGE_COLOUR) {
   return changes.map((c) => ({
     type: "line", xref: "x", yref: "paper", x0: c.step, x1: c.step, y0: 0, y1: 1, layer: "above",
-    line: { color: CHANGE_COLOUR, width: 1.5, dash: "dash" },
+    line: { color: colour, width: 1.5, dash: "dash" },
   }));
 }
 
