@@ -60,14 +60,12 @@ def test_header_counts_follow_the_stream_and_never_step_back(server, page):
         page.wait_for_timeout(50)  # lets Playwright dispatch the route handler
     assert held, "the page did not re-read the run"
     post_steps(server.url, rid, "more", 50, smooth_stats(20, 3, seed=1))
-    page.wait_for_function(
-        "() => document.getElementById('run-last-step').textContent === '69'", timeout=3000
-    )
+    page.wait_for_function("() => document.getElementById('run-last-step').textContent === '69'")
     assert page.text_content("#run-steps-stored") == "70"
     page.evaluate("document.getElementById('run-last-step').dataset.before = '1'")
     route, answer = held.pop()
     route.fulfill(response=answer)  # the header is drawn again from the older answer
-    page.wait_for_function("() => !document.getElementById('run-last-step').dataset.before", timeout=3000)
+    page.wait_for_function("() => !document.getElementById('run-last-step').dataset.before")
     assert page.text_content("#run-name") == "live-counts-2"
     assert (page.text_content("#run-last-step"), page.text_content("#run-steps-stored")) == ("69", "70")
     page.unroute_all()
