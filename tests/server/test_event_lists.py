@@ -5,6 +5,7 @@ and a stream client that stops reading is dropped once its queue holds more than
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 
 import orjson
 
@@ -108,6 +109,8 @@ def test_slow_stream_client_dropped_by_bytes():
                 break
         return out
 
-    out = asyncio.run(scenario())
+    # a loop of its own, in a thread: a Playwright test earlier in the same process leaves one running here
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        out = pool.submit(asyncio.run, scenario()).result()
     assert len(out) == 2 and out[0].startswith(b"event: dropped\ndata: ")
     assert b"(sse_queue_bytes)" in out[0]
