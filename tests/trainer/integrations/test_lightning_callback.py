@@ -13,6 +13,8 @@ import torch
 L = pytest.importorskip("lightning")
 pytest.importorskip("transformers")
 
+from lightning.pytorch.utilities import grad_norm  # noqa: E402
+
 from fp8_trainer import DelayedScaling, Linear, step_stats  # noqa: E402
 from fp8_trainer.integrations.lightning import Fp8ScopeCallback  # noqa: E402
 from tests.trainer.integrations.lightning_llama import BATCH, SEQ, TinyLlama  # noqa: E402
@@ -21,11 +23,18 @@ from tests.trainer.monitor_utils import FAST, get, stored_stats  # noqa: E402
 STEPS, ACCUM = 4, 2
 
 
+CLIP = 0.05  # well under the gradient norms here: clipping changes every step's gradients
+
+
 class Seen(L.Callback):
-    """After fp8scope's callback: the runtime's statistics at each optimizer step."""
+    """After fp8scope's callback: the runtime's statistics at each optimizer step, and the gradient norm
+    before clipping as Lightning's own ``grad_norm`` utility measures it."""
 
     def __init__(self):
-        self.stats, self.last = {}, 0
+        self.stats, self.last, self.norms = {}, 0, []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.norms.append(float(grad_norm(pl_module, norm_type=2)["grad_2.0_norm_total"]))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step > self.last:
@@ -41,6 +50,7 @@ def fit(callback=None):
     seen = Seen()
     callbacks = [c for c in (callback, seen) if c is not None]
     trainer = L.Trainer(max_steps=STEPS, accumulate_grad_batches=ACCUM, accelerator="cpu", devices=1,
+                        gradient_clip_val=CLIP,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=callbacks)  # fmt: skip
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
@@ -60,6 +70,10 @@ def assert_stored(url, name, module, seen):
     ]
     assert get(url, f"/runs/{run['id']}/series", name="loss")["values"] == want
     assert get(url, f"/runs/{run['id']}/series", name="lr")["values"] == [1e-3] * STEPS
+    # the gradient norm of each step, before Lightning clipped it to CLIP
+    norms = get(url, f"/runs/{run['id']}/series", name="grad_norm")["values"]
+    np.testing.assert_allclose(norms, seen.norms, rtol=1e-4)
+    assert min(norms) > CLIP
     got = stored_stats(url, run["id"])
     for c, metric in enumerate(("amax", "scale", "overflow", "underflow", "nonfinite")):
         expected = np.stack([seen.stats[s][:, c] for s in range(1, STEPS + 1)], axis=1)
