@@ -15,7 +15,9 @@ region and hands its loss over. Every optimizer step (``on_step_end``, not only 
 step's statistics and loss go to the monitor. The loss is the one the Trainer itself reports for that step:
 the micro-batch losses as ``training_step`` returns them (divided by ``gradient_accumulation_steps`` unless
 the model takes ``num_items_in_batch``), summed over the step's micro-batches. The learning rate is the one
-the step used. Under torch.distributed every rank runs the callback and rank 0 reports.
+the step used. Each evaluation's metrics go as an ``eval`` event at the step it followed (``eval_loss`` as
+``val_loss``, drawn beside the loss; the others without their ``eval_`` prefix). Under torch.distributed
+every rank runs the callback and rank 0 reports.
 
 The URL and token come from the arguments or ``FP8SCOPE_URL`` / ``FP8SCOPE_TOKEN`` (``Monitor``'s rules).
 Saving checkpoints with FP8 layers: their scaling state is module extra state, which safetensors cannot
@@ -55,6 +57,21 @@ class Fp8ScopeCallback(BridgeCallback, TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.bridge.step_end(state.global_step, lr=self._lr)
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        # an evaluation's numbers as an "eval" event at the step it followed, as fp8-train sends its own:
+        # eval_loss as val_loss (the run page draws it beside the loss), the others without "eval_"
+        if self.monitor is None or not metrics:
+            return
+        numbers = {
+            key.removeprefix("eval_"): float(value)
+            for key, value in metrics.items()
+            if isinstance(value, int | float) and not isinstance(value, bool)
+        }
+        if "loss" in numbers:
+            numbers["val_loss"] = numbers.pop("loss")
+        if numbers:
+            self.monitor.event("eval", state.global_step, **numbers)
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
         if model is not None and "forward" in model.__dict__ and hasattr(model.forward, "__fp8scope__"):

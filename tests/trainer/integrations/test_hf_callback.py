@@ -99,3 +99,26 @@ def test_trainer_with_a_torchao_model(server, tmp_path):
     run_id = next(r["id"] for r in get(server.url, "/runs") if r["name"] == "hf-torchao")
     assert get(server.url, f"/runs/{run_id}")["config"]["fp8_source"] == "torchao"
     assert_stored(server.url, run_id, seen, fp8=True)
+
+
+def test_evaluations_reach_the_run_as_eval_events(server, tmp_path):
+    """Evaluations every 2 steps: each is an `eval` event at its step with the Trainer's own numbers
+    (eval_loss as val_loss), as the run page charts fp8-train's."""
+    cb = Fp8ScopeCallback(server.url, run_name="hf-evals", recipe=DelayedScaling(),
+                          spool_path=tmp_path / "s.jsonl", module_filter_fn=lambda m, fqn: fqn != "lm_head",
+                          **FAST)  # fmt: skip
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=BATCH,
+                             per_device_eval_batch_size=BATCH, max_steps=STEPS, eval_strategy="steps",
+                             eval_steps=2, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
+                             seed=0)  # fmt: skip
+    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=Tokens(BATCH * STEPS),
+                      eval_dataset=Tokens(2 * BATCH), callbacks=[cb])  # fmt: skip
+    trainer.train()
+    logged = [e for e in trainer.state.log_history if "eval_loss" in e]
+    assert [e["step"] for e in logged] == [2, 4]
+    run_id = next(r["id"] for r in get(server.url, "/runs") if r["name"] == "hf-evals")
+    events = get(server.url, f"/runs/{run_id}/events", kind="custom")
+    assert [(e["step"], e["details"]["name"]) for e in events] == [(2, "eval"), (4, "eval")]
+    for event, want in zip(events, logged, strict=True):
+        assert event["details"]["val_loss"] == want["eval_loss"]
+        assert event["details"]["runtime"] == want["eval_runtime"]
