@@ -10,7 +10,7 @@ import { configText, flattenConfig } from "./config.js";
 import { el, fmt, plotly, plotlyText, replace } from "./dom.js";
 import { ROLE_ORDER, SPECIAL, fetchHeatmap } from "./heatmap.js";
 import { bandShapes, finiteNear, nonfiniteSpans, spanMarkers } from "./nonfinite.js";
-import { appliedChanges, changeLines } from "./recipe.js";
+import { appliedChanges, changeLines, changeMarkers } from "./recipe.js";
 
 /** The heatmap metrics the difference can be taken of: its title, the colour bar's, the hover's label, and the
  * difference of two finite cell values (null where there is none). amax and scale as a log2 ratio (binades),
@@ -172,12 +172,12 @@ export async function mountCompare(container, { runs: runIds = [], a = null, b =
   // config diff, and beside it what was changed during each run (the config is how it started)
   const changeTexts = changes.map((list) => (list.length ? list.map((c) => c.short).join("; ") : "none"));
   const rows = [...configDiff(chosen),
-    { key: "recipe changes applied", texts: changeTexts, differs: new Set(changeTexts).size > 1, changes: true }];
+    { key: "recipe changes applied", texts: changeTexts, differs: new Set(changeTexts).size > 1 }];
   const fillConfig = () => {
     const shown = onlyDiff.checked ? rows.filter((r) => r.differs) : rows;
     replace(configTable,
       el("thead", {}, el("tr", {}, el("th", {}, "key"), chosen.map((r) => el("th", { class: "name" }, `#${r.id} ${r.name}`)))),
-      el("tbody", {}, shown.length ? shown.map((r) => el("tr", { class: `${r.differs ? "differs" : ""}${r.changes ? " changes" : ""}`, dataset: { key: r.key } },
+      el("tbody", {}, shown.length ? shown.map((r) => el("tr", { class: r.differs ? "differs" : "", dataset: { key: r.key } },
         el("td", { class: "name" }, r.key), r.texts.map((t) => el("td", { class: "name" }, t))))
         : el("tr", {}, el("td", { colspan: chosen.length + 1, class: "muted" }, "The configs agree on every key."))));
   };
@@ -229,9 +229,10 @@ export async function mountCompare(container, { runs: runIds = [], a = null, b =
       shapes.push(...changeLines(changes[i], COLOURS[i]));
       const sr = got[i].series[picked[0]];
       const at = (step) => (sr ? finiteNear(sr.steps, sr.values.map(num), step) : null);
-      starred.push({ type: "scatter", mode: "markers", name: plotlyText(`#${r.id} ${r.name}: recipe changes`), legendgroup: String(r.id),
-        x: changes[i].map((c) => c.step), y: changes[i].map((c) => at(c.step)), text: changes[i].map((c) => plotlyText(`#${r.id} ${r.name}: ${c.text}`)),
-        hovertemplate: "%{text}<extra></extra>", marker: { symbol: "star", size: 12, color: COLOURS[i], line: { width: 1, color: "#fff" } } });
+      starred.push(changeMarkers(changes[i], changes[i].map((c) => at(c.step)), {
+        colour: COLOURS[i], prefix: `#${r.id} ${r.name}: `,
+        name: plotlyText(`#${r.id} ${r.name}: recipe changes`), legendgroup: String(r.id),
+      }));
     });
     layout.shapes = shapes;
     await Plotly.react(lossPlot, [...traces, ...bad, ...starred], layout, { displaylogo: false, responsive: true });

@@ -6,7 +6,7 @@
 import { apiBinary, qs } from "./api.js";
 import { el, fmt, mark, plotly, plotlyText, replace } from "./dom.js";
 import { heatmapPreview } from "./preview.js";
-import { CHANGE_COLOUR, changeLines } from "./recipe.js";
+import { changeLines, changeMarkers } from "./recipe.js";
 
 // the quantization-quality scales, as plotly colour scales so that the canvas first frame draws the same
 // colours: ColorBrewer RdYlGn (SQNR: low, the bad end, is red) and YlOrRd (the others: high is bad)
@@ -411,11 +411,7 @@ export class Heatmap {
     const changes = this.changes || [];
     if (changes.length) {
       // each change named where its line meets the top row (the lines themselves are shapes: no hover)
-      traces.push({
-        type: "scatter", mode: "markers", name: "recipe changes", x: changes.map((c) => c.step), y: changes.map(() => -0.5),
-        text: changes.map((c) => plotlyText(c.text)), hovertemplate: "%{text}<extra></extra>", cliponaxis: false,
-        marker: { symbol: "star", size: 12, color: CHANGE_COLOUR, line: { width: 1, color: "#fff" } },
-      });
+      traces.push(changeMarkers(changes, changes.map(() => -0.5), { name: "recipe changes", cliponaxis: false }));
     }
     const shapes = changeLines(changes);
     const annotations = [];

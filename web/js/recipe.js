@@ -3,7 +3,7 @@
 // state (pending -> delivered -> applied at step N, or rejected with the reason) and a rollback action.
 
 import { api, auth } from "./api.js";
-import { badge, el, replace } from "./dom.js";
+import { badge, el, plotlyText, replace } from "./dom.js";
 
 const FIELDS = ["margin", "amax_history_len", "amax_compute_algo", "interval", "scaling", "fp8_enabled"];
 // settings of delayed scaling alone: current scaling derives each scale from the tensor's own amax, and
@@ -40,7 +40,7 @@ export function appliedChanges(commands) {
     });
 }
 
-export const CHANGE_COLOUR = "#17becf";
+const CHANGE_COLOUR = "#17becf";
 
 /** A dashed vertical line across a plot (shapes of its x axis, in steps) at each applied recipe change. */
 export function changeLines(changes, colour = CHANGE_COLOUR) {
@@ -48,6 +48,17 @@ export function changeLines(changes, colour = CHANGE_COLOUR) {
     type: "line", xref: "x", yref: "paper", x0: c.step, x1: c.step, y0: 0, y1: 1, layer: "above",
     line: { color: colour, width: 1.5, dash: "dash" },
   }));
+}
+
+/** A plotly marker trace of applied recipe changes: a star at each change's step, at `ys` (one per change),
+ * its hover the change's text after `prefix`; `colour` and the rest of the options (name, legend group, ...)
+ * merged in. */
+export function changeMarkers(changes, ys, { colour = CHANGE_COLOUR, prefix = "", ...extra } = {}) {
+  return {
+    type: "scatter", mode: "markers", x: changes.map((c) => c.step), y: ys,
+    text: changes.map((c) => plotlyText(`${prefix}${c.text}`)), hovertemplate: "%{text}<extra></extra>",
+    marker: { symbol: "star", size: 12, color: colour, line: { width: 1, color: "#fff" } }, ...extra,
+  };
 }
 
 /** The state of a command as one line: "applied at step 120", "rejected: reason", ... */

@@ -10,7 +10,7 @@ import { bandShapes, bucketSpans, finiteNear, nonfiniteSpans, spanMarkers, spanT
 import { afterPaint, curvesPreview } from "./preview.js";
 import { IncidentsPanel, SEVERITY_KIND } from "./incidents.js";
 import { PostMortem } from "./postmortem.js";
-import { CHANGE_COLOUR, RecipeEditor, appliedChanges, changeLines } from "./recipe.js";
+import { RecipeEditor, appliedChanges, changeLines, changeMarkers } from "./recipe.js";
 import { RunStore } from "./store.js";
 import { configText, flattenConfig, parseTags } from "./config.js";
 import { downloadMenu } from "./download.js";
@@ -65,7 +65,6 @@ function eventText(e) {
 }
 
 const CURVES_HEIGHT = 340;
-
 const CURVES_MARGIN = { l: 60, r: 60, t: 10, b: 40 };
 
 /** Loss, lr and grad-norm curves; live loss points are appended; markers for spikes and alerts. */
@@ -171,13 +170,9 @@ class Curves {
     ];
     // each run of consecutive non-finite losses as one band (a line per step drew a forest of dashes
     // once a NaN stuck), named in its hover
-    const changes = this.changes.map((c) => ({ ...c, y: this.lossAt(c.step) }));
-    traces.push({
-      type: "scatter", mode: "markers", name: "recipe changes", x: changes.map((c) => c.step), y: changes.map((c) => c.y),
-      text: changes.map((c) => plotlyText(c.text)), hovertemplate: "%{text}<extra></extra>",
-      marker: { symbol: "star", size: 12, color: CHANGE_COLOUR, line: { width: 1, color: "#fff" } },
-      visible: changes.length ? true : "legendonly",
-    });
+    const changes = this.changes;
+    traces.push(changeMarkers(changes, changes.map((c) => this.lossAt(c.step)),
+      { name: "recipe changes", visible: changes.length ? true : "legendonly" }));
     const spans = nonfiniteSpans(this.loss.steps, this.loss.values);
     const shapes = [...bandShapes(spans, { y0: 0.4 }), ...changeLines(changes)];
     traces.push(spanMarkers(spans, this.loss.steps, this.loss.values, "non-finite loss",
