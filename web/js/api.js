@@ -57,6 +57,14 @@ async function errorDetail(response) {
   }
 }
 
+/** Throw an ApiError with the server's reason for an answer that is not 2xx (and signal a 401 first). */
+async function refuseFailure(response) {
+  if (response.ok) return;
+  const detail = await errorDetail(response);
+  if (response.status === 401) unauthorized.dispatchEvent(new CustomEvent("unauthorized", { detail }));
+  throw new ApiError(response.status, detail);
+}
+
 /** A request to a path under /api/v1 (JSON `body` for POST / PATCH); resolves to the parsed JSON (null for
  * an answer without content), or with `page: true` to {data, next}: `next` is the X-Next-Cursor of a paged
  * list (null on its last page). */
@@ -64,11 +72,7 @@ export async function api(path, { method = "GET", body, signal, page = false } =
   const init = { method, signal, headers: headers(body === undefined ? {} : { "Content-Type": "application/json" }) };
   if (body !== undefined) init.body = JSON.stringify(body);
   const response = await fetch(API + path, init);
-  if (!response.ok) {
-    const detail = await errorDetail(response);
-    if (response.status === 401) unauthorized.dispatchEvent(new CustomEvent("unauthorized", { detail }));
-    throw new ApiError(response.status, detail);
-  }
+  await refuseFailure(response);
   const data = response.status === 204 ? null : await response.json();
   return page ? { data, next: response.headers.get("X-Next-Cursor") } : data;
 }
@@ -76,11 +80,7 @@ export async function api(path, { method = "GET", body, signal, page = false } =
 /** GET a binary answer under /api/v1 as an ArrayBuffer. */
 export async function apiBinary(path, { signal } = {}) {
   const response = await fetch(API + path, { signal, headers: headers({ Accept: "application/octet-stream" }) });
-  if (!response.ok) {
-    const detail = await errorDetail(response);
-    if (response.status === 401) unauthorized.dispatchEvent(new CustomEvent("unauthorized", { detail }));
-    throw new ApiError(response.status, detail);
-  }
+  await refuseFailure(response);
   return response.arrayBuffer();
 }
 
@@ -96,11 +96,7 @@ export async function download(path) {
     return;
   }
   const response = await fetch(API + path, { headers: headers({ Accept: "*/*" }) });
-  if (!response.ok) {
-    const detail = await errorDetail(response);
-    if (response.status === 401) unauthorized.dispatchEvent(new CustomEvent("unauthorized", { detail }));
-    throw new ApiError(response.status, detail);
-  }
+  await refuseFailure(response);
   const named = /filename="([^"]+)"/.exec(response.headers.get("Content-Disposition") || "");
   link.href = URL.createObjectURL(await response.blob());
   link.download = named ? named[1] : "";
