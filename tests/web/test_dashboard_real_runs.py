@@ -8,8 +8,10 @@ import subprocess
 import sys
 
 import httpx
+import numpy as np
 import pytest
 
+from tests.support.polling import wait_for
 from tests.support.server import API
 from tests.web.browser import no_page_errors, open_run
 
@@ -74,4 +76,66 @@ def test_real_runs_in_the_list_the_run_page_and_the_comparison(server, page, tmp
     assert len(page.evaluate("document.getElementById('compare-loss').data")) == 2
     diff = page.eval_on_selector_all("#compare-config tbody tr", "trs => trs.map(tr => tr.dataset.key)")
     assert "lr" in diff and "run_name" in diff and "preset" not in diff
+    no_page_errors(page)
+
+
+def test_a_margin_pushed_into_a_real_run_is_marked_where_its_scale_drop_is(server, page, tmp_path):
+    """A margin of 3 sent to a real `fp8-train` while it runs: the run page marks the step the job applied
+    it at on the loss curve and the scale heatmap, named in the hover, and that is where every tensor of
+    the model drops by the margin on the scale heatmap."""
+    steps = 300
+    flags = [
+        *FLAGS[: FLAGS.index("--steps")],
+        "--steps",
+        str(steps),
+        "--no-progress",
+        "--log-interval",
+        "1000",
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fp8_trainer.cli",
+        *flags,
+        "--monitor-url",
+        server.url,
+        "--run-name",
+        "pushed",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    try:
+        run = wait_for(
+            lambda: next((r for r in httpx.get(f"{server.url}{API}/runs").json()
+                          if r["name"] == "pushed" and (r["last_step"] or 0) >= 3), None),
+            what="the run's first steps",
+        )  # fmt: skip
+        sent = httpx.post(f"{server.url}{API}/runs/{run['id']}/commands", json={"changes": {"margin": 3}})
+        assert sent.status_code == 201, sent.text
+    finally:
+        out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    (cmd_row,) = httpx.get(f"{server.url}{API}/runs/{run['id']}/commands").json()
+    step = cmd_row["applied_step"]
+    assert cmd_row["state"] == "applied" and 3 < step < steps, cmd_row
+
+    page.goto(f"{server.url}/#/runs/{run['id']}?metric=scale")
+    marks = "id => (document.getElementById(id).data || []).find(t => t.name === 'recipe changes')"
+    for plot in ("curves", "heatmap"):
+        page.wait_for_function(f"id => {{ const t = ({marks})(id); return t && t.x.length > 0; }}", arg=plot)
+        trace = page.evaluate(f"id => {{ const t = ({marks})(id); return {{x: t.x, text: t.text}}; }}", plot)
+        assert trace["x"] == [step]
+        assert trace["text"][0].endswith(f"at step {step}: margin = 3 (was margin = 0)")
+    # the scale heatmap as drawn: one step per column here; the marked column is where the scales fell
+    drawn = page.evaluate(
+        "() => { const t = document.getElementById('heatmap').data[0]; return {x0: t.x0, dx: t.dx, z: t.z}; }"
+    )
+    assert drawn["dx"] == 1
+    z = np.array([[np.nan if v is None else v for v in row] for row in drawn["z"]], dtype=float)
+    at = int(step - (drawn["x0"] - 0.5))  # the column of the step the change took effect at
+    drops = z[:, at - 1] - z[:, at + 1]  # log2 scale the step before the change, and just after it
+    # the margin's 3 binades (a tensor whose amax moved in those two steps a little more or less)
+    assert np.median(drops) == pytest.approx(3.0, abs=0.01) and np.all(np.abs(drops - 3.0) < 0.5), drops
     no_page_errors(page)
