@@ -273,6 +273,10 @@ class Scalars {
   }
 
   async load() {
+    // loads overlap (a pick, a live refresh): only the latest one draws, or an older one finishing last
+    // would draw the values picked before it
+    const seq = (this.loads = (this.loads || 0) + 1);
+    const stale = () => seq !== this.loads;
     const chosen = [...this.selected].filter((n) => this.scalarNames.includes(n) || this.eventNames.includes(n)).sort();
     this.empty.hidden = chosen.length > 0;
     if (!chosen.length) {
@@ -288,11 +292,13 @@ class Scalars {
       try {
         ({ series } = await api(`/runs/${this.runId}/series/multi?${query}&max_points=1500`));
       } catch (err) {
+        if (stale()) return;
         this.empty.hidden = false;
         this.empty.className = "error";
         this.empty.textContent = `Could not load the scalars: ${err.message}`;
         return;
       }
+      if (stale()) return;
       this.empty.className = "muted";
       this.empty.textContent = "Pick the values to chart.";
       this.empty.hidden = true;
@@ -304,6 +310,7 @@ class Scalars {
     }
     const names = chosen.filter((n) => n in got);
     const Plotly = await plotly();
+    if (stale()) return;
     const gap = 0.06;
     const h = (1 - gap * (names.length - 1)) / names.length;
     const layout = { height: 60 + 150 * names.length, margin: { l: 70, r: 20, t: 10, b: 40 }, showlegend: false, xaxis: { title: { text: "step" }, anchor: `y${names.length === 1 ? "" : names.length}` } };
