@@ -81,8 +81,8 @@ def test_real_runs_in_the_list_the_run_page_and_the_comparison(server, page, tmp
 
 def test_a_margin_pushed_into_a_real_run_is_marked_where_its_scale_drop_is(server, page, tmp_path):
     """A margin of 3 sent to a real `fp8-train` while it runs: the run page marks the step the job applied
-    it at on the loss curve and the scale heatmap, named in the hover, and that is where every tensor of
-    the model drops by the margin on the scale heatmap."""
+    it at on the loss curve and the scale heatmap, named in the hover, and that is where the model's scales
+    drop by the margin on the scale heatmap (and not around it)."""
     steps = 300
     flags = [
         *FLAGS[: FLAGS.index("--steps")],
@@ -135,7 +135,14 @@ def test_a_margin_pushed_into_a_real_run_is_marked_where_its_scale_drop_is(serve
     assert drawn["dx"] == 1
     z = np.array([[np.nan if v is None else v for v in row] for row in drawn["z"]], dtype=float)
     at = int(step - (drawn["x0"] - 0.5))  # the column of the step the change took effect at
-    drops = z[:, at - 1] - z[:, at + 1]  # log2 scale the step before the change, and just after it
-    # the margin's 3 binades (a tensor whose amax moved in those two steps a little more or less)
-    assert np.median(drops) == pytest.approx(3.0, abs=0.01) and np.all(np.abs(drops - 3.0) < 0.5), drops
+
+    def drop(c: int) -> float:
+        """The median fall of log2 scale over the tensors from column c - 1 to c + 1."""
+        return float(np.nanmedian(z[:, c - 1] - z[:, c + 1]))
+
+    # the margin's 3 binades across the marked step (a tensor's amax moving in those two steps shifts its
+    # own a little); the steps around it, unmarked, hardly move
+    assert drop(at) == pytest.approx(3.0, abs=0.05), z[:, at - 1] - z[:, at + 1]
+    around = [drop(c) for c in range(max(1, at - 6), min(z.shape[1] - 1, at + 7)) if abs(c - at) > 1]
+    assert around and max(abs(d) for d in around) < 0.1, around
     no_page_errors(page)
