@@ -6,7 +6,8 @@ process, interleaved in blocks so that drift of the machine hits both alike:
 
 * ``cached``   - the default: a layer's weight is quantized by the step's first micro-batch and its FP8 copy
   reused by the others (``fp8_trainer.linear``);
-* ``uncached`` - ``FP8State.cache_weights = False``: quantized at every micro-batch, as before the cache.
+* ``uncached`` - ``FP8State.weight_cache.enabled = False``: quantized at every micro-batch, as before the
+  cache.
 
 Both train their own copy of the model from the same seed on the same batches and must reach the same
 weights bit for bit (checked at the end: the cache changes no value).
@@ -50,7 +51,7 @@ class Job:
         self.recipe = DelayedScaling()
         self.model = GPT(PRESETS["tiny"])
         convert_to_fp8(self.model, recipe=self.recipe, module_filter_fn=fp8_filter)
-        get_fp8_state(self.model).cache_weights = mode == "cached"
+        get_fp8_state(self.model).weight_cache.enabled = mode == "cached"
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.corpus = ByteCorpus(seed=0)
         self.args = args

@@ -18,6 +18,7 @@ from .recipe import CurrentScaling, DelayedScaling, Float8BlockScaling, Format, 
 from .shadow import shadow, unshadow
 from .state import TensorInfo
 from .stats import StatsReader, step_stats
+from .weight_cache import weights_changed
 
 __all__ = [
     "STAT_COLUMNS",
@@ -43,6 +44,7 @@ __all__ = [
     "step_stats",
     "tensor_table",
     "unshadow",
+    "weights_changed",
 ]
 
 

@@ -71,7 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--recipe", choices=(*FP8_RECIPES, "bf16", "fp32"), default=_D.recipe,
                    help="FP8 scaling (per tensor: delayed, current; block-scaled: mxfp8, block), or a "
                         "baseline without FP8 (default %(default)s)")  # fmt: skip
-    g.add_argument("--fp8-format", choices=("hybrid", "e4m3"), default=None, help="default: hybrid")
+    g.add_argument("--fp8-format", choices=("hybrid", "e4m3"), default=None,
+                   help="default: hybrid for delayed and current, e4m3 for mxfp8 and block (as Transformer "
+                        "Engine's recipes)")  # fmt: skip
     g.add_argument("--margin", type=int, default=None, help="delayed scaling margin (default 0)")
     g.add_argument("--amax-history-len", type=int, default=None, help=f"default {HISTORY_LEN}")
     g.add_argument("--amax-compute-algo", choices=AMAX_COMPUTE_ALGOS, default=None, help="default max")

@@ -205,7 +205,9 @@ class Linear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         record = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
         if recompute:
-            record = record and (region.id, k) not in tracker.forward_recorded  # count a forward once
+            record = record and not tracker.was_recorded(k)  # count a forward once
+        else:
+            tracker.original_forward(k)
         if record:
             if tracker.pending and tracker.step_complete and tracker.region_id != region.id:
                 state.end_step()  # the previous step had no backward: close it now
@@ -213,7 +215,7 @@ class Linear(nn.Linear):
             tracker.step_complete = region.step_boundary
             tracker.pending = True
             state.group = resolve_amax_group(region.group, state.reduce_amax)
-            tracker.forward_recorded.add((region.id, k))
+            tracker.mark_recorded(k)
             if recompute:  # queued on the outer backward, not on a reentrant checkpoint's nested one
                 tracker.queue_end_of_backward(state.on_backward_end)
         if state.block_specs[k] is not None:  # MXFP8 or FP8 block scaling (block_linear.py)

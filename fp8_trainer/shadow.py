@@ -34,11 +34,13 @@ from functools import partial
 import numpy as np
 import torch
 from fp8_kernels import current_scale_reference, fp8_max, overflow_threshold, underflow_threshold
+from fp8_kernels.block_quantize import MXFP8_BLOCK
 from fp8_kernels.quantize import min_nonzero_reference, quality_row_reference
 from torch import nn
 
 from fp8_protocol.stats import AMAX, BASE_COLUMNS, MERGE, OVERFLOW, SCALE, STAT_COLUMNS
 
+from .block_linear import quantize_block_tensor
 from .distributed import resolve_amax_group
 from .linear import Linear
 from .recipe import DelayedScaling, Recipe
@@ -70,10 +72,19 @@ class HookedState(FP8State):
     #: what the monitor registers the run as (its ``config["fp8_source"]``)
     source = "hooked"
 
+    #: a weight's statistics are recorded once per optimizer step, when an FP8 runtime would quantize it
+    #: (``fp8_trainer.weight_cache``); False where the watched runtime casts it at every forward (torchao)
+    weight_once_per_step = True
+
     def __init__(self, layers: list[tuple[str, nn.Module]], recipe: Recipe, device=None):
         self._host_rows: dict[int, list[float]] = {}  # CPU rows of the step in progress (record)
         self._scale_view = None
-        super().__init__([name for name, _ in layers], recipe, device=device)
+        # a Conv1D stores its weight (in, out): the FP8 weight, whose blocks run along `in`, is its transpose
+        self._weight_transposed = [is_conv1d(m) for _, m in layers]
+        self._short_tokens_warned = False
+        super().__init__(
+            [name for name, _ in layers], recipe, device=device, layer_shapes=_layer_shapes(layers)
+        )
         self.step_boundary = True
         self.handles = [
             m.register_forward_hook(partial(_forward_hook, self, k)) for k, (_, m) in enumerate(layers)
@@ -85,8 +96,16 @@ class HookedState(FP8State):
             return x.to(torch.get_autocast_dtype(x.device.type))
         return x
 
+    def layer_weight(self, k: int, weight: torch.Tensor) -> torch.Tensor:
+        """Layer ``k``'s weight as an FP8 ``Linear`` holds it, ``(out_features, in_features)``."""
+        return weight.t() if self._weight_transposed[k] else weight
+
     def record(self, i: int, x: torch.Tensor) -> None:
         """Tensor ``i``'s statistics into this step's row (the FP8 tensor itself is dropped)."""
+        specs = self.block_specs[i // 3]
+        if specs is not None:
+            self._record_blocks(i, x, specs[i % 3])
+            return
         if x.device.type != "cpu":
             self.quantize(i, x, True)  # the fused kernel: statistics in the pass that casts
             return
@@ -103,6 +122,21 @@ class HookedState(FP8State):
                 old[AMAX], old[SCALE] = row[AMAX], row[SCALE]
             for c in range(OVERFLOW, len(row)):  # the counts, numel, sums of squares; min_abs the min
                 old[c] = min(old[c], row[c]) if MERGE[STAT_COLUMNS[c]] == "min" else old[c] + row[c]
+
+    def _record_blocks(self, i: int, x: torch.Tensor, spec) -> None:
+        """A block-scaled tensor's statistics, per element and per block, of the row-wise copy an FP8
+        ``Linear`` makes (square blocks for a 2-D-scaled weight), as ``block_linear`` records them."""
+        if spec.scale_format == "e8m0" and x.shape[0] % MXFP8_BLOCK and not self._short_tokens_warned:
+            # the row-wise copy has whole blocks (features are multiples of 32), the column-wise one would not
+            self._short_tokens_warned = True
+            log.warning(
+                "shadow: %s has %d rows (tokens), not a multiple of %d: an MXFP8 run would refuse it "
+                "(Transformer Engine does); its statistics are recorded all the same",
+                self.tensor_table()[i].name, x.shape[0], MXFP8_BLOCK,
+            )  # fmt: skip
+        quantize_block_tensor(
+            x, self.dtypes[i], spec, rowwise=False, columnwise=False, **self.block_rows(i, True)
+        )
 
     def scale_host(self) -> np.ndarray:
         """The scales as a numpy view (CPU state only), refreshed when the scale tensor is replaced."""
@@ -231,11 +265,13 @@ def _forward_hook(state: HookedState, k: int, module: nn.Module, args, output) -
     if not isinstance(x, torch.Tensor) or not state.enabled[k]:
         return
     weight = module.weight
-    if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad):
-        return  # evaluation: nothing to record (as an FP8 layer under no_grad)
     recompute = _in_backward()  # activation checkpointing's recompute, inside backward
     tracker = state.tracker
-    if recompute and (0, k) in tracker.forward_recorded:
+    if not recompute:
+        tracker.original_forward(k)  # reentrant checkpointing's original forward runs under no_grad
+    if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad):
+        return  # evaluation: nothing to record (as an FP8 layer under no_grad)
+    if recompute and tracker.was_recorded(k):
         return  # non-reentrant mode: the original forward was counted, and its graph gets the gradient
     x = state.layer_input(module, x)
     if state.device != x.device:
@@ -244,10 +280,17 @@ def _forward_hook(state: HookedState, k: int, module: nn.Module, args, output) -
         tracker.pending = True
         state.group = resolve_amax_group(None, state.reduce_amax)
     tracker.step_complete = state.step_boundary
-    tracker.forward_recorded.add((0, k))
+    tracker.mark_recorded(k)
     # detached: the statistics build no graph
     state.record(3 * k, x.detach().reshape(-1, x.shape[-1]))
-    state.record(3 * k + 1, weight.detach())
+    if state.weight_once_per_step:
+        cache = state.weight_cache  # holds no copy here: whether this weight was recorded in this step
+        key = cache.key(weight, state.version, "recorded")
+        if cache.lookup(k, key) is None:
+            state.record(3 * k + 1, state.layer_weight(k, weight.detach()))
+            cache.store(k, key, weight, True)
+    else:
+        state.record(3 * k + 1, state.layer_weight(k, weight.detach()))
     if recompute:
         # reentrant mode: the gradients flow through a nested backward pass; queue the end of the step on
         # the outer one, which is running now, so that the step closes once, when the whole backward ends
@@ -273,6 +316,15 @@ class ShadowState(HookedState):
     """Scaling state and what-if statistics of a model in shadow mode."""
 
     source = "shadow"
+
+
+def _layer_shapes(layers: list[tuple[str, nn.Module]]) -> list[tuple[int, int]]:
+    """``(out_features, in_features)`` of each watched layer (what MXFP8's multiples of 32 are checked on)."""
+    shapes = []
+    for _, m in layers:
+        w = m.weight
+        shapes.append((w.shape[1], w.shape[0]) if is_conv1d(m) else (w.shape[0], w.shape[1]))
+    return shapes
 
 
 def _shadow_layers(model: nn.Module, module_filter_fn) -> list[tuple[str, nn.Module]]:

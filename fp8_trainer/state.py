@@ -63,6 +63,7 @@ from .distributed import all_reduce_amax
 from .formats import ROLES
 from .recipe import BLOCK_SCALINGS, DelayedScaling, Recipe, validate_setting
 from .scaling import delayed_scaling_update
+from .weight_cache import WeightCache
 
 __all__ = [
     "EXTRA_STATE_VERSION",
@@ -105,14 +106,32 @@ class TensorInfo:
 @dataclass
 class StepTracker:
     """Where the step in progress stands, as the FP8 layers' forwards and the autograd engine see it (host
-    bookkeeping only, never a tensor): the step boundary logic of ``end_step`` (module docstring)."""
+    bookkeeping only, never a tensor): the step boundary logic of ``end_step`` (module docstring).
+
+    Activation checkpointing runs a layer's forward a second time inside backward. Each forward that is not
+    such a recompute gets the next serial number of its layer; a recompute belongs to its layer's latest
+    one, and records only if that forward did not (reentrant checkpointing runs the original under
+    ``no_grad``; non-reentrant records the original and skips the recompute).
+    """
 
     pending: bool = False  # statistics recorded since the last end_step
     step_complete: bool = False  # the pending forward belongs to a step_boundary=True region
     region_id: int = -1  # the fp8_autocast region of the pending step's last recorded forward
     last_region: Any = None  # the fp8_autocast region of the last FP8 forward (for checkpoint recomputes)
-    forward_recorded: set[tuple[int, int]] = field(default_factory=set)  # (region id, layer) in this step
+    forward_serial: dict[int, int] = field(default_factory=dict)  # per layer, its latest original forward
+    forward_recorded: set[tuple[int, int]] = field(default_factory=set)  # (layer, serial) in this step
     callback_queued: bool = False  # the end of the running backward pass will close the step
+
+    def original_forward(self, k: int) -> None:
+        """Layer ``k`` runs a forward that is not a checkpoint's recompute."""
+        self.forward_serial[k] = self.forward_serial.get(k, 0) + 1
+
+    def was_recorded(self, k: int) -> bool:
+        """Layer ``k``'s latest original forward was recorded in this step (its recompute is not)."""
+        return (k, self.forward_serial.get(k, 0)) in self.forward_recorded
+
+    def mark_recorded(self, k: int) -> None:
+        self.forward_recorded.add((k, self.forward_serial.get(k, 0)))
 
     def closed(self) -> None:
         """The pending step was closed (``end_step``)."""
@@ -230,10 +249,9 @@ class FP8State:
         # see fp8_trainer.graphs); version: bumped whenever buffers are replaced outside a step (recipe
         # change, checkpoint load, move), which a captured graph must be re-captured for
         self.capturable = False
-        # per layer, its weight quantized by the step's first recording forward (key, (q, qt, scale_inv)):
-        # the later micro-batches of the step reuse it (fp8_trainer.linear); emptied when a step closes
-        self.weight_cache: dict[int, tuple] = {}
-        self.cache_weights = True  # off only to measure what the cache saves (bench/weight_cache.py)
+        # per layer, its weight quantized by the step's first recording forward: the later micro-batches
+        # of the step reuse it (fp8_trainer.weight_cache); emptied when a step closes
+        self.weight_cache = WeightCache()
         # one [statistics of the FP8 steps closed since the reader last took them, how many] per reader
         self._inboxes: list[list] = []
         # the quality statistics (sum_sq, err_sq, subnormal, min_abs) in the same quantize pass; off only
@@ -461,25 +479,16 @@ class FP8State:
         return {"stats": self._rows(i)[0], "block_stats_row": self.block_stats[i]}
 
     def quantized_weight(self, k: int, weight: torch.Tensor, variant: Any, record: bool, quantize):
-        """Layer ``k``'s weight as ``quantize()`` makes it, quantized once per step.
-
-        Between the micro-batches of one optimizer step neither the weight nor its scale changes, so its
-        FP8 copy is the same: the step's first recording forward quantizes it (and records its statistics),
-        the later ones take that copy (Transformer Engine keeps it the same way when told
-        ``is_first_microbatch``; here the weight's version counter, which every in-place update bumps, and
-        the state's ``version`` say whether it still holds). ``variant`` names what ``quantize`` makes (which
-        copies), so a forward that needs another one quantizes again. A forward that records nothing
-        (evaluation) neither fills the cache nor needs it. ``end_step`` empties it.
-        """
-        if not self.cache_weights:
-            return quantize()
-        key = (weight.data_ptr(), weight._version, self.version, variant)
-        held = self.weight_cache.get(k)
-        if held is not None and held[0] == key:
-            return held[1]
-        got = quantize()
-        if record:
-            self.weight_cache[k] = (key, got)
+        """Layer ``k``'s weight as ``quantize()`` makes it, quantized once per step while the weight stays
+        as it was (``fp8_trainer.weight_cache`` says when a held copy is used again). ``variant`` names what
+        ``quantize`` makes (which copies), so a forward that needs another one quantizes again. A forward
+        that records nothing (evaluation) neither fills the cache nor needs it."""
+        key = self.weight_cache.key(weight, self.version, variant)
+        got = self.weight_cache.lookup(k, key)
+        if got is None:
+            got = quantize()
+            if record:
+                self.weight_cache.store(k, key, weight, got)
         return got
 
     def _new_stats_buffer(self) -> None:

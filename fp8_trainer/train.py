@@ -72,7 +72,8 @@ def dist_env() -> tuple[int, int, int]:
 
 def make_recipe(a: TrainConfig):
     """The FP8 recipe the flags describe (``None`` for fp32 / bf16)."""
-    fmt = Format.parse(a.fp8_format or "hybrid")
+    block = a.recipe in ("mxfp8", "block")  # TE's block recipes default to E4M3 everywhere
+    fmt = Format.parse(a.fp8_format or ("e4m3" if block else "hybrid"))
     if a.recipe == "delayed":
         return DelayedScaling(
             fp8_format=fmt,

@@ -36,8 +36,9 @@ class TrainConfig:
     # batch x seq_len divisible by 32) / "block" (FP8 block scaling: 1x128 activations and gradients, 128x128
     # weights), or a baseline "bf16" / "fp32"
     recipe: str = "delayed"
-    # "hybrid" (E4M3 forward, E5M2 backward) or "e4m3"; None: hybrid, for the block recipes too (TE's block
-    # recipes default to E4M3 everywhere)
+    # "hybrid" (E4M3 forward, E5M2 backward) or "e4m3"; None: the recipe's own default, as Transformer
+    # Engine's: hybrid for delayed and current scaling, e4m3 for mxfp8 and block (per-block scales cover the
+    # gradients' range, and the block-scaled GEMMs take E4M3 operands only)
     fp8_format: str | None = None
     margin: int | None = None  # delayed scaling margin; None: 0
     # amax history length; None: HISTORY_LEN (16), not DelayedScaling's 1024 (Transformer Engine's default,

@@ -86,6 +86,7 @@ class TorchaoState(HookedState):
     """Statistics of a torchao model's ``Float8Linear`` layers with torchao's own scales."""
 
     source = "torchao"
+    weight_once_per_step = False  # torchao casts the weight at every forward, micro-batches included
 
     def __init__(self, layers: list[tuple[str, nn.Module]], device=None):
         self.modules = [m for _, m in layers]

@@ -34,6 +34,20 @@ def test_fp8_train_tiny_preset_block_recipe(recipe):
     want = "e8m0" if recipe == "mxfp8" else "fp32"
     assert all(specs[0].scale_format == want for specs in state.block_specs)
     assert bool((state.last_block_stats[:, BLOCKS] > 0).all())  # every tensor block-scaled in the last step
+    # E4M3 everywhere, as Transformer Engine's block recipes: the gradients too (their block GEMMs on a GPU
+    # take E4M3 operands only)
+    assert set(state.dtypes) == {torch.float8_e4m3fn}
+    assert {t.format for t in fp8_trainer.tensor_table(result.model)} == {"e4m3"}
+
+
+@pytest.mark.parametrize(("recipe", "flag", "want"), [("mxfp8", "hybrid", torch.float8_e5m2),
+                                                     ("delayed", None, torch.float8_e5m2),
+                                                     ("current", "e4m3", torch.float8_e4m3fn)])  # fmt: skip
+def test_fp8_train_format_defaults_follow_the_recipe_and_the_flag_wins(recipe, flag, want):
+    from fp8_trainer.train import make_recipe
+
+    args, _ = cli.prepare(["--recipe", recipe] + (["--fp8-format", flag] if flag else []))
+    assert make_recipe(args).fp8_format.for_role("grad_output").dtype == want
 
 
 def test_fp8_train_refuses_mxfp8_token_counts_not_divisible_by_32(capsys):

@@ -139,16 +139,17 @@ def test_weight_quantized_once_per_step_and_again_after_it_changes(recipe):
         return y.detach()
 
     y1 = micro(False)
-    held = {k: v[1][0] for k, v in state.weight_cache.items()}  # each layer's FP8 weight
+    held = {k: v[0] for k, v in state.weight_cache.values().items()}  # each layer's FP8 weight
     assert len(held) == 2  # both FP8 layers
     y2 = micro(False)
     assert torch.equal(y1, y2)
-    assert all(state.weight_cache[k][1][0] is q for k, q in held.items())  # the same copy, not requantized
+    held_now = state.weight_cache.values()
+    assert all(held_now[k][0] is q for k, q in held.items())  # the same copy, not requantized
     with torch.no_grad():
         m.a.weight.mul_(2)  # changed within the step: its version counter moves, its copy is made again
     y3 = micro(True)
     assert not torch.equal(y3, y2)
-    assert state.steps == 1 and state.weight_cache == {}  # emptied when the step closed
+    assert state.steps == 1 and len(state.weight_cache) == 0  # emptied when the step closed
     stats = fp8_trainer.step_stats(m)
     # the first layer's weight recorded twice (the change), the second's once; the inputs three times
     assert stats[1, 5].item() == 2 * 64 * 32 and stats[4, 5].item() == 48 * 64

@@ -1,5 +1,6 @@
 """Where a run's FP8 statistics come from is visible: a shadow-mode run (what-if statistics of a model that
-trains in its own precision) carries a "shadow" badge in the runs list and on its page; others none."""
+trains in its own precision) carries a "shadow" badge in the runs list and on its page; a torchao run a
+"torchao" badge that says its weights are counted per micro-batch; others none."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ def test_shadow_runs_are_marked(server, page):
     what_if = create_run(server.url, "bf16-what-if", config={"fp8_source": "shadow"})
     real = create_run(server.url, "fp8-real")
     odd = create_run(server.url, "odd-source", config={"fp8_source": IMG})  # the job's own text: stays text
+    torchao = create_run(server.url, "torchao-run", config={"fp8_source": "torchao"})
 
     page.goto(f"{server.url}/#/")
     page.wait_for_selector(f"#runs-table tr[data-run-id='{real['id']}']")
@@ -26,6 +28,9 @@ def test_shadow_runs_are_marked(server, page):
     assert "what-if" in page.get_attribute(badge, "title")
     assert page.query_selector(f"#runs-table tr[data-run-id='{real['id']}'] td.name .badge") is None
     assert page.text_content(f"#runs-table tr[data-run-id='{odd['id']}'] td.name .badge.source") == IMG
+    # torchao casts weights at every micro-batch: its weight counts are not per step, and the badge says so
+    torchao_badge = f"#runs-table tr[data-run-id='{torchao['id']}'] td.name .badge.source"
+    assert "per micro-batch" in page.get_attribute(torchao_badge, "title")
     assert page.evaluate("document.querySelectorAll('img').length") == 0
 
     page.goto(f"{server.url}/#/runs/{what_if['id']}")

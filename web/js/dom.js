@@ -105,7 +105,8 @@ export function statusBadge(status) {
 
 const SOURCES = {
   shadow: "shadow mode: FP8 what-if statistics; the model itself trains in its own precision",
-  torchao: "statistics of torchao's Float8Linear layers, with the scales torchao used",
+  torchao: "statistics of torchao's Float8Linear layers, with the scales torchao used; weights are counted " +
+    "at every forward, as torchao casts them (per micro-batch, where fp8scope counts them once per step)",
   caller: "statistics computed by the training script (another runtime)",
   transformer_engine: "read from Transformer Engine's amax histories and scales (no element counts)",
 };

@@ -20,12 +20,12 @@ from tests.trainer.monitor_utils import FAST, get, stored_stats
 STEPS, ACCUM = 4, 2
 
 
-def run(tmp_path, callback=None):
+def run(tmp_path, callback=None, **training_args):
     model = tiny_llama()
     args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=BATCH,
                              gradient_accumulation_steps=ACCUM, max_steps=STEPS, learning_rate=1e-3,
                              logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
-                             disable_tqdm=True, seed=0, run_name="hf-tiny")  # fmt: skip
+                             disable_tqdm=True, seed=0, run_name="hf-tiny", **training_args)  # fmt: skip
     seen = Seen(model)
     callbacks = [callback, seen] if callback is not None else [seen]
     trainer = Trainer(
@@ -122,3 +122,23 @@ def test_evaluations_reach_the_run_as_eval_events(server, tmp_path):
     for event, want in zip(events, logged, strict=True):
         assert event["details"]["val_loss"] == want["eval_loss"]
         assert event["details"]["runtime"] == want["eval_runtime"]
+
+
+def test_shadow_statistics_under_reentrant_gradient_checkpointing_are_those_without_it(server, tmp_path):
+    # reentrant checkpointing runs each decoder layer's forward under no_grad and again inside backward;
+    # with two micro-batches per step, both must be recorded once, as without checkpointing
+    def shadowed(name, **training_args):
+        cb = Fp8ScopeCallback(server.url, run_name=name, shadow=DelayedScaling(),
+                              spool_path=tmp_path / f"{name}.jsonl", **FAST)  # fmt: skip
+        return run(tmp_path / name, cb, **training_args)[1]
+
+    plain = shadowed("hf-shadow-plain")
+    # transformers 5 renamed gradient_checkpointing to activation_checkpointing (the old name warns)
+    fields = TrainingArguments.__dataclass_fields__
+    name = "activation" if "activation_checkpointing" in fields else "gradient"
+    flags = {f"{name}_checkpointing": True, f"{name}_checkpointing_kwargs": {"use_reentrant": True}}
+    ckpt = shadowed("hf-shadow-ckpt", **flags)
+    assert ckpt.losses == plain.losses
+    assert ckpt.stats[1][0, 5] == ACCUM * BATCH * SEQ * 32  # both micro-batches of the first step
+    for s in range(1, STEPS + 1):
+        np.testing.assert_array_equal(ckpt.stats[s], plain.stats[s], err_msg=f"step {s}")

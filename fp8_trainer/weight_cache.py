@@ -1,0 +1,105 @@
+"""The FP8 copy of each layer's weight, made once per optimizer step and reused by the step's micro-batches.
+
+Between the micro-batches of one optimizer step neither a weight nor its scale changes, so its FP8 copy is
+the same: the step's first recording forward quantizes the weight (and records its statistics), the later
+forwards take that copy. Transformer Engine keeps a copy the same way, but only when the caller says
+``is_first_microbatch``; fp8scope keeps it without being told, so it must see every way a weight can
+change. A held copy is used again only while all of these hold:
+
+* the weight is an ``nn.Parameter`` (a leaf). A computed weight (a parametrization, a weight built in
+  ``forward``, ``torch.func.functional_call``'s tensors) is a new tensor at every forward, often in the
+  same recycled block of memory with a fresh version counter: it is quantized at every forward;
+* no optimizer has stepped since (``torch.optim.optimizer.register_optimizer_step_post_hook``, global:
+  every ``torch.optim.Optimizer``, whatever it writes through: ``AdamW(fused=True)`` and the foreach
+  implementations update parameters without bumping their version counters);
+* the parameter's version counter is unchanged (every in-place op on the parameter bumps it: ``p.mul_()``
+  under ``torch.no_grad()``, ``load_state_dict``);
+* the parameter still has the storage the copy was made from (``p.data = other``). The entry holds an
+  alias of that storage, so its address cannot be handed to a new tensor while the entry lives;
+* the scaling state's buffers were not replaced (``FP8State.version``: a recipe change, a checkpoint load,
+  a device move) and the copy is of the same kind (``variant``: which transposes or block copies);
+* the step is still open: ``end_step`` empties the cache.
+
+Not seen: an in-place write through ``p.data`` (``p.data.mul_()``, ``p.data.copy_()``), which bumps the
+version counter of a temporary alias, not the parameter's, made between two forwards of one step with no
+optimizer step between them. Write such updates in place on the parameter under ``torch.no_grad()``, or
+call ``weights_changed()`` after them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+__all__ = ["WeightCache", "optimizer_steps", "weights_changed"]
+
+_epoch = 0  # bumped by every optimizer step (and weights_changed), in any thread
+_hook = None
+
+
+def _count_step(optimizer, args, kwargs) -> None:
+    global _epoch
+    _epoch += 1
+
+
+def weights_changed() -> None:
+    """Tell every FP8 model that weights changed in a way it cannot see (an in-place write through
+    ``p.data``): their next forward quantizes the weights again."""
+    _count_step(None, None, None)
+
+
+def optimizer_steps() -> int:
+    """How many optimizer steps (and ``weights_changed`` calls) this process has seen since the first
+    ``WeightCache`` was made."""
+    return _epoch
+
+
+def _watch_optimizers() -> None:
+    global _hook
+    if _hook is None:
+        _hook = register_optimizer_step_post_hook(_count_step)
+
+
+class WeightCache:
+    """Per layer, its weight's FP8 copy and what it was made from (module docstring).
+
+    ``lookup`` then ``store`` around a quantization; with ``value=True`` the same rule tells a recorder
+    (shadow mode) whether the weight was already recorded in this step.
+    """
+
+    def __init__(self) -> None:
+        _watch_optimizers()
+        self.enabled = True  # off only to measure what the cache saves (bench/weight_cache.py)
+        self._held: dict[int, tuple[tuple, torch.Tensor, Any]] = {}
+
+    def key(self, weight: torch.Tensor, state_version: int, variant: Any) -> tuple | None:
+        """What a copy of ``weight`` is valid for; ``None`` where no copy may be kept."""
+        if not self.enabled or not isinstance(weight, nn.Parameter):
+            return None
+        return (weight.data_ptr(), weight._version, state_version, _epoch, variant)
+
+    def lookup(self, k: int, key: tuple | None) -> Any:
+        """Layer ``k``'s held value for ``key``, or ``None``."""
+        held = self._held.get(k)
+        if key is None or held is None or held[0] != key:
+            return None
+        return held[2]
+
+    def store(self, k: int, key: tuple | None, weight: torch.Tensor, value: Any) -> None:
+        """Hold ``value`` for layer ``k`` (nothing where ``key`` is ``None``)."""
+        if key is not None:
+            # the alias keeps the weight's storage alive: its address cannot be recycled while held
+            self._held[k] = (key, weight.detach(), value)
+
+    def clear(self) -> None:
+        self._held.clear()
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def values(self) -> dict[int, Any]:
+        """Each layer's held value (tests and benchmarks look at them)."""
+        return {k: held[2] for k, held in self._held.items()}
