@@ -51,15 +51,8 @@ PG_URL = os.environ.get("FP8SCOPE_BENCH_PG_URL", "postgresql+psycopg://postgres@
 def steps_of(rng: np.random.Generator, first: int, n: int, tensors: int, hist: bool) -> list[dict]:
     """`n` steps of base and block columns; with `hist`, a histogram over 4..8 exponents for each
     block-scaled tensor (the first two of every three)."""
-    stats = random_stats(rng, n, tensors)
+    stats = block_columns(rng, n, tensors)
     scaled = np.arange(tensors) % 3 != 2
-    stats |= {
-        "blocks": np.where(scaled, 4096.0, 0.0) * np.ones((n, 1)),
-        "blocks_at_limit": np.zeros((n, tensors)),
-        "blocks_overflow": rng.integers(0, 3, (n, tensors)) * scaled,
-        "blocks_underflow": rng.integers(0, 40, (n, tensors)) * scaled,
-        "block_range": rng.uniform(3, 12, (n, tensors)) * scaled,
-    }
     out = []
     for i in range(n):
         step = {
@@ -101,6 +94,7 @@ def block_columns(rng: np.random.Generator, n: int, tensors: int) -> dict[str, n
         "blocks_overflow": rng.integers(0, 3, (n, tensors)) * scaled,
         "blocks_underflow": rng.integers(0, 40, (n, tensors)) * scaled,
         "block_range": rng.uniform(3, 12, (n, tensors)) * scaled,
+        "blocks_zero": rng.integers(0, 100, (n, tensors)) * scaled,
     }
 
 

@@ -19,14 +19,19 @@ QUALITY_COLUMNS: tuple[str, ...] = ("sum_sq", "err_sq", "subnormal", "min_abs")
 STAT_COLUMNS: tuple[str, ...] = BASE_COLUMNS + QUALITY_COLUMNS
 #: Block-scaling columns (MXFP8 1x32 and FP8 block 1x128 / 128x128 recipes; a single per-tensor scale says
 #: little there). They describe the tensor's row-wise copy (blocks along its last dimension, the copy the
-#: forward GEMM reads); a per-tensor-scaled tensor has no blocks and reports zeros in all five. A sender
-#: includes them (all five, in every step of a batch) once any tensor of the run has been block-scaled:
-#: ``blocks`` how many scale blocks were quantized; ``blocks_at_limit`` how many had their scale pinned at a
-#: limit of its format (E8M0 code 0 or 254; a float32 block scale that fell back to 1 for a zero or
-#: non-finite amax, or was clamped because FP8_MAX / amax overflowed); ``blocks_overflow`` /
-#: ``blocks_underflow`` how many blocks saturated / flushed to zero at least one finite value;
-#: ``block_range`` the worst block's dynamic range, log2(max |x| / smallest non-zero |x|) in binades over its
-#: finite values (0 for none). For such a tensor the base columns keep their meaning per element (overflow,
+#: forward GEMM reads); a per-tensor-scaled tensor has no blocks and reports zeros in all six. A sender
+#: includes them (all six, in every step of a batch) once any tensor of the run has been block-scaled:
+#: ``blocks`` how many scale blocks were quantized; ``blocks_at_limit`` how many blocks with something to
+#: scale had their scale pinned at a limit of its format (E8M0 code 0 or 254; a float32 block scale that
+#: fell back to 1 for a non-finite amax, or was clamped because FP8_MAX / amax overflowed): values the
+#: format could not follow, a loss; ``blocks_overflow`` / ``blocks_underflow`` how many blocks saturated /
+#: flushed to zero at least one finite value; ``block_range`` the worst block's dynamic range,
+#: log2(max |x| / smallest non-zero |x|) in binades over its finite values (0 for none); ``blocks_zero`` how
+#: many blocks had amax 0 (every element zero, or NaN, which the amax ignores: padding, ReLU zeros), whose
+#: scale sits at the format's floor (E8M0 code 0) or falls back to 1 with nothing to lose: counted here and
+#: never in ``blocks_at_limit``, so a sparse tensor does not read as a fault. (``blocks_zero`` came last; the
+#: service still takes the first five alone from an older sender, whose ``blocks_at_limit`` then includes
+#: the zero blocks.) For such a tensor the base columns keep their meaning per element (overflow,
 #: underflow, nonfinite, numel, the quality columns), ``amax`` is the tensor's, and ``scale`` is the
 #: smallest block scale (that of the block holding the amax), so ``FP8_MAX / (amax * scale)`` is the worst
 #: block's headroom.
@@ -36,17 +41,20 @@ BLOCK_COLUMNS: tuple[str, ...] = (
     "blocks_overflow",
     "blocks_underflow",
     "block_range",
+    "blocks_zero",
 )
+#: The block columns an older sender sends (the service takes them without ``blocks_zero``).
+LEGACY_BLOCK_COLUMNS: tuple[str, ...] = BLOCK_COLUMNS[:5]
 #: The block scale exponent histogram a block-scaled tensor sends with each step (the step's
 #: ``"block_hist"``: a list of ``[tensor index, lo, counts]``): ``counts[j]`` blocks whose ``scale_inv`` has
 #: the biased binary exponent ``lo + j`` (the E8M0 code itself; for a float32 scale its exponent field, 127
 #: meaning [1, 2)); only the non-zero span is sent, so ``0 <= lo`` and
 #: ``lo + len(counts) <= BLOCK_HIST_BINS``. Every block is counted once, so the counts add up to the step's
 #: ``blocks``; a block whose amax is NaN has the E8M0 NaN code 255 and lands in the last bin (it is not
-#: counted in ``blocks_at_limit``, whose code-0 blocks include the all-zero ones: a sparse tensor shows a
-#: high share there without losing anything). Over micro-steps and over the ranks of a data-parallel job the
-#: counts add up per bin, as the block columns merge (``MERGE``): a multi-rank sender reports the merge of
-#: every rank's block part, so a block that overflowed on any rank shows.
+#: counted in ``blocks_at_limit``; the all-zero blocks are in ``blocks_zero``, not there). Over micro-steps
+#: and over the ranks of a data-parallel job the counts add up per bin, as the block columns merge
+#: (``MERGE``): a multi-rank sender reports the merge of every rank's block part, so a block that overflowed
+#: on any rank shows.
 BLOCK_HIST_BINS = 256
 #: Column positions, by name (``row[AMAX]``).
 AMAX, SCALE, OVERFLOW, UNDERFLOW, NONFINITE, NUMEL = range(len(BASE_COLUMNS))
@@ -69,6 +77,7 @@ MERGE: dict[str, str] = {
     "blocks_overflow": "sum",
     "blocks_underflow": "sum",
     "block_range": "max",
+    "blocks_zero": "sum",
 }
 
 #: Largest finite value of each FP8 format (E5M2: 57344, not 57334).

@@ -27,7 +27,7 @@ accumulation of exact products is at least as precise, so the one-matmul form is
 ``block_gemm.gemm_paths()`` says which path each of the three GEMMs took.
 
 Statistics (recorded into the step's row, with no host synchronisation): the base and quality columns per
-element (``fp8_protocol.stats``), with ``scale`` that of the block holding the amax, plus the five
+element (``fp8_protocol.stats``), with ``scale`` that of the block holding the amax, plus the six
 ``BLOCK_COLUMNS`` and the 256-bin scale exponent histogram, all of the row-wise copy (for a 2-D-scaled
 weight, of its square blocks).
 """
@@ -64,7 +64,7 @@ __all__ = [
     "split_block_stats",
 ]
 
-#: Width of a tensor's block part of the statistics: the five ``BLOCK_COLUMNS`` then the histogram bins.
+#: Width of a tensor's block part of the statistics: the six ``BLOCK_COLUMNS`` then the histogram bins.
 BLOCK_WIDTH = len(BLOCK_COLUMNS) + BLOCK_HIST_BINS
 _BLOCK_RANGE = BLOCK_COLUMNS.index("block_range")
 
@@ -209,7 +209,7 @@ def block_tensor_stats(
     ax = xb.abs()
     amax_b = torch.nan_to_num(ax, nan=0.0, posinf=math.inf).amax(dim=-1).flatten()  # NaN ignored, Inf kept
     ax = torch.where(finite, ax, 0.0)
-    codes, scale_b, scale_inv_b, at_limit = _scale_and_limit(q, amax_b, fp8_dtype, spec, x.dtype)
+    codes, scale_b, scale_inv_b, at_limit, zero = _scale_and_limit(q, amax_b, fp8_dtype, spec, x.dtype)
     threshold, inclusive = overflow_threshold(fp8_dtype)
     a = ax * scale_b.unsqueeze(-1)  # |x * scale| of the finite values
     overflow_b = ((a >= threshold) if inclusive else (a > threshold)).sum(dim=-1)
@@ -227,18 +227,21 @@ def block_tensor_stats(
             torch.count_nonzero(finite & (qa > 0) & (qa < subnormal_threshold(fp8_dtype))),
         )
     return _assemble(
-        x, q, amax_b, scale_b, at_limit, overflow_b, underflow_b, torch.count_nonzero(~finite), big, small,
-        codes, quality_terms,
+        x, q, amax_b, scale_b, at_limit, zero, overflow_b, underflow_b, torch.count_nonzero(~finite), big,
+        small, codes, quality_terms,
     )  # fmt: skip
 
 
 def _scale_and_limit(q: BlockQuantized, amax_b: torch.Tensor, fp8_dtype, spec: BlockSpec, input_dtype):
-    """``(codes, scale_b, scale_inv_b, at_limit)`` of ``q``'s blocks with amax ``amax_b`` (flat): the
-    exponent histogram's bins, each block's scale and dequantization factor, and the blocks at a limit."""
+    """``(codes, scale_b, scale_inv_b, at_limit, zero)`` of ``q``'s blocks with amax ``amax_b`` (flat): the
+    exponent histogram's bins, each block's scale and dequantization factor, the blocks with something to
+    scale whose scale is at a limit, and the blocks with nothing to scale (amax 0: all zero, or NaN)."""
+    empty = (amax_b == 0).reshape(q.scale_inv.shape)  # NaN is ignored by the amax: an all-NaN block is 0
+    zero = torch.count_nonzero(empty)
     if q.scale_format == "e8m0":
         codes = q.scale_inv.to(torch.int64)
         scale_b, scale_inv_b = e8m0_to_scale(q.scale_inv), e8m0_to_scale_inv(q.scale_inv)
-        at_limit = torch.count_nonzero((codes == 0) | (codes == 254))
+        at_limit = torch.count_nonzero(((codes == 0) | (codes == 254)) & ~empty)
     else:
         codes = (q.scale_inv.view(torch.int32) >> 23).to(torch.int64) & 0xFF
         scale_b = float32_block_scale(
@@ -252,12 +255,12 @@ def _scale_and_limit(q: BlockQuantized, amax_b: torch.Tensor, fp8_dtype, spec: B
         eff = torch.clamp(amax_b, min=spec.amax_epsilon)
         fell_back = (eff == 0) | ~torch.isfinite(eff)
         clamped = torch.isinf(torch.full_like(eff, torch.finfo(fp8_dtype).max) / eff)
-        at_limit = torch.count_nonzero(fell_back | clamped)
-    return codes, scale_b, scale_inv_b, at_limit
+        at_limit = torch.count_nonzero((fell_back | clamped) & ~empty.flatten())
+    return codes, scale_b, scale_inv_b, at_limit, zero
 
 
 def _assemble(
-    x, q, amax_b, scale_b, at_limit, overflow_b, underflow_b, nonfinite, big, small, codes, quality
+    x, q, amax_b, scale_b, at_limit, zero, overflow_b, underflow_b, nonfinite, big, small, codes, quality
 ):
     """The ``(row, block_row)`` of ``block_tensor_stats`` from per-block quantities (flat or blocked) and
     ``quality`` ``(sum_sq, err_sq, subnormal)`` or ``None``."""
@@ -277,6 +280,7 @@ def _assemble(
         torch.count_nonzero(overflow_b),
         torch.count_nonzero(underflow_b),
         drange.max() if drange.numel() else drange.new_zeros(()),
+        zero,
     ]
     hist = torch.bincount(codes.flatten(), minlength=BLOCK_HIST_BINS).to(torch.float64)
     return row, torch.cat([torch.stack([v.to(torch.float64).reshape(()) for v in blocks]), hist])
@@ -286,14 +290,14 @@ def block_tensor_stats_from_kernel(x, q, per_block, fp8_dtype, spec: BlockSpec, 
     """``block_tensor_stats`` from a kernel's per-block statistics (``triton_block_quantize``), the same
     values (the two sums of squares up to float64 summation order)."""
     amax_b = per_block["amax"].flatten()
-    codes, scale_b, _, at_limit = _scale_and_limit(q, amax_b, fp8_dtype, spec, x.dtype)
+    codes, scale_b, _, at_limit, zero = _scale_and_limit(q, amax_b, fp8_dtype, spec, x.dtype)
     counts = unpack_block_counts(per_block["counts"])
     quality_terms = None
     if quality:
         quality_terms = (per_block["sum_sq"].sum(), per_block["err_sq"].sum(), counts["subnormal"].sum())
     return _assemble(
-        x, q, amax_b, scale_b, at_limit, counts["overflow"], counts["underflow"], counts["nonfinite"].sum(),
-        per_block["big"], per_block["small"], codes, quality_terms,
+        x, q, amax_b, scale_b, at_limit, zero, counts["overflow"], counts["underflow"],
+        counts["nonfinite"].sum(), per_block["big"], per_block["small"], codes, quality_terms,
     )  # fmt: skip
 
 

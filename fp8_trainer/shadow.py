@@ -235,7 +235,7 @@ def _quality_columns(finite_abs: np.ndarray, scale: np.float32, fp8_dtype: torch
     scale_t = torch.tensor(scale, dtype=torch.float32)
     a = ax * scale_t  # |x * scale|, as the reference's
     q = a.clamp(max=fp8_max(fp8_dtype)).to(fp8_dtype)  # |q|: the codes of the reference's q, sign aside
-    row = quality_row_reference(a, q, scale_t, min_nonzero_reference(ax), fp8_dtype, mask_codes=False)
+    row = quality_row_reference(a, q, scale_t, min_nonzero_reference(ax), fp8_dtype, mask_codes=False, x=ax)
     return row.tolist()
 
 

@@ -15,7 +15,7 @@ Device tensors (``n`` = number of quantized tensors):
   ``last_stats`` handed out earlier is a snapshot that later steps never overwrite;
 * per-tensor recipe settings (``fp8_max``, ``margin``, ``history_len``, ``interval``, algorithm,
   enabled), rebuilt only when a recipe changes, never on the hot path;
-* ``block_stats`` ``(n, BLOCK_WIDTH)`` float64, the block-scaling part of the step's statistics (the five
+* ``block_stats`` ``(n, BLOCK_WIDTH)`` float64, the block-scaling part of the step's statistics (the six
   ``BLOCK_COLUMNS`` and the scale exponent histogram, ``fp8_trainer.block_linear``), made once a layer of
   the model has been block-scaled and kept from then on (zeros for per-tensor-scaled tensors). Readers then
   get each step as one ``(n, C + BLOCK_WIDTH)`` block (``split_block_stats`` parts it); ``last_stats``

@@ -9,8 +9,10 @@
  *   (subnormal range: the float32 ulp of that constant is the smallest subnormal). NaN gives code 0x7F
  *   with x's sign, as torch's cast; +-Inf saturate.
  *   sum_sq and err_sq: the float32 squares a*a and (|q| - a)**2 of the finite elements, summed in float32
- *   per vector lane over at most CHUNK / W terms, then in float64 (the reference sums in float32 with
- *   torch's cascade: the two agree within the kernel tests' bound), then over scale**2 in float64.
+ *   per vector lane over at most CHUNK / W terms, then in float64 (the reference squares and sums in
+ *   float64: the two agree within the kernel tests' bound), then over scale**2 in float64. A chunk whose
+ *   float32 squares overflowed (a above 1.8e19) or underflowed (a sum below 2^-100) is summed again
+ *   in float64 (exact_sums), as the reference.
  *
  * Written with GCC vector extensions (W lanes), built for the machine it runs on. No globals: safe from
  * several threads at once. */
@@ -194,6 +196,30 @@ INLINE void step(const float *x, int64_t m, float scale, const fmt_t *restrict f
     }
 }
 
+/* A chunk's two sums again, element by element in float64, for a chunk whose float32 squares overflowed
+ * (a finite |x * scale| above 1.8e19: a stale delayed scale meeting a spike) or may have lost their bits
+ * (a sum below 2^-100: a scale far too small, or errors of elements flushed to zero), as the reference
+ * takes them:
+ * a = |x| * scale in float32, or the exact float64 product where that overflowed too; |q| decoded from its
+ * code; the finite elements only. Rare, so plain scalar code. */
+static void exact_sums(const float *x, int64_t n, float scale, const fmt_t *f, const uint32_t *codes,
+                       double *s1, double *s2) {
+    float min_sub = f->magic_f * 0x1p-23f;
+    double sum = 0, err = 0;
+    for (int64_t k = 0; k < n; k++) {
+        float ax = fabsf(x[k]);
+        if (!(ax < INFINITY)) /* NaN, Inf */
+            continue;
+        float a32 = ax * scale;
+        double a = isinf(a32) ? (double)ax * (double)scale : (double)a32;
+        uint32_t c = codes[k] & 0x7fu;
+        float qa = c <= f->sub_codes ? (float)c * min_sub : u2f((c + f->rebias) << f->shift);
+        double d = (double)qa - a;
+        sum += a * a, err += d * d;
+    }
+    *s1 = sum, *s2 = err;
+}
+
 /* One chunk of at most CHUNK float32 values: quantize into q (if given) and accumulate the statistics. */
 INLINE void chunk(const float *x, int64_t n, float scale, const fmt_t *f, uint8_t *q, acc_t *acc,
                   int quality) {
@@ -210,13 +236,21 @@ INLINE void chunk(const float *x, int64_t n, float scale, const fmt_t *f, uint8_
             q[k] = (uint8_t)codes[k];
     int64_t o = 0, u = 0, nf = 0, s = 0;
     double s1 = 0, s2 = 0;
+    uint32_t low = 0xffffffffu; /* below 0x7f7fffff: the chunk has a non-zero finite element */
     for (int j = 0; j < W; j++) {
         acc->amax = l.amax[j] > acc->amax ? l.amax[j] : acc->amax;
+        low = l.min_abs[j] < low ? l.min_abs[j] : low;
         uint32_t m = l.min_abs[j] < 0x7f7fffffu ? l.min_abs[j] + 1u : 0x7f800000u; /* none: +inf */
         acc->min_abs = m < acc->min_abs ? m : acc->min_abs;
         o -= l.ovf[j], u -= l.unf[j], nf -= l.nonfin[j], s += l.subn[j];
         s1 += (double)l.ssq[j], s2 += (double)l.esq[j];
     }
+    /* float32 squares out of range: one overflowed (only finite elements were added), or a sum is below
+     * 2^-100 with a non-zero finite element there, whose terms may have lost their bits (float32 squares
+     * below 2^-126 are subnormal, below 2^-149 zero; at or above 2^-100 that loss is nothing to the sum) */
+    int tiny = (s1 < 0x1p-100 || s2 < 0x1p-100) && low < 0x7f7fffffu;
+    if (quality && (!(isfinite(s1) && isfinite(s2)) || tiny))
+        exact_sums(x, n, scale, f, codes, &s1, &s2);
     acc->overflow += o, acc->underflow += u, acc->nonfinite += nf, acc->subnormal += s;
     acc->sum_sq += s1, acc->err_sq += s2;
 }

@@ -26,11 +26,11 @@ nonfinite, numel, sum_sq, err_sq, subnormal, min_abs)``:
 * ``nonfinite``: NaN and Inf elements of ``x``.
 * ``numel``: elements quantized.
 * ``sum_sq`` and ``err_sq``: ``Σx²`` and ``Σ(q(x) - x)²`` over the finite elements, in ``x``'s units, taken
-  in the scaled domain: ``a = |x * scale|`` (the float32 product) and the FP8 value of the clamped ``a``,
-  their squares in float32, summed, divided by ``scale**2`` in float64. NaN and Inf elements are left out
-  (they are counted in ``nonfinite``); saturation and underflow are errors like any rounding. A finite
-  ``x`` whose float32 product overflowed (``|x * scale|`` > 3.4e38) makes both +inf. SQNR in dB is
-  ``fp8_protocol.stats.sqnr_db(sum_sq, err_sq)``.
+  in the scaled domain: ``a = |x * scale|`` (the float32 product; the exact float64 product where that
+  overflowed) and the FP8 value of the clamped ``a``, their squares and sums in float64, divided by
+  ``scale**2``. NaN and Inf elements are left out (they are counted in ``nonfinite``); saturation and
+  underflow are errors like any rounding. Both stay finite for every finite ``x`` and scale, however far a
+  stale scale overflows. SQNR in dB is ``fp8_protocol.stats.sqnr_db(sum_sq, err_sq)``.
 * ``subnormal``: elements landing on a non-zero FP8 subnormal (at most 3 significant bits in E4M3, 2 in
   E5M2): ``min_subnormal / 2 < |x * scale| < subnormal_threshold``.
 * ``min_abs``: the smallest non-zero finite ``|x|`` (+inf when there is none); with ``amax``, the dynamic
@@ -225,35 +225,41 @@ def _work_buffer(shape: torch.Size, device: torch.device, dtype: torch.dtype = t
 
 def quality_row_reference(
     a: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, min_abs: torch.Tensor, fp8_dtype: torch.dtype,
-    *, mask_codes: bool, work: torch.Tensor | None = None,
+    *, mask_codes: bool, x: torch.Tensor | None = None, work: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``(sum_sq, err_sq, subnormal, min_abs)`` (float64) from ``a = |x * scale|`` (float32; 0 for the NaN
     and Inf elements of ``x``, +inf for a finite ``x`` whose product overflowed) and the FP8 tensor ``q``.
     ``mask_codes``: ``q`` was cast from ``x`` itself, whose NaN/Inf elements have non-zero codes: their
     errors are zeroed where ``a`` is 0 (where every other element's error is 0 anyway); their codes are no
-    subnormal's. The round trip is taken in
-    the scaled domain: ``|q|`` decoded from its bits against ``a``, ``err = (|q| - a) / scale``; sums of the
-    float32 squares in float32 (torch's cascade sum: within about log2(n) * 2**-24 relative for these
-    non-negative terms, where a BLAS dot loses more when one term dominates, e.g. a saturated outlier),
-    then over ``scale**2`` in float64. A finite ``x`` whose float32 product overflowed gives +inf in both
-    sums. ``work``: an int32 buffer of ``q``'s shape to use (the CPU pays more for a fresh multi-MB
-    allocation than for a pass over it); the passes allocate nothing else of float size."""
+    subnormal's. The round trip is taken in the scaled domain, ``err = (|q| - a) / scale`` with ``|q|``
+    decoded from its bits, and every square and sum in float64: a float32 square overflows past
+    ``a`` = 1.8e19, which a stale delayed scale meeting a spike reaches, and would make both sums +inf (SQNR
+    "no finite element" for a finite tensor). Where the float32 product itself overflowed, ``a`` is the exact
+    product ``|x| * scale`` in float64 (``x``, the input, is then needed). Then both sums over ``scale**2``.
+    ``work``: an int32 buffer of ``q``'s shape to use (the CPU pays more for a fresh multi-MB allocation
+    than for a pass over it)."""
     # |q|: its code without the sign
     code = torch.bitwise_and(q.view(torch.uint8), 0x7F, out=_work_buffer(q.shape, q.device, torch.uint8))
     fi = torch.finfo(fp8_dtype)
     mant = round(-math.log2(float(fi.eps)))
     bias = 1 - round(math.log2(float(fi.smallest_normal)))
     work = torch.empty(code.shape, dtype=torch.int32, device=code.device) if work is None else work
-    # |q| decoded in place (fp8_bits_to_float), then the error, its square, and a's square in the same buffer
-    d = work.copy_(code).bitwise_left_shift_(23 - mant).view(torch.float32).mul_(2.0 ** (127 - bias)).sub_(a)
+    # |q| decoded in place (fp8_bits_to_float)
+    qa = work.copy_(code).bitwise_left_shift_(23 - mant).view(torch.float32).mul_(2.0 ** (127 - bias))
+    scale64 = scale.to(torch.float64)
+    a64 = a.to(torch.float64)
+    overflowed = torch.isinf(a)  # only finite x: the NaN / Inf elements are 0 in a
+    if bool(overflowed.any()):  # a host read: the reference only
+        a64[overflowed] = x[overflowed].to(torch.float64).abs() * scale64
+    d = qa.to(torch.float64).sub_(a64)
     if mask_codes:  # d * sign(a): 0 where a is 0 (a NaN/Inf x, whose code is not; or d was 0 already)
-        d.mul_(torch.sign(a, out=_work_buffer(a.shape, a.device, torch.float32)))
-    err_sq = d.mul_(d).sum()
-    sum_sq = torch.mul(a, a, out=d).sum()
+        d.mul_(torch.sign(a))
+    err_sq = d.square_().sum()
+    sum_sq = a64.square_().sum()
     # subnormal codes are 1 .. 2**mant - 1 (exponent field 0): code - 1 wraps 0 to 255
     subnormal = torch.count_nonzero(code.sub_(1).lt_(2**mant - 1))
-    inv2 = scale.to(torch.float64).reciprocal().square()
-    sums = torch.stack([sum_sq, err_sq]).to(torch.float64) * inv2
+    inv2 = scale64.reciprocal().square()
+    sums = torch.stack([sum_sq, err_sq]) * inv2
     return torch.cat([sums, subnormal.to(torch.float64).reshape(1), min_abs.to(torch.float64).reshape(1)])
 
 
@@ -316,7 +322,7 @@ def quantize_with_stats_reference(
     counts = torch.add(torch.mv(mix, raw), offset, alpha=xf.numel())
     q = xs.clamp_(-fmax, fmax).to(fp8_dtype)
     if quality:
-        quality_row = quality_row_reference(a, q, scale, min_abs, fp8_dtype, mask_codes=True, work=work)
+        quality_row = quality_row_reference(a, q, scale, min_abs, fp8_dtype, mask_codes=True, x=xf, work=work)
     del a, ax
     if stats is None:
         row = torch.cat(

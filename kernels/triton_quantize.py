@@ -32,7 +32,11 @@ is 0 with no select).
 Accumulators: every statistic is folded per run of ``LANE`` (8) consecutive elements into one slot
 (``_runs``): a run lies in one thread's registers, so nothing crosses threads until the program's end (no
 shuffle or barrier per block), and the accumulators are 8 times narrower than a block. The squares of a
-run are summed in float32 and added to the run's float64 slot (within (LANE - 1) * 2**-24 relative); counts
+run are summed in float32 and added to the run's float64 slot (within (LANE - 1) * 2**-24 relative); a
+program whose float32 squares left the float32 range (an ``|x * scale|`` above 1.8e19, which a stale scale
+meeting a spike reaches, or a sum below 2^-100) takes its sums again in float64 after its main loop
+(``_exact_sums_1d`` / ``_exact_sums_2d``, as the reference takes them), so both stay finite and exact for
+every finite tensor while the main loop keeps its float32 registers; counts
 are packed 8 bits apart per slot, each at most ``LANE * MAX_BLOCKS_PER_PROGRAM`` < 2**8. ``min_abs`` is a
 min over the bits of ``|x|`` minus one, unsigned, so that zeros (which wrap) and non-finite elements
 never win (``_min_abs_bits``), folded into the row with an integer atomic min on the float64 bits.
@@ -182,6 +186,58 @@ def _quality_terms(x, qa, af, sq_acc, err_acc, min_acc):
     low_bits = (bits - 1).to(tl.uint32, bitcast=True)  # see _min_abs_bits
     sq, err, low = tl.reduce((_runs(af * af), _runs(d * d), _runs(low_bits)), len(x.shape), _sum_sum_min)
     return sq_acc + sq.to(tl.float64), err_acc + err.to(tl.float64), tl.minimum(min_acc, low)
+
+
+@triton.jit
+def _needs_exact(sq, err, low):
+    """Whether a program's float32 sums of squares cannot stand: one overflowed to +inf (a finite
+    ``|x * scale|`` above 1.8e19), or a sum is below 2^-100 while a non-zero finite element was there
+    (``low``, the min of ``abs_bits(x) - 1``, below Inf's bits - 1): its terms may have lost their bits,
+    float32 squares below 2^-126 being subnormal and below 2^-149 zero. At or above 2^-100 what they lose
+    is at most 2^-149 each, nothing next to the sum."""
+    out_of_range = (sq > 1.7976931348623157e308) | (err > 1.7976931348623157e308)
+    tiny = (sq < 7.888609052210118e-31) | (err < 7.888609052210118e-31)
+    return out_of_range | (tiny & (low < 0x7F7FFFFF))
+
+
+@triton.jit
+def _exact_terms(
+    x, scale, dtype, FMAX: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr,
+    DROP: tl.constexpr, SAT_CAST: tl.constexpr,
+):  # fmt: skip
+    """``(a**2, (|q| - a)**2)`` per element in float64, as the reference takes them: ``a = |x * scale|``
+    (float32) of a finite ``x``, its exact float64 product where the float32 one overflowed, 0 for NaN /
+    Inf; ``|q|`` the FP8 value of ``a``."""
+    finite = abs_bits(x) < 0x7F800000
+    af = tl.where(finite, tl.abs(x * scale), 0.0)
+    _, qa = _to_fp8(af, dtype, FMAX, MIN_NORMAL, SUB_MAGIC, DROP, SAT_CAST)
+    exact = tl.abs(x).to(tl.float64) * scale.to(tl.float64)
+    a = tl.where(af > 3.4028234663852886e38, exact, af.to(tl.float64))
+    d = qa.to(tl.float64) - a
+    return a * a, d * d
+
+
+@triton.jit
+def _exact_sums_1d(
+    x_ptr, q_ptr, n, scale, FMAX: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr,
+    DROP: tl.constexpr, SAT_CAST: tl.constexpr, IS_BF16: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """This program's two sums of squares again, in float64 (``_needs_exact``): its blocks of the 1-D
+    kernel's round robin, the partial one included. Rare: a plain masked loop, an eighth of a block at a time
+    (float64 values of a whole block would raise the kernel's register count, which its main loop sets)."""
+    SUB: tl.constexpr = BLOCK // 8
+    lanes = tl.arange(0, SUB)
+    sq = tl.zeros([SUB], dtype=tl.float64)
+    err = tl.zeros([SUB], dtype=tl.float64)
+    for b in range(tl.program_id(0), tl.cdiv(n, BLOCK), tl.num_programs(0)):
+        for c in range(0, BLOCK, SUB):
+            offs = b * BLOCK + c + lanes
+            x = load_f32(x_ptr, offs, offs < n, IS_BF16)
+            dtype = q_ptr.dtype.element_ty
+            s, e = _exact_terms(x, scale, dtype, FMAX, MIN_NORMAL, SUB_MAGIC, DROP, SAT_CAST)
+            sq += s
+            err += e
+    return tl.sum(sq, axis=0), tl.sum(err, axis=0)
 
 
 @triton.jit
@@ -411,9 +467,13 @@ def _quantize_kernel(
         HAS_AMAX, SCALE_FROM_AMAX,
     )  # fmt: skip
     if QUALITY:
+        sq, err, low = tl.sum(sq_acc, axis=0), tl.sum(err_acc, axis=0), tl.min(min_acc, axis=0)
+        if _needs_exact(sq, err, low):
+            sq, err = _exact_sums_1d(
+                x_ptr, q_ptr, n, scale, FMAX, MIN_NORMAL, SUB_MAGIC, DROP, SAT_CAST, IS_BF16, BLOCK
+            )  # fmt: skip
         _accumulate_quality(
-            stats_ptr, tl.sum((count_acc >> 24) & 255, axis=0), tl.sum(sq_acc, axis=0),
-            tl.sum(err_acc, axis=0), _min_abs_bits(tl.min(min_acc, axis=0)), scale,
+            stats_ptr, tl.sum((count_acc >> 24) & 255, axis=0), sq, err, _min_abs_bits(low), scale
         )  # fmt: skip
 
 
@@ -474,6 +534,42 @@ def _quantize_tile_values(
     if STORE_PRECAST:
         tl.store(precast_ptr + offs, _clamp(xs, FMAX), mask=mask)
     return _fold(x, ax, counts, qa, af, amax_acc, count_acc, sq_acc, err_acc, min_acc, QUALITY)
+
+
+@triton.jit
+def _exact_sums_2d(
+    x_ptr, q_ptr, M, N, scale, FMAX: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr,
+    DROP: tl.constexpr, SAT_CAST: tl.constexpr, IS_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """``_exact_sums_1d`` for the 2-D kernel: this program's tiles, in its order (the full tiles, then the
+    edge tiles where the round robin continues), every one masked, an eighth of its rows at a time."""
+    ROWS: tl.constexpr = BLOCK_M // 8
+    pid, nprog = tl.program_id(0), tl.num_programs(0)
+    full_m, full_n = M // BLOCK_M, N // BLOCK_N
+    n_full = full_m * full_n
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    right = (tl.cdiv(N, BLOCK_N) - full_n) * tiles_m
+    n_edge = right + (tiles_m - full_m) * full_n
+    sq = tl.zeros([ROWS, BLOCK_N], dtype=tl.float64)
+    err = tl.zeros([ROWS, BLOCK_N], dtype=tl.float64)
+    first_edge = (pid + nprog - n_full % nprog) % nprog
+    n_mine = tl.cdiv(tl.maximum(n_full - pid, 0), nprog) + tl.cdiv(tl.maximum(n_edge - first_edge, 0), nprog)
+    for i in range(0, n_mine):
+        t = pid + i * nprog  # a full tile while below n_full, else the edge tile the round robin gives
+        e = first_edge + (i - tl.cdiv(tl.maximum(n_full - pid, 0), nprog)) * nprog
+        tm = tl.where(t < n_full, t // tl.maximum(full_n, 1), tl.where(e < right, e, full_m))
+        tn = tl.where(t < n_full, t % tl.maximum(full_n, 1), tl.where(e < right, full_n, e - right))
+        rn = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+        for r in range(0, BLOCK_M, ROWS):
+            rm = tm * BLOCK_M + r + tl.arange(0, ROWS)
+            mask = (rm[:, None] < M) & (rn[None, :] < N)
+            x = load_f32(x_ptr, rm[:, None] * N + rn[None, :], mask, IS_BF16)
+            dtype = q_ptr.dtype.element_ty
+            s, d = _exact_terms(x, scale, dtype, FMAX, MIN_NORMAL, SUB_MAGIC, DROP, SAT_CAST)
+            sq += s
+            err += d
+    return tl.sum(tl.sum(sq, axis=1), axis=0), tl.sum(tl.sum(err, axis=1), axis=0)
 
 
 @triton.jit(do_not_specialize=["M", "N", "amax_n"])
@@ -553,10 +649,17 @@ def _quantize_t_kernel(
         HAS_AMAX, SCALE_FROM_AMAX,
     )  # fmt: skip
     if QUALITY:
+        sq = tl.sum(tl.sum(sq_acc, axis=1), axis=0)
+        err = tl.sum(tl.sum(err_acc, axis=1), axis=0)
+        low = tl.min(tl.min(min_acc, axis=1), axis=0)
+        if _needs_exact(sq, err, low):
+            sq, err = _exact_sums_2d(
+                x_ptr, q_ptr, M, N, scale, FMAX, MIN_NORMAL, SUB_MAGIC, DROP, SAT_CAST, IS_BF16, BLOCK_M,
+                BLOCK_N,
+            )  # fmt: skip
         _accumulate_quality(
-            stats_ptr, tl.sum(tl.sum((count_acc >> 24) & 255, axis=1), axis=0),
-            tl.sum(tl.sum(sq_acc, axis=1), axis=0), tl.sum(tl.sum(err_acc, axis=1), axis=0),
-            _min_abs_bits(tl.min(tl.min(min_acc, axis=1), axis=0)), scale,
+            stats_ptr, tl.sum(tl.sum((count_acc >> 24) & 255, axis=1), axis=0), sq, err,
+            _min_abs_bits(low), scale,
         )  # fmt: skip
 
 

@@ -35,7 +35,7 @@ from monitor_server.rollups import (
     cover,
     late_steps,
     plan_heatmap,
-    read_step_stats,
+    read_step_stats_each,
     sealed_blocks,
 )
 from monitor_server.wire import WireError
@@ -433,36 +433,41 @@ def latest_block_stats(
     session: Session, run_id: int, num_tensors: int
 ) -> tuple[int, dict[str, np.ndarray]] | None:
     """The block columns of the run's latest step that carried them: (step, column -> (T,)), or None when
-    the run never sent them."""
-    ids = [STAT_IDS[c] for c in ("blocks", "blocks_at_limit", "block_range")]
+    the run never sent them (`blocks_zero` absent where an older sender left it out)."""
+    names = ("blocks", "blocks_at_limit", "block_range", "blocks_zero")
+    ids = [STAT_IDS[c] for c in names]
     last = session.scalar(
-        select(func.max(StepStat.step)).where(StepStat.run_id == run_id, StepStat.metric == ids[-1])
+        select(func.max(StepStat.step)).where(StepStat.run_id == run_id, StepStat.metric == ids[2])
     )
     if last is None:
         return None
-    steps, matrices = read_step_stats(session, run_id, ids, int(last), int(last), num_tensors)
-    if not len(steps):
+    _, matrices = read_step_stats_each(session, run_id, ids, int(last), int(last), num_tensors)
+    if not all(i in matrices for i in ids[:3]):
         return None
-    return int(last), {
-        c: matrices[i][0] for c, i in zip(("blocks", "blocks_at_limit", "block_range"), ids, strict=True)
-    }
+    return int(last), {c: matrices[i][0] for c, i in zip(names, ids, strict=True) if i in matrices}
 
 
 def add_block_health(layers: list[dict[str, Any]], latest: tuple[int, dict[str, np.ndarray]] | None) -> None:
-    """Fill the layers table's block fields in place from `latest_block_stats`: per tensor its block range
-    and share of blocks at a scale limit, per layer the worst of its tensors (None without block columns)."""
+    """Fill the layers table's block fields in place from `latest_block_stats`: per tensor its block range,
+    its share of blocks at a scale limit and its share of all-zero blocks (kept apart: sparsity is no fault),
+    per layer the worst of its tensors (None without block columns)."""
     if latest is None:
         return
     _, cols = latest
-    at_limit = block_fraction(cols["blocks_at_limit"], cols["blocks"])
+    shares = {"block_at_limit": block_fraction(cols["blocks_at_limit"], cols["blocks"])}
+    if "blocks_zero" in cols:
+        shares["block_zero"] = block_fraction(cols["blocks_zero"], cols["blocks"])
     for layer in layers:
-        ranges, limits = [], []
+        ranges = []
+        worst: dict[str, list[float]] = {key: [] for key in shares}
         for t in layer["tensors"]:
             i = t["index"]
             t["block_range"] = encode_float(cols["block_range"][i])
-            t["block_at_limit"] = encode_float(at_limit[i])
             ranges.append(cols["block_range"][i])
-            limits.append(at_limit[i])
+            for key, share in shares.items():
+                t[key] = encode_float(share[i])
+                worst[key].append(share[i])
         # NaN-propagating, as every worst-of here: a NaN range shows
         layer["block_range"] = encode_float(np.max(ranges)) if ranges else None
-        layer["block_at_limit"] = encode_float(np.max(limits)) if limits else None
+        for key, values in worst.items():
+            layer[key] = encode_float(np.max(values)) if values else None

@@ -12,7 +12,7 @@ import orjson
 from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
 
-from fp8_protocol.stats import BASE_COLUMNS, BLOCK_COLUMNS, QUALITY_COLUMNS
+from fp8_protocol.stats import BASE_COLUMNS, BLOCK_COLUMNS, LEGACY_BLOCK_COLUMNS, QUALITY_COLUMNS
 from monitor_server import commands as command_ops
 from monitor_server.block_hist import HistEntry, decode_block_hist, hist_rows, update_histogram_sums
 from monitor_server.detectors.ranks import parse_rank_amax
@@ -43,6 +43,7 @@ _STEP_KEYS = {"step", "scalars", "stats", "block_hist"}
 _BASE_SET = frozenset(BASE_COLUMNS)
 _QUALITY_SET = frozenset(QUALITY_COLUMNS)
 _BLOCK_SET = frozenset(BLOCK_COLUMNS)
+_LEGACY_BLOCK_SET = frozenset(LEGACY_BLOCK_COLUMNS)  # an older sender's block columns (no blocks_zero)
 _ALL_COLUMNS = _BASE_SET | _QUALITY_SET | _BLOCK_SET
 
 
@@ -170,7 +171,7 @@ def decode_batch(payload: Any, num_tensors: int, limits: EventLimits = EventLimi
         for name in columns:
             stats[name][i] = decode_column(st[name], T, f"{where}.stats.{name}")
         if "block_hist" in entry:
-            if not columns >= _BLOCK_SET:
+            if not columns >= _LEGACY_BLOCK_SET:
                 raise WireError(
                     f"{where}.block_hist: sent without the block statistics {list(BLOCK_COLUMNS)}"
                     " in the step's stats"
@@ -204,6 +205,8 @@ def _stat_columns(keys: frozenset[str], where: str) -> frozenset[str]:
         raise WireError(f"{where}.stats: missing statistic(s) {missing}")
     for kind, group in (("quality", QUALITY_COLUMNS), ("block", BLOCK_COLUMNS)):
         present = keys & frozenset(group)
+        if present == _LEGACY_BLOCK_SET:  # an older sender's: every block column but blocks_zero
+            continue
         if present and len(present) != len(group):
             raise WireError(
                 f"{where}.stats: the {kind} statistics {list(group)} come all together or not at all;"

@@ -35,6 +35,7 @@ from sqlalchemy.orm import Session
 from fp8_protocol.stats import (
     BASE_COLUMNS,
     BLOCK_COLUMNS,
+    LEGACY_BLOCK_COLUMNS,
     QUALITY_COLUMNS,
     block_fraction,
     dynamic_range,
@@ -52,12 +53,15 @@ COMPACT_BLOCK = LEVELS[0]
 
 #: statistic name -> metric id of its `StepStat` rows (stored ids: never renumber). The base columns are
 #: 0-5, 6 is the derived headroom (rollups only), the quality columns follow it (7-10), then, after the
-#: quality metrics' rollup ids, the block-scaling columns (15-19).
+#: quality metrics' rollup ids, the first five block-scaling columns (15-19); `blocks_zero`, added later,
+#: after the block fractions' rollup ids (23).
 STAT_IDS: dict[str, int] = (
     {name: i for i, name in enumerate(BASE_COLUMNS)}
     | {name: 7 + i for i, name in enumerate(QUALITY_COLUMNS)}
-    | {name: 15 + i for i, name in enumerate(BLOCK_COLUMNS)}
+    | {name: 15 + i for i, name in enumerate(LEGACY_BLOCK_COLUMNS)}
+    | {"blocks_zero": 23}
 )
+assert set(STAT_IDS) == set(BASE_COLUMNS + QUALITY_COLUMNS + BLOCK_COLUMNS)
 HEADROOM_ID = 6
 #: rollup-only metric ids of the derived quantization-quality metrics (stored ids: never renumber)
 SQNR_ID, SUBNORMAL_FRACTION_ID, DYNAMIC_RANGE_ID, OUTLIER_RATIO_ID = 11, 12, 13, 14

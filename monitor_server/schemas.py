@@ -505,8 +505,13 @@ class TensorHealth(PublicModel):
     )
     block_at_limit: WireFloat | None = Field(
         None,
-        description="the share of its blocks whose scale sat at a limit of its format in that step; null"
-        " when the run sends no block statistics",
+        description="the share of its blocks with values to scale whose scale sat at a limit of its format"
+        " in that step (values the format could not follow); null when the run sends no block statistics",
+    )
+    block_zero: WireFloat | None = Field(
+        None,
+        description="the share of its blocks with amax 0 (all zero, or NaN: nothing to scale, nothing lost)"
+        " in that step; null when the run sends no block statistics or an older sender left the column out",
     )
 
 
@@ -532,6 +537,11 @@ class LayerHealth(PublicModel):
         None,
         description="the largest latest share of blocks at a scale limit among its tensors; null when the"
         " run sends no block statistics",
+    )
+    block_zero: WireFloat | None = Field(
+        None,
+        description="the largest latest share of all-zero blocks among its tensors (harmless: sparsity,"
+        " padding); null when the run sends no block statistics or no blocks_zero column",
     )
     tensors: list[TensorHealth]
 

@@ -11,6 +11,9 @@ the scale computed as torchao computes it (torchao 0.14-0.18, ``torchao/float8/f
 * ``amax = max(|x|)`` in the tensor's own dtype (a NaN element makes it NaN: no NaN-ignoring maximum);
 * ``scale = float32(fp8_max / max(float64(amax), 1e-12))``: a zero amax gives a huge scale, not 1;
 * with ``round_scales_to_power_of_2``, ``scale = exp2(floor(log2(scale)))``;
+* so a NaN element makes the scale NaN and every element of torchao's FP8 tensor NaN. The row then shows
+  ``amax`` with NaN ignored (as every fp8scope statistic), ``scale`` NaN (torchao's, flagged as it is),
+  ``nonfinite`` = numel (the whole FP8 tensor), no overflow or underflow, and ``err_sq`` +inf (SQNR -inf dB);
 * the input is first cast to the autocast dtype when CUDA autocast is on (torchao's ``forward`` does so).
 
 The FP8 tensor is dropped: torchao makes its own. ``Monitor`` watches such a model by itself. Recipe
@@ -22,11 +25,15 @@ Layers whose casts are not tensorwise and dynamic (rowwise recipes) are left out
 from __future__ import annotations
 
 import logging
+import math
 import types
 
 import torch
 from torch import nn
 
+from fp8_protocol.stats import ERR_SQ, NONFINITE, OVERFLOW, SCALE, STAT_COLUMNS, SUBNORMAL, UNDERFLOW
+
+from ..block_linear import merge_block_row
 from ..recipe import CurrentScaling, Format
 from ..shadow import HookedState
 
@@ -64,6 +71,21 @@ def torchao_scale(
     if round_to_power_of_2:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     return scale
+
+
+def _all_nan_cast(row: torch.Tensor, numel: int) -> torch.Tensor:
+    """The statistics row of a tensor torchao cast with a NaN scale: amax as fp8scope reads it (NaN ignored),
+    scale NaN, every element non-finite in FP8 (``nonfinite`` = numel, nothing counted as overflow or
+    underflow), the round trip's error +inf (SQNR -inf dB: nothing survived); ``sum_sq`` and ``min_abs`` of
+    the tensor itself, which are the tensor's whatever the cast did."""
+    out = row.clone()
+    out[SCALE] = math.nan
+    out[OVERFLOW] = out[UNDERFLOW] = 0.0
+    out[NONFINITE] = float(numel)
+    if out.shape[0] == len(STAT_COLUMNS):
+        out[ERR_SQ] = math.inf
+        out[SUBNORMAL] = 0.0
+    return out
 
 
 def _unsupported(m: nn.Module) -> str | None:
@@ -114,14 +136,21 @@ class TorchaoState(HookedState):
         return x
 
     def record(self, i: int, x: torch.Tensor) -> None:
-        from fp8_kernels import quantize_with_stats
+        from fp8_kernels import new_stats, quantize_with_stats
 
         dtype = self.dtypes[i]
         amax = (
             torch.max(torch.abs(x)).to(torch.float32) if x.numel() else x.new_zeros((), dtype=torch.float32)
         )
         scale = torchao_scale(amax, dtype, self._pow2[i // 3])
-        quantize_with_stats(x, scale, dtype, self.stats[i], amax=amax)
+        stats = self.stats[i]
+        # a NaN in x makes torchao's amax NaN, its scale NaN and so every element of its FP8 tensor NaN:
+        # the row says so (below); the statistics are taken with a stand-in scale, no host read deciding
+        lost = torch.isnan(scale)
+        fresh = new_stats(device=stats.device, quality=stats.shape[0] == len(STAT_COLUMNS))
+        _, row = quantize_with_stats(x, torch.where(lost, 1.0, scale), dtype, fresh, amax=amax)
+        row = torch.where(lost, _all_nan_cast(row, x.numel()), row)
+        merge_block_row(stats, row, None, None)  # as the quantize call would have accumulated it
 
     def apply_settings(self, layer: int | None, changes: dict) -> dict:
         other = sorted(set(changes) - {"fp8_enabled"})

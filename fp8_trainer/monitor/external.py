@@ -29,7 +29,6 @@ from torch import nn
 from fp8_protocol.stats import BASE_COLUMNS, QUALITY_COLUMNS
 
 from ..formats import ROLES
-from ..shadow import HookedState
 from ..state import merge_step_stats
 from ..stats import LateReader
 
@@ -161,9 +160,9 @@ def attach_source(model: nn.Module, recipe, *, tensors=None, shadow=None) -> tup
         return shadow, None
     state = getattr(model, "_fp8_state", None)
     if state is not None and state.n_layers:
-        if recipe is None and isinstance(state, HookedState):  # shadowed or watched before the Monitor
-            return state.recipe, None
-        return recipe, None
+        # no recipe given: the one the model was converted with (or shadowed / watched under); a converted
+        # model passed without it reported nothing at all
+        return (state.recipe if recipe is None else recipe), None
     from ..integrations.torchao import has_torchao_layers, watch_torchao
 
     if has_torchao_layers(model):

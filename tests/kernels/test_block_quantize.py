@@ -319,6 +319,21 @@ def test_block_stats_on_hand_built_blocks():
     assert st["worst_dynamic_range"].item() == st["dynamic_range"].max().item() > 17.8
 
 
+@pytest.mark.parametrize(("fmt", "flush_at"), [(E4M3, -137), (torch.float8_e5m2, -144)])
+def test_a_subnormal_block_at_code_0_loses_only_values_at_or_below_half_a_subnormal(fmt, flush_at):
+    # code 0 scales by 2^127: a float32 subnormal 2^e becomes 2^(e + 127), which flushes to zero at or below
+    # half the format's smallest subnormal (E4M3 2^-10: e <= -137; E5M2 2^-17: e <= -144; the half itself
+    # rounds to the even zero) and survives above it
+    exps = torch.arange(-149, -126)  # every float32 subnormal binade
+    x = torch.cat([torch.ldexp(torch.ones(len(exps)), exps), torch.zeros(32 - len(exps))]).reshape(1, 32)
+    q = quantize_blocks(x, fmt, (1, 32), "e8m0")
+    assert q.scale_inv.flatten().tolist() == [0]  # the amax 2^-127 and below: code 0
+    st = block_stats(x, q, fmt)
+    lost = int((exps <= flush_at).sum())
+    assert st["underflow"].item() == lost and 0 < lost < len(exps)
+    assert (q.data.float().flatten()[: len(exps)] != 0).tolist() == (exps > flush_at).tolist()
+
+
 def test_block_stats_counts_real_saturation_with_float32_scales():
     # non-power-of-two scales: amax * scale can round above 448, still <= 464, so it is no overflow
     x = torch.tensor([[1.0, 3.0, 7.0] + [0.0] * 125])

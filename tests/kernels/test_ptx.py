@@ -213,8 +213,8 @@ def test_fp_fusion_is_asked_for_not_left_to_the_default(sm90, monkeypatch):
     assert kwargs["enable_fp_fusion"] is triton_launch.FP_FUSION  # what a GPU launch asks for
     compiled = sm90(rec.fn, args, kwargs)
     assert compiled.metadata.enable_fp_fusion is triton_launch.FP_FUSION
-    # the sums of squares: one fma per element with fusion, a mul and an add without
-    assert ("fma.rn.f32" in compiled.asm["ptx"]) is triton_launch.FP_FUSION
+    # the sums of squares (float64): one fma per element with fusion, a mul and an add without
+    assert ("fma.rn.f64" in compiled.asm["ptx"]) is triton_launch.FP_FUSION
 
 
 @pytest.mark.parametrize("quality", [True, False], ids=["quality", "base"])

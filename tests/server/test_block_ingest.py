@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 from sqlalchemy import func, select
 
-from fp8_protocol.stats import BASE_COLUMNS, BLOCK_COLUMNS, BLOCK_HIST_BINS, QUALITY_COLUMNS
+from fp8_protocol.stats import (
+    BASE_COLUMNS,
+    BLOCK_COLUMNS,
+    BLOCK_HIST_BINS,
+    LEGACY_BLOCK_COLUMNS,
+    QUALITY_COLUMNS,
+)
 from monitor_server import retention
 from monitor_server.models import BlockHistogram, StepStat
 from monitor_server.rollups import STAT_IDS, unpack
@@ -27,6 +33,7 @@ def block_stats(rng: np.random.Generator, steps: int, tensors: int) -> dict[str,
         "blocks_overflow": rng.integers(0, 2, (steps, tensors)).astype(np.float64),
         "blocks_underflow": rng.integers(0, 20, (steps, tensors)).astype(np.float64),
         "block_range": rng.uniform(2.0, 14.0, (steps, tensors)),
+        "blocks_zero": rng.integers(0, 40, (steps, tensors)).astype(np.float64),
     }
     for name in BLOCK_COLUMNS:
         out[name][:, 2] = 0.0
@@ -91,14 +98,27 @@ def test_block_columns_are_stored_with_their_values_under_new_ids(client):
     assert _stored(client, run["id"], "sum_sq")[0] == [0, 1, 2, 3]
 
 
+def test_an_older_sender_without_blocks_zero_is_stored_and_its_layers_have_no_zero_share(client):
+    # the first five block columns alone (a client from before blocks_zero): stored, nothing invented
+    run = create_run(client, n_layers=1)
+    rng = np.random.default_rng(2)
+    stats = random_stats(rng, 2, T) | block_stats(rng, 2, T)
+    body = _body("old", [0, 1], stats, lambda i: (*BASE_COLUMNS, *LEGACY_BLOCK_COLUMNS))
+    assert client.post(f"{API}/runs/{run['id']}/telemetry", json=body).status_code == 200
+    assert _stored(client, run["id"], "blocks")[0] == [0, 1]
+    assert _stored(client, run["id"], "blocks_zero")[0] == []
+    layer = client.get(f"{API}/runs/{run['id']}/layers").json()[0]
+    assert layer["block_at_limit"] is not None and layer["block_zero"] is None
+
+
 @pytest.mark.parametrize(
     "names_of_step,needle",
     [
         (
             lambda i: (*BASE_COLUMNS, "blocks", "block_range"),
             "steps[0].stats: the block statistics ['blocks', 'blocks_at_limit', 'blocks_overflow',"
-            " 'blocks_underflow', 'block_range'] come all together or not at all; missing ['blocks_at_limit',"
-            " 'blocks_overflow', 'blocks_underflow']",
+            " 'blocks_underflow', 'block_range', 'blocks_zero'] come all together or not at all; missing"
+            " ['blocks_at_limit', 'blocks_overflow', 'blocks_underflow', 'blocks_zero']",
         ),
         (
             lambda i: (*BASE_COLUMNS, *BLOCK_COLUMNS) if i == 0 else BASE_COLUMNS,
@@ -271,7 +291,7 @@ def test_block_histograms_need_the_block_columns(client):
         run["id"],
         [[0, 120, [1]]],
         "steps[0].block_hist: sent without the block statistics ['blocks', 'blocks_at_limit',"
-        " 'blocks_overflow', 'blocks_underflow', 'block_range'] in the step's stats",
+        " 'blocks_overflow', 'blocks_underflow', 'block_range', 'blocks_zero'] in the step's stats",
         with_blocks=False,
     )
     body = {"idempotency_key": "s", "steps": [{"step": 0, "block_hist": [[0, 120, [1]]]}]}

@@ -197,7 +197,7 @@ def test_file_name():
 
 
 QUALITY = ("sum_sq", "err_sq", "subnormal", "min_abs")
-BLOCK = ("blocks", "blocks_at_limit", "blocks_overflow", "blocks_underflow", "block_range")
+BLOCK = ("blocks", "blocks_at_limit", "blocks_overflow", "blocks_underflow", "block_range", "blocks_zero")
 
 
 def _mixed_run(client, n_layers=1):
@@ -216,6 +216,7 @@ def _mixed_run(client, n_layers=1):
         "blocks_overflow": rng.integers(0, 2, (7, T)).astype(float),
         "blocks_underflow": rng.integers(0, 20, (7, T)).astype(float),
         "block_range": rng.uniform(2, 14, (7, T)),
+        "blocks_zero": rng.integers(0, 40, (7, T)).astype(float),
     }
     stats["min_abs"][3, 0] = np.nan  # a NaN sent stays a NaN
     groups = [(), (), QUALITY, QUALITY, QUALITY + BLOCK, QUALITY + BLOCK, BLOCK]

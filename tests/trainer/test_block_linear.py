@@ -179,14 +179,16 @@ def test_statistics_are_block_stats_of_the_rowwise_copy(recipe):
     assert row[MIN_ABS] == float(xf.abs()[xf != 0].min())
 
     assert brow[COL["blocks"]] == ref.scale_inv.numel()
-    n_row = ref.scale_inv.shape[1]  # blocks per row: the zero row's and the tiny row's are all at a limit
+    # blocks per row: the zero row's have nothing to scale (blocks_zero), the tiny row's are at a limit
+    n_row = ref.scale_inv.shape[1]
     if recipe.scaling == "mxfp8":
         at_limit = per["e8m0_at_min"] + per["e8m0_at_max"]  # code 0: zero and tiny blocks; 254: the Inf's
     else:  # a float32 scale falls back to 1 (zero amax, the Inf's) or is clamped (FP8_MAX / tiny overflows)
         amax = block_amax(x2, ref.block)
         limit = (amax == 0) | torch.isinf(amax) | torch.isinf(torch.tensor(448.0) / amax)
         at_limit = torch.count_nonzero(limit)
-    assert brow[COL["blocks_at_limit"]] == at_limit == 2 * n_row + 1
+    assert brow[COL["blocks_zero"]] == per["zero_blocks"] == n_row
+    assert brow[COL["blocks_at_limit"]] == at_limit - per["zero_blocks"] == n_row + 1
     assert brow[COL["blocks_overflow"]] == torch.count_nonzero(per["overflow"])
     assert brow[COL["blocks_underflow"]] == torch.count_nonzero(per["underflow"]) > 0
     assert brow[COL["block_range"]] == per["worst_dynamic_range"]

@@ -123,3 +123,33 @@ def test_quality_statistics_can_be_switched_off_for_a_benchmark():
     _step(model, torch.randn(8, 32))
     s = fp8_trainer.step_stats(model)
     assert s.shape == (6, len(STAT_COLUMNS)) and torch.all(s[:, SCALE] > 0)
+
+
+def test_a_spike_under_a_stale_delayed_scale_has_a_finite_sqnr_on_the_dashboard(server, tmp_path):
+    """Calm steps set a large delayed scale; then a spike far beyond it: |x * scale| above 1.8e19, whose
+    float32 square overflowed, made both sums +inf and SQNR NaN ("no finite element") for a finite tensor,
+    the run's worst quantization invisible to the SQNR view. Now its SQNR is about 0 dB, as everything
+    saturates, and the stored heatmap and the layers table say so."""
+    from tests.trainer.monitor_utils import FAST, decode, get
+
+    model = _model()
+    recipe = get_fp8_state(model).recipe
+    with fp8_trainer.Monitor(
+        server.url, "stale-spike", model, recipe, spool_path=tmp_path / "s.jsonl", **FAST
+    ) as mon:
+        for step in range(1, 5):
+            x = torch.randn(8, 32) * 1e-3  # amax ~3e-3: a delayed scale of about 1.5e5
+            if step == 4:
+                x[0, 0] = 1e17  # the stale scale sends it to ~1.5e22
+            _step(model, x)
+            mon.step(step, loss=0.0)
+    row = get_fp8_state(model).last_stats[0].tolist()
+    assert row[NUMEL] == 8 * 32 and row[AMAX] == np.float32(1e17)
+    assert math.isfinite(row[SUM_SQ]) and math.isfinite(row[ERR_SQ])
+    assert -0.1 < sqnr_db(row[SUM_SQ], row[ERR_SQ]) < 0.1
+    h = get(server.url, f"/runs/{mon.run_id}/heatmap", metric="sqnr", max_cols=1000)
+    sqnr = decode(h["values"][0])
+    assert sqnr[1:3].min() > 20 and -0.1 < sqnr[3] < 0.1  # calm steps (the first at scale 1), then the spike
+    layers = get(server.url, f"/runs/{mon.run_id}/layers")
+    tensor = next(t for layer in layers for t in layer["tensors"] if t["name"] == "0.input")
+    assert -0.1 < float(tensor["sqnr_db"]) < 0.1

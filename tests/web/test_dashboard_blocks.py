@@ -42,6 +42,7 @@ def block_run(seed: int = 0) -> tuple[dict[str, np.ndarray], list[list]]:
         "blocks_overflow": np.zeros((STEPS, T)),
         "blocks_underflow": np.where(blocks > 0, rng.integers(0, 5, (STEPS, T)), 0).astype(np.float64),
         "block_range": block_range,
+        "blocks_zero": np.zeros((STEPS, T)),
     }
     hists = []
     for s in range(STEPS):
@@ -172,6 +173,7 @@ def test_layers_table_never_rounds_blocks_at_a_limit_to_none(server, page):
         "blocks_overflow": np.zeros((1, T)),
         "blocks_underflow": np.zeros((1, T)),
         "block_range": np.full((1, T), 5.0),
+        "blocks_zero": np.zeros((1, T)),
     }
     post_block_steps(server.url, run["id"], 0, stats, [[]], 1)
     open_run(page, server.url, run["id"])
@@ -184,6 +186,44 @@ def test_layers_table_never_rounds_blocks_at_a_limit_to_none(server, page):
         "blocks.1.mlp.fc": "5.0 (0.8% at limit)",
         "blocks.2.mlp.fc": "5.0",
     }
+    no_page_errors(page)
+
+
+def test_a_padded_mxfp8_run_shows_its_zero_blocks_apart_from_the_blocks_at_a_limit(server, page, tmp_path):
+    """A real MXFP8 run whose batches are half padding (zero rows): its inputs' zero blocks are sparsity, not
+    a fault. The layers table reads "50.0% zero" for the first layer, never "at limit", and the API's
+    block_at_limit is 0 for every tensor."""
+    import torch
+    from torch import nn
+
+    from fp8_trainer import Monitor, MXFP8BlockScaling, convert_to_fp8, fp8_autocast
+    from tests.trainer.monitor_utils import FAST
+
+    torch.manual_seed(0)
+    recipe = MXFP8BlockScaling()
+    model = convert_to_fp8(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)), recipe=recipe)
+    with Monitor(server.url, "mxfp8-padded", model, recipe, spool_path=tmp_path / "s.jsonl", **FAST) as mon:
+        for step in range(1, 4):
+            x = torch.randn(64, 64)
+            x[32:] = 0  # padding: half of the tokens
+            with fp8_autocast(fp8_recipe=recipe):
+                loss = model(x.requires_grad_()).square().mean()
+            loss.backward()
+            mon.step(step, loss=loss.detach())
+    run = next(r for r in httpx.get(f"{server.url}{API}/runs").json() if r["name"] == "mxfp8-padded")
+    answer = httpx.get(f"{server.url}{API}/runs/{run['id']}/layers").json()
+    layers = {layer["layer"]: layer for layer in answer}
+    first = {t["name"]: t for t in layers["0"]["tensors"]}
+    assert first["0.input"]["block_zero"] == 0.5 and first["0.input"]["block_at_limit"] == 0
+    assert all(t["block_at_limit"] == 0 for layer in layers.values() for t in layer["tensors"])
+    open_run(page, server.url, run["id"])
+    page.wait_for_selector("#layers-table tbody tr td.block-range")
+    rows = dict(
+        page.eval_on_selector_all(
+            "#layers-table tbody tr", "rs => rs.map(r => [r.cells[0].textContent, r.cells[3].textContent])"
+        )
+    )
+    assert "(50.0% zero)" in rows["0"] and "at limit" not in rows["0"], rows
     no_page_errors(page)
 
 

@@ -458,7 +458,7 @@ class Layers {
           el("td", { class: "name" }, l.layer),
           el("td", {}, badge(l.severity, SEVERITY_KIND[l.severity] || "")),
           el("td", { class: "num sqnr" }, sqnrText(l.sqnr_db)),
-          el("td", { class: "num block-range" }, blockText(l.block_range, l.block_at_limit)),
+          el("td", { class: "num block-range" }, blockText(l.block_range, l.block_at_limit, l.block_zero)),
           el("td", {}, reasonsList(l.reasons || [])),
         ),
       ),
@@ -473,17 +473,22 @@ function sqnrText(value) {
   return Number.isFinite(v) ? v.toFixed(1) : fmt(v);
 }
 
-/** A layer's worst block range in binades, with its share of blocks at a scale limit when there are any
- * ("" for a run without block statistics). */
-function blockText(range, atLimit) {
+/** A layer's worst block range in binades, with its share of blocks at a scale limit (values the format
+ * could not follow) and, apart, its share of all-zero blocks (sparsity, padding: nothing lost), when there
+ * are any. */
+function blockText(range, atLimit, zero) {
   if (range === null || range === undefined) return "";
   const r = num(range);
-  const share = num(atLimit);
   const text = Number.isFinite(r) ? r.toFixed(1) : fmt(r);
-  if (!(share > 0)) return text;
-  // a share under 0.05% is not "0.0%": some blocks are at the limit
-  const pct = share < 0.0005 ? "<0.1" : (100 * share).toFixed(1);
-  return `${text} (${pct}% at limit)`;
+  const parts = [[atLimit, "at limit"], [zero, "zero"]]
+    .filter(([share]) => num(share) > 0)
+    .map(([share, what]) => `${percent(num(share))}% ${what}`);
+  return parts.length ? `${text} (${parts.join(", ")})` : text;
+}
+
+/** A share in percent to one decimal; under 0.05% it is not "0.0%": some blocks are there. */
+function percent(share) {
+  return share < 0.0005 ? "<0.1" : (100 * share).toFixed(1);
 }
 
 /** A table row that says a request failed (instead of an empty table). */

@@ -144,3 +144,40 @@ def test_recipe_commands_on_torchao(casts):
     assert apply_commands(model, [{"id": 4, "target": "blocks.0.mlp.fc", "changes": {"fp8_enabled": True}}],
                           step=2)[0]["state"] == "applied"  # fmt: skip
     assert not torch.equal(fc(x), torch.nn.functional.linear(x, fc.weight, fc.bias))  # FP8 again
+
+
+def test_a_nan_input_shows_torchaos_nan_scale_and_the_whole_tensor_lost(server, tmp_path):
+    """One NaN element makes torchao's amax and scale NaN, and so every element of its FP8 tensor: the row
+    says so (scale NaN, nonfinite = numel, SQNR -inf), where fp8scope's own rule would show amax 0 and one
+    non-finite element as if the rest had survived."""
+    from fp8_protocol.stats import sqnr_db
+
+    model = _torchao_gpt()
+    qkv = model.blocks[0].attn.qkv
+    seen = {}
+
+    def poison(module, args):
+        x = args[0].clone()
+        x[0, 0, 0] = float("nan")
+        seen["numel"] = x.numel()
+        return (x,)
+
+    def output(module, args, out):
+        seen["all_nan"] = bool(torch.isnan(out).all())
+
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(1)
+    with Monitor(server.url, "torchao-nan", model, spool_path=tmp_path / "s.jsonl", **FAST) as mon:
+        mon.step(1, loss=_train_step(model, opt, gen))
+        hooks = [qkv.register_forward_pre_hook(poison), qkv.register_forward_hook(output)]
+        mon.step(2, loss=_train_step(model, opt, gen))
+        for h in hooks:
+            h.remove()
+    assert seen["all_nan"]  # torchao's NaN scale: every output element NaN, not just one
+    stats = step_stats(model)[0].tolist()  # blocks.0.attn.qkv.input at step 2
+    assert stats[0] == 0 and np.isnan(stats[1]) and stats[4] == seen["numel"] and stats[2] == stats[3] == 0
+    assert sqnr_db(stats[6], stats[7]) == -np.inf
+    got = stored_stats(server.url, mon.run_id)
+    assert np.isnan(got["scale"][0, 1]) and got["nonfinite"][0, 1] == seen["numel"]
+    alerts = get(server.url, f"/runs/{mon.run_id}/alerts")
+    assert any("blocks.0.attn.qkv.input" in str(a) for a in alerts), alerts

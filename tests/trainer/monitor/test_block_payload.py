@@ -2,7 +2,7 @@
 
 The service on main does not take the block columns yet (its side is built against ``fp8_protocol.stats``
 in parallel), so the posts are captured by a small local HTTP server standing in for it, and checked against
-what the job computed: the five ``BLOCK_COLUMNS`` in every step once the run has had a block-scaled tensor
+what the job computed: the six ``BLOCK_COLUMNS`` in every step once the run has had a block-scaled tensor
 (zeros for per-tensor-scaled tensors), and ``"block_hist"`` (``[tensor index, lo, counts]``, the non-zero
 span) for the block-scaled tensors of each step. In a data-parallel job (2 gloo ranks) the block part rank 0
 posts is the merge of every rank's, as micro-steps merge (counts and histograms summed, ``block_range`` the
@@ -159,16 +159,15 @@ def test_step_body_block_columns_are_sticky_and_zero_for_per_tensor_records():
     )
     hist = np.zeros((3, BLOCK_HIST_BINS))
     hist[2, [120, 122]] = [5, 1]
-    rec = StepRecord(
-        2, stats, {}, block=np.array([[0, 0, 0, 0, 0], [0] * 5, [6, 1, 0, 1, 4.5]]), block_hist=hist
-    )
+    rec = StepRecord(2, stats, {}, block=np.array([[0] * 6, [0] * 6, [6, 1, 0, 1, 4.5, 2]]), block_hist=hist)
     body = step_body(rec)
     assert body["block_hist"] == [[2, 120, [5, 0, 1]]] == block_hist_entries(hist)
     assert _unpack(body["stats"]["block_range"]).tolist() == [0, 0, 4.5]
+    assert _unpack(body["stats"]["blocks_zero"]).tolist() == [0, 0, 2]
 
 
 def _sent_block(body: dict, n_tensors: int) -> np.ndarray:
-    """The block part a step's payload carries, (T, BLOCK_WIDTH): the five columns, then the histogram."""
+    """The block part a step's payload carries, (T, BLOCK_WIDTH): the six columns, then the histogram."""
     hist = np.zeros((n_tensors, BLOCK_HIST_BINS))
     for index, lo, counts in body.get("block_hist", []):
         hist[index, lo : lo + len(counts)] = counts

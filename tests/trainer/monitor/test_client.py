@@ -38,6 +38,15 @@ def test_plain_loop_stores_every_step_as_computed(server, tmp_path):
     ]
 
 
+def test_a_converted_model_without_a_recipe_argument_reports_under_its_own_recipe(server, tmp_path):
+    # Monitor(url, name, model) after convert_to_fp8: the model's recipe, not a run without statistics
+    model, recipe = tiny_model()
+    with Monitor(server.url, "no-recipe-arg", model, spool_path=tmp_path / "s.jsonl", **FAST) as mon:
+        seen = train(model, recipe, mon, 3)
+    assert_stored_equal(server.url, mon.run_id, seen)
+    assert get(server.url, f"/runs/{mon.run_id}")["effective_recipe"]["model"]["amax_history_len"] == 4
+
+
 def test_event_details_of_any_type_never_stop_telemetry(server, tmp_path):
     """Values JSON cannot carry as they are (a Path, numpy scalars, NaN) are sent in the wire form or as
     text, and the steps after the event are still stored."""
