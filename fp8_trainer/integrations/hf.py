@@ -46,6 +46,8 @@ class Fp8ScopeCallback(BridgeCallback, TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         config = json.loads(args.to_json_string())  # JSON-able, tokens already masked
+        if getattr(model, "config", None) is not None:  # a PretrainedConfig: Monitor makes it JSON
+            config["model_config"] = model.config
         name = args.run_name or str(args.output_dir).rstrip("/").rsplit("/", 1)[-1] or "hf-trainer"
         self.bridge.start(model, config, name)
         self._grad_accum = max(1, int(args.gradient_accumulation_steps))

@@ -48,6 +48,7 @@ from fp8_protocol.runs import check_tags
 
 from ..convert import get_fp8_state
 from ..stats import StatsReader
+from .config import jsonable_config
 from .control import CommandInbox, commands_applier
 from .detect import DetectConfig
 from .env import env_token, service_url
@@ -117,7 +118,9 @@ class Monitor:
         token: bearer token with the ``ingest`` scope (when the service has tokens); ``None``: the
             ``FP8SCOPE_TOKEN`` environment variable, else the first line of the file ``FP8SCOPE_TOKEN_FILE``
             names (so a token never needs to be on a command line).
-        config: JSON-able dict stored with the run.
+        config: the run's configuration, stored with it: a dict, a dataclass or an object with ``to_dict()``
+            (a transformers ``PretrainedConfig``), holding what JSON holds, numpy and torch scalars, enums
+            and paths; keys that are not strings become their text (``fp8_trainer.monitor.config``).
         tokens_per_step: tokens one optimizer step trains on (all micro-batches and ranks); with it each step
             reports ``tokens_per_s`` (unless ``step()`` is given one). Every step reports ``step_time_s``, the
             host time since the previous ``step()``.
@@ -141,7 +144,8 @@ class Monitor:
             ``rank_sample_interval`` (50).
 
     Raises:
-        ValueError: a model without FP8 layers while ``recipe`` is not None, a URL that is not
+        ValueError: a ``config`` value with no JSON form (the message says where), a model without FP8
+            layers while ``recipe`` is not None, a URL that is not
             ``http(s)://host[:port]`` (or none given nor in ``FP8SCOPE_URL``), or a bad tuning value.
         MonitorRefused: with ``fail_fast``, the service refused the run (the message says why).
     """
@@ -165,6 +169,7 @@ class Monitor:
     ):
         sender_cfg, detect_cfg, self.rank_sample_interval = _parse_tuning(dict(tuning))
         tags = check_tags(tags)
+        config = jsonable_config(config)  # refused here, with where, rather than stopping the sender later
         if tokens_per_step is not None and (isinstance(tokens_per_step, bool) or not tokens_per_step > 0):
             raise ValueError(f"tokens_per_step: must be a number > 0, got {tokens_per_step!r}")
         self.tokens_per_step = tokens_per_step

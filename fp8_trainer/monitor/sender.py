@@ -36,11 +36,10 @@ from typing import Any
 
 import httpx
 import numpy as np
-import orjson
 
 from fp8_protocol.stats import BLOCK_COLUMNS, STAT_COLUMNS, encode_float
 
-from .spool import API, SpoolWriter
+from .spool import API, SpoolWriter, dumps
 
 log = logging.getLogger("fp8scope.monitor")
 STATS = STAT_COLUMNS  # the contract's column order (fp8_protocol.stats)
@@ -101,7 +100,7 @@ def pack_column(values: np.ndarray) -> dict[str, str]:
 
 def step_body(rec: StepRecord, with_block: bool = False) -> dict[str, Any]:
     """One step of a telemetry batch. ``with_block``: the run has had a block-scaled tensor, so the step's
-    statistics carry the five ``BLOCK_COLUMNS`` (zeros where ``rec`` has none: per-tensor scaled), and
+    statistics carry the six ``BLOCK_COLUMNS`` (zeros where ``rec`` has none: per-tensor scaled), and
     ``"block_hist"`` lists ``[tensor index, lo, counts]`` for the tensors with blocks in this step, the
     non-zero span of each histogram only (``fp8_protocol.stats.BLOCK_HIST_BINS``)."""
     scalars = {k: wire_float(float(v)) for k, v in rec.scalars.items()}
@@ -225,8 +224,7 @@ class Sender(threading.Thread):
             log.log(level, msg, *args)
 
     def _post(self, path: str, body: dict[str, Any], compress: bool = False) -> httpx.Response:
-        # default=str: an unexpected object in a body becomes text instead of killing this thread
-        content = orjson.dumps(body, default=str, option=orjson.OPT_SERIALIZE_NUMPY)
+        content = dumps(body)  # an unexpected object in a body becomes text instead of killing this thread
         headers = {}
         if compress and self.cfg.gzip and len(content) > 1024:  # the service gunzips telemetry only
             content = gzip.compress(content, compresslevel=1)
@@ -409,11 +407,30 @@ class Sender(threading.Thread):
     def run(self) -> None:
         try:
             self._loop()
-        except Exception:  # a bug here must not take the training job down; say so once
+        except Exception:  # a bug here must not take the training job down; say so once, keep what it held
             self.failed = True
-            log.exception("fp8scope monitor: sender thread failed; telemetry stops here")
+            kept = self._salvage()
+            log.exception("fp8scope monitor: sender thread failed; telemetry stops here; %s", kept)
         finally:
             self.http.close()
+
+    def _salvage(self) -> str:
+        """After a failure on this thread: what it still held (queued steps, events, batches not sent)
+        written to the spool, for ``fp8-monitor upload``; says where, or why it could not."""
+        try:
+            self._take(0.0)  # what the training thread queued so far
+            if self._steps or self._events or self._acks:
+                self._make_batch(False)
+            while self._outbox:
+                self._spool(self._outbox.popleft())
+            if not self.spool.created:
+                return "it held nothing unsent"
+            if self.final_status is not None:
+                self.spool.write_status(self.final_status)
+            self.spool.close()
+            return f"what it held is in {self.spool.path}; send it with: fp8-monitor upload {self.spool.path}"
+        except Exception as exc:
+            return f"what it held could not be spooled ({exc!r})"
 
     def _loop(self) -> None:
         while True:

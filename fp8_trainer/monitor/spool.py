@@ -15,7 +15,14 @@ import orjson
 
 from fp8_protocol.spool import API, SPOOL_VERSION, read_spool, upload_spool
 
-__all__ = ["API", "SPOOL_VERSION", "SpoolWriter", "read_spool", "upload_spool"]
+__all__ = ["API", "SPOOL_VERSION", "SpoolWriter", "dumps", "read_spool", "upload_spool"]
+
+
+def dumps(body: Any) -> bytes:
+    """A body or spool record as JSON bytes, whatever it holds: numpy arrays as arrays, keys that are not
+    strings as their text (an HF ``id2label``), any other object as its text. One encoder for the wire and the
+    spool, so that nothing a run describes can stop its telemetry on the way out."""
+    return orjson.dumps(body, default=str, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS)
 
 
 class SpoolWriter:
@@ -42,7 +49,7 @@ class SpoolWriter:
         )
 
     def _write(self, record: dict[str, Any]) -> int:
-        line = orjson.dumps(record, default=str, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
+        line = dumps(record) + b"\n"
         offset = self._file.tell()
         self._file.write(line)
         self._file.flush()

@@ -40,6 +40,9 @@ def assert_stored(url, run_id, seen, fp8: bool):
     assert run["steps_stored"] == STEPS and (run["first_step"], run["last_step"]) == (1, STEPS)
     assert run["status"] == "finished"
     assert run["config"]["gradient_accumulation_steps"] == ACCUM and run["config"]["learning_rate"] == 1e-3
+    # the model's own config too (a PretrainedConfig, with integer keys in id2label)
+    assert run["config"]["model_config"]["hidden_size"] == 32
+    assert run["config"]["model_config"]["id2label"] == {"0": "LABEL_0", "1": "LABEL_1"}
     series = get(url, f"/runs/{run_id}/series", name="loss")
     assert series["steps"] == list(range(1, STEPS + 1))
     assert series["values"] == [seen.losses[s] for s in range(1, STEPS + 1)]  # the Trainer's own loss
