@@ -4,6 +4,11 @@
     fp8-monitor upload SPOOL [--url http://127.0.0.1:8000] [--token SECRET]
 
 Flags override ``FP8SCOPE_*`` environment variables. Without tokens the server only listens on loopback.
+
+`upload` belongs to the client install (``pip install fp8scope``, what a training node has): it needs
+httpx and the torch-free protocol only, and finds the service as the job does (``--url``, else
+``FP8SCOPE_URL``; ``--token``, else ``FP8SCOPE_TOKEN`` / ``FP8SCOPE_TOKEN_FILE``). The service stack is
+imported by `serve` alone, which without the ``server`` extra says which extra to install.
 """
 
 from __future__ import annotations
@@ -14,8 +19,13 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from monitor_server.core.config import Settings, describe_error, is_loopback
+if TYPE_CHECKING:  # the service stack: imported by `serve` only (module docstring)
+    from monitor_server.core.config import Settings
+
+#: how a client install gets the service
+SERVER_EXTRA = "pip install 'fp8scope[server]'"
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -64,8 +74,14 @@ def _upload_parser(sub: argparse._SubParsersAction) -> None:
         "Safe to repeat: nothing is stored twice.",
     )
     p.add_argument("spool", help="the spool file (.jsonl) the job named")
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="service root (default %(default)s)")
-    p.add_argument("--token", help="bearer token with the ingest scope (default: $FP8SCOPE_TOKEN)")
+    p.add_argument(
+        "--url", help="service root (default: $FP8SCOPE_URL, as the training job, else http://127.0.0.1:8000)"
+    )
+    p.add_argument(
+        "--token",
+        help="bearer token with the ingest scope (default: $FP8SCOPE_TOKEN, else the first line of the file "
+        "$FP8SCOPE_TOKEN_FILE names, as the training job)",
+    )
 
 
 def upload(args: argparse.Namespace) -> int:
@@ -74,11 +90,13 @@ def upload(args: argparse.Namespace) -> int:
 
     import httpx
 
+    from fp8_protocol.env import env_token, service_url
     from fp8_protocol.spool import upload_spool
 
-    token = args.token or os.environ.get("FP8SCOPE_TOKEN")
     try:
-        result = upload_spool(args.spool, args.url, token)
+        url = service_url(args.url if args.url or os.environ.get("FP8SCOPE_URL") else DEFAULT_URL)
+        token = args.token or env_token()
+        result = upload_spool(args.spool, url, token)
     except (OSError, ValueError, RuntimeError, httpx.HTTPError) as exc:
         print(f"fp8-monitor upload: {exc}", file=sys.stderr)
         return 2
@@ -105,6 +123,9 @@ SERVE_FLAGS = (
 )
 
 
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
 def build_settings(args: argparse.Namespace) -> Settings:
     """Settings from the environment, overridden by the flags that were given.
 
@@ -112,6 +133,8 @@ def build_settings(args: argparse.Namespace) -> Settings:
         ValueError: a flag or environment variable that does not parse or validate (pydantic's
             ValidationError is a ValueError); `describe_error` makes it one line.
     """
+    from monitor_server.core.config import Settings
+
     overrides = {key: getattr(args, key) for key in SERVE_FLAGS if getattr(args, key, None) is not None}
     if getattr(args, "detectors", None) is not None:
         try:
@@ -123,10 +146,19 @@ def build_settings(args: argparse.Namespace) -> Settings:
 
 def serve(args: argparse.Namespace) -> int:
     """Run uvicorn with the app; returns the exit code."""
-    import uvicorn
+    try:
+        import uvicorn
 
-    from monitor_server.app import create_app
-    from monitor_server.http_protocol import bounded_protocol
+        from monitor_server.app import create_app
+        from monitor_server.core.config import describe_error, is_loopback
+        from monitor_server.http_protocol import bounded_protocol
+    except ModuleNotFoundError as exc:  # a client install: the service is the server extra
+        print(
+            f"fp8-monitor serve: the monitor service needs the server extra ({exc.name} is not installed): "
+            f"{SERVER_EXTRA}",
+            file=sys.stderr,
+        )
+        return 2
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

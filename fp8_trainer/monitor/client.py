@@ -44,6 +44,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from fp8_protocol.env import env_token, service_url
 from fp8_protocol.runs import check_tags
 
 from ..convert import get_fp8_state
@@ -51,7 +52,6 @@ from ..stats import StatsReader
 from .config import jsonable_config
 from .control import CommandInbox, commands_applier
 from .detect import DetectConfig
-from .env import env_token, service_url
 from .events import StepReporter, custom_event
 from .external import attach_source
 from .histograms import Histograms

@@ -23,9 +23,8 @@ from typing import Any
 import httpx
 import numpy as np
 
+from fp8_protocol.env import env_token, service_url
 from fp8_protocol.stats import BASE_COLUMNS, BLOCK_COLUMNS, QUALITY_COLUMNS
-
-from .env import env_token, service_url
 
 __all__ = ["ReadError", "Reader"]
 

@@ -28,6 +28,7 @@ import gzip
 import logging
 import math
 import queue
+import shlex
 import threading
 import time
 from collections import deque
@@ -218,6 +219,11 @@ class Sender(threading.Thread):
         self.inbox.put(("finish", status))
 
     # ----- helpers -----
+    def upload_command(self) -> str:
+        """The command that sends this run's spool later (with the service root, which ``fp8-monitor upload``
+        would otherwise take from ``FP8SCOPE_URL``; a token is never printed: it reads the environment)."""
+        return f"fp8-monitor upload {shlex.quote(str(self.spool.path))} --url {shlex.quote(self.root)}"
+
     def log_once(self, kind: str, msg: str, *args: Any, level: int = logging.WARNING) -> None:
         if kind not in self._logged:
             self._logged.add(kind)
@@ -266,18 +272,18 @@ class Sender(threading.Thread):
             if self._refused:
                 log.warning(
                     "fp8scope monitor: spooling telemetry to %s (the service at %s refused the run); once "
-                    "that is fixed: fp8-monitor upload %s",
+                    "that is fixed: %s",
                     self.spool.path,
-                    self.base[: -len(API)],
-                    self.spool.path,
+                    self.root,
+                    self.upload_command(),
                 )
             else:
                 log.warning(
                     "fp8scope monitor: service at %s unreachable; spooling telemetry to %s "
-                    "(sent when the service is back, or later with: fp8-monitor upload %s)",
-                    self.base[: -len(API)],
+                    "(sent when the service is back, or later with: %s)",
+                    self.root,
                     self.spool.path,
-                    self.spool.path,
+                    self.upload_command(),
                 )
         self._next_probe = math.inf if self._refused else time.monotonic() + self.cfg.probe_interval
 
@@ -428,7 +434,7 @@ class Sender(threading.Thread):
             if self.final_status is not None:
                 self.spool.write_status(self.final_status)
             self.spool.close()
-            return f"what it held is in {self.spool.path}; send it with: fp8-monitor upload {self.spool.path}"
+            return f"what it held is in {self.spool.path}; send it with: {self.upload_command()}"
         except Exception as exc:
             return f"what it held could not be spooled ({exc!r})"
 
@@ -534,7 +540,7 @@ class Sender(threading.Thread):
             self.spool.close(delete=not keep)
             if keep:
                 log.warning(
-                    "fp8scope monitor: telemetry left in %s; send it with: fp8-monitor upload %s",
+                    "fp8scope monitor: telemetry left in %s; send it with: %s",
                     self.spool.path,
-                    self.spool.path,
+                    self.upload_command(),
                 )

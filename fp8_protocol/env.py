@@ -1,5 +1,6 @@
 """Where a client finds the service and its token when none is passed: ``FP8SCOPE_URL``,
-``FP8SCOPE_TOKEN`` and ``FP8SCOPE_TOKEN_FILE``. Torch-free: the read client shares it with ``Monitor``."""
+``FP8SCOPE_TOKEN`` and ``FP8SCOPE_TOKEN_FILE``. The training job's ``Monitor``, the read client and
+``fp8-monitor upload`` all read them here, so a job and the command it prints for its spool agree."""
 
 from __future__ import annotations
 
