@@ -13,7 +13,7 @@ from .convert import (
     set_layer_recipe,
     tensor_table,
 )
-from .linear import Linear
+from .linear import Conv1D, Linear
 from .recipe import CurrentScaling, DelayedScaling, Float8BlockScaling, Format, MXFP8BlockScaling
 from .shadow import shadow, unshadow
 from .state import TensorInfo
@@ -22,6 +22,7 @@ from .weight_cache import weights_changed
 
 __all__ = [
     "STAT_COLUMNS",
+    "Conv1D",
     "CurrentScaling",
     "DelayedScaling",
     "Float8BlockScaling",

@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from .linear import Linear
+from .linear import Conv1D, Linear, is_conv1d
 from .recipe import Recipe
 from .state import FP8State, TensorInfo
 
@@ -25,12 +25,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def _ineligible_reason(mod: nn.Linear) -> str | None:
-    if mod.in_features % 16 or mod.out_features % 16:
-        return f"in_features={mod.in_features}, out_features={mod.out_features}: not multiples of 16"
-    return None
-
-
 def _other_runtime(mod: nn.Module) -> str | None:
     """Why ``mod``, a linear layer of another library, is left as it is (``None``: not such a layer)."""
     cls = type(mod)
@@ -38,11 +32,27 @@ def _other_runtime(mod: nn.Module) -> str | None:
     if isinstance(mod, nn.Linear) and cls is not nn.Linear and not isinstance(mod, Linear):
         # torchao's Float8Linear, a quantized or LoRA Linear...: replacing it would silently drop its runtime
         return f"{where} is another runtime's nn.Linear subclass; left to that runtime"
-    if cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers"):
-        return (
-            f"{where} (a linear layer with its weight stored as (in, out)) is not converted; "
-            "the layer stays in high precision"
-        )
+    return None
+
+
+def _fp8_layer(mod: nn.Module) -> Linear | None:
+    """``mod`` as an FP8 layer sharing its parameters, or ``None`` where it is not a linear layer fp8scope
+    converts (a plain ``nn.Linear``, a transformers ``Conv1D``)."""
+    if is_conv1d(mod):
+        return Conv1D.from_conv1d(mod)
+    if isinstance(mod, nn.Linear) and not isinstance(mod, Linear):
+        return Linear.from_linear(mod)
+    return None
+
+
+def _shape_reason(mod: nn.Module) -> str | None:
+    """Why a linear layer's shape keeps it out of FP8 (``None``: it fits): both features multiples of 16."""
+    if is_conv1d(mod):
+        in_f, out_f = mod.weight.shape
+    else:
+        in_f, out_f = mod.in_features, mod.out_features
+    if in_f % 16 or out_f % 16:
+        return f"in_features={in_f}, out_features={out_f}: not multiples of 16"
     return None
 
 
@@ -58,12 +68,13 @@ def convert_to_fp8(
     recipe: Recipe | None = None,
     module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
 ) -> nn.Module:
-    """Swap every eligible ``nn.Linear`` of ``model`` for an FP8 ``Linear`` (in place; parameters are shared).
+    """Swap every eligible ``nn.Linear`` of ``model`` for an FP8 ``Linear``, and every transformers ``Conv1D``
+    (GPT-2) for an FP8 ``Conv1D`` (in place; parameters are shared).
 
     Eligible: a plain ``nn.Linear`` (not a subclass: another runtime's layer, e.g. torchao's
-    ``Float8Linear``, is never replaced), both dimensions multiples of 16 and ``module_filter_fn(module,
-    fqn)`` true (when given). Layers left out for their shape or because they belong to another runtime
-    (or are a transformers ``Conv1D``) are logged once, with the reason, and listed by
+    ``Float8Linear``, is never replaced) or a transformers ``Conv1D``, both dimensions multiples of 16 and
+    ``module_filter_fn(module, fqn)`` true (when given). Layers left out for their shape or because they
+    belong to another runtime are logged once, with the reason, and listed by
     ``ineligible_layers(model)``; what was converted is logged too. FP8 ``Linear`` layers already in the
     model are registered too, so this is also how a model built from ``fp8_trainer.Linear`` directly gets
     its tensor registry. Converting starts a fresh scaling state: convert first, then ``load_state_dict`` a
@@ -82,25 +93,32 @@ def convert_to_fp8(
                 if module_filter_fn is None or module_filter_fn(child, fqn):
                     ineligible[fqn] = other
                 continue
-            if isinstance(child, nn.Linear) and not isinstance(child, Linear):
+            if isinstance(child, nn.Linear) and not isinstance(child, Linear) or is_conv1d(child):
                 if module_filter_fn is not None and not module_filter_fn(child, fqn):
                     continue
-                reason = _ineligible_reason(child)
+                reason = _shape_reason(child)
                 if reason:
                     ineligible[fqn] = reason
                     continue
-                setattr(parent, child_name, Linear.from_linear(child))
+                setattr(parent, child_name, _fp8_layer(child))
             else:
                 swap(child, fqn)
 
-    if type(model) is nn.Linear:
-        if _ineligible_reason(model) is None and (module_filter_fn is None or module_filter_fn(model, "")):
-            model = Linear.from_linear(model)
+    if type(model) is nn.Linear or is_conv1d(model):
+        if _shape_reason(model) is None and (module_filter_fn is None or module_filter_fn(model, "")):
+            model = _fp8_layer(model)
     elif _other_runtime(model) is None:
         swap(model, "")
     if ineligible:
-        left = "; ".join(f"{fqn}: {reason}" for fqn, reason in ineligible.items())
-        log.warning("convert_to_fp8: %d layer(s) left out of FP8: %s", len(ineligible), left)
+        shown = list(ineligible.items())[:3]
+        more = f"; and {len(ineligible) - 3} more" if len(ineligible) > 3 else ""
+        left = "; ".join(f"{fqn}: {reason}" for fqn, reason in shown) + more
+        log.warning(
+            "convert_to_fp8: %d layer(s) left out of FP8 (ineligible_layers(model) lists them, and the run's "
+            "config on the dashboard): %s",
+            len(ineligible),
+            left,
+        )
 
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
     log.info("convert_to_fp8: %d FP8 layer(s): %s", len(layers), ", ".join(n or "<root>" for n, _ in layers))

@@ -61,7 +61,13 @@ from .distributed import resolve_amax_group
 from .gemm import fp8_mm, gemm_operand, uses_scaled_mm
 from .state import FP8State
 
-__all__ = ["Linear"]
+__all__ = ["Conv1D", "Linear", "is_conv1d"]
+
+
+def is_conv1d(mod: nn.Module) -> bool:
+    """A transformers ``Conv1D`` (GPT-2's linear layer, weight stored as (in, out)), without importing it."""
+    cls = type(mod)
+    return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers")
 
 
 def _in_backward() -> bool:
@@ -181,16 +187,21 @@ class Linear(nn.Linear):
         """Restore the slice saved by ``get_extra_state`` (call ``convert_to_fp8`` before loading)."""
         self._state().load_layer_extra_state(self._fp8_index, state)
 
+    def gemm_weight(self) -> torch.Tensor:
+        """The weight as the GEMMs take it, ``(out_features, in_features)``."""
+        return self.weight
+
     @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
+        weight = self.gemm_weight()
         state = self._fp8_state
         recompute = state is not None and _in_backward()
         # a forward inside backward is activation checkpointing's recompute: the original forward's region
         region = state.tracker.last_region if recompute else current_region()
         if region is None or not region.enabled:
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, weight, self.bias)
         if state is None:
             state = FP8State([""], device=x.device)
             self._bind(state, 0)
@@ -202,8 +213,8 @@ class Linear(nn.Linear):
         tracker.last_region = region
         k = self._fp8_index
         if not state.enabled[k]:
-            return F.linear(x, self.weight, self.bias)
-        record = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+            return F.linear(x, weight, self.bias)
+        record = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
         if recompute:
             record = record and not tracker.was_recorded(k)  # count a forward once
         else:
@@ -219,8 +230,28 @@ class Linear(nn.Linear):
             if recompute:  # queued on the outer backward, not on a reentrant checkpoint's nested one
                 tracker.queue_end_of_backward(state.on_backward_end)
         if state.block_specs[k] is not None:  # MXFP8 or FP8 block scaling (block_linear.py)
-            return _BlockLinearFn.apply(x, self.weight, self.bias, state, k, record)
+            return _BlockLinearFn.apply(x, weight, self.bias, state, k, record)
         # grad mode, not record, decides (a checkpoint's recompute must save what its original forward saved);
         # read here: inside an autograd Function's forward grad mode is always off
         fused_t = torch.is_grad_enabled() and fused_transposes(state, k, x.device)
-        return _FP8LinearFn.apply(x, self.weight, self.bias, state, k, record, fused_t)
+        return _FP8LinearFn.apply(x, weight, self.bias, state, k, record, fused_t)
+
+
+class Conv1D(Linear):
+    """A transformers ``Conv1D`` (GPT-2's linear layer) in FP8: its weight stays stored ``(in, out)``, as
+    checkpoints and optimizers hold it, and the GEMMs take its transpose, a view (``gemm_weight``); otherwise
+    exactly an FP8 ``Linear`` (the same three GEMMs, statistics and weight copy rule: a view of a
+    parameter is kept like the parameter). ``convert_to_fp8`` makes one from each transformers ``Conv1D``."""
+
+    @classmethod
+    def from_conv1d(cls, mod: nn.Module) -> Conv1D:
+        """An FP8 ``Conv1D`` sharing ``mod``'s parameters (no copy); ``mod.weight`` is ``(in, out)``."""
+        in_features, out_features = mod.weight.shape
+        with torch.device("meta"):
+            new = cls(in_features, out_features, bias=False)
+        new.weight = mod.weight
+        new.bias = mod.bias
+        return new
+
+    def gemm_weight(self) -> torch.Tensor:
+        return self.weight.t()

@@ -42,19 +42,13 @@ from fp8_protocol.stats import AMAX, BASE_COLUMNS, MERGE, OVERFLOW, SCALE, STAT_
 
 from .block_linear import quantize_block_tensor
 from .distributed import resolve_amax_group
-from .linear import Linear
+from .linear import Linear, is_conv1d
 from .recipe import DelayedScaling, Recipe
 from .state import FP8State
 
 __all__ = ["HookedState", "ShadowState", "is_conv1d", "shadow", "unshadow"]
 
 log = logging.getLogger(__name__)
-
-
-def is_conv1d(mod: nn.Module) -> bool:
-    """A transformers ``Conv1D`` (GPT-2's linear layer, weight stored as (in, out)), without importing it."""
-    cls = type(mod)
-    return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers")
 
 
 def _in_backward() -> bool:

@@ -6,9 +6,10 @@ forwards take that copy. Transformer Engine keeps a copy the same way, but only 
 ``is_first_microbatch``; fp8scope keeps it without being told, so it must see every way a weight can
 change. A held copy is used again only while all of these hold:
 
-* the weight is an ``nn.Parameter`` (a leaf). A computed weight (a parametrization, a weight built in
-  ``forward``, ``torch.func.functional_call``'s tensors) is a new tensor at every forward, often in the
-  same recycled block of memory with a fresh version counter: it is quantized at every forward;
+* the weight is an ``nn.Parameter`` (a leaf), or a view of one (an FP8 ``Conv1D``'s transpose). A computed
+  weight (a parametrization, a weight built in ``forward``, ``torch.func.functional_call``'s tensors) is a
+  new tensor at every forward, often in the same recycled block of memory with a fresh version counter: it
+  is quantized at every forward;
 * no optimizer has stepped since (``torch.optim.optimizer.register_optimizer_step_post_hook``, global:
   every ``torch.optim.Optimizer``, whatever it writes through: ``AdamW(fused=True)`` and the foreach
   implementations update parameters without bumping their version counters);
@@ -76,10 +77,14 @@ class WeightCache:
         self._held: dict[int, tuple[tuple, torch.Tensor, Any]] = {}
 
     def key(self, weight: torch.Tensor, state_version: int, variant: Any) -> tuple | None:
-        """What a copy of ``weight`` is valid for; ``None`` where no copy may be kept."""
-        if not self.enabled or not isinstance(weight, nn.Parameter):
+        """What a copy of ``weight`` is valid for; ``None`` where no copy may be kept. A view of a parameter
+        (an FP8 ``Conv1D``'s transposed weight) is kept like the parameter: the same storage and version
+        counter, and its place in the storage in the key."""
+        base = weight if weight._base is None else weight._base
+        if not self.enabled or not isinstance(base, nn.Parameter):
             return None
-        return (weight.data_ptr(), weight._version, state_version, _epoch, variant)
+        view = (weight.data_ptr(), tuple(weight.shape), weight.stride())
+        return (base.data_ptr(), base._version, view, state_version, _epoch, variant)
 
     def lookup(self, k: int, key: tuple | None) -> Any:
         """Layer ``k``'s held value for ``key``, or ``None``."""

@@ -27,13 +27,27 @@ import torch
 from torch import nn
 
 from ..autocast import fp8_autocast
-from ..convert import convert_to_fp8
+from ..convert import convert_to_fp8, ineligible_layers
 from ..linear import Linear
 from ..shadow import HookedState
 
 __all__ = ["BridgeCallback", "TrainerBridge"]
 
 log = logging.getLogger("fp8scope.integrations")
+
+
+def _none_converted(model: nn.Module, filtered: bool) -> str:
+    """Why the callback's ``convert_to_fp8`` left ``model`` without an FP8 layer, in words."""
+    left = ineligible_layers(model)
+    what = (
+        f"Fp8ScopeCallback(recipe=...): convert_to_fp8 found no layer of {type(model).__name__} to run in FP8"
+    )
+    if left:
+        shown = "; ".join(f"{fqn}: {reason}" for fqn, reason in list(left.items())[:3])
+        what += f"; {len(left)} left out ({shown}{'; ...' if len(left) > 3 else ''})"
+    if filtered:
+        what += "; module_filter_fn accepted none of the others"
+    return what + " (nn.Linear and transformers Conv1D layers with features multiples of 16 are converted)"
 
 
 class TrainerBridge:
@@ -68,6 +82,8 @@ class TrainerBridge:
         self.model = model
         if self.recipe is not None and not any(isinstance(m, Linear) for m in model.modules()):
             convert_to_fp8(model, recipe=self.recipe, module_filter_fn=self.module_filter_fn)
+            if not any(isinstance(m, Linear) for m in model.modules()):
+                raise ValueError(_none_converted(model, self.module_filter_fn is not None))
         if self.shadow is not None and self.module_filter_fn is not None:
             from ..shadow import shadow as attach_shadow
 

@@ -32,11 +32,17 @@ def _recipe_dict(recipe) -> dict[str, Any]:
 
 
 def _source_config(model: nn.Module, caller) -> dict[str, Any]:
-    """Where the run's statistics come from, when not from fp8scope's FP8 layers (the dashboard shows it)."""
+    """Where the run's statistics come from, when not from fp8scope's FP8 layers, and the linear layers left
+    out of FP8 with the reason (the dashboard shows both in the run's config)."""
     if caller is not None:
         return {"fp8_source": caller.source}
-    source = getattr(getattr(model, "_fp8_state", None), "source", None)
-    return {"fp8_source": source} if source else {}
+    state = getattr(model, "_fp8_state", None)
+    source = getattr(state, "source", None)
+    out = {"fp8_source": source} if source else {}
+    left = getattr(state, "ineligible", None)
+    if left:
+        out["fp8_left_out"] = dict(left)
+    return out
 
 
 def run_body(

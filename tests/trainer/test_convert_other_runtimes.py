@@ -1,5 +1,6 @@
 """convert_to_fp8 never silently replaces another runtime's layer and never silently skips one: it names
-what it converted, what it left and why (torchao's Float8Linear, transformers' Conv1D, shapes)."""
+what it converted, what it left and why (torchao's Float8Linear, shapes); transformers' Conv1D (GPT-2) is
+converted to an FP8 Conv1D sharing its parameters."""
 
 from __future__ import annotations
 
@@ -40,17 +41,31 @@ def test_torchao_float8_linear_is_left_to_torchao(caplog):
     assert [t.name for t in fp8_trainer.tensor_table(model)] == ["3.input", "3.weight", "3.grad_output"]
 
 
-def test_transformers_conv1d_is_named_not_skipped_silently(caplog):
+def test_transformers_conv1d_becomes_an_fp8_conv1d_sharing_its_parameters(caplog):
     transformers = pytest.importorskip("transformers", reason="transformers is a dev dependency")
     config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config)
-    with caplog.at_level(logging.WARNING, logger="fp8_trainer.convert"):
+    weights = {name: p for name, p in model.named_parameters()}
+    with caplog.at_level(logging.INFO, logger="fp8_trainer.convert"):
         fp8_trainer.convert_to_fp8(model)
-    left = fp8_trainer.ineligible_layers(model)
-    conv1d = {"transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj", "transformer.h.0.mlp.c_fc",
-              "transformer.h.0.mlp.c_proj"}  # fmt: skip
-    assert set(left) == conv1d
-    assert all("Conv1D" in reason and "(in, out)" in reason for reason in left.values())
-    assert any("4 layer(s) left out of FP8" in r.getMessage() for r in caplog.records)
-    assert isinstance(model.lm_head, fp8_trainer.Linear)  # the one nn.Linear is converted, and said so
+    conv1d = ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj", "transformer.h.0.mlp.c_fc",
+              "transformer.h.0.mlp.c_proj"]  # fmt: skip
+    assert all(isinstance(model.get_submodule(n), fp8_trainer.Conv1D) for n in conv1d)
+    assert fp8_trainer.ineligible_layers(model) == {}
+    # the same parameters, stored (in, out) as GPT-2 stores them: checkpoints and optimizers see no change
+    assert all(p is weights[name] for name, p in model.named_parameters())
+    assert model.get_submodule(conv1d[0]).weight.shape == (32, 96)
+    assert any("5 FP8 layer(s)" in r.getMessage() for r in caplog.records)
+    assert isinstance(model.lm_head, fp8_trainer.Linear)
+
+
+def test_a_conv1d_whose_features_are_not_multiples_of_16_is_left_out_with_its_reason():
+    transformers = pytest.importorskip("transformers", reason="transformers is a dev dependency")
+    model = nn.Sequential(transformers.pytorch_utils.Conv1D(40, 32), nn.Linear(40, 16), nn.Linear(16, 16))
+    fp8_trainer.convert_to_fp8(model)
+    assert fp8_trainer.ineligible_layers(model) == {  # Conv1D(nf=40, nx=32): weight (32, 40)
+        "0": "in_features=32, out_features=40: not multiples of 16",
+        "1": "in_features=40, out_features=16: not multiples of 16",
+    }
+    assert isinstance(model[2], fp8_trainer.Linear)

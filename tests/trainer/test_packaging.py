@@ -54,9 +54,15 @@ def _client_only_venv(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
+    # built from a copy: a build writes build/ and *.egg-info next to its sources
+    source = tmp_path / "source"
+    skip = shutil.ignore_patterns(
+        ".venv", ".git", "build", "dist", "*.egg-info", "__pycache__", "*.db*", "results"
+    )
+    shutil.copytree(root, source, ignore=skip, symlinks=True)
     wheels = tmp_path / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                    str(wheels), str(root)], check=True, capture_output=True)  # fmt: skip
+                    str(wheels), str(source)], check=True, capture_output=True)  # fmt: skip
     env_dir = tmp_path / "client-venv"
     venv.create(env_dir, with_pip=True)
     python = env_dir / "bin" / "python"

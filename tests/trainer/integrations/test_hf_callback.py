@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 
 from transformers import Trainer, TrainingArguments
 
+import fp8_trainer
 from fp8_trainer import DelayedScaling, Linear, tensor_table
 from fp8_trainer.integrations.hf import Fp8ScopeCallback
 from tests.trainer.integrations.llama import BATCH, SEQ, Seen, Tokens, tiny_llama
@@ -145,3 +146,59 @@ def test_shadow_statistics_under_reentrant_gradient_checkpointing_are_those_with
     assert ckpt.stats[1][0, 5] == ACCUM * BATCH * SEQ * 32  # both micro-batches of the first step
     for s in range(1, STEPS + 1):
         np.testing.assert_array_equal(ckpt.stats[s], plain.stats[s], err_msg=f"step {s}")
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=SEQ))
+
+
+def _train_gpt2(tmp_path, model, callback):
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=BATCH,
+                             max_steps=STEPS, learning_rate=1e-3, logging_steps=1, save_strategy="no",
+                             report_to=[], use_cpu=True, disable_tqdm=True, seed=0)  # fmt: skip
+    Trainer(model=model, args=args, train_dataset=Tokens(BATCH * STEPS), callbacks=[callback]).train()
+
+
+def test_gpt2_trains_its_conv1d_layers_in_fp8_and_the_run_says_what_was_left_out(server, tmp_path):
+    # the README's filter leaves lm_head out by name; GPT-2's eight Conv1D layers train in FP8
+    model = _gpt2()
+    cb = Fp8ScopeCallback(server.url, run_name="gpt2-fp8", recipe=DelayedScaling(),
+                          module_filter_fn=lambda m, name: name != "lm_head", spool_path=tmp_path / "s.jsonl",
+                          **FAST)  # fmt: skip
+    _train_gpt2(tmp_path, model, cb)
+    conv = [name for name, m in model.named_modules() if isinstance(m, fp8_trainer.Conv1D)]
+    assert len(conv) == 8 and "transformer.h.1.mlp.c_fc" in conv
+    run = next(r for r in get(server.url, "/runs") if r["name"] == "gpt2-fp8")
+    tensors = [t["name"] for t in get(server.url, f"/runs/{run['id']}/tensors")]
+    assert len(tensors) == 24 and "transformer.h.0.attn.c_attn.input" in tensors
+    stats = stored_stats(server.url, run["id"])
+    assert stats["amax"].shape == (24, STEPS) and (stats["amax"] > 0).all()
+    assert "fp8_left_out" not in get(server.url, f"/runs/{run['id']}")["config"]  # left out by the filter
+
+
+def test_a_model_with_nothing_to_convert_says_why(server, tmp_path):
+    model = _gpt2()
+    cb = Fp8ScopeCallback(server.url, run_name="gpt2-none", recipe=DelayedScaling(),
+                          module_filter_fn=lambda m, name: False,
+                          spool_path=tmp_path / "s.jsonl", **FAST)  # fmt: skip
+    with pytest.raises(ValueError, match="convert_to_fp8 found no layer of GPT2LMHeadModel to run in FP8"):
+        _train_gpt2(tmp_path, model, cb)
+
+
+def test_layers_left_out_of_fp8_are_in_the_run_config_with_their_reason(server, tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=60, n_positions=SEQ))
+    cb = Fp8ScopeCallback(server.url, run_name="gpt2-left", recipe=DelayedScaling(),
+                          spool_path=tmp_path / "s.jsonl", **FAST)  # fmt: skip
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=BATCH, max_steps=2,
+                             save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)  # fmt: skip
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 60, (2 * BATCH, SEQ))]
+    Trainer(model=model, args=args, train_dataset=data, callbacks=[cb]).train()
+    run = next(r for r in get(server.url, "/runs") if r["name"] == "gpt2-left")
+    left = get(server.url, f"/runs/{run['id']}")["config"]["fp8_left_out"]
+    assert left == {"lm_head": "in_features=32, out_features=60: not multiples of 16"}
