@@ -225,7 +225,9 @@ def _make_monitor(a, model, recipe, config, rank: int, world: int):
     if a.token_file is not None:
         with open(a.token_file, encoding="utf-8") as f:
             token = f.readline().strip()
-    return Monitor(a.monitor_url, run_name, model, recipe, token=token, config=config, tags=a.tags)
+    return Monitor(
+        a.monitor_url, run_name, model, recipe, token=token, config=config, tags=a.tags, announce=False
+    )
 
 
 @torch.no_grad()

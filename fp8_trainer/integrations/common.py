@@ -19,7 +19,6 @@ they do get:
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -32,8 +31,6 @@ from ..linear import Linear
 from ..shadow import HookedState
 
 __all__ = ["BridgeCallback", "TrainerBridge"]
-
-log = logging.getLogger("fp8scope.integrations")
 
 
 def _none_converted(model: nn.Module, filtered: bool) -> str:
@@ -102,8 +99,6 @@ class TrainerBridge:
         state = getattr(model, "_fp8_state", None)
         if isinstance(state, HookedState):
             state.step_boundary = False  # closed by step_end, once per optimizer step
-        if self.monitor.dashboard_url:
-            log.info("fp8scope: run registered at %s", self.monitor.dashboard_url)
 
     def region(self):
         """The context the model's forward runs in."""

@@ -36,6 +36,7 @@ detection and events (``events.py``, ``detect.py``), the wire (``sender.py``), a
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import fields
 from pathlib import Path
@@ -136,6 +137,8 @@ class Monitor:
         shadow: a recipe: attach shadow mode to a model not in FP8 (``fp8_trainer.shadow``) and report its
             FP8 what-if statistics. Without either, a torchao or Transformer Engine model is recognised and
             watched from its own state.
+        announce: print one line with the run's dashboard address on the job's terminal (stderr) once the
+            run is registered, as other experiment trackers do (``fp8-train`` prints its own).
         **tuning: ``flush_interval`` (1 s), ``max_batch_steps`` (64), ``max_buffered_steps`` (4096),
             ``retry_delays`` ((0.2, 0.5, 1.0) s), ``probe_interval`` (1 s), ``http_timeout`` (5 s),
             ``alerts_refresh`` (3 s), ``gzip`` (True), ``close_timeout`` (15 s), ``loss_window`` (50),
@@ -165,6 +168,7 @@ class Monitor:
         fail_fast: bool = False,
         tensors=None,
         shadow=None,
+        announce: bool = True,
         **tuning: Any,
     ):
         sender_cfg, detect_cfg, self.rank_sample_interval = _parse_tuning(dict(tuning))
@@ -173,6 +177,8 @@ class Monitor:
         if tokens_per_step is not None and (isinstance(tokens_per_step, bool) or not tokens_per_step > 0):
             raise ValueError(f"tokens_per_step: must be a number > 0, got {tokens_per_step!r}")
         self.tokens_per_step = tokens_per_step
+        self.run_name = run_name
+        self._announce = bool(announce)
         self._last_step_at: float | None = None
         url = service_url(url)
         token = token if token is not None else env_token()
@@ -318,6 +324,9 @@ class Monitor:
             self._last_step_at = now
             values = {"loss": loss, "lr": lr, **scalars}
             self._steps.step(int(step), capture_scalars({k: v for k, v in values.items() if v is not None}))
+            if self._announce and self.run_id is not None:  # registered (in the background): say where, once
+                self._announce = False
+                print(f"fp8scope: run {self.run_name!r} -> {self.dashboard_url}", file=sys.stderr, flush=True)
         except Exception:  # the monitor must never take training down
             self._notices.once(
                 "step-error", "fp8scope monitor: step() failed; telemetry may be incomplete", exc=True

@@ -11,6 +11,7 @@ The ack's ``step`` is the first optimizer step that runs under the new settings:
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any
 
@@ -45,7 +46,8 @@ class CommandInbox:
 
 
 def apply_commands(model: nn.Module, commands: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
-    """Apply ``commands`` in order after optimizer step ``step``; returns their acks."""
+    """Apply ``commands`` in order after optimizer step ``step``; returns their acks. Each one is also said
+    in one line on the job's terminal (stderr): a change to the numerics should not go unseen there."""
     acks = []
     for c in commands:
         cid = c.get("id")
@@ -54,14 +56,28 @@ def apply_commands(model: nn.Module, commands: list[dict[str, Any]], step: int) 
         try:
             if not isinstance(changes, dict) or not changes:
                 raise ValueError(f"changes: expected a non-empty object, got {changes!r}")
-            set_layer_recipe(model, None if target == "model" else target, **changes)
+            previous = set_layer_recipe(model, None if target == "model" else target, **changes)
         except TypeError as exc:  # an unknown setting name reaches set_layer_recipe as a keyword
             acks.append({"command_id": cid, "state": "rejected", "reason": f"changes: {exc}"})
         except ValueError as exc:
             acks.append({"command_id": cid, "state": "rejected", "reason": str(exc)})
         else:
             acks.append({"command_id": cid, "state": "applied", "step": step + 1})
+            say(c, f"applied from step {step + 1}: {target} " + _changed(changes, previous))
+            continue
+        say(c, f"rejected: {acks[-1]['reason']}")
     return acks
+
+
+def _changed(changes: dict[str, Any], previous: dict[str, Any]) -> str:
+    return ", ".join(f"{key} {previous.get(key)!r} -> {value!r}" for key, value in changes.items())
+
+
+def say(command: dict[str, Any], what: str) -> None:
+    """One line on the job's terminal about a recipe command: its id, its author, what became of it."""
+    kind = "rollback" if command.get("rollback_of") is not None else "recipe change"
+    by = f" by {command['created_by']}" if command.get("created_by") else ""
+    print(f"fp8scope: {kind} {command.get('id')}{by} {what}", file=sys.stderr, flush=True)
 
 
 def commands_applier(model: nn.Module, recipe, caller):
@@ -69,7 +85,17 @@ def commands_applier(model: nn.Module, recipe, caller):
     when it is not fp8scope's own layers (the caller's statistics, Transformer Engine's state), rejected
     for a run without FP8 layers, else ``apply_commands`` on the model."""
     if caller is not None:
-        return caller.apply_commands
+
+        def through_caller(commands, step):
+            acks = caller.apply_commands(commands, step)
+            for c, ack in zip(commands, acks, strict=False):
+                applied = ack.get("state") == "applied"
+                say(
+                    c, f"applied from step {ack.get('step')}" if applied else f"rejected: {ack.get('reason')}"
+                )
+            return acks
+
+        return through_caller
     if recipe is None:
         reason = "this run has no FP8 layers (Monitor recipe=None): recipe changes do not apply"
         return lambda commands, step: [

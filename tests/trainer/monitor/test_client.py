@@ -357,3 +357,20 @@ def test_gpu_sampler_without_nvml_is_silent():
 
     sample = SystemSampler(gpu_index=0).sample()
     assert "gpu_utilization" not in sample and sample["host_memory_mb"] > 0
+
+
+def test_the_run_address_is_printed_once_on_the_job_terminal(server, tmp_path, capfd):
+    model, recipe = tiny_model()
+    with Monitor(server.url, "announced", model, recipe, spool_path=tmp_path / "s.jsonl", **FAST) as mon:
+        train(model, recipe, mon, 4)
+        wait_until(lambda: mon.run_id is not None)
+        train(model, recipe, mon, 2, start=5)  # a step after registration prints it
+    err = capfd.readouterr().err
+    line = f"fp8scope: run 'announced' -> {server.url}/#/runs/{mon.run_id}"
+    assert err.count(line) == 1, err
+    with Monitor(server.url, "quiet", model, recipe, spool_path=tmp_path / "q.jsonl", announce=False,
+                 **FAST) as mon:  # fmt: skip
+        train(model, recipe, mon, 3)
+        wait_until(lambda: mon.run_id is not None)
+        train(model, recipe, mon, 1, start=4)
+    assert "fp8scope: run 'quiet'" not in capfd.readouterr().err

@@ -27,7 +27,7 @@ def command(url, run_id, cid):
     return next(c for c in get(url, f"/runs/{run_id}/commands") if c["id"] == cid)
 
 
-def test_command_applied_at_step_boundary_acked_and_rolled_back(server, tmp_path):
+def test_command_applied_at_step_boundary_acked_and_rolled_back(server, tmp_path, capfd):
     model, recipe = tiny_model()
     layer = "blocks.0.mlp.fc"
     margins = {}  # optimizer step -> the layer's margin in force while that step ran
@@ -59,6 +59,15 @@ def test_command_applied_at_step_boundary_acked_and_rolled_back(server, tmp_path
     assert get_layer_recipes(model)[layer]["margin"] == 0
     eff = get(server.url, f"/runs/{mon.run_id}")["effective_recipe"]
     assert eff["layers"][layer]["margin"] == 0
+    # the job's terminal said each, in one line: what, where, from which step, whose
+    err = capfd.readouterr().err
+    assert (
+        f"fp8scope: recipe change {change['id']} by {change['created_by']} applied from step {applied_at}: "
+        f"{layer} margin 0 -> 3"
+    ) in err, err
+    assert (
+        f"fp8scope: rollback {rollback['id']} by {rollback['created_by']} applied from step {step + 1}" in err
+    )
 
 
 def test_bad_commands_are_rejected_with_the_reason():
