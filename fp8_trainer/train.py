@@ -92,9 +92,17 @@ def make_recipe(a: TrainConfig):
 
 
 def run_config(a: TrainConfig, vocab_size: int) -> dict[str, Any]:
-    """The flags as JSON-able data (for checkpoints and the monitor), without the secret token."""
+    """The flags as JSON-able data (for checkpoints and the monitor), without the secret token. A recipe flag
+    left to its default holds the value the recipe used (``margin`` 0, not null), so the config says what
+    was in force and a filter such as ``margin=0`` finds the runs that had it; a flag the recipe has no use
+    for (``margin`` under current scaling) stays null."""
     values = vars(a) if isinstance(a, argparse.Namespace) else dataclasses.asdict(a)
     cfg = {k: list(v) if isinstance(v, tuple) else v for k, v in values.items() if k != "token"}
+    recipe = make_recipe(a)
+    used = recipe.to_dict() if recipe is not None else {}
+    for key, value in used.items():
+        if key in cfg and cfg[key] is None:
+            cfg[key] = value.lower() if key == "fp8_format" else value  # as the flag spells it
     return {**cfg, "vocab_size": vocab_size}
 
 

@@ -57,9 +57,12 @@ def run_body(
     tensors: list[dict[str, Any]],
 ) -> dict[str, Any]:
     """The run as ``POST /runs`` (and the spool file's header) describes it."""
+    # the recipe in force, every parameter spelled out (filterable and diffable like any config key); a key
+    # of the caller's own config of that name wins
+    used = {"fp8_recipe": _recipe_dict(recipe)} if recipe is not None else {}
     body = {
         "name": run_name,
-        "config": {**dict(config or {}), **_source_config(model, caller)},
+        "config": {**used, **dict(config or {}), **_source_config(model, caller)},
         "recipe": _recipe_dict(recipe),
         "world_size": world_size,
         "host": socket.gethostname()[:200],

@@ -264,8 +264,10 @@ def test_stall_check_fires_once_across_instances(instances, pg_url: str, tmp_pat
         alerts = [x for x in alerts_of_db(pg_url, run_id) if x[0] == "stalled"]
         assert len(alerts) == 1, alerts
         _, severity, count = alerts[0]
-        # one stall, seen once (and once more if the run went critical meanwhile, at 10 x stall_seconds)
-        assert count == (1 if severity == "warning" else 2), (run_id, severity, count)
+        # one stall, seen once; once more if it went critical meanwhile (at 10 x stall_seconds); seen once
+        # too if the sweepers, started late on a loaded machine, first saw it critical already. Two instances
+        # counting the same observation would show as a warning seen twice or a critical seen three times
+        assert count == 1 if severity == "warning" else count in (1, 2), (run_id, severity, count)
     texts = receiver.texts()
     for i in range(len(run_ids)):
         assert sum(f"run quiet-{i}," in t for t in texts) == 1, [t for t in texts if f"quiet-{i}," in t]

@@ -108,3 +108,21 @@ def test_progress_bar_on_a_terminal():
     assert "12/12" in bar and "loss=" in bar and "tok/s=" in bar and "incidents=0" in bar
     assert "step     6  val loss" in out and "FP8 health after step 12" in out  # still printed
     assert "step     2  loss" not in out  # the bar replaces the periodic lines
+
+
+def test_the_run_config_holds_the_recipe_values_in_force_not_nulls():
+    from fp8_trainer.train import run_config
+
+    delayed, _ = cli.prepare(["--recipe", "delayed"])
+    cfg = run_config(delayed, 256)
+    assert (cfg["margin"], cfg["amax_compute_algo"], cfg["interval"], cfg["fp8_format"]) == (
+        0,
+        "max",
+        1,
+        "hybrid",
+    )
+    assert cfg["amax_history_len"] == 16  # fp8-train's own default, not DelayedScaling's 1024
+    current, _ = cli.prepare(["--recipe", "current"])
+    cfg = run_config(current, 256)
+    assert cfg["margin"] is None and cfg["power_2_scale"] is False  # no margin under current scaling
+    assert run_config(cli.prepare(["--recipe", "mxfp8"])[0], 256)["fp8_format"] == "e4m3"

@@ -95,7 +95,15 @@ def test_stored_statistics_are_torchaos_scales(server, tmp_path, casts):
             assert got["amax"][t.index, s] == np.float32(amax), (t.name, s)
             assert got["scale"][t.index, s] == scale, (t.name, s)  # the very scale torchao used
             assert got["overflow"][t.index, s] == 0 and got["nonfinite"][t.index, s] == 0
-    assert get(server.url, f"/runs/{mon.run_id}")["config"] == {"fp8_source": "torchao"}
+    assert get(server.url, f"/runs/{mon.run_id}")["config"] == {
+        "fp8_source": "torchao",  # and the recipe the statistics follow: torchao's tensorwise current scaling
+        "fp8_recipe": {
+            "type": "current",
+            "scaling": "current",
+            "fp8_format": "HYBRID",
+            "power_2_scale": False,
+        },
+    }
     assert get(server.url, f"/runs/{mon.run_id}/tensors")[2]["format"] == "e5m2"
 
 

@@ -24,7 +24,10 @@ def test_plain_loop_stores_every_step_as_computed(server, tmp_path):
     assert mon.run_id is not None and not mon.spooling
     assert_stored_equal(server.url, mon.run_id, seen)
     run = get(server.url, f"/runs/{mon.run_id}")
-    assert run["status"] == "finished" and run["config"] == {"lr": 1e-3}
+    assert run["status"] == "finished"
+    used = run["config"].pop("fp8_recipe")  # the recipe in force, every parameter of it
+    assert run["config"] == {"lr": 1e-3}
+    assert used == {**recipe.to_dict(), "scaling": "delayed"} and used["margin"] == 0
     assert run["effective_recipe"]["model"]["amax_history_len"] == 4
     assert run["effective_recipe"]["model"]["scaling"] == "delayed"
     tensors = get(server.url, f"/runs/{mon.run_id}/tensors")
