@@ -7,7 +7,8 @@
 # answering there is reused.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+# the runtime and the monitor service: the test tools (scripts/test.sh installs them) are not needed here
+scripts/setup.sh server
 
 PORT=${FP8SCOPE_PORT:-8000}
 URL="http://127.0.0.1:${PORT}"
