@@ -107,7 +107,9 @@ def test_gpt_ceiling_smoke(tmp_path):
     assert list(data["ceilings"]) == ["bf16"] and "CUDA" in meta["failed"]["bf16+graph"]
     bf16 = data["ceilings"]["bf16"]
     t, g16, g8, q = bf16["step_ms"], step["gemm_bf16"], step["gemm_fp8"], step["quantize"]
-    assert 0 < g16 < t  # the GEMMs are part of the step
+    # both measured (apart: on a loaded CPU the GEMMs timed alone can take longer than the step timed whole,
+    # so their order is not asserted here; the ceiling's formulas are)
+    assert g16 > 0 and t > 0
     assert bf16["gemm_share"] == pytest.approx(g16 / t)
     assert bf16["ceiling"] == pytest.approx(t / (t - g16 + g8))  # Amdahl: the GEMMs swapped, all else kept
     assert bf16["with_quantize"] == pytest.approx(t / (t - g16 + g8 + q))
