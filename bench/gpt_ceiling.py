@@ -14,13 +14,17 @@ where, for the preset and batch of ``bench/gpt_throughput.py`` and measured in t
   CUDA graph (no host launch cost: the step's device time);
 * ``G_bf16``: the block Linears' three GEMMs per layer (fprop ``F.linear`` with bias, dgrad and wgrad), at
   the step's shapes (tokens x in x out), bfloat16, for each of them: what ``nn.Linear`` runs under autocast;
-* ``G_fp8``: the same GEMMs as FP8 ``torch._scaled_mm`` calls with the operand layouts and accumulation of
-  fp8scope's ``Linear`` (``fp8_trainer.gemm.fp8_mm``: fast accumulation for fprop, operands already in
-  their layouts);
+* ``G_fp8``: the same GEMMs as the bare FP8 ``torch._scaled_mm`` calls that fp8scope's ``Linear`` issues
+  through ``fp8_trainer.gemm.fp8_mm`` (the same operands in the same layouts, fast accumulation for fprop),
+  without ``fp8_mm``'s host-side checks; the same GEMMs through ``fp8_mm`` are timed too and reported
+  apart (``fp8_mm ...`` in ``gemm_ms``, ``gemm_fp8_mm`` per step). Off the GPU there is no FP8 GEMM and
+  both are ``fp8_mm``'s emulation;
 * ``Q``: fp8scope's quantize calls of one step at these shapes (each layer's input and float32 weight E4M3,
   grad_output E5M2, each with its transposed copy where the GEMMs need one, statistics recorded: what
-  ``Linear`` runs), plus the step's one scale update, delayed scaling; also without the quality statistics
-  (``FP8State.set_quality_stats(False)``), which the ceiling's second column does not use.
+  ``Linear`` runs), plus the step's one scale update (``FP8State.end_step`` after a step that recorded
+  statistics: amaxes into the history, new scales, a fresh statistics buffer), delayed scaling; also
+  without the quality statistics (``FP8State.set_quality_stats(False)``), which the ceiling's second
+  column does not use.
 
 Each GEMM / quantize time is N back-to-back calls between one pair of CUDA events (``gpu_timing``); a step
 time is ``--steps`` steps with one synchronisation before and after (median of two rounds). The ceiling says
@@ -47,7 +51,7 @@ import torch.nn.functional as F
 from gpt_throughput import GPT2_VOCAB, Job, random_batches, run_steps
 from gpu_timing import calls_per_sample, goal, ms_per_call
 
-from fp8_trainer.gemm import fp8_mm, gemm_operand
+from fp8_trainer.gemm import _pad_k, check_scaled_mm_args, fp8_mm, gemm_operand, uses_scaled_mm
 from fp8_trainer.linear import _quantize, fused_transposes
 from fp8_trainer.model import GPT, GPTConfig, fp8_filter, preset_config
 from fp8_trainer.state import FP8State
@@ -86,9 +90,26 @@ def fp8_operand(shape: tuple[int, int], dtype: torch.dtype, device: torch.device
     return gemm_operand(torch.randn(shape, device=device).clamp(-200, 200).to(dtype))
 
 
+def bare_gemm(a, scale_a, b, scale_b, out_dtype, bias=None, *, fast_accum=False):
+    """``fp8_mm(a, scale_a, b, scale_b, out_dtype, bias, fast_accum=...)`` as the GEMM it runs, a function of
+    no argument: the ``torch._scaled_mm`` call ``fp8_mm`` makes, with the operands it passes on (K zero-padded
+    to a multiple of 16 here, beforehand, where ``fp8_mm`` pads) and without its host-side work; ``fp8_mm``
+    itself where it emulates (no FP8 GEMM on this device)."""
+    if not uses_scaled_mm(a.device):
+        return lambda: fp8_mm(a, scale_a, b, scale_b, out_dtype, bias, fast_accum=fast_accum)
+    k = a.shape[1]
+    if k % 16:
+        a, b = _pad_k(a.contiguous(), k + (-k) % 16), _pad_k(b.t().contiguous(), k + (-k) % 16).t()
+    check_scaled_mm_args(a, b, scale_a, scale_b, out_dtype, bias)  # the call fp8_mm would make, as it is
+    return lambda: torch._scaled_mm(
+        a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype, use_fast_accum=fast_accum
+    )
+
+
 def gemm_times(m: int, k: int, n: int, device: torch.device, dtype: torch.dtype) -> dict[str, float]:
     """ms per call of fprop, dgrad and wgrad of one ``(m tokens, k in, n out)`` Linear, in ``dtype`` (what
-    ``nn.Linear`` runs) and as fp8scope's FP8 GEMMs."""
+    ``nn.Linear`` runs), as the bare FP8 GEMMs fp8scope's ``Linear`` runs (``fp8 ...``) and as its calls of
+    ``fp8_mm`` (``fp8_mm ...``: the same GEMMs with the wrapper's host-side work)."""
     x = torch.randn(m, k, device=device, dtype=dtype)
     w = torch.randn(n, k, device=device, dtype=dtype)
     b = torch.randn(n, device=device, dtype=dtype)
@@ -101,21 +122,30 @@ def gemm_times(m: int, k: int, n: int, device: torch.device, dtype: torch.dtype)
     )
     # the layouts fp8scope's Linear hands fp8_mm: transposes stored contiguously where the GEMM wants them
     qxt, qwt, qgt = qx.t().contiguous(), qw.t().contiguous(), qg.t().contiguous()
-    return {
+    fp8 = {  # fp8_mm's arguments per GEMM, as fp8scope's Linear passes them
+        "fprop": ((qx, one, qw.t(), one, dtype, b), True),
+        "dgrad": ((qg, one, qwt.t(), one, dtype), False),
+        "wgrad": ((qgt, one, qxt.t(), one, dtype), False),
+    }
+    out = {
         "bf16 fprop": timed(lambda i: F.linear(x, w, b), device),
         "bf16 dgrad": timed(lambda i: g @ w, device),
         "bf16 wgrad": timed(lambda i: g.t() @ x, device),
-        "fp8 fprop": timed(lambda i: fp8_mm(qx, one, qw.t(), one, dtype, b, fast_accum=True), device),
-        "fp8 dgrad": timed(lambda i: fp8_mm(qg, one, qwt.t(), one, dtype), device),
-        "fp8 wgrad": timed(lambda i: fp8_mm(qgt, one, qxt.t(), one, dtype), device),
     }
+    for call, (args, fast) in fp8.items():
+        gemm = bare_gemm(*args, fast_accum=fast)
+        out[f"fp8 {call}"] = timed(lambda i, gemm=gemm: gemm(), device)
+    for call, (args, fast) in fp8.items():
+        out[f"fp8_mm {call}"] = timed(lambda i, args=args, fast=fast: fp8_mm(*args, fast_accum=fast), device)
+    return out
 
 
 def quantize_times(
     linears: dict[str, tuple[int, int, int]], m: int, device: torch.device, dtype: torch.dtype, quality: bool
-) -> dict[str, float]:
+) -> tuple[dict[str, float], dict[str, int]]:
     """ms per call of each quantize one block's Linears run in a step (delayed scaling, statistics recorded,
-    the transposed copy written in the same pass where the GEMMs need it), and of the step's scale update."""
+    the transposed copy written in the same pass where the GEMMs need it), and of the step's scale update;
+    and how many timed ``end_step`` calls there were and how many of them updated the scales (all of them)."""
     state = FP8State(list(linears), device=device, layer_shapes=[(n, k) for k, n, _ in linears.values()])
     state.set_quality_stats(quality)
     out = {}
@@ -127,8 +157,21 @@ def quantize_times(
             out[f"{name}.{what}"] = timed(
                 lambda _, i_t=3 * li + j, t=t, tr=fused_t: _quantize(state, i_t, t, True, tr), device
             )
-    out["end_step"] = timed(lambda i: state.end_step(), device)
-    return out
+    # end_step does nothing unless a recorded forward left the step pending (FP8State.end_step): each call
+    # is armed as a training step's forward leaves it, so each folds the statistics buffer's amaxes into the
+    # history and computes new scales (the buffer's amaxes are zeros after the first call, which changes
+    # what the update writes, not the work it does)
+    calls, steps = 0, state.steps
+
+    def scale_update(_):
+        nonlocal calls
+        calls += 1
+        state.pending = True
+        state.end_step()
+
+    out["end_step"] = timed(scale_update, device)
+    updates = {"calls": calls, "updates": state.steps - steps, "step_counter": int(state.step_t)}
+    return out, updates
 
 
 def step_times(
@@ -186,14 +229,14 @@ def main(argv: list[str] | None = None) -> int:
 
     steps, failed = step_times(a, device, vocab)
     gemms = {name: gemm_times(m, k, n, device, dtype) for name, (k, n, _) in linears.items()}
-    quant = quantize_times(linears, m, device, dtype, quality=True)
-    quant_base = quantize_times(linears, m, device, dtype, quality=False)
+    quant, updates = quantize_times(linears, m, device, dtype, quality=True)
+    quant_base, updates_base = quantize_times(linears, m, device, dtype, quality=False)
 
     def per_step(kind: str) -> float:  # ms of the GEMMs of every converted Linear in one step
         calls = ("fprop", "dgrad", "wgrad")
         return sum(linears[name][2] * sum(t[f"{kind} {c}"] for c in calls) for name, t in gemms.items())
 
-    g_bf16, g_fp8 = per_step("bf16"), per_step("fp8")
+    g_bf16, g_fp8, g_fp8_mm = per_step("bf16"), per_step("fp8"), per_step("fp8_mm")
 
     def quantize_per_step(times: dict[str, float]) -> float:  # every quantize call of a step, the update
         return times["end_step"] + sum(
@@ -226,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     n_linears = sum(c for *_, c in linears.values())
     print(
         f"per step ({n_linears} Linears): GEMMs bf16 {g_bf16:.2f} ms, FP8 {g_fp8:.2f} ms "
-        f"(saves {g_bf16 - g_fp8:.2f}); fp8scope quantize + scale update {q:.2f} ms "
+        f"(saves {g_bf16 - g_fp8:.2f}; {g_fp8_mm:.2f} through fp8_mm); "
+        f"fp8scope quantize + scale update {q:.2f} ms "
         f"({q_base:.2f} without the quality statistics)"
     )
     print(f"\n{'bf16 step':<22} {'step ms':>9} {'GEMM share':>11} {'ceiling':>8} {'w/ quantize':>12}")
@@ -247,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         "device": name, "device_type": device.type, "smoke": a.smoke, "torch": torch.__version__,
         "preset": a.preset, "batch_size": a.batch_size, "seq_len": a.seq_len, "tokens": m, "failed": failed,
         "linears": linears, "dtype": str(dtype), "steps": a.steps, "warmup": a.warmup,
+        "fp8_gemm": "torch._scaled_mm" if uses_scaled_mm(device) else "emulated (fp8_mm: no FP8 GEMM here)",
+        "end_step_timed": {"quantize_ms": updates, "quantize_base_ms": updates_base},
     }  # fmt: skip
     best = max((c["ceiling"] for c in ceilings.values() if c["ceiling"]), default=None)
     goals = {}
@@ -267,7 +313,13 @@ def main(argv: list[str] | None = None) -> int:
         "gemm_ms": gemms,
         "quantize_ms": quant,
         "quantize_base_ms": quant_base,
-        "per_step_ms": {"gemm_bf16": g_bf16, "gemm_fp8": g_fp8, "quantize": q, "quantize_base": q_base},
+        "per_step_ms": {
+            "gemm_bf16": g_bf16,
+            "gemm_fp8": g_fp8,
+            "gemm_fp8_mm": g_fp8_mm,
+            "quantize": q,
+            "quantize_base": q_base,
+        },
         "ceilings": ceilings,
     }
     out.write_text(json.dumps(data, indent=2))

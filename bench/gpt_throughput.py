@@ -84,7 +84,8 @@ class Job:
     def __init__(self, config: str, args: argparse.Namespace, device: torch.device, vocab: int):
         torch.manual_seed(0)
         self.config, self.args, self.device = config, args, device
-        self.model = GPT(preset_config(args.preset, vocab)).to(device)
+        with device:  # initialised where it runs: a 1.3b model's init takes tens of seconds on a CPU
+            self.model = GPT(preset_config(args.preset, vocab))
         self.recipe = None
         self.reader = None
         self.note = ""

@@ -27,6 +27,12 @@ keep the last outputs alive, so consecutive calls neither read nor write cache-r
 interleaved across implementations (A, B, C, A, B, C, ...); the table shows medians. The JSON goes to
 bench/results/kernels.json.
 
+Where a kernel's work is shorter than its launch (the smaller sizes), back-to-back calls run at the host's
+pace: the GPU waits for each launch, and the GB/s measure the launcher, not bandwidth. Each sample also
+times the host's loop that issues the calls; a row is marked ``launch_bound`` (JSON, and "launch-bound"
+after its line) where the fused kernel's or its transposed variant's host time per call is at least 90% of
+its time per call: the GPU waited on the host.
+
     python bench/kernels.py [--min-exp 20] [--max-exp 28] [--step-exp 1] [--reps 20] [--format e4m3|e5m2]
     TRITON_INTERPRET=1 python bench/kernels.py --smoke   # tiny sizes on the CPU: exercises the script only
 """
@@ -45,11 +51,12 @@ from pathlib import Path
 
 import torch
 from fp8_kernels import fp8_gpu, new_stats
-from gpu_timing import calls_per_sample, goal, ms_per_call
+from gpu_timing import calls_per_sample, goal, ms_per_call, ms_per_call_and_host
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 COPY_BYTES = 2**30  # copy bandwidth reference: far beyond any L2 cache
 SAMPLE_MS = 2.0  # target length of one timed sample (N back-to-back calls)
+LAUNCH_BOUND = 0.9  # host time per call / time per call from which a row measures the launcher
 STATS_IMPLS = (
     "triton",
     "eager",
@@ -202,9 +209,12 @@ def bench_size(n: int, impls: dict, fp8, device, reps: int, l2_bytes: int, smoke
         runs[name] = run
         counts[name] = sample_calls(run, device, n_bufs, smoke)
     times: dict[str, list[float]] = {name: [] for name in impls}
+    host: dict[str, list[float]] = {name: [] for name in impls}
     for _ in range(reps):
         for name, run in runs.items():
-            times[name].append(ms_per_call(run, counts[name], device))
+            ms, host_ms = ms_per_call_and_host(run, counts[name], device)
+            times[name].append(ms)
+            host[name].append(host_ms)
     keep.clear()
     row = {
         "numel": n,
@@ -216,10 +226,14 @@ def bench_size(n: int, impls: dict, fp8, device, reps: int, l2_bytes: int, smoke
         ms = statistics.median(t)
         row[name] = {
             "ms": ms,
+            "host_ms": statistics.median(host[name]),
             "spread_ms": [min(t), max(t)],
             "calls_per_sample": counts[name],
             "gbps": useful_bytes(name, n) / (ms * 1e-3) / 1e9,
         }
+    # the fused kernels issued no faster than they ran: the GPU waited on the host
+    fused = (row["triton"], row["triton+T"])
+    row["launch_bound"] = any(t["host_ms"] >= LAUNCH_BOUND * t["ms"] for t in fused)
     return row
 
 
@@ -308,7 +322,13 @@ def main(argv: list[str] | None = None) -> int:
         line += f" {row['speedup_vs_compile']:9.2f}"
         if "torchao" in impls:
             line += f" {row['speedup_vs_torchao']:9.2f}"
-        print(line, flush=True)
+        print(line + ("  launch-bound" if row["launch_bound"] else ""), flush=True)
+    if any(r["launch_bound"] for r in rows):
+        print(
+            f"launch-bound: the host took at least {LAUNCH_BOUND:.0%} of the fused kernel's time per call to "
+            "issue it (triton or triton+T), so the GPU waited for launches: those rows' GB/s measure the "
+            "launcher, not bandwidth"
+        )
     big = rows[-1]
     goals = {
         "triton_80pct_of_copy": goal(big["triton"]["fraction_of_copy"], 0.8, "fused kernel / copy bandwidth"),
@@ -333,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         f"x eager {big['speedup_vs_eager']:.2f}, "
         f"+T x eager {big['speedup_T_vs_eager_T']:.2f}"
         + (f", x torchao {big['speedup_vs_torchao']:.2f}" if "torchao" in impls else ", torchao n/a")
+        + ("; launch-bound" if big["launch_bound"] else "")
         + ("" if correct else "; STATISTICS/BITS DIFFER FROM EAGER")
     )
     meta = {
@@ -351,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
         "torchao": None if "torchao" in impls else torchao_missing,
         "timing": "median over samples of N back-to-back calls between one CUDA event pair, divided by N; "
         "inputs rotated over buffers totalling >= 4x L2, outputs kept alive",
+        "launch_bound": f"a row where triton's or triton+T's host time per call (host_ms: the loop issuing a "
+        f"sample's calls) is >= {LAUNCH_BOUND:g}x its time per call: the GPU waited on the host, and the "
+        "row's GB/s measure the launcher, not bandwidth",
     }
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -13,11 +13,17 @@
 # packages are linked into a temporary folder on PYTHONPATH instead of installed; wheels found in .whl/ are
 # installed into it with pip --no-index (fp8_trainer imports orjson, for which a json-based stand-in is
 # written when no wheel came along; torchao is the benchmarks' baseline, left out when missing).
-# Each part is bounded by `timeout`, and all together by GPU_CHECK_BUDGET seconds (default 300: about five
-# minutes on an H200; a part that would start with too little left is skipped and counts as failed).
-# GPU_CHECK_PARTS=a,b,... runs only the parts named (a name ending in * names every part it begins: train-*),
-# in the script's order, for a short lease: the others show as "not selected" and count as nothing; versions
-# and import always run (e.g. GPU_CHECK_PARTS=gpu-tests,bench-gpt,bench-ceiling,bench-kernels).
+# Each part is bounded by `timeout` (its cap, in seconds), and all together by GPU_CHECK_BUDGET seconds
+# (default 300: five minutes; a part that would start with too little left is skipped and counts as failed).
+# The parts run in the order of what they tell: the GPU tests; the 1.3b preset's throughput and ceiling
+# (where FP8 can pay); the 124m preset's benchmarks; then the rest (kernel bandwidth, Linear, the compiled
+# fp8-train CUDA-graph test, fp8-train per recipe, diagnostics). By default only DEFAULT_PARTS run
+# (gpu-tests, bench-gpt-1.3b, bench-ceiling-1.3b, after versions and import), whose caps add up to the
+# default budget; the others show as "not selected" and count as nothing. GPU_CHECK_PARTS=a,b,... runs the
+# parts named instead (a name ending in * names every part it begins: train-*), in the script's order, and
+# GPU_CHECK_PARTS=all every part, with a budget for their caps: GPU_CHECK_PARTS=all GPU_CHECK_BUDGET=2000
+# (about 33 minutes; on a short lease name fewer). versions and import always run (e.g.
+# GPU_CHECK_PARTS=bench-gpt,bench-ceiling).
 # Output goes to the terminal and, with the JSON results and the test report, to $OUT/ when OUT is set
 # (else bench/results/gpu-check/).
 # Exit status: 0 every part passed (benchmark goals are reported, not enforced), 1 a part failed, 2 no CUDA
@@ -47,7 +53,8 @@ fi
 BUDGET=${GPU_CHECK_BUDGET:-300}
 RESULTS=${OUT:-$ROOT/bench/results/gpu-check}
 mkdir -p "$RESULTS"
-rm -f "$RESULTS"/{kernels,linear,gpt_throughput,gpt_compile,kernel_configs,gpt_ceiling_124m,gpt_ceiling_1.3b,gpt_throughput_1.3b}.json "$RESULTS/gpu-tests.xml" # none left from an earlier run
+rm -f "$RESULTS"/{kernels,linear,gpt_throughput,gpt_compile,kernel_configs,gpt_ceiling_124m,gpt_ceiling_1.3b,gpt_throughput_1.3b,gpt_compile_1.3b}.json \
+    "$RESULTS"/{gpu-tests,gpu-tests-compile}.xml # none left from an earlier run
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 START=$(date +%s)
@@ -56,6 +63,10 @@ NAMES=() STATUS=() SECS=() DETAILS=()
 # torchao, which the benchmark compiles, among them: measured beside fp8scope compiled)
 GPT_EAGER=bf16,delayed,current,bf16+graph,delayed+graph
 GPT_COMPILED=torchao,bf16+compile,delayed+compile,bf16+compile+graph,delayed+compile+graph
+# the parts a run without GPU_CHECK_PARTS runs (with versions and import): their caps add up to 300 s
+DEFAULT_PARTS=gpu-tests,bench-gpt-1.3b,bench-ceiling-1.3b
+# the GPU test that compiles (fp8-train --compile captured in CUDA graphs): a part of its own, gpu-tests-compile
+COMPILED_GRAPH_TEST="tests/trainer/test_cuda_graph_gpu.py::test_fp8_train_cuda_graph_trains_as_the_eager_loop[compiled]"
 RAN=0 # whether the last run_part ran its command
 
 # run_part NAME CAP_SECONDS CMD...: runs CMD under timeout, its output to the terminal and $WORK/NAME.log
@@ -67,7 +78,9 @@ run_part() {
     NAMES+=("$name")
     RAN=0
     if ! selected "$name"; then
-        STATUS+=("not selected") SECS+=(0) DETAILS+=("not in GPU_CHECK_PARTS")
+        local why="not in GPU_CHECK_PARTS"
+        [ -n "${GPU_CHECK_PARTS:-}" ] || why="not a default part (GPU_CHECK_PARTS=all: every part)"
+        STATUS+=("not selected") SECS+=(0) DETAILS+=("$why")
         return 1
     fi
     if [ "$limit" -lt 20 ]; then
@@ -91,11 +104,11 @@ run_part() {
     return "$rc"
 }
 
-# selected NAME: whether GPU_CHECK_PARTS (unset: every part) names part NAME
+# selected NAME: whether GPU_CHECK_PARTS (unset: DEFAULT_PARTS; all: every part) names part NAME
 selected() {
-    [ -z "${GPU_CHECK_PARTS:-}" ] || [ "$1" = versions ] || [ "$1" = import ] && return 0
-    local want
-    for want in ${GPU_CHECK_PARTS//,/ }; do
+    local parts=${GPU_CHECK_PARTS:-$DEFAULT_PARTS} want
+    [ "$parts" = all ] || [ "$1" = versions ] || [ "$1" = import ] && return 0
+    for want in ${parts//,/ }; do
         # shellcheck disable=SC2053  # a pattern on purpose: train-* names every train part
         [[ $1 == $want ]] && return 0
     done
@@ -146,7 +159,7 @@ main() {
     echo "gpu-check: $(date -u +%Y-%m-%dT%H:%M:%SZ), $ROOT at $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')"
 
     # ----- versions -----
-    run_part versions 60 "$PY" - <<'EOF'
+    run_part versions 20 "$PY" - <<'EOF'
 import platform, sys
 import torch
 print("python", sys.version.split()[0], platform.machine())
@@ -202,7 +215,7 @@ def loads(data):
 EOF
         wheels+="+ an orjson stand-in (no wheel carried)"
     fi
-    if run_part import 60 "$PY" -c 'import fp8_kernels, fp8_trainer; print("fp8_trainer and fp8_kernels import")'; then
+    if run_part import 20 "$PY" -c 'import fp8_kernels, fp8_trainer; print("fp8_trainer and fp8_kernels import")'; then
         set_detail "${wheels:+installed: $wheels}"
     else
         set_detail "$(grep -m1 -E 'Error' "$WORK/import.log") - on a machine with network run 'bash scripts/gpu-check.sh --fetch-wheels' and carry .whl"
@@ -219,46 +232,56 @@ EOF
         tests/trainer/test_cuda_graph_gpu.py tests/trainer/test_block_scaled_mm_gpu.py; do
         [ -f "$extra" ] && tests+=("$extra")
     done
-    # fp8-train's own GPU test is left to the train-* parts below, which run the 124m preset per recipe
-    # (180 s: the CUDA-graph test of fp8-train --compile compiles the tiny preset first)
-    run_part gpu-tests 180 "$PY" -m pytest -q -p no:cacheprovider -o addopts=-rfEs -k "not fp8_train_cli" \
-        --junitxml="$RESULTS/gpu-tests.xml" "${tests[@]}"
+    # fp8-train's own GPU test is left to the train-* parts below, which run the 124m preset per recipe; the
+    # CUDA-graph test of fp8-train --compile (it compiles the tiny preset first) to gpu-tests-compile
+    run_part gpu-tests 120 "$PY" -m pytest -q -p no:cacheprovider -o addopts=-rfEs -k "not fp8_train_cli" \
+        --deselect "$COMPILED_GRAPH_TEST" --junitxml="$RESULTS/gpu-tests.xml" "${tests[@]}"
     set_detail "$(grep -sE '(passed|failed|error|skipped)' "$WORK/gpu-tests.log" | tail -1 | tr -d '=' | sed 's/^ *//; s/ *$//')"
 
-    # which path each block-scaled GEMM takes here (native scaled_mm or the emulation), and why
-    run_part block-gemm-paths 30 "$PY" scripts/block_gemm_paths.py
-    set_detail "$(head -1 "$WORK/block-gemm-paths.log")"
+    # ----- GPT 1.3b, where the GEMMs FP8 speeds up are the largest share of the step -----
+    # eager fp8scope against eager bf16 (the compiled configurations, torchao among them, below); the ceiling
+    # of the eager step only (a second 1.3b model, captured in a CUDA graph, would not fit the part's cap)
+    run_part bench-gpt-1.3b 80 "$PY" bench/gpt_throughput.py --preset 1.3b --batch-size 8 --seq-len 2048 \
+        --warmup 3 --steps 8 --rounds 2 --configs bf16,delayed --out "$RESULTS/gpt_throughput_1.3b.json"
+    bench_detail "$RESULTS/gpt_throughput_1.3b.json"
+    # what FP8 can buy that step at most: its bf16 step time against the GEMMs FP8 replaces (Amdahl)
+    run_part bench-ceiling-1.3b 60 "$PY" bench/gpt_ceiling.py --preset 1.3b --batch-size 8 --seq-len 2048 \
+        --step-configs bf16 --out "$RESULTS/gpt_ceiling_1.3b.json"
+    bench_detail "$RESULTS/gpt_ceiling_1.3b.json"
+    # compiled, each against bf16 compiled (torchao, which the benchmark compiles, among them); three
+    # configurations: the benchmark holds all its models at once, and six 1.3b models with their AdamW
+    # states would not fit in the GPU's memory
+    run_part bench-gpt-1.3b-compile 240 "$PY" bench/gpt_throughput.py --preset 1.3b --batch-size 8 --seq-len 2048 \
+        --warmup 3 --steps 8 --rounds 2 --configs bf16+compile,delayed+compile,torchao --out "$RESULTS/gpt_compile_1.3b.json"
+    bench_detail "$RESULTS/gpt_compile_1.3b.json"
 
-    # ----- fp8-train per recipe (the rest after the benchmarks, so a short budget still measures those) -----
-    train_runs delayed current bf16
-
-    # ----- benchmarks: the goals not yet met on a GPU first (GPT throughput, kernel bandwidth) -----
+    # ----- GPT 124m: eager and CUDA-graph configurations, the ceiling, the compiled configurations -----
     run_part bench-gpt 200 "$PY" bench/gpt_throughput.py --preset 124m --batch-size 16 --seq-len 1024 \
         --warmup 5 --steps 20 --rounds 2 --configs "$GPT_EAGER" --out "$RESULTS/gpt_throughput.json"
     bench_detail "$RESULTS/gpt_throughput.json"
-    # what FP8 can buy that step at most: its bf16 step time against the GEMMs FP8 replaces (Amdahl)
     run_part bench-ceiling 90 "$PY" bench/gpt_ceiling.py --preset 124m --batch-size 16 --seq-len 1024 \
         --out "$RESULTS/gpt_ceiling_124m.json"
     bench_detail "$RESULTS/gpt_ceiling_124m.json"
-    run_part bench-kernels 100 "$PY" bench/kernels.py --min-exp 22 --max-exp 28 --step-exp 2 --reps 10 \
-        --out "$RESULTS/kernels.json"
-    bench_detail "$RESULTS/kernels.json"
-    # the same GPT with torch.compile (each configuration's first steps compile: a part of its own)
+    # each configuration's first steps compile: a part of its own
     run_part bench-gpt-compile 240 "$PY" bench/gpt_throughput.py --preset 124m --batch-size 16 --seq-len 1024 \
         --warmup 5 --steps 20 --rounds 2 --configs "bf16,$GPT_COMPILED" --out "$RESULTS/gpt_compile.json"
     bench_detail "$RESULTS/gpt_compile.json"
+
+    # ----- the rest: kernel bandwidth, one Linear, the compiled GPU test, fp8-train per recipe -----
+    run_part bench-kernels 100 "$PY" bench/kernels.py --min-exp 22 --max-exp 28 --step-exp 2 --reps 10 \
+        --out "$RESULTS/kernels.json"
+    bench_detail "$RESULTS/kernels.json"
     run_part bench-linear 120 "$PY" bench/linear.py --device cuda --reps 10 --out "$RESULTS/linear.json"
     bench_detail "$RESULTS/linear.json"
-    # the same ceiling and throughput at 1.3b (wider Linears); three configurations: the benchmark holds all
-    # its models at once, and six 1.3b models with their AdamW states would not fit in the GPU's memory
-    run_part bench-ceiling-1.3b 120 "$PY" bench/gpt_ceiling.py --preset 1.3b --batch-size 8 --seq-len 2048 \
-        --out "$RESULTS/gpt_ceiling_1.3b.json"
-    bench_detail "$RESULTS/gpt_ceiling_1.3b.json"
-    run_part bench-gpt-1.3b 200 "$PY" bench/gpt_throughput.py --preset 1.3b --batch-size 8 --seq-len 2048 \
-        --warmup 3 --steps 8 --rounds 2 --configs bf16,delayed,torchao --out "$RESULTS/gpt_throughput_1.3b.json"
-    bench_detail "$RESULTS/gpt_throughput_1.3b.json"
+    run_part gpu-tests-compile 90 "$PY" -m pytest -q -p no:cacheprovider -o addopts=-rfEs \
+        --junitxml="$RESULTS/gpu-tests-compile.xml" "$COMPILED_GRAPH_TEST"
+    set_detail "$(grep -sE '(passed|failed|error|skipped)' "$WORK/gpu-tests-compile.log" | tail -1 | tr -d '=' | sed 's/^ *//; s/ *$//')"
 
-    train_runs delayed-graph mxfp8 block delayed-compile-graph
+    # which path each block-scaled GEMM takes here (native scaled_mm or the emulation), and why
+    run_part block-gemm-paths 30 "$PY" scripts/block_gemm_paths.py
+    set_detail "$(head -1 "$WORK/block-gemm-paths.log" 2>/dev/null)"
+
+    train_runs delayed current bf16 delayed-graph mxfp8 block delayed-compile-graph
 
     # ----- diagnostics: where the time goes, and the kernels' launch configurations side by side -----
     run_part kernel-configs 90 "$PY" bench/kernel_configs.py --reps 5 --out "$RESULTS/kernel_configs.json"
@@ -271,9 +294,9 @@ summary() {
     local i failed=0 chosen=0
     echo
     echo "================ gpu-check summary ($(($(date +%s) - START))s of a ${BUDGET}s budget) ================"
-    printf '%-14s %-22s %5s  %s\n' part result sec details
+    printf '%-27s %-22s %5s  %s\n' part result sec details
     for i in "${!NAMES[@]}"; do
-        printf '%-14s %-22s %5s  %s\n' "${NAMES[$i]}" "${STATUS[$i]}" "${SECS[$i]}" "${DETAILS[$i]}"
+        printf '%-27s %-22s %5s  %s\n' "${NAMES[$i]}" "${STATUS[$i]}" "${SECS[$i]}" "${DETAILS[$i]}"
         case ${STATUS[$i]} in
             "not selected") ;;
             pass) chosen=$((chosen + 1)) ;;
@@ -283,7 +306,7 @@ summary() {
     "$PY" - "$RESULTS" <<'EOF' 2>/dev/null
 import json, pathlib, sys
 met, missed = [], []
-for name in ("kernels", "linear", "gpt_throughput", "gpt_compile"):
+for name in ("gpt_throughput_1.3b", "gpt_compile_1.3b", "gpt_throughput", "gpt_compile", "kernels", "linear"):
     path = pathlib.Path(sys.argv[1]) / f"{name}.json"
     if path.exists():
         for key, g in json.loads(path.read_text())["goals"].items():

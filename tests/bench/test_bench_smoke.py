@@ -7,8 +7,11 @@ import ast
 import json
 import math
 import os
+import re
+import shlex
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -89,15 +92,23 @@ def test_gpt_ceiling_smoke(tmp_path):
         "mlp.fc2": [512, 128, 4],
     }
     calls = ("fprop", "dgrad", "wgrad")
+    kinds = ("bf16", "fp8", "fp8_mm")  # fp8: the bare FP8 GEMMs (the emulation here), fp8_mm: through fp8_mm
     for name in meta["linears"]:
-        assert all(gemms[name][f"{kind} {c}"] > 0 for kind in ("bf16", "fp8") for c in calls), gemms[name]
+        assert set(gemms[name]) == {f"{kind} {c}" for kind in kinds for c in calls}, gemms[name]
+        assert all(v > 0 for v in gemms[name].values()), gemms[name]
+    assert meta["fp8_gemm"].startswith("emulated")  # no FP8 GEMM on the CPU: torch._scaled_mm on a GPU
     assert set(quant) == {f"{n}.{w}" for n in meta["linears"] for w in ("input", "weight", "grad_output")} | {
         "end_step"
     }
     assert all(v > 0 for v in quant.values()), quant
+    # every timed end_step call closed a step that had recorded statistics: the scale update ran each time
+    # (an end_step with nothing pending returns at once and counts no step)
+    for key in ("quantize_ms", "quantize_base_ms"):
+        timed = meta["end_step_timed"][key]
+        assert timed["calls"] > 0 and timed["updates"] == timed["calls"] == timed["step_counter"], timed
     # one step's totals: every converted Linear's three GEMMs and quantize calls, once per layer
     step = data["per_step_ms"]
-    for kind in ("bf16", "fp8"):
+    for kind in kinds:
         want = sum(4 * gemms[n][f"{kind} {c}"] for n in meta["linears"] for c in calls)
         assert step[f"gemm_{kind}"] == pytest.approx(want), kind
     for key, times in (("quantize", quant), ("quantize_base", data["quantize_base_ms"])):
@@ -140,12 +151,18 @@ def _function(script: str, name: str) -> str:
     return script[start : script.index("\n}\n", start) + 3]
 
 
+def _assignment(script: str, name: str) -> str:
+    """The line ``name=...`` of ``script``, with its newline."""
+    return next(x for x in script.splitlines() if x.startswith(f"{name}=")) + "\n"
+
+
 def test_gpu_check_parts_selects_by_name_and_prefix():
-    # GPU_CHECK_PARTS picks parts for a short lease: names, trailing-* prefixes; versions and import always
+    # GPU_CHECK_PARTS picks parts for a short lease: names, trailing-* prefixes, all; unset, the default
+    # parts; versions and import always
     script = GPU_CHECK.read_text()
-    selected = _function(script, "selected")
-    probe = "for p in versions import gpu-tests train-delayed train-delayed-graph bench-gpt bench-linear; do "
-    probe += 'selected "$p" && printf "%s " "$p"; done; true'
+    selected = _assignment(script, "DEFAULT_PARTS") + _function(script, "selected")
+    probe = "for p in versions import gpu-tests train-delayed train-delayed-graph bench-gpt bench-linear "
+    probe += 'bench-gpt-1.3b; do selected "$p" && printf "%s " "$p"; done; true'
 
     def chosen(parts: str | None) -> list[str]:
         env = {k: v for k, v in os.environ.items() if k != "GPU_CHECK_PARTS"}
@@ -163,8 +180,10 @@ def test_gpu_check_parts_selects_by_name_and_prefix():
         "train-delayed-graph",
         "bench-gpt",
         "bench-linear",
+        "bench-gpt-1.3b",
     ]
-    assert chosen(None) == every
+    assert chosen("all") == every
+    assert chosen(None) == ["versions", "import", "gpu-tests", "bench-gpt-1.3b"]  # DEFAULT_PARTS
     assert chosen("bench-gpt,train-*") == [
         "versions",
         "import",
@@ -174,6 +193,85 @@ def test_gpu_check_parts_selects_by_name_and_prefix():
     ]
     assert chosen("gpu-tests") == ["versions", "import", "gpu-tests"]
     assert chosen("train") == ["versions", "import"]  # a whole name, not a prefix, without the *
+
+
+def gpu_check_parts(parts: str | None) -> list[tuple[str, int, bool]]:
+    """gpu-check.sh's parts in the order its ``main`` runs them, as ``(name, cap in seconds, selected)`` with
+    ``GPU_CHECK_PARTS=parts`` (None: unset): ``main`` run with ``run_part`` stubbed to record them (nothing
+    else it runs needs a GPU; ``PYTHON`` is ``true``)."""
+    script = GPU_CHECK.read_text()
+    names = ("DEFAULT_PARTS", "COMPILED_GRAPH_TEST", "GPT_EAGER", "GPT_COMPILED")
+    defs = "".join(_assignment(script, n) for n in names)
+    defs += "".join(_function(script, f) for f in ("selected", "train_runs", "main"))
+    stub = 'run_part() { RAN=0; selected "$1"; local sel=$?; echo "PART $1 $2 $((1 - sel))"; return $sel; }\n'
+    stub += "set_detail() { :; }\nbench_detail() { :; }\n"
+    env = {k: v for k, v in os.environ.items() if k != "GPU_CHECK_PARTS"}
+    if parts is not None:
+        env["GPU_CHECK_PARTS"] = parts
+    with tempfile.TemporaryDirectory() as work:
+        setup = f"ROOT={shlex.quote(str(ROOT))}; PY=true; WORK={shlex.quote(work)}; RESULTS=$WORK\n"
+        proc = subprocess.run(
+            ["bash", "-c", setup + defs + stub + "main"], cwd=ROOT, env=env, capture_output=True, text=True
+        )
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("PART ")]
+    return [(name, int(cap), sel == "1") for name, cap, sel in rows]
+
+
+def test_gpu_check_default_parts_fit_the_default_budget_in_order_of_value():
+    script = GPU_CHECK.read_text()
+    budget = int(re.search(r"^BUDGET=\$\{GPU_CHECK_BUDGET:-(\d+)\}$", script, re.M).group(1))
+    parts = gpu_check_parts(None)
+    names = [name for name, _, _ in parts]
+    # each part once, each cap at least run_part's least limit (20 s)
+    assert len(set(names)) == len(names) and all(cap >= 20 for _, cap, _ in parts), parts
+    # a run without GPU_CHECK_PARTS: the GPU tests, then the 1.3b preset's throughput and ceiling, whose caps
+    # fit the default budget; they come first, so nothing before them can eat their time
+    default = [(name, cap) for name, cap, selected in parts if selected]
+    assert [name for name, _ in default] == [
+        "versions",
+        "import",
+        "gpu-tests",
+        "bench-gpt-1.3b",
+        "bench-ceiling-1.3b",
+    ]
+    assert names[: len(default)] == [name for name, _ in default]
+    assert sum(cap for _, cap in default) <= budget == 300, default
+    # then the rest of 1.3b, the 124m preset's benchmarks, then everything else
+    m124 = ["bench-gpt", "bench-ceiling", "bench-gpt-compile"]
+    assert names[len(default)] == "bench-gpt-1.3b-compile"
+    assert names[len(default) + 1 : len(default) + 4] == m124
+    rest = names[len(default) + 4 :]
+    assert {"gpu-tests-compile", "bench-kernels", "bench-linear", "train-delayed", "profile"} <= set(rest)
+    # GPU_CHECK_PARTS=all: every part, in the same order; the budget the header gives for that covers them
+    every = gpu_check_parts("all")
+    assert [name for name, _, _ in every] == names and all(selected for *_, selected in every)
+    all_budget = int(re.search(r"GPU_CHECK_PARTS=all GPU_CHECK_BUDGET=(\d+)", script).group(1))
+    assert sum(cap for _, cap, _ in every) <= all_budget
+    # the one GPU test gpu-tests leaves to gpu-tests-compile is there under the id both parts name
+    test_id = _assignment(script, "COMPILED_GRAPH_TEST").split("=", 1)[1].strip().strip('"')
+    path, test = test_id.split("::")
+    func, param = test.rstrip("]").split("[")
+    text = (ROOT / path).read_text()
+    assert f"def {func}(" in text and f'"{param}"' in text, test_id
+
+
+def test_gpu_check_parts_not_selected_are_not_failures(tmp_path):
+    # a part outside the default parts shows as "not selected" and counts neither as run nor as failed
+    script = GPU_CHECK.read_text()
+    defs = _assignment(script, "DEFAULT_PARTS") + "".join(
+        _function(script, f) for f in ("run_part", "selected", "summary")
+    )
+    setup = "BUDGET=300; START=$(date +%s); NAMES=() STATUS=() SECS=() DETAILS=(); RAN=0; PY=true; "
+    setup += f"WORK={shlex.quote(str(tmp_path))}; RESULTS=$WORK\n"
+    probe = "run_part gpu-tests 120 true; run_part bench-linear 120 false; summary"
+    env = {k: v for k, v in os.environ.items() if k != "GPU_CHECK_PARTS"}
+    proc = subprocess.run(["bash", "-c", setup + defs + probe], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    rows = {line.split()[0]: line for line in proc.stdout.splitlines() if line.startswith(("gpu-", "bench-"))}
+    assert rows["gpu-tests"].split()[1] == "pass"
+    assert "not selected" in rows["bench-linear"] and "GPU_CHECK_PARTS=all" in rows["bench-linear"]
+    assert "result: all 1 parts passed" in proc.stdout
 
 
 def test_gpu_check_train_runs_take_their_flags_from_the_name():

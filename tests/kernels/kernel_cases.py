@@ -737,6 +737,9 @@ def _bench_smoke(device: torch.device) -> None:
             assert r[impl]["ms"] > 0 and r[impl]["gbps"] > 0 and r[impl]["calls_per_sample"] >= 1, impl
         for impl in ("triton", "eager", "compile", "triton+T"):
             assert r[impl]["fraction_of_copy"] > 0, r
+        # the host's time to issue the calls, beside their time: on the CPU both are the wall clock, so every
+        # row is marked as measuring the launcher
+        assert all(r[impl]["host_ms"] > 0 for impl in impls) and r["launch_bound"] is True, r
     assert data["correct"] is True
     assert set(data["goals"]) == {
         "triton_80pct_of_copy", "triton_T_80pct_of_copy", "triton_2x_eager", "triton_T_2x_eager"
