@@ -56,6 +56,11 @@ LEGACY_BLOCK_COLUMNS: tuple[str, ...] = BLOCK_COLUMNS[:5]
 #: (``MERGE``): a multi-rank sender reports the merge of every rank's block part, so a block that overflowed
 #: on any rank shows.
 BLOCK_HIST_BINS = 256
+#: The columns that count something (elements, blocks): whole numbers, exported as integers.
+COUNT_COLUMNS: frozenset[str] = frozenset(
+    {"overflow", "underflow", "nonfinite", "numel", "subnormal"}
+    | {name for name in BLOCK_COLUMNS if name != "block_range"}
+)
 #: Column positions, by name (``row[AMAX]``).
 AMAX, SCALE, OVERFLOW, UNDERFLOW, NONFINITE, NUMEL = range(len(BASE_COLUMNS))
 SUM_SQ, ERR_SQ, SUBNORMAL, MIN_ABS = range(len(BASE_COLUMNS), len(BASE_COLUMNS) + len(QUALITY_COLUMNS))
@@ -126,10 +131,21 @@ def sqnr_db(sum_sq, err_sq, numel=None, nonfinite=None):
 
 
 def no_finite_element(numel, nonfinite):
-    """Where a tensor had elements and none of them finite: its amax (which ignores NaN) reads 0 and its sums
-    of squares are zero because nothing was measured, not because the tensor was zero."""
+    """Where a tensor had elements and none of them finite: the runtime's amax (which ignores NaN) reads 0 for
+    one all NaN (stored as NaN, `stored_amax`) and its sums of squares are zero because nothing was
+    measured, not because the tensor was zero."""
     numel = np.asarray(numel, dtype=np.float64)
     return (numel > 0) & (np.asarray(nonfinite, dtype=np.float64) >= numel)
+
+
+def stored_amax(amax, numel, nonfinite):
+    """The amax the service stores: the one sent, except NaN for a tensor whose elements were all NaN. The
+    runtime's amax ignores NaN elements, as Transformer Engine's does (``fmaxf`` from 0), so such a tensor
+    reports 0, the amax of a tensor of zeros; it has no amax, and NaN says so (a ``max(amax)`` over a run
+    gone NaN is then NaN, not 0). Only there: a tensor with a finite element keeps the amax of its finite
+    elements, and an Inf element makes the amax Inf as sent."""
+    amax = np.asarray(amax, dtype=np.float64)
+    return np.where(no_finite_element(numel, nonfinite) & (amax == 0), np.nan, amax)
 
 
 def rms(sum_sq, numel, nonfinite):

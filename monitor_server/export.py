@@ -11,7 +11,8 @@ Tables and their columns:
   overflow, underflow, nonfinite, numel`` (tensors in index order within a step), then the quality columns
   (``sum_sq, err_sq, subnormal, min_abs``) where some step of the range stored them, then the block columns
   (``blocks, blocks_at_limit, blocks_overflow, blocks_underflow, block_range``) likewise
-  (`exported_columns`); a step that did not carry a group has NaN (Parquet: NaN, not null) in its columns.
+  (`exported_columns`); a step that did not carry a group has NaN in its columns (null in Parquet's
+  integer counts).
 - ``stats``, ``layout=wide``: one row per step: ``step``, then per tensor (index order) per statistic (the
   same ones, in the same order) a column ``<tensor name>.<statistic>``, e.g. ``blocks.0.attn.qkv.input.amax``.
 - ``scalars``: one row per stored step: ``step``, then one column per scalar name (sorted); empty / null
@@ -20,9 +21,13 @@ Tables and their columns:
   on the wire).
 - ``alerts``: the fields of ``GET /runs/{id}/alerts`` (evidence as JSON text), by id.
 
-Statistics and scalars are float64 as stored. Non-finite values are carried natively: CSV writes ``nan``,
-``inf`` and ``-inf``; Parquet stores the IEEE values. CSV floats use the shortest text that reads back to
-the same float64, so a CSV round trip is exact too.
+Statistics and scalars are float64 as stored, except the counts in Parquet (`COUNT_COLUMNS`: overflow,
+underflow, nonfinite, numel, subnormal and the block counts), which are int64 there, null where a step did
+not carry them (or a sender stored something that is not a whole number there); CSV writes a whole number
+the same either way. The amax of a tensor whose elements were all NaN is NaN (`stored_amax`; a run stored
+before the service stored it so has 0 there, and is exported with NaN too). Non-finite values are carried
+natively: CSV writes ``nan``, ``inf`` and ``-inf``; Parquet stores the IEEE values. CSV floats use the
+shortest text that reads back to the same float64, so a CSV round trip is exact too.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import pyarrow.parquet as pq
 from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 
-from fp8_protocol.stats import BASE_COLUMNS, BLOCK_COLUMNS, QUALITY_COLUMNS
+from fp8_protocol.stats import BASE_COLUMNS, BLOCK_COLUMNS, COUNT_COLUMNS, QUALITY_COLUMNS, stored_amax
 from monitor_server.alerting import alert_public
 from monitor_server.models import Alert, EventRow, StepRow, StepStat, as_utc
 from monitor_server.rollups import STAT_IDS, unpack_rows
@@ -210,30 +215,59 @@ def _stat_chunks(
         else:
             cube = np.full((len(steps), n_stats, T), np.nan)
             cube[step_pos, col_pos] = values
+        # an all-NaN tensor's amax as stored since the service stores it as NaN (0 in runs stored before)
+        amax = columns.index("amax")
+        cube[:, amax] = stored_amax(
+            cube[:, amax], cube[:, columns.index("numel")], cube[:, columns.index("nonfinite")]
+        )
         yield steps, cube
         if last is None:
             return
         cursor = end + 1
 
 
-def stats_long_schema(columns: tuple[str, ...]) -> pa.Schema:
-    """Columns of the long statistics table, with the statistics `columns`."""
+def _stat_type(name: str, integer_counts: bool) -> pa.DataType:
+    """A statistic's column type: int64 for a count with `integer_counts` (Parquet), float64 otherwise (CSV,
+    whose text is the same for a whole number, writes ``nan`` where a step did not carry the column)."""
+    return pa.int64() if integer_counts and name in COUNT_COLUMNS else pa.float64()
+
+
+def _stat_array(values: np.ndarray, type_: pa.DataType) -> pa.Array:
+    """One exported column of statistics (float64 values as stored) of type `type_`: floats as they are (no
+    copy); counts as int64, null where there is no whole number (NaN: a step that did not carry the
+    column)."""
+    if type_ != pa.int64():
+        return pa.array(values)
+    whole = np.isfinite(values) & (np.abs(values) < 2.0**63)
+    whole &= np.floor(values, where=whole, out=np.zeros_like(values)) == values
+    return pa.array(np.where(whole, values, 0).astype(np.int64), mask=None if whole.all() else ~whole)
+
+
+def stats_long_schema(columns: tuple[str, ...], integer_counts: bool = False) -> pa.Schema:
+    """Columns of the long statistics table, with the statistics `columns` (the counts int64 with
+    `integer_counts`)."""
     names = pa.dictionary(pa.int32(), pa.string())
     fields = [("step", pa.int64()), ("tensor", names), ("layer", names), ("role", names)]
-    return pa.schema(fields + [(name, pa.float64()) for name in columns])
+    return pa.schema(fields + [(name, _stat_type(name, integer_counts)) for name in columns])
 
 
-def stats_wide_schema(meta: RunMeta, columns: tuple[str, ...]) -> pa.Schema:
-    """Columns of the wide statistics table: step, then ``<tensor>.<statistic>`` in tensor order."""
-    cols = [(f"{t.name}.{name}", pa.float64()) for t in meta.tensors for name in columns]
+def stats_wide_schema(meta: RunMeta, columns: tuple[str, ...], integer_counts: bool = False) -> pa.Schema:
+    """Columns of the wide statistics table: step, then ``<tensor>.<statistic>`` in tensor order (the counts
+    int64 with `integer_counts`)."""
+    cols = [(f"{t.name}.{name}", _stat_type(name, integer_counts)) for t in meta.tensors for name in columns]
     return pa.schema([("step", pa.int64()), *cols])
 
 
 def stats_long(
-    sessions: SessionFactory, meta: RunMeta, columns: tuple[str, ...], lo: int, hi: int
+    sessions: SessionFactory,
+    meta: RunMeta,
+    columns: tuple[str, ...],
+    lo: int,
+    hi: int,
+    integer_counts: bool = False,
 ) -> Iterator[pa.Table]:
     """The long statistics table in chunks: rows step-major, tensors in index order within a step."""
-    schema = stats_long_schema(columns)
+    schema = stats_long_schema(columns, integer_counts)
     T = meta.num_tensors
     layers = list(meta.layers)
     roles = sorted({t.role for t in meta.tensors})
@@ -248,7 +282,9 @@ def stats_long(
             pa.DictionaryArray.from_arrays(tensor_of_row, tensor_dict),
             pa.DictionaryArray.from_arrays(layer_idx[tensor_of_row], pa.array(layers, pa.string())),
             pa.DictionaryArray.from_arrays(role_idx[tensor_of_row], pa.array(roles, pa.string())),
-        ] + [pa.array(cube[:, j, :].reshape(-1)) for j in range(len(columns))]
+        ]
+        for j, name in enumerate(columns):
+            arrays.append(_stat_array(cube[:, j, :].reshape(-1), schema.field(name).type))
         yield pa.Table.from_arrays(arrays, schema=schema)
 
 
@@ -259,15 +295,16 @@ def stats_wide(
     lo: int,
     hi: int,
     row_groups: int | None = None,
+    integer_counts: bool = False,
 ) -> Iterator[pa.Table]:
-    """The wide statistics table in chunks: one row per step.
+    """The wide statistics table in chunks: one row per step (the counts int64 with `integer_counts`).
 
     `row_groups`: for Parquet, at most about this many chunks. A Parquet writer keeps about 0.9 kB of
     metadata per column per row group until the file is closed: with 3,072 columns, 128-step row groups
     of a 100,000-step run would hold 2 GB of it. Fewer, larger chunks trade that for a larger chunk, which
     is filled from reads of the usual size so that it is held once.
     """
-    schema = stats_wide_schema(meta, columns)
+    schema = stats_wide_schema(meta, columns, integer_counts)
     n_cols = meta.num_tensors * len(columns)
     per_read = _chunk_steps(meta.num_tensors)
     per_table = per_read
@@ -293,8 +330,10 @@ def stats_wide(
 
 
 def _wide_table(schema: pa.Schema, steps_parts: list[np.ndarray], block: np.ndarray) -> pa.Table:
-    # each row of the block, cut short or not, is contiguous: Arrow wraps it without a copy
-    columns = [pa.array(np.concatenate(steps_parts))] + [pa.array(row) for row in block]
+    # each row of the block, cut short or not, is contiguous: Arrow wraps a float one without a copy
+    columns = [pa.array(np.concatenate(steps_parts))] + [
+        _stat_array(row, field.type) for row, field in zip(block, list(schema)[1:], strict=True)
+    ]
     return pa.Table.from_arrays(columns, schema=schema)
 
 
@@ -444,13 +483,16 @@ def export(
     sessions: SessionFactory, meta: RunMeta, table: str, layout: str, fmt: str, lo: int, hi: int
 ) -> Iterator[bytes]:
     """The bytes of one exported table of steps [lo, hi] (a range with lo > hi exports no rows)."""
+    ints = fmt == "parquet"  # counts as integers where the format has types
     if table == "stats" and layout == "wide":
         groups = WIDE_PARQUET_ROW_GROUPS if fmt == "parquet" else None
         columns = exported_columns(sessions, meta.run_id, lo, hi)
-        schema, tables = stats_wide_schema(meta, columns), stats_wide(sessions, meta, columns, lo, hi, groups)
+        schema = stats_wide_schema(meta, columns, ints)
+        tables = stats_wide(sessions, meta, columns, lo, hi, groups, ints)
     elif table == "stats":
         columns = exported_columns(sessions, meta.run_id, lo, hi)
-        schema, tables = stats_long_schema(columns), stats_long(sessions, meta, columns, lo, hi)
+        schema = stats_long_schema(columns, ints)
+        tables = stats_long(sessions, meta, columns, lo, hi, ints)
     elif table == "scalars":
         names = scalar_names(sessions, meta.run_id, lo, hi)
         schema, tables = scalars_schema(names), scalars_table(sessions, meta.run_id, names, lo, hi)

@@ -12,7 +12,13 @@ import orjson
 from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
 
-from fp8_protocol.stats import BASE_COLUMNS, BLOCK_COLUMNS, LEGACY_BLOCK_COLUMNS, QUALITY_COLUMNS
+from fp8_protocol.stats import (
+    BASE_COLUMNS,
+    BLOCK_COLUMNS,
+    LEGACY_BLOCK_COLUMNS,
+    QUALITY_COLUMNS,
+    stored_amax,
+)
 from monitor_server import commands as command_ops
 from monitor_server.block_hist import HistEntry, decode_block_hist, hist_rows, update_histogram_sums
 from monitor_server.detectors.ranks import parse_rank_amax
@@ -52,7 +58,8 @@ class DecodedBatch:
     """A validated telemetry batch. Steps ascending; `stats[name]` is (S, T) float64 for each base column
     and, when the batch's steps carried them, each quality and block column; `has_stats` (S,) is False for a
     step sent without statistics (no FP8 layer ran in it; its `stats` rows are NaN); `block_hist` holds the
-    block scale exponent histograms by step number (only the steps that sent some)."""
+    block scale exponent histograms by step number (only the steps that sent some). The amax is as it will
+    be stored (`fp8_protocol.stats.stored_amax`: NaN for a tensor whose elements were all NaN)."""
 
     idempotency_key: str
     steps: np.ndarray
@@ -181,6 +188,8 @@ def decode_batch(payload: Any, num_tensors: int, limits: EventLimits = EventLimi
                 block_hist[int(steps[i])] = entries
     if columns is None:  # no step carried statistics
         stats = {name: np.full((S, T), np.nan) for name in BASE_COLUMNS}
+    else:  # a tensor gone all NaN has no amax: NaN, not the 0 of an amax that ignores NaN
+        stats["amax"] = stored_amax(stats["amax"], stats["numel"], stats["nonfinite"])
     if S and len(np.unique(steps)) != S:
         raise WireError("steps: the same step number appears twice in one batch")
     order = np.argsort(steps, kind="stable")

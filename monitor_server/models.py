@@ -85,6 +85,8 @@ class Run(Base):
     owner: Mapped[str | None] = mapped_column(String(200), nullable=True)
     #: the names of the scalars the run has sent (sorted), for the dashboard's chart picker
     scalar_names: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
+    #: free-text notes on the run, written from the dashboard (at most `schemas.MAX_NOTES` characters)
+    notes: Mapped[str] = mapped_column(Text, default="", server_default="")
 
 
 class RunTag(Base):

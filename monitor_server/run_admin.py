@@ -6,6 +6,8 @@ background loop (``app.py``).
 
 from __future__ import annotations
 
+import bisect
+import functools
 import json
 import logging
 from dataclasses import dataclass
@@ -15,10 +17,11 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
-from monitor_server import retention
+from monitor_server import retention, run_sort
 from monitor_server.commands import end_commands
 from monitor_server.core.db import Database
-from monitor_server.models import Alert, Incident, Run, RunTag, as_utc
+from monitor_server.models import Alert, Run, RunTag, as_utc
+from monitor_server.run_sort import RunSort
 
 if TYPE_CHECKING:
     from monitor_server.context import AppContext
@@ -90,23 +93,19 @@ def _config_matches(config: dict[str, Any], pairs: tuple[tuple[str, str], ...]) 
 
 
 def list_runs(
-    session: Session, flt: RunFilter, limit: int, before: int | None
-) -> tuple[list[tuple[Run, int, int]], int | None]:
-    """Runs newest first matching `flt`, at most `limit`, with ids below `before`: (rows of (run, open
-    alerts, open incidents), the cursor of the next page or None)."""
+    session: Session, flt: RunFilter, limit: int, sort: RunSort | None = None, cursor: str | None = None
+) -> tuple[list[tuple[Run, int, int]], str | None]:
+    """Runs matching `flt` in `sort`'s order (None: newest first), at most `limit`, after `cursor` (the
+    previous page's; for the newest-first order a run id, the list going on below it): (rows of (run, open
+    alerts, open incidents), the cursor of the next page or None). ValueError for a cursor of another order,
+    or a config-value sort over more than `run_sort.CONFIG_SORT_LIMIT` runs."""
     open_alerts = (
         select(func.count())
         .where(Alert.run_id == Run.id, Alert.state == "open")
         .correlate(Run)
         .scalar_subquery()
     )
-    open_incidents = (
-        select(func.count())
-        .where(Incident.run_id == Run.id, Incident.state == "open")
-        .correlate(Run)
-        .scalar_subquery()
-    )
-    query = select(Run, open_alerts, open_incidents).order_by(Run.id.desc())
+    query = select(Run, open_alerts, run_sort.open_incidents_count())
     if flt.status is not None:
         query = query.where(Run.status == flt.status)
     if flt.q:
@@ -114,35 +113,78 @@ def list_runs(
         query = query.where(func.lower(Run.name).like(pattern, escape="\\"))
     for tag in flt.tags:
         query = query.where(Run.id.in_(select(RunTag.run_id).where(RunTag.tag == tag)))
-    if not flt.config:
-        page = query.limit(limit + 1)
-        if before is not None:
-            page = page.where(Run.id < before)
-        rows = [tuple(r) for r in session.execute(page).all()]
-        more = len(rows) > limit
-        rows = rows[:limit]
-        return rows, (rows[-1][0].id if more and rows else None)
-    # config values live in a JSON column: filtered here, scanning newest first in chunks
+    if sort is not None and sort.config_key is not None:
+        return _by_config_value(session, query, flt, sort, limit, cursor)
+    if sort is None:  # newest first: the id is the order and the cursor
+        if cursor is not None and not (cursor.isdigit() and 1 <= int(cursor) <= 2**31 - 1):
+            raise ValueError("cursor: not a cursor of the runs list newest first (a run id)")
+        query = query.add_columns(Run.id).order_by(Run.id.desc())
+        start = None if cursor is None else (int(cursor), int(cursor))
+        after, make_cursor = _below, _id_cursor
+    else:
+        expr = run_sort.sort_expression(sort, session.get_bind().dialect.name)
+        query = query.add_columns(expr).order_by(*run_sort.order_by(sort, expr))
+        start = None if cursor is None else run_sort.decode_cursor(sort, cursor)
+        after = functools.partial(run_sort.after, sort, expr)
+        make_cursor = functools.partial(run_sort.encode_cursor, sort)
+    # config values live in a JSON column: filtered here, scanning in chunks in the list's order
+    chunk = max(4 * limit, 200) if flt.config else limit + 1
     found: list[tuple[Run, int, int]] = []
-    cursor, scanned = before, 0
-    chunk = max(4 * limit, 200)
+    last: tuple[Any, int] | None = None  # the sort value and id of the last run found
+    scanned = 0
     while scanned < CONFIG_SCAN_LIMIT:
-        page = query.limit(chunk)
-        if cursor is not None:
-            page = page.where(Run.id < cursor)
+        page = query.limit(chunk) if start is None else query.where(after(*start)).limit(chunk)
         rows = session.execute(page).all()
-        if not rows:
-            return found, None
-        for row in rows:
+        for run, n_alerts, n_incidents, value in rows:
             scanned += 1
-            cursor = row[0].id
-            if _config_matches(row[0].config or {}, flt.config):
-                found.append(tuple(row))
-                if len(found) == limit + 1:
-                    return found[:limit], found[limit - 1][0].id
+            start = (value, run.id)
+            if flt.config and not _config_matches(run.config or {}, flt.config):
+                continue
+            if last is not None and len(found) == limit:  # one more than a page: there is a next one
+                return found, make_cursor(*last)
+            found.append((run, n_alerts, n_incidents))
+            last = (value, run.id)
         if len(rows) < chunk:
             return found, None
-    return found, cursor  # scan budget spent: the client continues from here
+    # scan budget spent: the client continues from the last run scanned
+    return found, None if start is None else make_cursor(*start)
+
+
+def _below(value: Any, run_id: int) -> Any:
+    return Run.id < run_id
+
+
+def _id_cursor(value: Any, run_id: int) -> str:
+    return str(run_id)
+
+
+def _by_config_value(
+    session: Session, query: Any, flt: RunFilter, sort: RunSort, limit: int, cursor: str | None
+) -> tuple[list[tuple[Run, int, int]], str | None]:
+    """A page of the runs sorted by a config value: every matching run's config read, sorted here."""
+    ids = query.with_only_columns(Run.id, Run.config).limit(run_sort.CONFIG_SORT_LIMIT + 1)
+    rows = session.execute(ids).all()
+    if len(rows) > run_sort.CONFIG_SORT_LIMIT:
+        raise ValueError(
+            f"sort: a config value sorts at most {run_sort.CONFIG_SORT_LIMIT} runs; "
+            "narrow the list with a filter (status, tag, name)"
+        )
+    key = sort.config_key or ""
+    ranked = sorted(
+        (run_sort.config_order_key(sort, rank, run_id), rank, run_id)
+        for run_id, config in rows
+        if not flt.config or _config_matches(config or {}, flt.config)
+        for rank in [run_sort.config_rank(run_sort.config_value(config, key))]
+    )
+    begin = 0
+    if cursor is not None:
+        rank, run_id = run_sort.decode_cursor(sort, cursor)
+        begin = bisect.bisect_right([r[0] for r in ranked], run_sort.config_order_key(sort, rank, run_id))
+    page = ranked[begin : begin + limit]
+    loaded = {row[0].id: tuple(row) for row in session.execute(query.where(Run.id.in_([r[2] for r in page])))}
+    found = [loaded[run_id] for _, _, run_id in page if run_id in loaded]
+    more = begin + limit < len(ranked)
+    return found, run_sort.encode_cursor(sort, page[-1][1], page[-1][2]) if more and page else None
 
 
 def delete_run(session: Session, run_id: int) -> bool:

@@ -19,6 +19,8 @@ from fp8_protocol.runs import MAX_TAGS, RUN_STATUSES, TAG_PATTERN
 WireFloat = float | Literal["NaN", "Infinity", "-Infinity"]
 #: database ids are 32-bit
 MAX_ID = 2**31 - 1
+#: the longest notes a run keeps (characters)
+MAX_NOTES = 10_000
 
 
 def _no_nul(value: str) -> str:
@@ -120,18 +122,20 @@ class RunCreate(BaseModel):
 
 
 class RunUpdate(BaseModel):
-    """Body of PATCH /runs/{id}: any of a new status, a new name, the run's tags (replacing them)."""
+    """Body of PATCH /runs/{id}: any of a new status, a new name, the run's tags (replacing them), its notes
+    (replacing them; "" clears them)."""
 
     model_config = ConfigDict(extra="forbid")
 
     status: RunStatus | None = None
     name: Text | None = Field(default=None, min_length=1, max_length=200)
     tags: Tags | None = None
+    notes: Text | None = Field(default=None, max_length=MAX_NOTES)
 
     @model_validator(mode="after")
     def _something(self) -> RunUpdate:
-        if self.status is None and self.name is None and self.tags is None:
-            raise ValueError("nothing to change: give status, name or tags")
+        if all(v is None for v in (self.status, self.name, self.tags, self.notes)):
+            raise ValueError("nothing to change: give status, name, tags or notes")
         return self
 
 
@@ -159,6 +163,7 @@ class RunPublic(PublicModel):
     open_incidents: int = 0
     tags: list[str] = Field(default_factory=list)
     scalar_names: list[str] = Field(default_factory=list, description="the scalars the run has sent")
+    notes: str = Field(default="", description="free-text notes on the run (PATCH /runs/{id} writes them)")
 
 
 class PackedColumn(BaseModel):

@@ -113,9 +113,18 @@ class TrainerBridge:
 
     def step_end(self, step: int, lr: float | None = None, **scalars: Any) -> None:
         """After optimizer step ``step`` (1-based): close the FP8 step and report it."""
+        self.close_step()
+        self.report(step, lr, **scalars)
+
+    def close_step(self) -> None:
+        """Close the FP8 step (one amax-history entry per optimizer step); its loss waits for ``report``."""
         state = getattr(self.model, "_fp8_state", None)
         if state is not None and state.n_layers:
             state.end_step()
+
+    def report(self, step: int, lr: float | None = None, **scalars: Any) -> None:
+        """Send step ``step`` (closed by ``close_step``) with its loss and ``scalars`` to the monitor, which
+        applies recipe commands at this boundary."""
         loss, self._loss = self._loss, None
         if self.monitor is not None:
             self.monitor.step(step, loss=loss, lr=lr, **scalars)

@@ -15,9 +15,11 @@ region and hands its loss over. Every optimizer step (``on_step_end``, not only 
 step's statistics and loss go to the monitor. The loss is the one the Trainer itself reports for that step:
 the micro-batch losses as ``training_step`` returns them (divided by ``gradient_accumulation_steps`` unless
 the model takes ``num_items_in_batch``), summed over the step's micro-batches. The learning rate is the one
-the step used. Each evaluation's metrics go as an ``eval`` event at the step it followed (``eval_loss`` as
-``val_loss``, drawn beside the loss; the others without their ``eval_`` prefix). Under torch.distributed
-every rank runs the callback and rank 0 reports.
+the step used. At each of the Trainer's logging steps (``logging_steps``) the step also carries the
+``grad_norm`` the Trainer logs (the norm before clipping): the step is reported at ``on_log``, which follows
+``on_step_end`` in the same step. Each evaluation's metrics go as an ``eval`` event at the step it
+followed (``eval_loss`` as ``val_loss``, drawn beside the loss; the others without their ``eval_``
+prefix). Under torch.distributed every rank runs the callback and rank 0 reports.
 
 The URL and token come from the arguments or ``FP8SCOPE_URL`` / ``FP8SCOPE_TOKEN`` (``Monitor``'s rules).
 Saving checkpoints with FP8 layers: their scaling state is module extra state, which safetensors cannot
@@ -43,6 +45,7 @@ class Fp8ScopeCallback(BridgeCallback, TrainerCallback):
     """
 
     _grad_accum = 1  # TrainingArguments.gradient_accumulation_steps, read at train begin
+    _pending: tuple[int, float | None] | None = None  # (step, lr) reported at its on_log
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         config = json.loads(args.to_json_string())  # JSON-able, tokens already masked
@@ -58,9 +61,29 @@ class Fp8ScopeCallback(BridgeCallback, TrainerCallback):
             self._lr = float(optimizer.param_groups[0]["lr"])
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.bridge.step_end(state.global_step, lr=self._lr)
+        self._flush()
+        self.bridge.close_step()
+        if control.should_log:
+            # the Trainer's own flow callback (first in the list) asked for a log of this step: on_log follows
+            # at once with the step's grad_norm (the norm before clipping); the step is reported there
+            self._pending = (state.global_step, self._lr)
+        else:
+            self.bridge.report(state.global_step, lr=self._lr)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        grad_norm = (logs or {}).get("grad_norm")
+        self._flush(float(grad_norm) if isinstance(grad_norm, int | float) else None)
+
+    def _flush(self, grad_norm: float | None = None) -> None:
+        """Report the step held for its log (if any), with the grad norm that log carried."""
+        if self._pending is None:
+            return
+        (step, lr), self._pending = self._pending, None
+        scalars = {} if grad_norm is None else {"grad_norm": grad_norm}
+        self.bridge.report(step, lr=lr, **scalars)
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self._flush()
         # an evaluation's numbers as an "eval" event at the step it followed, as fp8-train sends its own:
         # eval_loss as val_loss (the run page draws it beside the loss), the others without "eval_"
         if self.monitor is None or not metrics:
@@ -76,6 +99,7 @@ class Fp8ScopeCallback(BridgeCallback, TrainerCallback):
             self.monitor.event("eval", state.global_step, **numbers)
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
+        self._flush()
         if model is not None and "forward" in model.__dict__ and hasattr(model.forward, "__fp8scope__"):
             del model.forward  # the class's forward again
         self.bridge.close("finished")

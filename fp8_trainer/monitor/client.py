@@ -60,6 +60,8 @@ from .multi_rank import MultiRankSteps
 from .notices import Notices
 from .ranks import RankSync
 from .register import MonitorRefused, run_body, start_sender
+from .run_info import run_info as started_info
+from .run_info import wanted as started_wanted
 from .scalars import capture as capture_scalars
 from .sender import Sender, SenderConfig
 from .single_rank import SingleRankSteps
@@ -139,6 +141,9 @@ class Monitor:
             watched from its own state.
         announce: print one line with the run's dashboard address on the job's terminal (stderr) once the
             run is registered, as other experiment trackers do (``fp8-train`` prints its own).
+        run_info: record in the run's config, as ``fp8_run``, the command line and, inside a git
+            repository, the commit and whether the tree has changes (``run_info.py``); ``None``: unless the
+            ``FP8SCOPE_RUN_INFO`` environment variable is ``0``.
         **tuning: ``flush_interval`` (1 s), ``max_batch_steps`` (64), ``max_buffered_steps`` (4096),
             ``retry_delays`` ((0.2, 0.5, 1.0) s), ``probe_interval`` (1 s), ``http_timeout`` (5 s),
             ``alerts_refresh`` (3 s), ``gzip`` (True), ``close_timeout`` (15 s), ``loss_window`` (50),
@@ -149,7 +154,8 @@ class Monitor:
     Raises:
         ValueError: a ``config`` value with no JSON form (the message says where), a model without FP8
             layers while ``recipe`` is not None, a URL that is not
-            ``http(s)://host[:port]`` (or none given nor in ``FP8SCOPE_URL``), or a bad tuning value.
+            ``http(s)://host[:port]`` (or none given nor in ``FP8SCOPE_URL``), a bad tuning value or a
+            ``run_info`` that is not a bool.
         MonitorRefused: with ``fail_fast``, the service refused the run (the message says why).
     """
 
@@ -169,9 +175,11 @@ class Monitor:
         tensors=None,
         shadow=None,
         announce: bool = True,
+        run_info: bool | None = None,
         **tuning: Any,
     ):
         sender_cfg, detect_cfg, self.rank_sample_interval = _parse_tuning(dict(tuning))
+        record_start = started_wanted(run_info)
         tags = check_tags(tags)
         config = jsonable_config(config)  # refused here, with where, rather than stopping the sender later
         if tokens_per_step is not None and (isinstance(tokens_per_step, bool) or not tokens_per_step > 0):
@@ -221,6 +229,7 @@ class Monitor:
                 tags=tags,
                 world_size=self.world_size,
                 tensors=self.tensors,
+                started=started_info() if record_start else None,
             )
             self.sender = start_sender(
                 url,

@@ -55,11 +55,15 @@ def run_body(
     tags: list[str],
     world_size: int,
     tensors: list[dict[str, Any]],
+    started: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The run as ``POST /runs`` (and the spool file's header) describes it."""
-    # the recipe in force, every parameter spelled out (filterable and diffable like any config key); a key
-    # of the caller's own config of that name wins
+    """The run as ``POST /runs`` (and the spool file's header) describes it; `started`: how the job was
+    started (``run_info.run_info``), None to leave it out."""
+    # the recipe in force, every parameter spelled out (filterable and diffable like any config key), and
+    # the command line and git commit; a key of the caller's own config of either name wins
     used = {"fp8_recipe": _recipe_dict(recipe)} if recipe is not None else {}
+    if started is not None:
+        used["fp8_run"] = started
     body = {
         "name": run_name,
         "config": {**used, **dict(config or {}), **_source_config(model, caller)},

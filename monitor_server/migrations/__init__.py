@@ -47,13 +47,15 @@ def upgrade_to_head(engine: Engine) -> None:
 
 @contextlib.contextmanager
 def _sqlite_file_lock(engine: Engine) -> Iterator[None]:
-    """An exclusive flock on the SQLite file (created empty if new, which SQLite takes as an empty database).
-    flock locks are apart from the fcntl locks SQLite itself takes, so they never block its own I/O."""
+    """An exclusive flock on a file beside the SQLite file, ``<database>.migrate-lock``. Not on the database
+    file itself: closing a descriptor of a file drops every fcntl lock the process holds on it (POSIX), the
+    locks SQLite keeps on the database included, and another process on the file would then take itself for
+    its only user and checkpoint the write-ahead log away under this one."""
     path = engine.url.database if engine.dialect.name == "sqlite" else None
     if not path or path == ":memory:" or path.startswith("file:") or fcntl is None:
         yield
         return
-    with open(path, "ab") as handle:
+    with open(f"{path}.migrate-lock", "ab") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield

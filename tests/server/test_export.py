@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from monitor_server import export
+from monitor_server import export, ingest
 from tests.support.server import API, STATS, batch_body, col, create_run, make_tensors, random_stats
 
 
@@ -47,7 +47,9 @@ def _table(r, fmt):
 
 
 def _f(value) -> float:
-    return float(value)  # CSV text ("nan", "inf", "-inf", shortest repr) and Parquet floats alike
+    # CSV text ("nan", "inf", "-inf", shortest repr) and Parquet floats and integers alike; a Parquet null (a
+    # count a step did not carry) as the NaN the CSV writes there
+    return math.nan if value is None else float(value)
 
 
 @pytest.mark.parametrize("fmt", ["csv", "parquet"])
@@ -272,3 +274,63 @@ def test_mixed_columns_read_in_chunks_give_the_same_table(client, monkeypatch):
     assert a.schema == b.schema
     for name in a.column_names:
         np.testing.assert_array_equal(a.column(name).to_numpy(), b.column(name).to_numpy(), err_msg=name)
+
+
+COUNTS = ("overflow", "underflow", "nonfinite", "numel", "subnormal", *BLOCK[:4], "blocks_zero")
+
+
+def test_counts_are_integers_in_parquet_null_where_not_carried(client):
+    run, expected = _mixed_run(client)
+    names = [t["name"] for t in make_tensors(1)]
+    for layout in ("long", "wide"):
+        body = _get(client, run["id"], format="parquet", layout=layout).content
+        table = pq.read_table(io.BytesIO(body))
+        for name in (*STATS, *QUALITY, *BLOCK):
+            columns = [name] if layout == "long" else [f"{n}.{name}" for n in names]
+            for column in columns:
+                field = table.schema.field(column)
+                assert str(field.type) == ("int64" if name in COUNTS else "double"), (layout, column)
+            if name not in COUNTS:
+                continue
+            # the values as sent (Python ints); null, not NaN, at the steps that did not carry the column
+            values = [table.column(c).to_pylist() for c in columns]
+            got = [v for step in zip(*values, strict=True) for v in step]  # step-major, tensors in order
+            want = expected[name].reshape(-1).tolist()
+            assert [v is None for v in got] == [math.isnan(w) for w in want], (layout, name)
+            assert all(type(v) is int and v == w for v, w in zip(got, want, strict=True) if v is not None)
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_an_all_nan_tensor_has_amax_nan_not_zero(client, monkeypatch, fmt):
+    # the runtime's amax ignores NaN (as Transformer Engine's: fmaxf from 0), so a tensor gone all NaN is
+    # sent with amax 0, the amax of a tensor of zeros; stored and exported it is NaN, so that the largest
+    # amax of a step where the run went NaN is NaN, not 0
+    run = create_run(client, 2)
+    stats = random_stats(np.random.default_rng(5), 4, 6)
+    stats["nonfinite"][2:, :] = stats["numel"][2:, :]  # steps 2-3: every tensor all NaN
+    stats["amax"][2:, :] = 0.0
+    stats["nonfinite"][1, 0] = 7.0  # a few NaN elements: the amax of the others, as sent
+    stats["amax"][1, 3] = 0.0  # a tensor of zeros: amax 0
+    stats["amax"][1, 4], stats["nonfinite"][1, 4] = np.inf, 4096.0  # all Inf: amax Inf
+    body = batch_body("k", [1, 2, 3, 4], stats, encoding="float64")
+    assert client.post(f"{API}/runs/{run['id']}/telemetry", json=body).status_code == 200
+    want = stats["amax"].copy()
+    want[2:, :] = np.nan
+
+    def exported(run_id):
+        rows = _table(_get(client, run_id, format=fmt, table="stats"), fmt)
+        return np.array([_f(x["amax"]) for x in rows]).reshape(4, 6)
+
+    amax = exported(run["id"])
+    np.testing.assert_array_equal(amax, want)
+    assert np.isnan(amax[2:].max(axis=1)).all() and np.isfinite(amax[:2, [0, 1, 2, 5]]).all()
+    # the dashboard's JSON reads the same stored value
+    heat = client.get(f"{API}/runs/{run['id']}/heatmap", params={"metric": "amax"}).json()
+    assert heat["bucket_width"] == 1 and all(row[2:] == ["NaN", "NaN"] for row in heat["values"])
+    # a run stored before the service stored it so (0 in its rows) is exported with NaN as well
+    monkeypatch.setattr(ingest, "stored_amax", lambda amax, numel, nonfinite: amax)
+    old = create_run(client, 2)
+    assert client.post(f"{API}/runs/{old['id']}/telemetry", json=body).status_code == 200
+    stored = client.get(f"{API}/runs/{old['id']}/heatmap", params={"metric": "amax"}).json()
+    assert all(row[2:] == [0.0, 0.0] for row in stored["values"])
+    np.testing.assert_array_equal(exported(old["id"]), want)

@@ -3,6 +3,7 @@ an advisory lock on PostgreSQL), so both come up on one schema instead of one dy
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 
 import httpx
@@ -41,3 +42,23 @@ def test_two_servers_start_together_on_a_fresh_database(db_url, tmp_path):
                 s.stop()
         if not db_url.startswith("sqlite"):
             break  # one fresh schema per test on PostgreSQL
+
+
+def test_another_process_on_the_sqlite_file_leaves_the_servers_log_alone(tmp_path):
+    """The migration lock must not drop the locks SQLite holds on the database file in the server's process
+    (closing any descriptor of a file drops all of a process's fcntl locks on it): another process would take
+    itself for the file's only user, miss the server's recent writes and checkpoint the log away under it."""
+    db = tmp_path / "shared.db"
+    with ServerProcess(f"sqlite:///{db}", log_path=tmp_path / "server.log") as server:
+        rid = httpx.post(f"{server.url}{API}/runs", json=run_body(1)).json()["id"]
+        other = sqlite3.connect(db)
+        try:
+            assert other.execute("SELECT id FROM runs").fetchall() == [(rid,)]
+        finally:
+            other.close()
+        # the server still has the log open: the other process did not take itself for the last user
+        assert db.with_name("shared.db-wal").exists()
+        r = httpx.post(f"{server.url}{API}/runs", json=run_body(1))
+        assert r.status_code == 201, (r.text, server.log_text())
+    with ServerProcess(f"sqlite:///{db}", log_path=tmp_path / "server.log") as server:  # all of it kept
+        assert [run["id"] for run in httpx.get(f"{server.url}{API}/runs").json()] == [rid + 1, rid]

@@ -196,3 +196,26 @@ def test_block_histogram_sums_migration_sums_the_sealed_blocks_stored_before_it(
             assert conn.execute(text("SELECT max(level) FROM block_histograms")).scalar() == 8
     finally:
         engine.dispose()
+
+
+def test_run_notes_migration_adds_empty_notes_and_goes_back_in_place(db_url):
+    """0010 adds `runs.notes` ("" for the runs there were); going back drops it without rebuilding `runs`
+    (on SQLite a rebuild would cascade into the tables that reference it)."""
+    engine = make_engine(db_url)
+    try:
+        with at_revision(engine, "0009") as connection:
+            insert_run(connection, "finished", num_tensors=1, steps_stored=1)
+            connection.execute(text("INSERT INTO tensors VALUES (1, 0, 'fc.input', 'fc', 'input', 'e4m3')"))
+        upgrade_to_head(engine)
+        with engine.begin() as conn:
+            assert conn.execute(text("SELECT name, notes FROM runs")).one() == ("old", "")
+            conn.execute(text("UPDATE runs SET notes = 'kept until the downgrade'"))
+        cfg = alembic_config()
+        with engine.begin() as connection:
+            cfg.attributes["connection"] = connection
+            command.downgrade(cfg, "0009")
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT name FROM runs")).scalar() == "old"
+            assert conn.execute(text("SELECT count(*) FROM tensors")).scalar() == 1
+    finally:
+        engine.dispose()

@@ -34,10 +34,12 @@ def wait_stream(page: Any, path: str, timeout: float = 10_000) -> None:
 
 
 def open_run(page: Any, url: str, run_id: int | str, *, stream: bool = True) -> None:
-    """Open the page of run `run_id` and wait until its heatmap and curves are drawn and, with `stream`, its
-    event stream is connected."""
+    """Open the page of run `run_id` and wait until its heatmap and curves are drawn, its verdict line is
+    complete and, with `stream`, its event stream is connected."""
     page.goto(f"{url}/#/runs/{run_id}")
     wait_drawn(page, "heatmap", "curves")
+    # the verdict under the header has its incidents: nothing above the plots moves after this
+    page.wait_for_selector("#run-verdict[data-kind]")
     if stream:
         wait_stream(page, f"/runs/{run_id}/stream")
 

@@ -59,6 +59,21 @@ def test_a_real_nan_run_on_the_run_page_the_drill_down_and_the_comparison(server
     # the run page: the heatmap marks, from the injection on, every tensor with non-finite elements; the
     # first marked cell of the step is the poisoned input, the layers before it in the forward pass clean
     open_run(page, server.url, bad, stream=False)
+    # the verdict under the header: the run ended on a NaN loss (not a green "finished"), its incident named
+    # with the tensor and step where the NaN began
+    page.wait_for_selector("#run-verdict .verdict-item")
+    head = page.text_content("#run-verdict .verdict-head")
+    assert head.startswith(f"Finished at step {STEPS}, with a NaN loss from step {NAN_STEP} to the end"), head
+    assert page.get_attribute("#run-verdict", "data-kind") == "bad"
+    assert page.text_content(".run-head .badge.bad") == "finished, loss NaN"
+    assert not page.locator(".run-head .badge.ok").count()
+    item = page.text_content("#run-verdict .verdict-item")
+    assert f"{LAYER}.input at step {NAN_STEP}" in item, item
+    # and so says the runs list
+    page.goto(f"{server.url}/#/?q=nan-twin-poisoned")
+    page.wait_for_function("() => document.querySelectorAll('#runs-table tbody tr').length === 1")
+    assert page.text_content("#runs-table tbody tr .badge.bad") == "finished, loss NaN"
+    open_run(page, server.url, bad, stream=False)
     # the learning rate is never negative: its axis starts at 0 (autorange pads below the lowest value)
     start = page.evaluate("document.getElementById('curves')._fullLayout.yaxis3.range[0]")
     assert start == 0, start
@@ -66,8 +81,11 @@ def test_a_real_nan_run_on_the_run_page_the_drill_down_and_the_comparison(server
         "() => (document.getElementById('heatmap').data || []).some(t => t.name === 'non-finite elements')"
     )
     assert "non-finite elements present" in page.text_content("#heatmap-info")
-    marked = marks(page, "heatmap", "non-finite elements")
-    assert min(min(steps) for steps in marked.values()) == NAN_STEP
+    # a cell of a tensor with NaN/Inf elements is marked as such, or, where the tensor is all NaN (it has no
+    # amax: NaN), drawn in NaN's colour
+    partly, gone = (marks(page, "heatmap", trace) for trace in ("non-finite elements", "NaN"))
+    marked = {name: partly.get(name, set()) | gone.get(name, set()) for name in partly.keys() | gone.keys()}
+    assert gone and min(min(steps) for steps in marked.values()) == NAN_STEP
     assert NAN_STEP in marked[f"{LAYER}.input"]
     assert NAN_STEP not in marked.get("blocks.0.attn.qkv.input", set())
     assert NAN_STEP not in marked.get("blocks.0.attn.qkv.weight", set())

@@ -54,7 +54,10 @@ def test_postmortem_and_comparison(server, page):
     page.wait_for_selector("#first-nonfinite")
     assert page.text_content("#first-nonfinite .name") == "blocks.2.mlp.fc.weight"
     assert "at step 150" in page.text_content("#first-nonfinite")
-    assert "This run crashed." in page.text_content("#postmortem")
+    # how it ended: the verdict's line under the header, red
+    page.wait_for_selector("#run-verdict .verdict-head")
+    assert page.text_content("#run-verdict .verdict-head").startswith("Crashed at step")
+    assert page.get_attribute("#run-verdict", "data-kind") == "bad"
     page.click("#show-first-nonfinite")
     page.wait_for_function(
         "() => document.getElementById('heatmap-info').textContent.includes('buckets of 1 step ')"

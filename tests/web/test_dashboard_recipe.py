@@ -143,8 +143,9 @@ CELLS_ON_TOP = """() => {
 
 
 def test_in_force_table_is_never_drawn_under_the_change_form(server, page):
-    # the recipe panel is one column of two; its "In force" table has a column per setting, wider than its
-    # half of the panel at the tests' viewport: it scrolls in its own box, every cell reachable and on top
+    # the recipe panel is one column of two; its "In force" table has a column per setting, and the "Change"
+    # form comes under it, not beside it: every cell reachable and on top (tests/web/test_dashboard_layout.py:
+    # all of them in sight at 1280 px)
     run = create_run(server.url, "recipe-wide", 2)
     post_steps(server.url, run["id"], "a", 0, smooth_stats(5, 6))
     open_run(page, server.url, run["id"])

@@ -3,12 +3,12 @@
 // per tensor (matched by name) over the step range both cover, with the same bucket layout on both sides,
 // and its mean per layer and role. Where a run went non-finite it says so: its loss (any scalar) as bands in
 // the run's colour, and the difference's cells where either tensor had NaN/Inf elements marked (an amax
-// ignores NaN, so a tensor gone all NaN has an amax of 0 and no ratio to draw).
+// ignores NaN, so a tensor with a few has a normal one; a tensor gone all NaN has none, NaN).
 
 import { api, num } from "./api.js";
 import { configText, flattenConfig } from "./config.js";
 import { el, fmt, plotly, plotlyText, replace } from "./dom.js";
-import { ROLE_ORDER, SPECIAL, fetchHeatmap } from "./heatmap.js";
+import { ROLE_ORDER, SPECIAL, drawStepAxis, fetchHeatmap, rowHeight, scrollRoom } from "./heatmap.js";
 import { bandShapes, finiteNear, nonfiniteSpans, spanMarkers } from "./nonfinite.js";
 import { appliedChanges, changeLines, changeMarkers } from "./recipe.js";
 
@@ -142,6 +142,9 @@ export async function mountCompare(container, { runs: runIds = [], a = null, b =
     return select;
   };
   const diffPlot = el("div", { id: "compare-diff" });
+  // the step axis of a difference taller than its box, stuck to the box's bottom (as on the run page)
+  const diffAxis = el("div", { id: "compare-diff-axis", class: "heatmap-axis", "aria-hidden": "true", hidden: true });
+  const diffBox = el("div", { class: "heatmap-scroll" }, diffPlot, diffAxis);
   const layerTable = el("table", { id: "compare-diff-layers", class: "config", hidden: true });
   const metricPick = el("select", { id: "compare-metric", "aria-label": "metric of the difference" },
     Object.keys(DIFF_METRICS).map((m) => el("option", { value: m, selected: m === diffMetric }, m)));
@@ -157,7 +160,7 @@ export async function mountCompare(container, { runs: runIds = [], a = null, b =
     el("section", { class: "panel" }, el("h2", { id: "compare-diff-title" }, `Heatmap difference: ${DIFF_METRICS[diffMetric].title}`),
       el("div", { class: "controls" }, el("label", {}, "A ", pick(pairA, "a")), el("label", {}, "B ", pick(pairB, "b")), metricPick),
       el("p", { class: "muted", id: "compare-diff-info" }),
-      el("div", { class: "heatmap-scroll" }, diffPlot), layerTable));
+      diffBox, layerTable));
   if (chosen.length < 2) {
     info.textContent = "Pick at least two runs.";
     return { destroy() {} };
@@ -279,7 +282,8 @@ export async function mountCompare(container, { runs: runIds = [], a = null, b =
   const w = pa.bucket_width;
   const x0 = Math.floor(pa.bucket_start[0] / w) * w + w / 2;
   const R = diff.shared.length;
-  const rowH = Math.max(3, Math.min(18, Math.floor(640 / Math.max(1, R))));
+  // rows that fit the box where they can: its step ticks then show above the table below it, not under it
+  const rowH = rowHeight(R, scrollRoom(diffBox), 60);
   const every = Math.max(1, Math.ceil(11 / rowH));
   let lim = 0;
   for (const row of diff.z) for (const v of row) if (v !== null) lim = Math.max(lim, Math.abs(v));
@@ -316,6 +320,8 @@ export async function mountCompare(container, { runs: runIds = [], a = null, b =
       return changeLines(changes[i].filter((c) => c.step >= from && c.step <= to), COLOURS[i]);
     }),
   }, { displaylogo: false, responsive: true });
+  drawStepAxis(diffAxis, diffPlot, diffBox);
+  diffPlot.on("plotly_afterplot", () => drawStepAxis(diffAxis, diffPlot, diffBox));
   // the same differences per layer and role, averaged over the buckets both runs have
   const means = layerMeans(diff);
   const signed = (v) => (Math.abs(v) < 0.005 ? "0.00" : `${v > 0 ? "+" : ""}${v.toFixed(2)}`); // no "-0.00"

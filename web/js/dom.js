@@ -97,9 +97,17 @@ export function badge(text, kind = "") {
   return el("span", { class: `badge ${kind}` }, text);
 }
 
-/** A run's status as a badge: interrupted (Ctrl-C) is a warning, crashed and halted (a non-finite loss) bad. */
-export function statusBadge(status) {
+/** A run's status as a badge: interrupted (Ctrl-C) is a warning, crashed and halted (a non-finite loss) bad.
+ * Given the run's last loss: a run that ended on a non-finite loss is not a green "finished" (it diverged,
+ * whatever the job said at its end). */
+export function statusBadge(status, lastLoss = undefined) {
   const kind = { running: "info", finished: "ok", interrupted: "warn", crashed: "bad", halted: "bad" };
+  const loss = typeof lastLoss === "string" ? Number(lastLoss) : lastLoss;
+  if (status !== "running" && typeof loss === "number" && !Number.isFinite(loss)) {
+    const b = badge(`${status}, loss ${fmt(loss)}`, "bad");
+    b.title = `the run ended with a non-finite loss (${fmt(loss)})`;
+    return b;
+  }
   return badge(status, kind[status] || "");
 }
 

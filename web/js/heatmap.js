@@ -42,7 +42,7 @@ export const SPECIAL = {
   3: ["-Inf", "#00bcd4"],
   4: ["saturated (values lost at the FP8 max)", "#ff7f00"],
   // a cell whose tensor had NaN/Inf elements (the nonfinite count), whatever the metric shows there: an amax
-  // ignores NaN, so a tensor gone all NaN has an amax of 0 (an empty cell) and one with a few a normal one
+  // ignores NaN, so a tensor with a few has a normal one (a tensor gone all NaN has none: stored as NaN)
   5: ["non-finite elements", "#ff00ff", "square-open"],
 };
 /** Per FP8 format, the headroom below which values were lost to saturation: log2(FP8 max / the value where a
@@ -71,6 +71,40 @@ export async function fetchHeatmap(runId, params) {
 
 /** Side in pixels of the square marking a non-finite cell, for rows `rowH` pixels high. */
 const markerSize = (rowH) => Math.max(6, Math.min(14, rowH + 2));
+
+/** The height in pixels scroll box `box` shows of what it holds (its max-height less its borders); Infinity
+ * where it has no max-height. */
+export function scrollRoom(box) {
+  const style = getComputedStyle(box);
+  const max = parseFloat(style.maxHeight);
+  if (!Number.isFinite(max)) return Infinity;
+  return max - parseFloat(style.borderTopWidth) - parseFloat(style.borderBottomWidth);
+}
+
+/** Row height in pixels of a heatmap of `R` rows, `margins` pixels of plot above and below them, in a scroll
+ * box `room` pixels high: about 640 px of rows (18 px each at most, 3 at least), fewer where that is what
+ * fits the box, so that a plot that can fit shows whole, its step axis and last row included, with no
+ * scrolling and no axis strip over its bottom rows (a 48-tensor run on a laptop screen). */
+export function rowHeight(R, room, margins) {
+  const fit = Math.min(640, room - margins);
+  return Math.max(3, Math.min(18, Math.floor(fit / Math.max(1, R))));
+}
+
+/** Copy plot `gd`'s step ticks into `strip`, a bar stuck to the bottom of the scroll box `box` that holds
+ * both (`.heatmap-axis`: with hundreds of rows the plot's own axis is scrolled out of sight), at the same
+ * horizontal positions; the strip is hidden while the whole plot fits in the box (its own axis is then in
+ * sight: two would show). Call after every redraw of `gd`. */
+export function drawStepAxis(strip, gd, box) {
+  const ax = gd._fullLayout && gd._fullLayout.xaxis;
+  if (!ax || !ax._vals) return;
+  strip.hidden = gd.getBoundingClientRect().height <= scrollRoom(box);
+  if (strip.hidden) return;
+  const ticks = ax._vals.map((t) => {
+    const x = ax._offset + ax.l2p(t.x);
+    return el("span", { class: "tick", style: `left: ${x.toFixed(1)}px` }, t.text.replace(/<[^>]*>/g, ""));
+  });
+  replace(strip, ...ticks, el("span", { class: "axis-title", style: `left: ${(ax._offset + ax._length / 2).toFixed(0)}px` }, "step"));
+}
 
 /** Aggregate cells the way the server's buckets do (NaN propagates). */
 function aggregate(how, values) {
@@ -103,8 +137,8 @@ export function colourRange(metric, z) {
 /** (colour value or null, overlay code or null) of a raw cell value for `metric`. */
 export function cellColour(metric, v, isEmpty) {
   if (isEmpty) return [null, null];
-  // an amax of 0 (a tensor of zeros, or one gone all NaN, which its own mark shows) has nothing to saturate:
-  // no colour, not the "+Inf" of a value gone infinite
+  // an amax of 0 (a tensor of zeros) has nothing to saturate: no colour, not the "+Inf" of a value gone
+  // infinite
   if (metric === "headroom" && v === Infinity) return [null, null];
   if (Number.isNaN(v)) return [null, 1];
   if (v === Infinity) return [null, 2];
@@ -178,7 +212,8 @@ export class Heatmap {
     this.info = el("span", { class: "muted", id: "heatmap-info" });
     this.plot = el("div", { id: "heatmap", class: "heatmap-plot" });
     // the step axis, stuck to the bottom of the scroll box: with hundreds of rows the plot's own axis is
-    // scrolled out of sight (it is drawn from the plot's computed ticks after every redraw)
+    // scrolled out of sight (it is drawn from the plot's computed ticks after every redraw); a plot that can
+    // fit the box is sized to (`rowHeight`), so the strip never covers the rows of one that does not need it
     this.axis = el("div", { id: "heatmap-axis", class: "heatmap-axis", "aria-hidden": "true" });
     this.scroller = el("div", { class: "heatmap-scroll" }, this.plot, this.axis);
     container.append(
@@ -328,7 +363,7 @@ export class Heatmap {
   /** Row height in pixels, plot height, and the rows labelled on the y axis ([[row, label]]). */
   geometry(rows) {
     const R = rows.length;
-    const rowH = R > 0 ? Math.max(3, Math.min(18, Math.floor(640 / R))) : 18;
+    const rowH = R > 0 ? rowHeight(R, scrollRoom(this.scroller), MARGIN.t + MARGIN.b) : 18;
     const height = Math.max(160, R * rowH + MARGIN.t + MARGIN.b);
     const every = Math.max(1, Math.ceil(11 / rowH)); // keep tick labels at least 11 px apart
     const labels = [];
@@ -500,19 +535,9 @@ export class Heatmap {
     });
   }
 
-  /** Copy the plot's step ticks into the sticky axis strip, at the same horizontal positions; the strip is
-   * hidden while the whole plot fits in its scroll box (its own axis is then in sight: two would show). */
+  /** The plot's step ticks in the sticky axis strip (shown only while the plot is taller than its box). */
   drawAxis() {
-    const ax = this.plot._fullLayout && this.plot._fullLayout.xaxis;
-    if (!ax || !ax._vals) return;
-    const room = parseFloat(getComputedStyle(this.scroller).maxHeight);
-    this.axis.hidden = Number.isFinite(room) && this.plot.getBoundingClientRect().height <= room;
-    if (this.axis.hidden) return;
-    const ticks = ax._vals.map((t) => {
-      const x = ax._offset + ax.l2p(t.x);
-      return el("span", { class: "tick", style: `left: ${x.toFixed(1)}px` }, t.text.replace(/<[^>]*>/g, ""));
-    });
-    replace(this.axis, ...ticks, el("span", { class: "axis-title", style: `left: ${(ax._offset + ax._length / 2).toFixed(0)}px` }, "step"));
+    drawStepAxis(this.axis, this.plot, this.scroller);
   }
 
   /** Load the hover companions (scale and counts) for the current bucket layout, once per layout. */

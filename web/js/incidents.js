@@ -13,10 +13,14 @@ export class IncidentsPanel {
    * @param runId the run
    * @param onChange called with the alerts (full, newest first) after every change
    * @param focus an incident id to open and scroll to (from #/runs/<id>?incident=<id>), or null
+   * @param onIncidents called with (incidents, null) after every change once they have loaded, or with
+   *   (null, error) while the first load has failed (the verdict)
    */
-  constructor(container, runId, { onChange, focus = null }) {
+  constructor(container, runId, { onChange, focus = null, onIncidents = () => {} }) {
     this.runId = runId;
+    this.container = container;
     this.onChange = onChange;
+    this.onIncidents = onIncidents;
     this.focus = focus === null || focus === undefined ? null : Number(focus);
     this.alerts = new Map(); // id -> alert (as GET /alerts gives it)
     this.incidents = new Map(); // id -> incident (as GET /incidents gives it)
@@ -38,6 +42,7 @@ export class IncidentsPanel {
       this.incidents = new Map(incidents.map((i) => [i.id, i]));
       this.alerts = new Map(alerts.map((a) => [a.id, a]));
       this.loadError = null;
+      this.loaded = true;
     } catch (err) {
       this.loadError = err; // shown in the list; what was loaded before (and live alerts) stay
     }
@@ -46,6 +51,19 @@ export class IncidentsPanel {
       const item = this.list.querySelector(`li.incident[data-incident-id='${this.focus}']`);
       if (item) item.scrollIntoView({ block: "center" });
     }
+  }
+
+  /** Open incident `id` (its alerts unfolded, highlighted) and scroll to it; null: to the panel. */
+  reveal(id) {
+    if (id === null) {
+      this.container.scrollIntoView({ block: "start" });
+      return;
+    }
+    this.focus = id;
+    this.expanded.add(id);
+    this.fill();
+    const item = this.list.querySelector(`li.incident[data-incident-id='${id}']`);
+    (item || this.container).scrollIntoView({ block: "start" });
   }
 
   upsertAlert(alert) {
@@ -96,6 +114,8 @@ export class IncidentsPanel {
       replace(this.list, failed, incidents.map((i) => this.incidentItem(i, reason)), orphans.map((a) => el("li", { class: "incident orphan" }, el("ul", { class: "alerts" }, this.alertItem(a, reason, false)))));
     }
     this.onChange(this.all().sort((a, b) => b.id - a.id));
+    if (this.loaded) this.onIncidents(incidents, null);
+    else if (this.loadError) this.onIncidents(null, this.loadError);
   }
 
   incidentItem(i, reason) {

@@ -1,6 +1,7 @@
 // Where something went non-finite, as spans of consecutive steps: a loss that became NaN (one band per span,
 // not a line per step), a tensor whose statistics counted NaN/Inf elements. An amax ignores NaN, so a
-// tensor gone all NaN reports an amax of 0: the non-finite counts, not the amax, say where it happened.
+// tensor with a few keeps a normal one (and one gone all NaN has none, NaN): the non-finite counts, not the
+// amax, say where it happened.
 
 import { plotlyText } from "./dom.js";
 

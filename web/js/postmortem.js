@@ -7,7 +7,6 @@ import { el, fmt, plotly, plotlyText, replace } from "./dom.js";
 
 const SPIKE_WINDOW = 64; // steps shown before a spike when no flight recorder came with it
 const MAX_TIMELINES = 6;
-const ENDED = { finished: "finished", crashed: "crashed", interrupted: "was interrupted", halted: "was halted" };
 const MAX_STRIPS = 12; // series drawn per timeline (a flight recorder may carry any number)
 const STRIP_PX = 48; // height of one series' strip
 const STRIP_GAP = 0.18; // of a strip, left empty below it
@@ -104,13 +103,12 @@ export class PostMortem {
       spikes.set(a.first_step, s);
     }
     const list = [...spikes.values()].sort((a, b) => a.step - b.step).slice(0, MAX_TIMELINES);
-    const finished = run.status !== "running";
-    this.container.hidden = !first && !list.length && !finished;
-    const key = JSON.stringify([first, list.map((s) => [s.step, Boolean(s.event), Boolean(s.alert)]), run.status]);
+    // how the run ended is the verdict's line under the header: this panel shows only what it adds
+    this.container.hidden = !first && !list.length;
+    const key = JSON.stringify([first, list.map((s) => [s.step, Boolean(s.event), Boolean(s.alert)])]);
     if (key === this.drawnSpikes) return;
     this.drawnSpikes = key;
     const parts = [];
-    if (finished) parts.push(el("p", { class: "muted" }, `This run ${ENDED[run.status] || `ended (${run.status})`}.`));
     if (first) {
       const label = `first non-finite: ${first.name} at step ${first.step}`;
       const go = el("button", { type: "button", class: "small", id: "show-first-nonfinite" }, "Show in heatmap");
@@ -121,8 +119,6 @@ export class PostMortem {
       parts.push(el("div", { class: "first-nonfinite", id: "first-nonfinite" },
         el("b", {}, "First non-finite value: "), el("span", { class: "name" }, first.name), ` at step ${first.step} `, go));
       if (first.tensorIndex !== null && first.tensorIndex !== undefined) this.heatmap.setMarker({ step: first.step, tensorIndex: first.tensorIndex, label });
-    } else {
-      parts.push(el("p", { class: "muted" }, "No non-finite value recorded."));
     }
     const timelines = el("div", { class: "timelines" });
     if (list.length) parts.push(el("h3", {}, "Before each loss spike"), timelines);

@@ -80,10 +80,11 @@ export class RecipeEditor {
     this.trail = el("tbody");
     this.form = this.buildForm();
     store.subscribe("commands", () => this.fill()); // POST answers, the stream and reloads all land there
+    // the recipe in force above the form, not beside it: its table has a column per setting, which half of
+    // this panel (itself half of the page) cannot show whole at a laptop's 1280 px
     container.append(
-      el("div", { class: "two-col" },
-        el("div", {}, el("h3", {}, "In force"), this.effective),
-        el("div", {}, el("h3", {}, "Change"), this.note, this.form, this.error)),
+      el("h3", {}, "In force"), this.effective,
+      el("h3", {}, "Change"), this.note, this.form, this.error,
       el("h3", {}, "Audit trail"),
       el("table", { id: "commands-table", class: "commands" },
         el("thead", {}, el("tr", {}, ...["#", "created", "by", "target", "change", "replaced", "state", ""].map((h) => el("th", {}, h)))),

@@ -14,6 +14,8 @@ import { RecipeEditor, appliedChanges, changeLines, changeMarkers } from "./reci
 import { RunStore } from "./store.js";
 import { configText, flattenConfig, parseTags } from "./config.js";
 import { downloadMenu } from "./download.js";
+import { Verdict } from "./verdict.js";
+import { mountNotes } from "./notes.js";
 
 function stepSeen(runId, step) {
   const key = `${runId}:${step}`;
@@ -66,20 +68,84 @@ function eventText(e) {
 
 const CURVES_HEIGHT = 340;
 const CURVES_MARGIN = { l: 60, r: 60, t: 10, b: 40 };
+const CURVES_KEY = "fp8scope.curves"; // the curves' smoothing and log-y, kept across pages and reloads
 
-/** Loss, lr and grad-norm curves; live loss points are appended; markers for spikes and alerts. */
+/** The loss smoothed as TensorBoard does: an exponential moving average with weight `w` on the past,
+ * debiased at the start (so the first points are not pulled towards 0); a non-finite value is skipped
+ * (null where it stands) and the average carries on past it. */
+export function smoothed(values, w) {
+  if (!(w > 0)) return values.map((v) => (Number.isFinite(v) ? v : null));
+  let avg = 0;
+  let n = 0;
+  return values.map((v) => {
+    if (!Number.isFinite(v)) return null;
+    avg = w * avg + (1 - w) * v;
+    n += 1;
+    return avg / (1 - w ** n);
+  });
+}
+
+/** Loss, lr and grad-norm curves; live loss points are appended; markers for spikes and alerts. The loss
+ * can be smoothed and drawn on a log axis; the grad-norm panel is drawn only when the run sent a grad norm. */
 class Curves {
   /** With `firstPaint`, the first data is drawn on a canvas at once (before plotly.js loads), then
-   * `firstPaint(painted)` is called. */
-  constructor(container, runId, onDrawn, firstPaint = null) {
+   * `firstPaint(painted)` is called. `onLoss(loss)` is called with the loss series whenever it changes. */
+  constructor(container, runId, onDrawn, firstPaint = null, onLoss = () => {}) {
     this.runId = runId;
     this.onDrawn = onDrawn;
     this.firstPaint = firstPaint;
+    this.onLoss = onLoss;
+    this.view = { smoothing: 0, logY: false };
+    try {
+      Object.assign(this.view, JSON.parse(localStorage.getItem(CURVES_KEY) || "{}"));
+    } catch {
+      // a value this page did not write: the defaults
+    }
+    this.view.smoothing = Math.min(0.99, Math.max(0, Number(this.view.smoothing) || 0));
+    this.view.logY = this.view.logY === true;
     this.plot = el("div", { id: "curves", class: "curves-plot" });
-    container.append(this.plot);
+    container.append(this.controls(), this.plot);
     this.loss = { steps: [], values: [] };
+    this.grad = { steps: [], values: [] };
     this.markers = [];
     this.changes = [];
+  }
+
+  /** The smoothing slider and the log-y box above the plot. */
+  controls() {
+    const shown = el("span", { id: "curves-smoothing-value", class: "num" }, this.view.smoothing.toFixed(2));
+    const slider = el("input", {
+      id: "curves-smoothing", type: "range", min: 0, max: 0.99, step: 0.01, value: this.view.smoothing,
+      "aria-label": "loss smoothing", title: "exponential moving average of the loss (0: none)",
+      oninput: (ev) => {
+        this.view.smoothing = Number(ev.target.value);
+        shown.textContent = this.view.smoothing.toFixed(2);
+        this.saveView();
+      },
+    });
+    const logY = el("input", {
+      id: "curves-log-y", type: "checkbox", checked: this.view.logY,
+      onchange: (ev) => {
+        this.view.logY = ev.target.checked;
+        this.saveView();
+      },
+    });
+    return el("div", { class: "controls curves-controls" },
+      el("label", {}, "smoothing ", slider, " ", shown), el("label", {}, logY, " log y (loss)"));
+  }
+
+  saveView() {
+    try {
+      localStorage.setItem(CURVES_KEY, JSON.stringify(this.view));
+    } catch {
+      // storage off: the view holds for this page
+    }
+    if (this.drawn) this.draw();
+  }
+
+  /** Whether the run sent a grad norm at all (no panel of made-up axes when it did not). */
+  hasGrad() {
+    return this.grad.values.some((v) => Number.isFinite(v));
   }
 
   /** The applied recipe changes ({step, text}): a marker on the loss and a line across the plot each. */
@@ -97,6 +163,7 @@ class Curves {
     this.loss = take("loss");
     this.lr = take("lr");
     this.grad = take("grad_norm");
+    this.onLoss(this.loss);
     if (this.firstPaint && !this.drawn) {
       const painted = this.firstPaint;
       this.firstPaint = null;
@@ -111,10 +178,9 @@ class Curves {
     if (this.dead) return;
     this.preview = curvesPreview({
       width: this.plot.clientWidth || 900, height: CURVES_HEIGHT, margin: CURVES_MARGIN,
-      lines: [
-        { ...this.loss, colour: "#1f77b4", domain: [0.4, 1] },
-        { ...this.grad, colour: "#2ca02c", domain: [0, 0.32] },
-      ],
+      lines: this.hasGrad()
+        ? [{ ...this.loss, colour: "#1f77b4", domain: [0.4, 1] }, { ...this.grad, colour: "#2ca02c", domain: [0, 0.32] }]
+        : [{ ...this.loss, colour: "#1f77b4", domain: [0, 1] }],
     });
     this.plot.before(this.preview);
   }
@@ -144,9 +210,19 @@ class Curves {
     const others = (this.markers.others || []).map((a) => ({ a, y: this.lossAt(a.first_step) }));
     const marks = (this.markers.marks || []).map((m) => ({ ...m, y: this.lossAt(m.step) }));
     const val = this.markers.val || { steps: [], values: [] };
+    const grad = this.hasGrad();
+    const smooth = this.view.smoothing > 0;
+    // the raw loss stays the first trace (live points are appended to it); faded under its smoothed line
     const traces = [
-      { type: "scatter", mode: "lines", name: "loss", x: this.loss.steps, y: this.loss.values.map(clean), line: { color: "#1f77b4", width: 1.5 } },
-      { type: "scatter", mode: "lines", name: "grad norm", x: this.grad.steps, y: this.grad.values.map(clean), yaxis: "y2", line: { color: "#2ca02c", width: 1 } },
+      {
+        type: "scatter", mode: "lines", name: "loss", x: this.loss.steps, y: this.loss.values.map(clean),
+        line: { color: "#1f77b4", width: smooth ? 1 : 1.5 }, opacity: smooth ? 0.3 : 1,
+      },
+      {
+        type: "scatter", mode: "lines", name: `loss (smoothed ${this.view.smoothing.toFixed(2)})`, x: this.loss.steps,
+        y: smoothed(this.loss.values, this.view.smoothing), line: { color: "#1f77b4", width: 1.8 }, visible: smooth,
+      },
+      { type: "scatter", mode: "lines", name: "grad norm", x: this.grad.steps, y: this.grad.values.map(clean), yaxis: "y2", line: { color: "#2ca02c", width: 1 }, visible: grad },
       { type: "scatter", mode: "lines", name: "lr", x: this.lr.steps, y: this.lr.values.map(clean), yaxis: "y3", line: { color: "#9467bd", width: 1, dash: "dot" } },
       {
         type: "scatter", mode: "markers", name: "loss spike", x: spikes.map((s) => s.step), y: spikes.map((s) => s.y),
@@ -174,17 +250,22 @@ class Curves {
     traces.push(changeMarkers(changes, changes.map((c) => this.lossAt(c.step)),
       { name: "recipe changes", visible: changes.length ? true : "legendonly" }));
     const spans = nonfiniteSpans(this.loss.steps, this.loss.values);
-    const shapes = [...bandShapes(spans, { y0: 0.4 }), ...changeLines(changes)];
+    const shapes = [...bandShapes(spans, { y0: grad ? 0.4 : 0 }), ...changeLines(changes)];
     traces.push(spanMarkers(spans, this.loss.steps, this.loss.values, "non-finite loss",
       { name: "non-finite loss", visible: spans.length ? true : "legendonly" }));
     const layout = {
       height: CURVES_HEIGHT,
       margin: CURVES_MARGIN,
-      xaxis: { title: { text: "step" }, anchor: "y2" },
-      yaxis: { title: { text: "loss" }, domain: [0.4, 1] },
-      yaxis2: { title: { text: "grad norm" }, domain: [0, 0.32] },
-      // never negative: the axis starts at 0 (autorange padded it to -0.0014 under an lr spike)
-      yaxis3: { title: { text: "lr" }, overlaying: "y2", side: "right", showgrid: false, range: constantRange(this.lr.values), rangemode: "tozero", exponentformat: "e" },
+      xaxis: { title: { text: "step" }, anchor: grad ? "y2" : "y" },
+      yaxis: { title: { text: "loss" }, domain: grad ? [0.4, 1] : [0, 1], type: this.view.logY ? "log" : "linear" },
+      // no grad norm sent: no panel for it (an empty one had axes made up by plotly)
+      yaxis2: { title: { text: "grad norm" }, domain: [0, 0.32], visible: grad },
+      // never negative: the axis starts at 0 (autorange padded it to -0.0014 under an lr spike); its title
+      // kept clear of its tick labels (automargin makes room for both)
+      yaxis3: {
+        title: { text: "lr", standoff: 6 }, overlaying: grad ? "y2" : "y", side: "right", showgrid: false,
+        range: constantRange(this.lr.values), rangemode: "tozero", exponentformat: "e", automargin: true,
+      },
       legend: { orientation: "h", y: 1.08 },
       shapes,
     };
@@ -214,6 +295,11 @@ class Curves {
     for (const p of points) {
       this.loss.steps.push(p.step);
       this.loss.values.push(p.loss);
+    }
+    this.onLoss(this.loss);
+    if (this.view.smoothing > 0) {
+      this.draw(); // the smoothed line follows
+      return;
     }
     window.Plotly.extendTraces(this.plot, { x: [points.map((p) => p.step)], y: [points.map((p) => (Number.isFinite(p.loss) ? p.loss : null))] }, [0]);
   }
@@ -459,7 +545,7 @@ class Layers {
           el("td", {}, badge(l.severity, SEVERITY_KIND[l.severity] || "")),
           el("td", { class: "num sqnr" }, sqnrText(l.sqnr_db)),
           el("td", { class: "num block-range" }, blockText(l.block_range, l.block_at_limit, l.block_zero)),
-          el("td", {}, reasonsList(l.reasons || [])),
+          el("td", { class: "reasons-cell" }, reasonsList(l.reasons || [])),
         ),
       ),
     );
@@ -496,22 +582,37 @@ export function errorRow(colspan, id, text) {
   return el("tr", { class: "error-row" }, el("td", { colspan, class: "error", id }, text));
 }
 
-/** A layer's reasons: the first three, the rest folded (a layer can collect dozens). */
+/** A layer's reasons folded into one line: the first, cut to the cell's width, and a button that unfolds
+ * the rest (a NaN run's 16 layers repeating every alert's text filled pages); a click on the line itself
+ * opens the layer's drill-down as anywhere on the row. */
 function reasonsList(reasons) {
   if (!reasons.length) return el("span", { class: "muted" }, "healthy");
-  const shown = el("ul", { class: "reasons" }, reasons.slice(0, 3).map((r) => el("li", {}, r)));
-  if (reasons.length <= 3) return shown;
-  const rest = el("details", { onclick: (ev) => ev.stopPropagation() }, el("summary", {}, `${reasons.length - 3} more`),
-    el("ul", { class: "reasons" }, reasons.slice(3).map((r) => el("li", {}, r))));
-  return [shown, rest];
+  const line = el("span", { class: "reason-line", title: reasons[0] }, reasons[0]);
+  if (reasons.length === 1) return el("div", { class: "reasons-fold" }, line);
+  const rest = el("ul", { class: "reasons", hidden: true }, reasons.slice(1).map((r) => el("li", {}, r)));
+  const more = el("button", {
+    type: "button", class: "small reasons-more", "aria-expanded": "false", title: "show every reason",
+    onclick: (ev) => {
+      ev.stopPropagation();
+      rest.hidden = !rest.hidden;
+      more.setAttribute("aria-expanded", String(!rest.hidden));
+      more.textContent = rest.hidden ? `+${reasons.length - 1}` : "less";
+    },
+  }, `+${reasons.length - 1}`);
+  return [el("div", { class: "reasons-fold" }, line, more), rest];
+}
+
+/** The drill-down's heading: the layer's name as it is spelled (not upper-cased as headings are), on one line. */
+function drillHead(layer) {
+  return el("h3", { class: "drill-head" }, "Layer ", el("span", { class: "name", id: "drilldown-layer", title: layer }, layer));
 }
 
 /** amax, scale, overflow, underflow, non-finite (and SQNR) lines of one layer's tensors; the steps where any
- * of them counted non-finite elements as bands across every panel (an amax ignores NaN: a tensor gone all NaN
- * shows an amax of 0, which the log axis leaves out, so the counts are what say where the values went). */
+ * of them counted non-finite elements as bands across every panel (a tensor gone all NaN has no amax: NaN,
+ * which the log axis leaves out, so the counts are what say where the values went). */
 async function drillDown(container, runId, layer, tensors) {
   const mine = tensors.filter((t) => t.layer === layer);
-  replace(container, el("h3", {}, "Layer ", el("span", { class: "name" }, layer)), el("p", { class: "muted" }, "loading…"));
+  replace(container, drillHead(layer), el("p", { class: "muted" }, "loading…"));
   // and the SQNR (dB) where the run sends the quality columns (a run without them stores no SQNR bucket)
   const metrics = ["amax", "scale", "overflow", "underflow", "nonfinite", "sqnr"];
   const maps = await Promise.all(metrics.map((metric) => fetchHeatmap(runId, { metric, max_cols: 600 })));
@@ -520,7 +621,7 @@ async function drillDown(container, runId, layer, tensors) {
     maps.pop();
   }
   const plot = el("div", { id: "drilldown-plot" });
-  replace(container, el("h3", {}, "Layer ", el("span", { class: "name" }, layer)), plot);
+  replace(container, drillHead(layer), plot);
   const traces = [];
   const colours = ["#1f77b4", "#ff7f0e", "#2ca02c"];
   const panels = metrics.length;
@@ -616,26 +717,37 @@ export async function mountRun(container, { runId, incident = null, metric = nul
   alertsPanel.id = "incidents";
   const recipePanel = panel("Recipe");
   recipePanel.id = "recipe";
+  // what went wrong first: the verdict under the header, the incidents before the per-layer table
+  const verdict = new Verdict((id) => alerts.reveal(id));
   replace(
     container,
     header,
-    postPanel,
+    verdict.node,
     curvesPanel,
     heatPanel,
-    blockPanel,
-    el("div", { class: "two-col" }, layersPanel, alertsPanel),
+    el("div", { class: "two-col" }, alertsPanel, layersPanel),
     drillPanel,
+    postPanel,
+    blockPanel,
     scalarsPanel,
     el("div", { class: "two-col" }, configPanel, recipePanel),
   );
 
   const downloads = downloadMenu(runId);
+  // a count in the header is a link to the incidents panel
+  const toIncidents = (id, count) => el("a", {
+    id, href: "#incidents", title: "show the incidents",
+    onclick: (ev) => {
+      ev.preventDefault();
+      alerts.reveal(null);
+    },
+  }, String(count));
   function renderHeader() {
     const r = store.get("run");
     replace(
       header,
       el("h1", { id: "run-name" }, r.name),
-      statusBadge(r.status),
+      statusBadge(r.status, r.last_loss),
       sourceBadge(r),
       el("span", { id: "run-tags-list", class: "tags" }, (r.tags || []).map((t) => el("a", { class: "tag", href: `#/?tag=${encodeURIComponent(t)}` }, t))),
       el("dl", { class: "facts" },
@@ -644,13 +756,16 @@ export async function mountRun(container, { runId, incident = null, metric = nul
         el("dt", {}, "steps stored"), el("dd", { id: "run-steps-stored" }, String(r.steps_stored)),
         el("dt", {}, "tensors"), el("dd", {}, String(r.num_tensors)),
         el("dt", {}, "host"), el("dd", {}, r.host || "–"),
-        el("dt", {}, "open incidents"), el("dd", { id: "run-open-incidents" }, String(r.open_incidents ?? 0)),
-        el("dt", {}, "open alerts"), el("dd", { id: "run-open-alerts" }, String(r.open_alerts))),
+        el("dt", {}, "open incidents"), el("dd", {}, toIncidents("run-open-incidents", r.open_incidents ?? 0)),
+        el("dt", {}, "open alerts"), el("dd", {}, toIncidents("run-open-alerts", r.open_alerts))),
       el("a", { href: `#/compare?a=${r.id}`, class: "small" }, "Compare with another run…"),
       downloads, // the same element each time: what is typed in it survives the header's redraws
     );
+    // run notes (web/js/notes.js): shown and edited under the verdict, the editor kept across its redraws
+    mountNotes(verdict.node, r, (run) => store.set("run", run));
   }
-  const curves = new Curves(curvesPanel, runId, onDrawn, preview ? firstFrames.curves : null);
+  const curves = new Curves(curvesPanel, runId, onDrawn, preview ? firstFrames.curves : null,
+    (loss) => verdict.setLoss(loss.steps, loss.values));
   const scalars = new Scalars(scalarsPanel, runId);
   const config = new ConfigPanel(configPanel, runId, (run) => store.set("run", run));
   const heatmap = new Heatmap(heatPanel, { runId, metric, onDrawn, firstPaint: preview ? firstFrames.heatmap : null });
@@ -667,6 +782,7 @@ export async function mountRun(container, { runId, incident = null, metric = nul
   const alerts = new IncidentsPanel(alertsPanel, runId, {
     focus: incident,
     onChange: (list) => store.set("alerts", list),
+    onIncidents: (list, err) => verdict.setIncidents(list, err),
   });
   // the alerts (kept by the incidents panel, which loads them and takes the live ones) as markers on the
   // curves, in the post-mortem, and counted at once in the layers' ranking
@@ -691,6 +807,7 @@ export async function mountRun(container, { runId, incident = null, metric = nul
   store.subscribe("run", (run) => {
     if (!run) return; // the first request failed: the page reports it
     renderHeader();
+    verdict.setRun(run);
     if (!ready) return;
     recipe.setRun(run);
     config.fill(run);

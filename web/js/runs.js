@@ -1,20 +1,56 @@
-// The runs list: newest first, with status, tags, chosen config values, last step, last loss, open incidents
-// and a loss sparkline; kept live by the all-runs event stream. Search by name, filters (status, tag, config
-// value), a page at a time; rename, retag and delete (control scope); up to 8 runs picked for a comparison.
+// The runs list: newest first, or sorted by the service by any column (a click on its header; again: the other
+// way), with status, tags, notes, chosen config values, created, duration, last step, last loss, open
+// incidents and a loss sparkline; kept live by the all-runs event stream. Search by name, filters (status,
+// tag, config value), a page at a time; the filters, the sort and the grouping are kept in the page's address;
+// rename, retag and delete (control scope); up to 8 runs picked for a comparison; grouped by a config value,
+// each group's mean loss with its band (groups.js).
 
 import { api, auth, num, qs, subscribe } from "./api.js";
 import { ago, badge, el, fmt, replace, sourceBadge, statusBadge, throttle } from "./dom.js";
 import { configText, configValue, parseTags } from "./config.js";
+import { mountGroups } from "./groups.js";
+import { shortNotes } from "./notes.js";
 
 export const MAX_COMPARE = 8;
 const PAGE = 100;
 const COLUMNS_KEY = "fp8scope.runColumns";
 
-/** Filters from the page's hash (#/?q=..&status=..&tag=..&config=k=v): links to a filtered list work. */
+/** Filters, sort and grouping from the page's hash (#/?q=..&status=..&tag=..&config=k=v&sort=-name&group=lr):
+ * links to a filtered, sorted or grouped list work. */
 function filtersFromHash() {
   const query = (location.hash.split("?")[1] || "");
   const p = new URLSearchParams(query);
-  return { q: p.get("q") || "", status: p.get("status") || "", tag: p.get("tag") || "", config: p.get("config") || "" };
+  const get = (k) => p.get(k) || "";
+  return { q: get("q"), status: get("status"), tag: get("tag"), config: get("config"), sort: get("sort"), group: get("group") };
+}
+
+/** The columns the service sorts by (GET /runs?sort=), by header; a config column sorts as "config:<key>". */
+const SORTS = { Run: "name", Status: "status", Created: "created", Duration: "duration", "Last step": "last_step",
+  "Last loss": "last_loss", "Open incidents": "open_incidents", "Last telemetry": "last_telemetry" };
+
+/** An ISO date as local "YYYY-MM-DD HH:MM". */
+export function dateTime(iso) {
+  if (!iso) return "–";
+  const d = new Date(iso);
+  const two = (n) => String(n).padStart(2, "0");
+  return `${d.getFullYear()}-${two(d.getMonth() + 1)}-${two(d.getDate())} ${two(d.getHours())}:${two(d.getMinutes())}`;
+}
+
+/** A run's duration in seconds: from its registration to its last telemetry (so a live run's grows); the
+ * service sorts by the same. */
+export function durationSeconds(run) {
+  const start = Date.parse(run.created_at);
+  return Math.max(0, (Date.parse(run.last_telemetry_at || run.created_at) - start) / 1000);
+}
+
+/** Seconds as "42 s", "12 min 05 s", "3 h 07 min", "2 d 4 h". */
+export function durationText(seconds) {
+  const s = Math.round(seconds);
+  const two = (n) => String(n).padStart(2, "0");
+  if (s < 60) return `${s} s`;
+  if (s < 3600) return `${Math.floor(s / 60)} min ${two(s % 60)} s`;
+  if (s < 86400) return `${Math.floor(s / 3600)} h ${two(Math.floor(s / 60) % 60)} min`;
+  return `${Math.floor(s / 86400)} d ${Math.floor(s / 3600) % 24} h`;
 }
 
 const SVG = "http://www.w3.org/2000/svg";
@@ -71,6 +107,7 @@ export async function mountRuns(container) {
   let columns = (localStorage.getItem(COLUMNS_KEY) || "").split(",").map((c) => c.trim()).filter(Boolean);
   let next = null; // cursor of the next page
   let shown = 1; // pages shown
+  let sort = filters.sort; // "" (newest first), "<column>" or "-<column>" (descending)
 
   const tbody = el("tbody");
   const thead = el("thead");
@@ -84,20 +121,53 @@ export async function mountRuns(container) {
   const tagFilter = el("input", { id: "runs-tag", type: "search", placeholder: "tag", value: filters.tag, size: 12, "aria-label": "tag" });
   const configFilter = el("input", { id: "runs-config", type: "search", placeholder: "config key=value", value: filters.config, size: 18, "aria-label": "config filter" });
   const columnsInput = el("input", { id: "runs-columns", type: "text", placeholder: "config columns, e.g. lr, model.n_layer", value: columns.join(", "), size: 30, "aria-label": "config columns" });
+  const groupInput = el("input", { id: "runs-group", type: "search", placeholder: "config key, e.g. lr", value: filters.group, size: 14, "aria-label": "group by config key" });
   const readonly = el("p", { class: "muted readonly-note", id: "runs-readonly" });
+  const groupsHost = el("div", { id: "runs-groups" });
   replace(
     container,
     el("section", { class: "panel" },
       el("div", { class: "panel-head" }, el("h2", {}, "Runs"), compareButton),
-      el("div", { class: "controls", id: "runs-filters" }, search, status, tagFilter, configFilter, el("label", { class: "muted" }, "columns ", columnsInput)),
+      el("div", { class: "controls", id: "runs-filters" }, search, status, tagFilter, configFilter, el("label", { class: "muted" }, "columns ", columnsInput),
+        el("label", { class: "muted" }, "group by ", groupInput)),
       readonly, error,
-      el("table", { class: "runs", id: "runs-table" }, thead, tbody),
+      el("div", { class: "table-scroll" }, el("table", { class: "runs", id: "runs-table" }, thead, tbody)),
       empty, more),
+    groupsHost,
   );
+  const groups = mountGroups(groupsHost);
+
+  /** A header cell; a sortable one sorts the list by its column on a click (again: the other way round). */
+  function headCell(label, key, cls = "") {
+    if (!key) return el("th", { class: cls }, label);
+    const on = sort === key || sort === `-${key}`;
+    const descending = sort === `-${key}`;
+    return el("th", { class: `${cls} sortable`.trim(), dataset: { sort: key }, "aria-sort": on ? (descending ? "descending" : "ascending") : "none",
+      title: `sort by ${label}${on && !descending ? ", descending" : ""}`, onclick: () => setSort(on && !descending ? `-${key}` : key) },
+    label, on ? el("span", { class: "sort-mark" }, descending ? " ▼" : " ▲") : null);
+  }
 
   function renderHead() {
-    replace(thead, el("tr", {}, ...["", "Run", "Status", "Tags", ...columns, "Last step", "Last loss", "Open incidents", "Loss", "Last telemetry", ""].map((h, i) =>
-      el("th", { class: i >= 4 && i < 4 + columns.length ? "config-col name" : "" }, h))));
+    replace(thead, el("tr", {},
+      headCell(""), headCell("Run", SORTS.Run), headCell("Status", SORTS.Status), headCell("Tags"),
+      columns.map((c) => headCell(c, `config:${c}`, "config-col name")),
+      ["Created", "Duration", "Last step", "Last loss", "Open incidents"].map((h) => headCell(h, SORTS[h])),
+      headCell("Loss"), headCell("Last telemetry", SORTS["Last telemetry"]), headCell("")));
+  }
+
+  function setSort(next) {
+    sort = next;
+    shown = 1;
+    renderHead();
+    keepInAddress();
+    reload();
+  }
+
+  /** The filters, sort and grouping into the page's address (no reload: a link to it shows this list). */
+  function keepInAddress() {
+    const params = { q: search.value.trim() || null, status: status.value || null, tag: tagFilter.value.trim() || null,
+      config: configFilter.value.trim() || null, sort: sort || null, group: groupInput.value.trim() || null };
+    history.replaceState(null, "", `#/${qs(params)}`);
   }
 
   compareButton.addEventListener("click", () => {
@@ -113,18 +183,24 @@ export async function mountRuns(container) {
     compareButton.textContent = picked.size >= 2 ? `Compare ${picked.size} runs` : "Compare selected";
   }
 
-  /** The chosen config keys' cells, between the tags and the last step. */
+  /** The chosen config keys' cells, between the tags and the created date. */
   function renderConfigCells(row) {
     for (const td of row.tr.querySelectorAll("td.config-value")) td.remove();
     for (const c of columns) {
-      row.tr.insertBefore(el("td", { class: "name config-value", dataset: { key: c } }, configText(configValue(row.run.config, c))), row.cells.step);
+      row.tr.insertBefore(el("td", { class: "name config-value", dataset: { key: c } }, configText(configValue(row.run.config, c))), row.cells.created);
     }
   }
 
   function fill(row) {
     const r = row.run;
     row.cells.name.firstChild.textContent = r.name;
-    replace(row.cells.status, statusBadge(r.status));
+    row.notes.textContent = shortNotes(r.notes);
+    row.notes.title = (r.notes || "").slice(0, 2000);
+    row.notes.hidden = !r.notes;
+    row.cells.created.textContent = dateTime(r.created_at);
+    row.cells.created.title = r.created_at;
+    row.cells.duration.textContent = durationText(durationSeconds(r));
+    replace(row.cells.status, statusBadge(r.status, r.last_loss)); // a run ended on a NaN loss is not green
     replace(row.cells.tags, (r.tags || []).map((t) => el("a", { class: "tag", href: `#/?tag=${encodeURIComponent(t)}`, title: "runs with this tag" }, t)));
     renderConfigCells(row);
     row.cells.step.textContent = r.last_step === null ? "–" : String(r.last_step);
@@ -176,20 +252,23 @@ export async function mountRuns(container) {
 
   function addRow(run) {
     const check = el("input", { type: "checkbox", title: `pick for comparison (up to ${MAX_COMPARE})`, onchange: (ev) => pick(run.id, ev.target.checked) });
+    const notes = el("div", { class: "run-notes-short" });
     const cells = {
-      name: el("td", { class: "name" }, el("a", { href: `#/runs/${run.id}` }, run.name), " ", sourceBadge(run)),
+      name: el("td", { class: "name" }, el("a", { href: `#/runs/${run.id}` }, run.name), " ", sourceBadge(run), notes),
       status: el("td"),
       tags: el("td", { class: "tags-cell" }),
+      created: el("td", { class: "created" }),
+      duration: el("td", { class: "num duration" }),
       step: el("td", { class: "num step" }),
       loss: el("td", { class: "num loss" }),
       alerts: el("td", { class: "num alerts" }),
       spark: el("td", { class: "spark" }),
       seen: el("td", { class: "muted" }),
     };
-    const row = { run, cells, check };
+    const row = { run, cells, check, notes };
     const action = (what, label, help) => el("button", { type: "button", class: `small run-${what}`, dataset: { help }, onclick: () => act(row, what) }, label);
     row.actions = [action("rename", "Rename", "rename this run"), action("tags", "Tags", "edit this run's tags"), action("delete", "Delete", "delete this run and its telemetry")];
-    row.tr = el("tr", { dataset: { runId: run.id } }, el("td", {}, check), cells.name, cells.status, cells.tags, cells.step, cells.loss, cells.alerts, cells.spark, cells.seen, el("td", { class: "actions" }, row.actions));
+    row.tr = el("tr", { dataset: { runId: run.id } }, el("td", {}, check), cells.name, cells.status, cells.tags, cells.created, cells.duration, cells.step, cells.loss, cells.alerts, cells.spark, cells.seen, el("td", { class: "actions" }, row.actions));
     fill(row);
     row.refreshSpark = throttle(() => loadSpark(row), 2000);
     rows.set(run.id, row);
@@ -207,8 +286,9 @@ export async function mountRuns(container) {
     }
   }
 
-  function query(before) {
-    const params = { limit: PAGE, q: search.value.trim() || null, status: status.value || null, tag: tagFilter.value.trim() || null, config: configFilter.value.trim() || null, before };
+  function query(cursor) {
+    const params = { limit: PAGE, q: search.value.trim() || null, status: status.value || null, tag: tagFilter.value.trim() || null,
+      config: configFilter.value.trim() || null, sort: sort || null, cursor };
     return `/runs${qs(params)}`;
   }
 
@@ -244,10 +324,16 @@ export async function mountRuns(container) {
       order.push(row.tr);
     }
     for (const id of [...rows.keys()]) if (!keep.has(id)) rows.delete(id);
-    replace(tbody, order); // newest first, as the API orders them
+    replace(tbody, order); // in the order the API answers (newest first, or the sort's)
     more.hidden = !next;
     empty.hidden = rows.size > 0;
     empty.textContent = filtering() ? "No run matches these filters." : "No runs yet. Start a training job with --monitor-url.";
+    regroup();
+  }
+
+  /** The group view of the runs listed (hidden without a group key). */
+  function regroup() {
+    groups.update(groupInput.value.trim(), [...tbody.children].map((tr) => rows.get(Number(tr.dataset.runId))?.run).filter(Boolean));
   }
 
   function filtering() {
@@ -268,11 +354,16 @@ export async function mountRuns(container) {
   const reload = throttle(() => load().catch((err) => {
     error.textContent = `could not list runs: ${err.detail || err.message}`;
   }), 300);
-  for (const input of [search, tagFilter, configFilter]) input.addEventListener("input", () => { shown = 1; reload(); });
-  status.addEventListener("change", () => { shown = 1; reload(); });
+  for (const input of [search, tagFilter, configFilter]) input.addEventListener("input", () => { shown = 1; keepInAddress(); reload(); });
+  status.addEventListener("change", () => { shown = 1; keepInAddress(); reload(); });
+  groupInput.addEventListener("input", () => { keepInAddress(); regroup(); });
+  // sorted by what telemetry changes: the order is read again as steps arrive
+  const liveSort = () => ["last_step", "last_loss", "duration", "last_telemetry"].includes(sort.replace(/^-/, ""));
+  const reloadSorted = throttle(() => reload(), 3000);
   columnsInput.addEventListener("change", () => {
     columns = columnsInput.value.split(",").map((c) => c.trim()).filter(Boolean);
     localStorage.setItem(COLUMNS_KEY, columns.join(","));
+    if (sort.replace(/^-/, "").startsWith("config:") && !columns.includes(sort.replace(/^-?config:/, ""))) setSort("");
     renderHead();
     for (const row of rows.values()) renderConfigCells(row);
   });
@@ -318,8 +409,10 @@ export async function mountRuns(container) {
           row.run.last_telemetry_at = new Date().toISOString();
           fill(row);
           window.fp8scope.stepSeen[`${d.run_id}:${d.step}`] = Date.now();
+          if (liveSort()) reloadSorted();
         }
         row.refreshSpark();
+        if (groupInput.value.trim()) regroup();
       },
       alert(d) {
         refreshOne(d.run_id);

@@ -1,4 +1,5 @@
-"""Runs: create, list (search, filters, cursor paging), show, update (status, name, tags), delete."""
+"""Runs: create, list (search, filters, sorts, cursor paging), show, update (status, name, tags, notes),
+delete."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from fp8_protocol.runs import MAX_TAGS
-from monitor_server import run_admin
+from monitor_server import run_admin, run_sort
 from monitor_server.api.deps import (
     ControlDep,
     CtxDep,
@@ -46,6 +47,7 @@ RUN_COLUMNS = (
     "last_step",
     "last_loss",
     "steps_stored",
+    "notes",
 )
 
 
@@ -177,7 +179,7 @@ def create_run(body: RunCreate, ctx: CtxDep, principal: RunWriteDep, response: R
 @router.get(
     "",
     response_model=list[RunPublic],
-    responses={200: {"headers": {NEXT_CURSOR: {"description": "`before` for the next page (absent: last)"}}}},
+    responses={200: {"headers": {NEXT_CURSOR: {"description": "`cursor` of the next page (absent: last)"}}}},
 )
 def list_runs(
     session: SessionDep,
@@ -189,20 +191,30 @@ def list_runs(
     config: Annotated[
         list[str], Query(max_length=16, description="KEY=VALUE: the run's config has it (KEY may be a.b)")
     ] = (),
+    sort: Annotated[str | None, Query(max_length=300, description=f"the order: {run_sort.ALLOWED}")] = None,
+    cursor: Annotated[
+        str | None, Query(max_length=2000, description="the previous page's X-Next-Cursor")
+    ] = None,
     before: Annotated[
-        int | None, Query(ge=1, le=MAX_ID, description="the cursor of the previous page")
+        int | None,
+        Query(ge=1, le=MAX_ID, description="newest first only: the runs below this id (the cursor there)"),
     ] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> list[RunPublic]:
-    """Runs, newest first, with status, last step, last loss and the number of open alerts. When more runs
-    match than `limit`, the `X-Next-Cursor` header holds the `before` of the next page."""
+    """Runs, newest first or in the order `sort` names (ties broken by id), with status, last step, last loss
+    and the number of open alerts. When more runs match than `limit`, the `X-Next-Cursor` header holds the
+    `cursor` of the next page (newest first it is a run id, which `before` also takes)."""
     try:
+        order = run_sort.parse_sort(sort)
+        if before is not None and (cursor is not None or order is not None):
+            raise ValueError("before: only for the newest-first list without a cursor; give cursor instead")
         flt = RunFilter(q=q, status=status_, tags=tuple(tag), config=parse_config_filter(list(config)))
+        start = str(before) if before is not None else cursor
+        rows, next_cursor = run_admin.list_runs(session, flt, limit, order, start)
     except ValueError as exc:
         raise HTTPException(422, str(exc)) from None
-    rows, cursor = run_admin.list_runs(session, flt, limit, before)
-    if cursor is not None:
-        response.headers[NEXT_CURSOR] = str(cursor)
+    if next_cursor is not None:
+        response.headers[NEXT_CURSOR] = next_cursor
     tags = tags_of(session, [run.id for run, _, _ in rows])
     return [run_public(run, n, m, tags.get(run.id)) for run, n, m in rows]
 
@@ -215,8 +227,9 @@ def get_run(run_id: RunId, run: RunDep, session: SessionDep, _principal: ReadDep
 
 @router.patch("/{run_id}", response_model=RunPublic)
 def update_run(run_id: RunId, body: RunUpdate, ctx: CtxDep, principal: RunWriteDep) -> RunPublic:
-    """Change a run's status (one of `fp8_protocol.runs.RUN_STATUSES`), name or tags (replaced as a whole).
-    An `ingest` token changes only its own runs. A run that ends rejects its commands not yet applied."""
+    """Change a run's status (one of `fp8_protocol.runs.RUN_STATUSES`), name, tags or notes (each replaced as
+    a whole). An `ingest` token changes only its own runs. A run that ends rejects its commands not yet
+    applied."""
     ended_public: list[dict[str, Any]] = []
     with ctx.db.write() as session:
         run = run_or_404(session, run_id)
@@ -229,6 +242,8 @@ def update_run(run_id: RunId, body: RunUpdate, ctx: CtxDep, principal: RunWriteD
             run.name = body.name
         if body.tags is not None:
             set_tags(session, run_id, body.tags)
+        if body.notes is not None:
+            run.notes = body.notes
         run.updated_at = utcnow()
         session.flush()
         result = _public(session, run)

@@ -37,7 +37,7 @@ class Seen(TrainerCallback):
     """After fp8scope's callback at each step: the runtime's statistics; and the loss the Trainer logs."""
 
     def __init__(self, model):
-        self.model, self.stats, self.losses = model, {}, {}
+        self.model, self.stats, self.losses, self.grad_norms = model, {}, {}, {}
 
     def on_step_end(self, args, state, control, **kwargs):
         s = step_stats(self.model) if hasattr(self.model, "_fp8_state") else None
@@ -46,3 +46,5 @@ class Seen(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             self.losses[state.global_step] = logs["loss"]
+        if logs and "grad_norm" in logs:
+            self.grad_norms[state.global_step] = float(logs["grad_norm"])

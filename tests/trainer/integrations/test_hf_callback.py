@@ -23,10 +23,11 @@ STEPS, ACCUM = 4, 2
 
 def run(tmp_path, callback=None, **training_args):
     model = tiny_llama()
+    training_args = {"logging_steps": 1, "run_name": "hf-tiny", **training_args}
     args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=BATCH,
                              gradient_accumulation_steps=ACCUM, max_steps=STEPS, learning_rate=1e-3,
-                             logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
-                             disable_tqdm=True, seed=0, run_name="hf-tiny", **training_args)  # fmt: skip
+                             save_strategy="no", report_to=[], use_cpu=True,
+                             disable_tqdm=True, seed=0, **training_args)  # fmt: skip
     seen = Seen(model)
     callbacks = [callback, seen] if callback is not None else [seen]
     trainer = Trainer(
@@ -49,6 +50,10 @@ def assert_stored(url, run_id, seen, fp8: bool):
     assert series["values"] == [seen.losses[s] for s in range(1, STEPS + 1)]  # the Trainer's own loss
     lr = get(url, f"/runs/{run_id}/series", name="lr")["values"]
     assert lr[0] == 1e-3 and lr[-1] < lr[0]  # the rate each step used (linear decay)
+    # the grad norm the Trainer logs at each logging step (logging_steps=1: every step)
+    grad = get(url, f"/runs/{run_id}/series", name="grad_norm")
+    assert grad["steps"] == list(range(1, STEPS + 1))
+    assert grad["values"] == [seen.grad_norms[s] for s in range(1, STEPS + 1)]
     if not fp8:
         return
     got = stored_stats(url, run_id)
@@ -70,6 +75,19 @@ def test_trainer_in_fp8(server, tmp_path):
     assert_stored(server.url, run_id, seen, fp8=True)
     assert len(get(server.url, f"/runs/{run_id}/tensors")) == len(tensor_table(model)) == 42
     assert seen.stats[STEPS][:, 1].min() != 1.0  # the delayed scales moved: the FP8 region was active
+
+
+def test_every_step_is_stored_and_the_logging_steps_carry_the_trainers_grad_norm(server, tmp_path):
+    keep = lambda m, fqn: fqn != "lm_head"  # noqa: E731
+    cb = Fp8ScopeCallback(server.url, recipe=DelayedScaling(), module_filter_fn=keep,
+                          spool_path=tmp_path / "s.jsonl", **FAST)  # fmt: skip
+    _, seen = run(tmp_path, cb, logging_steps=2, max_grad_norm=0.5, run_name="hf-log2")
+    run_id = next(r["id"] for r in get(server.url, "/runs") if r["name"] == "hf-log2")
+    assert get(server.url, f"/runs/{run_id}/series", name="loss")["steps"] == list(range(1, STEPS + 1))
+    grad = get(server.url, f"/runs/{run_id}/series", name="grad_norm")
+    assert grad["steps"] == [2, 4] == sorted(seen.grad_norms)
+    assert grad["values"] == [seen.grad_norms[2], seen.grad_norms[4]]
+    assert max(grad["values"]) > 0.5  # the norm before clipping, as the Trainer logs it
 
 
 def test_trainer_in_shadow_mode_keeps_the_numerics(server, tmp_path):

@@ -4,6 +4,7 @@ the job computed them, baselines without FP8, client-side events with the flight
 from __future__ import annotations
 
 import logging
+import sys
 
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ def test_plain_loop_stores_every_step_as_computed(server, tmp_path):
     run = get(server.url, f"/runs/{mon.run_id}")
     assert run["status"] == "finished"
     used = run["config"].pop("fp8_recipe")  # the recipe in force, every parameter of it
+    assert run["config"].pop("fp8_run")["argv"] == sys.argv  # how the job was started (test_run_info.py)
     assert run["config"] == {"lr": 1e-3}
     assert used == {**recipe.to_dict(), "scaling": "delayed"} and used["margin"] == 0
     assert run["effective_recipe"]["model"]["amax_history_len"] == 4

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from fp8_protocol.stats import stored_amax
 from fp8_trainer import Monitor, tensor_table
 from fp8_trainer.monitor.read import Reader, ReadError
 from tests.support import ROOT
@@ -33,6 +34,18 @@ STATS = (
     "min_abs",
 )
 README = ROOT / "README.md"
+
+
+def stored(seen: dict, steps: list[int], j: int) -> np.ndarray:
+    """(S, T) of statistic STATS[j] as the service stores what the job computed: the same values, but the
+    amax of a tensor gone all NaN (0 in the job, whose amax ignores NaN) NaN."""
+    want = np.stack([seen[s][1][:, j] for s in steps])
+    if STATS[j] != "amax":
+        return want
+    numel, nonfinite = (
+        np.stack([seen[s][1][:, STATS.index(c)] for s in steps]) for c in ("numel", "nonfinite")
+    )
+    return stored_amax(want, numel, nonfinite)
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
@@ -67,9 +80,10 @@ def job(server):
             _, loss = model(x, x)  # no fp8_autocast: no FP8 layer runs in step 9
         mon.step(9, loss=loss.detach(), tokens_per_s=123.0)
     computed = np.stack([seen[s][1] for s in sorted(seen)])  # (S, T, 6)
-    # the test exercises both: an infinite amax (the weight), a NaN loss (a statistic is never NaN: the
-    # amax ignores NaN elements, which are counted as non-finite instead)
+    # the test exercises all three: an infinite amax (the weight), a NaN loss, and tensors gone all NaN
+    # (the amax ignores NaN elements, which are counted as non-finite instead: 0, stored as NaN)
     assert np.isposinf(computed[:, :, 0]).any() and any(np.isnan(seen[s][0]) for s in seen)
+    assert ((computed[:, :, 4] == computed[:, :, 5]) & (computed[:, :, 0] == 0)).any()
     return mon.run_id, seen, loss.item(), [t.name for t in tensor_table(model)]
 
 
@@ -83,7 +97,7 @@ def test_stats_and_series_bit_for_bit(server, job, fmt):
         # step 9 has scalars only: not among the statistics
         np.testing.assert_array_equal(stats["steps"], steps)
         for j, name in enumerate(STATS):
-            want = np.stack([seen[s][1][:, j] for s in steps])  # (S, T)
+            want = stored(seen, steps, j)  # (S, T)
             assert stats[name].dtype == np.float64 and stats[name].shape == want.shape
             # bit for bit: NaN where the job had NaN, inf where it had inf
             np.testing.assert_array_equal(stats[name].view(np.int64), want.view(np.int64), err_msg=name)
@@ -117,7 +131,7 @@ def test_frames_long_and_wide(server, job, fmt):
         wide = reader.frame(run_id, "stats", layout="wide")
         assert list(wide.columns) == ["step"] + [f"{n}.{stat}" for n in names for stat in STATS]
         for j, stat in enumerate(STATS):
-            want = np.stack([seen[s][1][:, j] for s in steps])
+            want = stored(seen, steps, j)
             got_long = long[stat].to_numpy(dtype=np.float64).reshape(len(steps), T)
             got_wide = wide[[f"{n}.{stat}" for n in names]].to_numpy(dtype=np.float64)
             np.testing.assert_array_equal(got_long.view(np.int64), want.view(np.int64), err_msg=stat)
