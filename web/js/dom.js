@@ -97,13 +97,20 @@ export function badge(text, kind = "") {
   return el("span", { class: `badge ${kind}` }, text);
 }
 
+/** True for a non-finite number, as a number or as the service spells it in JSON ("NaN", "Infinity",
+ * "-Infinity"); false for a finite one and for none (null, undefined). */
+export function nonfiniteValue(value) {
+  if (typeof value !== "number" && typeof value !== "string") return false;
+  return !Number.isFinite(Number(value));
+}
+
 /** A run's status as a badge: interrupted (Ctrl-C) is a warning, crashed and halted (a non-finite loss) bad.
  * Given the run's last loss: a run that ended on a non-finite loss is not a green "finished" (it diverged,
  * whatever the job said at its end). */
 export function statusBadge(status, lastLoss = undefined) {
   const kind = { running: "info", finished: "ok", interrupted: "warn", crashed: "bad", halted: "bad" };
-  const loss = typeof lastLoss === "string" ? Number(lastLoss) : lastLoss;
-  if (status !== "running" && typeof loss === "number" && !Number.isFinite(loss)) {
+  if (status !== "running" && nonfiniteValue(lastLoss)) {
+    const loss = Number(lastLoss);
     const b = badge(`${status}, loss ${fmt(loss)}`, "bad");
     b.title = `the run ended with a non-finite loss (${fmt(loss)})`;
     return b;

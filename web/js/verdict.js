@@ -3,19 +3,14 @@
 // incident in the incidents panel. A user sees what went wrong before scrolling.
 
 import { num } from "./api.js";
-import { badge, el, fmt, replace } from "./dom.js";
+import { badge, el, fmt, nonfiniteValue, replace } from "./dom.js";
 import { SEVERITY_KIND } from "./incidents.js";
+import { nonfiniteSpans } from "./nonfinite.js";
 
 const SHOWN = 3; // incidents named in the line; the rest are counted, with a link to the panel
 const RANK = { critical: 3, warning: 2, info: 1, ok: 0 };
 const ENDED = { finished: "Finished", crashed: "Crashed", interrupted: "Interrupted", halted: "Halted" };
 
-/** True when the run's last loss is a non-finite number (NaN, ±Inf): a run that ended there diverged,
- * whatever its status says. */
-export function lossEndedNonfinite(run) {
-  const loss = num(run && run.last_loss);
-  return typeof loss === "number" && !Number.isFinite(loss);
-}
 
 /** The incidents in the order the line names them: open before acknowledged, worst first, then earliest. */
 export function rankIncidents(incidents) {
@@ -36,18 +31,9 @@ export function rankIncidents(incidents) {
 export function verdictOf(run, incidents, nonfiniteFrom = null) {
   const ranked = rankIncidents(incidents);
   const open = ranked.filter((i) => i.state === "open");
-  const step = run.last_step === null || run.last_step === undefined ? null : run.last_step;
-  const at = step === null ? "" : ` at step ${step}`;
-  const diverged = lossEndedNonfinite(run);
-  let head;
-  if (run.status === "running") head = step === null ? "Running, no step yet" : `Running, step ${step}`;
-  else head = `${ENDED[run.status] || `Ended (${run.status})`}${at}`;
-  if (diverged) {
-    const loss = fmt(num(run.last_loss));
-    head += nonfiniteFrom !== null && nonfiniteFrom !== step
-      ? `, with a ${loss} loss from step ${nonfiniteFrom} to the end`
-      : `, with a ${loss} loss`;
-  }
+  // a run whose last loss is non-finite diverged, whatever its status says
+  const diverged = nonfiniteValue(run.last_loss);
+  let head = stateHead(run, nonfiniteFrom);
   let kind;
   if (diverged || run.status === "crashed" || run.status === "halted" || open.some((i) => i.severity === "critical")) kind = "bad";
   else if (open.length || run.status === "interrupted") kind = "warn";
@@ -55,6 +41,20 @@ export function verdictOf(run, incidents, nonfiniteFrom = null) {
   if (!incidents.length) head += run.status === "running" ? ": no incident so far." : ": no incident.";
   else head += open.length ? `: ${open.length} open incident${open.length === 1 ? "" : "s"}` : `: ${incidents.length} incident${incidents.length === 1 ? "" : "s"}, all acknowledged`;
   return { kind, head, incidents: ranked.slice(0, SHOWN), more: Math.max(0, ranked.length - SHOWN) };
+}
+
+/** How the run stands, without its incidents: "Finished at step 16, with a NaN loss from step 9 to the
+ * end". */
+function stateHead(run, nonfiniteFrom) {
+  const step = run.last_step === null || run.last_step === undefined ? null : run.last_step;
+  let head;
+  if (run.status === "running") head = step === null ? "Running, no step yet" : `Running, step ${step}`;
+  else head = `${ENDED[run.status] || `Ended (${run.status})`}${step === null ? "" : ` at step ${step}`}`;
+  if (!nonfiniteValue(run.last_loss)) return head;
+  const loss = fmt(num(run.last_loss));
+  return nonfiniteFrom !== null && nonfiniteFrom !== step
+    ? `${head}, with a ${loss} loss from step ${nonfiniteFrom} to the end`
+    : `${head}, with a ${loss} loss`;
 }
 
 /** The root cause of an incident in words, where its title does not say it already ("root cause
@@ -94,8 +94,8 @@ export class Verdict {
 
   /** The loss series (steps, values): where its last non-finite span began, if it reaches the end. */
   setLoss(steps, values) {
-    let from = null;
-    for (let i = values.length - 1; i >= 0 && values[i] !== null && !Number.isFinite(values[i]); i--) from = steps[i];
+    const last = nonfiniteSpans(steps, values).at(-1);
+    const from = last && last[1] === steps.at(-1) ? last[0] : null;
     if (from === this.nonfiniteFrom) return;
     this.nonfiniteFrom = from;
     this.render();
@@ -106,7 +106,7 @@ export class Verdict {
     if (this.incidents === null) {
       // the run is known, its incidents not yet (or not at all): its state alone, so the line takes its
       // place at once
-      const head = verdictOf(this.run, [], this.nonfiniteFrom).head.replace(/: no incident.*$/, "");
+      const head = stateHead(this.run, this.nonfiniteFrom);
       if (this.error) {
         this.node.className = "verdict warn";
         this.node.dataset.kind = "warn";
