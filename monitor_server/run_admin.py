@@ -78,11 +78,9 @@ def parse_config_filter(items: list[str]) -> tuple[tuple[str, str], ...]:
 
 def _config_matches(config: dict[str, Any], pairs: tuple[tuple[str, str], ...]) -> bool:
     for key, want in pairs:
-        node: Any = config
-        for part in key.split("."):
-            if not isinstance(node, dict) or part not in node:
-                return False
-            node = node[part]
+        node = run_sort.config_value(config, key)
+        if node is run_sort.MISSING:
+            return False
         try:
             parsed = json.loads(want)
         except ValueError:

@@ -189,15 +189,16 @@ def _cursor_value(key: str, value: Any) -> Any:
 
 # ----- config-value sorts, in Python -----
 
-_MISSING = object()
+#: what `config_value` gives for a key the config does not have
+MISSING = object()
 
 
 def config_value(config: Any, key: str) -> Any:
-    """The value at ``a.b`` of a nested config, or `_MISSING`."""
+    """The value at ``a.b`` of a nested config, or `MISSING`."""
     node = config
     for part in key.split("."):
         if not isinstance(node, dict) or part not in node:
-            return _MISSING
+            return MISSING
         node = node[part]
     return node
 
@@ -206,7 +207,7 @@ def config_rank(value: Any) -> list[Any]:
     """A config value as a comparable, JSON-able key: numbers (and booleans) by value, then strings, then
     any other value by its JSON text (texts by their first `RANK_CHARS` characters, which keeps the cursor
     short); a run without the key after all of them."""
-    if value is _MISSING:
+    if value is MISSING:
         return [3, ""]
     if isinstance(value, (bool, int, float)):
         return [0, float(value)]
