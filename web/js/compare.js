@@ -7,7 +7,7 @@
 
 import { api, num } from "./api.js";
 import { configText, flattenConfig } from "./config.js";
-import { el, fmt, plotly, plotlyText, replace } from "./dom.js";
+import { COLOURS, el, fmt, plotly, plotlyText, replace } from "./dom.js";
 import { ROLE_ORDER, SPECIAL, drawStepAxis, fetchHeatmap, rowHeight, scrollRoom } from "./heatmap.js";
 import { bandShapes, finiteNear, nonfiniteSpans, spanMarkers } from "./nonfinite.js";
 import { appliedChanges, changeLines, changeMarkers } from "./recipe.js";
@@ -84,7 +84,6 @@ export function layerMeans(diff) {
 }
 
 export const MAX_RUNS = 8;
-const COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"];
 
 /** Config keys with each run's value; `differs` when the runs do not all agree. */
 export function configDiff(runs) {

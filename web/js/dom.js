@@ -87,6 +87,9 @@ export function throttle(fn, ms) {
   };
 }
 
+/** The colours of runs drawn side by side (the comparison's runs, the runs list's groups): plotly's own. */
+export const COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"];
+
 /** A titled panel section. */
 export function panel(title, ...children) {
   return el("section", { class: "panel" }, el("h2", {}, title), ...children);

@@ -5,9 +5,8 @@
 
 import { api, num } from "./api.js";
 import { configText, configValue } from "./config.js";
-import { el, fmt, plotly, plotlyText, replace, throttle } from "./dom.js";
+import { COLOURS, el, fmt, plotly, plotlyText, replace, throttle } from "./dom.js";
 
-const COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"];
 /** the most runs whose curves a group view reads */
 export const MAX_GROUP_RUNS = 200;
 const POINTS = 500;
