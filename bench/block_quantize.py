@@ -3,9 +3,8 @@
 For bfloat16 tensors of 4096 x N elements and each block recipe (MXFP8 1x32 E8M0, FP8 block scaling 1x128
 and 128x128 float32 scales), per call:
 
-* ``triton``: the kernel with its per-block statistics, folded into the statistics row and block part
-  (``fp8_trainer.block_linear.block_tensor_stats_from_kernel``): what the block-scaled Linear runs per
-  tensor on a GPU;
+* ``triton``: the kernel with the statistics merged into a statistics row and block row (the quantize
+  launch and the one-program fold): what the block-scaled Linear runs per recorded tensor on a GPU;
 * ``triton-q``: the kernel alone, no statistics (the quantization's own cost);
 * ``eager``: ``quantize_blocks`` then ``block_tensor_stats``, the reference path (what ran on every device
   before the kernel).
@@ -31,7 +30,7 @@ import torch
 from fp8_kernels.block_quantize import quantize_blocks
 from gpu_timing import ms_per_call, sync
 
-from fp8_trainer.block_linear import BlockSpec, block_tensor_stats, block_tensor_stats_from_kernel
+from fp8_trainer.block_linear import BlockSpec, block_tensor_stats, new_block_stats
 
 RECIPES = {
     "mxfp8 1x32": ((1, 32), "e8m0"),
@@ -46,12 +45,19 @@ def impls(block, fmt):
 
     spec = BlockSpec(fmt, block[1], two_d=block[0] > 1)
 
+    held = {}  # the rows, made once (a Linear's live in the step's statistics buffers)
+
     def triton(x):
-        q, per_block = block_quantize_triton(x, FP8, block, fmt, stats=True)
-        return q, block_tensor_stats_from_kernel(x, q, per_block, FP8, spec)
+        if x.device not in held:
+            held[x.device] = (
+                torch.zeros(10, dtype=torch.float64, device=x.device),
+                new_block_stats(1, x.device)[0],
+            )
+        stats, block_row = held[x.device]
+        return block_quantize_triton(x, FP8, block, fmt, stats=stats, block_stats=block_row), None
 
     def triton_q(x):
-        return block_quantize_triton(x, FP8, block, fmt)[0], None
+        return block_quantize_triton(x, FP8, block, fmt), None
 
     def eager(x):
         q = quantize_blocks(x, FP8, block, fmt)
@@ -69,7 +75,7 @@ def bench(rows: int, cols: int, name: str, device, reps: int, smoke: bool) -> di
     xs = [torch.randn(rows, cols, generator=g, device=device).to(torch.bfloat16) for _ in range(n_inputs)]
     (q, _), (ref, _) = fns["triton"](xs[0]), fns["eager"](xs[0])
     equal = torch.equal(q.data.view(torch.uint8), ref.data.view(torch.uint8)) and torch.equal(
-        q.scale_inv.view(torch.uint8), ref.scale_inv.view(torch.uint8)
+        q.scale_inv.contiguous().view(torch.uint8), ref.scale_inv.view(torch.uint8)
     )
     calls = 2 if smoke else 20
     keep = []

@@ -11,6 +11,9 @@ an H200's data sheet: 4.8 TB/s over 132 SMs x 4 schedulers x 32 threads x 1.98 G
 instruction per scheduler and clock) is about 0.14 bytes per thread instruction; a loop below that cannot
 keep the memory busy however well its loads are in flight.
 
+``instr. / 16 el.``: the loop's instructions per 16 elements of a thread (a thread takes 16 elements per
+iteration of the 1-D kernels, 32 of the tiled ones: two rows of 16).
+
 ``programs / SM``: of the ``PROGRAMS_PER_SM`` a persistent grid launches per SM, how many run at once given
 the registers and shared memory (the occupancy model; ``cross_build.SassProfile.programs_per_sm``).
 ``KiB in flight / SM``: those programs times the blocks (tiles) each has in flight when it waits for one
@@ -61,6 +64,11 @@ def _kernels():
         ("quantize 2-D (+ transpose), quality", "_quantize_t_kernel", 2, lambda: q2(x, one, E4M3)),
         ("quantize 2-D (+ transpose), base", "_quantize_t_kernel", 2, lambda: q2(x, one, E4M3, base())),
     ]
+    dbias = [  # the bias gradient in the same pass (grad_output's quantize)
+        ("quantize 2-D + dbias, quality", "_quantize_t_kernel", 2, lambda: q2(x, one, E4M3, dbias=True)),
+        ("quantize 2-D + dbias, base", "_quantize_t_kernel", 2, lambda: q2(x, one, E4M3, base(), dbias=True)),
+        ("current: 2-D + dbias, base", "_quantize_t_kernel", 2, lambda: c2(x, E4M3, base(), dbias=True)),
+    ]
     pipe = {"PREFETCH": False}  # the loads in Triton's software pipeline (its stages: pipeline_stages)
     return [
         *((name, triton_quantize, attr, out, call, {}) for name, attr, out, call in quantize),
@@ -71,7 +79,24 @@ def _kernels():
         ("current: amax pass", triton_current, "_amax_kernel", 0, lambda: amax(x), {}),
         # the quantize pass of current scaling: its scale from the amax pass's partial maxima
         ("current: quantize 1-D, quality", triton_quantize, "_quantize_kernel", 1, lambda: c1(x, E4M3), {}),
+        (
+            "current: quantize 1-D, base",
+            triton_quantize,
+            "_quantize_kernel",
+            1,
+            lambda: c1(x, E4M3, base()),
+            {},
+        ),
         ("current: quantize 2-D, quality", triton_quantize, "_quantize_t_kernel", 2, lambda: c2(x, E4M3), {}),
+        (
+            "current: quantize 2-D, base",
+            triton_quantize,
+            "_quantize_t_kernel",
+            2,
+            lambda: c2(x, E4M3, base()),
+            {},
+        ),
+        *((name, triton_quantize, attr, out, call, {}) for name, attr, out, call in dbias),
         ("exponent histogram", triton_histogram, "_histogram_kernel", 0, lambda: hist(x), {}),
     ]
 
@@ -119,6 +144,8 @@ def profile_all(compile_sm90) -> list[dict]:
                 "programs_per_sm": programs,
                 "kib_in_flight_per_sm": programs * _in_flight(kwargs) * block_bytes / 1024,
                 "loop_instructions": len(loop),
+                # what one thread issues per 16 of its elements (the budgets of test_ptx.py)
+                "instructions_per_16": round(len(loop) * 16 * _threads(kwargs) / _block_elems(kwargs), 1),
                 "loop_barriers": prof.count(loop, "BAR"),
                 "loop_shuffles": prof.count(loop, "SHFL"),
                 "loop_global_loads": prof.count(loop, "LDG"),
@@ -140,6 +167,7 @@ COLUMNS = [
     ("programs_per_sm", "programs / SM", "{}"),
     ("kib_in_flight_per_sm", "KiB in flight / SM", "{:.0f}"),
     ("loop_instructions", "loop instr.", "{}"),
+    ("instructions_per_16", "instr. / 16 el.", "{:.0f}"),
     ("loop_barriers", "BAR", "{}"),
     ("loop_shuffles", "SHFL", "{}"),
     ("loop_global_loads", "LDG", "{}"),

@@ -37,12 +37,21 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import torch
+
 from .recipe import Recipe
 
 __all__ = ["FP8Region", "current_region", "fp8_autocast", "is_fp8_enabled"]
 
 _ids = itertools.count()
-_local = threading.local()
+
+
+class _Local(threading.local):
+    def __init__(self):
+        self.stack: list[FP8Region] = []  # this thread's regions, innermost last
+
+
+_local = _Local()
 
 
 @dataclass(frozen=True)
@@ -56,15 +65,27 @@ class FP8Region:
     step_boundary: bool
 
 
+class _Traced:
+    """What a compiled graph may depend on: whether the innermost region, of the thread that entered or left
+    one last, runs FP8. Dynamo guards on ``enabled`` (a change re-traces); everything else about a region
+    (its id, recipe, group, step boundary) changes every step and is read where the FP8 operators run
+    (``fp8_trainer.step.begin_forward``), never in traced code."""
+
+    enabled = False
+
+
+def fp8_traced_enabled() -> bool:
+    """``is_fp8_enabled`` as a compiled graph reads it (``_Traced``)."""
+    return _Traced.enabled
+
+
 def _stack() -> list[FP8Region]:
-    if not hasattr(_local, "stack"):
-        _local.stack = []
     return _local.stack
 
 
 def current_region() -> FP8Region | None:
     """The innermost active region, or ``None`` outside any ``fp8_autocast``."""
-    s = _stack()
+    s = _local.stack
     return s[-1] if s else None
 
 
@@ -74,6 +95,7 @@ def is_fp8_enabled() -> bool:
     return r is not None and r.enabled
 
 
+@torch.compiler.disable
 @contextmanager
 def fp8_autocast(
     enabled: bool = True,
@@ -93,8 +115,11 @@ def fp8_autocast(
             but the last micro-batch of a step under gradient accumulation.
     """
     region = FP8Region(next(_ids), bool(enabled), fp8_recipe, fp8_group, bool(step_boundary))
-    _stack().append(region)
+    stack = _stack()
+    stack.append(region)
+    _Traced.enabled = region.enabled
     try:
         yield region
     finally:
-        _stack().pop()
+        stack.pop()
+        _Traced.enabled = bool(stack) and stack[-1].enabled

@@ -232,7 +232,8 @@ class NativeArgs:
 
 
 def _vec128_scale(q: BlockQuantized) -> torch.Tensor:
-    """1x128: ``(rows, K-blocks)`` with the rows adjacent in memory (stride ``(1, rows)``)."""
+    """1x128: ``(rows, K-blocks)`` with the rows adjacent in memory (stride ``(1, rows)``): no copy for the
+    CUDA kernel's scales, which it stores so (``triton_block_quantize``), a transposed copy of others."""
     return q.scale_inv.t().contiguous().t()
 
 

@@ -29,7 +29,10 @@ accumulation of exact products is at least as precise, so the one-matmul form is
 Statistics (recorded into the step's row, with no host synchronisation): the base and quality columns per
 element (``fp8_protocol.stats``), with ``scale`` that of the block holding the amax, plus the six
 ``BLOCK_COLUMNS`` and the 256-bin scale exponent histogram, all of the row-wise copy (for a 2-D-scaled
-weight, of its square blocks).
+weight, of its square blocks). Where a kernel is registered (CUDA) it merges them into the rows itself
+(``fp8_kernels.triton_block_quantize``: the quantize launch and a one-program fold); elsewhere
+``block_tensor_stats`` computes them in eager ops from ``x`` and the reference's ``q`` (the oracle the
+kernel is tested against) and ``merge_block_row`` merges them.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from fp8_kernels.block_quantize import (
     e8m0_to_scale_inv,
     float32_block_scale,
 )
-from fp8_kernels.dispatch import block_quantize, unpack_block_counts
+from fp8_kernels.dispatch import block_quantize
 from fp8_kernels.quantize import overflow_threshold, subnormal_threshold
 
 from fp8_protocol.stats import BLOCK_COLUMNS, BLOCK_HIST_BINS, STAT_COLUMNS
@@ -126,9 +129,10 @@ def split_block_stats(stats):
 # --- quantization ---------------------------------------------------------------------------------------
 
 
-def _quantize(t: torch.Tensor, fp8_dtype: torch.dtype, spec: BlockSpec, block: tuple[int, int], stats=None):
-    """``(q, per_block)``: the registered kernel for ``t``'s device (``fp8_kernels.dispatch``), which with
-    ``stats`` (a statistics row) also returns the per-block statistics; else the reference and ``None``."""
+def _quantize(t: torch.Tensor, fp8_dtype: torch.dtype, spec: BlockSpec, block: tuple[int, int], rows=None):
+    """``(q, recorded)``: the registered kernel for ``t``'s device (``fp8_kernels.dispatch``), which given
+    ``rows`` (``{"stats": row, "block_stats": block row}``) merges the statistics into them in the same pass
+    (``recorded`` True); else the reference, which records nothing."""
     return block_quantize(
         t,
         fp8_dtype,
@@ -136,8 +140,7 @@ def _quantize(t: torch.Tensor, fp8_dtype: torch.dtype, spec: BlockSpec, block: t
         spec.scale_format,
         power_2_scale=spec.power_2_scale,
         amax_epsilon=spec.amax_epsilon,
-        stats=stats is not None,
-        quality=stats is not None and stats.shape[0] == len(STAT_COLUMNS),
+        **(rows or {}),
     )
 
 
@@ -166,18 +169,20 @@ def quantize_block_tensor(
     asked for. With ``stats`` (a ``(10,)`` or ``(6,)`` float64 row) and ``block_stats_row``
     (``(BLOCK_WIDTH,)``) the row-wise copy's statistics are merged into them (the row-wise copy is then made
     even if not asked for)."""
-    per_block = None
+    rows = (
+        None if stats is None or block_stats_row is None else {"stats": stats, "block_stats": block_stats_row}
+    )
     if spec.two_d:
         # one copy serves both GEMMs
-        square, per_block = _quantize(t, fp8_dtype, spec, (spec.block, spec.block), stats)
+        square, recorded = _quantize(t, fp8_dtype, spec, (spec.block, spec.block), rows)
         row, col = square, (square.t() if columnwise else None)
     else:
-        row = None
+        row, recorded = None, False
         if rowwise or stats is not None:
-            row, per_block = _quantize(t, fp8_dtype, spec, (1, spec.block), stats)
+            row, recorded = _quantize(t, fp8_dtype, spec, (1, spec.block), rows)
         col = _quantize(t.t(), fp8_dtype, spec, (1, spec.block))[0] if columnwise else None
-    if stats is not None:
-        record_block_stats(t, row, fp8_dtype, spec, stats, block_stats_row, per_block)
+    if stats is not None and not recorded:
+        record_block_stats(t, row, fp8_dtype, spec, stats, block_stats_row)
     return (row if rowwise else None), col
 
 
@@ -286,21 +291,6 @@ def _assemble(
     return row, torch.cat([torch.stack([v.to(torch.float64).reshape(()) for v in blocks]), hist])
 
 
-def block_tensor_stats_from_kernel(x, q, per_block, fp8_dtype, spec: BlockSpec, quality: bool = True):
-    """``block_tensor_stats`` from a kernel's per-block statistics (``triton_block_quantize``), the same
-    values (the two sums of squares up to float64 summation order)."""
-    amax_b = per_block["amax"].flatten()
-    codes, scale_b, _, at_limit, zero = _scale_and_limit(q, amax_b, fp8_dtype, spec, x.dtype)
-    counts = unpack_block_counts(per_block["counts"])
-    quality_terms = None
-    if quality:
-        quality_terms = (per_block["sum_sq"].sum(), per_block["err_sq"].sum(), counts["subnormal"].sum())
-    return _assemble(
-        x, q, amax_b, scale_b, at_limit, zero, counts["overflow"], counts["underflow"],
-        counts["nonfinite"].sum(), per_block["big"], per_block["small"], codes, quality_terms,
-    )  # fmt: skip
-
-
 def merge_block_row(stats: torch.Tensor, row: torch.Tensor, block_stats_row, new_block) -> None:
     """Merge one quantize call's ``row`` / ``new_block`` into the step's rows, in place, as
     ``fp8_protocol.stats.MERGE`` says (amax max with the scale that scaled it, min_abs min, block_range
@@ -318,13 +308,11 @@ def merge_block_row(stats: torch.Tensor, row: torch.Tensor, block_stats_row, new
         block_stats_row[_BLOCK_RANGE] = torch.fmax(keep, new_block[_BLOCK_RANGE])
 
 
-def record_block_stats(x, q, fp8_dtype, spec, stats, block_stats_row, per_block=None) -> None:
-    """Merge ``q``'s statistics into the step's rows: from the kernel's ``per_block`` where it made them."""
+def record_block_stats(x, q, fp8_dtype, spec, stats, block_stats_row) -> None:
+    """Merge ``q``'s statistics, computed from ``x`` and ``q`` by ``block_tensor_stats`` (the path where no
+    kernel recorded them: the CPU, the references), into the step's rows."""
     quality = stats.shape[0] == len(STAT_COLUMNS)
-    if per_block is not None:
-        row, block_row = block_tensor_stats_from_kernel(x, q, per_block, fp8_dtype, spec, quality)
-    else:
-        row, block_row = block_tensor_stats(x, q, fp8_dtype, spec, quality=quality)
+    row, block_row = block_tensor_stats(x, q, fp8_dtype, spec, quality=quality)
     merge_block_row(stats, row, block_stats_row, block_row)
 
 

@@ -64,8 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "--activation-checkpointing or several ranks)")  # fmt: skip
 
     g.add_argument("--compile", action="store_true",
-                   help="torch.compile the model: the layers between the FP8 Linears are fused, each FP8 "
-                        "Linear runs eagerly (a graph break); the first steps compile")  # fmt: skip
+                   help="torch.compile the model: one graph with the FP8 Linears as custom operators (block "
+                        "recipes: a graph break per layer); the first step compiles")  # fmt: skip
 
     g = p.add_argument_group("FP8 recipe")
     g.add_argument("--recipe", choices=(*FP8_RECIPES, "bf16", "fp32"), default=_D.recipe,
@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-quality-stats", dest="quality_stats", action="store_false",
                    help="leave the quantization-quality columns (SQNR, subnormals, dynamic range, outlier "
                         "ratio) out of the quantize pass, to save their cost")  # fmt: skip
+    g.add_argument("--quality-every", type=int, metavar="N",
+                   help="the quality columns in every N-th step only, the others' quantize passes run the "
+                        "leaner kernels (default: 10 with --device cuda, else 1: every step)")  # fmt: skip
     g.add_argument("--tag", dest="tags", action="append", default=[], metavar="TAG",
                    help="a tag of the run in the monitor; repeatable")  # fmt: skip
     g.add_argument("--token", help="API token of the monitor (visible in the process list: prefer "
@@ -211,9 +214,8 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> Prepared:
         p.error(str(e))
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device available")
-    if a.compile and a.activation_checkpointing != "none":  # an FP8 Linear's graph break inside a checkpoint
-        p.error("--compile with --activation-checkpointing: nothing would compile (torch.compile runs a "
-                "checkpointed block that holds a graph break eagerly, so the whole model would)")  # fmt: skip
+    if a.quality_every is not None and a.quality_every < 1:
+        p.error(f"--quality-every: expected an integer >= 1, got {a.quality_every}")
     if a.cuda_graph:
         misfit = graph_misfit(a, dist_env()[1])
         if misfit:

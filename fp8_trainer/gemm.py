@@ -132,7 +132,9 @@ def _pad_k(t: torch.Tensor, kp: int) -> torch.Tensor:
     return out
 
 
-def _scaled_mm(a, scale_inv_a, b, scale_inv_b, out_dtype, bias, fast_accum: bool) -> torch.Tensor:
+def _scaled_mm(
+    a, scale_inv_a, b, scale_inv_b, out_dtype, bias, fast_accum: bool, check: bool = True
+) -> torch.Tensor:
     """``torch._scaled_mm`` after the argument check, K padded where it is not a multiple of 16 (wgrad)."""
     k = a.shape[1]
     if k % 16:
@@ -148,12 +150,13 @@ def _scaled_mm(a, scale_inv_a, b, scale_inv_b, out_dtype, bias, fast_accum: bool
         mm_bias = None
     else:
         mm_bias = bias if bias.dtype == gemm_dtype else bias.to(gemm_dtype)
-    check_once_per_layout(
-        _CHECKED,
-        lambda: check_scaled_mm_args(a, b, scale_inv_a, scale_inv_b, gemm_dtype, mm_bias),
-        (a, b, scale_inv_a, scale_inv_b),
-        (gemm_dtype, None if mm_bias is None else (mm_bias.dtype, mm_bias.shape)),
-    )
+    if check:
+        check_once_per_layout(
+            _CHECKED,
+            lambda: check_scaled_mm_args(a, b, scale_inv_a, scale_inv_b, gemm_dtype, mm_bias),
+            (a, b, scale_inv_a, scale_inv_b),
+            (gemm_dtype, None if mm_bias is None else (mm_bias.dtype, mm_bias.shape)),
+        )
     out = torch._scaled_mm(
         a, b, scale_a=scale_inv_a, scale_b=scale_inv_b, bias=mm_bias, out_dtype=gemm_dtype,
         use_fast_accum=fast_accum,
@@ -172,16 +175,19 @@ def fp8_mm(
     bias: torch.Tensor | None = None,
     *,
     fast_accum: bool = False,
+    check: bool = True,
 ) -> torch.Tensor:
     """``(a * scale_inv_a) @ (b * scale_inv_b) [+ bias]`` for 2-D GEMM operands (from ``gemm_operand``).
 
     The result is in ``out_dtype``. ``fast_accum`` selects cuBLASLt's fast FP8 accumulation on a GPU (fprop);
-    the emulation always accumulates in float32.
+    the emulation always accumulates in float32. ``check=False`` skips the argument check of a real FP8 GEMM
+    (``check_once_per_layout``), for a caller that made the same call with operands of the same layouts,
+    freshly allocated (so aligned), before: the FP8 Linear, once per input shape (``linear_ops``).
     """
     if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
         a, b = a.to(torch.float32), b.to(torch.float32)  # no E5M2 x E5M2 FP8 GEMM: emulate that one
     if a.dtype != torch.float32:
-        return _scaled_mm(a, scale_inv_a, b, scale_inv_b, out_dtype, bias, fast_accum)
+        return _scaled_mm(a, scale_inv_a, b, scale_inv_b, out_dtype, bias, fast_accum, check)
     # Apply scale_inv_a * scale_inv_b where it costs least: to the smallest of a, b and the output
     # (the weight, usually), and fold the bias into the GEMM.
     s = scale_inv_a * scale_inv_b

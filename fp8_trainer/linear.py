@@ -29,14 +29,18 @@ grad_output is recorded by whichever backward runs. In reentrant mode the gradie
 region is a nested backward pass; the end-of-step callback is queued from the recompute, on the outer pass,
 so that the step closes when the whole backward ends.
 
-``torch.compile``: ``Linear.forward`` is ``torch.compiler.disable``d, so a compiled model breaks its graph at
-each FP8 Linear and runs the layer exactly as it runs eagerly, while what lies between the layers
-(LayerNorm, attention, activations, residual adds, the loss) compiles and fuses. Dynamo does not trace the
-runtime's Python state (regions, step tracking, recorded-forward sets): that state changes every step, and
-traced, it made every step recompile and trained wrongly. ``fp8_autocast`` may be inside the compiled
-function or around its call. ``fullgraph=True`` cannot hold (each layer is a break), and under activation
-checkpointing Dynamo runs the frame that calls a checkpointed block holding a break eagerly (for the GPT of
-``fp8_trainer.model``: the whole model).
+``torch.compile``: traced, ``forward`` reads only the layer's mode (FP8 on for the region and the layer,
+per-tensor or block scaling, formats), on which Dynamo guards, and calls the custom operators
+``fp8scope::linear_forward`` / ``linear_backward`` (``linear_ops.py``); everything that changes per step (the
+step's statistics buffer, scales, the step bookkeeping of ``step.begin_forward``) is read when the operator
+runs, never traced. So a model compiles as one graph (``fullgraph=True``), with or without activation
+checkpointing, once: a later step recompiles only when a layer's mode changes (a recipe command), and the
+compiled model computes exactly what the eager one does. ``fp8_autocast`` goes around the compiled call;
+inside a compiled function it is a graph break (the region is entered eagerly), which ``fullgraph=True``
+refuses. Under compile the region's mode is read from ``autocast.fp8_traced_enabled`` (the last region
+entered or left, in any thread); a region recipe that turns a layer's FP8 off or to block scaling takes
+effect from the layer's next forward (the re-traced graph). Block-scaled layers keep a graph break
+(``_untraced_forward``) and run as they do eagerly.
 
 Block-scaled layers (``scaling`` ``"mxfp8"`` or ``"block"``) run ``block_linear._BlockLinearFn`` instead:
 the same three GEMMs on block-scaled copies (see that module for which copy feeds which GEMM).
@@ -52,88 +56,21 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from fp8_kernels import has_kernel
 from torch import nn
 
-from .autocast import current_region
+from .autocast import fp8_traced_enabled, is_fp8_enabled
 from .block_linear import _BlockLinearFn
-from .distributed import resolve_amax_group
-from .gemm import fp8_mm, gemm_operand, uses_scaled_mm
+from .linear_ops import FP8LinearFn, fused_transposes, layer_plan
 from .state import FP8State
+from .step import begin_forward
 
-__all__ = ["Conv1D", "Linear", "is_conv1d"]
+__all__ = ["Conv1D", "Linear", "fused_transposes", "is_conv1d"]
 
 
 def is_conv1d(mod: nn.Module) -> bool:
     """A transformers ``Conv1D`` (GPT-2's linear layer, weight stored as (in, out)), without importing it."""
     cls = type(mod)
     return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers")
-
-
-def _in_backward() -> bool:
-    """True while the autograd engine executes a backward pass (in this thread)."""
-    return torch._C._current_graph_task_id() != -1
-
-
-def fused_transposes(state: FP8State, k: int, device: torch.device) -> bool:
-    """Whether layer ``k``'s quantize calls on ``device`` write the transposed FP8 tensors the backward GEMMs
-    need (real FP8 GEMMs, a kernel registered for this layer's scaling mode; see the module docstring)."""
-    if not uses_scaled_mm(device):
-        return False
-    return has_kernel("current_transposed" if state.current[k] else "quantize_transposed", device.type)
-
-
-def _quantize(state: FP8State, i: int, t: torch.Tensor, record: bool, transpose: bool):
-    """``(q, qt or None, scale_inv)``: tensor ``i`` quantized, with its transpose (same pass) if asked."""
-    if transpose:
-        return state.quantize_transposed(i, t, record)
-    q, scale_inv = state.quantize(i, t, record)
-    return q, None, scale_inv
-
-
-class _FP8LinearFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, state: FP8State, k: int, record: bool, fused_t: bool):
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        qx, qxt, sinv_x = _quantize(state, 3 * k, x2, record, fused_t and need_wgrad)
-        t_w = fused_t and need_dgrad
-        qw, qwt, sinv_w = state.quantized_weight(
-            k, weight, t_w, record, lambda: _quantize(state, 3 * k + 1, weight, record, t_w)
-        )
-        ax, aw = gemm_operand(qx), gemm_operand(qw)
-        out = fp8_mm(ax, sinv_x, aw.t(), sinv_w, x.dtype, bias, fast_accum=True)  # fprop: as TE does
-        # saved: the wgrad operand (tokens, in) and the dgrad operand (out, in), column-major views of the
-        # transposes where the quantize pass wrote them
-        bx = ax if qxt is None else gemm_operand(qxt).t()
-        bw = aw if qwt is None else gemm_operand(qwt).t()
-        ctx.save_for_backward(bx, sinv_x, bw, sinv_w)
-        ctx.state, ctx.k, ctx.record = state, k, record
-        ctx.shape, ctx.x_dtype, ctx.w_dtype = shape, x.dtype, weight.dtype
-        ctx.has_bias = bias is not None
-        return out.reshape(*shape[:-1], out.shape[-1])
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        bx, sinv_x, bw, sinv_w = ctx.saved_tensors
-        state, k = ctx.state, ctx.k
-        g2 = grad_output.reshape(-1, grad_output.shape[-1])
-        fused_t = ctx.needs_input_grad[1] and fused_transposes(state, k, g2.device)
-        qg, qgt, sinv_g = _quantize(state, 3 * k + 2, g2, ctx.record, fused_t)
-        ag = gemm_operand(qg)
-        if ctx.record:
-            state.tracker.queue_end_of_backward(state.on_backward_end)
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_x = fp8_mm(ag, sinv_g, bw, sinv_w, ctx.x_dtype).reshape(ctx.shape)
-        if ctx.needs_input_grad[1]:
-            # (out, tokens) row-major: the transpose written by the quantize pass, if any
-            agt = ag.t() if qgt is None else gemm_operand(qgt)
-            grad_w = fp8_mm(agt, sinv_g, bx, sinv_x, ctx.w_dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = g2.sum(0)
-        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 class Linear(nn.Linear):
@@ -191,50 +128,59 @@ class Linear(nn.Linear):
         """The weight as the GEMMs take it, ``(out_features, in_features)``."""
         return self.weight
 
-    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return self._traced_forward(x)
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         weight = self.gemm_weight()
         state = self._fp8_state
-        recompute = state is not None and _in_backward()
-        # a forward inside backward is activation checkpointing's recompute: the original forward's region
-        region = state.tracker.last_region if recompute else current_region()
-        if region is None or not region.enabled:
-            return F.linear(x, weight, self.bias)
         if state is None:
-            state = FP8State([""], device=x.device)
-            self._bind(state, 0)
-        if state.device != x.device:
-            state.to(x.device)
-        if region.recipe is not None:
-            state.set_recipe(region.recipe)
-        tracker = state.tracker
-        tracker.last_region = region
-        k = self._fp8_index
-        if not state.enabled[k]:
-            return F.linear(x, weight, self.bias)
+            if not is_fp8_enabled():
+                return F.linear(x, weight, self.bias)
+            state = self._state()
         record = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-        if recompute:
-            record = record and not tracker.was_recorded(k)  # count a forward once
-        else:
-            tracker.original_forward(k)
-        if record:
-            if tracker.pending and tracker.step_complete and tracker.region_id != region.id:
-                state.end_step()  # the previous step had no backward: close it now
-            tracker.region_id = region.id
-            tracker.step_complete = region.step_boundary
-            tracker.pending = True
-            state.group = resolve_amax_group(region.group, state.reduce_amax)
-            tracker.mark_recorded(k)
-            if recompute:  # queued on the outer backward, not on a reentrant checkpoint's nested one
-                tracker.queue_end_of_backward(state.on_backward_end)
+        fp8, record = begin_forward(state, self._fp8_index, x.device, record)
+        if not fp8:
+            return F.linear(x, weight, self.bias)
+        k = self._fp8_index
         if state.block_specs[k] is not None:  # MXFP8 or FP8 block scaling (block_linear.py)
-            return _BlockLinearFn.apply(x, weight, self.bias, state, k, record)
+            out = _BlockLinearFn.apply(x, weight, self.bias, state, k, record)
+            if state.captures and torch.is_grad_enabled():  # FP8State.capture_once
+                state.run_capture(3 * k, x)
+                if 3 * k + 2 in state.captures and out.requires_grad:
+                    out.register_hook(state.captures.pop(3 * k + 2))
+            return out
         # grad mode, not record, decides (a checkpoint's recompute must save what its original forward saved);
         # read here: inside an autograd Function's forward grad mode is always off
-        fused_t = torch.is_grad_enabled() and fused_transposes(state, k, x.device)
-        return _FP8LinearFn.apply(x, weight, self.bias, state, k, record, fused_t)
+        grad = torch.is_grad_enabled()
+        plan = layer_plan(state, k, x, grad and x.requires_grad, grad and weight.requires_grad)
+        return FP8LinearFn.apply(x, weight, self.bias, state, k, record, plan)
+
+    def _traced_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` as ``torch.compile`` traces it: the layer's mode (FP8 or not, per-tensor or block
+        scaling, formats) is read here and guarded by Dynamo; the step's state is read by the custom
+        operator when it runs (``fp8_trainer.linear_ops``)."""
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        weight = self.gemm_weight()
+        state, k = self._fp8_state, self._fp8_index
+        if not fp8_traced_enabled() or (state is not None and not state.enabled[k]):
+            return F.linear(x, weight, self.bias)
+        if state is None or state.block_specs[k] is not None or state.device != x.device:
+            return self._untraced_forward(x)  # a graph break: see the module docstring
+        grad = torch.is_grad_enabled()
+        need_dgrad, need_wgrad = grad and x.requires_grad, grad and weight.requires_grad
+        shape = x.shape
+        out, *_ = torch.ops.fp8scope.linear_forward(
+            x.reshape(-1, shape[-1]), weight, self.bias, state.handle, k, need_dgrad or need_wgrad,
+            need_dgrad, need_wgrad, state.current[k], state.dtypes[3 * k], state.dtypes[3 * k + 1],
+        )  # fmt: skip
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+    @torch.compiler.disable
+    def _untraced_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward(x)
 
 
 class Conv1D(Linear):

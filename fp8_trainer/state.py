@@ -41,7 +41,7 @@ model-wide overrides, so loading any layer restores them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -61,8 +61,10 @@ from fp8_protocol.stats import AMAX, BLOCK_COLUMNS, MIN_ABS, SCALE
 from .block_linear import block_specs, new_block_stats, split_block_stats
 from .distributed import all_reduce_amax
 from .formats import ROLES
+from .linear_ops import register_state
 from .recipe import BLOCK_SCALINGS, DelayedScaling, Recipe, validate_setting
 from .scaling import delayed_scaling_update
+from .step import StepTracker
 from .weight_cache import WeightCache
 
 __all__ = [
@@ -101,49 +103,6 @@ class TensorInfo:
             "role": self.role,
             "format": self.format,
         }
-
-
-@dataclass
-class StepTracker:
-    """Where the step in progress stands, as the FP8 layers' forwards and the autograd engine see it (host
-    bookkeeping only, never a tensor): the step boundary logic of ``end_step`` (module docstring).
-
-    Activation checkpointing runs a layer's forward a second time inside backward. Each forward that is not
-    such a recompute gets the next serial number of its layer; a recompute belongs to its layer's latest
-    one, and records only if that forward did not (reentrant checkpointing runs the original under
-    ``no_grad``; non-reentrant records the original and skips the recompute).
-    """
-
-    pending: bool = False  # statistics recorded since the last end_step
-    step_complete: bool = False  # the pending forward belongs to a step_boundary=True region
-    region_id: int = -1  # the fp8_autocast region of the pending step's last recorded forward
-    last_region: Any = None  # the fp8_autocast region of the last FP8 forward (for checkpoint recomputes)
-    forward_serial: dict[int, int] = field(default_factory=dict)  # per layer, its latest original forward
-    forward_recorded: set[tuple[int, int]] = field(default_factory=set)  # (layer, serial) in this step
-    callback_queued: bool = False  # the end of the running backward pass will close the step
-
-    def original_forward(self, k: int) -> None:
-        """Layer ``k`` runs a forward that is not a checkpoint's recompute."""
-        self.forward_serial[k] = self.forward_serial.get(k, 0) + 1
-
-    def was_recorded(self, k: int) -> bool:
-        """Layer ``k``'s latest original forward was recorded in this step (its recompute is not)."""
-        return (k, self.forward_serial.get(k, 0)) in self.forward_recorded
-
-    def mark_recorded(self, k: int) -> None:
-        self.forward_recorded.add((k, self.forward_serial.get(k, 0)))
-
-    def closed(self) -> None:
-        """The pending step was closed (``end_step``)."""
-        self.pending = False
-        self.step_complete = False
-        self.forward_recorded.clear()
-
-    def queue_end_of_backward(self, on_end) -> None:
-        """Have ``on_end`` run when the running backward pass ends, once per pass, if the step is complete."""
-        if self.step_complete and not self.callback_queued:
-            self.callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(on_end)
 
 
 def _base_settings(recipe: Recipe) -> dict[str, Any]:
@@ -243,6 +202,10 @@ class FP8State:
         self.last_block_stats: torch.Tensor | None = None
         self.steps = 0  # completed steps (host-side bookkeeping, never read from a tensor)
         self.tracker = StepTracker()  # the step in progress: pending, region, recorded forwards
+        self.linear_plans: dict = {}  # per layer and input shape: fp8_trainer.linear_ops.LayerPlan
+        # tensor index -> a function to call once with that tensor's next training value (capture_once)
+        self.captures: dict[int, Any] = {}
+        self.handle = register_state(self)  # how the custom operators find it (fp8_trainer.linear_ops)
         self.group = None
         self.version = 0  # set before _rebuild (below), which bumps it
         # capturable: end_step updates the scaling state in place (fixed buffers, what a CUDA graph replays;
@@ -257,6 +220,9 @@ class FP8State:
         # the quality statistics (sum_sq, err_sq, subnormal, min_abs) in the same quantize pass; off only
         # to measure what they cost (set_quality_stats, bench/quality_overhead.py)
         self.quality_stats = True
+        # the quality columns in every ``quality_every``-th step only (0, N, 2N, ...; set_quality_schedule):
+        # the other steps' quantize passes run the leaner kernels and record the base columns
+        self.quality_every = 1
         self._new_stats_buffer()
         self._check_shapes(self.layer_settings)
         self._rebuild()
@@ -442,34 +408,53 @@ class FP8State:
             self._scale_inv_rows = self._scale_inv.unbind(0)
         return self._stats_rows[i], self._scale_rows[i], self._scale_inv_rows[i]
 
+    def scale_inv_row(self, i: int) -> torch.Tensor:
+        """Tensor ``i``'s ``scale_inv``, a 0-dim view of the current vector."""
+        return self._rows(i)[2]
+
+    def capture_once(self, i: int, fn) -> None:
+        """Call ``fn(t)`` once with tensor ``i``'s value in the next training forward (input) or backward
+        (grad_output) of its layer: the FP8 layer does it where it sees the tensor (in its custom operator
+        under ``torch.compile``, where a module hook added later would never run). ``fn`` must not raise."""
+        self.captures[i] = fn
+
+    def run_capture(self, i: int, t: torch.Tensor) -> None:
+        """``capture_once``'s call for tensor ``i``, if one is waiting."""
+        fn = self.captures.pop(i, None)
+        if fn is not None:
+            fn(t)
+
     # ----- hot path -----
-    def quantize(self, i: int, x: torch.Tensor, record: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quantize tensor ``i``'s value ``x`` -> ``(q, scale_inv)``; stats go to row ``i`` if recording."""
+    def quantize(
+        self, i: int, x: torch.Tensor, record: bool, dbias: bool = False
+    ) -> tuple[torch.Tensor, ...]:
+        """Quantize tensor ``i``'s value ``x`` -> ``(q, scale_inv)``; stats go to row ``i`` if recording.
+        ``dbias`` (a 2-D ``x``): also its column sums, taken by the same pass, ``(q, scale_inv, dbias)``."""
         stats, scale, scale_inv = self._rows(i)
         stats = stats if record else None
+        extra = {"dbias": True} if dbias else {}
         if self.current[i // 3]:
             # one dispatch entry: amax pass, scale and quantize pass (fused Triton kernels on CUDA)
-            q, _, scale_inv, _ = quantize_current(
-                x, self.dtypes[i], stats, power_2_scale=self.power_2_scale, return_scale_inv=True
+            q, _, scale_inv, _, *column_sums = quantize_current(
+                x, self.dtypes[i], stats, power_2_scale=self.power_2_scale, return_scale_inv=True, **extra
             )
-            return q, scale_inv
-        q, _ = quantize_with_stats(x, scale, self.dtypes[i], stats)
-        return q, scale_inv
+            return (q, scale_inv, *column_sums)
+        q, _, *column_sums = quantize_with_stats(x, scale, self.dtypes[i], stats, **extra)
+        return (q, scale_inv, *column_sums)
 
-    def quantize_transposed(
-        self, i: int, x: torch.Tensor, record: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def quantize_transposed(self, i: int, x: torch.Tensor, record: bool, dbias: bool = False) -> tuple:
         """As ``quantize`` for a 2-D ``x``, also returning ``q.t().contiguous()`` (written by the same pass
-        where a kernel is registered): ``(q, qt, scale_inv)``."""
+        where a kernel is registered): ``(q, qt, scale_inv)``, and the column sums last with ``dbias``."""
         stats, scale, scale_inv = self._rows(i)
         stats = stats if record else None
+        extra = {"dbias": True} if dbias else {}
         if self.current[i // 3]:
-            q, qt, _, scale_inv, _ = quantize_current_transposed(
-                x, self.dtypes[i], stats, power_2_scale=self.power_2_scale, return_scale_inv=True
+            q, qt, _, scale_inv, _, *column_sums = quantize_current_transposed(
+                x, self.dtypes[i], stats, power_2_scale=self.power_2_scale, return_scale_inv=True, **extra
             )
-            return q, qt, scale_inv
-        q, qt, _ = quantize_with_stats_transposed(x, scale, self.dtypes[i], stats)
-        return q, qt, scale_inv
+            return (q, qt, scale_inv, *column_sums)
+        q, qt, _, *column_sums = quantize_with_stats_transposed(x, scale, self.dtypes[i], stats, **extra)
+        return (q, qt, scale_inv, *column_sums)
 
     def block_rows(self, i: int, record: bool) -> dict[str, torch.Tensor]:
         """Tensor ``i``'s statistics row and block row as ``quantize_block_tensor``'s keyword arguments
@@ -491,8 +476,17 @@ class FP8State:
                 self.weight_cache.store(k, key, weight, got)
         return got
 
-    def _new_stats_buffer(self) -> None:
-        self.stats = new_stats(self.n_tensors, device=self.device, quality=self.quality_stats)
+    def quality_step(self, step: int) -> bool:
+        """Whether the step of index ``step`` (0-based, ``steps`` before it completes) records the quality
+        columns."""
+        return self.quality_stats and step % self.quality_every == 0
+
+    def _new_stats_buffer(self, step: int | None = None) -> None:
+        """A fresh statistics buffer for step ``step`` (default: the next one, ``steps``)."""
+        quality = self.quality_step(self.steps if step is None else step)
+        if self.capturable:  # a captured step keeps its buffer's width (set_quality_schedule)
+            quality = self.quality_stats
+        self.stats = new_stats(self.n_tensors, device=self.device, quality=quality)
         self.stats[:, SCALE] = self.scale
         if self.block_stats is not None:
             self.block_stats = new_block_stats(self.n_tensors, self.device)
@@ -532,7 +526,7 @@ class FP8State:
             self.amax_history = history
             self.scale, self.scale_inv = as_aligned_scales(scale), as_aligned_scales(scale_inv)
             self.last_stats, self.last_block_stats = stats, self.block_stats
-            self._new_stats_buffer()
+            self._new_stats_buffer(self.steps + 1)  # _deliver counts this step
             self._deliver(self._with_block(stats, self.last_block_stats))
             return
         # the same values into the same buffers: a replayed graph reads and writes these addresses
@@ -576,6 +570,7 @@ class FP8State:
         if self.pending:
             raise RuntimeError("set_capturable: a step is pending; switch between steps")
         self.capturable = bool(enabled)
+        self._new_stats_buffer()  # captured, the width stays: every step's, or none (set_quality_schedule)
         if self.capturable:
             # the scale vectors must be the aligned layout, which the in-place copies then keep
             self.scale, self.scale_inv = as_aligned_scales(self.scale), as_aligned_scales(self.scale_inv)
@@ -592,6 +587,18 @@ class FP8State:
         self._new_stats_buffer()
         self.last_stats = None
         self.version += 1
+
+    def set_quality_schedule(self, every: int) -> None:
+        """Record the quality columns in every ``every``-th step (steps 0, every, 2 every, ...) and the base
+        columns alone in the others, whose quantize passes then run the kernels without the quality terms
+        (``fp8_kernels``: about 40% fewer instructions per element on sm_90). ``1`` (the default): every
+        step. The step in progress keeps the width it began with; a CUDA-graph-captured step (``capturable``)
+        keeps the width it was captured with."""
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"quality_every: expected an integer >= 1, got {every!r}")
+        self.quality_every = every
+        if not self.pending:
+            self._new_stats_buffer()
 
     def open_inbox(self) -> list:
         """A reader's inbox ``[stats or None, n_steps]``: every step closed from now on lands in it, merged

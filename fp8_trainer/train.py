@@ -300,6 +300,8 @@ def _build(a, prepared: Prepared, rank: int, device):
         convert_to_fp8(model, recipe=recipe, module_filter_fn=fp8_filter)
         if not a.quality_stats:
             get_fp8_state(model).set_quality_stats(False)
+        default_every = 10 if device.type == "cuda" else 1
+        get_fp8_state(model).set_quality_schedule(a.quality_every or default_every)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
     ckpt = prepared.checkpoint
     if ckpt is None and a.resume:
@@ -551,6 +553,18 @@ def _save(a, model, opt, step: int, config, corpus: Corpus, world: int, lead: bo
         say(f"step {step:5d}  saved {path}")
 
 
+def _same_width(stats: list[torch.Tensor]) -> torch.Tensor:
+    """The steps' statistics stacked, the quality columns NaN in the steps that did not record them
+    (``--quality-every``) where others did."""
+    if not stats:
+        return torch.empty((0, 0, 0), dtype=torch.float64)
+    width = max(s.shape[1] for s in stats)
+    out = torch.full((len(stats), stats[0].shape[0], width), float("nan"), dtype=torch.float64)
+    for i, s in enumerate(stats):
+        out[i, :, : s.shape[1]] = s
+    return out
+
+
 def _dump_stats(path: str, model: nn.Module, start: int, stats: list[torch.Tensor], losses: list[float]):
     """``--stats-dump``: the run's per-step statistics as arrays, for comparing with what a monitor stored."""
     import numpy as np
@@ -560,7 +574,7 @@ def _dump_stats(path: str, model: nn.Module, start: int, stats: list[torch.Tenso
     np.savez(
         path,
         steps=np.arange(start + 1, start + 1 + len(stats), dtype=np.int64),
-        stats=torch.stack(stats).numpy(),  # (steps, tensors, 10) in STAT_COLUMNS order
+        stats=_same_width(stats).numpy(),  # (steps, tensors, 10) in STAT_COLUMNS order
         loss=np.asarray(losses, dtype=np.float64),
         names=np.asarray([t.name for t in tensor_table(model)]),
     )

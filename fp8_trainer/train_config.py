@@ -27,9 +27,8 @@ class TrainConfig:
     activation_checkpointing: str = "none"  # recompute blocks in backward (model.CHECKPOINT_MODES)
     # capture each optimizer step in a CUDA graph after 3 eager steps and replay it (fp8_trainer.train_graph)
     cuda_graph: bool = False
-    # torch.compile the model: what lies between the FP8 Linears (LayerNorm, attention, GELU, residuals) is
-    # fused; each FP8 Linear runs as it does eagerly, a graph break (fp8_trainer.linear); not with activation
-    # checkpointing, where a graph break inside a checkpointed block leaves the whole model eager
+    # torch.compile the model: one graph, each FP8 Linear two custom operators (fp8_trainer.linear_ops);
+    # block-scaled layers are graph breaks
     compile: bool = False
     # ----- FP8 recipe (None: the recipe's default, so a delayed-only flag given to another is refused) -----
     # FP8 scaling "delayed" / "current" (per tensor), "mxfp8" (1x32 blocks, E8M0 scales; dimensions and
@@ -71,6 +70,9 @@ class TrainConfig:
     # the quality columns (SQNR, subnormals, dynamic range, outliers) in the quantize pass; off saves their
     # cost, which on the CPU path is about a tenth of a tiny-preset step (bench/quality_overhead.py)
     quality_stats: bool = True
+    # the quality columns in every N-th step only (FP8State.set_quality_schedule); None: 10 on CUDA (where the
+    # quantize kernels without them run about 40% fewer instructions per element), 1 elsewhere
+    quality_every: int | None = None
     monitor_url: str | None = None  # fp8-monitor root; the flag's default is $FP8SCOPE_URL
     run_name: str | None = None  # None: preset-recipe-time
     tags: tuple[str, ...] = field(default_factory=tuple)  # the run's tags in the monitor

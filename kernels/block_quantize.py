@@ -86,8 +86,21 @@ class BlockQuantized:
         return _expand(s, self.block, self.data.shape)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """``q * scale_inv`` of each element's block, in ``dtype`` (computed in float32)."""
-        return (self.data.to(torch.float32) * self.scale_inv_per_element()).to(dtype)
+        """``q * scale_inv`` of each element's block, in ``dtype`` (computed in float32).
+
+        Where the blocks tile ``data`` exactly, each block's factor is broadcast over its block (an E8M0
+        code looked up in a 256-entry table of ``e8m0_to_scale_inv``): the same float32 products in two ops
+        (float32 scales) or four (E8M0), the GEMM emulation's per-operand cost, instead of a factor built
+        for every element."""
+        (bm, bn), (gm, gn) = self.block, self.scale_inv.shape
+        m, n = self.data.shape
+        if m != gm * bm or n != gn * bn or not self.data.numel():
+            return (self.data.to(torch.float32) * self.scale_inv_per_element()).to(dtype)
+        s = self.scale_inv
+        if self.scale_format == "e8m0":
+            s = _e8m0_scale_inv_table(s.device).index_select(0, s.reshape(-1).to(torch.int32))
+        out = self.data.to(torch.float32).reshape(gm, bm, gn, bn) * s.reshape(gm, 1, gn, 1)
+        return out.reshape(m, n).to(dtype)
 
     def t(self) -> BlockQuantized:
         """The same values transposed (data, scales and block shape): for 128x128 blocks TE's column-wise
@@ -151,6 +164,17 @@ def e8m0_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     code = torch.where(torch.isinf(v), _E8M0_MAX_FINITE, code)
     code = torch.where(torch.isnan(v), E8M0_NAN, code)
     return code.to(torch.uint8)
+
+
+_E8M0_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _e8m0_scale_inv_table(device: torch.device) -> torch.Tensor:
+    """``e8m0_to_scale_inv`` of the 256 codes on ``device``, made once per device."""
+    table = _E8M0_TABLES.get(device)
+    if table is None:
+        table = _E8M0_TABLES[device] = e8m0_to_scale_inv(torch.arange(256, dtype=torch.int32)).to(device)
+    return table
 
 
 def _float_from_bits(bits: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,8 @@ import torch
 
 from .quantize import (
     _row_width,
+    check_dbias_operand,
+    column_sums_reference,
     fp8_max,
     overflow_threshold,
     quantize_current_reference,
@@ -165,8 +167,13 @@ def quantize_with_stats_cpu(
     stats: torch.Tensor | None = None,
     *,
     amax: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_with_stats_reference`` in one pass (same signature, same results; see the module)."""
+    dbias: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """``quantize_with_stats_reference`` in one pass (same signature, same results; see the module).
+    ``dbias``: the column sums appended, taken by torch after the pass (``column_sums_reference``)."""
+    if dbias:
+        check_dbias_operand(x)
+        return (*quantize_with_stats_cpu(x, scale, fp8_dtype, stats, amax=amax), column_sums_reference(x))
     width = _row_width(stats)
     if not (
         _takes(x, fp8_dtype, stats)
@@ -197,10 +204,18 @@ def quantize_current_cpu(
     *,
     power_2_scale: bool = False,
     return_scale_inv: bool = False,
+    dbias: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """``quantize_current_reference`` in two passes, the amax and the quantize pass, with the scale
     computed between them in C as ``current_scale_reference`` does: ``(q, scale, stats_row)``, or ``(q,
-    scale, scale_inv, stats_row)`` with ``return_scale_inv``."""
+    scale, scale_inv, stats_row)`` with ``return_scale_inv``; ``dbias`` appends the column sums
+    (``column_sums_reference``)."""
+    if dbias:
+        check_dbias_operand(x)
+        out = quantize_current_cpu(
+            x, fp8_dtype, stats, power_2_scale=power_2_scale, return_scale_inv=return_scale_inv
+        )
+        return (*out, column_sums_reference(x))
     width = _row_width(stats)
     if not _takes(x, fp8_dtype, stats):
         return quantize_current_reference(

@@ -150,6 +150,8 @@ class SassProfile:
     instructions: int  #: in the whole kernel
     loops: tuple[tuple[str, ...], ...]  #: each loop's body (backward branch to its label), in code order
     shared_bytes: int = 0  #: per program: the shared memory a launch asks for (Triton's metadata)
+    #: per loop of ``loops``, whether no other loop lies inside it (an innermost loop)
+    innermost: tuple[bool, ...] = ()
 
     def programs_per_sm(self, threads: int) -> int:
         """How many programs of ``threads`` threads one sm_90 SM runs at once with these registers and this
@@ -161,10 +163,18 @@ class SassProfile:
         return min(by_registers, SM90_THREADS // (warps * 32), SM90_PROGRAMS, by_shared)
 
     def main_loop(self) -> tuple[str, ...]:
-        """The longest loop body: the grid-stride walk over full blocks (tiles)."""
+        """The walk over full blocks (tiles), one iteration per block: of the innermost loops (a loop around
+        other loops, such as the tiled kernels' walk over tile columns, runs its body once per column, not
+        per tile), the one with the most unpredicated 16-byte global stores (a full block's output; the
+        masked edge blocks' stores carry a predicate), the longest of those."""
         if not self.loops:
             raise ValueError("the kernel has no loop")
-        return max(self.loops, key=len)
+        inner = [
+            body
+            for body, alone in zip(self.loops, self.innermost or (True,) * len(self.loops), strict=True)
+            if alone
+        ]
+        return max(inner, key=lambda body: (sum(ins.startswith("STG.E.128") for ins in body), len(body)))
 
     @staticmethod
     def count(body: tuple[str, ...], opcode: str) -> int:
@@ -173,14 +183,16 @@ class SassProfile:
         return sum(1 for ins in body if _PREDICATE.sub("", ins).startswith(opcode))
 
 
-def _loops(sass: str) -> tuple[tuple[str, ...], ...]:
-    """Each backward branch's span (from its target label to the branch) as the instructions in it."""
+def _loops(sass: str) -> tuple[tuple[tuple[str, ...], ...], tuple[bool, ...]]:
+    """Each backward branch's span (from its target label to the branch) as the instructions in it, and
+    per span whether no other span lies inside it."""
     events: list[tuple[int, str, str]] = [(m.start(), "label", m.group(1)) for m in _LABEL.finditer(sass)]
     events += [(m.start(), "ins", m.group(2)) for m in _INSTR.finditer(sass)]
     events.sort()
     seen: dict[str, int] = {}  # label -> index in code of the next instruction
     code: list[str] = []
     loops = []
+    spans = []
     for _, kind, text in events:
         if kind == "label":
             seen[text] = len(code)
@@ -191,7 +203,11 @@ def _loops(sass: str) -> tuple[tuple[str, ...], ...]:
             body = tuple(code[seen[target.group(1)] :])
             if len(body) > 1:  # not the branch to itself that ends the code
                 loops.append(body)
-    return tuple(loops)
+                spans.append((seen[target.group(1)], len(code)))
+    innermost = tuple(
+        not any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans) for a, b in spans
+    )  # fmt: skip
+    return tuple(loops), innermost
 
 
 def sass_profile(compiled) -> SassProfile:
@@ -209,10 +225,12 @@ def sass_profile(compiled) -> SassProfile:
     stack = re.search(r"\bSTACK:(\d+)", usage)
     if regs is None or stack is None:
         raise RuntimeError(f"cuobjdump -res-usage: no REG / STACK in {usage!r}")
+    loops, innermost = _loops(sass)
     return SassProfile(
         registers=int(regs.group(1)),
         stack_bytes=int(stack.group(1)),
         instructions=len(_INSTR.findall(sass)),
-        loops=_loops(sass),
+        loops=loops,
         shared_bytes=int(getattr(compiled.metadata, "shared", 0) or 0),
+        innermost=innermost,
     )

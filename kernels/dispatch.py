@@ -12,8 +12,10 @@ compare against them or to debug on a GPU. Tensors beyond ``KERNEL_MAX_NUMEL`` e
 offsets) use the references too.
 
 A registered implementation must follow the reference's contract exactly (same signature, same statistics
-row, same bits). The scale update's reference is ``fp8_trainer.scaling.delayed_scaling_update``, which
-this package does not import: ``fused_scale_update`` returns ``None`` where the caller should use it.
+row, same bits). The quantize ops pass ``dbias=True`` (the bias gradient of a 2-D ``grad_output``, one more
+element in the result) only when a caller asks for it, having checked ``x`` is 2-D.
+The scale update's reference is ``fp8_trainer.scaling.delayed_scaling_update``, which this package does not
+import: ``fused_scale_update`` returns ``None`` where the caller should use it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from .block_quantize import BlockQuantized, quantize_blocks
 from .histogram import exponent_histogram_reference
 from .quantize import (
     KERNEL_MAX_NUMEL,
+    check_dbias_operand,
     quantize_current_reference,
     quantize_with_stats_reference,
     tensor_amax_reference,
@@ -47,7 +50,6 @@ __all__ = [
     "register",
     "tensor_amax",
     "triton_available",
-    "unpack_block_counts",
     "use_reference",
 ]
 
@@ -194,6 +196,15 @@ def _lookup(op: str, device_type: str, numel: int = 0) -> Callable | None:
     return _TABLES[op].get(device_type) or _BUILTIN[op].get(device_type)
 
 
+def _dbias_kw(x: torch.Tensor, dbias: bool) -> dict:
+    """The ``dbias`` keyword for an implementation: given only when asked for, so that one registered
+    without it still serves every other call; a bad operand is refused before any work."""
+    if not dbias:
+        return {}
+    check_dbias_operand(x)
+    return {"dbias": True}
+
+
 def quantize_with_stats(
     x: torch.Tensor,
     scale: torch.Tensor,
@@ -201,10 +212,17 @@ def quantize_with_stats(
     stats: torch.Tensor | None = None,
     *,
     amax: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``x`` to ``fp8_dtype`` with ``scale`` and record its statistics (``fp8_kernels.quantize``)."""
+    dbias: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """Quantize ``x`` with ``scale`` and record its statistics (``fp8_kernels.quantize``): ``(q, row)``.
+
+    ``dbias``: ``x`` is a 2-D ``grad_output`` (ValueError otherwise) and the call also returns the bias
+    gradient ``x.sum(0)`` (accumulated in float32, in ``x``'s dtype): ``(q, row, dbias)``. The Triton
+    kernel takes it in the quantize pass itself (no second read of ``x``, no launch of its own).
+    """
+    extra = _dbias_kw(x, dbias)
     fn = _lookup("quantize", x.device.type, x.numel()) or quantize_with_stats_reference
-    return fn(x, scale, fp8_dtype, stats, amax=amax)
+    return fn(x, scale, fp8_dtype, stats, amax=amax, **extra)
 
 
 def quantize_with_stats_transposed(
@@ -214,18 +232,22 @@ def quantize_with_stats_transposed(
     stats: torch.Tensor | None = None,
     *,
     amax: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """As ``quantize_with_stats`` for a 2-D ``x``, also returning ``q.t().contiguous()``: ``(q, qt, row)``.
+    dbias: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """As ``quantize_with_stats`` for a 2-D ``x``, also returning ``q.t().contiguous()``: ``(q, qt, row)``,
+    ``(q, qt, row, dbias)`` with ``dbias``.
 
-    The Triton kernel writes both layouts in the same pass over ``x``; the reference transposes ``q``.
+    The Triton kernel writes both layouts (and the column sums) in the same pass over ``x``; the reference
+    transposes ``q``.
     """
+    extra = _dbias_kw(x, dbias)
     fn = _lookup("quantize_transposed", x.device.type, x.numel())
     if fn is not None:
-        return fn(x, scale, fp8_dtype, stats, amax=amax)
+        return fn(x, scale, fp8_dtype, stats, amax=amax, **extra)
     if x.dim() != 2:
         raise ValueError(f"x: the transposed output needs a 2-D tensor, got shape {tuple(x.shape)}")
-    q, row = quantize_with_stats(x, scale, fp8_dtype, stats, amax=amax)
-    return q, q.t().contiguous(), row
+    q, *rest = quantize_with_stats(x, scale, fp8_dtype, stats, amax=amax, dbias=dbias)
+    return (q, q.t().contiguous(), *rest)
 
 
 def quantize_current(
@@ -235,6 +257,7 @@ def quantize_current(
     *,
     power_2_scale: bool = False,
     return_scale_inv: bool = False,
+    dbias: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Current scaling: quantize ``x`` with ``FP8_MAX / max |x|`` (NaN elements ignored by the max) and record
     its statistics, one call for the amax pass, the scale and the quantize pass: ``(q, scale, stats_row)``
@@ -248,9 +271,13 @@ def quantize_current(
     ``torch.reciprocal(scale)`` bit for bit and 16-byte aligned (the GEMM's operand scale); the Triton
     kernels write it in their quantize pass, which saves the GEMM path a launch per tensor. Every
     ``current`` kernel takes this keyword.
+
+    ``dbias``: the column sums of a 2-D ``x`` appended, as in ``quantize_with_stats`` (the Triton kernels
+    take them in their quantize pass).
     """
+    extra = _dbias_kw(x, dbias)
     fn = _lookup("current", x.device.type, x.numel()) or quantize_current_reference
-    return fn(x, fp8_dtype, stats, power_2_scale=power_2_scale, return_scale_inv=return_scale_inv)
+    return fn(x, fp8_dtype, stats, power_2_scale=power_2_scale, return_scale_inv=return_scale_inv, **extra)
 
 
 def quantize_current_transposed(
@@ -260,19 +287,23 @@ def quantize_current_transposed(
     *,
     power_2_scale: bool = False,
     return_scale_inv: bool = False,
+    dbias: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """As ``quantize_current`` for a 2-D ``x``, also returning ``qt = q.t().contiguous()``:
-    ``(q, qt, scale, row)``, or ``(q, qt, scale, scale_inv, row)`` with ``return_scale_inv``.
+    ``(q, qt, scale, row)``, or ``(q, qt, scale, scale_inv, row)`` with ``return_scale_inv``; ``dbias``
+    appends the column sums.
 
     The Triton kernel writes both layouts in its quantize pass; the reference transposes ``q``.
     """
+    extra = _dbias_kw(x, dbias)
     fn = _lookup("current_transposed", x.device.type, x.numel())
     if fn is not None:
-        return fn(x, fp8_dtype, stats, power_2_scale=power_2_scale, return_scale_inv=return_scale_inv)
+        kw = dict(power_2_scale=power_2_scale, return_scale_inv=return_scale_inv, **extra)
+        return fn(x, fp8_dtype, stats, **kw)
     if x.dim() != 2:
         raise ValueError(f"x: the transposed output needs a 2-D tensor, got shape {tuple(x.shape)}")
     q, *rest = quantize_current(
-        x, fp8_dtype, stats, power_2_scale=power_2_scale, return_scale_inv=return_scale_inv
+        x, fp8_dtype, stats, power_2_scale=power_2_scale, return_scale_inv=return_scale_inv, dbias=dbias
     )
     return (q, q.t().contiguous(), *rest)
 
@@ -311,30 +342,23 @@ def block_quantize(
     *,
     power_2_scale: bool = True,
     amax_epsilon: float = 0.0,
-    stats: bool = False,
-    quality: bool = True,
-) -> tuple[BlockQuantized, dict[str, torch.Tensor] | None]:
+    stats: torch.Tensor | None = None,
+    block_stats: torch.Tensor | None = None,
+) -> tuple[BlockQuantized, bool]:
     """Block-scaled quantization (``fp8_kernels.block_quantize.quantize_blocks``, same arguments, same bits):
-    ``(q, per_block)``. Where a kernel is registered (CUDA: ``triton_block_quantize``) and ``stats`` is
-    asked for, ``per_block`` holds each block's statistics from the same pass (``block_quantize_triton``;
-    ``unpack_block_counts`` reads its ``counts``); ``None`` from the reference, whose caller computes them
-    itself (``fp8_trainer.block_linear.block_tensor_stats``)."""
+    ``(q, recorded)``. Where a kernel is registered (CUDA: ``triton_block_quantize``) and the step's rows
+    are given (``stats``, its statistics row, and ``block_stats``, its block row), the kernel merges the
+    quantization's statistics into them in the same pass and ``recorded`` is True; the reference records
+    nothing (``recorded`` False), and its caller computes them itself
+    (``fp8_trainer.block_linear.record_block_stats``)."""
     fn = _lookup("block_quantize", x.device.type, x.numel())
     if fn is not None:
-        return fn(
+        q = fn(
             x, fp8_dtype, block, scale_format, power_2_scale=power_2_scale, amax_epsilon=amax_epsilon,
-            stats=stats, quality=quality,
+            stats=stats, block_stats=block_stats,
         )  # fmt: skip
+        return q, stats is not None
     q = quantize_blocks(
         x, fp8_dtype, block, scale_format, power_2_scale=power_2_scale, amax_epsilon=amax_epsilon
     )
-    return q, None
-
-
-#: The fields of a block-quantize kernel's packed per-block ``counts`` (int64), 16 bits each, lowest first.
-BLOCK_COUNT_FIELDS = ("overflow", "underflow", "nonfinite", "subnormal")
-
-
-def unpack_block_counts(counts: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The ``BLOCK_COUNT_FIELDS`` of a kernel's per-block ``counts`` as int64 tensors of its shape."""
-    return {name: (counts >> (16 * i)) & 0xFFFF for i, name in enumerate(BLOCK_COUNT_FIELDS)}
+    return q, False

@@ -67,6 +67,8 @@ from fp8_protocol.stats import STAT_COLUMNS as _PROTOCOL_COLUMNS
 __all__ = [
     "KERNEL_MAX_NUMEL",
     "STAT_COLUMNS",
+    "check_dbias_operand",
+    "column_sums_reference",
     "current_scale_reference",
     "dequantize",
     "fp8_bits_to_float",
@@ -263,6 +265,19 @@ def quality_row_reference(
     return torch.cat([sums, subnormal.to(torch.float64).reshape(1), min_abs.to(torch.float64).reshape(1)])
 
 
+def check_dbias_operand(x: torch.Tensor) -> None:
+    """The bias gradient (``dbias=True``) is the column sums of a 2-D ``x``: refuse any other shape."""
+    if x.dim() != 2:
+        raise ValueError(f"x: dbias needs a 2-D (tokens, features) tensor, got shape {tuple(x.shape)}")
+
+
+def column_sums_reference(x: torch.Tensor) -> torch.Tensor:
+    """The bias gradient of a 2-D ``grad_output``: ``x.sum(0)`` accumulated in float32, in ``x``'s dtype
+    (NaN and Inf propagate as in any sum)."""
+    check_dbias_operand(x)
+    return x.detach().sum(0, dtype=torch.float32).to(x.dtype)
+
+
 def quantize_with_stats_reference(
     x: torch.Tensor,
     scale: torch.Tensor,
@@ -270,7 +285,8 @@ def quantize_with_stats_reference(
     stats: torch.Tensor | None = None,
     *,
     amax: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    dbias: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Quantize ``x`` with ``scale`` to ``fp8_dtype`` and compute its statistics.
 
     Args:
@@ -281,10 +297,16 @@ def quantize_with_stats_reference(
             for the base columns alone (the quality statistics are then not computed).
         amax: ``max |x|`` if the caller computed it already (current scaling), to skip a pass; recorded as
             ``|amax|`` with NaN read as 0, as the kernels do.
+        dbias: also return the column sums of a 2-D ``x`` (the bias gradient when ``x`` is
+            ``grad_output``): ``column_sums_reference``.
     Returns:
         ``(q, stats_row)``: the FP8 tensor (shape of ``x``) and the float64 statistics of this call, ``(10,)``
-        (``stats`` itself when given, after accumulation).
+        (``stats`` itself when given, after accumulation); ``(q, stats_row, dbias)`` with ``dbias``.
     """
+    if dbias:
+        check_dbias_operand(x)
+        q, row = quantize_with_stats_reference(x, scale, fp8_dtype, stats, amax=amax)
+        return q, row, column_sums_reference(x)
     width = _row_width(stats)
     quality = width == len(STAT_COLUMNS)
     x, scale = x.detach(), scale.detach()  # statistics and FP8 bits: nothing to differentiate
@@ -362,15 +384,20 @@ def quantize_current_reference(
     *,
     power_2_scale: bool = False,
     return_scale_inv: bool = False,
+    dbias: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Current scaling: ``max |x|`` (NaN ignored), the scale from it (``current_scale_reference``), then
     ``quantize_with_stats_reference`` with that scale. Returns ``(q, scale, stats_row)``, ``scale`` a float32
     0-dim tensor; no host read. ``return_scale_inv``: ``(q, scale, scale_inv, stats_row)`` with
-    ``scale_inv = torch.reciprocal(scale)`` (what every ``current`` kernel returns there, bit for bit)."""
+    ``scale_inv = torch.reciprocal(scale)`` (what every ``current`` kernel returns there, bit for bit).
+    ``dbias``: the column sums of a 2-D ``x`` appended (``column_sums_reference``)."""
+    if dbias:
+        check_dbias_operand(x)
     amax = tensor_amax_reference(x.detach())
     scale = current_scale_reference(amax, fp8_dtype, power_2_scale=power_2_scale)
     q, row = quantize_with_stats_reference(x, scale, fp8_dtype, stats, amax=amax)
-    return (q, scale, torch.reciprocal(scale), row) if return_scale_inv else (q, scale, row)
+    out = (q, scale, torch.reciprocal(scale), row) if return_scale_inv else (q, scale, row)
+    return (*out, column_sums_reference(x)) if dbias else out
 
 
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

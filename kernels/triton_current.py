@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .quantize import check_dbias_operand
 from .triton_launch import amax_bits, as_kernel_input, block_1d, cdiv, grid_cap, launch, load_f32
 from .triton_quantize import MAX_NUMEL, launch_quantize
 
@@ -93,20 +94,25 @@ def quantize_current_triton(
     power_2_scale: bool = False,
     precast: torch.Tensor | None = None,
     return_scale_inv: bool = False,
+    dbias: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Current scaling in two passes: ``(q, scale, stats_row)``; ``scale`` is a float32 0-dim tensor.
 
     ``power_2_scale``: round the scale down to a power of two. ``precast`` as in
     ``triton_quantize.launch_quantize`` (the clamped scaled values, for tests). ``return_scale_inv``: also
     return ``1 / scale`` (``(q, scale, scale_inv, stats_row)``), written by the quantize pass (no launch of
-    its own), 16-byte aligned.
+    its own), 16-byte aligned. ``dbias``: the column sums of a 2-D ``x`` appended, taken by the quantize
+    pass (still two launches).
     """
+    if dbias:  # before the amax pass: nothing launched for a bad operand
+        check_dbias_operand(x)
     parts, scale_out = amax_pass(x)
-    q, _, row, scale = launch_quantize(
+    q, _, row, scale, *column_sums = launch_quantize(
         x, None, fp8_dtype, stats, amax_parts=parts, scale_from_amax=True, precast=precast,
-        power_2_scale=power_2_scale, scale_out=scale_out,
+        power_2_scale=power_2_scale, scale_out=scale_out, dbias=dbias,
     )  # fmt: skip
-    return (q, scale, scale_out[4], row) if return_scale_inv else (q, scale, row)
+    out = (q, scale, scale_out[4], row) if return_scale_inv else (q, scale, row)
+    return (*out, *column_sums)
 
 
 def quantize_current_transposed_triton(
@@ -117,15 +123,19 @@ def quantize_current_transposed_triton(
     power_2_scale: bool = False,
     precast: torch.Tensor | None = None,
     return_scale_inv: bool = False,
+    dbias: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """As ``quantize_current_triton`` for a 2-D ``x``, the quantize pass also writing the transposed FP8
     tensor: ``(q, qt, scale, stats_row)`` with ``qt == q.t().contiguous()`` (``(q, qt, scale, scale_inv,
-    stats_row)`` with ``return_scale_inv``)."""
-    if x.dim() != 2:  # before the amax pass: nothing launched for a bad operand
+    stats_row)`` with ``return_scale_inv``; the column sums appended with ``dbias``)."""
+    if dbias:  # before the amax pass: nothing launched for a bad operand
+        check_dbias_operand(x)
+    if x.dim() != 2:
         raise ValueError(f"x: the transposed output needs a 2-D tensor, got shape {tuple(x.shape)}")
     parts, scale_out = amax_pass(x)
-    q, qt, row, scale = launch_quantize(
+    q, qt, row, scale, *column_sums = launch_quantize(
         x, None, fp8_dtype, stats, amax_parts=parts, scale_from_amax=True, precast=precast, transpose=True,
-        power_2_scale=power_2_scale, scale_out=scale_out,
+        power_2_scale=power_2_scale, scale_out=scale_out, dbias=dbias,
     )  # fmt: skip
-    return (q, qt, scale, scale_out[4], row) if return_scale_inv else (q, qt, scale, row)
+    out = (q, qt, scale, scale_out[4], row) if return_scale_inv else (q, qt, scale, row)
+    return (*out, *column_sums)

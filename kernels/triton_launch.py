@@ -43,6 +43,7 @@ __all__ = [
     "block_scale_update",
     "divisor",
     "format_constants",
+    "grid_2d",
     "grid_cap",
     "load_f32",
     "persistent_grid",
@@ -100,18 +101,33 @@ def persistent_grid(n_blocks: int, device: torch.device) -> int:
     return max(1, min(n_blocks, max(grid_cap(device), cdiv(n_blocks, MAX_BLOCKS_PER_PROGRAM))))
 
 
+def grid_2d(tiles_m: int, tiles_n: int, device: torch.device) -> tuple[int, int]:
+    """``(PM, PN)``: the tiled kernels' programs as a ``PM x PN`` grid, program ``(pm, pn)`` taking tile
+    columns ``pn, pn + PN, ...`` and in each the tile rows ``pm, pm + PM, ...`` (``triton_quantize``). About
+    ``grid_cap`` programs, one column group per tile column where they suffice, and never more than
+    ``MAX_BLOCKS_PER_PROGRAM`` tiles for one program."""
+    cap = grid_cap(device)
+    pn = max(1, min(tiles_n, cap))
+    if cdiv(tiles_n, pn) > MAX_BLOCKS_PER_PROGRAM:
+        pn = cdiv(tiles_n, MAX_BLOCKS_PER_PROGRAM)
+    rows = MAX_BLOCKS_PER_PROGRAM // cdiv(tiles_n, pn)  # tile rows one program may take
+    pm = max(1, min(tiles_m, max(cap // pn, cdiv(tiles_m, rows))))
+    return pm, pn
+
+
 def block_1d(device: torch.device) -> tuple[int, int]:
     """``(BLOCK, num_warps)`` of the flat (1-D) kernels."""
     return (4096, 8) if device.type == "cuda" else (1024, 4)
 
 
 def tile_2d(device: torch.device) -> tuple[int, int, int]:
-    """``(BLOCK_M, BLOCK_N, num_warps)`` of the tiled kernels (transposed output).
+    """``(BLOCK_M, BLOCK_N, num_warps)`` of the tiled kernels (transposed output, column sums).
 
     Both sides a multiple of 16: a full tile's rows of ``q`` (along N) and of ``qt`` (along M) are then
-    whole 16-byte FP8 vectors. On CUDA 16 elements per thread (the 16-byte FP8 vector), no register spills
-    on sm_90 (about 120 registers, ``test_ptx.py``)."""
-    return (128, 64, 16) if device.type == "cuda" else (32, 32, 4)
+    whole 16-byte FP8 vectors. On CUDA 64 x 64 for 4 warps: a thread takes rows ``2i`` and ``2i + 1`` of
+    16 columns (``triton_quantize._pair_offsets``: 16-byte FP8 vectors for ``q``, 16-bit words for the
+    transpose); sm_90 runs 3 or 4 such programs per SM with no spills (``test_ptx.py``, ``bench/sass.py``)."""
+    return (64, 64, 4) if device.type == "cuda" else (32, 32, 4)
 
 
 def saturating_cast(device: torch.device) -> bool:

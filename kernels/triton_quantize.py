@@ -41,15 +41,32 @@ are packed 8 bits apart per slot, each at most ``LANE * MAX_BLOCKS_PER_PROGRAM``
 min over the bits of ``|x|`` minus one, unsigned, so that zeros (which wrap) and non-finite elements
 never win (``_min_abs_bits``), folded into the row with an integer atomic min on the float64 bits.
 
-sm_90 SASS of the main loops (bf16 in, ``bench/sass.py``; Triton 3.9), from the block-wise tree reductions,
-the clamp and the re-rounding for the error, bit-pattern amax and OR-packed counts, the error from the cast
-of ``|x * scale|`` and one underflow compare, to now: 1-D with quality 899 -> 412 instructions per
-iteration, 4 -> 0 barriers, 139 -> 94 registers; 1-D without 340 -> 247, 94 -> 62 registers; 2-D with
-quality 1095 -> 555, 6 -> 2 barriers (the transpose's own), 88 bytes of spills -> none; 2-D without
-582 -> 360.
+sm_90 SASS of the main loops (bf16 in, ``bench/sass.py``; Triton 3.9), per 16 elements of a thread: from
+the block-wise tree reductions, the clamp and the re-rounding for the error, bit-pattern amax and OR-packed
+counts, the error from the cast of ``|x * scale|`` and one underflow compare, to now: 1-D with quality 899 ->
+435 instructions, 4 -> 0 barriers, 139 -> 102 registers; 1-D without 340 -> 247, 94 -> 62 registers; 2-D
+with quality 1095 -> 513, 88 bytes of spills -> none; 2-D without 582 -> 360 -> 276 (the last step: tiles
+of 64 x 64 for 4 warps, two rows of 16 per thread, so that a tile's transpose moves 16-bit words, read back
+with ``ldmatrix.trans`` instead of 16 single-byte shared loads per thread; no integer division per tile; 3
+programs per SM where one 16-warp program of 128 x 64 tiles filled it). ``tests/kernels/test_ptx.py`` holds
+the budgets.
+
+The 2-D (tiled) kernel takes a tile as its two halves, the even rows and the odd rows (``_pair_offsets``):
+one thread holds rows ``2i`` and ``2i + 1`` of the same 16 columns, which makes each column's pair one
+16-bit word of the transposed output (``_store_transposed``; where ``M`` is not a multiple of 16 the halves
+are interleaved back and transposed byte by byte). Its programs form a ``PM x PN`` grid
+(``triton_launch.grid_2d``): program ``(pm, pn)`` walks tile columns ``pn, pn + PN, ...`` and in each the tile
+rows ``pm, pm + PM, ...``. With ``DBIAS`` (the bias gradient of ``grad_output``, ``x.sum(0)``, Transformer
+Engine's cast-transpose-dbias) a program adds its tiles of a column element by element into float32
+registers (one add per element, nothing across threads per tile), reduces them across its rows once per
+column and writes them to a workspace row; the column's last program to arrive adds the ``PM`` rows in a
+fixed order and writes the result in ``x``'s dtype (``_flush_column_sums``): one launch, ``x`` read once,
+the same bits whichever program finishes last. The 1-D entry with ``dbias`` runs this kernel without the
+transposed output.
 
 Memory access: the 1-D kernel walks full ``BLOCK``s with no mask and one masked tail block; the 2-D kernel
-walks full tiles with no mask, then the edge tiles (last tile column, last tile row) masked. Unmasked blocks
+walks each column's full tiles with no mask, then its edge tiles (the last tile row; every tile of the last
+tile column) masked. Unmasked blocks
 at multiples of ``BLOCK`` let the compiler emit 16-byte vector loads and stores; for the 2-D kernel rows must
 also start aligned, which the launcher makes visible with the ``DIV_M`` / ``DIV_N`` constexprs
 (``triton_launch``). Nothing depends on a hint for correctness: the masked paths handle every size. A
@@ -66,7 +83,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .quantize import BASE_COLUMNS, KERNEL_MAX_NUMEL, STAT_COLUMNS, new_stats
+from .quantize import BASE_COLUMNS, KERNEL_MAX_NUMEL, STAT_COLUMNS, check_dbias_operand, new_stats
 from .triton_launch import (
     LANE,
     abs_bits,
@@ -75,6 +92,7 @@ from .triton_launch import (
     cdiv,
     divisor,
     format_constants,
+    grid_2d,
     launch,
     load_f32,
     persistent_grid,
@@ -478,50 +496,50 @@ def _quantize_kernel(
 
 
 @triton.jit
-def _quantize_tile(
-    x_ptr, q_ptr, qt_ptr, precast_ptr, tm, tn, M, N, scale, amax_acc, count_acc, sq_acc, err_acc, min_acc,
-    MASKED: tl.constexpr, FMAX: tl.constexpr, UNDERFLOW: tl.constexpr, OVF_THRESHOLD: tl.constexpr,
-    OVF_INCLUSIVE: tl.constexpr, SUBNORMAL_TOP: tl.constexpr, MIN_NORMAL: tl.constexpr,
-    SUB_MAGIC: tl.constexpr, DROP: tl.constexpr, QUALITY: tl.constexpr, STORE_PRECAST: tl.constexpr,
-    SAT_CAST: tl.constexpr, IS_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _pair_offsets(tm, tn, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tile ``(tm, tn)`` as two halves, its even rows and its odd rows, each ``[BLOCK_M // 2, BLOCK_N]``:
+    ``(offsets of the even rows in x / q, even-row indices, column indices)``; the odd rows are ``+ N``."""
+    re = tm * BLOCK_M + 2 * tl.arange(0, BLOCK_M // 2)
+    rn = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+    return re[:, None] * N + rn[None, :], re, rn
+
+
+@triton.jit
+def _store_transposed(
+    qt_ptr, qe, qo, tm, re, rn, M, N, MASKED: tl.constexpr, PACKED: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Tile ``(tm, tn)`` of the 2-D kernel, written to ``q`` and, transposed, to ``qt``; returns the updated
-    accumulators. ``MASKED`` False: a full tile, no mask."""
-    rm = tm * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tn * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs = rm[:, None] * N + rn[None, :]
-    offs_t = rn[:, None] * M + rm[None, :]  # rows of the transpose: contiguous along M
-    if MASKED:
-        mask = (rm[:, None] < M) & (rn[None, :] < N)
-        mask_t = (rn[:, None] < N) & (rm[None, :] < M)
+    """The tile's two FP8 halves into ``qt`` (``(N, M)``). ``PACKED`` (``M`` a multiple of 16): each
+    column's rows ``2i`` and ``2i + 1`` as one 16-bit word, so the transpose moves 16-bit words (Triton reads
+    them back from shared memory with ``ldmatrix.trans``, 16 bytes per thread, where single bytes took 16
+    loads) and ``qt`` is written as 16-bit words. Otherwise (rows of ``qt`` not 2-byte aligned) the halves
+    are interleaved back into the tile and transposed byte by byte."""
+    if PACKED:
+        pair = qe.to(tl.uint8, bitcast=True).to(tl.uint16) | (
+            qo.to(tl.uint8, bitcast=True).to(tl.uint16) << 8
+        )
+        half = tm * (BLOCK_M // 2) + tl.arange(0, BLOCK_M // 2)
+        offs_t = rn[:, None] * (M // 2) + half[None, :]
+        mask_t = (rn[:, None] < N) & (half[None, :] < M // 2) if MASKED else None
+        tl.store(qt_ptr.to(tl.pointer_type(tl.uint16)) + offs_t, tl.trans(pair), mask=mask_t)
     else:
-        mask = None
-        mask_t = None
-    x = load_f32(x_ptr, offs, mask, IS_BF16)
-    return _quantize_tile_values(
-        x, q_ptr, qt_ptr, precast_ptr, offs, offs_t, mask, mask_t, scale, amax_acc, count_acc,
-        sq_acc, err_acc, min_acc, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, SUBNORMAL_TOP, MIN_NORMAL,
-        SUB_MAGIC, DROP, QUALITY, STORE_PRECAST, SAT_CAST,
-    )  # fmt: skip
+        both = tl.join(qe.to(tl.uint8, bitcast=True), qo.to(tl.uint8, bitcast=True))  # [BM // 2, BN, 2]
+        tile = tl.reshape(tl.permute(both, (0, 2, 1)), [BLOCK_M, BLOCK_N])  # rows 2i + j
+        rm = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_t = rn[:, None] * M + rm[None, :]
+        mask_t = (rn[:, None] < N) & (rm[None, :] < M) if MASKED else None
+        tl.store(qt_ptr.to(tl.pointer_type(tl.uint8)) + offs_t, tl.trans(tile), mask=mask_t)
 
 
 @triton.jit
-def _tile_offsets(tm, tn, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Offsets of tile ``(tm, tn)`` in ``x`` / ``q`` (row-major ``(M, N)``) and in ``qt`` (``(N, M)``)."""
-    rm = tm * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tn * BLOCK_N + tl.arange(0, BLOCK_N)
-    return rm[:, None] * N + rn[None, :], rn[:, None] * M + rm[None, :]
-
-
-@triton.jit
-def _quantize_tile_values(
-    x, q_ptr, qt_ptr, precast_ptr, offs, offs_t, mask, mask_t, scale, amax_acc, count_acc,
-    sq_acc, err_acc, min_acc,
+def _quantize_half(
+    x, q_ptr, precast_ptr, offs, mask, scale, amax_acc, count_acc, sq_acc, err_acc, min_acc,
     FMAX: tl.constexpr, UNDERFLOW: tl.constexpr, OVF_THRESHOLD: tl.constexpr, OVF_INCLUSIVE: tl.constexpr,
     SUBNORMAL_TOP: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, DROP: tl.constexpr,
     QUALITY: tl.constexpr, STORE_PRECAST: tl.constexpr, SAT_CAST: tl.constexpr,
 ):  # fmt: skip
-    """``_quantize_tile`` on values already loaded (float32)."""
+    """One half of a tile (values already loaded, float32): its FP8 values written to ``q``; returns ``(q,
+    accumulators)``."""
     ax, counts, xs, af = _scale_and_count(
         x, scale, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, SUBNORMAL_TOP, QUALITY
     )
@@ -530,115 +548,205 @@ def _quantize_tile_values(
     if QUALITY:  # |q| as float32, 0 for a non-finite x (_quality_terms)
         _, qa = _to_fp8(af, q_ptr.dtype.element_ty, FMAX, MIN_NORMAL, SUB_MAGIC, DROP, SAT_CAST)
     tl.store(q_ptr + offs, q, mask=mask)
-    tl.store(qt_ptr + offs_t, tl.trans(q), mask=mask_t)
     if STORE_PRECAST:
         tl.store(precast_ptr + offs, _clamp(xs, FMAX), mask=mask)
-    return _fold(x, ax, counts, qa, af, amax_acc, count_acc, sq_acc, err_acc, min_acc, QUALITY)
+    amax_acc, count_acc, sq_acc, err_acc, min_acc = _fold(
+        x, ax, counts, qa, af, amax_acc, count_acc, sq_acc, err_acc, min_acc, QUALITY
+    )
+    return q, amax_acc, count_acc, sq_acc, err_acc, min_acc
+
+
+@triton.jit
+def _quantize_pair_tile(
+    xe, xo, q_ptr, qt_ptr, precast_ptr, tm, tn, M, N, scale, amax_acc, count_acc, sq_acc, err_acc, min_acc,
+    col_acc, MASKED: tl.constexpr, FMAX: tl.constexpr, UNDERFLOW: tl.constexpr, OVF_THRESHOLD: tl.constexpr,
+    OVF_INCLUSIVE: tl.constexpr, SUBNORMAL_TOP: tl.constexpr, MIN_NORMAL: tl.constexpr,
+    SUB_MAGIC: tl.constexpr, DROP: tl.constexpr, QUALITY: tl.constexpr, STORE_PRECAST: tl.constexpr,
+    SAT_CAST: tl.constexpr, TRANSPOSE: tl.constexpr, DBIAS: tl.constexpr, PACKED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Tile ``(tm, tn)`` of the 2-D kernel from its two halves (even rows ``xe``, odd rows ``xo``, float32,
+    masked-out elements 0): written to ``q``, with ``TRANSPOSE`` to ``qt``, with ``DBIAS`` added into the
+    column sums ``col_acc`` (element by element: nothing crosses threads per tile). Returns the updated
+    accumulators."""
+    offs, re, rn = _pair_offsets(tm, tn, M, N, BLOCK_M, BLOCK_N)
+    if MASKED:
+        mask_e = (re[:, None] < M) & (rn[None, :] < N)
+        mask_o = ((re + 1)[:, None] < M) & (rn[None, :] < N)
+    else:
+        mask_e = None
+        mask_o = None
+    qe, amax_acc, count_acc, sq_acc, err_acc, min_acc = _quantize_half(
+        xe, q_ptr, precast_ptr, offs, mask_e, scale, amax_acc, count_acc, sq_acc, err_acc, min_acc,
+        FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, SUBNORMAL_TOP, MIN_NORMAL, SUB_MAGIC, DROP, QUALITY,
+        STORE_PRECAST, SAT_CAST,
+    )  # fmt: skip
+    qo, amax_acc, count_acc, sq_acc, err_acc, min_acc = _quantize_half(
+        xo, q_ptr, precast_ptr, offs + N, mask_o, scale, amax_acc, count_acc, sq_acc, err_acc, min_acc,
+        FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, SUBNORMAL_TOP, MIN_NORMAL, SUB_MAGIC, DROP, QUALITY,
+        STORE_PRECAST, SAT_CAST,
+    )  # fmt: skip
+    if TRANSPOSE:
+        _store_transposed(qt_ptr, qe, qo, tm, re, rn, M, N, MASKED, PACKED, BLOCK_M, BLOCK_N)
+    if DBIAS:
+        col_acc += xe + xo
+    return amax_acc, count_acc, sq_acc, err_acc, min_acc, col_acc
+
+
+@triton.jit
+def _load_pair(x_ptr, tm, tn, M, N, MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The raw (as stored) halves of tile ``(tm, tn)``; masked-out elements 0."""
+    offs, re, rn = _pair_offsets(tm, tn, M, N, BLOCK_M, BLOCK_N)
+    if MASKED:
+        raw_e = tl.load(x_ptr + offs, mask=(re[:, None] < M) & (rn[None, :] < N), other=0)
+        raw_o = tl.load(x_ptr + offs + N, mask=((re + 1)[:, None] < M) & (rn[None, :] < N), other=0)
+    else:
+        raw_e = tl.load(x_ptr + offs)
+        raw_o = tl.load(x_ptr + offs + N)
+    return raw_e, raw_o
+
+
+@triton.jit
+def _to_x_dtype(v, dst_ptr, IS_BF16: tl.constexpr):
+    """Float32 ``v`` in the element type of ``dst_ptr`` (bfloat16 as its int16 bits, rounded to nearest
+    even on the bits, NaN kept quiet: the same on every backend, as ``load_f32`` widens it)."""
+    if IS_BF16:
+        b = v.to(tl.int32, bitcast=True)
+        r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        r = tl.where((b & 0x7FFFFFFF) > 0x7F800000, (b >> 16) | 0x40, r)
+        return r.to(tl.int16)
+    else:
+        return v.to(dst_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _flush_column_sums(
+    col_acc, ws_ptr, cnt_ptr, dbias_ptr, tn, pm, PM, N, W, IS_BF16: tl.constexpr, BLOCK_N: tl.constexpr
+):  # fmt: skip
+    """This program's column sums of tile column ``tn`` (its row tiles ``pm, pm + PM, ...``) into row ``pm``
+    of the float32 workspace ``ws`` (``(PM, W)``); the last of the column's ``PM`` programs to arrive (the
+    counter ``cnt[tn]``, which it sets back to 0 for the next call) adds the ``PM`` rows in order 0, 1, ...
+    and writes ``dbias``: the same sums in the same order whichever program comes last, so the result is
+    deterministic. The barrier orders every thread's workspace stores before the counter's release; the
+    counter's acquire orders the last program's reads after them (read at L2, ``.cg``)."""
+    cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(ws_ptr + pm * W + cols, tl.sum(col_acc, axis=0))
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + tn, 1, sem="acq_rel", scope="gpu")
+    if arrived == PM - 1:
+        total = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for p in range(0, PM):
+            total += tl.load(ws_ptr + p * W + cols, cache_modifier=".cg")
+        tl.store(dbias_ptr + cols, _to_x_dtype(total, dbias_ptr, IS_BF16), mask=cols < N)
+        tl.store(cnt_ptr + tn, 0)
 
 
 @triton.jit
 def _exact_sums_2d(
-    x_ptr, q_ptr, M, N, scale, FMAX: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr,
-    DROP: tl.constexpr, SAT_CAST: tl.constexpr, IS_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    x_ptr, q_ptr, M, N, pm, pn, PM, PN, scale, FMAX: tl.constexpr, MIN_NORMAL: tl.constexpr,
+    SUB_MAGIC: tl.constexpr, DROP: tl.constexpr, SAT_CAST: tl.constexpr, IS_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """``_exact_sums_1d`` for the 2-D kernel: this program's tiles, in its order (the full tiles, then the
-    edge tiles where the round robin continues), every one masked, an eighth of its rows at a time."""
+    """``_exact_sums_1d`` for the 2-D kernel: this program's tiles (tile columns ``pn, pn + PN, ...``, tile
+    rows ``pm, pm + PM, ...``), every one masked, an eighth of its rows at a time."""
     ROWS: tl.constexpr = BLOCK_M // 8
-    pid, nprog = tl.program_id(0), tl.num_programs(0)
-    full_m, full_n = M // BLOCK_M, N // BLOCK_N
-    n_full = full_m * full_n
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    right = (tl.cdiv(N, BLOCK_N) - full_n) * tiles_m
-    n_edge = right + (tiles_m - full_m) * full_n
     sq = tl.zeros([ROWS, BLOCK_N], dtype=tl.float64)
     err = tl.zeros([ROWS, BLOCK_N], dtype=tl.float64)
-    first_edge = (pid + nprog - n_full % nprog) % nprog
-    n_mine = tl.cdiv(tl.maximum(n_full - pid, 0), nprog) + tl.cdiv(tl.maximum(n_edge - first_edge, 0), nprog)
-    for i in range(0, n_mine):
-        t = pid + i * nprog  # a full tile while below n_full, else the edge tile the round robin gives
-        e = first_edge + (i - tl.cdiv(tl.maximum(n_full - pid, 0), nprog)) * nprog
-        tm = tl.where(t < n_full, t // tl.maximum(full_n, 1), tl.where(e < right, e, full_m))
-        tn = tl.where(t < n_full, t % tl.maximum(full_n, 1), tl.where(e < right, full_n, e - right))
+    for tn in range(pn, tl.cdiv(N, BLOCK_N), PN):
         rn = tn * BLOCK_N + tl.arange(0, BLOCK_N)
-        for r in range(0, BLOCK_M, ROWS):
-            rm = tm * BLOCK_M + r + tl.arange(0, ROWS)
-            mask = (rm[:, None] < M) & (rn[None, :] < N)
-            x = load_f32(x_ptr, rm[:, None] * N + rn[None, :], mask, IS_BF16)
-            dtype = q_ptr.dtype.element_ty
-            s, d = _exact_terms(x, scale, dtype, FMAX, MIN_NORMAL, SUB_MAGIC, DROP, SAT_CAST)
-            sq += s
-            err += d
+        for tm in range(pm, tl.cdiv(M, BLOCK_M), PM):
+            for r in range(0, BLOCK_M, ROWS):
+                rm = tm * BLOCK_M + r + tl.arange(0, ROWS)
+                mask = (rm[:, None] < M) & (rn[None, :] < N)
+                x = load_f32(x_ptr, rm[:, None] * N + rn[None, :], mask, IS_BF16)
+                dtype = q_ptr.dtype.element_ty
+                s, d = _exact_terms(x, scale, dtype, FMAX, MIN_NORMAL, SUB_MAGIC, DROP, SAT_CAST)
+                sq += s
+                err += d
     return tl.sum(tl.sum(sq, axis=1), axis=0), tl.sum(tl.sum(err, axis=1), axis=0)
 
 
-@triton.jit(do_not_specialize=["M", "N", "amax_n"])
+@triton.jit(do_not_specialize=["M", "N", "amax_n", "PN"])
 def _quantize_t_kernel(
-    x_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, amax_n, stats_ptr, precast_ptr, scale_out_ptr, M, N,
+    x_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, amax_n, stats_ptr, precast_ptr, scale_out_ptr, ws_ptr, cnt_ptr,
+    dbias_ptr, M, N, PN,
     FMAX: tl.constexpr, UNDERFLOW: tl.constexpr, OVF_THRESHOLD: tl.constexpr, OVF_INCLUSIVE: tl.constexpr,
     SUBNORMAL_TOP: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, DROP: tl.constexpr,
     QUALITY: tl.constexpr, HAS_AMAX: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr, POW2_SCALE: tl.constexpr,
     STORE_PRECAST: tl.constexpr, SAT_CAST: tl.constexpr, IS_BF16: tl.constexpr, DIV_M: tl.constexpr,
     DIV_N: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr, AMAX_PARTS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TRANSPOSE: tl.constexpr, DBIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
+    # the programs form a PM x PN grid: program (pm, pn) takes tile columns pn, pn + PN, ... and in each the
+    # tile rows pm, pm + PM, ...: the PN programs of one pm read one band of rows together, and each
+    # program's tiles of one column follow one another, so that its column sums stay in its registers
+    PM = tl.num_programs(0) // PN
+    pm = pid // PN
+    pn = pid - pm * PN
     # exact (the launcher passes a divisor of each): the compiler then knows rows start 16-aligned
     M = (M // DIV_M) * DIV_M
     N = (N // DIV_N) * DIV_N
+    PACKED: tl.constexpr = DIV_M == 16
     given_amax = _given_amax(amax_ptr, amax_n, HAS_AMAX, AMAX_PARTS)
     scale = _load_scale(scale_ptr, given_amax, FMAX, SCALE_FROM_AMAX, POW2_SCALE)
-    amax_acc = tl.zeros([BLOCK_M, BLOCK_N // LANE], dtype=tl.float32)
-    count_acc = tl.zeros([BLOCK_M, BLOCK_N // LANE], dtype=tl.int32)
-    sq_acc = tl.zeros([BLOCK_M, BLOCK_N // LANE], dtype=tl.float64)
-    err_acc = tl.zeros([BLOCK_M, BLOCK_N // LANE], dtype=tl.float64)
-    min_acc = tl.full([BLOCK_M, BLOCK_N // LANE], 0xFFFFFFFF, dtype=tl.uint32)
+    HALF: tl.constexpr = BLOCK_M // 2
+    amax_acc = tl.zeros([HALF, BLOCK_N // LANE], dtype=tl.float32)
+    count_acc = tl.zeros([HALF, BLOCK_N // LANE], dtype=tl.int32)
+    sq_acc = tl.zeros([HALF, BLOCK_N // LANE], dtype=tl.float64)
+    err_acc = tl.zeros([HALF, BLOCK_N // LANE], dtype=tl.float64)
+    min_acc = tl.full([HALF, BLOCK_N // LANE], 0xFFFFFFFF, dtype=tl.uint32)
     full_m = M // BLOCK_M
     full_n = N // BLOCK_N
-    n_full = full_m * full_n
-    if PREFETCH:
-        # two tiles in flight per program, as in the 1-D kernel (the last iteration re-reads its own tile)
-        cols = tl.maximum(full_n, 1)  # no full tile at all: the prologue's load is masked off entirely
-        first = tl.maximum(tl.minimum(pid, n_full - 1), 0)
-        offs, _ = _tile_offsets(first // cols, first % cols, M, N, BLOCK_M, BLOCK_N)
-        valid = tl.where(n_full > 0, M * N, 0)  # elements the prologue may read: none without a full tile
-        raw = tl.load(x_ptr + offs, mask=offs < valid, other=0)
-        for t in range(pid, n_full, nprog):  # full tiles: no mask
-            nxt = tl.minimum(t + nprog, n_full - 1)
-            offs_next, _ = _tile_offsets(nxt // full_n, nxt % full_n, M, N, BLOCK_M, BLOCK_N)
-            cur = raw
-            raw = tl.load(x_ptr + offs_next)
-            tm = t // full_n
-            offs, offs_t = _tile_offsets(tm, t - tm * full_n, M, N, BLOCK_M, BLOCK_N)
-            amax_acc, count_acc, sq_acc, err_acc, min_acc = _quantize_tile_values(
-                to_f32(cur, IS_BF16), q_ptr, qt_ptr, precast_ptr, offs, offs_t, None, None, scale,
-                amax_acc, count_acc, sq_acc, err_acc, min_acc, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE,
-                SUBNORMAL_TOP, MIN_NORMAL, SUB_MAGIC, DROP, QUALITY, STORE_PRECAST, SAT_CAST,
-            )  # fmt: skip
-    else:  # Triton's software pipeline, as in the 1-D kernel
-        for t in tl.range(pid, n_full, nprog, num_stages=STAGES):  # full tiles: no mask
-            tm = t // full_n
-            tn = t - tm * full_n
-            amax_acc, count_acc, sq_acc, err_acc, min_acc = _quantize_tile(
-                x_ptr, q_ptr, qt_ptr, precast_ptr, tm, tn, M, N, scale, amax_acc, count_acc,
-                sq_acc, err_acc, min_acc, False, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE,
-                SUBNORMAL_TOP, MIN_NORMAL, SUB_MAGIC, DROP, QUALITY, STORE_PRECAST, SAT_CAST, IS_BF16,
-                BLOCK_M, BLOCK_N,
-            )  # fmt: skip
-    # edge tiles, masked: the last tile column (every tile row), then the last tile row (full columns)
     tiles_m = tl.cdiv(M, BLOCK_M)
-    right = (tl.cdiv(N, BLOCK_N) - full_n) * tiles_m
-    n_edge = right + (tiles_m - full_m) * full_n
-    for e in range((pid + nprog - n_full % nprog) % nprog, n_edge, nprog):  # the round robin continues
-        tm = tl.where(e < right, e, full_m)
-        tn = tl.where(e < right, full_n, e - right)
-        amax_acc, count_acc, sq_acc, err_acc, min_acc = _quantize_tile(
-            x_ptr, q_ptr, qt_ptr, precast_ptr, tm, tn, M, N, scale, amax_acc, count_acc,
-            sq_acc, err_acc, min_acc, True, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE,
-            SUBNORMAL_TOP, MIN_NORMAL, SUB_MAGIC, DROP, QUALITY, STORE_PRECAST, SAT_CAST, IS_BF16, BLOCK_M,
-            BLOCK_N,
-        )  # fmt: skip
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    for tn in range(pn, tiles_n, PN):
+        col_acc = tl.zeros([HALF, BLOCK_N], dtype=tl.float32)
+        masked_from = 0
+        if tn < full_n:  # a column of full tiles down to the last full tile row: no mask
+            if PREFETCH:
+                # two tiles in flight per program, as in the 1-D kernel (the last iteration re-reads its own
+                # tile); a program with no full tile here masks the prologue's load off entirely
+                first = tl.maximum(tl.minimum(pm, full_m - 1), 0)
+                offs, _, _ = _pair_offsets(first, tn, M, N, BLOCK_M, BLOCK_N)
+                valid = tl.where(pm < full_m, M * N, 0)
+                raw_e = tl.load(x_ptr + offs, mask=offs < valid, other=0)
+                raw_o = tl.load(x_ptr + offs + N, mask=offs + N < valid, other=0)
+                for tm in range(pm, full_m, PM):
+                    nxt = tm + PM
+                    nxt = tl.where(nxt < full_m, nxt, tm)
+                    cur_e = raw_e
+                    cur_o = raw_o
+                    raw_e, raw_o = _load_pair(x_ptr, nxt, tn, M, N, False, BLOCK_M, BLOCK_N)
+                    amax_acc, count_acc, sq_acc, err_acc, min_acc, col_acc = _quantize_pair_tile(
+                        to_f32(cur_e, IS_BF16), to_f32(cur_o, IS_BF16), q_ptr, qt_ptr, precast_ptr, tm, tn,
+                        M, N, scale, amax_acc, count_acc, sq_acc, err_acc, min_acc, col_acc, False, FMAX,
+                        UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, SUBNORMAL_TOP, MIN_NORMAL, SUB_MAGIC, DROP,
+                        QUALITY, STORE_PRECAST, SAT_CAST, TRANSPOSE, DBIAS, PACKED, BLOCK_M, BLOCK_N,
+                    )  # fmt: skip
+            else:  # Triton's software pipeline, as in the 1-D kernel
+                for tm in tl.range(pm, full_m, PM, num_stages=STAGES):
+                    raw_e, raw_o = _load_pair(x_ptr, tm, tn, M, N, False, BLOCK_M, BLOCK_N)
+                    amax_acc, count_acc, sq_acc, err_acc, min_acc, col_acc = _quantize_pair_tile(
+                        to_f32(raw_e, IS_BF16), to_f32(raw_o, IS_BF16), q_ptr, qt_ptr, precast_ptr, tm, tn,
+                        M, N, scale, amax_acc, count_acc, sq_acc, err_acc, min_acc, col_acc, False, FMAX,
+                        UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, SUBNORMAL_TOP, MIN_NORMAL, SUB_MAGIC, DROP,
+                        QUALITY, STORE_PRECAST, SAT_CAST, TRANSPOSE, DBIAS, PACKED, BLOCK_M, BLOCK_N,
+                    )  # fmt: skip
+            masked_from = full_m
+        # the edge tiles of this column, masked: the last tile row, or every row of the last tile column
+        for tm in range(masked_from + (pm + PM - masked_from % PM) % PM, tiles_m, PM):
+            raw_e, raw_o = _load_pair(x_ptr, tm, tn, M, N, True, BLOCK_M, BLOCK_N)
+            amax_acc, count_acc, sq_acc, err_acc, min_acc, col_acc = _quantize_pair_tile(
+                to_f32(raw_e, IS_BF16), to_f32(raw_o, IS_BF16), q_ptr, qt_ptr, precast_ptr, tm, tn, M, N,
+                scale, amax_acc, count_acc, sq_acc, err_acc, min_acc, col_acc, True, FMAX, UNDERFLOW,
+                OVF_THRESHOLD, OVF_INCLUSIVE, SUBNORMAL_TOP, MIN_NORMAL, SUB_MAGIC, DROP, QUALITY,
+                STORE_PRECAST, SAT_CAST, TRANSPOSE, DBIAS, PACKED, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
+        if DBIAS:
+            _flush_column_sums(
+                col_acc, ws_ptr, cnt_ptr, dbias_ptr, tn, pm, PM, N, tiles_n * BLOCK_N, IS_BF16, BLOCK_N
+            )  # fmt: skip
     # unpack before summing: each field of a slot is at most LANE * MAX_BLOCKS_PER_PROGRAM (< 2**8)
     amax = tl.max(tl.max(amax_acc, axis=1), axis=0)
     overflow = tl.sum(tl.sum(count_acc & 255, axis=1), axis=0)
@@ -654,8 +762,8 @@ def _quantize_t_kernel(
         low = tl.min(tl.min(min_acc, axis=1), axis=0)
         if _needs_exact(sq, err, low):
             sq, err = _exact_sums_2d(
-                x_ptr, q_ptr, M, N, scale, FMAX, MIN_NORMAL, SUB_MAGIC, DROP, SAT_CAST, IS_BF16, BLOCK_M,
-                BLOCK_N,
+                x_ptr, q_ptr, M, N, pm, pn, PM, PN, scale, FMAX, MIN_NORMAL, SUB_MAGIC, DROP, SAT_CAST,
+                IS_BF16, BLOCK_M, BLOCK_N,
             )  # fmt: skip
         _accumulate_quality(
             stats_ptr, tl.sum(tl.sum((count_acc >> 24) & 255, axis=1), axis=0), sq, err,
@@ -723,8 +831,10 @@ def launch_quantize(
     transpose: bool = False,
     power_2_scale: bool = False,
     scale_out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """Run the fused kernel; ``(q, qt or None, stats_row, scale used as a float32 0-dim tensor)``.
+    dbias: bool = False,
+) -> tuple[torch.Tensor | None, ...]:
+    """Run the fused kernel; ``(q, qt or None, stats_row, scale used as a float32 0-dim tensor)``, and with
+    ``dbias`` the column sums last.
 
     Args:
         amax: ``x``'s amax, a 0-dim float tensor, recorded in the statistics row instead of the kernel's own.
@@ -742,7 +852,11 @@ def launch_quantize(
         precast: optional contiguous float32 tensor of ``x``'s shape that receives the clamped ``x * scale``
             values before the FP8 cast (for exact comparisons where the cast itself cannot be trusted).
         transpose: also write ``q.t().contiguous()`` in the same pass (2-D ``x`` only).
+        dbias: also return ``x.sum(0)`` of a 2-D ``x`` (float32 sums, in ``x``'s dtype), taken by the same
+            pass (the tiled kernel, with or without the transposed output): see ``_flush_column_sums``.
     """
+    if dbias:
+        check_dbias_operand(x)
     row = _check(x, scale, stats, precast, amax)
     _check_precast(precast, x)
     _check_amax_parts(amax_parts, amax, x.device)
@@ -763,7 +877,7 @@ def launch_quantize(
         device, is_bf16, fp8_dtype, row.shape[0] == len(STAT_COLUMNS), given is not None, scale_from_amax,
         power_2_scale, precast is not None, amax_parts is not None,
     )  # fmt: skip
-    if not transpose:
+    if not (transpose or dbias):
         n = xc.numel()
         block, kwargs = _plan(shape, None)
         grid = persistent_grid(cdiv(n, block), device)
@@ -771,26 +885,64 @@ def launch_quantize(
         launch(_quantize_kernel, grid, *args, **kwargs)
         return q, None, row, scale_t
     m, n = xc.shape
-    qt = torch.empty((n, m), dtype=fp8_dtype, device=device)
-    (bm, bn), kwargs = _plan(shape, (divisor(m), divisor(n)))
-    grid = persistent_grid(cdiv(m, bm) * cdiv(n, bn), device)
-    args = (xc, q, qt, scale_t, amax_arg, amax_n, row, precast_arg, scale_t, m, n)
-    launch(_quantize_t_kernel, grid, *args, **kwargs)
-    return q, qt, row, scale_t
+    qt = torch.empty((n, m), dtype=fp8_dtype, device=device) if transpose else None
+    (bm, bn), kwargs = _plan(shape, (divisor(m), divisor(n)), transpose, dbias)
+    tiles_m, tiles_n = cdiv(m, bm), cdiv(n, bn)
+    pm, pn = grid_2d(tiles_m, tiles_n, device)
+    if dbias:
+        ws = torch.empty((pm, tiles_n * bn), dtype=torch.float32, device=device)
+        column_sums = torch.empty(n, dtype=x.dtype, device=device)
+        extra = (ws, _column_counters(device, tiles_n), as_kernel_input(column_sums)[0])
+    else:
+        extra = (q, q, q)  # not read
+    args = (
+        xc,
+        q,
+        q if qt is None else qt,
+        scale_t,
+        amax_arg,
+        amax_n,
+        row,
+        precast_arg,
+        scale_t,
+        *extra,
+        m,
+        n,
+        pn,
+    )
+    launch(_quantize_t_kernel, pm * pn, *args, **kwargs)
+    return (q, qt, row, scale_t, column_sums) if dbias else (q, qt, row, scale_t)
+
+
+#: ``(device, stream)`` -> int32 counters, zero between launches: the tiled kernel's per-column arrival
+#: counters for the column sums (``_flush_column_sums`` sets each back to 0). Launches on one stream run one
+#: after the other, so they share a buffer; another stream gets its own. Zeroed once, when made or grown.
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def _column_counters(device: torch.device, n: int) -> torch.Tensor:
+    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
+    key = (device, stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return buf
 
 
 #: ``(call shape, 2-D divisors, the launch-configuration functions)`` -> ``(block or tile, launch keywords)``
 _PLANS: dict[tuple, tuple] = {}
 
 
-def _plan(shape: tuple, divisors: tuple[int, int] | None) -> tuple:
+def _plan(
+    shape: tuple, divisors: tuple[int, int] | None, transpose: bool = True, dbias: bool = False
+) -> tuple:
     """The constexprs and launch options of a quantize launch, built once per call shape instead of per call
     (about a third of the launcher's host time, ``bench/launch_host.py``): ``(BLOCK, kwargs)`` for the 1-D
     kernel (``divisors`` None), ``((BLOCK_M, BLOCK_N), kwargs)`` for the 2-D one. The functions that choose
     sizes and forms are part of the key, so a test (or ``cross_build.recorded``) that replaces one gets plans
     of its own."""
     config = (block_1d, tile_2d, prefetch, pipeline_stages, saturating_cast)
-    key = (shape, divisors, config)
+    key = (shape, divisors, transpose, dbias, config)
     plan = _PLANS.get(key)
     if plan is not None:
         return plan
@@ -813,7 +965,10 @@ def _plan(shape: tuple, divisors: tuple[int, int] | None) -> tuple:
         plan = (block, kwargs | dict(BLOCK=block))
     else:
         bm, bn, kwargs["num_warps"] = tile_2d(device)
-        plan = ((bm, bn), kwargs | dict(DIV_M=divisors[0], DIV_N=divisors[1], BLOCK_M=bm, BLOCK_N=bn))
+        tiled = dict(
+            DIV_M=divisors[0], DIV_N=divisors[1], TRANSPOSE=transpose, DBIAS=dbias, BLOCK_M=bm, BLOCK_N=bn
+        )
+        plan = ((bm, bn), kwargs | tiled)
     _PLANS[key] = plan
     return plan
 
@@ -825,10 +980,12 @@ def quantize_with_stats_triton(
     stats: torch.Tensor | None = None,
     *,
     amax: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton twin of ``quantize_with_stats_reference`` (same arguments, same ``(q, stats_row)``)."""
-    q, _, row, _ = launch_quantize(x, scale, fp8_dtype, stats, amax=amax)
-    return q, row
+    dbias: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """Triton twin of ``quantize_with_stats_reference`` (same arguments, same ``(q, stats_row)``, and
+    ``(q, stats_row, dbias)`` with ``dbias``: the tiled kernel without the transposed output)."""
+    q, _, row, _, *column_sums = launch_quantize(x, scale, fp8_dtype, stats, amax=amax, dbias=dbias)
+    return (q, row, *column_sums)
 
 
 def quantize_with_stats_transposed_triton(
@@ -838,11 +995,14 @@ def quantize_with_stats_transposed_triton(
     stats: torch.Tensor | None = None,
     *,
     amax: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dbias: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """As ``quantize_with_stats_triton`` for a 2-D ``x``, also returning ``q.t().contiguous()`` written by
-    the same pass: ``(q, qt, stats_row)``."""
-    q, qt, row, _ = launch_quantize(x, scale, fp8_dtype, stats, amax=amax, transpose=True)
-    return q, qt, row
+    the same pass: ``(q, qt, stats_row)``, ``(q, qt, stats_row, dbias)`` with ``dbias``."""
+    q, qt, row, _, *column_sums = launch_quantize(
+        x, scale, fp8_dtype, stats, amax=amax, transpose=True, dbias=dbias
+    )
+    return (q, qt, row, *column_sums)
 
 
 def _scale_operand(scale, amax, scale_from_amax: bool, scale_out: torch.Tensor | None = None) -> torch.Tensor:

@@ -20,6 +20,8 @@ every ``scale_inv[i]`` can go to ``torch._scaled_mm`` as it is.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import triton
 import triton.language as tl
@@ -28,6 +30,24 @@ from .layout import aligned_scales
 from .triton_launch import block_scale_update, cdiv, divisor, launch
 
 __all__ = ["scale_update_triton"]
+
+#: ``id(margin)`` -> ``(weak reference to margin, (fp8_max's pointer and version, margin's version),
+#: scaled_max)``: the settings change only when a recipe does (``FP8State`` then makes new tensors), so the
+#: three small ops that make ``scaled_max`` run once per settings, not once per step
+_SCALED_MAX: dict[int, tuple] = {}
+
+
+def _scaled_max(fp8_max: torch.Tensor, margin: torch.Tensor) -> torch.Tensor:
+    """``fp8_max * 2**-margin`` in float32, with the reference's own ops (``fp8_trainer.scaling``) so that
+    fractional margins round alike; cached per settings tensors (``_SCALED_MAX``)."""
+    key = (fp8_max.data_ptr(), fp8_max._version, margin._version)
+    held = _SCALED_MAX.get(id(margin))
+    if held is None or held[0]() is not margin or held[1] != key:
+        if len(_SCALED_MAX) > 64:
+            _SCALED_MAX.clear()
+        value = fp8_max.to(torch.float32) * torch.exp2(-margin.to(torch.float32))
+        held = _SCALED_MAX[id(margin)] = (weakref.ref(margin), key, value)
+    return held[2]
 
 
 @triton.jit(do_not_specialize=["L", "n", "amax_stride", "scale_stride"])
@@ -141,8 +161,7 @@ def scale_update_triton(
     new_scale_inv = aligned_scales(n, hist.device)
     if n == 0:
         return new_hist, new_scale, new_scale_inv
-    # the reference's own ops (fp8_trainer.scaling.compute_scale), so fractional margins round alike
-    scaled_max = fp8_max.to(torch.float32) * torch.exp2(-margin.to(torch.float32))
+    scaled_max = _scaled_max(fp8_max, margin)
     scale_f = scale.to(torch.float32)  # a float32 view stays a view (its stride is passed)
     block_l, block_n = block_scale_update(hist.device)
     launch(

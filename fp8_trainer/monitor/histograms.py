@@ -16,6 +16,8 @@ import torch
 from fp8_kernels import exponent_histogram, histogram_to_dict
 from torch import nn
 
+from ..linear import Linear
+
 __all__ = ["Histograms"]
 
 
@@ -68,7 +70,13 @@ class Histograms:
             except Exception:
                 self._log_once("histogram", "fp8scope monitor: exponent histogram failed", exc=True)
 
-        # the hooks run as they do eagerly under torch.compile too (not traced: a graph break each)
+        state = getattr(module, "_fp8_state", None)
+        if isinstance(module, Linear) and state is not None:  # the FP8 layer captures it (compiled too)
+            state.capture_once(info["index"], lambda t: send(t, "next forward" if info["role"] == "input"
+                                                             else "next backward"))  # fmt: skip
+            return
+        # other sources: hooks, run as they do eagerly under torch.compile too (not traced: a graph break
+        # each)
         if info["role"] == "input":
 
             @torch.compiler.disable

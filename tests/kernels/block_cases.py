@@ -4,9 +4,10 @@ of ``fp8_trainer.block_linear``, one case per recipe, input dtype and FP8 format
 repository root) and the GPU test (compiled, in-process), both in ``test_triton_block_quantize.py``.
 
 Exact: the FP8 bits (the kernel rounds arithmetically before its cast, so the interpreter's float8 cast
-cannot differ), ``scale_inv``'s bits, every per-block quantity (amax, counts, dynamic range) and every
-statistics column except the two sums of squares, which are float64 sums of the same exact float64 terms
-in another order (``exact_checks.same_row``).
+cannot differ), ``scale_inv``'s bits, and every column of the statistics row and block row the kernel
+merges (counts, amax and its scale, ``min_abs``, block counts, dynamic range, histogram) except the two
+sums of squares, which are float64 sums of the same exact float64 terms in another order
+(``exact_checks.same_row``).
 """
 
 from __future__ import annotations
@@ -20,9 +21,8 @@ from pathlib import Path
 
 import torch
 from fp8_kernels.block_quantize import block_stats, quantize_blocks
-from fp8_kernels.dispatch import unpack_block_counts
 
-from fp8_trainer.block_linear import BlockSpec, block_tensor_stats, block_tensor_stats_from_kernel
+from fp8_trainer.block_linear import BlockSpec, new_block_stats, record_block_stats
 from tests.kernels.exact_checks import same, same_bits, same_row
 
 NAN, INF = float("nan"), float("inf")
@@ -84,40 +84,45 @@ def make_blocks(shape, block, dtype, fp8, seed=0) -> torch.Tensor:
     return x.to(dtype)
 
 
+def new_rows(device, quality: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fresh statistics row (``min_abs`` +inf) and block row, as a step starts them."""
+    stats = torch.zeros(10 if quality else 6, dtype=torch.float64, device=device)
+    if quality:
+        stats[9] = INF
+    return stats, new_block_stats(1, device)[0]
+
+
 def check(device, recipe, dtype_name, fp8_name, *, power_2_scale=True, amax_epsilon=0.0, seed=0):
+    """The kernel's FP8 bits and ``scale_inv`` against ``quantize_blocks``; the statistics it merges into a
+    step's rows over three calls (the amax rising, then falling: the scale column is the largest amax's)
+    against ``record_block_stats`` from the reference, with and without the quality columns."""
     from fp8_kernels.triton_block_quantize import block_quantize_triton
 
     block, fmt, shape = RECIPES[recipe]
     fp8, dtype = FP8[fp8_name], DTYPES[dtype_name]
     x = make_blocks(shape, block, dtype, fp8, seed).to(device)
     kw = dict(power_2_scale=power_2_scale, amax_epsilon=amax_epsilon)
-    q, per_block = block_quantize_triton(x, fp8, block, fmt, stats=True, **kw)
-    ref = quantize_blocks(x, fp8, block, fmt, **kw)
-    same_bits(q.data, ref.data, "FP8 data")
-    same_bits(q.scale_inv, ref.scale_inv, "scale_inv")
-    assert q.block == ref.block and q.scale_format == ref.scale_format
-    # per-block quantities against the reference's block_stats
-    bs = block_stats(x, ref, fp8)
-    counts = unpack_block_counts(per_block["counts"])
-    for name in ("overflow", "underflow", "nonfinite"):
-        same(counts[name], bs[name], f"per-block {name}")
-    from fp8_kernels.block_quantize import block_amax
-
-    same(per_block["amax"], block_amax(x, block), "per-block amax")
-    big, small = per_block["big"].double(), per_block["small"].double()
-    drange = torch.where(big > 0, torch.log2(big / small), 0.0).to(torch.float32)
-    same(drange, bs["dynamic_range"], "per-block dynamic range")
-    # the statistics row and block part, with and without the quality columns
     spec = BlockSpec(fmt, block[1], two_d=block[0] > 1, **kw)
+    calls = [x * 0.25, x, x * 0.5]
     for quality in (True, False):
-        if not quality:
-            q, per_block = block_quantize_triton(x, fp8, block, fmt, stats=True, quality=False, **kw)
-            assert "sum_sq" not in per_block
-        row, block_row = block_tensor_stats_from_kernel(x, q, per_block, fp8, spec, quality)
-        row_ref, block_row_ref = block_tensor_stats(x, ref, fp8, spec, quality)
-        same_row(row, row_ref, f"statistics row (quality {quality})")
-        same(block_row, block_row_ref, f"block part (quality {quality})")
+        stats, block_row = new_rows(device, quality)
+        stats_ref, block_row_ref = new_rows(device, quality)
+        for i, xi in enumerate(calls):
+            q = block_quantize_triton(xi, fp8, block, fmt, stats=stats, block_stats=block_row, **kw)
+            ref = quantize_blocks(xi, fp8, block, fmt, **kw)
+            same_bits(q.data, ref.data, f"FP8 data (call {i})")
+            same_bits(q.scale_inv.contiguous(), ref.scale_inv, f"scale_inv (call {i})")
+            assert q.block == ref.block and q.scale_format == ref.scale_format
+            record_block_stats(xi, ref, fp8, spec, stats_ref, block_row_ref)
+            same_row(stats, stats_ref, f"statistics row after call {i} (quality {quality})")
+            same(block_row, block_row_ref, f"block row after call {i} (quality {quality})")
+    # without rows: the same bits, no statistics
+    q = block_quantize_triton(x, fp8, block, fmt, **kw)
+    ref = quantize_blocks(x, fp8, block, fmt, **kw)
+    same_bits(q.data, ref.data, "FP8 data (no statistics)")
+    same_bits(q.scale_inv.contiguous(), ref.scale_inv, "scale_inv (no statistics)")
     # the hand-built blocks really are in the tensor: an all-zero block, non-finite ones, saturation
+    bs = block_stats(x, ref, fp8)
     assert int(bs["zero_blocks"]) >= 1 and int(bs["nonfinite_blocks"]) >= 1
     assert int(bs["overflow"].sum()) + int(bs["underflow"].sum()) >= 1
 
@@ -142,11 +147,39 @@ def _empty_and_tiny(device):
     for shape in ((0, 64), (1, 1), (3, 33)):
         x = torch.randn(shape).to(device)
         for block, fmt in (((1, 32), "e8m0"), ((128, 128), "fp32")):
-            q, per_block = block_quantize_triton(x, FP8["e4m3"], block, fmt, stats=True)
+            stats, block_row = new_rows(device, True)
+            q = block_quantize_triton(x, FP8["e4m3"], block, fmt, stats=stats, block_stats=block_row)
             ref = quantize_blocks(x, FP8["e4m3"], block, fmt)
             same_bits(q.data, ref.data, f"FP8 data {shape}")
-            same_bits(q.scale_inv, ref.scale_inv, f"scale_inv {shape}")
-            assert per_block["amax"].shape == ref.scale_inv.shape
+            same_bits(q.scale_inv.contiguous(), ref.scale_inv, f"scale_inv {shape}")
+            stats_ref, block_row_ref = new_rows(device, True)
+            if x.numel():  # an empty tensor records nothing
+                spec = BlockSpec(fmt, block[1], two_d=block[0] > 1)
+                record_block_stats(x, ref, FP8["e4m3"], spec, stats_ref, block_row_ref)
+            same_row(stats, stats_ref, f"statistics row {shape}")
+            same(block_row, block_row_ref, f"block row {shape}")
+
+
+@case("transposed-input")
+def _transposed_input(device):
+    """The transpose of a row-major tensor (a column-wise copy's input) is read in place: the same bits and
+    statistics as the reference's."""
+    from fp8_kernels.triton_block_quantize import block_quantize_triton
+
+    for recipe in ("mx1x32", "fp1x128", "mx32x32"):
+        block, fmt, (m, n) = RECIPES[recipe]
+        x = make_blocks((n, m), block, torch.bfloat16, FP8["e4m3"]).to(device).t()  # (m, n), strides (1, m)
+        assert not x.is_contiguous()
+        stats, block_row = new_rows(device, True)
+        q = block_quantize_triton(x, FP8["e4m3"], block, fmt, stats=stats, block_stats=block_row)
+        ref = quantize_blocks(x, FP8["e4m3"], block, fmt)
+        same_bits(q.data, ref.data, f"{recipe}: FP8 data of a transposed input")
+        same_bits(q.scale_inv.contiguous(), ref.scale_inv, f"{recipe}: scale_inv of a transposed input")
+        stats_ref, block_row_ref = new_rows(device, True)
+        spec = BlockSpec(fmt, block[1], two_d=block[0] > 1)
+        record_block_stats(x, ref, FP8["e4m3"], spec, stats_ref, block_row_ref)
+        same_row(stats, stats_ref, f"{recipe}: statistics row of a transposed input")
+        same(block_row, block_row_ref, f"{recipe}: block row of a transposed input")
 
 
 def check_block_linear(device, scaling: str) -> None:

@@ -379,6 +379,135 @@ def _bad_operands(device: torch.device) -> None:
             raise AssertionError(f"no ValueError for a bad {word}")
 
 
+# ----- the bias gradient (column sums) in the quantize pass -----
+def _dbias_bound(x: torch.Tensor, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(exact, bound)`` for a kernel's column sums of ``x`` against ``x.float().sum(0)``: both are float32
+    sums of the same float32 terms in different orders (the kernel: per program, per thread, a tree across
+    threads, then the programs' partials in order; torch: its own cascade). A float32 sum of ``n`` terms in
+    any order is within ``(n - 1) * 2**-24 * sum|x|`` of the exact sum (first order; 2**-24 the unit
+    roundoff), so the two are within twice that of each other; the kernel's result is then rounded to
+    ``x``'s dtype, half an ulp: ``2**-8`` relative for bfloat16, ``2**-11`` for float16, nothing for
+    float32. NaN / Inf columns are compared exactly (NaN equal to NaN)."""
+    xf = x.double()
+    n = x.shape[0]
+    exact = xf.sum(0)
+    summed = (2 * max(n - 1, 0) * 2.0**-24) * xf.abs().sum(0)
+    cast = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}.get(out_dtype, 0.0)
+    return exact, summed + cast * (exact.abs() + summed)
+
+
+def _dbias_case(dtype_name: str, shape_name: str, record: str):
+    """``dbias=True`` on the four Triton entries (delayed and current, with and without the transposed
+    output): the column sums against ``x.float().sum(0)`` within the float32 summation bound, NaN and Inf
+    propagated as in a sum, deterministic (a second call gives the same bits), and everything else the call
+    returns exactly what it returns without ``dbias``. ``record``: the statistics into a row of a step
+    buffer (``base``: the 6 base columns, ``quality``: all 10) or into a fresh row (``off``)."""
+
+    def run(device: torch.device) -> None:
+        from fp8_kernels.triton_current import quantize_current_transposed_triton, quantize_current_triton
+        from fp8_kernels.triton_quantize import (
+            quantize_with_stats_transposed_triton,
+            quantize_with_stats_triton,
+        )
+
+        dtype, shape = DTYPES[dtype_name], DBIAS_SHAPES[shape_name]
+        fp8 = FP8["e4m3"]
+        x = make_input(shape, dtype, fp8, seed=4).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        if shape[1] > 3 and shape[0] > 1:  # a NaN column, an Inf column, a column holding +Inf and -Inf
+            x[shape[0] // 2, 1] = NAN
+            x[0, 2] = INF
+            x[-1, 3], x[0, 3] = INF, -INF
+        x = x.to(device)
+        scale = torch.tensor(SCALE, device=device)
+        entries = {
+            "delayed-1d": lambda row, **kw: quantize_with_stats_triton(x, scale, fp8, row, **kw),
+            "delayed-2d": lambda row, **kw: quantize_with_stats_transposed_triton(x, scale, fp8, row, **kw),
+            "current-1d": lambda row, **kw: quantize_current_triton(x, fp8, row, **kw),
+            "current-2d": lambda row, **kw: quantize_current_transposed_triton(x, fp8, row, **kw),
+        }
+        exact, bound = _dbias_bound(x.cpu(), dtype)
+        reference = x.float().sum(0).cpu()
+        for how, entry in entries.items():
+
+            def row():
+                if record == "off":
+                    return None
+                buf = torch.zeros(3, 6 if record == "base" else 10, dtype=torch.float64, device=device)
+                return buf[1]
+
+            plain = entry(row())
+            first = entry(row(), dbias=True)
+            assert len(first) == len(plain) + 1, how
+            dbias = first[-1]
+            assert dbias.dtype == dtype and dbias.shape == (shape[1],) and dbias.device == x.device, how
+            if shape_name == "127x20":  # several programs' partials per column: added in a fixed order
+                _same(dbias, entry(row(), dbias=True)[-1], f"{how}: dbias of a second call (deterministic)")
+            for a, b in zip(first[:-1], plain, strict=True):
+                if a.dtype == fp8:
+                    _same_bits(a, b, f"{how}: FP8 output with dbias")
+                elif a.dim() == 1 and a.dtype == torch.float64:
+                    _same_row(a, b, f"{how}: statistics row with dbias")
+                else:
+                    _same(a, b, f"{how}: {tuple(a.shape)} output with dbias")
+            got = dbias.cpu().double()
+            finite = torch.isfinite(exact)
+            _same(got[~finite], reference.double()[~finite], f"{how}: non-finite columns")
+            diff = (got[finite] - reference.double()[finite]).abs()
+            assert bool((diff <= bound[finite]).all()), (
+                f"{how}: column sums off by {diff.max().item()} (bound {bound[finite][diff.argmax()].item()})"
+            )
+            if shape[1] > 3 and shape[0] > 1:
+                assert torch.isnan(got[1]) and got[2].item() == INF and torch.isnan(got[3]), got[:4]
+
+    return run
+
+
+DBIAS_SHAPES = {
+    "127x129": (127, 129),  # edge tiles on both sides, tokens not a multiple of the tile (or of 16)
+    "48x80": (48, 80),  # rows multiples of 16: the transposed output moves 16-bit pairs
+    "127x20": (127, 20),  # one tile column: several programs share it (their partials added in order)
+    "1x37": (1, 37),  # one token
+    "0x7": (0, 7),  # no token: zeros
+}
+for (
+    _d,
+    _s,
+    _r,
+) in [  # the interpreter takes seconds per call: every shape, dtype and row kind, not all crossed
+    ("bf16", "127x129", "off"),
+    ("bf16", "127x20", "base"),
+    ("bf16", "48x80", "quality"),
+    ("bf16", "1x37", "base"),
+    ("bf16", "0x7", "off"),
+    ("fp32", "127x129", "base"),
+    ("fp32", "127x20", "quality"),
+    ("fp32", "48x80", "off"),
+    ("fp32", "1x37", "off"),
+]:
+    case(f"dbias-{_d}-{_s}-record-{_r}")(_dbias_case(_d, _s, _r))
+
+
+@case("dbias-rejects-a-tensor-that-is-not-2d")
+def _dbias_not_2d(device: torch.device) -> None:
+    from fp8_kernels.triton_current import quantize_current_transposed_triton, quantize_current_triton
+    from fp8_kernels.triton_quantize import quantize_with_stats_transposed_triton, quantize_with_stats_triton
+
+    scale, fp8 = torch.tensor(1.0, device=device), FP8["e4m3"]
+    for x in (torch.ones(5, device=device), torch.ones(2, 3, 4, device=device)):
+        for call in (
+            lambda x=x: quantize_with_stats_triton(x, scale, fp8, dbias=True),
+            lambda x=x: quantize_with_stats_transposed_triton(x, scale, fp8, dbias=True),
+            lambda x=x: quantize_current_triton(x, fp8, dbias=True),
+            lambda x=x: quantize_current_transposed_triton(x, fp8, dbias=True),
+        ):
+            try:
+                call()
+            except ValueError as e:
+                assert "dbias" in str(e) and str(tuple(x.shape)) in str(e), e
+            else:
+                raise AssertionError(f"no ValueError for dbias of shape {tuple(x.shape)}")
+
+
 # ----- current scaling: amax pass + quantize pass -----
 def _current_case(dtype_name: str, fmt: str, shape_name: str, fill: str, transpose: bool = False,
                   pow2: bool = False):  # fmt: skip
@@ -582,6 +711,8 @@ def _scale_update(device: torch.device) -> None:
     ]
     hist_ref, scale_ref, scale0, hist0 = hist.clone(), scale.clone(), scale.clone(), hist.clone()
     for step, values in enumerate(amaxes, start=1):
+        if step == 4:  # settings changed in place: the kernel's cached fp8_max * 2**-margin must follow
+            s["margin"].add_(1.0)
         # the amax column of a float64 step statistics buffer, strided, as end_step passes it
         stats = torch.zeros(10, 6, dtype=torch.float64, device=device)
         stats[:, 0] = torch.tensor(values, dtype=torch.float64)

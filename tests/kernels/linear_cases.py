@@ -22,7 +22,7 @@ from torch import nn
 
 import fp8_trainer
 import fp8_trainer.gemm
-import fp8_trainer.linear
+import fp8_trainer.linear_ops
 from fp8_trainer.gemm import fp8_mm, gemm_operand
 from tests.kernels.case_registry import case
 from tests.kernels.exact_checks import same, same_row
@@ -111,7 +111,8 @@ def _current_linear(device: torch.device) -> None:
     state, stats = fp8_trainer.get_fp8_state(model), fp8_trainer.step_stats(model)
     calls = _by_row(log, "current")
     assert sorted(calls) == list(range(6))
-    for i, (xi, (_, scale, scale_inv, _)) in calls.items():  # the state asks for scale_inv too
+    for i, (xi, out) in calls.items():  # the state asks for scale_inv too (and grad_output's column sums)
+        scale, scale_inv = out[1], out[2]
         _, scale_ref, row_ref = quantize_current_reference(xi, state.dtypes[i])
         same(scale, scale_ref, f"tensor {i}: current scale")
         same(scale_inv, torch.reciprocal(scale_ref), f"tensor {i}: scale_inv written by the kernel")
@@ -123,6 +124,10 @@ def _current_linear(device: torch.device) -> None:
     same(y, fp8_mm(a[3], s[3], a[4].t(), s[4], torch.float32, model[2].bias), "output")
     same(model[2].weight.grad, fp8_mm(a[5].t(), s[5], a[3], s[3], torch.float32), "layer 1 wgrad")
     same(model[0].weight.grad, fp8_mm(a[2].t(), s[2], a[0], s[0], torch.float32), "layer 0 wgrad")
+    # the bias gradients are the column sums the grad_output quantize returned (tensors 2 and 5)
+    for i, layer in ((2, model[0]), (5, model[2])):
+        assert len(calls[i][1]) == 5, f"tensor {i}: no column sums from the grad_output quantize"
+        same(layer.bias.grad, calls[i][1][-1], f"tensor {i}: grad_bias from the quantize pass")
     # against a run on the references: rows whose input both runs share (model input, weights) are equal
     ref = build()
     with reference_kernels():
@@ -160,6 +165,12 @@ def _current_linear_exact(device: torch.device) -> None:
             assert [name for name, _, _ in log].count("current") == 3, log
             assert all(out[1].item() == 8.0 for _, (_, out) in _by_row(log, "current").items())
         runs.append(_layer_results(y, x, layer))
+    # grad_bias: float32 column sums of grad_output in the kernel's order and in torch's, each within
+    # (n - 1) * 2**-24 * sum|g| of the exact sum (first order, 2**-24 the unit roundoff), so within twice
+    # that of each other; everything else exactly
+    bound = 2 * (grad_y.shape[0] - 1) * 2.0**-24 * grad_y.double().abs().sum(0)
+    diff = (runs[0].pop("grad_bias").double() - runs[1].pop("grad_bias").double()).abs()
+    assert bool((diff <= bound).all()), f"grad_bias: off by {diff.max().item()} (bound {bound.min().item()})"
     same_results(*runs, "Triton kernels vs references")
 
 
@@ -179,7 +190,7 @@ def _real_fp8_gemms(device: torch.device, gemms: list) -> Iterator[None]:
     patches = [(torch, "_scaled_mm", checked)]
     if device.type == "cpu":
         patches += [(fp8_trainer.gemm, "uses_scaled_mm", lambda d: True)]
-        patches += [(fp8_trainer.linear, "uses_scaled_mm", lambda d: True)]
+        patches += [(fp8_trainer.linear_ops, "uses_scaled_mm", lambda d: True)]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     for obj, name, new in patches:
         setattr(obj, name, new)

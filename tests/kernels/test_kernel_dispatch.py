@@ -2,6 +2,7 @@
 current scaling as one entry."""
 
 import contextlib
+import re
 import subprocess
 import sys
 
@@ -240,3 +241,71 @@ def test_current_scaling_returns_scale_inv_when_asked(kernels):
     assert torch.equal(qt2.view(torch.uint8), q2.t().contiguous().view(torch.uint8))
     for s in (scale_inv1, scale_inv2):
         assert s.dim() == 0 and s.data_ptr() % 16 == 0
+
+
+@pytest.mark.parametrize("kernels", ["builtin", "reference"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_dbias_is_the_column_sums_appended_to_every_quantize_entry(kernels, dtype):
+    # the bias gradient of grad_output, from the quantize call: x.sum(0) accumulated in float32, in x's
+    # dtype, as one more element of the result; q, qt, scale and the row are those of the call without it
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(37, 19, generator=g) * torch.logspace(-3, 3, 19)).to(dtype)
+    x[3, 2], x[5, 4], x[6, 4] = float("nan"), float("inf"), float("-inf")  # propagate as in a sum
+    expected = x.float().sum(0).to(dtype)
+    fp8, scale = torch.float8_e5m2, torch.tensor(2.0)
+    ctx = reference_kernels() if kernels == "reference" else contextlib.nullcontext()
+    with ctx:
+        plain = [
+            quantize_with_stats(x, scale, fp8),
+            quantize_with_stats_transposed(x, scale, fp8),
+            quantize_current(x, fp8, return_scale_inv=True),
+            quantize_current_transposed(x, fp8),
+        ]
+        with_dbias = [
+            quantize_with_stats(x, scale, fp8, dbias=True),
+            quantize_with_stats_transposed(x, scale, fp8, dbias=True),
+            quantize_current(x, fp8, return_scale_inv=True, dbias=True),
+            quantize_current_transposed(x, fp8, dbias=True),
+        ]
+    for before, after in zip(plain, with_dbias, strict=True):
+        assert len(after) == len(before) + 1
+        *rest, dbias = after
+        assert dbias.dtype == dtype and dbias.shape == (19,)
+        assert _same(dbias, expected), (dbias, expected)
+        assert torch.isnan(dbias[2]) and torch.isnan(dbias[4]) and torch.isfinite(dbias[0])
+        for a, b in zip(rest, before, strict=True):
+            a, b = (a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == fp8 else (a, b)
+            assert _same(a, b)
+
+
+@pytest.mark.parametrize("kernels", ["builtin", "reference"])
+def test_dbias_needs_a_2d_tensor(kernels):
+    fp8, scale = torch.float8_e4m3fn, torch.tensor(1.0)
+    for x in (torch.ones(4), torch.ones(2, 3, 4)):
+        for call in (
+            lambda x=x: quantize_with_stats(x, scale, fp8, dbias=True),
+            lambda x=x: quantize_with_stats_transposed(x, scale, fp8, dbias=True),
+            lambda x=x: quantize_current(x, fp8, dbias=True),
+            lambda x=x: quantize_current_transposed(x, fp8, dbias=True),
+        ):
+            ctx = reference_kernels() if kernels == "reference" else contextlib.nullcontext()
+            with ctx, pytest.raises(ValueError, match=re.escape(f"got shape {tuple(x.shape)}")):
+                call()
+
+
+@pytest.mark.parametrize("cap", [3, 528])  # the interpreter's grid cap; an H200's 4 programs x 132 SMs
+def test_grid_2d_bounds_the_tiles_of_a_program(monkeypatch, cap):
+    # the tiled kernel's programs form a PM x PN grid (tile columns pn, pn + PN, ...; rows pm, pm + PM, ...):
+    # no program may take more than MAX_BLOCKS_PER_PROGRAM tiles (its packed 8-bit counts), for any shape
+    pytest.importorskip("triton")
+    from fp8_kernels import triton_launch
+
+    monkeypatch.setattr(triton_launch, "grid_cap", lambda device: cap)
+    cpu = torch.device("cpu")
+    for tiles_m, tiles_n in [(0, 1), (1, 1), (2, 1), (1, 786), (128, 64), (128, 786), (4000, 1), (1, 20000)]:
+        pm, pn = triton_launch.grid_2d(tiles_m, tiles_n, cpu)
+        per_program = -(-max(tiles_m, 1) // pm) * -(-tiles_n // pn)
+        assert pm >= 1 and pn >= 1 and per_program <= triton_launch.MAX_BLOCKS_PER_PROGRAM, (tiles_m, tiles_n)
+        assert pn <= max(tiles_n, 1) and pm <= max(tiles_m, 1)
+        if tiles_m * tiles_n >= cap:  # enough tiles: about the grid cap, no fewer programs than it allows
+            assert pm * pn >= min(cap, tiles_m * tiles_n) // 2, (tiles_m, tiles_n, pm, pn)

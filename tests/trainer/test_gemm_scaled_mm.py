@@ -18,7 +18,7 @@ from torch import nn
 
 import fp8_trainer
 import fp8_trainer.gemm
-import fp8_trainer.linear
+import fp8_trainer.linear_ops
 from fp8_trainer import CurrentScaling, DelayedScaling, fp8_autocast
 from fp8_trainer.gemm import check_scaled_mm_args, fp8_mm
 
@@ -47,7 +47,7 @@ def scaled_mm_calls(monkeypatch):
 
     monkeypatch.setattr(torch, "_scaled_mm", recording)
     monkeypatch.setattr(fp8_trainer.gemm, "uses_scaled_mm", lambda device: True)
-    monkeypatch.setattr(fp8_trainer.linear, "uses_scaled_mm", lambda device: True)
+    monkeypatch.setattr(fp8_trainer.linear_ops, "uses_scaled_mm", lambda device: True)
     return calls
 
 
@@ -199,7 +199,7 @@ def test_gpu_path_equals_emulation(scaled_mm_calls, monkeypatch):
     for real_gemm in (True, False):
         if not real_gemm:
             monkeypatch.setattr(fp8_trainer.gemm, "uses_scaled_mm", lambda device: False)
-            monkeypatch.setattr(fp8_trainer.linear, "uses_scaled_mm", lambda device: False)
+            monkeypatch.setattr(fp8_trainer.linear_ops, "uses_scaled_mm", lambda device: False)
         m = copy.deepcopy(model)
         m.zero_grad(set_to_none=True)
         m[0].register_forward_hook(lambda _m, _i, out: first_outputs.append(out.detach()))

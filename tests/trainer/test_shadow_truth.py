@@ -177,7 +177,7 @@ def test_a_shadowed_mxfp8_run_on_the_dashboard_shows_block_metrics_and_no_false_
             loss = model(x.clone().requires_grad_()).square().mean()
             loss.backward()
             monitor.step(step, loss=loss.detach())
-    run = next(r for r in get(server.url, "/runs") if r["name"] == "shadow-mxfp8-spike")
+    run = get(server.url, f"/runs/{monitor.run_id}")  # the whole config: a list has only the keys asked for
     assert run["config"]["fp8_source"] == "shadow"
 
     def heatmap(metric):

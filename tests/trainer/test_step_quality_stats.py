@@ -153,3 +153,40 @@ def test_a_spike_under_a_stale_delayed_scale_has_a_finite_sqnr_on_the_dashboard(
     layers = get(server.url, f"/runs/{mon.run_id}/layers")
     tensor = next(t for layer in layers for t in layer["tensors"] if t["name"] == "0.input")
     assert -0.1 < float(tensor["sqnr_db"]) < 0.1
+
+
+def test_quality_every_n_steps_reaches_the_dashboard_on_those_steps_only(server, tmp_path):
+    """``set_quality_schedule(3)``: steps 0, 3, 6 record the quality columns (their quantize passes run the
+    kernels with the quality terms), the others the base columns alone. The service stores SQNR for the
+    sampled steps and none for the others, while amax and the counts are there for every step."""
+    from tests.trainer.monitor_utils import FAST, decode, get
+
+    model = _model()
+    state = get_fp8_state(model)
+    state.set_quality_schedule(3)
+    widths = []
+    with fp8_trainer.Monitor(
+        server.url, "quality-every-3", model, state.recipe, spool_path=tmp_path / "s.jsonl", **FAST
+    ) as mon:
+        for step in range(1, 9):
+            _step(model, torch.randn(8, 32))
+            widths.append(fp8_trainer.step_stats(model).shape[1])
+            mon.step(step, loss=0.0)
+    sampled = [len(STAT_COLUMNS) if i % 3 == 0 else len(BASE_COLUMNS) for i in range(8)]
+    assert widths == sampled
+    sqnr = decode(get(server.url, f"/runs/{mon.run_id}/heatmap", metric="sqnr", max_cols=1000)["values"][0])
+    amax = decode(get(server.url, f"/runs/{mon.run_id}/heatmap", metric="amax", max_cols=1000)["values"][0])
+    assert len(sqnr) == len(amax) == 8
+    assert [bool(np.isfinite(v)) for v in sqnr] == [w == len(STAT_COLUMNS) for w in sampled]
+    assert np.isfinite(amax).all() and (amax > 0).all()
+    # the layers table shows the latest SQNR there is (step 7's), though the last step (8) has none
+    layers = get(server.url, f"/runs/{mon.run_id}/layers")
+    tensor = next(t for layer in layers for t in layer["tensors"] if t["name"] == "0.input")
+    assert float(tensor["sqnr_db"]) == pytest.approx(float(sqnr[6]), rel=1e-6)
+
+
+def test_quality_schedule_is_refused_when_malformed():
+    state = get_fp8_state(_model())
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="quality_every"):
+            state.set_quality_schedule(bad)

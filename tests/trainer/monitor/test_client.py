@@ -257,11 +257,8 @@ def test_nonfinite_event_names_the_tensor_and_histograms_it(server, tmp_path, dy
         for e in follow
     )
     np.testing.assert_equal(len(follow), len(involved))
-    if compiled:  # the graphs broke at the FP8 Linears and the hooks only: Dynamo traced neither
-        reasons = list(dynamo["graph_break"])
-        assert reasons and all(
-            any(f in r for f in ("Linear.forward", "pre_hook", "fwd_hook")) for r in reasons
-        )
+    if compiled:  # one graph: the FP8 Linears' operators capture the tensors (FP8State.capture_once)
+        assert not list(dynamo["graph_break"]), list(dynamo["graph_break"])
 
 
 def test_steps_without_fp8_send_their_scalars_and_say_why(server, tmp_path, caplog):

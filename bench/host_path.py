@@ -1,0 +1,263 @@
+"""Host time and launches per FP8 Linear forward+backward on the GPU path, measured without a GPU.
+
+A GPU trains at full speed only while its host thread launches work faster than the GPU runs it; an FP8
+Linear that spends more Python per call than ``nn.Linear`` makes small and medium layers host-bound. This runs
+a stack of layers on the CPU with the GPU path emulated:
+
+* the real Triton launchers (``fp8_kernels.triton_quantize`` / ``triton_current`` / ``triton_scale_update``)
+  registered for the CPU as they are for CUDA, each kernel replaced by a recorder
+  (``fp8_kernels.cross_build.recorded``) that counts the launch and runs nothing;
+* ``uses_scaled_mm`` forced on, so the FP8 layers take their real-GEMM path (operand layouts, transposes
+  written by the quantize pass, the argument checks), and ``torch._scaled_mm`` replaced by an allocation of
+  its output (fp8scope and torchao alike);
+* tiny shapes (``--tokens`` x ``--features``, default 16 x 16), so what ``nn.Linear`` computes on the CPU
+  (its GEMMs are real) costs well under a microsecond per call and its time is its host path.
+
+One step is the forward and backward of ``--layers`` layers plus, for the FP8 layers, the step's end (scale
+update: one launch per step for the model); the table shows host microseconds per layer (the step's time
+over the layers, median over interleaved rounds) and launches per layer (device work: recorded kernels and
+every ATen op that is not a view or an allocation, counted by a dispatch mode in a separate, untimed step),
+and the ratio to ``nn.Linear``.
+
+Goals (issue "FP8 that pays"): delayed scaling <= 2x ``nn.Linear``'s host time per layer, current <= 2.5x.
+
+    .venv/bin/python bench/host_path.py [--layers 8] [--steps 200] [--rounds 7] [--out PATH]
+    .venv/bin/python bench/host_path.py --smoke
+
+Writes bench/results/host_path.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+GOALS = {"fp8scope delayed": 2.0, "fp8scope current": 2.5}
+
+# ops that only make views or allocate: no device work
+NO_LAUNCH = {
+    *("view", "_unsafe_view", "reshape", "_reshape_alias", "t", "transpose", "permute", "select", "slice"),
+    *("expand", "as_strided", "alias", "detach", "unsqueeze", "squeeze", "unbind", "empty", "empty_strided"),
+    *("empty_like", "new_empty", "new_empty_strided"),
+}
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in NO_LAUNCH:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _Launches:
+    """Stands in for a recorder's list of grids: counts them and holds none."""
+
+    def __init__(self):
+        self.n = 0
+
+    def append(self, _grid) -> None:
+        self.n += 1
+
+
+def _scaled_mm_alloc(a, b, scale_a=None, scale_b=None, bias=None, out_dtype=None, **_):
+    return torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype or a.dtype, device=a.device)
+
+
+@contextlib.contextmanager
+def gpu_path():
+    """The emulated GPU path (module docstring); yields the recorders, whose ``calls`` count launches."""
+    import fp8_kernels
+    from fp8_kernels import cross_build, triton_current, triton_quantize, triton_scale_update
+    from fp8_kernels.dispatch import _TABLES
+
+    import fp8_trainer.gemm
+    import fp8_trainer.linear_ops
+
+    saved = {op: dict(table) for op, table in _TABLES.items()}
+    patched = [
+        (fp8_trainer.gemm, "uses_scaled_mm"),
+        (fp8_trainer.linear_ops, "uses_scaled_mm"),
+        (torch, "_scaled_mm"),
+    ]
+    undo = [(mod, attr, getattr(mod, attr)) for mod, attr in patched]
+    kernels = [
+        (triton_quantize, "_quantize_kernel", True),
+        (triton_quantize, "_quantize_t_kernel", True),
+        (triton_current, "_amax_kernel", None),
+        (triton_scale_update, "_scale_update_kernel", None),
+    ]
+    with contextlib.ExitStack() as stack:
+        recorders = [
+            stack.enter_context(cross_build.recorded(module, name, saturating_cast=sat))
+            for module, name, sat in kernels
+        ]
+        for rec in recorders:
+            rec.launches = collections.deque(maxlen=1)  # hold only the latest launch's arguments
+            rec.grids = _Launches()
+        try:
+            fp8_kernels.register(
+                "cpu",
+                quantize=triton_quantize.quantize_with_stats_triton,
+                quantize_transposed=triton_quantize.quantize_with_stats_transposed_triton,
+                current=triton_current.quantize_current_triton,
+                current_transposed=triton_current.quantize_current_transposed_triton,
+                scale_update=triton_scale_update.scale_update_triton,
+            )
+            fp8_trainer.gemm.uses_scaled_mm = lambda device: True
+            fp8_trainer.linear_ops.uses_scaled_mm = lambda device: True
+            torch._scaled_mm = _scaled_mm_alloc
+            yield recorders
+        finally:
+            for mod, attr, value in undo:
+                setattr(mod, attr, value)
+            for op, table in saved.items():
+                _TABLES[op].clear()
+                _TABLES[op].update(table)
+
+
+def _stack(kind: str, layers: int, features: int) -> tuple[nn.Module, object]:
+    """``(model, region factory)`` for one configuration."""
+    import fp8_trainer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(features, features) for _ in range(layers))).to(torch.bfloat16)
+    if kind == "nn.Linear":
+        return model, contextlib.nullcontext
+    if kind == "torchao tensorwise":
+        from torchao.float8 import convert_to_float8_training
+
+        convert_to_float8_training(model)
+        return model, contextlib.nullcontext
+    recipe = fp8_trainer.DelayedScaling() if kind == "fp8scope delayed" else fp8_trainer.CurrentScaling()
+    fp8_trainer.convert_to_fp8(model, recipe=recipe)
+    return model, lambda: fp8_trainer.fp8_autocast(fp8_recipe=recipe)
+
+
+def _step_fn(model: nn.Module, region, x: torch.Tensor, grad: torch.Tensor):
+    def step() -> None:
+        with region():
+            out = model(x)
+        out.backward(grad)
+
+    return step
+
+
+def measure(kinds, layers: int, tokens: int, features: int, steps: int, rounds: int) -> list[dict]:
+    x = torch.randn(tokens, features, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(tokens, features, dtype=torch.bfloat16)
+    with gpu_path() as recorders:
+        fns, launches = {}, {}
+        for kind in kinds:
+            model, region = _stack(kind, layers, features)
+            fn = _step_fn(model, region, x, grad)
+            for _ in range(3):
+                fn()  # warm: plans, caches, the first step's scale update
+            before = sum(rec.grids.n for rec in recorders)
+            with _Ops() as ops:
+                fn()
+            kernels = sum(rec.grids.n for rec in recorders) - before
+            total = kernels + sum(ops.ops.values())
+            launches[kind] = {"kernels": kernels, "aten": dict(ops.ops), "total": total}
+            fns[kind] = fn
+        times: dict[str, list[float]] = {k: [] for k in kinds}
+        for r in range(rounds):
+            for kind in kinds if r % 2 == 0 else list(reversed(kinds)):
+                fn = fns[kind]
+                t = time.perf_counter()
+                for _ in range(steps):
+                    fn()
+                times[kind].append((time.perf_counter() - t) / steps / layers)
+    base = statistics.median(times["nn.Linear"])
+    rows = []
+    for kind in kinds:
+        us = statistics.median(times[kind]) * 1e6
+        rows.append(
+            {
+                "config": kind,
+                "host_us_per_layer": us,
+                "ratio_to_nn_linear": us / (base * 1e6),
+                "launches_per_layer": launches[kind]["total"] / layers,
+                "launches": launches[kind],
+                "goal_ratio": GOALS.get(kind),
+            }
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--features", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=200, help="steps per timed block")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "host_path.json")
+    ap.add_argument("--smoke", action="store_true", help="a few steps (exercises the script only)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.steps, args.rounds = 3, 2
+    torch.set_num_threads(1)
+    kinds = ["nn.Linear", "fp8scope delayed", "fp8scope current"]
+    try:
+        import torchao.float8  # noqa: F401
+
+        kinds.append("torchao tensorwise")
+    except ImportError:
+        pass
+    rows = measure(kinds, args.layers, args.tokens, args.features, args.steps, args.rounds)
+    lines = [f"{'per layer, fwd+bwd':22} {'host us':>8} {'x nn.Linear':>11} {'launches':>9} {'goal':>6}"]
+    for r in rows:
+        goal = f"<= {r['goal_ratio']}" if r["goal_ratio"] else ""
+        lines.append(
+            f"{r['config']:22} {r['host_us_per_layer']:8.1f} {r['ratio_to_nn_linear']:11.2f} "
+            f"{r['launches_per_layer']:9.2f} {goal:>6}"
+        )
+    summary = "\n".join(lines)
+    print(
+        f"GPU path emulated on the CPU: {args.layers} layers of {args.features}x{args.features}, "
+        f"{args.tokens} tokens, bf16; median of {args.rounds} rounds of {args.steps} steps"
+    )
+    print(summary)
+    data = {
+        "meta": {
+            "smoke": args.smoke,
+            "layers": args.layers,
+            "tokens": args.tokens,
+            "features": args.features,
+            "steps": args.steps,
+            "rounds": args.rounds,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+        },
+        "rows": rows,
+        "summary": summary,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(data, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

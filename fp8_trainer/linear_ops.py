@@ -1,0 +1,317 @@
+"""The FP8 Linear's forward and backward, as plain functions and as ``torch.library`` custom operators.
+
+``forward`` quantizes the input and the weight (recording their statistics), runs fprop and returns what
+backward needs; ``backward`` quantizes grad_output and runs dgrad, wgrad and the bias gradient (see
+``fp8_trainer.linear`` for which operand feeds which GEMM). Both read and write the model's ``FP8State``
+(scales, the step's statistics rows, the weight cache, the step tracker) at run time.
+
+Eagerly the ``Linear`` runs them through an ``autograd.Function`` (``FP8LinearFn``): a custom operator's
+dispatch costs host time a layer does not need to spend there. Under ``torch.compile`` it calls the custom
+operators ``fp8scope::linear_forward`` and ``fp8scope::linear_backward`` (autograd registered with
+``torch.library.register_autograd``), which Dynamo and AOTAutograd keep whole: the graph holds one node per
+layer and direction, with a fake implementation that gives the output shapes, and everything that changes
+from step to step (the step's statistics buffer, the scales, the step bookkeeping) stays out of the graph,
+read by the operator's body when it runs. The same functions run either way, so a compiled model computes
+exactly what the eager one does.
+
+Why the statistics buffer is not a declared mutated argument: the buffer of a step is replaced when the step
+closes (``FP8State.end_step``), and grad_output's row is written in backward; a declared mutation would make
+AOTAutograd copy the whole buffer back after every layer, and a graph input mutated in backward is what
+AOTAutograd supports least. The operators are tagged ``nondeterministic_seeded`` instead, which keeps the
+compiler from merging two calls with equal arguments (each records its own statistics) or recomputing one,
+and ``cudagraph_unsafe`` (see ``_TAGS``).
+
+The state is passed to the operators as an integer handle (``FP8State.handle``, looked up in ``_STATES``):
+an operator's schema holds tensors and plain values only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from fp8_kernels import has_kernel
+
+from .gemm import fp8_mm, gemm_operand, uses_scaled_mm
+from .step import begin_forward
+
+if TYPE_CHECKING:
+    from .state import FP8State
+
+__all__ = [
+    "FP8LinearFn",
+    "LayerPlan",
+    "backward",
+    "forward",
+    "fused_transposes",
+    "layer_plan",
+    "register_state",
+]
+
+_STATES: weakref.WeakValueDictionary[int, FP8State] = weakref.WeakValueDictionary()
+_handles = itertools.count()
+
+
+def register_state(state: FP8State) -> int:
+    """Make ``state`` reachable from the custom operators by its handle (``FP8State`` calls this)."""
+    handle = next(_handles)  # never reused: a compiled graph holds it as a constant
+    _STATES[handle] = state
+    return handle
+
+
+def fused_transposes(state: FP8State, k: int, device: torch.device) -> bool:
+    """Whether layer ``k``'s quantize calls on ``device`` write the transposed FP8 tensors the backward GEMMs
+    need (real FP8 GEMMs, a kernel registered for this layer's scaling mode; see ``fp8_trainer.linear``)."""
+    if not uses_scaled_mm(device):
+        return False
+    return has_kernel("current_transposed" if state.current[k] else "quantize_transposed", device.type)
+
+
+def _quantize(state: FP8State, i: int, t: torch.Tensor, record: bool, transpose: bool):
+    """``(q, qt or None, scale_inv)``: tensor ``i`` quantized, with its transpose (same pass) if asked."""
+    if transpose:
+        return state.quantize_transposed(i, t, record)
+    q, scale_inv = state.quantize(i, t, record)
+    return q, None, scale_inv
+
+
+def _quantize_grad(state: FP8State, i: int, g2: torch.Tensor, record: bool, transpose: bool, dbias: bool):
+    """``(q, qt or None, scale_inv, grad_bias or None)``: grad_output quantized, with its column sums (the
+    bias gradient) taken by the same pass where asked, as Transformer Engine's cast-transpose-dbias does:
+    no second read of grad_output, no launch of its own."""
+    if transpose:
+        q, qt, scale_inv, *column_sums = state.quantize_transposed(i, g2, record, dbias=dbias)
+    else:
+        q, scale_inv, *column_sums = state.quantize(i, g2, record, dbias=dbias)
+        qt = None
+    return q, qt, scale_inv, column_sums[0] if dbias else None
+
+
+@dataclass(slots=True)
+class LayerPlan:
+    """What layer ``k``'s FP8 forward and backward decide once per input shape and state version
+    (``layer_plan``), instead of on every call: which operands the quantize passes transpose, and whether
+    the three GEMMs' argument checks have passed (they then run unchecked: the same code makes operands of
+    the same layouts, freshly allocated, every call)."""
+
+    need_dgrad: bool
+    need_wgrad: bool
+    x_t: bool  # forward writes q(input)'s transpose (the wgrad operand)
+    w_t: bool  # forward writes q(weight)'s transpose (the dgrad operand)
+    g_t: bool  # backward writes q(grad_output)'s transpose (wgrad)
+    fprop_checked: bool = False
+    backward_checked: bool = False
+
+
+def layer_plan(state: FP8State, k: int, x2: torch.Tensor, need_dgrad: bool, need_wgrad: bool) -> LayerPlan:
+    """Layer ``k``'s plan for a 2-D input like ``x2`` (made at the first such call; see ``LayerPlan``).
+    ``need_dgrad`` / ``need_wgrad``: the input / the weight needs a gradient (grad mode on)."""
+    key = (k, state.version, x2.shape, x2.dtype, x2.device, need_dgrad, need_wgrad)
+    plans = state.linear_plans
+    plan = plans.get(key)
+    if plan is None:
+        if len(plans) > 4 * state.n_layers + 64:  # shapes or versions gone by
+            plans.clear()
+        fused = (need_dgrad or need_wgrad) and fused_transposes(state, k, x2.device)
+        plan = plans[key] = LayerPlan(need_dgrad, need_wgrad, fused and need_wgrad, fused and need_dgrad,
+                                      fused and need_wgrad)  # fmt: skip
+    return plan
+
+
+def forward(state, k, x2, weight, bias, record, plan: LayerPlan):
+    """fprop of layer ``k`` for a 2-D input: ``(out, saved_x, sinv_x, saved_w, sinv_w)``.
+
+    ``saved_x`` is the wgrad operand: ``q(x)``'s transpose ``(in, tokens)`` as the quantize pass wrote it
+    where ``plan.x_t``, else the GEMM operand ``(tokens, in)``; ``saved_w`` likewise the dgrad operand,
+    ``(in, out)`` where ``plan.w_t``, else ``(out, in)``."""
+    if state.captures and (plan.need_dgrad or plan.need_wgrad):  # a training forward (capture_once)
+        state.run_capture(3 * k, x2)
+    qx, qxt, sinv_x = _quantize(state, 3 * k, x2, record, plan.x_t)
+    t_w = plan.w_t
+    qw, qwt, sinv_w = state.quantized_weight(
+        k, weight, t_w, record, lambda: _quantize(state, 3 * k + 1, weight, record, t_w)
+    )
+    ax, aw = gemm_operand(qx), gemm_operand(qw)
+    check = not plan.fprop_checked
+    out = fp8_mm(ax, sinv_x, aw.t(), sinv_w, x2.dtype, bias, fast_accum=True, check=check)  # fprop: as TE
+    plan.fprop_checked = True
+    saved_x = ax if qxt is None else gemm_operand(qxt)
+    saved_w = aw if qwt is None else gemm_operand(qwt)
+    return out, saved_x, sinv_x, saved_w, sinv_w
+
+
+def backward(state, k, g2, saved, record, plan: LayerPlan, need_bias, x_dtype, w_dtype):
+    """dgrad, wgrad and the bias gradient of layer ``k`` (``None`` where not needed); ``saved`` is forward's
+    ``(saved_x, sinv_x, saved_w, sinv_w)`` as ``plan`` had it made."""
+    saved_x, sinv_x, saved_w, sinv_w = saved
+    if state.captures:
+        state.run_capture(3 * k + 2, g2)
+    qg, qgt, sinv_g, grad_b = _quantize_grad(state, 3 * k + 2, g2, record, plan.g_t, need_bias)
+    ag = gemm_operand(qg)
+    if record:
+        state.tracker.queue_end_of_backward(state.on_backward_end)
+    grad_x = grad_w = None
+    check = not plan.backward_checked
+    if plan.need_dgrad:  # (out, in) column-major: the transpose's view where the quantize pass wrote one
+        bw = saved_w.t() if plan.w_t else saved_w
+        grad_x = fp8_mm(ag, sinv_g, bw, sinv_w, x_dtype, check=check)
+    if plan.need_wgrad:
+        # (out, tokens) row-major: the transpose written by the quantize pass, if any
+        agt = ag.t() if qgt is None else gemm_operand(qgt)
+        bx = saved_x.t() if plan.x_t else saved_x
+        grad_w = fp8_mm(agt, sinv_g, bx, sinv_x, w_dtype, check=check)
+    plan.backward_checked = True
+    return grad_x, grad_w, grad_b
+
+
+class FP8LinearFn(torch.autograd.Function):
+    """The eager FP8 Linear (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, state: FP8State, k: int, record: bool, plan: LayerPlan):
+        shape = x.shape
+        out, *saved = forward(state, k, x.reshape(-1, shape[-1]), weight, bias, record, plan)
+        ctx.save_for_backward(*saved)
+        ctx.state, ctx.k, ctx.record, ctx.plan = state, k, record, plan
+        ctx.shape, ctx.x_dtype, ctx.w_dtype = shape, x.dtype, weight.dtype
+        ctx.has_bias = bias is not None
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        need_bias = ctx.has_bias and ctx.needs_input_grad[2]
+        grad_x, grad_w, grad_b = backward(
+            ctx.state, ctx.k, grad_output.reshape(-1, grad_output.shape[-1]), ctx.saved_tensors, ctx.record,
+            ctx.plan, need_bias, ctx.x_dtype, ctx.w_dtype,
+        )  # fmt: skip
+        if grad_x is not None:
+            grad_x = grad_x.reshape(ctx.shape)
+        return grad_x, grad_w, grad_b, None, None, None, None
+
+
+# ----- the custom operators (torch.compile) -----
+# nondeterministic_seeded: never merged with an equal call nor recomputed (module docstring);
+# cudagraph_unsafe: the body does host work on every call (the step bookkeeping), which a replay would skip,
+# so Inductor's CUDA graphs (mode="reduce-overhead") leave these operators out; fp8_trainer.graphs captures a
+# whole step and does that host work itself after each replay
+_TAGS = (torch.Tag.nondeterministic_seeded, torch.Tag.cudagraph_unsafe)
+
+
+@torch.library.custom_op("fp8scope::linear_forward", mutates_args=(), tags=_TAGS)
+def linear_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    handle: int,
+    k: int,
+    record: bool,
+    need_dgrad: bool,
+    need_wgrad: bool,
+    current: bool,
+    x_fp8: torch.dtype,
+    w_fp8: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``forward`` with the operator's contract: no output aliases another. A delayed-scaling tensor's
+    ``scale_inv`` is a view of the model's scale vector, so for delayed scaling the operator returns empty
+    tensors in their place and backward takes them from the state, where they stay until the step closes.
+    ``current``, ``x_fp8``, ``w_fp8``: the layer's mode when the graph was traced (Dynamo guards on them; the
+    fake implementation's shapes and dtypes follow from them)."""
+    state = _STATES[handle]
+    _, record = begin_forward(state, k, x.device, record)
+    plan = layer_plan(state, k, x, need_dgrad, need_wgrad)
+    out, saved_x, sinv_x, saved_w, sinv_w = forward(state, k, x, weight, bias, record, plan)
+    if not current:
+        sinv_x = sinv_w = None
+    return out, saved_x, _scalar_or_empty(sinv_x, x), saved_w, _scalar_or_empty(sinv_w, x)
+
+
+def _scalar_or_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return t if t is not None else like.new_empty(0, dtype=torch.float32)
+
+
+@linear_forward.register_fake
+def _(x, weight, bias, handle, k, record, need_dgrad, need_wgrad, current, x_fp8, w_fp8):
+    state = _STATES[handle]
+    tokens, n_in = x.shape
+    n_out = weight.shape[0]
+    fused_t = (need_dgrad or need_wgrad) and fused_transposes(state, k, x.device)
+    real = uses_scaled_mm(x.device)
+    dx, dw = (x_fp8, w_fp8) if real else (torch.float32, torch.float32)
+    saved_x = x.new_empty((n_in, tokens) if fused_t and need_wgrad else (tokens, n_in), dtype=dx)
+    saved_w = x.new_empty((n_in, n_out) if fused_t and need_dgrad else (n_out, n_in), dtype=dw)
+    scalar = () if current else 0
+    sinv_x, sinv_w = (x.new_empty(scalar, dtype=torch.float32) for _ in range(2))
+    return x.new_empty((tokens, n_out)), saved_x, sinv_x, saved_w, sinv_w
+
+
+@torch.library.custom_op("fp8scope::linear_backward", mutates_args=(), tags=_TAGS)
+def linear_backward(
+    grad: torch.Tensor,
+    saved_x: torch.Tensor,
+    sinv_x: torch.Tensor,
+    saved_w: torch.Tensor,
+    sinv_w: torch.Tensor,
+    handle: int,
+    k: int,
+    record: bool,
+    x_t: bool,
+    w_t: bool,
+    need_dgrad: bool,
+    need_wgrad: bool,
+    need_bias: bool,
+    x_dtype: torch.dtype,
+    w_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    state = _STATES[handle]
+    if not sinv_x.dim():  # current scaling: forward's; delayed: the state's (see linear_forward)
+        saved = (saved_x, sinv_x, saved_w, sinv_w)
+    else:
+        saved = (saved_x, state.scale_inv_row(3 * k), saved_w, state.scale_inv_row(3 * k + 1))
+    plan = LayerPlan(need_dgrad, need_wgrad, x_t, w_t, need_wgrad and fused_transposes(state, k, grad.device))
+    grads = backward(state, k, grad, saved, record, plan, need_bias, x_dtype, w_dtype)
+    # an operator returns tensors: an empty one where a gradient is not needed
+    return tuple(g if g is not None else grad.new_empty(0) for g in grads)
+
+
+@linear_backward.register_fake
+def _(grad, saved_x, sinv_x, saved_w, sinv_w, handle, k, record, x_t, w_t, need_dgrad, need_wgrad, need_bias,
+      x_dtype, w_dtype):  # fmt: skip
+    tokens, n_out = grad.shape
+    n_in = saved_x.shape[0] if x_t else saved_x.shape[1]
+    return (
+        grad.new_empty((tokens, n_in) if need_dgrad else 0, dtype=x_dtype),
+        grad.new_empty((n_out, n_in) if need_wgrad else 0, dtype=w_dtype),
+        grad.new_empty(n_out if need_bias else 0),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, handle, k, record, need_dgrad, need_wgrad, *_ = inputs
+    _, *saved = output
+    ctx.save_for_backward(*saved)
+    ctx.mark_non_differentiable(*saved)
+    fused_t = (need_dgrad or need_wgrad) and fused_transposes(_STATES[handle], k, x.device)
+    ctx.handle, ctx.k, ctx.record = handle, k, record
+    ctx.x_t, ctx.w_t = fused_t and need_wgrad, fused_t and need_dgrad
+    ctx.x_dtype, ctx.w_dtype, ctx.has_bias = x.dtype, weight.dtype, bias is not None
+
+
+def _backward(ctx, grad_out, *_saved_grads):
+    need = ctx.needs_input_grad
+    need_bias = ctx.has_bias and need[2]
+    grad_x, grad_w, grad_b = linear_backward(
+        grad_out, *ctx.saved_tensors, ctx.handle, ctx.k, ctx.record, ctx.x_t, ctx.w_t, need[0], need[1],
+        need_bias, ctx.x_dtype, ctx.w_dtype,
+    )  # fmt: skip
+    return (
+        grad_x if need[0] else None,
+        grad_w if need[1] else None,
+        grad_b if need_bias else None,
+        *(None,) * 8,
+    )  # fmt: skip
+
+
+torch.library.register_autograd("fp8scope::linear_forward", _backward, setup_context=_setup_context)
