@@ -55,37 +55,23 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from fp8_kernels.cross_build import NO_LAUNCH, LaunchCounter  # noqa: E402
+
 from fp8_trainer.recipe import DelayedScaling, Float8BlockScaling, MXFP8BlockScaling  # noqa: E402
 
-#: ops that only make views or allocate: no device work
-NO_LAUNCH = {
-    *("view", "_unsafe_view", "reshape", "_reshape_alias", "t", "transpose", "permute", "select", "slice"),
-    *("expand", "as_strided", "alias", "detach", "unsqueeze", "squeeze", "unbind", "empty", "empty_strided"),
-    *("lift_fresh",),
-}
+
+def launch_counter() -> LaunchCounter:
+    """Counts launches, ``lift_fresh`` (a Python value made a tensor: an upload, not a kernel) left out."""
+    return LaunchCounter(NO_LAUNCH | {"lift_fresh"})
+
+
 #: a value read on the host (a device synchronisation on a GPU)
 HOST_READ = "_local_scalar_dense"
-
-
-class LaunchCounter(TorchDispatchMode):
-    """Counts the ATen ops that launch device work (``NO_LAUNCH`` aside), and holds the kernel stubs'
-    counts (``kernel:<name>``)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: collections.Counter = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name not in NO_LAUNCH:
-            self.ops[name] += 1
-        return func(*args, **(kwargs or {}))
 
 
 class _Stub:
@@ -212,7 +198,7 @@ def _recipe_step(kind: str, n_layers: int, tokens: int, features: int):
 
 def count_step(kind: str, n_layers: int, tokens: int, features: int) -> collections.Counter:
     """The ops of one step (the third: the first ones fill caches, as on a GPU)."""
-    counter = LaunchCounter()
+    counter = launch_counter()
     with emulated_gpu(counter, eager_stats=kind.endswith("eager stats")):
         step = _recipe_step(kind, n_layers, tokens, features)
         for _ in range(3):
@@ -225,7 +211,7 @@ def count_step(kind: str, n_layers: int, tokens: int, features: int) -> collecti
 def time_step(kind: str, n_layers: int, tokens: int, features: int, steps: int) -> float:
     """CPU seconds of this thread per step (a shared machine's other work does not count; autograd runs a
     CPU backward on the calling thread), outside the dispatch mode (whose Python would be timed too)."""
-    with emulated_gpu(LaunchCounter(), eager_stats=kind.endswith("eager stats")):
+    with emulated_gpu(launch_counter(), eager_stats=kind.endswith("eager stats")):
         step = _recipe_step(kind, n_layers, tokens, features)
         for _ in range(3):
             step()

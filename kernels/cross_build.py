@@ -15,6 +15,7 @@ The binder and ``JITFunction._pack_args`` are Triton internals (of the 3.x line)
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import re
 import subprocess
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["Recorder", "SassProfile", "cuda_sizes", "recorded", "sass_profile", "sm90_compiler"]
 
@@ -80,6 +82,31 @@ class Recorder:
     def __getitem__(self, grid):
         self.grids.append(grid)
         return lambda *args, **kwargs: self.launches.append((args, kwargs))
+
+
+#: ATen ops that only make views or allocate: no device work on a GPU (``LaunchCounter`` leaves them out)
+NO_LAUNCH = frozenset({
+    "view", "_unsafe_view", "reshape", "_reshape_alias", "t", "transpose", "permute", "select", "slice",
+    "expand", "as_strided", "alias", "detach", "unsqueeze", "squeeze", "unbind", "empty", "empty_strided",
+})  # fmt: skip
+
+
+class LaunchCounter(TorchDispatchMode):
+    """Counts, by name, the ATen ops that would launch device work on a GPU (every op but ``ignore``:
+    ``NO_LAUNCH`` by default) while it is active; kernel stubs add their own ``kernel:<name>`` counts to
+    ``ops``, and set ``muted`` while the reference they stand in for runs, whose ops are not launches."""
+
+    def __init__(self, ignore: frozenset[str] = NO_LAUNCH):
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+        self.ignore = ignore
+        self.muted = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not self.muted and name not in self.ignore:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def cuda_sizes(patch: Callable[[Any, str, Any], None]) -> None:

@@ -419,3 +419,22 @@ def test_launch_host_smoke(tmp_path):
         us = r["us_per_call"]
         assert set(us) == {"planned", "rebuilt", "floor"} and all(v > 0 for v in us.values()), r
         assert r["launcher_us"]["planned"] == pytest.approx(us["planned"] - us["floor"])
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed (pip install '.[dev]')")
+def test_host_path_smoke(tmp_path):
+    """``bench/host_path.py``: every configuration timed against ``nn.Linear`` in one run, and the launches
+    per layer those configurations make on the emulated GPU path (a step's end counted once per step)."""
+    data = run_bench("host_path.py", tmp_path / "hp.json")
+    rows = {r["config"]: r for r in data["rows"]}
+    assert {"nn.Linear", "fp8scope delayed", "fp8scope current"} <= set(rows)
+    assert rows["nn.Linear"]["ratio_to_nn_linear"] == pytest.approx(1.0)
+    for r in rows.values():
+        assert r["host_us_per_layer"] > 0 and r["ratio_to_nn_linear"] > 0, r
+    # delayed: 3 quantize kernels (the bias gradient in grad_output's), 3 GEMMs per layer; per step the
+    # scale update and the statistics buffer's ops, over the layers
+    delayed = rows["fp8scope delayed"]["launches"]
+    assert delayed["aten"]["_scaled_mm"] == 3 * data["meta"]["layers"]
+    assert delayed["kernels"] == 3 * data["meta"]["layers"] + 1
+    assert "sum" not in delayed["aten"]
+    assert rows["fp8scope delayed"]["goal_ratio"] == 2.0 and rows["fp8scope current"]["goal_ratio"] == 2.5

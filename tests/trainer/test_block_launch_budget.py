@@ -19,8 +19,8 @@ import fp8_kernels
 import pytest
 import torch
 from fp8_kernels import cross_build
+from fp8_kernels.cross_build import LaunchCounter
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8_trainer
 import fp8_trainer.block_gemm as block_gemm
@@ -28,26 +28,6 @@ from fp8_trainer import fp8_autocast
 from fp8_trainer.recipe import Float8BlockScaling, MXFP8BlockScaling
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-# ops that only make views or allocate: no device work
-NO_LAUNCH = {
-    *("view", "_unsafe_view", "reshape", "_reshape_alias", "t", "transpose", "permute", "select", "slice"),
-    *("expand", "as_strided", "alias", "detach", "unsqueeze", "squeeze", "unbind", "empty", "empty_strided"),
-}
-
-
-class LaunchCounter(TorchDispatchMode):
-    """Every ATen op but ``NO_LAUNCH``, by name; the kernel stubs add ``kernel:<name>``."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: collections.Counter = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name not in NO_LAUNCH:
-            self.ops[name] += 1
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture

@@ -14,8 +14,8 @@ import collections
 import fp8_kernels
 import pytest
 import torch
+from fp8_kernels.cross_build import LaunchCounter
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8_trainer
 import fp8_trainer.gemm
@@ -24,25 +24,6 @@ from fp8_trainer import CurrentScaling, DelayedScaling, fp8_autocast
 from fp8_trainer.state import _scale_update_reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-# ops that only make views or allocate: no device work
-NO_LAUNCH = {
-    *("view", "_unsafe_view", "reshape", "_reshape_alias", "t", "transpose", "permute", "select", "slice"),
-    *("expand", "as_strided", "alias", "detach", "unsqueeze", "squeeze", "unbind", "empty", "empty_strided"),
-}
-
-
-class LaunchCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops: collections.Counter = collections.Counter()
-        self.muted = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if not self.muted and name not in NO_LAUNCH:
-            self.ops[name] += 1
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture
