@@ -29,6 +29,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
 from monitor_server import commands as command_ops
+from monitor_server.client_events import event_light
 from monitor_server.core.config import Settings
 from monitor_server.core.db import Database
 from monitor_server.detector_replay import stored_batches
@@ -44,7 +45,7 @@ from monitor_server.incidents import (
     incident_public,
     worse,
 )
-from monitor_server.models import Alert, Command, Incident, Run, as_utc, utcnow
+from monitor_server.models import Alert, Command, EventRow, Incident, Run, as_utc, utcnow
 from monitor_server.run_meta import RunMeta, RunMetaCache
 from monitor_server.wire import iso_dates, jsonable
 
@@ -545,14 +546,19 @@ class AlertService:
 
     def event_data(self, run_id: int, name: str, row_id: int) -> dict[str, Any] | None:
         """The data of a stream event read back from its row (an event another server instance sent by
-        reference, `monitor_server.events_pg`): an alert, incident or command; None when gone."""
-        model = {"alert": Alert, "incident": Incident, "command": Command}.get(name)
+        reference, `monitor_server.events_pg`): an alert, incident, command or client event (light, as
+        the stream carries it); None when gone."""
+        model = {"alert": Alert, "incident": Incident, "command": Command, "event": EventRow}.get(name)
         if model is None:
             return None
         with self.db.read_session() as session:
             row = session.get(model, row_id)
             if row is None or row.run_id != run_id:
                 return None
+            if isinstance(row, EventRow):
+                fields = ("id", "run_id", "kind", "step", "details", "summary", "details_bytes", "created_at")
+                event = {f: getattr(row, f) for f in fields}
+                return iso_dates(event_light({**event, "created_at": as_utc(row.created_at)}))
             if isinstance(row, Alert):
                 return iso_dates(alert_public(row, self.run_meta.get(session, run_id)))
             if isinstance(row, Incident):

@@ -34,6 +34,7 @@ from monitor_server.api.routes import (
 from monitor_server.api_docs import mount_api_docs
 from monitor_server.context import AppContext
 from monitor_server.core.config import Settings
+from monitor_server.core.db import LockTimeout
 from monitor_server.guard import RequestGuard
 from monitor_server.migrations import upgrade_to_head
 from monitor_server.models import utcnow
@@ -134,6 +135,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.ctx = ctx
     app.add_exception_handler(DBAPIError, _database_unavailable)
     app.add_exception_handler(PoolTimeout, _database_unavailable)
+    app.add_exception_handler(LockTimeout, _database_unavailable)
     app.include_router(health.router)
     guarded = [(route.path, route) for route in health.router.routes]
     for module in (runs, telemetry, queries, blocks, export, alerts, incidents, commands, stream, dashboard):

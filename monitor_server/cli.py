@@ -20,6 +20,7 @@ import logging
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 if TYPE_CHECKING:  # the service stack: imported by `serve` only (module docstring)
     from monitor_server.core.config import Settings
@@ -31,7 +32,16 @@ SERVER_EXTRA = "pip install 'fp8scope[server]'"
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the monitor service (HTTP API, dashboard data, SSE)")
     p.add_argument(
-        "--db", dest="db_url", help="SQLAlchemy URL (default: sqlite:///fp8scope.db in the working directory)"
+        "--db",
+        dest="db_url",
+        help="SQLAlchemy URL (default: sqlite:///fp8scope.db in the working directory); a password in it "
+        "shows in the process list: prefer $FP8SCOPE_DB_URL or --db-file",
+    )
+    p.add_argument(
+        "--db-file",
+        dest="db_url_file",
+        metavar="PATH",
+        help="private file (chmod 600) whose first line is the SQLAlchemy URL (FP8SCOPE_DB_URL_FILE)",
     )
     p.add_argument("--host", help="listen address (default 127.0.0.1; others need --token)")
     p.add_argument("--port", type=int, help="listen port (default 8000)")
@@ -48,7 +58,16 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         metavar="PATH",
         help="file of NAME:SCOPES:SECRET tokens, one a line, '#' comments (FP8SCOPE_TOKENS_FILE)",
     )
-    p.add_argument("--webhook-url", help="Slack-compatible webhook that receives one message per incident")
+    p.add_argument(
+        "--webhook-url",
+        help="Slack-compatible webhook that receives one message per incident (a secret: it shows in the "
+        "process list; prefer $FP8SCOPE_WEBHOOK_URL or --webhook-url-file)",
+    )
+    p.add_argument(
+        "--webhook-url-file",
+        metavar="PATH",
+        help="private file (chmod 600) whose first line is the webhook URL (FP8SCOPE_WEBHOOK_URL_FILE)",
+    )
     p.add_argument(
         "--public-url",
         help="the dashboard's address as people reach it; webhook messages link to runs under it",
@@ -84,6 +103,13 @@ def _upload_parser(sub: argparse._SubParsersAction) -> None:
     )
 
 
+def printable(text: str) -> str:
+    """`text` with every character a terminal could act on (escape sequences, other control and format
+    characters such as bidirectional overrides) written as a Python escape: what `upload` prints comes
+    from the spool file and the service, and must not move the cursor, retitle the window or hide text."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def upload(args: argparse.Namespace) -> int:
     """Replay a spool; prints what was stored; exit code 1 if anything was refused, 2 on errors."""
     import os
@@ -98,15 +124,15 @@ def upload(args: argparse.Namespace) -> int:
         token = args.token or env_token()
         result = upload_spool(args.spool, url, token)
     except (OSError, ValueError, RuntimeError, httpx.HTTPError) as exc:
-        print(f"fp8-monitor upload: {exc}", file=sys.stderr)
+        print(f"fp8-monitor upload: {printable(str(exc))}", file=sys.stderr)
         return 2
     print(
         f"run {result.run_id} ({'created' if result.created else 'existing'}): {result.batches} batches, "
         f"{result.stored_steps} new steps stored, {result.duplicate_batches} already delivered"
-        + (f", status {result.status}" if result.status else "")
+        + (f", status {printable(result.status)}" if result.status else "")
     )
     for line in result.rejected:
-        print(f"refused: {line}", file=sys.stderr)
+        print(f"refused: {printable(line)}", file=sys.stderr)
     return 1 if result.rejected else 0
 
 
@@ -116,7 +142,9 @@ SERVE_FLAGS = (
     "port",
     "tokens",
     "tokens_file",
+    "db_url_file",
     "webhook_url",
+    "webhook_url_file",
     "public_url",
     "max_body_bytes",
     "stall_seconds",
@@ -144,6 +172,21 @@ def build_settings(args: argparse.Namespace) -> Settings:
     return Settings(**overrides)
 
 
+def secrets_on_command_line(args: argparse.Namespace) -> list[str]:
+    """Warnings for secrets given as flags, which every user of the machine sees in the process list (the
+    secrets themselves are not repeated)."""
+    out = []
+    if getattr(args, "db_url", None) and urlsplit(args.db_url).password:
+        out.append("--db carries a password, visible in the process list: use FP8SCOPE_DB_URL or --db-file")
+    if getattr(args, "webhook_url", None):
+        out.append(
+            "--webhook-url is visible in the process list: use FP8SCOPE_WEBHOOK_URL or --webhook-url-file"
+        )
+    if getattr(args, "tokens", None):
+        out.append("--token secrets are visible in the process list: use --tokens-file or FP8SCOPE_TOKENS")
+    return out
+
+
 def serve(args: argparse.Namespace) -> int:
     """Run uvicorn with the app; returns the exit code."""
     try:
@@ -168,6 +211,8 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as exc:  # ValidationError, or SettingsError (an FP8SCOPE_* JSON that does not parse)
         print(f"fp8-monitor: invalid configuration: {describe_error(exc)}", file=sys.stderr)
         return 2
+    for problem in secrets_on_command_line(args):
+        logging.getLogger("fp8scope.monitor").warning("%s", problem)
     if not settings.auth_enabled and not is_loopback(settings.host):
         print(
             f"fp8-monitor: refusing to listen on {settings.host} without tokens; "

@@ -7,6 +7,7 @@ from typing import Any
 
 from monitor_server.models import EventRow, as_utc
 from monitor_server.schemas import EventPublic, attributes
+from monitor_server.wire import details_summary
 
 #: event details up to this size (as JSON) travel whole in lists and on the stream; larger ones as their
 #: summary, the whole details from `GET /runs/{id}/events/{event_id}`
@@ -18,7 +19,8 @@ def event_light(event: dict[str, Any]) -> dict[str, Any]:
     its summary, with `details_bytes` and `details_complete` saying which."""
     size = event.get("details_bytes") or 0
     complete = size <= INLINE_DETAIL_BYTES and event.get("details") is not None
-    details = event["details"] if complete else (event.get("summary") or {})
+    # summarized again: bounds a summary stored before its key and size bounds
+    details = event["details"] if complete else details_summary(event.get("summary") or {})
     out = {k: v for k, v in event.items() if k not in ("details", "summary")}
     return {**out, "details": details, "details_bytes": size, "details_complete": complete}
 

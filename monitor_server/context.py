@@ -32,12 +32,17 @@ class AppContext:
     detection: AlertService
     #: bounds concurrent telemetry decoding; made on first use, on the event loop
     decode_slots: asyncio.Semaphore | None = field(default=None, repr=False)
+    #: per run, the telemetry requests storing or waiting to store (on the event loop): a run's batches
+    #: wait their turn there, holding no worker thread (`monitor_server.api.routes.telemetry.run_turn`)
+    run_turns: dict[int, tuple[asyncio.Lock, int]] = field(default_factory=dict, repr=False)
 
     @classmethod
     def create(cls, settings: Settings) -> AppContext:
         """Build the context (the database schema is migrated separately, at startup)."""
-        db = Database(settings.db_url)
-        broker = EventBroker(settings.sse_queue_bytes)
+        db = Database(settings.db_url, settings.run_lock_wait_seconds, settings.run_lock_lease_seconds)
+        broker = EventBroker(
+            settings.sse_queue_bytes, settings.sse_total_bytes, settings.sse_streams_per_token
+        )
         run_meta = RunMetaCache(settings.cache_runs)
         ctx = cls(settings, db, broker, Metrics(), run_meta, AlertService(settings, db, broker, run_meta))
         ctx.metrics.attach_database(ctx.metrics_snapshot)

@@ -1,9 +1,12 @@
 """In-process publish/subscribe for the server-sent event stream.
 
-Publishers may be worker threads (ingest runs in the threadpool); delivery hops onto the event loop with
-`call_soon_threadsafe`. Each subscriber's queue is bounded by count (a subscriber that falls behind loses its
-oldest events) and by bytes: a subscriber holding more than `max_queue_bytes` of unsent events (a client
-that stopped reading) is dropped, with a final `dropped` event saying why, and its queue freed.
+Publishers may be worker threads (ingest runs in the threadpool); an event is encoded once, in the
+publisher's thread, and its bytes are shared by every subscriber's queue; delivery hops onto the event loop
+with `call_soon_threadsafe`. A subscriber that falls behind, by count (`QUEUE_SIZE` events) or by bytes
+(`max_queue_bytes` of unsent events: a client that stopped reading), or while all subscribers together hold
+more than `max_total_bytes`, is dropped: its queue is freed and it gets a final `dropped` event saying why,
+then the end of its stream, so that the page reconnects and reloads instead of silently missing events.
+One token holds at most `max_streams_per_token` streams (`StreamLimit` beyond).
 `stream_events` turns a subscription into the frames of a streaming response.
 
 Several server instances on one PostgreSQL database: a relay (`monitor_server.events_pg`) attached with
@@ -15,15 +18,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import orjson
 
+#: events one subscriber may have waiting; one more and it is dropped (told to reload)
 QUEUE_SIZE = 1000
 #: default byte bound of one subscriber's queue (`Settings.sse_queue_bytes`)
 QUEUE_BYTES = 8 * 1024 * 1024
+#: default bound of all subscribers' queues together, as each counts its frames (`Settings.sse_total_bytes`)
+TOTAL_BYTES = 256 * 1024 * 1024
+#: default bound of the streams one token holds open (`Settings.sse_streams_per_token`)
+STREAMS_PER_TOKEN = 100
 #: subscription key receiving every run's events (the dashboard's runs list); its events carry `run_id`
 ALL_RUNS = 0
 #: the events `ALL_RUNS` subscribers get (what a runs list shows); command and client events stay per run
@@ -51,38 +60,55 @@ class Relay(Protocol):
     def send(self, run_id: int, name: str, data: Any) -> None: ...
 
 
+class StreamLimit(Exception):
+    """The token holds `EventBroker.max_streams_per_token` streams already (the route answers 429)."""
+
+
 class Subscription:
     """A subscriber's queue for one run; iterate with `get` (events come out encoded, as SSE frames)."""
 
-    def __init__(self, broker: EventBroker, run_id: int, max_bytes: int = QUEUE_BYTES):
+    def __init__(
+        self, broker: EventBroker, run_id: int, max_bytes: int = QUEUE_BYTES, owner: str | None = None
+    ):
         self.run_id = run_id
-        self.queue: asyncio.Queue[bytes | Event] = asyncio.Queue(maxsize=QUEUE_SIZE)
+        self.owner = owner
+        # one place more than QUEUE_SIZE: the last word of a subscriber dropped for its count
+        self.queue: asyncio.Queue[bytes | Event] = asyncio.Queue(maxsize=QUEUE_SIZE + 2)
         self.max_bytes = max_bytes
         self.queued_bytes = 0
         self.dropped = False
+        self.created = time.time()  # wall clock: compared with when another instance lost events
         self._broker = broker
 
-    def put(self, event: Event) -> None:
-        """Enqueue on the loop thread: the oldest event goes when the queue is full by count; the whole
-        subscription goes (a final `dropped` event, then the end of the stream) when full by bytes."""
+    def put(self, item: bytes | Event) -> None:
+        """Enqueue an encoded frame (shared with the other subscribers) or `CLOSED` on the loop thread. A
+        subscriber that falls behind by count, by bytes, or while every subscriber together holds more than
+        the broker's total, is dropped: a final `dropped` event, then the end of the stream."""
         if self.dropped:
             return
-        if event is CLOSED:
-            self._put(CLOSED)
+        if not isinstance(item, bytes):  # CLOSED: there is always room for it
+            with contextlib.suppress(asyncio.QueueFull):
+                self.queue.put_nowait(item)
             return
-        frame = event.encode()  # once per subscriber; its size is what the queue holds
-        if self.queued_bytes + len(frame) > self.max_bytes:
+        size = len(item)
+        if self.queue.qsize() >= QUEUE_SIZE:
+            self._drop(
+                f"this client fell behind by more than {QUEUE_SIZE} events; reconnect and reload",
+            )
+        elif self.queued_bytes + size > self.max_bytes:
             self._drop()
-            return
-        self._put(frame)
+        elif self.queued_bytes and self._broker.total_bytes + size > self._broker.max_total_bytes:
+            self._drop(
+                f"the server holds more than {self._broker.max_total_bytes} bytes of events for slow"
+                " clients (sse_total_bytes); reconnect and reload"
+            )
+        else:
+            self.queue.put_nowait(item)
+            self._count(size)
 
-    def _put(self, item: bytes | Event) -> None:
-        if self.queue.full():
-            with contextlib.suppress(asyncio.QueueEmpty):
-                old = self.queue.get_nowait()
-                self.queued_bytes -= len(old) if isinstance(old, bytes) else 0
-        self.queue.put_nowait(item)
-        self.queued_bytes += len(item) if isinstance(item, bytes) else 0
+    def _count(self, size: int) -> None:
+        self.queued_bytes += size
+        self._broker.total_bytes += size
 
     def _drop(self, reason: str | None = None) -> None:
         """Free the queue, leave a last word and the end of the stream, and stop receiving."""
@@ -91,7 +117,7 @@ class Subscription:
         self.dropped = True
         while not self.queue.empty():
             self.queue.get_nowait()
-        self.queued_bytes = 0
+        self._count(-self.queued_bytes)
         reason = reason or (
             f"this client fell behind by more than {self.max_bytes} bytes of events "
             "(sse_queue_bytes); reconnect and reload"
@@ -106,20 +132,32 @@ class Subscription:
             item = await asyncio.wait_for(self.queue.get(), timeout)
         except TimeoutError:
             return None
-        if isinstance(item, bytes):
-            self.queued_bytes -= len(item)
+        if isinstance(item, bytes) and self.queued_bytes:
+            self._count(-len(item))
         return item
 
     def close(self) -> None:
-        """Stop receiving events."""
+        """Stop receiving events (on the loop thread); what waits in the queue no longer counts."""
         self._broker.unsubscribe(self)
+        self.dropped = True
+        self._count(-self.queued_bytes)
 
 
 class EventBroker:
     """Fan-out of run events to SSE subscribers."""
 
-    def __init__(self, max_queue_bytes: int = QUEUE_BYTES) -> None:
+    def __init__(
+        self,
+        max_queue_bytes: int = QUEUE_BYTES,
+        max_total_bytes: int = TOTAL_BYTES,
+        max_streams_per_token: int = STREAMS_PER_TOKEN,
+    ) -> None:
         self.max_queue_bytes = max_queue_bytes
+        self.max_total_bytes = max_total_bytes
+        self.max_streams_per_token = max_streams_per_token
+        #: bytes of frames waiting in every subscriber's queue, each counting its own (changed on the loop)
+        self.total_bytes = 0
+        self._streams: dict[str, int] = {}  # open subscriptions per token name
         self._loop: asyncio.AbstractEventLoop | None = None
         self._subs: dict[int, set[Subscription]] = {}
         self._lock = threading.Lock()
@@ -144,12 +182,25 @@ class EventBroker:
         """Whether a stream of this instance listens to `run_id`."""
         return bool(self._subs.get(run_id) or self._subs.get(ALL_RUNS))
 
-    def subscribe(self, run_id: int) -> Subscription:
-        """A new subscription to `run_id`'s events (`ALL_RUNS`: every run's); call from the event loop."""
+    def subscribe(self, run_id: int, owner: str | None = None) -> Subscription:
+        """A new subscription to `run_id`'s events (`ALL_RUNS`: every run's) for the token named `owner`;
+        call from the event loop.
+
+        Raises:
+            StreamLimit: `owner` holds `max_streams_per_token` subscriptions already.
+        """
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-        sub = Subscription(self, run_id, self.max_queue_bytes)
+        sub = Subscription(self, run_id, self.max_queue_bytes, owner)
         with self._lock:
+            if owner is not None:
+                held = self._streams.get(owner, 0)
+                if held >= self.max_streams_per_token:
+                    raise StreamLimit(
+                        f"token {owner!r} holds {held} event streams, the limit (sse_streams_per_token);"
+                        " close one first"
+                    )
+                self._streams[owner] = held + 1
             self._subs.setdefault(run_id, set()).add(sub)
         if self.closed:
             sub.put(CLOSED)
@@ -159,10 +210,16 @@ class EventBroker:
         """Remove a subscription (idempotent)."""
         with self._lock:
             subs = self._subs.get(sub.run_id)
-            if subs is not None:
+            if subs is not None and sub in subs:
                 subs.discard(sub)
                 if not subs:
                     del self._subs[sub.run_id]
+                if sub.owner is not None:
+                    left = self._streams.get(sub.owner, 1) - 1
+                    if left > 0:
+                        self._streams[sub.owner] = left
+                    else:
+                        self._streams.pop(sub.owner, None)
 
     def publish(self, run_id: int, name: str, data: Any) -> None:
         """Send an event to `run_id`'s subscribers, here and (through the relay) on the other instances;
@@ -179,15 +236,17 @@ class EventBroker:
             everyone = list(self._subs.get(ALL_RUNS, ()))
         if not (subs or everyone) or self._loop is None or self._loop.is_closed():
             return
+        # encoded once, here in the publisher's thread; every subscriber's queue holds the same bytes
         if subs:
-            self._loop.call_soon_threadsafe(self._deliver, subs, Event(name, data))
+            self._loop.call_soon_threadsafe(self._deliver, subs, Event(name, data).encode())
         if everyone and name in ALL_RUNS_EVENTS and isinstance(data, dict):
-            self._loop.call_soon_threadsafe(self._deliver, everyone, Event(name, {**data, "run_id": run_id}))
+            frame = Event(name, {**data, "run_id": run_id}).encode()
+            self._loop.call_soon_threadsafe(self._deliver, everyone, frame)
 
     @staticmethod
-    def _deliver(subs: list[Subscription], event: Event) -> None:
+    def _deliver(subs: list[Subscription], frame: bytes) -> None:
         for sub in subs:
-            sub.put(event)
+            sub.put(frame)
 
     def close(self) -> None:
         """End every open stream (server shutdown); call on the loop thread or via `close_threadsafe`."""
@@ -197,18 +256,20 @@ class EventBroker:
         for sub in subs:
             sub.put(CLOSED)
 
-    def resync(self, reason: str) -> None:
-        """End every open stream with a `dropped` event giving `reason` (events were missed: the clients
-        reconnect and reload); call on the loop thread or via `resync_threadsafe`."""
+    def resync(self, reason: str, before: float | None = None) -> None:
+        """End every open stream (with `before`, a wall-clock time: those opened before it) with a `dropped`
+        event giving `reason` (events were missed: the clients reconnect and reload); call on the loop
+        thread or via `resync_threadsafe`."""
         with self._lock:
             subs = [s for group in self._subs.values() for s in group]
         for sub in subs:
-            sub._drop(reason)
+            if before is None or sub.created < before:
+                sub._drop(reason)
 
-    def resync_threadsafe(self, reason: str) -> None:
+    def resync_threadsafe(self, reason: str, before: float | None = None) -> None:
         """`resync` from any thread."""
         if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self.resync, reason)
+            self._loop.call_soon_threadsafe(self.resync, reason, before)
 
     def close_threadsafe(self) -> None:
         """`close` from any thread (e.g. a signal handler)."""

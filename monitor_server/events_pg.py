@@ -13,9 +13,9 @@ the row (`resolve`) when it has subscribers for it.
 
 Neither thread ever blocks a publisher: `send` appends to a bounded queue (the oldest events go when it is
 full) and returns. A connection that fails is dropped and made again with backoff; the events that failed to
-go are lost (a live view, not a log: everything is in the tables), and after the listener lost its
-connection the local subscribers are told to reconnect and reload (`EventBroker.resync`), since they may
-have missed events meanwhile.
+go are lost (a live view, not a log: everything is in the tables), and the streams that may have missed
+them are told to reconnect and reload (`EventBroker.resync`): on this instance after the listener lost its
+connection, and on the others when this sender lost events (its next payload says so).
 """
 
 from __future__ import annotations
@@ -76,11 +76,18 @@ def channel_of(conn: psycopg.Connection) -> str:
     return name.encode()[:63].decode(errors="ignore")
 
 
-def pack(origin: str, events: list[tuple[int, str, Any]]) -> list[bytes]:
+def _head(origin: str, lost_at: float | None) -> bytes:
+    lost = b"" if lost_at is None else b',"r":' + orjson.dumps(lost_at)
+    return b'{"o":"' + origin.encode() + b'"' + lost + b',"e":['
+
+
+def pack(origin: str, events: list[tuple[int, str, Any]], lost_at: float | None = None) -> list[bytes]:
     """Payloads of at most `MAX_PAYLOAD_BYTES` carrying `events` in order: each event as
     ``[run_id, name, data]``, or ``[run_id, name, null, row_id]`` when it is too large to travel (an event
-    that is too large and names no row is left out, and logged)."""
-    head = b'{"o":"' + origin.encode() + b'","e":['
+    that is too large and names no row is left out, and logged). With `lost_at` (the wall-clock time this
+    sender last lost events), payloads say ``"r": lost_at``: the receivers' streams opened before it
+    reload."""
+    head = _head(origin, lost_at)
     payloads: list[bytes] = []
     parts: list[bytes] = []
     size = len(head) + 2
@@ -90,11 +97,15 @@ def pack(origin: str, events: list[tuple[int, str, Any]]) -> list[bytes]:
             ref = data.get("id") if isinstance(data, dict) else None
             if not isinstance(ref, int):
                 log.warning("run %s: a %r event of %d bytes is too large to notify", run_id, name, len(part))
+                lost_at = time.time()  # the payloads after it tell the other instances' streams to reload
                 continue
             part = orjson.dumps([run_id, name, None, ref])
         if parts and size + len(part) + 1 > MAX_PAYLOAD_BYTES:
             payloads.append(head + b",".join(parts) + b"]}")
             parts, size = [], len(head) + 2
+        if lost_at is not None and _head(origin, lost_at) != head:
+            size += len(_head(origin, lost_at)) - len(head)
+            head = _head(origin, lost_at)
         parts.append(part)
         size += len(part) + 1
     if parts:
@@ -117,6 +128,7 @@ class PgEventRelay:
         self.resolve = resolve
         self._params = connect_kwargs(engine)
         self._outbox: deque[tuple[int, str, Any]] = deque(maxlen=OUTBOX_SIZE)
+        self._lost_at: float | None = None  # when events of ours last went missing, not yet said
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self.listening = threading.Event()  # set while the listener holds a connection with LISTEN done
@@ -137,6 +149,7 @@ class PgEventRelay:
         with self._cond:
             if len(self._outbox) == self._outbox.maxlen:
                 self.stats["dropped"] += 1
+                self._lost_at = time.time()
             self._outbox.append((run_id, name, data))
             self._cond.notify()
 
@@ -151,36 +164,42 @@ class PgEventRelay:
                 thread.join(timeout)
 
     # ---- sender ---------------------------------------------------------------------------------------
-    def _take(self) -> list[tuple[int, str, Any]]:
+    def _take(self) -> tuple[list[tuple[int, str, Any]], float | None]:
+        """The queued events, and when some last went missing before them (then cleared), or None."""
         with self._cond:
             while not self._outbox and not self._stop.is_set():
                 self._cond.wait()
             taken = list(self._outbox)
             self._outbox.clear()
-            return taken
+            lost_at, self._lost_at = self._lost_at, None
+            return taken, lost_at
 
     def _send_loop(self) -> None:
         conn: psycopg.Connection | None = None
         channel = ""
         failures = 0
+        lost_at: float | None = None  # when events last went missing, not yet told
         try:
             while True:
-                events = self._take()
+                events, dropped_at = self._take()
+                lost_at = max(lost_at or 0.0, dropped_at or 0.0) or None
                 if not events:
                     return  # stopped and drained
                 try:
                     if conn is None or conn.closed:
                         conn = psycopg.connect(**self._params)
                         channel = channel_of(conn)
-                    payloads = pack(self.origin, events)
+                    payloads = pack(self.origin, events, lost_at)
                     with conn.transaction(), conn.cursor() as cur:  # delivered together, in order
                         cur.executemany("SELECT pg_notify(%s, %s)", [(channel, p.decode()) for p in payloads])
                     self.stats["sent"] += len(events)
+                    lost_at = None
                     if failures:
                         log.warning("live events to other instances: sending again")
                     failures = 0
                 except (psycopg.Error, OSError) as exc:
                     self.stats["dropped"] += len(events)
+                    lost_at = time.time()
                     if not failures:
                         log.warning("live events to other instances: cannot send (%s); retrying", exc)
                     failures += 1
@@ -238,6 +257,11 @@ class PgEventRelay:
             message = orjson.loads(payload)
             if message.get("o") == self.origin:
                 return  # our own: delivered here when it was published
+            lost_at = message.get("r")
+            if isinstance(lost_at, int | float):  # the sender lost events: streams open then reload
+                self.broker.resync_threadsafe(
+                    "live events from another server instance were lost; reconnect and reload", lost_at
+                )
             for item in message["e"]:
                 run_id, name, data = item[0], item[1], item[2]
                 if len(item) > 3:

@@ -21,6 +21,12 @@ Tables and their columns:
   on the wire).
 - ``alerts``: the fields of ``GET /runs/{id}/alerts`` (evidence as JSON text), by id.
 
+A download is whole or visibly cut off: the rows each table holds in the range are counted when the export
+starts, and an export that ends with fewer (the run deleted, or its statistics compacted, while it was
+read) raises `ExportIncomplete` before the file's last bytes, so the server drops the connection without
+ending the chunked response and the client sees an incomplete transfer instead of a well-formed, shorter
+file. Rows stored while it runs may make it longer, never shorter.
+
 Statistics and scalars are float64 as stored, except the counts in Parquet (`COUNT_COLUMNS`: overflow,
 underflow, nonfinite, numel, subnormal and the block counts), which are int64 there, null where a step did
 not carry them (or a sender stored something that is not a whole number there); CSV writes a whole number
@@ -32,15 +38,15 @@ shortest text that reads back to the same float64, so a CSV round trip is exact 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
-import orjson
 import pyarrow as pa
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
-from sqlalchemy import and_, func, or_, select
+from sqlalchemy import Text, and_, cast, func, or_, select
 from sqlalchemy.orm import Session
 
 from fp8_protocol.stats import BASE_COLUMNS, BLOCK_COLUMNS, COUNT_COLUMNS, QUALITY_COLUMNS, stored_amax
@@ -62,8 +68,19 @@ CHUNK_CELLS = 65_536
 WIDE_PARQUET_ROW_GROUPS = 48
 #: rows per chunk of the tables without tensors (scalars, events, alerts)
 CHUNK_ROWS = 4096
+#: the most JSON bytes (event details, alert evidence) one chunk of events or alerts holds: a chunk of
+#: 4,096 events of 8 MiB details each would otherwise be 32 GB
+CHUNK_BYTES = 4 * 1024 * 1024
+#: (step, name) cells per chunk of the scalars table: its width is its number of names, and a chunk
+#: costs per column as much as per cell, so chunks are larger than the statistics' (8 MB of values)
+SCALAR_CHUNK_CELLS = 1 << 20
+#: the most columns (tensors x statistics) of a wide Parquet file: its writer keeps ~0.9 kB of metadata per
+#: column per row group until the file is closed, and a row group is held whole (512 tensors x 6 base
+#: statistics; a wider run exports in the long layout, or as CSV)
+WIDE_PARQUET_MAX_COLUMNS = 3072
 
 SessionFactory = Callable[[], Session]
+log = logging.getLogger("fp8scope.monitor")
 _TS = pa.timestamp("us", tz="UTC")
 
 
@@ -340,8 +357,10 @@ def _wide_table(schema: pa.Schema, steps_parts: list[np.ndarray], block: np.ndar
 # --- scalars, events, alerts ------------------------------------------------------------------------
 
 
-def _step_rows(sessions: SessionFactory, run_id: int, lo: int, hi: int) -> Iterator[list[Any]]:
-    """Stored `(step, scalars)` rows in [lo, hi], CHUNK_ROWS at a time."""
+def _step_rows(
+    sessions: SessionFactory, run_id: int, lo: int, hi: int, per_chunk: int | None = None
+) -> Iterator[list[Any]]:
+    """Stored `(step, scalars)` rows in [lo, hi], `per_chunk` (default CHUNK_ROWS) at a time."""
     cursor = lo
     while cursor <= hi:
         with sessions() as session:
@@ -349,7 +368,7 @@ def _step_rows(sessions: SessionFactory, run_id: int, lo: int, hi: int) -> Itera
                 select(StepRow.step, StepRow.scalars)
                 .where(StepRow.run_id == run_id, StepRow.step.between(cursor, hi))
                 .order_by(StepRow.step)
-                .limit(CHUNK_ROWS)
+                .limit(per_chunk or CHUNK_ROWS)
             ).all()
         if not rows:
             return
@@ -379,12 +398,33 @@ def _scalar_column(name: str) -> str:
 def scalars_table(
     sessions: SessionFactory, run_id: int, names: list[str], lo: int, hi: int
 ) -> Iterator[pa.Table]:
-    """The scalars table in chunks; null where a step did not carry a scalar."""
+    """The scalars table in chunks of about SCALAR_CHUNK_CELLS (step, name) cells; null where a step did
+    not carry a scalar. Built column-wise in one pass over the values the steps carry (not once per name
+    per step, which is quadratic in the names)."""
     schema = scalars_schema(names)
-    for rows in _step_rows(sessions, run_id, lo, hi):
+    position = {name: j for j, name in enumerate(names)}
+    per_chunk = max(1, SCALAR_CHUNK_CELLS // max(1, len(names)))
+    for rows in _step_rows(sessions, run_id, lo, hi, per_chunk):
+        values = np.full((len(names), len(rows)), np.nan)
+        carried = np.zeros((len(names), len(rows)), dtype=bool)
+        for i, row in enumerate(rows):
+            scalars = row.scalars
+            if not scalars:
+                continue
+            # numbers and the wire's "NaN" / "Infinity" (what ingest stores: `wire.decode_float` refuses
+            # booleans) of known names: two C loops
+            try:
+                js = np.fromiter(map(position.__getitem__, scalars), np.intp, len(scalars))
+                vs = np.fromiter(scalars.values(), np.float64, len(scalars))
+            except (KeyError, TypeError, ValueError):  # anything else, one value at a time
+                pairs = [(position.get(k), scalar_value(v)) for k, v in scalars.items()]
+                kept = [(j, v) for j, v in pairs if j is not None and v is not None]
+                js = np.array([j for j, _ in kept], np.intp)
+                vs = np.array([v for _, v in kept], np.float64)
+            values[js, i] = vs
+            carried[js, i] = True
         columns = [pa.array([r.step for r in rows], pa.int64())]
-        for name in names:
-            columns.append(pa.array([scalar_value((r.scalars or {}).get(name)) for r in rows], pa.float64()))
+        columns += [pa.array(values[j], mask=~carried[j]) for j in range(len(names))]
         yield pa.Table.from_arrays(columns, schema=schema)
 
 
@@ -399,32 +439,58 @@ EVENTS_SCHEMA = pa.schema(
 )
 
 
+def _byte_chunks(sizes: list[tuple[int, int]]) -> Iterator[list[int]]:
+    """Ids (in the given order) grouped so that each group's sizes sum to at most CHUNK_BYTES (a single
+    larger one alone)."""
+    group: list[int] = []
+    total = 0
+    for row_id, size in sizes:
+        if group and total + size > CHUNK_BYTES:
+            yield group
+            group, total = [], 0
+        group.append(row_id)
+        total += size
+    if group:
+        yield group
+
+
 def events_table(sessions: SessionFactory, run_id: int, lo: int, hi: int) -> Iterator[pa.Table]:
-    """The run's client events in [lo, hi] in step order (then arrival order), in chunks."""
+    """The run's client events in [lo, hi] in step order (then arrival order), in chunks of at most
+    CHUNK_ROWS events and about CHUNK_BYTES of details. The details are written as stored (JSON text, as
+    the database holds it), never parsed and encoded again."""
     after: tuple[int, int] | None = None
+    details_text = cast(EventRow.details, Text)
+    size = func.coalesce(EventRow.details_bytes, func.length(details_text))
     while True:
-        query = select(EventRow).where(EventRow.run_id == run_id, EventRow.step.between(lo, hi))
+        query = select(EventRow.id, EventRow.step, size).where(
+            EventRow.run_id == run_id, EventRow.step.between(lo, hi)
+        )
         if after is not None:
             step, eid = after
             query = query.where(or_(EventRow.step > step, and_(EventRow.step == step, EventRow.id > eid)))
         with sessions() as session:
-            rows = session.scalars(query.order_by(EventRow.step, EventRow.id).limit(CHUNK_ROWS)).all()
-        if not rows:
+            heads = session.execute(query.order_by(EventRow.step, EventRow.id).limit(CHUNK_ROWS)).all()
+        if not heads:
             return
-        yield pa.Table.from_pylist(
-            [
-                {
-                    "id": e.id,
-                    "step": e.step,
-                    "kind": e.kind,
-                    "created_at": as_utc(e.created_at),
-                    "details": orjson.dumps(e.details).decode(),
-                }
-                for e in rows
-            ],
-            schema=EVENTS_SCHEMA,
-        )
-        after = (rows[-1].step, rows[-1].id)
+        for ids in _byte_chunks([(h[0], h[2] or 0) for h in heads]):
+            with sessions() as session:
+                rows = session.execute(
+                    select(EventRow.id, EventRow.step, EventRow.kind, EventRow.created_at, details_text)
+                    .where(EventRow.id.in_(ids))
+                    .order_by(EventRow.step, EventRow.id)
+                ).all()
+            yield pa.table(
+                [
+                    pa.array([r[0] for r in rows], pa.int64()),
+                    pa.array([r[1] for r in rows], pa.int64()),
+                    pa.array([r[2] for r in rows], pa.string()),
+                    pa.array([as_utc(r[3]) for r in rows], _TS),
+                    pa.array([r[4] for r in rows], pa.string()),
+                ],
+                schema=EVENTS_SCHEMA,
+            )
+            del rows
+        after = (heads[-1][1], heads[-1][0])
 
 
 _I64, _STR = pa.int64(), pa.string()
@@ -453,40 +519,112 @@ ALERTS_SCHEMA = pa.schema(
 
 
 def alerts_table(sessions: SessionFactory, meta: RunMeta, lo: int, hi: int) -> Iterator[pa.Table]:
-    """The run's alerts whose steps overlap [lo, hi], by id, in chunks."""
+    """The run's alerts whose steps overlap [lo, hi], by id, in chunks of at most CHUNK_ROWS alerts and about
+    CHUNK_BYTES of evidence, the evidence written as stored."""
     after = 0
+    evidence_text = cast(Alert.evidence, Text).label("evidence_json")
+    in_range = (Alert.run_id == meta.run_id, Alert.last_step >= lo, Alert.first_step <= hi)
     while True:
         with sessions() as session:
-            rows = session.scalars(
-                select(Alert)
-                .where(
-                    Alert.run_id == meta.run_id,
-                    Alert.id > after,
-                    Alert.last_step >= lo,
-                    Alert.first_step <= hi,
-                )
+            heads = session.execute(
+                select(Alert.id, func.length(evidence_text))
+                .where(*in_range, Alert.id > after)
                 .order_by(Alert.id)
                 .limit(CHUNK_ROWS)
             ).all()
-        if not rows:
+        if not heads:
             return
-        records = []
-        for alert in rows:
-            record = alert_public(alert, meta)
-            record["evidence"] = orjson.dumps(record["evidence"]).decode()
-            records.append({name: record[name] for name in ALERTS_SCHEMA.names})
-        yield pa.Table.from_pylist(records, schema=ALERTS_SCHEMA)
-        after = rows[-1].id
+        for ids in _byte_chunks([(h[0], h[1] or 0) for h in heads]):
+            with sessions() as session:
+                rows = session.execute(
+                    select(Alert, evidence_text).where(Alert.id.in_(ids)).order_by(Alert.id)
+                ).all()
+                records = []
+                for alert, evidence in rows:
+                    session.expunge(alert)
+                    record = alert_public(alert, meta)
+                    record["evidence"] = evidence
+                    records.append({name: record[name] for name in ALERTS_SCHEMA.names})
+            yield pa.Table.from_pylist(records, schema=ALERTS_SCHEMA)
+            del records, rows
+        after = heads[-1][0]
+
+
+class ExportTooWide(ValueError):
+    """A wide Parquet export over `WIDE_PARQUET_MAX_COLUMNS` columns (refused before anything is read)."""
+
+
+class ExportIncomplete(RuntimeError):
+    """An export ended with fewer rows than its range held when it started: the run was deleted, or its
+    per-step statistics compacted, while it was read."""
+
+
+def stored_rows(sessions: SessionFactory, meta: RunMeta, table: str, layout: str, lo: int, hi: int) -> int:
+    """The rows `table` of steps [lo, hi] has now (what a whole export of it writes, at least)."""
+    run_id = meta.run_id
+    if table == "stats":
+        steps = _count_stat_steps(sessions, run_id, lo, hi)
+        return steps if layout == "wide" else steps * meta.num_tensors
+    if table == "scalars":
+        query = select(func.count()).where(StepRow.run_id == run_id, StepRow.step.between(lo, hi))
+    elif table == "events":
+        query = select(func.count()).where(EventRow.run_id == run_id, EventRow.step.between(lo, hi))
+    else:
+        query = select(func.count()).where(
+            Alert.run_id == run_id, Alert.last_step >= lo, Alert.first_step <= hi
+        )
+    with sessions() as session:
+        return session.scalar(query) or 0
+
+
+def _whole(tables: Iterator[pa.Table], expected: int, what: str) -> Iterator[pa.Table]:
+    """`tables`, then `ExportIncomplete` when they held fewer than `expected` rows in all."""
+    written = 0
+    for table in tables:
+        written += table.num_rows
+        yield table
+    if written < expected:
+        log.warning(
+            "export of %s cut off: %d of %d rows (deleted or compacted meanwhile)", what, written, expected
+        )
+        raise ExportIncomplete(f"{what}: {written} of {expected} rows; deleted or compacted while exported")
+
+
+def check_width(meta: RunMeta, columns: tuple[str, ...], fmt: str) -> None:
+    """ExportTooWide for a wide file of `columns` that is over its budget (Parquet only)."""
+    width = meta.num_tensors * len(columns)
+    if fmt == "parquet" and width > WIDE_PARQUET_MAX_COLUMNS:
+        raise ExportTooWide(
+            f"layout=wide: a Parquet file of {width} columns ({meta.num_tensors} tensors x "
+            f"{len(columns)} statistics) is over the {WIDE_PARQUET_MAX_COLUMNS}-column budget of the "
+            "wide layout; take layout=long (the same values, one row per step and tensor) or format=csv"
+        )
+
+
+def refusal(
+    sessions: SessionFactory, meta: RunMeta, table: str, layout: str, fmt: str, lo: int, hi: int
+) -> None:
+    """ExportTooWide when `export` would refuse the request (checked before an export slot is taken)."""
+    if table == "stats" and layout == "wide":
+        check_width(meta, exported_columns(sessions, meta.run_id, lo, hi), fmt)
 
 
 def export(
     sessions: SessionFactory, meta: RunMeta, table: str, layout: str, fmt: str, lo: int, hi: int
 ) -> Iterator[bytes]:
-    """The bytes of one exported table of steps [lo, hi] (a range with lo > hi exports no rows)."""
+    """The bytes of one exported table of steps [lo, hi] (a range with lo > hi exports no rows).
+
+    Raises:
+        ExportTooWide: at once, for a wide Parquet file over `WIDE_PARQUET_MAX_COLUMNS` columns.
+        ExportIncomplete: while iterating, before the file's last bytes: the range lost rows while it was
+            exported (see the module's docstring).
+    """
     ints = fmt == "parquet"  # counts as integers where the format has types
+    expected = stored_rows(sessions, meta, table, layout, lo, hi)
     if table == "stats" and layout == "wide":
         groups = WIDE_PARQUET_ROW_GROUPS if fmt == "parquet" else None
         columns = exported_columns(sessions, meta.run_id, lo, hi)
+        check_width(meta, columns, fmt)
         schema = stats_wide_schema(meta, columns, ints)
         tables = stats_wide(sessions, meta, columns, lo, hi, groups, ints)
     elif table == "stats":
@@ -500,4 +638,4 @@ def export(
         schema, tables = EVENTS_SCHEMA, events_table(sessions, meta.run_id, lo, hi)
     else:
         schema, tables = ALERTS_SCHEMA, alerts_table(sessions, meta, lo, hi)
-    return encode(fmt, schema, tables)
+    return encode(fmt, schema, _whole(tables, expected, f"run {meta.run_id} {table}"))

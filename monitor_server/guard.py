@@ -9,12 +9,15 @@ first and, in order:
 1. without tokens (the open, loopback-only server): refuses a ``Host`` that is not a name of this server
    (DNS rebinding) and an ``Origin`` of another site (cross-site requests), since a browser on the same
    machine can reach the open server;
-2. for a request that may carry a body, answers 401/403 from the ``Authorization`` header alone, using the
-   scopes the route's own dependency declares (``require_scope(...).required_scopes``);
+2. answers 401/403 from the ``Authorization`` header alone, using the scopes the route's own dependency
+   declares (``require_scope(...).required_scopes``), for every method: before a body is read, and before
+   a route looks up the run it names (so a caller without the scope cannot tell which runs exist);
 3. without tokens, requires ``Content-Type: application/json`` on a non-empty body (415): a cross-site form
    or ``text/plain`` post cannot set it without a CORS preflight, which this server never grants;
-4. refuses a body over the route's limit (413), by ``Content-Length`` up front or while it streams in, and
-   a client that stalls between two pieces of its body (408).
+4. refuses a body over the route's limit (413), by ``Content-Length`` up front or while it streams in, a
+   client that stalls between two pieces of its body (408), and one that sends its body slower than
+   ``body_min_bytes_per_second`` once ``body_rate_grace_seconds`` have passed (408): each piece in time
+   is not enough, so a trickle cannot hold a connection for ever.
 """
 
 from __future__ import annotations
@@ -141,17 +144,17 @@ class RequestGuard:
             if problem is not None:
                 await send_json(send, *problem)
                 return
-        if scope["method"] not in BODY_METHODS:
-            await self.app(scope, receive, send)
-            return
         policy = self.policy(scope)
-        if policy.scopes is not None:
+        if policy.scopes is not None:  # every method: a run is looked up only for a caller who may see it
             scheme, _, secret = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
             try:
                 check_scope(principal_for(settings, scheme or None, secret.strip() or None), policy.scopes)
             except HTTPException as exc:
                 await send_json(send, exc.status_code, str(exc.detail), exc.headers)
                 return
+        if scope["method"] not in BODY_METHODS:
+            await self.app(scope, receive, send)
+            return
         length = headers.get(b"content-length")
         declared = None
         if length is not None:
@@ -186,6 +189,9 @@ class RequestGuard:
         the body is complete it passes through untouched (a streaming response waits on it for the
         client's disconnect)."""
         timeout = self.settings.body_timeout_seconds
+        rate, grace = self.settings.body_min_bytes_per_second, self.settings.body_rate_grace_seconds
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         received = 0
         done = False
 
@@ -193,9 +199,17 @@ class RequestGuard:
             nonlocal received, done
             if done:
                 return await receive()
+            # the body is due at the minimum rate: what came so far buys time beyond the grace period
+            due = started + grace + received / rate - loop.time()
             try:
-                message = await asyncio.wait_for(receive(), timeout)
+                message = await asyncio.wait_for(receive(), max(0.0, min(timeout, due)))
             except TimeoutError:
+                if due < timeout:
+                    raise HTTPException(
+                        408,
+                        f"request body slower than {rate:g} bytes/s after {grace:g} s"
+                        " (body_min_bytes_per_second)",
+                    ) from None
                 raise HTTPException(
                     408, f"no request body data for {timeout:g} s (body_timeout_seconds)"
                 ) from None

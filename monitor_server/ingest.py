@@ -69,6 +69,18 @@ class DecodedBatch:
     acks: list[dict[str, Any]] = field(default_factory=list)
     has_stats: np.ndarray | None = None
     block_hist: dict[int, list[HistEntry]] = field(default_factory=dict)
+    #: the scalars as columns, built once when decoding (outside every lock): name -> (S,) float64, NaN
+    #: where a step lacks the name, and name -> (S,) bool, True where the step carried it
+    scalar_columns: dict[str, np.ndarray] = field(default_factory=dict)
+    scalar_present: dict[str, np.ndarray] = field(default_factory=dict)
+    #: the quality columns' steps where some steps of the batch carried them and others did not (a sampling
+    #: schedule): (S,) bool per column, True where the step carried it; None when every step with statistics
+    #: carried the same columns. Rows are stored for those steps only.
+    quality_present: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if not self.scalar_columns and any(self.scalars):  # built by hand, not by `decode_batch`
+            self.scalar_columns, self.scalar_present = scalar_columns(self.scalars)
 
 
 @dataclass
@@ -116,10 +128,37 @@ def parse_json(body: bytes) -> Any:
 
 @dataclass(frozen=True)
 class EventLimits:
-    """Bounds on the free-form part of a batch: each event's ``details`` (the settings of the same names)."""
+    """Bounds on the free-form part of a batch: each event's ``details`` and the scalars' names (the settings
+    of the same names)."""
 
     max_json_depth: int = 32
     max_event_detail_bytes: int = 8 * 1024 * 1024
+    max_scalar_names_per_batch: int = 1024
+    max_scalar_name_chars: int = 200
+
+
+def scalar_columns(
+    scalars: list[dict[str, float]],
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The steps' scalars as columns in one pass over the values: (name -> (S,) float64 with NaN where a
+    step lacks the name, name -> (S,) bool where the step carried it), names sorted."""
+    rows: dict[str, list[int]] = {}
+    values: dict[str, list[float]] = {}
+    for i, sc in enumerate(scalars):
+        for name, value in sc.items():
+            if name in rows:
+                rows[name].append(i)
+                values[name].append(value)
+            else:
+                rows[name], values[name] = [i], [value]
+    S = len(scalars)
+    columns, present = {}, {}
+    for name in sorted(rows):
+        col, where = np.full(S, np.nan), np.zeros(S, dtype=bool)
+        col[rows[name]] = values[name]
+        where[rows[name]] = True
+        columns[name], present[name] = col, where
+    return columns, present
 
 
 def decode_batch(payload: Any, num_tensors: int, limits: EventLimits = EventLimits()) -> DecodedBatch:
@@ -145,7 +184,9 @@ def decode_batch(payload: Any, num_tensors: int, limits: EventLimits = EventLimi
     stats: dict[str, np.ndarray] = {}
     has_stats = np.ones(S, dtype=bool)
     scalars: list[dict[str, float]] = []
+    names: set[str] = set()  # the distinct scalar names so far
     block_hist: dict[int, list[HistEntry]] = {}
+    carried_quality = np.zeros(S, dtype=bool)  # per step: it carried the quality columns
     for i, entry in enumerate(steps_in):
         where = f"steps[{i}]"
         if not isinstance(entry, dict):
@@ -157,7 +198,7 @@ def decode_batch(payload: Any, num_tensors: int, limits: EventLimits = EventLimi
         sc = entry.get("scalars", {})
         if not isinstance(sc, dict):
             raise WireError(f"{where}.scalars: expected an object")
-        scalars.append({str(k): decode_float(v, f"{where}.scalars.{k}") for k, v in sc.items()})
+        scalars.append(_decode_scalars(sc, where, names, limits))
         if "stats" not in entry:  # a step in which no FP8 layer ran: its scalars only
             if "block_hist" in entry:
                 raise WireError(f"{where}.block_hist: sent without the step's stats")
@@ -170,12 +211,17 @@ def decode_batch(payload: Any, num_tensors: int, limits: EventLimits = EventLimi
         if columns is None:
             columns = keys
             stats = {name: np.full((S, T), np.nan) for name in columns}
-        elif keys != columns:
+        elif keys - _QUALITY_SET != columns - _QUALITY_SET:
             raise WireError(
                 f"{where}.stats: columns {sorted(keys)} differ from the batch's first step {sorted(columns)}"
-                " (every step of a batch carries the same statistics)"
+                " (every step of a batch carries the same statistics, the quality columns aside: a step"
+                " may leave them out, e.g. on a sampling schedule)"
             )
-        for name in columns:
+        elif not keys <= columns:  # the quality columns, first in this step: NaN (absent) in the earlier ones
+            columns = columns | keys
+            stats.update({name: np.full((S, T), np.nan) for name in keys - set(stats)})
+        carried_quality[i] = bool(keys & _QUALITY_SET)
+        for name in keys:
             stats[name][i] = decode_column(st[name], T, f"{where}.stats.{name}")
         if "block_hist" in entry:
             if not columns >= _LEGACY_BLOCK_SET:
@@ -197,10 +243,37 @@ def decode_batch(payload: Any, num_tensors: int, limits: EventLimits = EventLimi
         steps = steps[order]
         stats = {name: m[order] for name, m in stats.items()}
         has_stats = has_stats[order]
+        carried_quality = carried_quality[order]
         scalars = [scalars[j] for j in order.tolist()]
     events = _decode_events(payload.get("events", []), T, limits)
     acks = _decode_acks(payload.get("acks", []))
-    return DecodedBatch(key, steps, scalars, stats, events, acks, has_stats, block_hist)
+    columns_of, present = scalar_columns(scalars)
+    quality_present = None
+    if carried_quality.any() and not carried_quality[has_stats].all():
+        quality_present = carried_quality
+    return DecodedBatch(
+        key, steps, scalars, stats, events, acks, has_stats, block_hist, columns_of, present, quality_present
+    )
+
+
+def _decode_scalars(sc: dict[str, Any], where: str, names: set[str], limits: EventLimits) -> dict[str, float]:
+    """One step's scalars, their names bounded in length and (with `names`, the batch's so far) in number."""
+    out = {}
+    for k, v in sc.items():
+        if len(k) > limits.max_scalar_name_chars:
+            raise WireError(
+                f"{where}.scalars: a name of {len(k)} characters exceeds the limit of"
+                f" {limits.max_scalar_name_chars} (max_scalar_name_chars)"
+            )
+        if k not in names:
+            names.add(k)
+            if len(names) > limits.max_scalar_names_per_batch:
+                raise WireError(
+                    f"{where}.scalars: the batch names more than {limits.max_scalar_names_per_batch} distinct"
+                    " scalars (max_scalar_names_per_batch)"
+                )
+        out[k] = decode_float(v, f"{where}.scalars.{k}")
+    return out
 
 
 def _stat_columns(keys: frozenset[str], where: str) -> frozenset[str]:
@@ -300,16 +373,26 @@ class UnknownRun(LookupError):
     """The run does not exist."""
 
 
-def store_batch(session: Session, run_id: int, batch: DecodedBatch, fp8_max: np.ndarray) -> StoreResult:
+def store_batch(
+    session: Session,
+    run_id: int,
+    batch: DecodedBatch,
+    fp8_max: np.ndarray,
+    max_scalar_names: int | None = None,
+) -> StoreResult:
     """Store a decoded batch inside the caller's write transaction.
 
     Steps already stored for the run are skipped; client events are stored as sent; a repeated
     idempotency key stores nothing. Pending
     commands are returned and marked delivered.
 
+    Args:
+        max_scalar_names: the most distinct scalar names the run may have (``max_scalar_names_per_run``).
+
     Raises:
         UnknownRun: no such run.
         command_ops.CommandError: an ack names an unknown command.
+        WireError: the batch would take the run past `max_scalar_names` (the caller rolls back).
     """
     run = session.execute(select(Run).where(Run.id == run_id).with_for_update()).scalar_one_or_none()
     if run is None:
@@ -333,7 +416,18 @@ def store_batch(session: Session, run_id: int, batch: DecodedBatch, fp8_max: np.
     new_stats = {name: m[keep] for name, m in batch.stats.items()} if not keep.all() else batch.stats
     has_stats = batch.has_stats[keep] if batch.has_stats is not None else np.ones(len(new_steps), bool)
     new_scalars = [sc for sc, k in zip(batch.scalars, keep.tolist(), strict=True) if k]
-    scalar_names = sorted({k for sc in new_scalars for k in sc})
+    columns, present = batch.scalar_columns, batch.scalar_present
+    if not keep.all():  # the names of the new steps only, each column cut to them
+        columns = {name: col[keep] for name, col in columns.items() if present[name][keep].any()}
+        present = {name: present[name][keep] for name in columns}
+    scalar_names = list(columns)  # sorted
+    known = set(run.scalar_names or ())
+    names = None if known.issuperset(scalar_names) else known.union(scalar_names)  # the run's, when new
+    if names is not None and max_scalar_names is not None and len(names) > max_scalar_names:
+        raise WireError(
+            f"steps: the run would have {len(names)} distinct scalar names, more than the limit of"
+            f" {max_scalar_names} (max_scalar_names_per_run); it has {len(known)}"
+        )
     now = utcnow()
     if len(new_steps):
         step_rows = []
@@ -352,7 +446,11 @@ def store_batch(session: Session, run_id: int, batch: DecodedBatch, fp8_max: np.
             stat_steps = new_steps[has_stats]
             with_stats = {name: m[has_stats] for name, m in new_stats.items()}
         if len(stat_steps):
-            session.execute(insert(StepStat.__table__), step_stat_rows(run_id, stat_steps, with_stats))
+            quality = batch.quality_present
+            if quality is not None:  # the quality columns' rows for the steps that carried them only
+                quality = quality[keep][has_stats]
+            rows = step_stat_rows(run_id, stat_steps, with_stats, quality_steps=quality)
+            session.execute(insert(StepStat.__table__), rows)
         last_before = run.last_step
         last = int(new_steps[-1])
         # the rollups follow the run's last step (blocks are written once the run is past them)
@@ -378,9 +476,8 @@ def store_batch(session: Session, run_id: int, batch: DecodedBatch, fp8_max: np.
         if run.first_step is None or first < run.first_step:
             run.first_step = first
         run.steps_stored += len(new_steps)
-        known = set(run.scalar_names or ())
-        if not known.issuperset(scalar_names):
-            run.scalar_names = sorted(known.union(scalar_names))
+        if names is not None:
+            run.scalar_names = sorted(names)
         if run.status == "crashed":  # closed by the server as abandoned, and its client is back
             run.status = "running"
     events = [{"run_id": run_id, "created_at": now, **ev} for ev in batch.events]
@@ -399,12 +496,9 @@ def store_batch(session: Session, run_id: int, batch: DecodedBatch, fp8_max: np.
     changed = changed + fresh
     new_batch = StepBatch(
         steps=new_steps,
-        scalars={
-            name: np.array([sc.get(name, np.nan) for sc in new_scalars], dtype=np.float64)
-            for name in scalar_names
-        },
+        scalars=columns,
         stats=new_stats,
-        present={name: np.array([name in sc for sc in new_scalars], dtype=bool) for name in scalar_names},
+        present=present,
         has_stats=None if has_stats.all() else has_stats,
     )
     return StoreResult(False, new_batch, commands, changed, events, run.steps_stored)

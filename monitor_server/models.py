@@ -43,6 +43,12 @@ class Base(DeclarativeBase):
     """Declarative base of all tables."""
 
 
+#: table option of the tables whose ids leave the database (URLs, a job's run id, cached meta): on SQLite,
+#: AUTOINCREMENT, without which the id of a deleted newest row goes to the next insert (migration 0011);
+#: PostgreSQL's sequences never hand out a number twice
+NEVER_REUSED = {"sqlite_autoincrement": True}
+
+
 def _run_fk() -> ForeignKey:
     return ForeignKey("runs.id", ondelete="CASCADE")
 
@@ -54,6 +60,7 @@ class Run(Base):
     __table_args__ = (
         Index("uq_runs_client_key", "client_key", unique=True),
         Index("ix_runs_status", "status"),
+        NEVER_REUSED,
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
@@ -183,7 +190,7 @@ class EventRow(Base):
     `details`), stored as sent so a post-mortem can read it back."""
 
     __tablename__ = "events"
-    __table_args__ = (Index("ix_events_run_step", "run_id", "step"),)
+    __table_args__ = (Index("ix_events_run_step", "run_id", "step"), NEVER_REUSED)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     run_id: Mapped[int] = mapped_column(_run_fk())
@@ -205,7 +212,7 @@ class Incident(Base):
     """
 
     __tablename__ = "incidents"
-    __table_args__ = (Index("ix_incidents_run_state", "run_id", "state"),)
+    __table_args__ = (Index("ix_incidents_run_state", "run_id", "state"), NEVER_REUSED)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     run_id: Mapped[int] = mapped_column(_run_fk())
@@ -241,6 +248,7 @@ class Alert(Base):
         ),
         Index("ix_alerts_run_state", "run_id", "state"),
         Index("ix_alerts_incident", "incident_id"),
+        NEVER_REUSED,
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
@@ -271,7 +279,7 @@ class Command(Base):
     """A recipe change (or rollback) queued for a run's training job, with its audit trail."""
 
     __tablename__ = "commands"
-    __table_args__ = (Index("ix_commands_run_state", "run_id", "state"),)
+    __table_args__ = (Index("ix_commands_run_state", "run_id", "state"), NEVER_REUSED)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     run_id: Mapped[int] = mapped_column(_run_fk())

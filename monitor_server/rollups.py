@@ -179,8 +179,11 @@ def _group_starts(keys: np.ndarray) -> np.ndarray:
     return np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
 
 
-def step_stat_rows(run_id: int, steps: np.ndarray, stats: dict[str, np.ndarray]) -> list[dict]:
-    """The `StepStat` rows (as insert parameters) for new steps: one per statistic the steps carry."""
+def step_stat_rows(
+    run_id: int, steps: np.ndarray, stats: dict[str, np.ndarray], quality_steps: np.ndarray | None = None
+) -> list[dict]:
+    """The `StepStat` rows (as insert parameters) for new steps: one per statistic the steps carry
+    (`quality_steps`: (S,) bool, the steps that carried the quality columns where not all did)."""
     rows = []
     step_list = steps.tolist()
     for name, metric in STAT_IDS.items():
@@ -188,6 +191,7 @@ def step_stat_rows(run_id: int, steps: np.ndarray, stats: dict[str, np.ndarray])
             continue
         matrix = np.ascontiguousarray(stats[name], dtype=_F8)
         narrow, exact = _exact_in_float32(matrix)
+        carried = quality_steps if quality_steps is not None and name in QUALITY_COLUMNS else None
         rows.extend(
             {
                 "run_id": run_id,
@@ -196,6 +200,7 @@ def step_stat_rows(run_id: int, steps: np.ndarray, stats: dict[str, np.ndarray])
                 "values": narrow[i].tobytes() if exact[i] else matrix[i].tobytes(),
             }
             for i, s in enumerate(step_list)
+            if carried is None or carried[i]
         )
     return rows
 

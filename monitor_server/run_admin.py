@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import bisect
 import functools
-import json
 import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
+import orjson
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
@@ -22,6 +22,7 @@ from monitor_server.commands import end_commands
 from monitor_server.core.db import Database
 from monitor_server.models import Alert, Run, RunTag, as_utc
 from monitor_server.run_sort import RunSort
+from monitor_server.wire import json_too_deep
 
 if TYPE_CHECKING:
     from monitor_server.context import AppContext
@@ -65,13 +66,37 @@ class RunFilter:
     config: tuple[tuple[str, str], ...] = ()
 
 
+#: the deepest JSON value a config filter may compare (a run's config is bounded by max_json_depth, 32)
+MAX_FILTER_DEPTH = 32
+
+
+def _filter_value(want: str) -> Any:
+    """A filter's VALUE as JSON when it is JSON, else the text itself; ValueError when it nests deeper than
+    `MAX_FILTER_DEPTH` (orjson stops at 1024 levels with an error, where Python's parser would exhaust the
+    stack; comparing a deep value would recurse as deep)."""
+    try:
+        parsed = orjson.loads(want)
+    except orjson.JSONDecodeError as exc:
+        if "depth limit exceeded" not in str(exc):
+            return want
+        parsed = None
+    if parsed is None or json_too_deep(parsed, MAX_FILTER_DEPTH):
+        raise ValueError(f"nests deeper than {MAX_FILTER_DEPTH} levels")
+    return parsed
+
+
 def parse_config_filter(items: list[str]) -> tuple[tuple[str, str], ...]:
-    """``["lr=0.001", "model.n_layer=4"]`` -> pairs; raises ValueError naming a malformed item."""
+    """``["lr=0.001", "model.n_layer=4"]`` -> pairs; raises ValueError naming a malformed item, or a value
+    nested deeper than `MAX_FILTER_DEPTH`."""
     out = []
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise ValueError(f"config: expected KEY=VALUE, got {item!r}")
+            raise ValueError(f"config: expected KEY=VALUE, got {item[:100]!r}")
+        try:
+            _filter_value(value)
+        except ValueError as exc:
+            raise ValueError(f"config: the value of {key[:100]!r} {exc}") from None
         out.append((key, value))
     return tuple(out)
 
@@ -81,10 +106,7 @@ def _config_matches(config: dict[str, Any], pairs: tuple[tuple[str, str], ...]) 
         node = run_sort.config_value(config, key)
         if node is run_sort.MISSING:
             return False
-        try:
-            parsed = json.loads(want)
-        except ValueError:
-            parsed = want
+        parsed = _filter_value(want)
         if node != parsed and str(node) != want:
             return False
     return True

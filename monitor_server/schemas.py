@@ -144,7 +144,9 @@ class RunPublic(PublicModel):
 
     id: int
     name: str
-    config: dict[str, Any]
+    config: dict[str, Any] = Field(
+        description="the run's config; in the runs list only the keys it asks for (`config_keys`)"
+    )
     recipe: dict[str, Any]
     recipe_overrides: dict[str, Any]
     effective_recipe: dict[str, Any]

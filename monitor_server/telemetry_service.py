@@ -20,9 +20,9 @@ from monitor_server.client_events import event_light
 from monitor_server.commands import CommandError, command_public
 from monitor_server.context import AppContext
 from monitor_server.detectors.types import StepBatch
-from monitor_server.ingest import DecodedBatch, store_batch
-from monitor_server.run_meta import RunMeta
-from monitor_server.wire import encode_float, iso_dates
+from monitor_server.ingest import DecodedBatch, UnknownRun, store_batch
+from monitor_server.run_meta import RunMeta, is_current
+from monitor_server.wire import WireError, encode_float, iso_dates
 
 log = logging.getLogger("fp8scope.monitor")
 
@@ -80,14 +80,20 @@ def ingest_batch(
     Raises:
         monitor_server.ingest.UnknownRun: no such run (nothing written).
         CommandError: an ack names an unknown command (nothing written; counted as a rejected batch).
+        WireError: the batch would take the run past ``max_scalar_names_per_run`` (nothing written).
+        monitor_server.core.db.LockTimeout: the run (or SQLite's write lock) stayed busy for
+            ``run_lock_wait_seconds`` (nothing written; the client sends the batch again).
     """
+    limit = ctx.settings.max_scalar_names_per_run
     with ctx.db.run_lock(run_id):
         try:
-            with ctx.db.write() as session:
-                result = store_batch(session, run_id, batch, meta.fp8_max)
+            with ctx.db.write(bounded=True) as session:
+                if not is_current(session, meta):  # deleted, or the id names another run since decoding
+                    raise UnknownRun(run_id)
+                result = store_batch(session, run_id, batch, meta.fp8_max, max_scalar_names=limit)
                 delivered = [command_public(c) for c in result.commands]
                 changed = [command_public(c) for c in result.changed_commands]
-        except CommandError:
+        except (CommandError, WireError):
             ctx.metrics.batches.labels("rejected").inc()
             raise
         stored = len(result.new_steps.steps)
@@ -107,7 +113,8 @@ def ingest_batch(
                     ctx.broker.publish(run_id, "event", iso_dates(event_light(event)))
         if not result.duplicate:
             try:
-                ctx.detection.after_ingest(run_id, result.new_steps, batch.events)
+                # the events as stored: a client alert's evidence names its event by id
+                ctx.detection.after_ingest(run_id, result.new_steps, result.events)
             except Exception:  # the batch is stored; a detector fault must not fail the ingest
                 log.exception("detectors failed on run %s; the batch is run again with the next one", run_id)
     return IngestOutcome(stored, result.duplicate, delivered)

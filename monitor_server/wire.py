@@ -93,22 +93,37 @@ def first_nonfinite(value: Any, where: str) -> str | None:
     return None
 
 
-#: what an event summary keeps of each text value, and how many fields it keeps
+#: what an event summary keeps of each text value, how many fields it keeps, the longest key it keeps and
+#: its size (keys and values as JSON, roughly: every list of events carries one per event)
 SUMMARY_TEXT_CHARS = 200
 SUMMARY_FIELDS = 32
+SUMMARY_KEY_CHARS = 64
+SUMMARY_BYTES = 2048
 
 
 def details_summary(details: dict[str, Any]) -> dict[str, Any]:
     """The light form of event details: its top-level numbers, booleans, nulls and texts (the first
-    `SUMMARY_TEXT_CHARS` characters), at most `SUMMARY_FIELDS` of them; nested values are left out."""
+    `SUMMARY_TEXT_CHARS` characters), at most `SUMMARY_FIELDS` of them and about `SUMMARY_BYTES` in all;
+    nested values, and keys longer than `SUMMARY_KEY_CHARS`, are left out. A summary is its own summary."""
     out: dict[str, Any] = {}
+    size = 2
     for key, value in details.items():
         if len(out) >= SUMMARY_FIELDS:
             break
+        if not isinstance(key, str) or len(key) > SUMMARY_KEY_CHARS:
+            continue
         if value is None or isinstance(value, bool | int | float):
-            out[key] = value
+            kept = value
+            cost = len(key) + 28  # quotes, colon, comma and the longest number
         elif isinstance(value, str):
-            out[key] = value[:SUMMARY_TEXT_CHARS]
+            kept = value[:SUMMARY_TEXT_CHARS]
+            cost = len(key) + len(kept.encode()) + 6
+        else:
+            continue
+        if size + cost > SUMMARY_BYTES:
+            break
+        out[key] = kept
+        size += cost
     return out
 
 

@@ -176,8 +176,9 @@ def get_run_or_404(run_id: RunId, session: SessionDep) -> Run:
 RunDep = Annotated[Run, Depends(get_run_or_404)]
 
 
-def get_readable_run(run: RunDep, _principal: ReadDep) -> Run:
-    """The run the path names (404 first), for a caller holding the read scope (401/403 after)."""
+def get_readable_run(_principal: ReadDep, run: RunDep) -> Run:
+    """The run the path names, for a caller holding the read scope: 401/403 first (FastAPI resolves
+    dependencies in parameter order), so a caller without it cannot tell which runs exist; then 404."""
     return run
 
 

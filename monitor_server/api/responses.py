@@ -14,12 +14,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import orjson
-from fastapi import Response
+from fastapi import HTTPException, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from monitor_server.context import AppContext
-from monitor_server.events import stream_events
+from monitor_server.events import StreamLimit, stream_events
 
 
 def model_json(model: BaseModel) -> bytes:
@@ -41,14 +41,21 @@ def json_response(value: BaseModel | Sequence[BaseModel] | bytes, status_code: i
 #: the route decorator's arguments for a server-sent event stream (its OpenAPI entry)
 EVENT_STREAM: dict[str, Any] = {
     "response_class": StreamingResponse,
-    "responses": {200: {"content": {"text/event-stream": {}}, "description": "server-sent events"}},
+    "responses": {
+        200: {"content": {"text/event-stream": {}}, "description": "server-sent events"},
+        429: {"description": "the token holds sse_streams_per_token streams already (Retry-After)"},
+    },
 }
 
 
-def event_stream(ctx: AppContext, key: Any) -> StreamingResponse:
-    """Server-sent events of the broker's subscription `key` (a run id, or `events.ALL_RUNS`), with
-    keep-alive comments, not buffered by proxies."""
-    sub = ctx.broker.subscribe(key)
+def event_stream(ctx: AppContext, key: Any, owner: str) -> StreamingResponse:
+    """Server-sent events of the broker's subscription `key` (a run id, or `events.ALL_RUNS`) for the token
+    named `owner`, with keep-alive comments, not buffered by proxies; 429 when the token holds
+    ``sse_streams_per_token`` streams already."""
+    try:
+        sub = ctx.broker.subscribe(key, owner)
+    except StreamLimit as exc:
+        raise HTTPException(429, str(exc), headers={"Retry-After": "5"}) from None
     return StreamingResponse(
         stream_events(sub, ctx.settings.sse_keepalive_seconds),
         media_type="text/event-stream",

@@ -7,6 +7,8 @@ Tokens are given as ``name:scope1+scope2:secret`` entries, comma-separated in ``
 from __future__ import annotations
 
 import difflib
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -44,8 +46,10 @@ def parse_token(spec: str, where: str = "token") -> Token:
     scopes = frozenset(s.strip() for s in scopes_text.split("+") if s.strip())
     unknown = scopes - set(SCOPES)
     if not scopes or unknown:
+        # the text is not repeated: with the fields swapped (name:secret:scopes) it is the secret
         raise ValueError(
-            f"token {name!r}: scopes must be a '+'-joined subset of {'+'.join(SCOPES)}, got {scopes_text!r}"
+            f"{where} {name!r}: scopes must be a '+'-joined subset of {'+'.join(SCOPES)} "
+            "(the given scopes are not repeated here: in the middle field of name:scopes:secret)"
         )
     if len(secret) < 8:
         raise ValueError(f"token {name!r}: secret must be at least 8 characters")
@@ -61,7 +65,11 @@ class Settings(BaseSettings):
         host, port: where `fp8-monitor serve` listens. Without tokens only loopback is allowed.
         tokens: ``name:scopes:secret`` entries; empty = no authentication.
         tokens_file: a file of such entries, one a line (``#`` comments): the way to give secrets, which
-            on a command line would show in the process list. Two tokens may not share a secret.
+            on a command line would show in the process list. Two tokens may not share a secret. The file
+            must not be readable by other users, nor writable by its group (start refused otherwise).
+        db_url_file, webhook_url_file: a private file whose first line is the ``db_url`` (with its
+            password) or the ``webhook_url`` (a secret itself): on a command line they would show in the
+            process list.
         max_body_bytes: the telemetry body limit (``POST /runs/{id}/telemetry``), before and after
             gzip inflation; larger bodies get 413.
         max_registration_bytes: the body limit of ``POST /runs`` (a run and its tensors: ~130 bytes per
@@ -70,6 +78,7 @@ class Settings(BaseSettings):
             kilobytes are enough.
         max_tensors: the most quantized tensors a run may register (each heatmap column holds one value
             per tensor).
+        max_config_bytes: the largest run ``config`` (as JSON) a registration may carry (422 above it).
         max_heatmap_cells: the most tensors x columns one heatmap answer may hold (422 above it).
         max_json_elements: the telemetry parse budget: the most JSON values (objects, arrays and
             comma-separated items, counted before parsing) one batch may hold. Packed columns count as one
@@ -79,9 +88,21 @@ class Settings(BaseSettings):
         max_event_detail_bytes: the largest event ``details`` object, as JSON bytes (a flight recorder
             of 64 steps is about 4 KB per tensor).
         decode_concurrency: telemetry bodies inflated and parsed at the same time; others wait their turn.
+        max_scalar_names_per_batch: the most distinct scalar names (``loss``, ``lr``, ...) one telemetry
+            batch may carry; more get 422.
+        max_scalar_names_per_run: the most distinct scalar names a run may have over its life; a batch
+            that would take it past them gets 422 (nothing of it stored).
+        max_scalar_name_chars: the longest scalar name accepted (422 above it).
+        run_lock_wait_seconds: the longest a request waits for a run's lock (another batch of the same
+            run being stored, on this instance or, on PostgreSQL, another); then 503 with Retry-After.
+        run_lock_lease_seconds: on PostgreSQL, a run's lock held by an instance that stopped (frozen, not
+            gone) is released after this long; storing a batch and running its detectors must take less.
         max_header_bytes: request line plus headers; larger heads get 431 before they are parsed.
         header_timeout_seconds, body_timeout_seconds: a client that takes longer to send its request
             head (or to deliver the next piece of its body) gets 408 and is disconnected.
+        body_min_bytes_per_second, body_rate_grace_seconds: a body must arrive at this rate on average,
+            counted from the end of the grace period (a body of N bytes is due within grace + N / rate
+            seconds); a slower one gets 408, however regularly its pieces come.
         allowed_hosts: without tokens, the Host names (and Origin hosts) accepted besides the address
             the server listens on and the loopback names; with tokens, Host is not checked.
         webhook_url: Slack-compatible webhook that receives one message per incident (empty = off).
@@ -107,10 +128,17 @@ class Settings(BaseSettings):
         sse_keepalive_seconds: interval of keep-alive comments on ``/stream``.
         cache_runs: runs whose metadata and detector engine stay in memory (the most recently used; a
             finished run leaves at once); others are reloaded from the database when used.
-        api_docs: serve the interactive API docs at ``/docs`` and ``/redoc`` (their scripts come from a CDN,
-            admitted by a strict Content-Security-Policy); false turns them off.
+        api_docs: serve the interactive API docs at ``/docs`` and ``/redoc`` (their scripts come from a CDN:
+            pinned files checked by Subresource Integrity, admitted by a strict Content-Security-Policy);
+            false turns them off.
+        export_concurrency: exports (``GET /runs/{id}/export``) this instance streams at the same time;
+            more get 429 with Retry-After (each holds a chunk of the table in memory while it streams).
         sse_queue_bytes: events held for one stream client that does not read; beyond, it is dropped with
-            a final ``dropped`` event.
+            a final ``dropped`` event (as it is when it falls 1000 events behind).
+        sse_total_bytes: events held for all stream clients together (each counting what it holds; an
+            event's bytes are shared); beyond, a client that holds some is dropped the same way.
+        sse_streams_per_token: the most event streams one token (without tokens: everyone) holds open;
+            more get 429.
     """
 
     model_config = SettingsConfigDict(env_prefix="FP8SCOPE_", extra="ignore")
@@ -120,18 +148,28 @@ class Settings(BaseSettings):
     port: int = 8000
     tokens: Annotated[list[str], NoDecode] = []
     tokens_file: str = ""
+    db_url_file: str = ""
+    webhook_url_file: str = ""
     max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
     max_registration_bytes: int = Field(1024 * 1024, ge=1024)
     max_control_bytes: int = Field(64 * 1024, ge=1024)
     max_tensors: int = Field(4096, ge=1)
+    max_config_bytes: int = Field(64 * 1024, ge=1024)
     max_heatmap_cells: int = Field(4096 * 1024, ge=1024)
     max_json_elements: int = Field(1_000_000, ge=1000)
     max_json_depth: int = Field(32, ge=2, le=200)
     max_event_detail_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     decode_concurrency: int = Field(2, ge=1)
+    max_scalar_names_per_batch: int = Field(1024, ge=1)
+    max_scalar_names_per_run: int = Field(4096, ge=1)
+    max_scalar_name_chars: int = Field(200, ge=1)
+    run_lock_wait_seconds: float = Field(5.0, gt=0)
+    run_lock_lease_seconds: float = Field(30.0, gt=0)
     max_header_bytes: int = Field(64 * 1024, ge=1024)
     header_timeout_seconds: float = Field(10.0, gt=0)
     body_timeout_seconds: float = Field(30.0, gt=0)
+    body_min_bytes_per_second: float = Field(1024.0, gt=0)
+    body_rate_grace_seconds: float = Field(5.0, gt=0)
     allowed_hosts: Annotated[list[str], NoDecode] = []
     webhook_url: str = ""
     webhook_min_interval_seconds: float = Field(60.0, ge=0)
@@ -146,7 +184,10 @@ class Settings(BaseSettings):
     detectors: dict[str, Any] = {}
     sse_keepalive_seconds: float = 15.0
     sse_queue_bytes: int = Field(8 * 1024 * 1024, ge=4096)
+    sse_total_bytes: int = Field(256 * 1024 * 1024, ge=4096)
+    sse_streams_per_token: int = Field(100, ge=1)
     cache_runs: int = Field(256, ge=1)
+    export_concurrency: int = Field(2, ge=1)
     api_docs: bool = True
 
     @field_validator("tokens", mode="before")
@@ -162,6 +203,17 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [h.strip().lower() for h in value.split(",") if h.strip()]
         return value
+
+    @model_validator(mode="after")
+    def _read_secret_files(self) -> Settings:
+        # URLs with passwords from private files, so they never show in the process list
+        if self.db_url_file:
+            self.db_url = read_secret_file(self.db_url_file, "db_url_file")
+            self.db_url_file = ""
+        if self.webhook_url_file:
+            self.webhook_url = read_secret_file(self.webhook_url_file, "webhook_url_file")
+            self.webhook_url_file = ""
+        return self
 
     @model_validator(mode="after")
     def _check_tokens(self) -> Settings:
@@ -213,9 +265,38 @@ class Settings(BaseSettings):
         return bool(self.tokens)
 
 
+def check_private(path: str, setting: str) -> None:
+    """ValueError when a file of secrets can be read or written by every user of the machine, or written
+    by its group (as PostgreSQL refuses such a key file): ``chmod 600`` (or 640 for a service group)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        raise ValueError(f"{setting}: cannot read {path}: {exc.strerror}") from None
+    if os.name == "posix" and mode & (stat.S_IRWXO | stat.S_IWGRP):
+        raise ValueError(
+            f"{setting}: {path} holds secrets but has mode {stat.S_IMODE(mode):04o} (other users may read or "
+            f"change it); run chmod 600 {path} (or 640 to share it with a group)"
+        )
+
+
+def read_secret_file(path: str, setting: str) -> str:
+    """The first line of a private file holding one secret (a URL with a password, a webhook URL)."""
+    check_private(path, setting)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"{setting}: cannot read {path}: {exc.strerror}") from None
+    first = text.splitlines()[0].strip() if text.strip() else ""
+    if not first:
+        raise ValueError(f"{setting}: {path} is empty")
+    return first
+
+
 def read_tokens_file(path: str) -> list[tuple[str, str]]:
     """The entries of a tokens file: one ``name:scopes:secret`` per line, blank lines and ``#`` comments
-    skipped; each with where it came from (``FILE line N``) for error messages."""
+    skipped; each with where it came from (``FILE line N``) for error messages. The file must be private
+    (`check_private`)."""
+    check_private(path, "tokens_file")
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as exc:

@@ -8,6 +8,11 @@ PostgreSQL, where several server instances may share the database: the work on o
 run the detectors on it) is ordered by a per-run in-process lock plus a per-run advisory lock held on a
 connection of its own for the whole section, so a run's batches reach its detectors in the order they were
 stored whichever instance received them; `exclusive_job` lets one instance at a time run a periodic sweep.
+The run's advisory lock is a transaction-level lock on a connection whose transaction may stay idle for
+at most the lease (``idle_in_transaction_session_timeout``): an instance that freezes while holding it (a
+stopped process, whose kernel still answers keepalives) loses it when the lease runs out, and a wait for
+it is short (``lock_timeout``), so a frozen instance blocks a run for one lease at most, never for as long
+as it stays frozen.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 _BEGIN_IMMEDIATE = "BEGIN IMMEDIATE"
+#: PostgreSQL's SQLSTATE for a lock wait past lock_timeout
+LOCK_NOT_AVAILABLE = "55P03"
 _BEGIN = "BEGIN"
 #: first key of the PostgreSQL advisory locks (two-int form) that order the work on one run ("fp8r");
 #: the second key is the run id
@@ -34,14 +41,18 @@ PG_JOB_LOCK_CLASS = 0x6670386A
 LOCK_POOL_SIZE = 2
 LOCK_POOL_OVERFLOW = 14
 #: session settings of the lock connections: the server drops the connection (and with it the locks it
-#: holds) of an instance that vanished within ~25 s rather than the operating system's two hours, and a
-#: wait for a run's lock ends in an error (a 503: the client retries) instead of holding a thread for ever
+#: holds) of an instance that vanished within ~25 s rather than the operating system's two hours (a wait
+#: for a run's lock is bounded as well: `Database.lock_wait_seconds`)
 LOCK_SESSION_SETTINGS = {
     "tcp_keepalives_idle": "10",
     "tcp_keepalives_interval": "5",
     "tcp_keepalives_count": "3",
-    "lock_timeout": "60s",
 }
+#: the default bound on a wait for a run's lock (the ``run_lock_wait_seconds`` setting)
+LOCK_WAIT_SECONDS = 5.0
+#: the default lease of a run's advisory lock (the ``run_lock_lease_seconds`` setting): its holder's
+#: transaction may stay idle this long, then PostgreSQL ends the session and the lock goes with it
+LOCK_LEASE_SECONDS = 30.0
 
 log = logging.getLogger("fp8scope.monitor")
 
@@ -104,11 +115,31 @@ def make_engine(db_url: str) -> Engine:
     )
 
 
-class Database:
-    """The engine plus the session factories and the write locks of one app instance."""
+class LockTimeout(TimeoutError):
+    """A run's lock (or SQLite's write lock) was not free within `Database.lock_wait_seconds`: the request
+    is answered 503 with Retry-After and the client sends it again, instead of a worker thread waiting for
+    as long as another request holds the lock."""
 
-    def __init__(self, db_url: str):
+
+class Database:
+    """The engine plus the session factories and the write locks of one app instance.
+
+    Args:
+        lock_wait_seconds: the longest a thread waits for a run's lock (`run_lock`) or, with a bound asked
+            for, SQLite's write lock (`write`); then `LockTimeout`.
+        lock_lease_seconds: on PostgreSQL, how long a run's advisory lock outlives a holder that stopped
+            (see the module docstring); work under the lock must take less.
+    """
+
+    def __init__(
+        self,
+        db_url: str,
+        lock_wait_seconds: float = LOCK_WAIT_SECONDS,
+        lock_lease_seconds: float = LOCK_LEASE_SECONDS,
+    ):
         self.url = db_url
+        self.lock_wait_seconds = lock_wait_seconds
+        self.lock_lease_seconds = lock_lease_seconds
         self.engine = make_engine(db_url)
         self.sqlite = is_sqlite(self.engine)
         self._read = sessionmaker(self.engine, expire_on_commit=False)
@@ -132,8 +163,12 @@ class Database:
 
             @event.listens_for(self._lock_engine, "connect")
             def _on_lock_connect(dbapi_connection, _record):
+                timeouts = {
+                    "lock_timeout": str(max(1, round(lock_wait_seconds * 1000))),
+                    "idle_in_transaction_session_timeout": str(max(1, round(lock_lease_seconds * 1000))),
+                }
                 with dbapi_connection.cursor() as cursor:
-                    for name, value in LOCK_SESSION_SETTINGS.items():
+                    for name, value in {**LOCK_SESSION_SETTINGS, **timeouts}.items():
                         cursor.execute("SELECT set_config(%s, %s, false)", (name, value))
                 dbapi_connection.commit()
 
@@ -149,12 +184,16 @@ class Database:
             lock = self._run_locks.get(run_id)
             if lock is None:
                 lock = self._run_locks[run_id] = threading.Lock()
-        with lock:
+        if not lock.acquire(timeout=self.lock_wait_seconds):
+            raise LockTimeout(f"run {run_id} is busy (run_lock_wait_seconds={self.lock_wait_seconds:g})")
+        try:
             if self._lock_engine is None:
                 yield
                 return
             with self._advisory(PG_RUN_LOCK_CLASS, run_id, wait=True):
                 yield
+        finally:
+            lock.release()
 
     @contextmanager
     def exclusive_job(self, job: int) -> Iterator[bool]:
@@ -168,45 +207,67 @@ class Database:
 
     @contextmanager
     def _advisory(self, classid: int, objid: int, *, wait: bool) -> Iterator[bool]:
-        """A session-level advisory lock on a connection of its own, released (or, when the release fails,
-        dropped with its connection, which releases it too) on exit; yields whether it was taken."""
+        """An advisory lock on a connection of its own, released (or, when the release fails, dropped with
+        its connection, which releases it too) on exit; yields whether it was taken. Waiting (a run's
+        lock): a transaction-level lock, held under the lease; a try (a periodic job): session-level."""
         assert self._lock_engine is not None
         keys = {"c": classid, "k": objid}
         conn: Connection = self._lock_engine.connect()
         try:
-            if wait:
-                conn.execute(text("SELECT pg_advisory_lock(:c, :k)"), keys)
+            if wait:  # bounded by the connection's lock_timeout, held under its idle-in-transaction lease
+                conn.exec_driver_sql("BEGIN")
+                conn.execute(text("SELECT pg_advisory_xact_lock(:c, :k)"), keys)
                 held = True
             else:
                 held = bool(conn.scalar(text("SELECT pg_try_advisory_lock(:c, :k)"), keys))
-        except BaseException:
+        except BaseException as exc:
             conn.invalidate()
             conn.close()
+            if getattr(getattr(exc, "orig", None), "sqlstate", None) == LOCK_NOT_AVAILABLE:
+                raise LockTimeout(
+                    f"run {objid} is busy on another instance"
+                    f" (run_lock_wait_seconds={self.lock_wait_seconds:g})"
+                ) from None
             raise
         try:
             yield held
         finally:
             try:
-                if held:
+                if wait:
+                    conn.exec_driver_sql("COMMIT")  # ends the transaction, and its lock with it
+                elif held:
                     conn.execute(text("SELECT pg_advisory_unlock(:c, :k)"), keys)
             except Exception:
                 log.warning(
-                    "could not release advisory lock (%d, %d); dropping its connection", classid, objid
+                    "could not release advisory lock (%d, %d) (held past run_lock_lease_seconds=%g?);"
+                    " dropping its connection",
+                    classid,
+                    objid,
+                    self.lock_lease_seconds,
                 )
                 conn.invalidate()
             finally:
                 conn.close()
 
     @contextmanager
-    def write(self) -> Iterator[Session]:
+    def write(self, bounded: bool = False) -> Iterator[Session]:
         """A write transaction, committed on success and rolled back on error.
 
         SQLite has one writer at a time: the transaction is serialised by a process-wide lock and starts with
         BEGIN IMMEDIATE so it never has to upgrade a read snapshot (which fails without waiting).
+
+        Args:
+            bounded: on SQLite, wait at most `lock_wait_seconds` for the process-wide lock (then
+                `LockTimeout`); ingest asks for it, so one slow writer never holds every worker thread.
         """
         if self.sqlite:
-            with self._global_lock, self._write() as session, session.begin():
-                yield session
+            if not self._global_lock.acquire(timeout=self.lock_wait_seconds if bounded else -1):
+                raise LockTimeout(f"the database is busy (run_lock_wait_seconds={self.lock_wait_seconds:g})")
+            try:
+                with self._write() as session, session.begin():
+                    yield session
+            finally:
+                self._global_lock.release()
         else:
             with self._write() as session, session.begin():
                 yield session

@@ -43,6 +43,8 @@ from typing import Any
 
 import numpy as np
 
+from monitor_server.wire import details_summary
+
 from .base import BatchView, Detector, Stateful, array_state, registered
 from .config import DetectorConfig
 from .health import TensorSnapshot, layer_health
@@ -56,6 +58,8 @@ __all__ = ["DetectorConfig", "DetectorEngine", "check_stalled"]
 
 log = logging.getLogger(__name__)
 STATE_VERSION = 1
+#: the longest message a client alert keeps (a `custom` event's `message`)
+CLIENT_MESSAGE_CHARS = 500
 
 
 def _dense(tensors: list[TensorMeta]) -> list[TensorMeta]:
@@ -87,6 +91,19 @@ class TensorSummary(Stateful):
         self.overflow_total = np.zeros(self.n)
         self.underflow_total = np.zeros(self.n)
         self.nonfinite_total = np.zeros(self.n)
+
+
+def client_evidence(event: dict, details: dict) -> dict[str, Any]:
+    """A client alert's evidence: the event's details when they are their own summary, else the summary
+    (`monitor_server.wire.details_summary`), marked incomplete, with the event's id when it has one (its
+    whole details are at ``GET /runs/{id}/events/{event_id}``): an alert never holds a flight recorder."""
+    summary = details_summary(details)
+    evidence: dict[str, Any] = {"source": "client", "details": summary}
+    if summary != details:
+        evidence["details_complete"] = False
+        if isinstance(event.get("id"), int):
+            evidence["event_id"] = event["id"]
+    return encode_evidence(evidence)
 
 
 class DetectorEngine:
@@ -267,7 +284,7 @@ class DetectorEngine:
         if not isinstance(details, dict):
             details = {"value": details}
         severity = details.get("severity")
-        evidence = encode_evidence({"source": "client", "details": details})
+        evidence = client_evidence(event, details)
         if kind == "loss_spike":
             last_scored = self.detectors["loss"].last_scored
             if last_scored is not None and step <= last_scored:
@@ -298,12 +315,13 @@ class DetectorEngine:
         if kind == "custom" and details.get("alert") is True and details.get("kind") in ALERT_KINDS:
             t = self._tensor_ref(details)
             msg = details.get("message")
+            msg = msg[:CLIENT_MESSAGE_CHARS] if isinstance(msg, str) else f"client alert at step {step}"
             return Finding(
                 kind=details["kind"],
                 step=step,
                 tensor_index=t,
                 severity=severity if severity in SEVERITIES else "warning",
-                message=msg if isinstance(msg, str) else f"client alert at step {step}",
+                message=msg,
                 evidence=evidence,
             )
         return None

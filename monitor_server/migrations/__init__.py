@@ -38,11 +38,23 @@ def upgrade_to_head(engine: Engine) -> None:
     others find the schema at head when they get the lock.
     """
     cfg = alembic_config()
-    with _sqlite_file_lock(engine), engine.begin() as connection:
-        if engine.dialect.name == "postgresql":
-            connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": PG_MIGRATION_LOCK})
-        cfg.attributes["connection"] = connection
-        command.upgrade(cfg, "head")
+    sqlite = engine.dialect.name == "sqlite"
+    with _sqlite_file_lock(engine), engine.connect() as connection:
+        if sqlite:
+            # SQLite's table rebuilds (a new table copied, the old dropped) must run with foreign keys off,
+            # else dropping `runs` deletes every row that references it; the pragma is a no-op inside a
+            # transaction, so it is set on the bare connection before the migration's transaction begins
+            connection.connection.driver_connection.execute("PRAGMA foreign_keys=OFF")
+        try:
+            with connection.begin():
+                if engine.dialect.name == "postgresql":
+                    key = {"key": PG_MIGRATION_LOCK}
+                    connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), key)
+                cfg.attributes["connection"] = connection
+                command.upgrade(cfg, "head")
+        finally:
+            if sqlite:
+                connection.connection.driver_connection.execute("PRAGMA foreign_keys=ON")
 
 
 @contextlib.contextmanager

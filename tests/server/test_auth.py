@@ -131,6 +131,7 @@ def test_token_errors_never_show_a_secret(tmp_path):
 def test_tokens_from_a_file(tmp_path):
     path = tmp_path / "tokens"
     path.write_text("# name:scopes:secret\ntrainer:ingest:file-secret-1\n\ndash:read:file-secret-2\n")
+    path.chmod(0o600)  # a file of secrets readable by other users is refused
     s = Settings(_env_file=None, tokens_file=str(path))  # type: ignore[call-arg]
     assert [(t.name, t.secret) for t in s.parsed_tokens] == [
         ("trainer", "file-secret-1"),

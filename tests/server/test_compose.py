@@ -34,7 +34,9 @@ def test_services_ports_and_volume(compose):
     services = compose["services"]
     assert {"postgres", "monitor"} <= set(services)
     assert services["postgres"]["image"].startswith("postgres:")
-    assert "8000:8000" in services["monitor"]["ports"]
+    # published on the host's loopback only: plain HTTP carries bearer tokens (TLS belongs to a proxy)
+    assert services["monitor"]["ports"] == ["127.0.0.1:8000:8000"]
+    assert services["proxy"]["ports"] == ["127.0.0.1:8080:80"]
     # the database lives in a named volume, declared at top level
     mounts = [m.split(":")[0] for m in services["postgres"]["volumes"]]
     assert mounts and all(m in compose["volumes"] for m in mounts)
@@ -53,6 +55,9 @@ def test_monitor_runs_the_real_cli_against_postgres(compose, monkeypatch):
     args = build_parser().parse_args(command[1:])
     assert args.command == "serve"
     monkeypatch.setenv("FP8SCOPE_TOKENS", "trainer:ingest:secret-one")
+    # the database URL (with its password) comes from the environment, never the command line
+    assert not any("postgresql" in part or "--db" in part for part in command)
+    monkeypatch.setenv("FP8SCOPE_DB_URL", _expand(monitor["environment"]["FP8SCOPE_DB_URL"]))
     settings = build_settings(args)
     assert settings.auth_enabled
     assert settings.db_url.startswith("postgresql+psycopg://")
@@ -107,9 +112,9 @@ def test_example_trainer_streams_into_the_monitor_with_valid_flags(compose):
     trainer, monitor = compose["services"]["trainer"], compose["services"]["monitor"]
     assert trainer["depends_on"]["monitor"]["condition"] == "service_healthy"
     command = [str(part) for part in trainer["command"]]
-    token = command[command.index("--token") + 1]
+    token = trainer["environment"]["FP8SCOPE_TOKEN"]
     assert token.startswith("${FP8SCOPE_TRAINER_TOKEN:?")  # a secret from the environment, never a default
-    command[command.index("--token") + 1] = "secret-from-env"
+    assert "--token" not in command  # never on the command line (the process list)
     assert command[0] == "fp8-train"
     args, _ = prepare(command[1:])  # the real parser and checks: flags, injected layer names, URL
     port = monitor["ports"][0].split(":")[-1]

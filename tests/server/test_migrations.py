@@ -219,3 +219,39 @@ def test_run_notes_migration_adds_empty_notes_and_goes_back_in_place(db_url):
             assert conn.execute(text("SELECT count(*) FROM tensors")).scalar() == 1
     finally:
         engine.dispose()
+
+
+def test_ids_never_reused_migration_keeps_every_row_and_stops_id_reuse(db_url):
+    """0011 rebuilds `runs`, `alerts`, `events`, `commands` and `incidents` with AUTOINCREMENT on SQLite
+    (PostgreSQL's sequences never reuse already): every row, the rows that reference the runs and the
+    partial unique index survive, and the id of a deleted newest row is not handed out again."""
+    engine = make_engine(db_url)
+    try:
+        with at_revision(engine, "0010") as connection:
+            insert_run(connection, "finished", num_tensors=1, steps_stored=1)
+            insert_run(connection, "running", num_tensors=1, steps_stored=0)
+            connection.execute(text("INSERT INTO tensors VALUES (1, 0, 'fc.input', 'fc', 'input', 'e4m3')"))
+            connection.execute(
+                text("INSERT INTO steps (run_id, step, loss, scalars) VALUES (1, 7, 2.5, '{}')")
+            )
+            connection.execute(
+                text(
+                    "INSERT INTO events (run_id, kind, step, details, created_at) "
+                    "VALUES (2, 'custom', 3, '{}', CURRENT_TIMESTAMP)"
+                )
+            )
+        upgrade_to_head(engine)
+        with engine.begin() as conn:
+            assert conn.execute(text("SELECT count(*) FROM tensors")).scalar() == 1
+            assert conn.execute(text("SELECT step FROM steps WHERE run_id = 1")).scalar() == 7
+            assert conn.execute(text("SELECT id FROM events")).scalar() == 1
+            assert conn.execute(text("DELETE FROM runs WHERE id = 2")).rowcount == 1
+            assert conn.execute(text("SELECT count(*) FROM events")).scalar() == 0  # cascades still work
+            insert_run(conn, "running", num_tensors=1, steps_stored=0)
+            assert conn.execute(text("SELECT max(id) FROM runs")).scalar() == 3
+            if engine.dialect.name == "sqlite":
+                assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+                index = conn.execute(text("SELECT sql FROM sqlite_master WHERE name = 'uq_alerts_open'"))
+                assert "WHERE" in index.scalar().upper()
+    finally:
+        engine.dispose()

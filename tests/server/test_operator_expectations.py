@@ -4,6 +4,8 @@ beyond 2^53 - 1 (which the dashboard cannot tell apart) are refused at ingest.""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from sqlalchemy import create_engine, make_url, text
@@ -165,10 +167,18 @@ def test_api_docs_have_security_headers_or_are_off(make_client):
         r = client.get(path)
         assert r.status_code == 200
         csp = r.headers["content-security-policy"]
-        # scripts only from the one CDN and the page's own inline script, pinned by its hash
-        script_src = next(d for d in csp.split("; ") if d.startswith("script-src"))
-        assert script_src.split()[1] == "https://cdn.jsdelivr.net"
-        assert all(s.startswith("'sha256-") for s in script_src.split()[2:])
+        # scripts only from pinned file URLs (never a whole CDN) and the page's own inline script, pinned by
+        # its hash; every file loaded from elsewhere carries its Subresource Integrity hash
+        script_src = next(d for d in csp.split("; ") if d.startswith("script-src")).split()[1:]
+        files = [s for s in script_src if s.startswith("https://")]
+        assert files and all(re.search(r"@\d+\.\d+\.\d+/.+\.js$", url) for url in files)
+        assert all(s.startswith("'sha256-") for s in script_src if s not in files)
+        external = re.findall(r'<(?:script|link)[^>]*(?:src|href)="(https://[^"]+)"([^>]*)>', r.text)
+        assert {url for url, _ in external} >= set(files)
+        assert all(
+            re.search(r'integrity="sha384-[A-Za-z0-9+/]{64}" crossorigin', rest) for _, rest in external
+        )
+        assert not re.search(r"(src|href) https://[a-z.]+(;| )", csp)  # no host-wide source
         assert "frame-ancestors 'none'" in csp and "connect-src 'self'" in csp
         assert (
             r.headers["x-content-type-options"] == "nosniff" and r.headers["referrer-policy"] == "no-referrer"

@@ -107,10 +107,10 @@ function hashFor(ids, pair, metric = "amax") {
 
 export async function mountCompare(container, { runs: runIds = [], a = null, b = null, metric = null }) {
   const diffMetric = Object.hasOwn(DIFF_METRICS, metric || "") ? metric : "amax";
-  const all = await api("/runs?limit=1000");
+  const all = await api("/runs?limit=1000"); // names for the picker: a list carries no config
   const byId = new Map(all.map((r) => [String(r.id), r]));
   let ids = [...new Set([...(runIds.length ? runIds : [a, b]).filter(Boolean).map(String)])].filter((id) => byId.has(id)).slice(0, MAX_RUNS);
-  const chosen = ids.map((id) => byId.get(id));
+  const chosen = await Promise.all(ids.map((id) => api(`/runs/${id}`))); // whole: their configs are compared
   const pairA = a && ids.includes(String(a)) ? String(a) : ids[0];
   const pairB = b && ids.includes(String(b)) && String(b) !== pairA ? String(b) : ids.find((id) => id !== pairA);
 

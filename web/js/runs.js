@@ -287,8 +287,11 @@ export async function mountRuns(container) {
   }
 
   function query(cursor) {
+    // the list carries only the config keys shown (the source badge, the columns) or grouped by; a run's
+    // page has them all
+    const keys = [...new Set(["fp8_source", ...columns, groupInput.value.trim()].filter(Boolean))].join(",");
     const params = { limit: PAGE, q: search.value.trim() || null, status: status.value || null, tag: tagFilter.value.trim() || null,
-      config: configFilter.value.trim() || null, sort: sort || null, cursor };
+      config: configFilter.value.trim() || null, sort: sort || null, cursor, config_keys: keys || null };
     return `/runs${qs(params)}`;
   }
 
@@ -356,7 +359,7 @@ export async function mountRuns(container) {
   }), 300);
   for (const input of [search, tagFilter, configFilter]) input.addEventListener("input", () => { shown = 1; keepInAddress(); reload(); });
   status.addEventListener("change", () => { shown = 1; keepInAddress(); reload(); });
-  groupInput.addEventListener("input", () => { keepInAddress(); regroup(); });
+  groupInput.addEventListener("input", () => { keepInAddress(); reload(); }); // load() regroups
   // sorted by what telemetry changes: the order is read again as steps arrive
   const liveSort = () => ["last_step", "last_loss", "duration", "last_telemetry"].includes(sort.replace(/^-/, ""));
   const reloadSorted = throttle(() => reload(), 3000);
@@ -364,8 +367,11 @@ export async function mountRuns(container) {
     columns = columnsInput.value.split(",").map((c) => c.trim()).filter(Boolean);
     localStorage.setItem(COLUMNS_KEY, columns.join(","));
     if (sort.replace(/^-/, "").startsWith("config:") && !columns.includes(sort.replace(/^-?config:/, ""))) setSort("");
-    renderHead();
-    for (const row of rows.values()) renderConfigCells(row);
+    // the list carries only the config keys asked for: the new columns' values come with the next load,
+    // which fills every row's cells (head and cells change together)
+    load().then(renderHead, (err) => {
+      error.textContent = `could not list runs: ${err.detail || err.message}`;
+    });
   });
   const onAuth = () => {
     readonly.textContent = auth.readOnlyReason() ? `Rename, tags and delete are disabled (${auth.readOnlyReason()}).` : "";

@@ -46,10 +46,10 @@ def whoami(
 
 
 @router.get("/stream", **EVENT_STREAM)
-async def stream_all(ctx: CtxDep, _principal: ReadDep) -> StreamingResponse:
+async def stream_all(ctx: CtxDep, principal: ReadDep) -> StreamingResponse:
     """Live events of all runs for the runs list: `step`, `alert` and `run` (each with `run_id`); a newly
     registered run is announced at once as a `run` event with `"created": true`."""
-    return event_stream(ctx, ALL_RUNS)
+    return event_stream(ctx, ALL_RUNS, principal.name)
 
 
 @router.get(

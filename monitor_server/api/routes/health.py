@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+
 from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 
 from monitor_server.api.deps import CtxDep, ReadDep
 from monitor_server.api.responses import json_response
+from monitor_server.context import AppContext
 from monitor_server.schemas import Health, NotReady
 
 router = APIRouter(tags=["health"])
@@ -21,23 +25,37 @@ def healthz(ctx: CtxDep) -> Health:
     return Health(status="ok", database=ctx.db.engine.dialect.name)
 
 
+def sqlite_free_bytes(ctx: AppContext) -> int | None:
+    """Free bytes on the file system of the SQLite database file (None: PostgreSQL, or an in-memory file)."""
+    path = ctx.db.engine.url.database if ctx.db.sqlite else None
+    if not path or path == ":memory:" or path.startswith("file:"):
+        return None
+    return shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+
+
 @router.get(
     "/readyz",
     response_model=Health,
     responses={503: {"model": NotReady, "description": "the database does not take writes"}},
 )
 def readyz(ctx: CtxDep) -> Response:
-    """Readiness: the database takes a write (a no-op update inside a transaction that is rolled back), so
-    a database that answers reads but refuses writes (read-only, full, locked) is not ready."""
+    """Readiness: the database takes a write, so one that answers reads but refuses writes (read-only,
+    full, locked) is not ready. A real row is written and rolled back (into `alembic_version`: no sequence
+    to advance, nothing that references it). SQLite writes a transaction's pages only when it commits, so
+    there a full disk is seen directly: the file system of the database must have room for one largest
+    batch (`max_body_bytes`), else the answer is 503 `DiskFull`."""
+    database = ctx.db.engine.dialect.name
     try:
         with ctx.db.write() as session:
-            session.execute(text("UPDATE alembic_version SET version_num = version_num"))
+            session.execute(text("INSERT INTO alembic_version (version_num) VALUES ('readyz-probe')"))
             session.rollback()
+        free = sqlite_free_bytes(ctx)
+        if free is not None and free < ctx.settings.max_body_bytes:
+            return json_response(NotReady(status="unavailable", database=database, detail="DiskFull"), 503)
     except Exception as exc:
         reason = type(getattr(exc, "orig", None) or exc).__name__
-        body = NotReady(status="unavailable", database=ctx.db.engine.dialect.name, detail=reason)
-        return json_response(body, status_code=503)
-    return json_response(Health(status="ready", database=ctx.db.engine.dialect.name))
+        return json_response(NotReady(status="unavailable", database=database, detail=reason), 503)
+    return json_response(Health(status="ready", database=database))
 
 
 @router.get("/metrics", response_class=Response)

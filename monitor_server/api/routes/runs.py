@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
+import orjson
 from fastapi import APIRouter, HTTPException, Query, Response, status
 from sqlalchemy import func, insert, select
 from sqlalchemy.exc import IntegrityError
@@ -51,12 +52,52 @@ RUN_COLUMNS = (
 )
 
 
+#: the most config keys one runs list asks for (`config_keys`)
+MAX_CONFIG_KEYS = 32
+
+
+def config_subset(config: dict[str, Any] | None, keys: list[str]) -> dict[str, Any]:
+    """The parts of a nested `config` that `keys` name (``a.b`` is ``config["a"]["b"]``), nested as they
+    are in it: what a runs list shows of each run."""
+    out: dict[str, Any] = {}
+    for key in keys:
+        node: Any = config or {}
+        parts = key.split(".")
+        for part in parts:
+            if not isinstance(node, dict) or part not in node:
+                break
+            node = node[part]
+        else:
+            target = out
+            for part in parts[:-1]:  # copies on the way down: the run's own config is never changed
+                nested = target.get(part)
+                target[part] = dict(nested) if isinstance(nested, dict) else {}
+                target = target[part]
+            target[parts[-1]] = node
+    return out
+
+
+def parse_config_keys(text: str | None) -> list[str]:
+    """``config_keys``: comma-separated config keys (``lr,model.n_layer``), at most `MAX_CONFIG_KEYS`."""
+    keys = [k.strip() for k in (text or "").split(",") if k.strip()]
+    if len(keys) > MAX_CONFIG_KEYS:
+        raise ValueError(f"config_keys: {len(keys)} keys; at most {MAX_CONFIG_KEYS}")
+    return keys
+
+
 def run_public(
-    run: Run, open_alerts: int, open_incidents: int = 0, tags: list[str] | None = None
+    run: Run,
+    open_alerts: int,
+    open_incidents: int = 0,
+    tags: list[str] | None = None,
+    config_keys: list[str] | None = None,
 ) -> RunPublic:
-    """A run as the API returns it."""
+    """A run as the API returns it; with `config_keys` (a list), only those keys of its config."""
+    columns = attributes(run, RUN_COLUMNS)
+    if config_keys is not None:
+        columns["config"] = config_subset(run.config, config_keys)
     return RunPublic(
-        **attributes(run, RUN_COLUMNS),
+        **columns,
         effective_recipe=effective_recipe(run),
         created_at=as_utc(run.created_at),
         updated_at=as_utc(run.updated_at),
@@ -132,6 +173,11 @@ def create_run(body: RunCreate, ctx: CtxDep, principal: RunWriteDep, response: R
         bad = first_nonfinite(value, name)
         if bad is not None:  # stored, it would silently become null
             raise HTTPException(422, f"{bad}: NaN and Infinity are not JSON; send them as strings")
+    size, limit = len(orjson.dumps(body.config)), ctx.settings.max_config_bytes
+    if size > limit:  # every view of the run carries it
+        raise HTTPException(
+            422, f"config: {size} bytes of JSON exceed the limit of {limit} bytes (max_config_bytes)"
+        )
     existing = _existing_run(ctx, body)
     if existing is not None:
         response.status_code = status.HTTP_200_OK
@@ -200,11 +246,26 @@ def list_runs(
         Query(ge=1, le=MAX_ID, description="newest first only: the runs below this id (the cursor there)"),
     ] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    config_keys: Annotated[
+        str | None,
+        Query(
+            max_length=2000,
+            description=f"comma-separated config keys (a.b nested) each run's `config` shows; none: `{{}}`"
+            f" (at most {MAX_CONFIG_KEYS})",
+        ),
+    ] = None,
 ) -> list[RunPublic]:
     """Runs, newest first or in the order `sort` names (ties broken by id), with status, last step, last loss
     and the number of open alerts. When more runs match than `limit`, the `X-Next-Cursor` header holds the
-    `cursor` of the next page (newest first it is a run id, which `before` also takes)."""
+    `cursor` of the next page (newest first it is a run id, which `before` also takes). Each run's `config`
+    holds only the `config_keys` asked for and the keys `config` filters and `sort` name (`GET /runs/{id}`
+    has it whole)."""
     try:
+        # the keys asked for, and those the list is filtered or sorted by
+        keys = parse_config_keys(config_keys)
+        keys += [c.split("=", 1)[0].strip() for c in config if "=" in c]
+        if sort and sort.lstrip("-").startswith(run_sort.CONFIG_PREFIX):
+            keys.append(sort.lstrip("-")[len(run_sort.CONFIG_PREFIX) :])
         order = run_sort.parse_sort(sort)
         if before is not None and (cursor is not None or order is not None):
             raise ValueError("before: only for the newest-first list without a cursor; give cursor instead")
@@ -216,7 +277,7 @@ def list_runs(
     if next_cursor is not None:
         response.headers[NEXT_CURSOR] = next_cursor
     tags = tags_of(session, [run.id for run, _, _ in rows])
-    return [run_public(run, n, m, tags.get(run.id)) for run, n, m in rows]
+    return [run_public(run, n, m, tags.get(run.id), keys) for run, n, m in rows]
 
 
 @router.get("/{run_id}", response_model=RunPublic)

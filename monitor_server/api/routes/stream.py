@@ -13,7 +13,7 @@ router = APIRouter(prefix="/runs", tags=["stream"])
 
 
 @router.get("/{run_id}/stream", **EVENT_STREAM)
-async def stream(run_id: RunId, ctx: CtxDep, _principal: ReadDep) -> StreamingResponse:
+async def stream(run_id: RunId, ctx: CtxDep, principal: ReadDep) -> StreamingResponse:
     """Live events of a run: `step` (summary of each stored step), `alert`, `command` and `run` (status)."""
 
     # not `RunDep`: its session would stay open as long as the stream (a dependency's cleanup runs after
@@ -23,4 +23,4 @@ async def stream(run_id: RunId, ctx: CtxDep, _principal: ReadDep) -> StreamingRe
             run_or_404(session, run_id)
 
     await run_in_threadpool(check)
-    return event_stream(ctx, run_id)
+    return event_stream(ctx, run_id, principal.name)

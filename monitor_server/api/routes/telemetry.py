@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 import zlib
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, HTTPException, Request, Response, status
 from starlette.concurrency import run_in_threadpool
@@ -14,6 +16,7 @@ from monitor_server.api.deps import CtxDep, IngestDep, RunId, check_owner
 from monitor_server.api.responses import json_response
 from monitor_server.commands import CommandError
 from monitor_server.context import AppContext
+from monitor_server.core.db import LockTimeout
 from monitor_server.ingest import DecodedBatch, EventLimits, UnknownRun, decode_batch, parse_json
 from monitor_server.run_meta import RunMeta
 from monitor_server.schemas import CommandPublic, TelemetryResult
@@ -41,6 +44,33 @@ def decode_slots(ctx: AppContext) -> asyncio.Semaphore:
     if ctx.decode_slots is None:
         ctx.decode_slots = asyncio.Semaphore(ctx.settings.decode_concurrency)
     return ctx.decode_slots
+
+
+@asynccontextmanager
+async def run_turn(ctx: AppContext, run_id: int) -> AsyncIterator[None]:
+    """This instance's turn to store a batch of `run_id`: batches of one run wait for each other here, on
+    the event loop, at most ``run_lock_wait_seconds`` (then 503 with Retry-After), so that a run flooded
+    with batches holds one worker thread, not every one of them."""
+    lock, waiting = ctx.run_turns.get(run_id) or (asyncio.Lock(), 0)
+    ctx.run_turns[run_id] = (lock, waiting + 1)
+    try:
+        wait = ctx.settings.run_lock_wait_seconds
+        try:
+            await asyncio.wait_for(lock.acquire(), wait)
+        except TimeoutError:
+            raise HTTPException(
+                503, f"run {run_id} is busy (run_lock_wait_seconds={wait:g})", headers={"Retry-After": "1"}
+            ) from None
+        try:
+            yield
+        finally:
+            lock.release()
+    finally:
+        lock, waiting = ctx.run_turns[run_id]
+        if waiting > 1:
+            ctx.run_turns[run_id] = (lock, waiting - 1)
+        else:
+            del ctx.run_turns[run_id]
 
 
 #: inflating and counting go in pieces of this size, so a refused body is never held whole inflated
@@ -117,7 +147,12 @@ def decode(ctx: AppContext, run_id: RunId, body: bytes | bytearray) -> tuple[Run
     if meta is None:
         ctx.metrics.batches.labels("rejected").inc()
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id} not found")
-    limits = EventLimits(settings.max_json_depth, settings.max_event_detail_bytes)
+    limits = EventLimits(
+        settings.max_json_depth,
+        settings.max_event_detail_bytes,
+        settings.max_scalar_names_per_batch,
+        settings.max_scalar_name_chars,
+    )
     try:
         return meta, decode_batch(payload, meta.num_tensors, limits)
     except WireError as exc:
@@ -135,7 +170,8 @@ def decode(ctx: AppContext, run_id: RunId, body: bytes | bytearray) -> tuple[Run
         408: {"description": "the body stalled (body_timeout_seconds)"},
         413: {"description": "body too large (max_body_bytes) or over the parse budget (max_json_elements)"},
         415: {"description": "unsupported Content-Encoding, or (without tokens) not application/json"},
-        422: {"description": "invalid content, named; nothing is stored"},
+        422: {"description": "invalid content or over a named limit; nothing is stored"},
+        503: {"description": "the run stayed busy (run_lock_wait_seconds; Retry-After); nothing is stored"},
     },
 )
 async def post_telemetry(run_id: RunId, request: Request, ctx: CtxDep, principal: IngestDep) -> Response:
@@ -173,11 +209,16 @@ async def post_telemetry(run_id: RunId, request: Request, ctx: CtxDep, principal
         meta, batch = await run_in_threadpool(decode, ctx, run_id, body)
         del body
     try:
-        outcome = await run_in_threadpool(ingest_batch, ctx, run_id, meta, batch, started)
+        async with run_turn(ctx, run_id):
+            outcome = await run_in_threadpool(ingest_batch, ctx, run_id, meta, batch, started)
     except UnknownRun:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id} not found") from None
     except CommandError as exc:
         raise HTTPException(exc.status, exc.message) from None
+    except WireError as exc:  # past a limit only the stored run shows (max_scalar_names_per_run)
+        raise HTTPException(422, str(exc)) from None
+    except LockTimeout as exc:  # the run stays busy: the client sends the batch again
+        raise HTTPException(503, str(exc), headers={"Retry-After": "1"}) from None
     commands = [CommandPublic(**c) for c in outcome.commands]
     return json_response(
         TelemetryResult(stored_steps=outcome.stored_steps, duplicate=outcome.duplicate, commands=commands)
