@@ -901,7 +901,9 @@ def attack_trickled_bodies(bench: Bench) -> None:
         statuses = set(answers.values()) | ({None} if len(answers) < n else set())
         return statuses.pop() if len(statuses) == 1 else None
 
-    watched(bench, f"{n} bodies trickling 1,000 B every 5 s", 408, trickle, time_goal_s=8.0)
+    # the goal, 5 s for the whole attack: the grace period alone is body_rate_grace_seconds (5 s), so
+    # this row shows a miss until the grace is shorter or counted from the first byte of the connection
+    watched(bench, f"{n} bodies trickling 1,000 B every 5 s", 408, trickle, time_goal_s=5.0)
 
 
 def _fill_run(url: str, name: str, tensors: int, steps: int, per_batch: int = 1024) -> int:
