@@ -368,7 +368,7 @@ def test_profile_gpu_smoke(tmp_path):
     text = out.read_text()
     for name in ("nn.Linear", "fp8scope delayed", "fp8scope current"):
         assert f"{name}" in text and "ms per call" in text
-    assert "_FP8LinearFn" in text  # the profiler table of the FP8 layer's host operations
+    assert "FP8LinearFn" in text  # the profiler table of the FP8 layer's host operations
     # the compiled GPT step: the FP8 layers between compiled graphs
     assert "delayed, compiled:" in text and "CompiledFunction" in text
 
@@ -386,7 +386,10 @@ def test_sass_profile_runs_without_a_gpu(tmp_path):
         pytest.skip(proc.stderr.strip().splitlines()[-1])
     assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     rows = {r["kernel"]: r for r in json.loads(out.read_text())["rows"]}
-    assert len(rows) == 12 and "quantize 1-D, quality" in proc.stdout
+    # 12 rows and, from the bias-gradient fold on, current scaling without quality columns (1-D and 2-D)
+    # and the three dbias variants
+    assert len(rows) == 17 and "quantize 1-D, quality" in proc.stdout
+    assert sum("dbias" in name for name in rows) == 3, sorted(rows)
     for row in rows.values():  # each main loop found, loading its input; each program fits on an SM
         assert row["loop_instructions"] > 0 and row["loop_global_loads"] >= 1, row
         assert row["programs_per_sm"] >= 1 and row["kib_in_flight_per_sm"] > 0, row
