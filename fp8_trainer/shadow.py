@@ -45,14 +45,11 @@ from .distributed import resolve_amax_group
 from .linear import Linear, is_conv1d
 from .recipe import DelayedScaling, Recipe
 from .state import FP8State
+from .step import in_backward
 
 __all__ = ["HookedState", "ShadowState", "is_conv1d", "shadow", "unshadow"]
 
 log = logging.getLogger(__name__)
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 class HookedState(FP8State):
@@ -259,7 +256,7 @@ def _forward_hook(state: HookedState, k: int, module: nn.Module, args, output) -
     if not isinstance(x, torch.Tensor) or not state.enabled[k]:
         return
     weight = module.weight
-    recompute = _in_backward()  # activation checkpointing's recompute, inside backward
+    recompute = in_backward()  # activation checkpointing's recompute, inside backward
     tracker = state.tracker
     if not recompute:
         tracker.original_forward(k)  # reentrant checkpointing's original forward runs under no_grad
