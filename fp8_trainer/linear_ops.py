@@ -99,9 +99,10 @@ class LayerPlan:
 
     need_dgrad: bool
     need_wgrad: bool
-    x_t: bool  # forward writes q(input)'s transpose (the wgrad operand)
+    # forward writes q(input)'s transpose (the wgrad operand); backward, wgrad's other operand, writes
+    # q(grad_output)'s under the same condition (transposes fused, weight gradient needed)
+    x_t: bool
     w_t: bool  # forward writes q(weight)'s transpose (the dgrad operand)
-    g_t: bool  # backward writes q(grad_output)'s transpose (wgrad)
     fprop_checked: bool = False
     backward_checked: bool = False
 
@@ -116,8 +117,7 @@ def layer_plan(state: FP8State, k: int, x2: torch.Tensor, need_dgrad: bool, need
         if len(plans) > 4 * state.n_layers + 64:  # shapes or versions gone by
             plans.clear()
         fused = (need_dgrad or need_wgrad) and fused_transposes(state, k, x2.device)
-        plan = plans[key] = LayerPlan(need_dgrad, need_wgrad, fused and need_wgrad, fused and need_dgrad,
-                                      fused and need_wgrad)  # fmt: skip
+        plan = plans[key] = LayerPlan(need_dgrad, need_wgrad, fused and need_wgrad, fused and need_dgrad)
     return plan
 
 
@@ -149,7 +149,7 @@ def backward(state, k, g2, saved, record, plan: LayerPlan, need_bias, x_dtype, w
     saved_x, sinv_x, saved_w, sinv_w = saved
     if state.captures:
         state.run_capture(3 * k + 2, g2)
-    qg, qgt, sinv_g, grad_b = _quantize_grad(state, 3 * k + 2, g2, record, plan.g_t, need_bias)
+    qg, qgt, sinv_g, grad_b = _quantize_grad(state, 3 * k + 2, g2, record, plan.x_t, need_bias)
     ag = gemm_operand(qg)
     if record:
         state.tracker.queue_end_of_backward(state.on_backward_end)
@@ -270,7 +270,7 @@ def linear_backward(
         saved = (saved_x, sinv_x, saved_w, sinv_w)
     else:
         saved = (saved_x, state.scale_inv_row(3 * k), saved_w, state.scale_inv_row(3 * k + 1))
-    plan = LayerPlan(need_dgrad, need_wgrad, x_t, w_t, need_wgrad and fused_transposes(state, k, grad.device))
+    plan = LayerPlan(need_dgrad, need_wgrad, x_t, w_t)
     grads = backward(state, k, grad, saved, record, plan, need_bias, x_dtype, w_dtype)
     # an operator returns tensors: an empty one where a gradient is not needed
     return tuple(g if g is not None else grad.new_empty(0) for g in grads)
