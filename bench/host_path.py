@@ -74,12 +74,11 @@ def gpu_path():
     """The emulated GPU path (module docstring); yields the recorders, whose ``calls`` count launches."""
     import fp8_kernels
     from fp8_kernels import cross_build, triton_current, triton_quantize, triton_scale_update
-    from fp8_kernels.dispatch import _TABLES
 
     import fp8_trainer.gemm
     import fp8_trainer.linear_ops
 
-    saved = {op: dict(table) for op, table in _TABLES.items()}
+    saved = fp8_kernels.registered()
     patched = [
         (fp8_trainer.gemm, "uses_scaled_mm"),
         (fp8_trainer.linear_ops, "uses_scaled_mm"),
@@ -116,9 +115,7 @@ def gpu_path():
         finally:
             for mod, attr, value in undo:
                 setattr(mod, attr, value)
-            for op, table in saved.items():
-                _TABLES[op].clear()
-                _TABLES[op].update(table)
+            fp8_kernels.restore(saved)
 
 
 def _stack(kind: str, layers: int, features: int) -> tuple[nn.Module, object]:

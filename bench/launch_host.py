@@ -13,6 +13,8 @@ Two forms of the same launchers, interleaved in rounds (the median over rounds p
   (``triton_quantize._plan``);
 * ``rebuilt``: the plans dropped before every call, so each call builds its own, as the launcher did
   before plans were kept;
+* ``prepared``: the call as the FP8 Linear makes it, through the prepared form of the same launch
+  (``fp8_kernels.prepare_quantize``: checks, constexprs and grid settled once per call shape);
 
 and ``floor``: the output allocations alone (``torch.empty`` of the FP8 outputs), which no launcher avoids.
 
@@ -45,8 +47,9 @@ if str(ROOT) not in sys.path:
 E4M3 = torch.float8_e4m3fn
 
 
-def _calls(x: torch.Tensor) -> list[tuple[str, str, object]]:
-    """``(row, kernel attribute of triton_quantize, call)``: each launcher as a training step calls it."""
+def _calls(x: torch.Tensor) -> list[tuple[str, str, object, object]]:
+    """``(row, kernel attribute of triton_quantize, call, prepare)``: each launcher as a training step calls
+    it, and ``prepare()`` -> its prepared call (made once the kernels are recorded: it binds them)."""
     from fp8_kernels import triton_current, triton_quantize
     from fp8_kernels.quantize import new_stats
 
@@ -54,18 +57,39 @@ def _calls(x: torch.Tensor) -> list[tuple[str, str, object]]:
     row = new_stats(device=x.device)
     lq = triton_quantize.launch_quantize
     c1, c2 = triton_current.quantize_current_triton, triton_current.quantize_current_transposed_triton
+
+    def prepared(fn):
+        def make():
+            p = fn.prepare(x, E4M3, row, scale)
+            return lambda: p(x, scale, row)
+
+        return make
+
+    tq = triton_quantize
     return [
-        ("delayed, 1-D", "_quantize_kernel", lambda: lq(x, scale, E4M3, row)),
-        ("delayed, transposed", "_quantize_t_kernel", lambda: lq(x, scale, E4M3, row, transpose=True)),
+        (
+            "delayed, 1-D",
+            "_quantize_kernel",
+            lambda: lq(x, scale, E4M3, row),
+            prepared(tq.quantize_with_stats_triton),
+        ),
+        (
+            "delayed, transposed",
+            "_quantize_t_kernel",
+            lambda: lq(x, scale, E4M3, row, transpose=True),
+            prepared(tq.quantize_with_stats_transposed_triton),
+        ),
         (
             "current, 1-D (amax + quantize)",
             "_quantize_kernel",
             lambda: c1(x, E4M3, row, return_scale_inv=True),
+            prepared(c1),
         ),
         (
             "current, transposed (amax + quantize)",
             "_quantize_t_kernel",
             lambda: c2(x, E4M3, row, return_scale_inv=True),
+            prepared(c2),
         ),
     ]
 
@@ -82,7 +106,7 @@ def measure(shape: tuple[int, int], calls: int, rounds: int) -> list[dict]:
 
     x = torch.randn(shape, dtype=torch.bfloat16)
     out = []
-    for name, attr, call in _calls(x):
+    for name, attr, call, prepare in _calls(x):
         transposed = attr == "_quantize_t_kernel"
 
         def floor(transposed=transposed) -> None:
@@ -95,11 +119,12 @@ def measure(shape: tuple[int, int], calls: int, rounds: int) -> list[dict]:
             call()
 
         forms = {"planned": call, "rebuilt": rebuilt, "floor": floor}
-        times: dict[str, list[float]] = {k: [] for k in forms}
+        times: dict[str, list[float]] = {k: [] for k in (*forms, "prepared")}
         with (
             cross_build.recorded(triton_quantize, attr, saturating_cast=True) as rec,
             cross_build.recorded(triton_current, "_amax_kernel") as amax_rec,
         ):
+            forms["prepared"] = prepare()
             # keep only the latest launch: a recorded launch holds its outputs, and thousands of them held
             # would time the growth of the process's memory instead of the launcher
             rec.launches = collections.deque(maxlen=1)
@@ -115,7 +140,7 @@ def measure(shape: tuple[int, int], calls: int, rounds: int) -> list[dict]:
             {
                 "launcher": name,
                 "us_per_call": median,
-                "launcher_us": {k: median[k] - median["floor"] for k in ("planned", "rebuilt")},
+                "launcher_us": {k: median[k] - median["floor"] for k in ("planned", "rebuilt", "prepared")},
                 "saved_us": median["rebuilt"] - median["planned"],
             }
         )
@@ -137,11 +162,15 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--shape: MxN, e.g. 512x1024")
     rows = measure(shape, args.calls, args.rounds)
 
-    head = f"{'launcher':40} {'planned':>9} {'rebuilt':>9} {'floor':>7} {'saved':>7}  (us per call, host)"
+    cols = f"{'planned':>9} {'rebuilt':>9} {'prepared':>9} {'floor':>7} {'saved':>7}"
+    head = f"{'launcher':40} {cols}  (us per call, host)"
     lines = [head]
     for r in rows:
         us = r["us_per_call"]
-        cells = f"{us['planned']:9.1f} {us['rebuilt']:9.1f} {us['floor']:7.1f} {r['saved_us']:7.1f}"
+        cells = (
+            f"{us['planned']:9.1f} {us['rebuilt']:9.1f} {us['prepared']:9.1f} {us['floor']:7.1f} "
+            f"{r['saved_us']:7.1f}"
+        )
         lines.append(f"{r['launcher']:40} {cells}")
     summary = "\n".join(lines)
     print(f"bf16 {shape[0]}x{shape[1]}, kernels recorded (no device), median of {args.rounds} rounds")

@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-from fp8_kernels import has_kernel
+from fp8_kernels import generation as dispatch_generation
+from fp8_kernels import has_kernel, prepare_quantize
 
 from .gemm import fp8_mm, gemm_operand, uses_scaled_mm
 from .step import begin_forward
@@ -70,24 +71,62 @@ def fused_transposes(state: FP8State, k: int, device: torch.device) -> bool:
     return has_kernel("current_transposed" if state.current[k] else "quantize_transposed", device.type)
 
 
-def _quantize(state: FP8State, i: int, t: torch.Tensor, record: bool, transpose: bool):
-    """``(q, qt or None, scale_inv)``: tensor ``i`` quantized, with its transpose (same pass) if asked."""
+def _quantize(
+    state: FP8State, i: int, t: torch.Tensor, record: bool, transpose: bool, plan: LayerPlan | None = None
+):
+    """``(q, qt or None, scale_inv)``: tensor ``i`` quantized, with its transpose (same pass) if asked;
+    through ``plan``'s prepared call where there is one."""
+    if record and plan is not None:
+        fast = _prepared_call(state, plan, i, t, transpose, False)
+        if fast is not None:
+            return fast[:3]
     if transpose:
         return state.quantize_transposed(i, t, record)
     q, scale_inv = state.quantize(i, t, record)
     return q, None, scale_inv
 
 
-def _quantize_grad(state: FP8State, i: int, g2: torch.Tensor, record: bool, transpose: bool, dbias: bool):
+def _quantize_grad(
+    state: FP8State, i: int, g2: torch.Tensor, record: bool, transpose: bool, dbias: bool, plan: LayerPlan
+):
     """``(q, qt or None, scale_inv, grad_bias or None)``: grad_output quantized, with its column sums (the
     bias gradient) taken by the same pass where asked, as Transformer Engine's cast-transpose-dbias does:
     no second read of grad_output, no launch of its own."""
+    if record:
+        fast = _prepared_call(state, plan, i, g2, transpose, dbias)
+        if fast is not None:
+            return fast
     if transpose:
         q, qt, scale_inv, *column_sums = state.quantize_transposed(i, g2, record, dbias=dbias)
     else:
         q, scale_inv, *column_sums = state.quantize(i, g2, record, dbias=dbias)
         qt = None
     return q, qt, scale_inv, column_sums[0] if dbias else None
+
+
+_UNPREPARED = object()
+
+
+def _prepared_call(state: FP8State, plan: LayerPlan, i: int, t: torch.Tensor, transpose: bool, dbias: bool):
+    """Tensor ``i``'s recording quantize through the prepared call the plan holds for it (made at the first
+    such call: ``fp8_kernels.prepare_quantize``): ``(q, qt or None, scale_inv, column sums or None)``, or
+    ``None`` where the kernel routed to has no prepared form (the caller then takes the op's full path)."""
+    row, scale, scale_inv = state._rows(i)
+    key = (i, t.shape, t.dtype, row.shape[0], dispatch_generation())
+    fn = plan.prepared.get(key, _UNPREPARED)
+    if fn is _UNPREPARED:
+        if len(plan.prepared) > 12:  # quality widths or routings gone by
+            plan.prepared.clear()
+        current = state.current[i // 3]
+        op = ("current" if current else "quantize") + ("_transposed" if transpose else "")
+        fn = plan.prepared[key] = prepare_quantize(
+            op, t, state.dtypes[i], row, None if current else scale, dbias=dbias,
+            power_2_scale=current and state.power_2_scale,
+        )  # fmt: skip
+    if fn is None:
+        return None
+    q, qt, sinv, column_sums = fn(t, scale, row)
+    return q, qt, scale_inv if sinv is None else sinv, column_sums
 
 
 @dataclass(slots=True)
@@ -103,8 +142,11 @@ class LayerPlan:
     # q(grad_output)'s under the same condition (transposes fused, weight gradient needed)
     x_t: bool
     w_t: bool  # forward writes q(weight)'s transpose (the dgrad operand)
+    fp8_gemms: bool  # real FP8 GEMMs: the quantized tensors are the GEMM operands (``gemm.gemm_operand``)
     fprop_checked: bool = False
     backward_checked: bool = False
+    # per quantized tensor (and statistics width, routing): its prepared quantize call (``_prepared_call``)
+    prepared: dict = field(default_factory=dict)
 
 
 def layer_plan(state: FP8State, k: int, x2: torch.Tensor, need_dgrad: bool, need_wgrad: bool) -> LayerPlan:
@@ -117,7 +159,9 @@ def layer_plan(state: FP8State, k: int, x2: torch.Tensor, need_dgrad: bool, need
         if len(plans) > 4 * state.n_layers + 64:  # shapes or versions gone by
             plans.clear()
         fused = (need_dgrad or need_wgrad) and fused_transposes(state, k, x2.device)
-        plan = plans[key] = LayerPlan(need_dgrad, need_wgrad, fused and need_wgrad, fused and need_dgrad)
+        plan = plans[key] = LayerPlan(
+            need_dgrad, need_wgrad, fused and need_wgrad, fused and need_dgrad, uses_scaled_mm(x2.device)
+        )
     return plan
 
 
@@ -129,17 +173,17 @@ def forward(state, k, x2, weight, bias, record, plan: LayerPlan):
     ``(in, out)`` where ``plan.w_t``, else ``(out, in)``."""
     if state.captures and (plan.need_dgrad or plan.need_wgrad):  # a training forward (capture_once)
         state.run_capture(3 * k, x2)
-    qx, qxt, sinv_x = _quantize(state, 3 * k, x2, record, plan.x_t)
+    qx, qxt, sinv_x = _quantize(state, 3 * k, x2, record, plan.x_t, plan)
     t_w = plan.w_t
     qw, qwt, sinv_w = state.quantized_weight(
-        k, weight, t_w, record, lambda: _quantize(state, 3 * k + 1, weight, record, t_w)
+        k, weight, t_w, record, lambda: _quantize(state, 3 * k + 1, weight, record, t_w, plan)
     )
-    ax, aw = gemm_operand(qx), gemm_operand(qw)
+    ax, aw = (qx, qw) if plan.fp8_gemms else (gemm_operand(qx), gemm_operand(qw))
     check = not plan.fprop_checked
     out = fp8_mm(ax, sinv_x, aw.t(), sinv_w, x2.dtype, bias, fast_accum=True, check=check)  # fprop: as TE
     plan.fprop_checked = True
-    saved_x = ax if qxt is None else gemm_operand(qxt)
-    saved_w = aw if qwt is None else gemm_operand(qwt)
+    saved_x = ax if qxt is None else qxt if plan.fp8_gemms else gemm_operand(qxt)
+    saved_w = aw if qwt is None else qwt if plan.fp8_gemms else gemm_operand(qwt)
     return out, saved_x, sinv_x, saved_w, sinv_w
 
 
@@ -149,8 +193,8 @@ def backward(state, k, g2, saved, record, plan: LayerPlan, need_bias, x_dtype, w
     saved_x, sinv_x, saved_w, sinv_w = saved
     if state.captures:
         state.run_capture(3 * k + 2, g2)
-    qg, qgt, sinv_g, grad_b = _quantize_grad(state, 3 * k + 2, g2, record, plan.x_t, need_bias)
-    ag = gemm_operand(qg)
+    qg, qgt, sinv_g, grad_b = _quantize_grad(state, 3 * k + 2, g2, record, plan.x_t, need_bias, plan)
+    ag = qg if plan.fp8_gemms else gemm_operand(qg)
     if record:
         state.tracker.queue_end_of_backward(state.on_backward_end)
     grad_x = grad_w = None
@@ -160,7 +204,7 @@ def backward(state, k, g2, saved, record, plan: LayerPlan, need_bias, x_dtype, w
         grad_x = fp8_mm(ag, sinv_g, bw, sinv_w, x_dtype, check=check)
     if plan.need_wgrad:
         # (out, tokens) row-major: the transpose written by the quantize pass, if any
-        agt = ag.t() if qgt is None else gemm_operand(qgt)
+        agt = ag.t() if qgt is None else qgt if plan.fp8_gemms else gemm_operand(qgt)
         bx = saved_x.t() if plan.x_t else saved_x
         grad_w = fp8_mm(agt, sinv_g, bx, sinv_x, w_dtype, check=check)
     plan.backward_checked = True
@@ -172,23 +216,23 @@ class FP8LinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, state: FP8State, k: int, record: bool, plan: LayerPlan):
-        shape = x.shape
-        out, *saved = forward(state, k, x.reshape(-1, shape[-1]), weight, bias, record, plan)
+        flat = x.dim() == 2
+        x2 = x if flat else x.reshape(-1, x.shape[-1])
+        out, *saved = forward(state, k, x2, weight, bias, record, plan)
         ctx.save_for_backward(*saved)
-        ctx.state, ctx.k, ctx.record, ctx.plan = state, k, record, plan
-        ctx.shape, ctx.x_dtype, ctx.w_dtype = shape, x.dtype, weight.dtype
-        ctx.has_bias = bias is not None
-        return out.reshape(*shape[:-1], out.shape[-1])
+        shape = None if flat else x.shape
+        ctx.meta = (state, k, record, plan, shape, x.dtype, weight.dtype, bias is not None)
+        return out if flat else out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_output):
-        need_bias = ctx.has_bias and ctx.needs_input_grad[2]
-        grad_x, grad_w, grad_b = backward(
-            ctx.state, ctx.k, grad_output.reshape(-1, grad_output.shape[-1]), ctx.saved_tensors, ctx.record,
-            ctx.plan, need_bias, ctx.x_dtype, ctx.w_dtype,
-        )  # fmt: skip
-        if grad_x is not None:
-            grad_x = grad_x.reshape(ctx.shape)
+        state, k, record, plan, shape, x_dtype, w_dtype, has_bias = ctx.meta
+        g2 = grad_output if shape is None else grad_output.reshape(-1, grad_output.shape[-1])
+        need_bias = has_bias and ctx.needs_input_grad[2]
+        saved = ctx.saved_tensors
+        grad_x, grad_w, grad_b = backward(state, k, g2, saved, record, plan, need_bias, x_dtype, w_dtype)
+        if grad_x is not None and shape is not None:
+            grad_x = grad_x.reshape(shape)
         return grad_x, grad_w, grad_b, None, None, None, None
 
 
@@ -270,7 +314,11 @@ def linear_backward(
         saved = (saved_x, sinv_x, saved_w, sinv_w)
     else:
         saved = (saved_x, state.scale_inv_row(3 * k), saved_w, state.scale_inv_row(3 * k + 1))
-    plan = LayerPlan(need_dgrad, need_wgrad, x_t, w_t)
+    key = ("backward", k, state.version, grad.shape, grad.dtype, grad.device, need_dgrad, need_wgrad, x_t)
+    plan = state.linear_plans.get(key + (w_t,))
+    if plan is None:  # forward's plan, as the graph holds it (its operands' layouts came with the graph)
+        plan = LayerPlan(need_dgrad, need_wgrad, x_t, w_t, uses_scaled_mm(grad.device))
+        state.linear_plans[key + (w_t,)] = plan
     grads = backward(state, k, grad, saved, record, plan, need_bias, x_dtype, w_dtype)
     # an operator returns tensors: an empty one where a gradient is not needed
     return tuple(g if g is not None else grad.new_empty(0) for g in grads)

@@ -41,13 +41,17 @@ __all__ = [
     "exponent_histogram",
     "fp8_gpu",
     "fused_scale_update",
+    "generation",
     "has_kernel",
+    "prepare_quantize",
     "quantize_current",
     "quantize_current_transposed",
     "quantize_with_stats",
     "quantize_with_stats_transposed",
     "reference_kernels",
     "register",
+    "registered",
+    "restore",
     "tensor_amax",
     "triton_available",
     "use_reference",
@@ -68,6 +72,14 @@ _TABLES: dict[str, dict[str, Callable]] = {op: {} for op in _OPS}
 #: the built-in kernels (Triton on CUDA, the fused C kernel on the CPU), filled at the first call
 _BUILTIN: dict[str, dict[str, Callable]] = {op: {} for op in _OPS}
 _force_reference = False
+#: bumped by every change of routing (``register``, ``use_reference``, ``restore``): a prepared call made
+#: before it (``prepare_quantize``) is no longer the one dispatch would make
+_generation = 0
+
+
+def generation() -> int:
+    """The routing's generation (see ``_generation``): a holder of prepared calls keys them on it."""
+    return _generation
 
 
 def register(
@@ -94,17 +106,34 @@ def register(
         "scale_update": scale_update,
         "block_quantize": block_quantize,
     }
+    global _generation
     for op, fn in given.items():
         if fn is None:
             _TABLES[op].pop(device_type, None)
         else:
             _TABLES[op][device_type] = fn
+    _generation += 1
+
+
+def registered() -> dict[str, dict[str, Callable]]:
+    """A copy of what ``register`` routed, for ``restore``."""
+    return {op: dict(table) for op, table in _TABLES.items()}
+
+
+def restore(tables: dict[str, dict[str, Callable]]) -> None:
+    """Route as ``tables`` (from ``registered``) says, dropping every registration made since."""
+    global _generation
+    for op, table in _TABLES.items():
+        table.clear()
+        table.update(tables.get(op, {}))
+    _generation += 1
 
 
 def use_reference(enabled: bool = True) -> bool:
     """Force the PyTorch references on every device (``True``) or restore dispatch; returns the old value."""
-    global _force_reference
+    global _force_reference, _generation
     previous, _force_reference = _force_reference, bool(enabled)
+    _generation += 1
     return previous
 
 
@@ -306,6 +335,31 @@ def quantize_current_transposed(
         x, fp8_dtype, stats, power_2_scale=power_2_scale, return_scale_inv=return_scale_inv, dbias=dbias
     )
     return (q, q.t().contiguous(), *rest)
+
+
+def prepare_quantize(
+    op: str,
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    row: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    *,
+    dbias: bool = False,
+    power_2_scale: bool = False,
+) -> Callable | None:
+    """A prepared call of quantize op ``op`` (``"quantize"``, ``"quantize_transposed"``, ``"current"``,
+    ``"current_transposed"``) for tensors like ``x``, statistics rows like ``row`` and (delayed scaling)
+    scales like ``scale``: ``fn(x, scale, row) -> (q, qt or None, scale_inv or None, column sums or None)``
+    (``scale_inv`` from current scaling's kernels; ``None`` for delayed scaling, whose caller holds it), with
+    the checks and launch planning of the op done once, here. ``None`` where the implementation routed to
+    offers no prepared form (the references, the CPU's fused kernels): call the op itself. Valid while
+    ``generation()`` stays the same."""
+    if _force_reference or x.numel() > KERNEL_MAX_NUMEL:
+        return None
+    prepare = getattr(_lookup(op, x.device.type, x.numel()), "prepare", None)
+    if prepare is None:
+        return None
+    return prepare(x, fp8_dtype, row, scale, dbias=dbias, power_2_scale=power_2_scale)
 
 
 def has_kernel(op: str, device_type: str) -> bool:

@@ -25,8 +25,17 @@ import triton
 import triton.language as tl
 
 from .quantize import check_dbias_operand
-from .triton_launch import amax_bits, as_kernel_input, block_1d, cdiv, grid_cap, launch, load_f32
-from .triton_quantize import MAX_NUMEL, launch_quantize
+from .triton_launch import (
+    PreparedLaunch,
+    amax_bits,
+    as_kernel_input,
+    block_1d,
+    cdiv,
+    grid_cap,
+    launch,
+    load_f32,
+)
+from .triton_quantize import MAX_NUMEL, launch_quantize, prepare_quantize
 
 __all__ = ["amax_pass", "quantize_current_transposed_triton", "quantize_current_triton", "tensor_amax_triton"]
 
@@ -139,3 +148,19 @@ def quantize_current_transposed_triton(
     )  # fmt: skip
     out = (q, qt, scale, scale_out[4], row) if return_scale_inv else (q, qt, scale, row)
     return (*out, *column_sums)
+
+
+def _prepare_current(transpose: bool):
+    def prepare(x, fp8_dtype, row, scale=None, *, dbias: bool = False, power_2_scale: bool = False):
+        grid, _, kwargs = _amax_launch(x)
+        amax = (PreparedLaunch(_amax_kernel, grid, dict(kwargs, PER_PROGRAM=True)), grid)
+        return prepare_quantize(
+            x, fp8_dtype, row, None, transpose=transpose, dbias=dbias, amax=amax, power_2_scale=power_2_scale
+        )
+
+    return prepare
+
+
+# the dispatch table's prepared calls (fp8_kernels.dispatch.prepare_quantize)
+quantize_current_triton.prepare = _prepare_current(False)
+quantize_current_transposed_triton.prepare = _prepare_current(True)

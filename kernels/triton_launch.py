@@ -31,6 +31,7 @@ from .quantize import fp8_max, overflow_threshold, subnormal_threshold, underflo
 
 __all__ = [
     "FLOAT32_MAX",
+    "PreparedLaunch",
     "launch",
     "launch_key",
     "LANE",
@@ -274,6 +275,44 @@ def launch(kernel, grid0: int, *args, **kwargs) -> None:
         grid0, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
         *args, *(kwargs[name] for name in tail),
     )  # fmt: skip
+
+
+class PreparedLaunch:
+    """``launch(kernel, grid0, *args, **kwargs)`` for a caller whose grid, constexprs, options and integer
+    arguments are the same at every call (a prepared quantize: one call shape), so that only the tensors
+    change: after the first launch on the current CUDA device it calls the compiled kernel's launcher with
+    no key built, as long as every tensor argument keeps the 16-byte alignment it had (the one part of
+    ``launch_key`` a fresh tensor can change); otherwise, and off CUDA, it is ``launch``."""
+
+    __slots__ = ("kernel", "grid", "kwargs", "_compiled", "_tail", "_aligned", "_index")
+
+    def __init__(self, kernel, grid0: int, kwargs: dict) -> None:
+        self.kernel, self.grid = kernel, grid0
+        self.kwargs = dict(kwargs)
+        self.kwargs.setdefault("enable_fp_fusion", FP_FUSION)
+        self._compiled = self._tail = self._aligned = self._index = None
+
+    def __call__(self, *args) -> None:
+        compiled = self._compiled
+        if compiled is not None:
+            index = args[0].device.index
+            if index == self._index == torch.cuda.current_device() and _alignment(args) == self._aligned:
+                compiled.run(
+                    self.grid, 1, 1, torch._C._cuda_getCurrentRawStream(index), compiled.function,
+                    compiled.packed_metadata, None, None, None, *args, *self._tail,
+                )  # fmt: skip
+                return
+        launch(self.kernel, self.grid, *args, **self.kwargs)
+        device = args[0].device
+        if compiled is None and device.type == "cuda":
+            handle = _HANDLES.get((self.kernel, launch_key(device, args, self.kwargs)))
+            if handle is not None:
+                self._compiled, self._tail = handle
+                self._aligned, self._index = _alignment(args), device.index
+
+
+def _alignment(args: tuple) -> tuple[bool, ...]:
+    return tuple(a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor))
 
 
 @triton.jit

@@ -86,6 +86,7 @@ import triton.language as tl
 from .quantize import BASE_COLUMNS, KERNEL_MAX_NUMEL, STAT_COLUMNS, check_dbias_operand, new_stats
 from .triton_launch import (
     LANE,
+    PreparedLaunch,
     abs_bits,
     as_kernel_input,
     block_1d,
@@ -103,7 +104,13 @@ from .triton_launch import (
     to_f32,
 )
 
-__all__ = ["launch_quantize", "quantize_with_stats_transposed_triton", "quantize_with_stats_triton"]
+__all__ = [
+    "PreparedQuantize",
+    "launch_quantize",
+    "prepare_quantize",
+    "quantize_with_stats_transposed_triton",
+    "quantize_with_stats_triton",
+]
 
 MAX_NUMEL = KERNEL_MAX_NUMEL
 
@@ -914,6 +921,113 @@ def launch_quantize(
     return (q, qt, row, scale_t, column_sums) if dbias else (q, qt, row, scale_t)
 
 
+class PreparedQuantize:
+    """``launch_quantize`` for one call shape (``prepare_quantize``): the operands' checks, the kernel's
+    constexprs, grid and launch options are settled once, so a call allocates its outputs and launches.
+    ``__call__(x, scale, row) -> (q, qt or None, scale_inv or None, column sums or None)``: ``x`` of the
+    prepared shape, dtype and device (contiguous or not); ``scale`` the delayed-scaling scale, a float32
+    0-dim tensor on that device (ignored with current scaling, whose ``scale_inv`` the call returns, written
+    by the quantize pass); ``row`` a statistics row of the prepared width."""
+
+    __slots__ = (
+        "_quantize", "_amax", "_amax_grid", "_dtype", "_shape", "_t_shape", "_bf16", "_numel", "_flat",
+        "_m", "_n", "_pn", "_tiles_n", "_ws_shape", "_dbias", "_x_dtype",
+    )  # fmt: skip
+
+    def __call__(self, x: torch.Tensor, scale: torch.Tensor | None, row: torch.Tensor) -> tuple:
+        xc = x.contiguous()
+        if self._bf16:
+            xc = xc.view(torch.int16)
+        device = xc.device
+        q = torch.empty(self._shape, dtype=self._dtype, device=device)
+        if self._amax is None:
+            scale_t, amax_arg, amax_n, scale_inv = scale, scale, 1, None
+        else:  # current scaling: the amax pass, as triton_current.amax_pass
+            buf = torch.empty(8 + self._amax_grid, dtype=torch.float32, device=device)
+            amax_arg = buf[8:].view(torch.int32)
+            self._amax(xc, amax_arg, self._numel)
+            scale_t, amax_n, scale_inv = buf[0], self._amax_grid, buf[4]
+        if self._flat:
+            self._quantize(xc, q, scale_t, amax_arg, amax_n, row, q, scale_t, self._numel)
+            return q, None, scale_inv, None
+        qt = None if self._t_shape is None else torch.empty(self._t_shape, dtype=self._dtype, device=device)
+        column_sums = None
+        if self._dbias:
+            column_sums = torch.empty(self._n, dtype=self._x_dtype, device=device)
+            ws = torch.empty(self._ws_shape, dtype=torch.float32, device=device)
+            sums = column_sums.view(torch.int16) if self._bf16 else column_sums
+            extra = (ws, _column_counters(device, self._tiles_n), sums)
+        else:
+            extra = (q, q, q)  # not read
+        qt_arg = q if qt is None else qt
+        self._quantize(
+            xc, q, qt_arg, scale_t, amax_arg, amax_n, row, q, scale_t, *extra, self._m, self._n, self._pn
+        )
+        return q, qt, scale_inv, column_sums
+
+
+def prepare_quantize(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    row: torch.Tensor,
+    scale: torch.Tensor | None,
+    *,
+    transpose: bool = False,
+    dbias: bool = False,
+    amax: tuple | None = None,
+    power_2_scale: bool = False,
+) -> PreparedQuantize:
+    """A ``PreparedQuantize`` for tensors like ``x`` quantized to ``fp8_dtype`` into statistics rows like
+    ``row``, with scales like ``scale`` (delayed scaling) or, given ``amax`` (``(amax kernel launch,
+    programs)`` from ``triton_current``), with the scale derived in the kernel from the amax pass (current
+    scaling, ``power_2_scale`` as ``launch_quantize``'s). The checks of ``launch_quantize`` run here, once;
+    ValueError as they raise it."""
+    if row is None:
+        raise ValueError("row: a prepared call records statistics; give the row it writes")
+    if dbias:
+        check_dbias_operand(x)
+    _check(x, scale, row, None, None)
+    if transpose and x.dim() != 2:
+        raise ValueError(f"x: the transposed output needs a 2-D tensor, got shape {tuple(x.shape)}")
+    if power_2_scale and amax is None:
+        raise ValueError("power_2_scale: applies to current scaling (amax) only")
+    if amax is None and (scale is None or scale.dtype != torch.float32 or scale.dim() != 0):
+        raise ValueError("scale: expected a float32 0-dim tensor")
+    format_constants(fp8_dtype)
+    device = x.device
+    p = PreparedQuantize()
+    p._amax, p._amax_grid = amax if amax is not None else (None, 0)
+    p._dtype, p._shape, p._x_dtype, p._dbias = fp8_dtype, tuple(x.shape), x.dtype, dbias
+    p._bf16 = x.dtype == torch.bfloat16
+    p._numel = x.numel()
+    p._flat = not (transpose or dbias)
+    shape = (
+        device,
+        p._bf16,
+        fp8_dtype,
+        row.shape[0] == len(STAT_COLUMNS),
+        amax is not None,
+        amax is not None,
+        power_2_scale,
+        False,
+        amax is not None,
+    )  # fmt: skip  (launch_quantize's call shape)
+    if p._flat:
+        block, kwargs = _plan(shape, None)
+        p._quantize = PreparedLaunch(_quantize_kernel, persistent_grid(cdiv(p._numel, block), device), kwargs)
+        p._t_shape = None
+        return p
+    m, n = x.shape
+    (bm, bn), kwargs = _plan(shape, (divisor(m), divisor(n)), transpose, dbias)
+    tiles_m, p._tiles_n = cdiv(m, bm), cdiv(n, bn)
+    pm, p._pn = grid_2d(tiles_m, p._tiles_n, device)
+    p._m, p._n = m, n
+    p._t_shape = (n, m) if transpose else None
+    p._ws_shape = (pm, p._tiles_n * bn)
+    p._quantize = PreparedLaunch(_quantize_t_kernel, pm * p._pn, kwargs)
+    return p
+
+
 #: ``(device, stream)`` -> int32 counters, zero between launches: the tiled kernel's per-column arrival
 #: counters for the column sums (``_flush_column_sums`` sets each back to 0). Launches on one stream run one
 #: after the other, so they share a buffer; another stream gets its own. Zeroed once, when made or grown.
@@ -1003,6 +1117,20 @@ def quantize_with_stats_transposed_triton(
         x, scale, fp8_dtype, stats, amax=amax, transpose=True, dbias=dbias
     )
     return (q, qt, row, *column_sums)
+
+
+def _prepare_delayed(transpose: bool):
+    def prepare(x, fp8_dtype, row, scale, *, dbias: bool = False, power_2_scale: bool = False):
+        if power_2_scale:
+            raise ValueError("power_2_scale: applies to current scaling only")
+        return prepare_quantize(x, fp8_dtype, row, scale, transpose=transpose, dbias=dbias)
+
+    return prepare
+
+
+# the dispatch table's prepared calls (fp8_kernels.dispatch.prepare_quantize)
+quantize_with_stats_triton.prepare = _prepare_delayed(False)
+quantize_with_stats_transposed_triton.prepare = _prepare_delayed(True)
 
 
 def _scale_operand(scale, amax, scale_from_amax: bool, scale_out: torch.Tensor | None = None) -> torch.Tensor:

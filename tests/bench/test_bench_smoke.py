@@ -420,7 +420,7 @@ def test_launch_host_smoke(tmp_path):
     }
     for r in rows.values():  # every form timed; the launcher's share is what it costs above the allocations
         us = r["us_per_call"]
-        assert set(us) == {"planned", "rebuilt", "floor"} and all(v > 0 for v in us.values()), r
+        assert set(us) == {"planned", "rebuilt", "prepared", "floor"} and all(v > 0 for v in us.values()), r
         assert r["launcher_us"]["planned"] == pytest.approx(us["planned"] - us["floor"])
 
 

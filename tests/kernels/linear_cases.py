@@ -34,7 +34,6 @@ def _triton_kernels(device: torch.device, log: list, transposes: bool = True) ->
     ``(op, args, result)``; ``transposes=False`` leaves the transposing ones out. The scale update stays on
     its reference (it is tested on its own, and interpreted it costs most of a step). The dispatch table is
     restored afterwards (on CUDA: the compiled kernels registered there before)."""
-    from fp8_kernels.dispatch import _TABLES
     from fp8_kernels.triton_current import quantize_current_transposed_triton, quantize_current_triton
     from fp8_kernels.triton_quantize import quantize_with_stats_transposed_triton, quantize_with_stats_triton
 
@@ -54,14 +53,12 @@ def _triton_kernels(device: torch.device, log: list, transposes: bool = True) ->
         return wrapper
 
     fp8_kernels.has_kernel("quantize", device.type)  # CUDA registers lazily: do it before the snapshot
-    saved = {op: dict(table) for op, table in _TABLES.items()}
+    saved = fp8_kernels.registered()
     fp8_kernels.register(device.type, **{op: logged(op, fn) for op, fn in impls.items()})
     try:
         yield
     finally:
-        for op, table in _TABLES.items():
-            table.clear()
-            table.update(saved[op])
+        fp8_kernels.restore(saved)
 
 
 def _by_row(log: list, op: str) -> dict[int, tuple]:
@@ -248,3 +245,129 @@ def _fused_transposes(device: torch.device) -> None:
             rows = {args[-1].storage_offset() // args[-1].numel(): name for name, args, _ in log}
             assert [rows.get(i) for i in range(3)] == expected, (recipe.scaling, x_grad, w_grad, rows)
             assert len(gemms) == 2 and len(log) == 3
+
+
+# ----- prepared quantize calls (fp8_kernels.prepare_quantize): the FP8 Linear's fast path -----
+@case("prepared-quantize-equals-the-full-launch")
+def _prepared_equals_launch(device: torch.device) -> None:
+    """Every prepared form (delayed and current scaling; flat, transposed, with column sums; bfloat16 and
+    float32 input; rows with and without the quality columns) writes exactly what the full call writes on
+    the same operands: q, qt, the statistics row, scale_inv, the column sums; a second call of the same
+    prepared object on other values too (nothing of the first call's tensors is kept)."""
+    from fp8_kernels.quantize import BASE_COLUMNS, STAT_COLUMNS, new_stats
+    from fp8_kernels.triton_current import quantize_current_transposed_triton, quantize_current_triton
+    from fp8_kernels.triton_quantize import quantize_with_stats_transposed_triton, quantize_with_stats_triton
+
+    full = {
+        "quantize": quantize_with_stats_triton,
+        "quantize_transposed": quantize_with_stats_transposed_triton,
+        "current": quantize_current_triton,
+        "current_transposed": quantize_current_transposed_triton,
+    }
+    saved = fp8_kernels.registered()
+    fp8_kernels.register(device.type, **full)
+    try:
+        g = torch.Generator().manual_seed(3)
+        for op, fn in full.items():
+            current, transposed = op.startswith("current"), op.endswith("transposed")
+            for dtype, width in ((torch.bfloat16, len(STAT_COLUMNS)), (torch.float32, len(BASE_COLUMNS))):
+                for dbias in (False, True):
+                    what = f"{op} {dtype} dbias={dbias} width={width}"
+                    fp8 = torch.float8_e5m2 if dbias else torch.float8_e4m3fn
+                    scale = torch.tensor(3.0, device=device)
+                    like = torch.randn(24, 40, generator=g).to(device, dtype)
+                    row = new_stats(device=device, quality=width == len(STAT_COLUMNS))
+                    prepared = fp8_kernels.prepare_quantize(op, like, fp8, row, scale, dbias=dbias)
+                    assert prepared is not None, f"{what}: no prepared form"
+                    for seed in (1, 2):
+                        x = (torch.randn(24, 40, generator=g) * 4.0**seed).to(device, dtype)
+                        row_p = new_stats(device=device, quality=width == len(STAT_COLUMNS))
+                        row_f = row_p.clone()
+                        q, qt, sinv, sums = prepared(x, scale, row_p)
+                        extra = {"dbias": True} if dbias else {}
+                        if current:
+                            ref = fn(x, fp8, row_f, return_scale_inv=True, **extra)
+                            ref_q, ref_qt = ref[0], ref[1] if transposed else None
+                            same(sinv, ref[3] if transposed else ref[2], f"{what}: scale_inv")
+                        else:
+                            ref = fn(x, scale, fp8, row_f, **extra)
+                            ref_q, ref_qt = ref[0], ref[1] if transposed else None
+                            assert sinv is None, f"{what}: delayed scaling returns no scale_inv"
+                        same(q.view(torch.uint8), ref_q.view(torch.uint8), f"{what}: q")
+                        if transposed:
+                            same(qt.view(torch.uint8), ref_qt.view(torch.uint8), f"{what}: qt")
+                        else:
+                            assert qt is None, f"{what}: a transpose nobody asked for"
+                        same(row_p, row_f, f"{what}: statistics row")
+                        if dbias:
+                            same(sums, ref[-1], f"{what}: column sums")
+                        else:
+                            assert sums is None
+        # routing changes invalidate what was prepared under the old one
+        before = fp8_kernels.generation()
+        with reference_kernels():
+            assert fp8_kernels.generation() != before
+            like = torch.randn(4, 4, device=device)
+            row = fp8_kernels.new_stats(device=device)
+            scale = torch.tensor(1.0, device=device)
+            assert fp8_kernels.prepare_quantize("quantize", like, torch.float8_e4m3fn, row, scale) is None
+    finally:
+        fp8_kernels.restore(saved)
+
+
+@case("fp8_linear-prepared-path-equals-the-full-path", devices=("cpu",))
+def _prepared_linear(device: torch.device) -> None:
+    """Training steps of a model whose layers take the prepared quantize calls equal, bit for bit (losses,
+    gradients, statistics, scales), the same steps with every quantize through the full dispatch call;
+    delayed and current scaling."""
+    from fp8_kernels.triton_current import quantize_current_transposed_triton, quantize_current_triton
+    from fp8_kernels.triton_quantize import quantize_with_stats_transposed_triton, quantize_with_stats_triton
+
+    def run(recipe, prepared: bool):
+        torch.manual_seed(0)
+        model = fp8_trainer.convert_to_fp8(nn.Sequential(nn.Linear(32, 16), nn.GELU(), nn.Linear(16, 16)))
+        calls = []
+        original = fp8_trainer.linear_ops.prepare_quantize
+
+        def spy(*args, **kwargs):
+            out = original(*args, **kwargs) if prepared else None
+            calls.append(out)
+            return out
+
+        fp8_trainer.linear_ops.prepare_quantize = spy
+        try:
+            g = torch.Generator().manual_seed(1)
+            out = []
+            for _ in range(3):
+                x = torch.randn(9, 32, generator=g)
+                with fp8_trainer.fp8_autocast(fp8_recipe=recipe):
+                    loss = model(x).square().mean()
+                loss.backward()
+                out.append((loss.detach(), fp8_trainer.step_stats(model).clone()))
+        finally:
+            fp8_trainer.linear_ops.prepare_quantize = original
+        if prepared:  # prepared once per tensor (and statistics width), then reused
+            assert all(c is not None for c in calls) and len(calls) == 6, calls
+        state = fp8_trainer.get_fp8_state(model)
+        grads = [p.grad for p in model.parameters()]
+        return out, grads, state.scale.clone()
+
+    saved = fp8_kernels.registered()
+    fp8_kernels.register(
+        device.type,
+        quantize=quantize_with_stats_triton,
+        quantize_transposed=quantize_with_stats_transposed_triton,
+        current=quantize_current_triton,
+        current_transposed=quantize_current_transposed_triton,
+    )
+    try:
+        for recipe in (fp8_trainer.DelayedScaling(), fp8_trainer.CurrentScaling()):
+            (steps_p, grads_p, scale_p), (steps_f, grads_f, scale_f) = run(recipe, True), run(recipe, False)
+            for n, ((lp, sp), (lf, sf)) in enumerate(zip(steps_p, steps_f, strict=True)):
+                same(lp, lf, f"{recipe}: loss of step {n}")
+                same_row(sp, sf, f"{recipe}: statistics of step {n}")
+            for a, b in zip(grads_p, grads_f, strict=True):
+                same(a, b, f"{recipe}: gradients")
+            same(scale_p, scale_f, f"{recipe}: scales")
+    finally:
+        fp8_kernels.restore(saved)
