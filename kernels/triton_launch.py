@@ -307,7 +307,8 @@ class PreparedLaunch:
         if compiled is None and device.type == "cuda":
             handle = _HANDLES.get((self.kernel, launch_key(device, args, self.kwargs)))
             if handle is not None:
-                self._compiled, self._tail = handle
+                compiled, names = handle
+                self._compiled, self._tail = compiled, tuple(self.kwargs[name] for name in names)
                 self._aligned, self._index = _alignment(args), device.index
 
 
