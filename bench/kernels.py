@@ -184,7 +184,8 @@ def bench_size(n: int, impls: dict, fp8, device, reps: int, l2_bytes: int, smoke
     ref_row = rows["eager"][1]
     stats_match = {name: rows_match(out[-1], ref_row) for name, out in rows.items()}
     bits_match = None
-    if device.type == "cuda":  # the interpreter's float8 casts are not trusted (DESIGN.md, "Known traps")
+    # the interpreter's float8 casts are not trusted (docs/fp8-semantics.md, "Known traps")
+    if device.type == "cuda":
         ref_q = rows["eager"][0].view(torch.uint8)
         ref_qt = rows["eager+T"][1].view(torch.uint8)
         bits_match = {

@@ -7,7 +7,8 @@ have shape ``(n_tensors,)``. Per-tensor settings (``fp8_max``, ``margin``, ``his
 the algorithm) may be Python scalars or ``(n_tensors,)`` tensors, so one call updates every tensor of a
 model, each with its own (possibly overridden) recipe. Nothing here reads a tensor value on the host.
 
-Edge cases, as Transformer Engine's delayed-scaling kernel (``kernel_bulk``) and DESIGN.md state them:
+Edge cases, as Transformer Engine's delayed-scaling kernel (``kernel_bulk``) has them
+(docs/fp8-semantics.md):
 
 * a step amax of zero (a layer that did not run, an all-zero gradient or weight) does not enter the history
   and keeps the scale: one idle step must not push the window's maximum out;

@@ -3,7 +3,7 @@
 This is the specification the Triton kernels (``triton_quantize``, ``triton_current``) and the fused CPU
 kernel (``cpu_fused``) are tested against, and the CPU path where that kernel does not build.
 
-Numerics (DESIGN.md, "FP8 facts"):
+Numerics (docs/fp8-semantics.md):
 
 * ``q = fp8(clamp(x * scale, -FP8_MAX, FP8_MAX))``, computed in float32. The clamp makes saturation explicit:
   a plain cast's handling of out-of-range values differs between PyTorch versions and devices (on the CPU

@@ -18,10 +18,10 @@ saves the registers of four separate accumulators.
 
 The FP8 cast: where the float32 -> FP8 cast saturates by itself (``saturating_cast``: CUDA sm_89+, whose
 ``cvt.rn.satfinite`` maps values beyond ``FP8_MAX`` and infinities to ``+-FP8_MAX`` and keeps NaN) it is
-the cast alone, one instruction per pair of elements. Elsewhere (the interpreter, whose float8 cast rounds
-some values wrongly, DESIGN.md known traps; ROCm) ``v`` is rounded to the format *arithmetically*
-(``_round_fp8``: a mantissa rounding on the bits for normals, the add of a power of two for subnormals) and
-the cast meets only values the format holds, so the bits are the reference's on both.
+the cast alone, one instruction per pair of elements. Elsewhere (the interpreter, whose float8 cast
+rounds some values wrongly, docs/fp8-semantics.md "Known traps"; ROCm) ``v`` is rounded to the format
+*arithmetically* (``_round_fp8``: a mantissa rounding on the bits for normals, the add of a power of two for
+subnormals) and the cast meets only values the format holds, so the bits are the reference's on both.
 
 Quality statistics (``QUALITY``, a 10-column row; a 6-column row skips them) come from the same values:
 per element ``|x * scale|`` of the finite elements (0 for NaN/Inf), its square, and the square of its

@@ -13,7 +13,8 @@ histories and scales of the scale update. Sizes cover the kernels' code paths: f
 blocks plus a masked tail, a tail only, 2-D shapes with and without edge tiles and with rows that are
 (``DIV`` 16) and are not multiples of 16. The FP8 bits come from two different code paths: on a GPU with
 a saturating cast (sm_89+) the cast alone, elsewhere (here, under the interpreter, whose float8 cast rounds
-some values wrongly: DESIGN.md, "Known traps") an arithmetic rounding the cast then only has to carry over
+some values wrongly: docs/fp8-semantics.md, "Known traps") an arithmetic rounding the cast then only has to
+carry over
 (``triton_quantize._to_fp8``). The transposed output is compared with the transpose of the kernel's own
 ``q``.
 """

@@ -6,8 +6,8 @@ allows it.
 
 What is compared exactly: statistics rows and scales against the references on the same inputs; outputs
 and gradients against GEMMs of the kernels' own FP8 tensors; whole runs against the references where every
-cast is exact (the interpreter rounds some float8 casts wrongly, DESIGN.md "Known traps"); and fused
-transposes against the transposing copies they replace, with the same kernels.
+cast is exact (the interpreter rounds some float8 casts wrongly, docs/fp8-semantics.md "Known traps"); and
+fused transposes against the transposing copies they replace, with the same kernels.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def _current_linear(device: torch.device) -> None:
         same(scale_inv, torch.reciprocal(scale_ref), f"tensor {i}: scale_inv written by the kernel")
         same_row(stats[i], row_ref, f"tensor {i}: statistics row")
     # the GEMMs consumed exactly the kernels' q and the scale_inv they wrote (the bits of q itself are
-    # checked on a GPU: the interpreter's float8 rounding, DESIGN.md "Known traps")
+    # checked on a GPU: the interpreter's float8 rounding, docs/fp8-semantics.md "Known traps")
     a = {i: gemm_operand(out[0]) for i, (_, out) in calls.items()}
     s = {i: out[2] for i, (_, out) in calls.items()}
     same(y, fp8_mm(a[3], s[3], a[4].t(), s[4], torch.float32, model[2].bias), "output")

@@ -11,15 +11,16 @@ FORMATS = [
     (torch.float8_e4m3fn, 448.0, 2.0**-9),
     (torch.float8_e5m2, 57344.0, 2.0**-16),
 ]
-#: where a float32 value saturates in the cast (DESIGN.md): above 464 for E4M3 (464 ties to even: 448),
-#: at or above 61440 for E5M2 (61440 ties to even: 65536 = Inf)
+#: where a float32 value saturates in the cast (docs/fp8-semantics.md, "Known traps"): above 464 for E4M3
+#: (464 ties to even: 448), at or above 61440 for E5M2 (61440 ties to even: 65536 = Inf)
 SATURATES = {torch.float8_e4m3fn: lambda a: a > 464.0, torch.float8_e5m2: lambda a: a >= 61440.0}
 NAN, INF = float("nan"), float("inf")
 
 
 def reference_counts(x: torch.Tensor, scale: float, dtype: torch.dtype, fmax: float):
-    """Element-by-element Python reference of the statistics row, from the definitions in DESIGN.md:
-    NaN elements ignored by the amax (counted as non-finite), overflow where the cast really saturated."""
+    """Element-by-element Python reference of the statistics row, from the definitions in
+    docs/fp8-semantics.md: NaN elements ignored by the amax (counted as non-finite), overflow where the cast
+    really saturated."""
     q = (x.double() * scale).clamp(-fmax, fmax).float().to(dtype)  # only used for underflow (value == 0)
     amax, ovf, unf, nonfin = 0.0, 0, 0, 0
     for v, qv in zip(x.tolist(), q.float().tolist(), strict=True):

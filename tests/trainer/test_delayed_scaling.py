@@ -1,4 +1,4 @@
-"""Delayed scaling against sequences derived by hand (DESIGN.md "FP8 facts").
+"""Delayed scaling against sequences derived by hand (docs/fp8-semantics.md).
 
 E4M3 (FP8_MAX = 448) throughout unless stated; amaxes are powers of two so every scale is exact.
 History rows are newest first (fp8scope's layout). ``scale = (448 * 2**-margin) / amax``; a zero step amax
