@@ -27,6 +27,7 @@ from contextlib import contextmanager
 import torch
 
 from .block_quantize import BlockQuantized, quantize_blocks
+from .device import fp8_gpu
 from .histogram import exponent_histogram_reference
 from .quantize import (
     KERNEL_MAX_NUMEL,
@@ -154,23 +155,6 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-def fp8_gpu(device: torch.device | None = None) -> bool:
-    """Whether ``device`` (default: the current CUDA device, if any) is a CUDA GPU with FP8 tensor cores:
-    compute capability 8.9 or later (Ada, Hopper, Blackwell). Read once per device."""
-    if device is None:
-        if not torch.cuda.is_available():
-            return False
-        device = torch.device("cuda")
-    if device.type != "cuda":
-        return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
-
-
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
 
 
 @functools.cache

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import fp8_gpu
+from .device import fp8_gpu
 from .quantize import fp8_max, overflow_threshold, subnormal_threshold, underflow_threshold
 
 __all__ = [

@@ -35,11 +35,11 @@ from tests.kernels.exact_checks import same_row
 )
 def test_fp8_gpu_is_compute_capability_8_9_and_later(monkeypatch, capability, fp8):
     # the one place that decides real FP8 GEMMs and the Triton kernels (its capability read is patched here)
-    from fp8_kernels import dispatch
+    from fp8_kernels import device
 
     from fp8_trainer.gemm import uses_scaled_mm
 
-    monkeypatch.setattr(dispatch, "_capability", lambda index: capability if index == 1 else (0, 0))
+    monkeypatch.setattr(device, "_capability", lambda index: capability if index == 1 else (0, 0))
     assert fp8_kernels.fp8_gpu(torch.device("cuda", 1)) is fp8
     assert uses_scaled_mm(torch.device("cuda", 1)) is (fp8 and hasattr(torch, "_scaled_mm"))
     assert not fp8_kernels.fp8_gpu(torch.device("cpu")) and not uses_scaled_mm(torch.device("cpu"))
