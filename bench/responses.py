@@ -26,11 +26,12 @@ import orjson
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from fp8_protocol.codec import jsonable  # noqa: E402
+from fp8_protocol.tensors import TensorInfo  # noqa: E402
 from monitor_server.api.responses import model_json  # noqa: E402
-from monitor_server.run_meta import TensorMeta  # noqa: E402
 from monitor_server.schemas import HeatmapHead, HeatmapPublic, SeriesMulti, SeriesPublic  # noqa: E402
 from monitor_server.series import downsample_minmax, series_points  # noqa: E402
-from monitor_server.wire import jsonable, matrix_json  # noqa: E402
+from monitor_server.wire import matrix_json  # noqa: E402
 
 
 def heatmap_case(tensors: int, buckets: int) -> dict[str, callable]:
@@ -41,7 +42,7 @@ def heatmap_case(tensors: int, buckets: int) -> dict[str, callable]:
     empty[100:110] = True
     values[:, empty] = np.nan
     metas = [
-        TensorMeta(i, f"blocks.{i // 3}.fc.t{i % 3}", f"blocks.{i // 3}.fc", "input", "e4m3")
+        TensorInfo(i, f"blocks.{i // 3}.fc.t{i % 3}", f"blocks.{i // 3}.fc", "input", "e4m3")
         for i in range(tensors)
     ]
     head = {

@@ -25,12 +25,12 @@ from typing import Any
 import httpx
 import orjson
 
+from fp8_protocol.api import API_PREFIX
 from fp8_protocol.runs import RUN_STATUSES
 
-__all__ = ["API", "SPOOL_VERSION", "SpoolContents", "UploadResult", "read_spool", "upload_spool"]
+__all__ = ["SPOOL_VERSION", "SpoolContents", "UploadResult", "read_spool", "upload_spool"]
 
 SPOOL_VERSION = 1
-API = "/api/v1"
 
 
 @dataclass
@@ -138,7 +138,7 @@ def upload_spool(path: str | os.PathLike, url: str, token: str | None = None) ->
     """
     spool = read_spool(path)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    base = url.rstrip("/") + API
+    base = url.rstrip("/") + API_PREFIX
     with httpx.Client(headers=headers, timeout=30.0) as client:
         r = _post(client, f"{base}/runs", {**spool.run, "client_key": spool.client_key})
         if r.status_code not in (200, 201):

@@ -1,4 +1,6 @@
-"""The per-tensor statistics both sides speak of, and how a float that may be non-finite travels in JSON."""
+"""The per-tensor statistics both sides speak of: their columns, how they merge, the FP8 limits they are
+measured against and the quantities the dashboard and the detectors derive from them. (How a float that may
+be non-finite travels in JSON: `fp8_protocol.codec`.)"""
 
 from __future__ import annotations
 
@@ -92,22 +94,6 @@ FP8_MIN_NORMAL: dict[str, float] = {"e4m3": 2.0**-6, "e5m2": 2.0**-14}
 FP8_MIN_SUBNORMAL: dict[str, float] = {"e4m3": 2.0**-9, "e5m2": 2.0**-16}
 #: The range a format spans, in binades: log2(max / smallest subnormal) (E4M3 17.8, E5M2 31.8).
 FP8_RANGE_BINADES: dict[str, float] = {f: math.log2(FP8_MAX[f] / FP8_MIN_SUBNORMAL[f]) for f in FP8_MAX}
-
-#: How JSON spells the non-finite floats (JSON itself has no NaN or Infinity).
-NONFINITE_SPELLING: dict[str, float] = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
-
-
-def encode_float(x: float) -> float | str:
-    """A float as JSON can carry it: finite unchanged, NaN / ±inf as "NaN" / "Infinity" / "-Infinity"."""
-    x = float(x)
-    if x != x:
-        return "NaN"
-    if x == math.inf:
-        return "Infinity"
-    if x == -math.inf:
-        return "-Infinity"
-    return x
-
 
 # The quantities the quality columns stand for, as the dashboard and the detectors show them. Each takes
 # numpy arrays (or floats) of the stored columns. A tensor with nothing to measure (all zero, or a layer that

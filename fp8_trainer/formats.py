@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fp8_protocol.tensors import ROLES
+
 __all__ = [
     "E4M3",
     "E5M2",
@@ -47,4 +49,3 @@ E5M2 = FP8Format("e5m2", torch.float8_e5m2, 57344.0, 2.0**-14, 2.0**-16, has_inf
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 #: The three quantized tensors of one FP8 Linear, in index order (layer k owns 3k, 3k+1, 3k+2).
-ROLES = ("input", "weight", "grad_output")

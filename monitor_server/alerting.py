@@ -28,6 +28,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
+from fp8_protocol.codec import jsonable
 from monitor_server import commands as command_ops
 from monitor_server.client_events import event_light
 from monitor_server.core.config import Settings
@@ -47,7 +48,7 @@ from monitor_server.incidents import (
 )
 from monitor_server.models import Alert, Command, EventRow, Incident, Run, as_utc, utcnow
 from monitor_server.run_meta import RunMeta, RunMetaCache
-from monitor_server.wire import iso_dates, jsonable
+from monitor_server.wire import iso_dates
 
 log = logging.getLogger("fp8scope.monitor")
 

@@ -16,6 +16,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.concurrency import run_in_threadpool
 
+from fp8_protocol.api import API_PREFIX
 from monitor_server import run_admin
 from monitor_server.alerting import MAINTENANCE_JOB
 from monitor_server.api.routes import (
@@ -42,7 +43,6 @@ from monitor_server.schemas import TelemetryBatch
 from monitor_server.web import mount_dashboard
 
 log = logging.getLogger("fp8scope.monitor")
-API_PREFIX = "/api/v1"
 
 
 def _database_unavailable(request: Request, exc: Exception) -> JSONResponse:

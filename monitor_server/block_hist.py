@@ -26,7 +26,8 @@ import numpy as np
 from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.orm import Session
 
-from fp8_protocol.stats import BLOCK_HIST_BINS, block_fraction, encode_float
+from fp8_protocol.codec import WireError, encode_float
+from fp8_protocol.stats import BLOCK_HIST_BINS, block_fraction
 from monitor_server.models import BlockHistogram, Run, StepStat
 from monitor_server.rollups import (
     COMPACT_BLOCK,
@@ -38,7 +39,6 @@ from monitor_server.rollups import (
     read_step_stats_each,
     sealed_blocks,
 )
-from monitor_server.wire import WireError
 
 #: the largest count one step's entry may carry (stored as uint32): 2^32 - 1 blocks of 32 values are
 #: 1.4e11 values, beyond any one tensor

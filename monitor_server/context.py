@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from sqlalchemy import func, select
 
+from fp8_protocol.codec import NONFINITE_SPELLING
 from monitor_server.alerting import AlertService
 from monitor_server.core.config import Settings
 from monitor_server.core.db import Database
@@ -69,8 +70,6 @@ class AppContext:
             ).all()
         runs = []
         for run_id, name, loss, step in rows:
-            value = {"NaN": float("nan"), "Infinity": float("inf"), "-Infinity": float("-inf")}.get(
-                loss, loss
-            )
+            value = NONFINITE_SPELLING.get(loss, loss)
             runs.append((run_id, name, value if isinstance(value, int | float) else None, step))
         return alerts, runs

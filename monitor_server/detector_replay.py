@@ -19,8 +19,9 @@ import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from fp8_protocol.stats import BASE_COLUMNS
-from monitor_server.detectors.types import STAT_COLUMNS, StepBatch, decode_float
+from fp8_protocol.codec import decode_float
+from fp8_protocol.stats import BASE_COLUMNS, STAT_COLUMNS
+from monitor_server.detectors.types import StepBatch
 from monitor_server.models import StepRow
 from monitor_server.rollups import STAT_IDS, read_step_stats_each
 
@@ -60,7 +61,7 @@ def _batches(session: Session, run_id: int, rows: list, num_tensors: int) -> Ite
             pos[np.searchsorted(steps, present_steps[metric])] = np.arange(len(present_steps[metric]))
         where[name] = pos
     signature = [tuple(name for name in STAT_COLUMNS if where[name][i] >= 0) for i in range(len(steps))]
-    scalars = [{k: decode_float(v) for k, v in (r.scalars or {}).items()} for r in rows]
+    scalars = [{k: decode_float(v, null_as_nan=True) for k, v in (r.scalars or {}).items()} for r in rows]
     start = 0
     for i in range(1, len(steps) + 1):
         if i < len(steps) and signature[i] == signature[start]:

@@ -411,8 +411,8 @@ def scalars_table(
             scalars = row.scalars
             if not scalars:
                 continue
-            # numbers and the wire's "NaN" / "Infinity" (what ingest stores: `wire.decode_float` refuses
-            # booleans) of known names: two C loops
+            # numbers and the wire's "NaN" / "Infinity" (what ingest stores: `fp8_protocol.codec.decode_float`
+            # refuses booleans) of known names: two C loops
             try:
                 js = np.fromiter(map(position.__getitem__, scalars), np.intp, len(scalars))
                 vs = np.fromiter(scalars.values(), np.float64, len(scalars))

@@ -12,6 +12,8 @@ import orjson
 from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
 
+from fp8_protocol.client_events import EVENT_FIELDS, EVENT_KINDS, RANK_AMAX_EVENT, parse_rank_amax
+from fp8_protocol.codec import WireError, decode_column, decode_float, encode_float
 from fp8_protocol.stats import (
     BASE_COLUMNS,
     BLOCK_COLUMNS,
@@ -21,8 +23,7 @@ from fp8_protocol.stats import (
 )
 from monitor_server import commands as command_ops
 from monitor_server.block_hist import HistEntry, decode_block_hist, hist_rows, update_histogram_sums
-from monitor_server.detectors.ranks import parse_rank_amax
-from monitor_server.detectors.types import EVENT_KINDS, StepBatch
+from monitor_server.detectors.types import StepBatch
 from monitor_server.models import (
     BlockHistogram,
     Command,
@@ -35,14 +36,7 @@ from monitor_server.models import (
 )
 from monitor_server.rollups import step_stat_rows, update_rollups
 from monitor_server.schemas import MAX_ID
-from monitor_server.wire import (
-    WireError,
-    decode_column,
-    decode_float,
-    details_summary,
-    encode_float,
-    json_too_deep,
-)
+from monitor_server.wire import details_summary, json_too_deep
 
 _TOP_KEYS = {"idempotency_key", "steps", "events", "acks"}
 _STEP_KEYS = {"step", "scalars", "stats", "block_hist"}
@@ -303,7 +297,7 @@ def _decode_events(events: Any, num_tensors: int, limits: EventLimits) -> list[d
     out = []
     for i, ev in enumerate(events):
         where = f"events[{i}]"
-        if not isinstance(ev, dict) or set(ev) - {"kind", "step", "details"}:
+        if not isinstance(ev, dict) or set(ev) - EVENT_FIELDS:
             raise WireError(f"{where}: expected an object with kind, step and details")
         if ev.get("kind") not in EVENT_KINDS:
             raise WireError(f"{where}.kind: must be one of {list(EVENT_KINDS)}")
@@ -313,7 +307,7 @@ def _decode_events(events: Any, num_tensors: int, limits: EventLimits) -> list[d
         size = check_free_json(
             details, f"{where}.details", limits.max_json_depth, limits.max_event_detail_bytes
         )
-        if ev["kind"] == "rank_amax":
+        if ev["kind"] == RANK_AMAX_EVENT:
             try:
                 parse_rank_amax(details, num_tensors)
             except (ValueError, KeyError) as exc:

@@ -18,7 +18,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from fp8_protocol.stats import FP8_MAX
-from monitor_server.detectors.types import TensorMeta
+from fp8_protocol.tensors import TensorInfo
 from monitor_server.models import Run, TensorRow, as_utc
 
 
@@ -27,7 +27,7 @@ class RunMeta:
     """A run's registered tensors (sorted by index), per-tensor FP8 max and layer names in layer order."""
 
     run_id: int
-    tensors: tuple[TensorMeta, ...]
+    tensors: tuple[TensorInfo, ...]
     fp8_max: np.ndarray
     layers: tuple[str, ...]
     #: the token name that registered the run (see `Run.owner`)
@@ -42,7 +42,7 @@ class RunMeta:
 
 
 def build_meta(
-    run_id: int, tensors: list[TensorMeta], owner: str | None = None, created_at: datetime | None = None
+    run_id: int, tensors: list[TensorInfo], owner: str | None = None, created_at: datetime | None = None
 ) -> RunMeta:
     """RunMeta from a tensor list (any order)."""
     ordered = tuple(sorted(tensors, key=lambda t: t.index))
@@ -100,7 +100,7 @@ class RunMetaCache:
             select(TensorRow).where(TensorRow.run_id == run_id).order_by(TensorRow.index)
         ).scalars()
         tensors = [
-            TensorMeta(index=r.index, name=r.name, layer=r.layer, role=r.role, format=r.format) for r in rows
+            TensorInfo(index=r.index, name=r.name, layer=r.layer, role=r.role, format=r.format) for r in rows
         ]
         meta = build_meta(run_id, tensors, found[0], found[1])
         with self._lock:

@@ -50,7 +50,7 @@ Tags = Annotated[list[Tag], Field(max_length=MAX_TAGS), AfterValidator(_unique_t
 RunStatus = Literal[RUN_STATUSES]  # see fp8_protocol.runs
 Role = Literal["input", "weight", "grad_output"]
 Fp8Format = Literal["e4m3", "e5m2"]
-# keep in step with monitor_server.detectors.types.EVENT_KINDS (a test checks)
+# keep in step with fp8_protocol.client_events.EVENT_KINDS (a test checks)
 EventKind = Literal["loss_spike", "nonfinite", "rank_amax", "custom"]
 # keep in step with monitor_server.rollups.HEATMAP_METRICS (a test checks)
 HeatmapMetric = Literal[

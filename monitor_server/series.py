@@ -11,9 +11,9 @@ import orjson
 from sqlalchemy import Text, case, select, type_coerce
 from sqlalchemy.orm import Session
 
+from fp8_protocol.codec import NONFINITE_SPELLING, jsonable
 from monitor_server.models import StepRow
 from monitor_server.schemas import SeriesPoints
-from monitor_server.wire import NONFINITE_STRINGS, jsonable
 
 P = TypeVar("P", bound=SeriesPoints)
 
@@ -25,7 +25,7 @@ def scalar_value(raw: object) -> float | None:
     if isinstance(raw, int | float):
         return float(raw)
     if isinstance(raw, str):
-        return NONFINITE_STRINGS.get(raw)
+        return NONFINITE_SPELLING.get(raw)
     return None
 
 

@@ -16,13 +16,14 @@ from typing import Any
 
 import numpy as np
 
+from fp8_protocol.codec import WireError, encode_float
 from monitor_server.client_events import event_light
 from monitor_server.commands import CommandError, command_public
 from monitor_server.context import AppContext
 from monitor_server.detectors.types import StepBatch
 from monitor_server.ingest import DecodedBatch, UnknownRun, store_batch
 from monitor_server.run_meta import RunMeta, is_current
-from monitor_server.wire import WireError, encode_float, iso_dates
+from monitor_server.wire import iso_dates
 
 log = logging.getLogger("fp8scope.monitor")
 

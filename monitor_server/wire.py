@@ -1,63 +1,16 @@
-"""The wire encoding of floats and statistic columns (see docs/wire-format.md).
-
-JSON cannot spell NaN or ±infinity, so every non-finite float crossing the API is the string "NaN",
-"Infinity" or "-Infinity". A statistic column (COL) is either a JSON array of T numbers (non-finite values
-as those strings) or a packed column ``{"dtype": "float32"|"float64", "b64": "<base64 little-endian>"}``.
+"""The service's side of the wire (see docs/wire-format.md): checks on parsed JSON before it is decoded
+(depth, non-finite tokens, the value budget), event summaries, and rendering answers (dates, float
+matrices). The float and column codec both sides share is `fp8_protocol.codec`.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import math
 from datetime import datetime
 from typing import Any
 
 import numpy as np
 import orjson
-
-NONFINITE_STRINGS: dict[str, float] = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
-_PACKED_DTYPES = {"float32": np.dtype("<f4"), "float64": np.dtype("<f8")}
-
-
-class WireError(ValueError):
-    """A request body that does not follow the wire format; the message names the problem."""
-
-
-def decode_float(value: Any, where: str) -> float:
-    """One wire float: a JSON number or one of the three non-finite strings."""
-    if isinstance(value, bool):
-        raise WireError(f"{where}: expected a number, got a boolean")
-    if isinstance(value, int | float):
-        return float(value)
-    if isinstance(value, str) and value in NONFINITE_STRINGS:
-        return NONFINITE_STRINGS[value]
-    raise WireError(f"{where}: expected a number or one of 'NaN', 'Infinity', '-Infinity', got {value!r:.40}")
-
-
-def encode_float(x: float) -> float | str:
-    """A float as JSON can carry it: finite unchanged, NaN / ±inf as "NaN" / "Infinity" / "-Infinity"."""
-    x = float(x)
-    if math.isfinite(x):
-        return x
-    if x != x:
-        return "NaN"
-    return "Infinity" if x > 0 else "-Infinity"
-
-
-def jsonable(value: Any) -> Any:
-    """`value` with every non-finite float (also inside dicts, lists and numpy arrays) spelled as a string."""
-    if isinstance(value, float | np.floating):
-        return encode_float(value)
-    if isinstance(value, np.integer):
-        return int(value)
-    if isinstance(value, np.ndarray):
-        return [jsonable(v) for v in value.tolist()]
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [jsonable(v) for v in value]
-    return value
 
 
 def json_too_deep(value: Any, limit: int) -> bool:
@@ -142,43 +95,6 @@ class JsonValueBudget:
         data = bytes(piece) if isinstance(piece, memoryview) else piece
         self.count += data.count(b",") + data.count(b"{") + data.count(b"[")
         return self.count > self.limit
-
-
-def decode_column(value: Any, length: int, where: str) -> np.ndarray:
-    """Decode one COL into a float64 array of `length` values.
-
-    Raises:
-        WireError: wrong length, wrong dtype, bad base64 or a non-number element.
-    """
-    if isinstance(value, dict):
-        dtype = _PACKED_DTYPES.get(value.get("dtype"))  # type: ignore[arg-type]
-        if dtype is None:
-            raise WireError(
-                f"{where}: packed column dtype must be 'float32' or 'float64', got {value.get('dtype')!r}"
-            )
-        b64 = value.get("b64")
-        if not isinstance(b64, str) or set(value) != {"dtype", "b64"}:
-            raise WireError(f"{where}: packed column must be exactly {{'dtype': ..., 'b64': '<base64>'}}")
-        try:
-            raw = base64.b64decode(b64, validate=True)
-        except (binascii.Error, ValueError) as exc:
-            raise WireError(f"{where}: invalid base64 ({exc})") from None
-        if len(raw) != length * dtype.itemsize:
-            held = len(raw) / dtype.itemsize
-            raise WireError(
-                f"{where}: packed column holds {held:g} {dtype.name} values, "
-                f"expected {length} (one per tensor)"
-            )
-        return np.frombuffer(raw, dtype=dtype).astype(np.float64)
-    if isinstance(value, list):
-        if len(value) != length:
-            raise WireError(f"{where}: column has {len(value)} values, expected {length} (one per tensor)")
-        arr = np.array(value) if value else np.zeros(0)
-        if arr.dtype.kind in "fi" and arr.ndim == 1 and not any(v is True or v is False for v in value):
-            return arr.astype(np.float64, copy=False)
-        # mixed numbers and non-finite strings (or garbage): the careful path
-        return np.array([decode_float(v, f"{where}[{i}]") for i, v in enumerate(value)], dtype=np.float64)
-    raise WireError(f"{where}: expected a JSON array or a packed column object, got {type(value).__name__}")
 
 
 def iso_dates(value: dict[str, Any]) -> dict[str, Any]:

@@ -23,10 +23,12 @@ from typing import Any
 
 import numpy as np
 
+from fp8_protocol.client_events import LOSS_SPIKE_EVENT, NONFINITE_EVENT
+from fp8_protocol.codec import encode_float
 from fp8_protocol.loss_spike import LossSpikeParams, LossSpikeRule
-from fp8_protocol.stats import AMAX, NONFINITE, OVERFLOW, UNDERFLOW
+from fp8_protocol.stats import AMAX, NONFINITE, OVERFLOW, STAT_COLUMNS, UNDERFLOW
 
-from .sender import STATS, StepRecord, wire_float
+from .sender import StepRecord
 
 
 @dataclass
@@ -61,11 +63,11 @@ class FlightRecorder:
         overflow / underflow / nonfinite counts."""
         out = []
         for r in self.records:
-            row: dict[str, Any] = {"step": r.step, **{k: wire_float(float(v)) for k, v in r.scalars.items()}}
+            row: dict[str, Any] = {"step": r.step, **{k: encode_float(v) for k, v in r.scalars.items()}}
             if r.stats is not None and r.stats.size:
-                row["max_amax"] = wire_float(float(np.max(r.stats[:, AMAX])))
+                row["max_amax"] = encode_float(float(np.max(r.stats[:, AMAX])))
                 for j, name in ((OVERFLOW, "overflow"), (UNDERFLOW, "underflow"), (NONFINITE, "nonfinite")):
-                    row[name] = wire_float(float(np.sum(r.stats[:, j])))
+                    row[name] = encode_float(float(np.sum(r.stats[:, j])))
             out.append(row)
         return out
 
@@ -77,20 +79,20 @@ class FlightRecorder:
             return {"steps": [], "scalars": {}, "stats": {}, "tensors": []}
         T = next((r.stats.shape[0] for r in recs if r.stats is not None), 0)
         # the columns every record has: the quality columns only where no record came without them
-        width = min((r.stats.shape[1] for r in recs if r.stats is not None), default=len(STATS))
+        width = min((r.stats.shape[1] for r in recs if r.stats is not None), default=len(STAT_COLUMNS))
         missing = np.full((T, width), np.nan)  # a step in which no FP8 layer ran
         stack = np.stack([r.stats[:, :width] if r.stats is not None else missing for r in recs])  # (K, T, C)
-        cols = STATS[:width]
+        cols = STAT_COLUMNS[:width]
         names = sorted({k for r in recs for k in r.scalars})
         out = {
             "steps": [r.step for r in recs],
-            "scalars": {n: [wire_float(float(r.scalars.get(n, np.nan))) for r in recs] for n in names},
+            "scalars": {n: [encode_float(float(r.scalars.get(n, np.nan))) for r in recs] for n in names},
             "stats": {s: pack_matrix(stack[:, :, j]) for j, s in enumerate(cols)},
             "tensors": [
                 {
                     "index": i,
                     "name": tensor_names[i] if i < len(tensor_names) else str(i),
-                    **{s: [wire_float(float(v)) for v in stack[:, i, j]] for j, s in enumerate(cols)},
+                    **{s: [encode_float(float(v)) for v in stack[:, i, j]] for j, s in enumerate(cols)},
                 }
                 for i in involved
             ],
@@ -123,13 +125,13 @@ class Detector:
             loss = float(loss)
             if not math.isfinite(loss):
                 if not self.loss_nonfinite:
-                    out.append(("nonfinite", {"what": "loss", "loss": wire_float(loss)}, []))
+                    out.append((NONFINITE_EVENT, {"what": "loss", "loss": encode_float(loss)}, []))
                 self.loss_nonfinite = True
             else:
                 self.loss_nonfinite = False
                 spike = self._spike(loss)
                 if spike is not None:
-                    out.append(("loss_spike", spike, []))  # the monitor adds the amax movers
+                    out.append((LOSS_SPIKE_EVENT, spike, []))  # the monitor adds the amax movers
         return out
 
     def _check_stats(self, rec: StepRecord, out: list) -> None:
@@ -146,7 +148,7 @@ class Detector:
                 "what": "statistics",
                 "tensor_index": new[0],  # the service's detectors attach the alert to this tensor
                 "tensor_indices": new,
-                "nonfinite_counts": [wire_float(float(nonfinite[i])) for i in new],
+                "nonfinite_counts": [encode_float(float(nonfinite[i])) for i in new],
             }
             out.append(("nonfinite", details, new[: self.cfg.max_involved]))
 

@@ -1,6 +1,6 @@
 """From one step's host data to what the service hears about it: client detection, the flight recorder, and
 the events they raise (``detect.py`` holds the rules), queued on the sender after the step itself.
-``json_safe`` makes the details of an event the caller sends (``Monitor.event``) fit for JSON."""
+``custom_event`` is the event the caller sends (``Monitor.event``), its details made fit for JSON."""
 
 from __future__ import annotations
 
@@ -8,15 +8,17 @@ from typing import Any
 
 import numpy as np
 
+from fp8_protocol.client_events import CUSTOM_EVENT, LOSS_SPIKE_EVENT, NONFINITE_EVENT
+from fp8_protocol.codec import jsonable
 from fp8_protocol.stats import BLOCK_COLUMNS, STAT_COLUMNS
 
 from ..block_linear import split_block_stats
 from . import scalars
 from .detect import DetectConfig, Detector, FlightRecorder, amax_movers
 from .histograms import Histograms
-from .sender import StepRecord, wire_float
+from .sender import StepRecord
 
-__all__ = ["StepReporter", "custom_event", "json_safe"]
+__all__ = ["StepReporter", "custom_event"]
 
 
 class StepReporter:
@@ -66,12 +68,12 @@ class StepReporter:
             rec.block, rec.block_hist = block[:, : len(BLOCK_COLUMNS)], block[:, len(BLOCK_COLUMNS) :]
         events = self.detector.check(rec)
         movers = None
-        if any(kind == "loss_spike" for kind, _, _ in events):  # against the history before this step
+        if any(kind == LOSS_SPIKE_EVENT for kind, _, _ in events):  # against the history before this step
             movers = amax_movers(self.recorder, rec, min(3, self.cfg.max_involved))
         self.recorder.push(rec)
         events_out = []
         for kind, details, involved in events:
-            if kind == "loss_spike":
+            if kind == LOSS_SPIKE_EVENT:
                 involved = movers
             if "tensor_index" in details:
                 details["tensor"] = self._names[details["tensor_index"]]
@@ -91,25 +93,10 @@ class StepReporter:
 
 def custom_event(kind: str, step: int, details: dict[str, Any]) -> dict[str, Any]:
     """The event ``Monitor.event`` sends: ``"loss_spike"`` or ``"nonfinite"`` as such, anything else as a
-    ``custom`` event with ``details["name"] = kind``; details made JSON-safe (``json_safe``)."""
+    ``custom`` event with ``details["name"] = kind``; details made JSON-safe
+    (`fp8_protocol.codec.jsonable`, anything of another type, a Path or an object, as its ``str``)."""
     kind = str(kind)
-    if kind not in ("loss_spike", "nonfinite"):
+    if kind not in (LOSS_SPIKE_EVENT, NONFINITE_EVENT):
         details = {"name": kind, **details}
-        kind = "custom"
-    return {"kind": kind, "step": int(step), "details": json_safe(details)}
-
-
-def json_safe(value: Any) -> Any:
-    """Event details as JSON can carry them: non-finite floats as the wire strings, numpy scalars as
-    Python numbers, anything else unknown (a Path, an object) as its ``str``."""
-    if isinstance(value, dict):
-        return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    if value is None or isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, (int, np.integer)):
-        return int(value)
-    if isinstance(value, (float, np.floating)):
-        return wire_float(float(value))
-    return str(value)
+        kind = CUSTOM_EVENT
+    return {"kind": kind, "step": int(step), "details": jsonable(details, other=str)}

@@ -16,6 +16,8 @@ import torch
 from fp8_kernels import exponent_histogram, histogram_to_dict
 from torch import nn
 
+from fp8_protocol.client_events import CUSTOM_EVENT
+
 from ..linear import Linear
 
 __all__ = ["Histograms"]
@@ -66,7 +68,7 @@ class Histograms:
                     "captured": captured,
                     "histogram": histogram_to_dict(exponent_histogram(x)),
                 }
-                sender.put_event({"kind": "custom", "step": step, "details": details})
+                sender.put_event({"kind": CUSTOM_EVENT, "step": step, "details": details})
             except Exception:
                 self._log_once("histogram", "fp8scope monitor: exponent histogram failed", exc=True)
 

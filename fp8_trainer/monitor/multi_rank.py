@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from fp8_protocol.client_events import RANK_AMAX_EVENT, rank_amax_details
 from fp8_protocol.stats import AMAX, BASE_COLUMNS, STAT_COLUMNS
 
 from .control import CommandInbox
@@ -34,7 +35,6 @@ from .ranks import (
     reduce_rank_block,
     reduce_rank_stats,
 )
-from .sender import wire_float
 
 __all__ = ["MultiRankSteps"]
 
@@ -152,7 +152,5 @@ class MultiRankSteps:
             reduced = np.concatenate([reduced, block], axis=1)
         self._report(s, reduced, holder)
         if T and s % self.rank_sample_interval == 0:
-            amax = [[wire_float(float(v)) for v in gathered[r, :T, AMAX]] for r in range(gathered.shape[0])]
-            self._sender.put_event(
-                {"kind": "rank_amax", "step": s, "details": {"world_size": self._ranks.world, "amax": amax}}
-            )
+            details = rank_amax_details(gathered[:, :T, AMAX].tolist())
+            self._sender.put_event({"kind": RANK_AMAX_EVENT, "step": s, "details": details})

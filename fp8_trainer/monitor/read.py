@@ -23,13 +23,13 @@ from typing import Any
 import httpx
 import numpy as np
 
+from fp8_protocol.api import API_PREFIX
 from fp8_protocol.env import env_token, service_url
+from fp8_protocol.packed import unpack_matrix
 from fp8_protocol.stats import BASE_COLUMNS, BLOCK_COLUMNS, QUALITY_COLUMNS
 
 __all__ = ["ReadError", "Reader"]
 
-API = "/api/v1"
-STATS = BASE_COLUMNS  # what every statistics export has
 #: the statistics an export may carry, in its order: the base columns, then the quality and the block
 #: columns where a step of the range stored them
 _EXPORTED = (
@@ -112,7 +112,7 @@ class Reader:
             raise ValueError(f"format: expected 'parquet' or 'csv', got {format!r}")
         self.format = format
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=self.url + API, headers=headers, timeout=timeout)
+        self._http = httpx.Client(base_url=self.url + API_PREFIX, headers=headers, timeout=timeout)
 
     def close(self) -> None:
         """Close the HTTP connections."""
@@ -323,13 +323,8 @@ def _scalar_name(column: str) -> str:
 
 
 def _unpack_heatmap(blob: bytes) -> dict[str, Any]:
-    """The packed heatmap: uint32 N, N bytes of JSON, padding to 8, then rows x cols float64."""
-    import json
-
-    n = int(np.frombuffer(blob[:4], "<u4")[0])
-    head = json.loads(blob[4 : 4 + n])
-    offset = (4 + n + 7) // 8 * 8
-    values = np.frombuffer(blob[offset:], "<f8").reshape(head["rows"], head["cols"]).copy()
+    """The packed heatmap (`fp8_protocol.packed`) as ``Reader.heatmap`` answers it."""
+    head, values = unpack_matrix(blob)
     out = {k: v for k, v in head.items() if k not in ("rows", "cols", "dtype")}
     for key in ("bucket_start", "bucket_end", "bucket_steps"):
         out[key] = np.asarray(out[key], dtype=np.int64)

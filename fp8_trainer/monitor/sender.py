@@ -23,7 +23,6 @@ No torch import here: the data arrives as numpy arrays and floats.
 
 from __future__ import annotations
 
-import base64
 import gzip
 import logging
 import math
@@ -38,21 +37,22 @@ from typing import Any
 import httpx
 import numpy as np
 
-from fp8_protocol.stats import BLOCK_COLUMNS, STAT_COLUMNS, encode_float
+from fp8_protocol.api import API_PREFIX
+from fp8_protocol.codec import encode_float, pack_column
+from fp8_protocol.stats import BLOCK_COLUMNS, STAT_COLUMNS
 
-from .spool import API, SpoolWriter, dumps
+from .spool import SpoolWriter, dumps
 
 log = logging.getLogger("fp8scope.monitor")
-STATS = STAT_COLUMNS  # the contract's column order (fp8_protocol.stats)
 
 
 @dataclass
 class StepRecord:
-    """One optimizer step: ``stats`` (T, 10) float64 in ``STATS`` order (or (T, 6), the base columns alone,
-    from a source without quality statistics), or None for a step in which no FP8
-    layer ran (it is sent with its scalars only); scalars as floats. ``block`` (T, 5) in ``BLOCK_COLUMNS``
-    order and ``block_hist`` (T, 256), the block scale exponent histograms, where the run has block-scaled
-    layers (zeros for per-tensor-scaled tensors), else None."""
+    """One optimizer step: ``stats`` (T, 10) float64 in ``STAT_COLUMNS`` order (or (T, 6), the base columns
+    alone, from a source without quality statistics), or None for a step in which no FP8 layer ran (it is
+    sent with its scalars only); scalars as floats. ``block`` (T, 5) in ``BLOCK_COLUMNS`` order and
+    ``block_hist`` (T, 256), the block scale exponent histograms, where the run has block-scaled layers
+    (zeros for per-tensor-scaled tensors), else None."""
 
     step: int
     stats: np.ndarray | None
@@ -85,31 +85,17 @@ class SenderConfig:
     extra_headers: dict[str, str] = field(default_factory=dict)
 
 
-#: a float in the wire encoding (NaN / infinities as strings)
-wire_float = encode_float
-
-
-def pack_column(values: np.ndarray) -> dict[str, str]:
-    """A packed column: float32 when that is exact for every value, float64 otherwise."""
-    v = np.ascontiguousarray(values, dtype="<f8")
-    f32 = v.astype("<f4")
-    with np.errstate(invalid="ignore"):
-        exact = np.array_equal(f32.astype("<f8"), v, equal_nan=True)
-    data, dtype = (f32, "float32") if exact else (v, "float64")
-    return {"dtype": dtype, "b64": base64.b64encode(data.tobytes()).decode("ascii")}
-
-
 def step_body(rec: StepRecord, with_block: bool = False) -> dict[str, Any]:
     """One step of a telemetry batch. ``with_block``: the run has had a block-scaled tensor, so the step's
     statistics carry the six ``BLOCK_COLUMNS`` (zeros where ``rec`` has none: per-tensor scaled), and
     ``"block_hist"`` lists ``[tensor index, lo, counts]`` for the tensors with blocks in this step, the
     non-zero span of each histogram only (``fp8_protocol.stats.BLOCK_HIST_BINS``)."""
-    scalars = {k: wire_float(float(v)) for k, v in rec.scalars.items()}
+    scalars = {k: encode_float(float(v)) for k, v in rec.scalars.items()}
     body: dict[str, Any] = {"step": rec.step, "scalars": scalars}
     if rec.stats is not None:
         # the base columns, and the quality columns where the block has them (a source without them,
         # e.g. a caller's own 6-column block, leaves them out of the step: never NaN placeholders)
-        cols = STATS[: rec.stats.shape[1]]
+        cols = STAT_COLUMNS[: rec.stats.shape[1]]
         body["stats"] = {name: pack_column(rec.stats[:, j]) for j, name in enumerate(cols)}
         if with_block or rec.block is not None:
             block = rec.block if rec.block is not None else np.zeros((rec.stats.shape[0], len(BLOCK_COLUMNS)))
@@ -166,7 +152,7 @@ class Sender(threading.Thread):
     ):
         super().__init__(name="fp8scope-monitor", daemon=True)
         self.root = url.rstrip("/")
-        self.base = self.root + API
+        self.base = self.root + API_PREFIX
         self.run_body = {**run_body, "client_key": client_key}
         self.client_key = client_key
         self.spool = spool
@@ -251,7 +237,7 @@ class Sender(threading.Thread):
             self._note_failure(f"registering the run: HTTP {r.status_code}")
             return False
         # a 4xx will not get better by retrying: keep everything in the spool for a later upload
-        self.refused = refusal(r.status_code, r.text, self.base[: -len(API)])
+        self.refused = refusal(r.status_code, r.text, self.base[: -len(API_PREFIX)])
         self.log_once("register-4xx", "fp8scope monitor: %s", self.refused)
         self.spool_must_stay = True
         self._refused = True

@@ -13,9 +13,9 @@ from typing import Any
 
 import orjson
 
-from fp8_protocol.spool import API, SPOOL_VERSION, read_spool, upload_spool
+from fp8_protocol.spool import SPOOL_VERSION, read_spool, upload_spool
 
-__all__ = ["API", "SPOOL_VERSION", "SpoolWriter", "dumps", "read_spool", "upload_spool"]
+__all__ = ["SPOOL_VERSION", "SpoolWriter", "dumps", "read_spool", "upload_spool"]
 
 
 def dumps(body: Any) -> bytes:

@@ -4,7 +4,7 @@
 from . import amax, loss, nonfinite, quality, tensors  # noqa: F401
 from .config import DetectorConfig
 from .engine import DetectorEngine, check_stalled
-from .types import ALERT_KINDS, Finding, StepBatch, TensorMeta
+from .types import ALERT_KINDS, Finding, StepBatch
 
 __all__ = [
     "ALERT_KINDS",
@@ -12,6 +12,5 @@ __all__ = [
     "DetectorEngine",
     "Finding",
     "StepBatch",
-    "TensorMeta",
     "check_stalled",
 ]

@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fp8_protocol.codec import jsonable
+
 from .base import BatchView, Detector, array_state, nested_state
 from .episodes import advance
-from .state import encode_evidence
 from .tensors import Tail
 from .types import Finding
 
@@ -120,7 +121,7 @@ class AmaxDivergenceDetector(Detector, key="divergence", order=50):
                         f"times the mean of the previous {window[t]} steps (2^{mean[s, t]:.2f}), beyond the "
                         f"margin {m:g} + tolerance {tol:g}, for {r} steps"
                     ),
-                    evidence=encode_evidence(
+                    evidence=jsonable(
                         {
                             "amax": amax[s, t],
                             "log2_amax": log2_amax[s, t],
@@ -209,7 +210,7 @@ class ScaleCollapseDetector(Detector, key="scale_collapse", order=30):
                     onset=step - int(r) + 1,
                     severity="critical" if critical else "warning",
                     message=f"scale collapse in {name} at step {step}: {how}",
-                    evidence=encode_evidence(
+                    evidence=jsonable(
                         {
                             "scale": scale[s, t],
                             "window_max_scale": ref[s, t],

@@ -29,9 +29,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from fp8_protocol.tensors import TensorInfo
+
 from .config import DetectorConfig
 from .state import decode_array, encode_array
-from .types import Finding, TensorMeta
+from .types import Finding
 
 __all__ = [
     "BatchView",
@@ -199,7 +201,7 @@ class Detector(Stateful):
     """
 
     config: DetectorConfig
-    tensors: list[TensorMeta] = field(default_factory=list, repr=False)
+    tensors: list[TensorInfo] = field(default_factory=list, repr=False)
 
     key: ClassVar[str]
     order: ClassVar[int]

@@ -43,16 +43,20 @@ from typing import Any
 
 import numpy as np
 
+from fp8_protocol.client_events import parse_rank_amax
+from fp8_protocol.codec import jsonable
+from fp8_protocol.stats import FP8_MAX
+from fp8_protocol.tensors import TensorInfo
 from monitor_server.wire import details_summary
 
 from .base import BatchView, Detector, Stateful, array_state, registered
 from .config import DetectorConfig
 from .health import TensorSnapshot, layer_health
-from .ranks import parse_rank_amax, rank_divergence
+from .ranks import rank_divergence
 from .recipe import merge_recipe, per_tensor, split_recipe
 from .stall import check_stalled
-from .state import decode_array, encode_array, encode_evidence
-from .types import ALERT_KINDS, FP8_MAX, FP8_ROUNDING_THRESHOLD, SEVERITIES, Finding, StepBatch, TensorMeta
+from .state import decode_array, encode_array
+from .types import ALERT_KINDS, FP8_ROUNDING_THRESHOLD, SEVERITIES, Finding, StepBatch
 
 __all__ = ["DetectorConfig", "DetectorEngine", "check_stalled"]
 
@@ -62,14 +66,14 @@ STATE_VERSION = 1
 CLIENT_MESSAGE_CHARS = 500
 
 
-def _dense(tensors: list[TensorMeta]) -> list[TensorMeta]:
+def _dense(tensors: list[TensorInfo]) -> list[TensorInfo]:
     """Tensors by index, gaps filled with placeholders (layer "" so they belong to no layer)."""
     n = max((t.index for t in tensors), default=-1) + 1
-    out: list[TensorMeta | None] = [None] * n
+    out: list[TensorInfo | None] = [None] * n
     for t in tensors:
         out[t.index] = t
     return [
-        t or TensorMeta(index=i, name=f"tensor[{i}]", layer="", role="input", format="e4m3")
+        t or TensorInfo(index=i, name=f"tensor[{i}]", layer="", role="input", format="e4m3")
         for i, t in enumerate(out)
     ]
 
@@ -103,7 +107,7 @@ def client_evidence(event: dict, details: dict) -> dict[str, Any]:
         evidence["details_complete"] = False
         if isinstance(event.get("id"), int):
             evidence["event_id"] = event["id"]
-    return encode_evidence(evidence)
+    return jsonable(evidence)
 
 
 class DetectorEngine:
@@ -113,7 +117,7 @@ class DetectorEngine:
 
     Args:
         config: thresholds.
-        tensors: the run's registered tensors (stats columns are indexed by `TensorMeta.index`).
+        tensors: the run's registered tensors (stats columns are indexed by `TensorInfo.index`).
         recipe: the run's scaling recipe (see `recipe.py`); None means the defaults (margin 0, history 1024).
         state: a previous `state_dict()`; the recipe saved in it (with any `set_recipe` / `update_recipe`
             changes) replaces `recipe`; call `set_recipe` afterwards if the caller's copy is the truth.
@@ -122,7 +126,7 @@ class DetectorEngine:
     def __init__(
         self,
         config: DetectorConfig,
-        tensors: list[TensorMeta],
+        tensors: list[TensorInfo],
         recipe: dict | None,
         state: dict | None = None,
     ) -> None:

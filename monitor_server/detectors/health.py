@@ -7,8 +7,11 @@ from typing import Any
 
 import numpy as np
 
+from fp8_protocol.codec import encode_float
+from fp8_protocol.tensors import TensorInfo
+
 from .nonfinite import forward_backward_order
-from .types import Finding, TensorMeta, encode_float
+from .types import Finding
 
 SEVERITY_RANK = {"ok": 0, "info": 1, "warning": 2, "critical": 3}
 SEVERITY_WEIGHT = {"info": 1.0, "warning": 10.0, "critical": 100.0}
@@ -68,7 +71,7 @@ def saturation_state(head: np.ndarray, fp8_max: np.ndarray, fp8_rounding: np.nda
 
 
 def layer_health(
-    tensors: list[TensorMeta], snap: TensorSnapshot, open_alerts: list[dict]
+    tensors: list[TensorInfo], snap: TensorSnapshot, open_alerts: list[dict]
 ) -> list[dict[str, Any]]:
     """Rank layers worst first.
 
@@ -184,7 +187,7 @@ def layer_health(
 
 
 def _tensor_entry(
-    meta: TensorMeta,
+    meta: TensorInfo,
     i: int,
     snap: TensorSnapshot,
     head: np.ndarray,

@@ -10,10 +10,10 @@ from typing import Any
 
 import numpy as np
 
+from fp8_protocol.codec import jsonable
 from fp8_protocol.loss_spike import LossSpikeParams, LossSpikeRule, Score
 
 from .base import BatchView, Detector, Stateful, array_state, nested_state, value_state
-from .state import encode_evidence
 from .types import Finding
 
 TAIL = 10  # evidence carries this many previous losses
@@ -77,7 +77,7 @@ class LossSpikeDetector(Detector, key="loss", order=20):
                 f"loss spike at step {step}: loss {s.loss:.6g} is {s.z:.1f} robust sigmas above its trend "
                 f"(expected {s.expected:.6g} +- {s.sigma:.3g} from the previous {s.window_len} losses)"
             ),
-            evidence=encode_evidence(
+            evidence=jsonable(
                 {
                     "loss": s.loss,
                     "baseline": s.baseline,

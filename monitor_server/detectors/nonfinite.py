@@ -7,16 +7,18 @@ from typing import Any
 
 import numpy as np
 
+from fp8_protocol.codec import encode_float, jsonable
+from fp8_protocol.tensors import TensorInfo
+
 from .base import BatchView, Detector, array_state, value_state
 from .episodes import advance
-from .state import encode_evidence
-from .types import Finding, TensorMeta, encode_float
+from .types import Finding
 
 ROLE_RANK = {"input": 0, "weight": 1}
 MAX_LISTED = 64  # evidence lists at most this many affected tensors
 
 
-def forward_backward_order(tensors: list[TensorMeta]) -> np.ndarray:
+def forward_backward_order(tensors: list[TensorInfo]) -> np.ndarray:
     """Tensor indices in the order the training step touches them.
 
     Forward: input then weight of each layer, layers in order of first appearance by index; then backward:
@@ -96,9 +98,7 @@ class NonfiniteDetector(Detector, key="nonfinite", order=10):
             if loss_fire[s]:
                 items.append((self.loss_rank, None))
             items.sort(key=lambda item: item[0])
-            listed = encode_evidence(
-                [self._describe(t, s, nonfinite, amax, loss) for _, t in items[:MAX_LISTED]]
-            )
+            listed = jsonable([self._describe(t, s, nonfinite, amax, loss) for _, t in items[:MAX_LISTED]])
             first_in_run = self.first is None
             if first_in_run:
                 t0 = items[0][1]

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fp8_protocol.codec import jsonable
 from fp8_protocol.stats import no_finite_element, sqnr_db
 
 from .base import BatchView, Detector, array_state, nested_state
 from .episodes import advance
-from .state import encode_evidence
 from .tensors import Tail
 from .types import Finding
 
@@ -144,7 +144,7 @@ class SqnrDropDetector(Detector, key="sqnr_drop", order=55):
                         f"its recent level of {level[s, t]:.1f} dB (median of {count[s, t]} steps), more "
                         f"than {cfg.sqnr_drop_db:g} dB, for {r} steps"
                     ),
-                    evidence=encode_evidence(
+                    evidence=jsonable(
                         {
                             "sqnr_db": sqnr[s, t],
                             "level_db": level[s, t],

@@ -1,10 +1,10 @@
 """Rank divergence: one data-parallel rank whose amaxes disagree with the other ranks'.
 
 The training client samples every rank's own (pre-reduction) amax of every tensor every N steps and sends
-them as a ``rank_amax`` event: ``details = {"world_size": W, "amax": [[T floats] x W]}`` (non-finite values
-as the wire strings). With amax reduction, the reduced amax every rank uses is the max over ranks, so one
-rank seeing much larger values (bad data shard, a flipped bit, a broken device) silently rescales everybody;
-this detector names that rank.
+them as a ``rank_amax`` event (`fp8_protocol.client_events`: ``details = {"world_size": W, "amax": [[T
+floats] x W]}``, non-finite values as the wire strings; `parse_rank_amax` reads it). With amax reduction,
+the reduced amax every rank uses is the max over ranks, so one rank seeing much larger values (bad data
+shard, a flipped bit, a broken device) silently rescales everybody; this detector names that rank.
 
 Rule, per tensor: ``d_r = log2(amax_r) - median over the other ranks of log2(amax)``; a rank diverges when
 ``|d_r| > rank_divergence_log2`` (warning) or ``> 2 * rank_divergence_log2`` (critical), and always (critical)
@@ -16,40 +16,20 @@ naming the worst rank (with two ranks both deviate equally: the one above is nam
 from __future__ import annotations
 
 import warnings
-from typing import Any
 
 import numpy as np
 
-from .state import encode_evidence
-from .types import Finding, TensorMeta, decode_float, encode_float
+from fp8_protocol.codec import encode_float, jsonable
+from fp8_protocol.tensors import TensorInfo
 
-__all__ = ["parse_rank_amax", "rank_divergence"]
+from .types import Finding
 
-
-def parse_rank_amax(details: dict[str, Any], n_tensors: int) -> np.ndarray:
-    """The (W, T) float64 amax matrix of a ``rank_amax`` event; ValueError if it is malformed."""
-    rows = details.get("amax")
-    if not isinstance(rows, list) or len(rows) < 2:
-        raise ValueError("rank_amax: 'amax' must be a list of at least two per-rank lists")
-    world = details.get("world_size", len(rows))
-    if isinstance(world, bool) or not isinstance(world, int) or world != len(rows):
-        raise ValueError(f"rank_amax: world_size {world} but {len(rows)} rows")
-    out = np.empty((len(rows), n_tensors), dtype=np.float64)
-    for r, row in enumerate(rows):
-        if not isinstance(row, list) or len(row) != n_tensors:
-            raise ValueError(f"rank_amax: row {r} must hold {n_tensors} values")
-        try:
-            if any(isinstance(v, bool) or not isinstance(v, int | float | str) for v in row):
-                raise TypeError  # null and booleans are no amax (the lenient decode_float would take them)
-            out[r] = [decode_float(v) for v in row]
-        except (KeyError, TypeError):
-            raise ValueError(f"rank_amax: row {r} holds a value that is not a number") from None
-    return out
+__all__ = ["rank_divergence"]
 
 
 def rank_divergence(
     amax: np.ndarray,
-    tensors: list[TensorMeta],
+    tensors: list[TensorInfo],
     step: int,
     threshold_log2: float,
     skip: np.ndarray | None = None,
@@ -105,7 +85,7 @@ def rank_divergence(
                 severity=severity,
                 tensor_index=t,
                 message=f"rank {worst_rank} amax of {name} at step {step} is {ratio}",
-                evidence=encode_evidence(
+                evidence=jsonable(
                     {
                         "rank": worst_rank,
                         "deviation_log2": encode_float(worst_dev),

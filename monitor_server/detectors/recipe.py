@@ -12,7 +12,7 @@ A recipe is a plain dict with Transformer Engine's names. Keys read (others are 
 - ``fp8_enabled`` (or ``fp8`` / ``enabled``): False turns the tensor detectors off for the tensors it covers.
 
 Per-layer overrides live under ``"overrides": {layer: {...}}`` and win over the whole-model keys for the
-tensors whose `TensorMeta.layer` matches. `split_recipe` takes a whole recipe (the one in force);
+tensors whose `TensorInfo.layer` matches. `split_recipe` takes a whole recipe (the one in force);
 `merge_recipe` applies a partial change key by key (an override of None removes that layer's override; a
 change of None resets to the defaults). Malformed values fall back to the default rather than raise: the
 API layer validates commands, the detectors must never fail on them.
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .types import TensorMeta
+from fp8_protocol.tensors import TensorInfo
 
 DEFAULT_RECIPE: dict[str, Any] = {"margin": 0.0, "amax_history_len": 1024, "amax_compute_algo": "max"}
 #: scaling modes whose scales come from the step's own amax (no history): current and the block modes
@@ -110,7 +110,7 @@ def _mode(recipe: dict[str, Any]) -> str:
 
 
 def per_tensor(
-    tensors: list[TensorMeta],
+    tensors: list[TensorInfo],
     base: dict[str, Any],
     overrides: dict[str, dict[str, Any]],
     config: Any,

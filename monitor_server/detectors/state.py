@@ -1,4 +1,4 @@
-"""JSON encoding of detector state.
+"""JSON encoding of detector state (evidence, JSON-safe, comes from `fp8_protocol.codec.jsonable`).
 
 Small 1-D arrays become lists (non-finite floats spelled "NaN" / "Infinity" / "-Infinity" by `encode_float`);
 larger ones a base64 envelope ``{"dtype": "<f8", "shape": [...], "b64": "..."}`` of their little-endian
@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .types import decode_float, encode_float
+from fp8_protocol.codec import decode_float, encode_float
 
 LIST_MAX = 32  # 1-D arrays up to this many elements stay readable lists
 
@@ -48,24 +48,5 @@ def decode_array(obj: Any, dtype: Any) -> np.ndarray:
     if np.dtype(dtype).kind != "f":
         return np.asarray(obj, dtype=dtype)
     raw_list = np.asarray(obj, dtype=object)
-    flat = [decode_float(x) for x in raw_list.ravel().tolist()]
+    flat = [decode_float(x, null_as_nan=True) for x in raw_list.ravel().tolist()]
     return np.asarray(flat, dtype=dtype).reshape(raw_list.shape)
-
-
-def encode_evidence(value: Any) -> Any:
-    """Make evidence JSON-safe: numpy scalars/arrays to Python, non-finite floats via `encode_float`."""
-    if isinstance(value, dict):
-        return {str(k): encode_evidence(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [encode_evidence(v) for v in value]
-    if isinstance(value, np.ndarray):
-        if value.dtype.kind in "biu" or (value.dtype.kind == "f" and np.isfinite(value).all()):
-            return value.tolist()  # nothing to spell out: skip the per-element walk
-        return encode_evidence(value.tolist())
-    if isinstance(value, (bool, np.bool_)):
-        return bool(value)
-    if isinstance(value, (int, np.integer)):
-        return int(value)
-    if isinstance(value, (float, np.floating)):
-        return encode_float(float(value))
-    return value

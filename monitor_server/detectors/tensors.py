@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fp8_protocol.codec import jsonable
+
 from .base import BatchView, Detector, Stateful, array_state, nested_state
 from .episodes import advance
-from .state import encode_evidence
 from .types import Finding
 
 TAIL = 8  # evidence carries this many recent values of the series that fired
@@ -131,7 +132,7 @@ class OverflowBurstDetector(Detector, key="overflow", order=40):
                     onset=step - int(r) + 1,
                     severity="critical" if critical else "warning",
                     message=f"overflow burst in {name} at step {step}: {how}",
-                    evidence=encode_evidence(
+                    evidence=jsonable(
                         {
                             "overflow": overflow[s, t],
                             "numel": numel[s, t],
@@ -198,7 +199,7 @@ class UnderflowExcessDetector(Detector, key="underflow", order=60):
                         f"excess underflow in {name} at step {step}: {frac[s, t]:.2%} of elements flushed to "
                         f"zero, above {self.threshold[t]:.2%} for {r} consecutive steps"
                     ),
-                    evidence=encode_evidence(
+                    evidence=jsonable(
                         {
                             "underflow": underflow[s, t],
                             "numel": numel[s, t],

@@ -12,15 +12,6 @@ from typing import Any
 
 import numpy as np
 
-# the contract's definitions, re-exported for the detectors: statistic columns, FP8 maxima, NaN spelling
-from fp8_protocol.stats import FP8_MAX as FP8_MAX
-from fp8_protocol.stats import NONFINITE_SPELLING
-from fp8_protocol.stats import STAT_COLUMNS as STAT_COLUMNS
-from fp8_protocol.stats import encode_float as encode_float
-
-#: Roles of a quantized tensor.
-ROLES: tuple[str, ...] = ("input", "weight", "grad_output")
-
 #: Alert kinds the detectors raise.
 ALERT_KINDS: tuple[str, ...] = (
     "nonfinite",
@@ -34,27 +25,7 @@ ALERT_KINDS: tuple[str, ...] = (
     "sqnr_drop",
 )
 
-#: Kinds of client-reported events (telemetry ``events[].kind``).
-EVENT_KINDS: tuple[str, ...] = ("loss_spike", "nonfinite", "rank_amax", "custom")
-
 SEVERITIES: tuple[str, ...] = ("info", "warning", "critical")
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    """One quantized tensor of a run, as registered by the training job.
-
-    `name` is ``<module path>.<role>``; `layer` the module path; `format` ``"e4m3"`` or ``"e5m2"``.
-    Forward-then-backward order: the forward tensors (input, weight) in layer order, then the
-    grad_output tensors in reverse layer order (backward runs the layers last to first). Layer order
-    is the order in which layers first appear when tensors are sorted by `index`.
-    """
-
-    index: int
-    name: str
-    layer: str
-    role: str
-    format: str
 
 
 @dataclass
@@ -64,7 +35,8 @@ class StepBatch:
     Attributes:
         steps: (S,) int64 step numbers, ascending.
         scalars: name -> (S,) float64 (loss, lr, grad_norm, tokens_per_s, ...); NaN where a step lacks it.
-        stats: one of STAT_COLUMNS -> (S, T) float64 indexed by tensor index; NaN and ±inf are real values.
+        stats: one of `fp8_protocol.stats.STAT_COLUMNS` -> (S, T) float64 indexed by tensor index; NaN and
+            ±inf are real values.
         present: optional, scalar name -> (S,) bool, True where the step carried that scalar. It tells a real
             NaN (e.g. a NaN loss, reported as non-finite) from a missing value; without it a NaN scalar is
             taken as missing.
@@ -103,8 +75,9 @@ class Finding:
     """Something a detector saw. The API layer stores it as an alert keyed by (run, kind, tensor_index).
 
     `evidence` must be JSON-serialisable with non-finite floats spelled as the strings "NaN",
-    "Infinity" and "-Infinity" (see `encode_float`). `onset` is the step the condition began when a rule
-    waited for several consecutive steps before firing at `step` (None: the same as `step`).
+    "Infinity" and "-Infinity" (see `fp8_protocol.codec.encode_float`). `onset` is the step the condition
+    began when a rule waited for several consecutive steps before firing at `step` (None: the same as
+    `step`).
     """
 
     kind: str
@@ -119,15 +92,6 @@ class Finding:
     def onset_step(self) -> int:
         """The step the condition began."""
         return self.step if self.onset is None else self.onset
-
-
-def decode_float(x: float | int | str | None) -> float:
-    """Inverse of `encode_float`: "NaN" / "Infinity" / "-Infinity" back to floats; None becomes NaN."""
-    if x is None:
-        return float("nan")
-    if isinstance(x, str):
-        return NONFINITE_SPELLING[x]
-    return float(x)
 
 
 #: Where a scaled value stops rounding to the FP8 max and saturates (the runtime's overflow threshold):

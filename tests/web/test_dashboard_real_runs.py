@@ -61,8 +61,13 @@ def test_real_runs_in_the_list_the_run_page_and_the_comparison(server, page, tmp
     page.wait_for_function(
         "() => (document.getElementById('scalars-plot').data || []).some(t => t.name === 'eval.val_loss')"
     )
-    val = page.evaluate("document.getElementById('curves').data.find(t => t.name === 'val loss').x")
-    assert val == [8, 16, 24]
+    # the loss chart draws its val-loss trace apart from the scalars plot: wait for the value asserted
+    val_x = (
+        "() => Array.from(((document.getElementById('curves').data || [])"
+        ".find(t => t.name === 'val loss') || {}).x || [])"
+    )
+    page.wait_for_function(f"() => JSON.stringify(({val_x})()) === '[8,16,24]'")
+    assert page.evaluate(val_x) == [8, 16, 24]
     assert page.text_content("#config-table tr[data-key='lr'] td:last-child") == "0.001"
     assert sorted(page.eval_on_selector_all("#run-tags-list .tag", "ts => ts.map(t => t.textContent)")) == [
         "lr-1e-3",

@@ -2,6 +2,7 @@
 // the caller's scopes, and server-sent events read through fetch (EventSource cannot send the
 // Authorization header, and a token in the URL would end up in logs).
 
+// fp8_protocol.api.API_PREFIX (tests/protocol/test_client_events.py keeps the two equal)
 const API = "/api/v1";
 const TOKEN_KEY = "fp8scope.token";
 

@@ -55,8 +55,9 @@ const MARGIN = { l: 230, r: 20, t: 10, b: 40 };
 const COLORBAR_PX = 90; // the colour bar sits right of the cells
 const MAX_MARKERS = 20000; // beyond this many non-finite cells, an overlay heatmap draws them
 
-/** Fetch `GET /runs/{id}/heatmap/packed` and unpack it: the JSON header's fields plus T, C, `vals`
- * (Float64Array, row-major, NaN/Inf native) and `emptyCol` (1 where a bucket holds no stored step). */
+/** Fetch `GET /runs/{id}/heatmap/packed` and unpack it (layout: fp8_protocol/packed.py): the JSON header's
+ * fields plus T, C, `vals` (Float64Array, row-major, NaN/Inf native) and `emptyCol` (1 where a bucket holds
+ * no stored step). */
 export async function fetchHeatmap(runId, params) {
   const buffer = await apiBinary(`/runs/${runId}/heatmap/packed${qs(params)}`);
   const n = new DataView(buffer).getUint32(0, true);

@@ -4,7 +4,6 @@ scalar series from one pass over the steps, and the heatmap as packed float64 (a
 
 from __future__ import annotations
 
-import struct
 from typing import Annotated
 
 import numpy as np
@@ -12,6 +11,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Response
 from fastapi.responses import StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials
 
+from fp8_protocol.packed import pack_matrix
 from monitor_server.api.deps import (
     CtxDep,
     FromQ,
@@ -58,20 +58,17 @@ async def stream_all(ctx: CtxDep, principal: ReadDep) -> StreamingResponse:
     responses={200: {"content": {"application/octet-stream": {}}, "description": "header + float64 matrix"}},
 )
 def get_heatmap_packed(run_id: RunId, heatmap: HeatmapDep) -> Response:
-    """`GET /runs/{id}/heatmap` (same parameters, buckets and aggregation) in a binary layout: a
-    little-endian uint32 N, N bytes of JSON (`HeatmapPackedHeader`: the JSON answer's fields without
-    `values`, plus `rows`, `dtype`: "float64", `cols`), zero bytes up to a multiple of 8, then rows x cols
-    little-endian float64 in row (tensor) order. NaN and infinities are native; cells of empty buckets
-    (`bucket_steps` 0) are NaN."""
+    """`GET /runs/{id}/heatmap` (same parameters, buckets and aggregation) in the packed layout of
+    `fp8_protocol.packed`: the header is `HeatmapPackedHeader` (the JSON answer's fields without `values`,
+    plus `rows`, `dtype`: "float64", `cols`), the matrix has a row per tensor. NaN and infinities are
+    native; cells of empty buckets (`bucket_steps` 0) are NaN."""
     head, hm = heatmap
     rows = len(head.tensors)
     # empty buckets are NaN already
     matrix = np.zeros((rows, 0)) if hm is None else np.ascontiguousarray(hm["values"], dtype="<f8")
     cols = matrix.shape[1]
     header = model_json(HeatmapPackedHeader(**dict(head), rows=rows, dtype="float64", cols=cols))
-    pad = -(4 + len(header)) % 8
-    body = struct.pack("<I", len(header)) + header + b"\0" * pad + matrix.tobytes()
-    return Response(body, media_type="application/octet-stream")
+    return Response(pack_matrix(header, matrix), media_type="application/octet-stream")
 
 
 @router.get("/runs/{run_id}/series/multi", response_model=SeriesMulti)

@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Query, Response, status
 from sqlalchemy import case, null, select
 
+from fp8_protocol.codec import jsonable
 from monitor_server.alerting import alert_public
 from monitor_server.api.deps import (
     CtxDep,
@@ -36,7 +37,7 @@ from monitor_server.schemas import (
     TensorSpec,
 )
 from monitor_server.series import read_series, series_points
-from monitor_server.wire import iso_dates, jsonable, matrix_json
+from monitor_server.wire import iso_dates, matrix_json
 
 router = APIRouter(prefix="/runs", tags=["queries"])
 

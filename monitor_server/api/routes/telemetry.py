@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from fastapi import APIRouter, HTTPException, Request, Response, status
 from starlette.concurrency import run_in_threadpool
 
+from fp8_protocol.codec import WireError
 from monitor_server.api.deps import CtxDep, IngestDep, RunId, check_owner
 from monitor_server.api.responses import json_response
 from monitor_server.commands import CommandError
@@ -21,7 +22,7 @@ from monitor_server.ingest import DecodedBatch, EventLimits, UnknownRun, decode_
 from monitor_server.run_meta import RunMeta
 from monitor_server.schemas import CommandPublic, TelemetryResult
 from monitor_server.telemetry_service import ingest_batch
-from monitor_server.wire import JsonValueBudget, WireError
+from monitor_server.wire import JsonValueBudget
 
 router = APIRouter(prefix="/runs", tags=["telemetry"])
 

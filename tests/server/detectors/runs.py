@@ -7,20 +7,22 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from monitor_server.detectors.types import FP8_MAX, StepBatch, TensorMeta
+from fp8_protocol.stats import FP8_MAX
+from fp8_protocol.tensors import TensorInfo
+from monitor_server.detectors.types import StepBatch
 
 ROLE_FORMAT = {"input": "e4m3", "weight": "e4m3", "grad_output": "e5m2"}
 NUMEL = 4096.0 * 1024  # elements per tensor per step in these runs
 
 
-def make_tensors(n_layers: int, prefix: str = "blocks") -> list[TensorMeta]:
+def make_tensors(n_layers: int, prefix: str = "blocks") -> list[TensorInfo]:
     """Layer i owns tensors 3i (input), 3i+1 (weight), 3i+2 (grad_output), named ``blocks.<i>.fc.<role>``."""
     out = []
     for layer in range(n_layers):
         for r, role in enumerate(("input", "weight", "grad_output")):
             path = f"{prefix}.{layer}.fc"
             out.append(
-                TensorMeta(
+                TensorInfo(
                     index=3 * layer + r,
                     name=f"{path}.{role}",
                     layer=path,
@@ -31,7 +33,7 @@ def make_tensors(n_layers: int, prefix: str = "blocks") -> list[TensorMeta]:
     return out
 
 
-def index_of(tensors: list[TensorMeta], layer: int, role: str) -> int:
+def index_of(tensors: list[TensorInfo], layer: int, role: str) -> int:
     return next(t.index for t in tensors if t.layer.endswith(f".{layer}.fc") and t.role == role)
 
 
@@ -39,7 +41,7 @@ def index_of(tensors: list[TensorMeta], layer: int, role: str) -> int:
 class Run:
     """A whole run as dense arrays: steps (S,), loss (S,), stats name -> (S, T)."""
 
-    tensors: list[TensorMeta]
+    tensors: list[TensorInfo]
     steps: np.ndarray
     loss: np.ndarray
     stats: dict[str, np.ndarray] = field(default_factory=dict)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import fp8_trainer
-from fp8_protocol.spool import API
+from fp8_protocol.api import API_PREFIX
 from fp8_protocol.stats import BLOCK_COLUMNS, BLOCK_HIST_BINS, STAT_COLUMNS
 from fp8_trainer import Monitor
 from fp8_trainer.block_linear import BLOCK_WIDTH, split_block_stats
@@ -58,10 +58,10 @@ class _Capture(BaseHTTPRequestHandler):
 
     def do_POST(self):
         body = self._body()
-        if self.path == f"{API}/runs":
+        if self.path == f"{API_PREFIX}/runs":
             self.server.run = body
             self._answer(201, {"id": RUN_ID})
-        elif self.path == f"{API}/runs/{RUN_ID}/telemetry":
+        elif self.path == f"{API_PREFIX}/runs/{RUN_ID}/telemetry":
             self.server.batches.append(body)
             self._answer(200, {"commands": []})
         else:
