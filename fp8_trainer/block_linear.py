@@ -339,9 +339,9 @@ class _BlockLinearFn(torch.autograd.Function):
         )  # fmt: skip
         qw, qwc = state.quantized_weight(  # once per step (FP8State.quantized_weight)
             k, weight, ("block", need_dgrad), record,
-            lambda: quantize_block_tensor(
+            lambda rec: quantize_block_tensor(
                 weight.detach(), state.dtypes[iw], specs[1], rowwise=True, columnwise=need_dgrad,
-                **state.block_rows(iw, record),
+                **state.block_rows(iw, rec),
             ),
         )  # fmt: skip
         out = block_gemm(qx, qw, "fprop")  # float32

@@ -176,7 +176,7 @@ def forward(state, k, x2, weight, bias, record, plan: LayerPlan):
     qx, qxt, sinv_x = _quantize(state, 3 * k, x2, record, plan.x_t, plan)
     t_w = plan.w_t
     qw, qwt, sinv_w = state.quantized_weight(
-        k, weight, t_w, record, lambda: _quantize(state, 3 * k + 1, weight, record, t_w, plan)
+        k, weight, t_w, record, lambda rec: _quantize(state, 3 * k + 1, weight, rec, t_w, plan)
     )
     ax, aw = (qx, qw) if plan.fp8_gemms else (gemm_operand(qx), gemm_operand(qw))
     check = not plan.fprop_checked

@@ -41,7 +41,6 @@ model-wide overrides, so loading any layer restores them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -57,6 +56,7 @@ from fp8_kernels import (
 )
 
 from fp8_protocol.stats import AMAX, BLOCK_COLUMNS, MIN_ABS, SCALE
+from fp8_protocol.tensors import TensorInfo
 
 from .block_linear import block_specs, new_block_stats, split_block_stats
 from .distributed import all_reduce_amax
@@ -65,7 +65,7 @@ from .linear_ops import register_state
 from .recipe import BLOCK_SCALINGS, DelayedScaling, Recipe, validate_setting
 from .scaling import delayed_scaling_update
 from .step import StepTracker
-from .weight_cache import WeightCache
+from .weight_cache import PreQuantizedWeight, WeightCache
 
 __all__ = [
     "EXTRA_STATE_VERSION",
@@ -83,26 +83,6 @@ BLOCK_RANGE = BLOCK_COLUMNS.index("block_range")
 
 #: Version of the per-layer checkpoint format written by ``FP8State.layer_extra_state``.
 EXTRA_STATE_VERSION = 1
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """One quantized tensor: its stable index and name, owning layer, role and FP8 format."""
-
-    index: int
-    name: str
-    layer: str
-    role: str
-    format: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "index": self.index,
-            "name": self.name,
-            "layer": self.layer,
-            "role": self.role,
-            "format": self.format,
-        }
 
 
 def _base_settings(recipe: Recipe) -> dict[str, Any]:
@@ -464,14 +444,21 @@ class FP8State:
         return {"stats": self._rows(i)[0], "block_stats_row": self.block_stats[i]}
 
     def quantized_weight(self, k: int, weight: torch.Tensor, variant: Any, record: bool, quantize):
-        """Layer ``k``'s weight as ``quantize()`` makes it, quantized once per step while the weight stays
-        as it was (``fp8_trainer.weight_cache`` says when a held copy is used again). ``variant`` names what
-        ``quantize`` makes (which copies), so a forward that needs another one quantizes again. A forward
-        that records nothing (evaluation) neither fills the cache nor needs it."""
+        """Layer ``k``'s weight as ``quantize(record)`` makes it, quantized once per step while the weight
+        stays as it was (``fp8_trainer.weight_cache`` says when a held copy is used again). ``variant`` names
+        what ``quantize`` makes (which copies), so a forward that needs another one quantizes again. A
+        forward that records nothing (evaluation) neither fills the cache nor needs it. The weight's
+        statistics are recorded once per step, by its first recording quantization: a later one in the same
+        step (another variant, or a copy the cache could not keep: FSDP2 gathers the weight into a fresh
+        tensor for every micro-batch) quantizes without recording, so a step's counts are one weight's, not
+        one per micro-batch. A weight that arrives in FP8 (``PreQuantizedWeight``: FSDP2's FP8 all-gather)
+        is taken as it is."""
+        if isinstance(weight, PreQuantizedWeight):
+            return weight.fp8_copies(self, k, variant, record)
         key = self.weight_cache.key(weight, self.version, variant)
         got = self.weight_cache.lookup(k, key)
         if got is None:
-            got = quantize()
+            got = quantize(record and self.weight_cache.first_record(k))
             if record:
                 self.weight_cache.store(k, key, weight, got)
         return got

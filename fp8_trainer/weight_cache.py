@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-__all__ = ["WeightCache", "optimizer_steps", "weights_changed"]
+__all__ = ["PreQuantizedWeight", "WeightCache", "optimizer_steps", "weights_changed"]
 
 _epoch = 0  # bumped by every optimizer step (and weights_changed), in any thread
 _hook = None
@@ -64,6 +64,11 @@ def _watch_optimizers() -> None:
         _hook = register_optimizer_step_post_hook(_count_step)
 
 
+class PreQuantizedWeight(torch.Tensor):
+    """A weight that arrives already in FP8 (FSDP2's FP8 all-gather, ``fp8_trainer.fsdp``): the layer takes
+    its ``fp8_copies`` instead of quantizing it, and no copy of it is held here."""
+
+
 class WeightCache:
     """Per layer, its weight's FP8 copy and what it was made from (module docstring).
 
@@ -75,6 +80,7 @@ class WeightCache:
         _watch_optimizers()
         self.enabled = True  # off only to measure what the cache saves (bench/weight_cache.py)
         self._held: dict[int, tuple[tuple, torch.Tensor, Any]] = {}
+        self._recorded: set[int] = set()  # layers whose pre-quantized weight was recorded in this step
 
     def key(self, weight: torch.Tensor, state_version: int, variant: Any) -> tuple | None:
         """What a copy of ``weight`` is valid for; ``None`` where no copy may be kept. A view of a parameter
@@ -99,8 +105,16 @@ class WeightCache:
             # the alias keeps the weight's storage alive: its address cannot be recycled while held
             self._held[k] = (key, weight.detach(), value)
 
+    def first_record(self, k: int) -> bool:
+        """True once per step for layer ``k``: a pre-quantized weight's statistics count once per step."""
+        if k in self._recorded:
+            return False
+        self._recorded.add(k)
+        return True
+
     def clear(self) -> None:
         self._held.clear()
+        self._recorded.clear()
 
     def __len__(self) -> int:
         return len(self._held)

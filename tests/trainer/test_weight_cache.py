@@ -146,6 +146,24 @@ def test_a_parametrized_weight_is_quantized_at_every_forward():
     _open_step(plain, x)
 
 
+def test_a_weight_no_copy_is_kept_of_counts_once_per_step():
+    """Two micro-batches of one step with a weight the cache cannot keep (a computed weight; FSDP2 gathers
+    into a fresh tensor per micro-batch likewise): quantized at each forward, its statistics recorded once,
+    so the step's weight row is the weight's own (the input rows sum over the micro-batches)."""
+    model = _layer()
+    parametrize.register_parametrization(model[0], "weight", _Gain())
+    state = get_fp8_state(model)
+    x = torch.randn(32, 64)
+    for boundary in (False, True):
+        with fp8_autocast(step_boundary=boundary):
+            model(x).square().mean().backward()
+    stats = fp8_trainer.step_stats(model)
+    numel = fp8_trainer.STAT_COLUMNS.index("numel")
+    assert stats[1, numel] == 64 * 64  # the weight, once
+    assert stats[0, numel] == 2 * 32 * 64  # the input of both micro-batches
+    assert len(state.weight_cache) == 0
+
+
 def test_a_kept_copy_is_still_used_while_nothing_changed():
     # the cache's purpose: a second micro-batch takes the held copy, not a new quantization
     model = _layer()
