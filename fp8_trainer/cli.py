@@ -124,6 +124,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "stats (steps x tensors x 10, or 6 with --no-quality-stats), loss, names); copies "
                         "them synchronously")  # fmt: skip
 
+    g = p.add_argument_group("incident capture (replay a bundle with: fp8-train replay BUNDLE)")
+    g.add_argument("--capture-dir", metavar="DIR",
+                   help="at a non-finite loss or a loss spike, write an incident bundle (the step's "
+                        "batches, RNG, model, optimizer and FP8 state from before it) to DIR (default: "
+                        "off)")  # fmt: skip
+    g.add_argument("--capture-every", type=int, default=_D.capture_every, metavar="N",
+                   help="steps between the in-memory snapshots (default %(default)s)")  # fmt: skip
+    g.add_argument("--capture-max-mb", type=float, default=_D.capture_max_mb, metavar="MB",
+                   help="the bundles in DIR together at most MB MiB (default %(default)s)")  # fmt: skip
+
     g = p.add_argument_group("monitoring and fault injection")
     g.add_argument("--monitor-url", default=os.environ.get("FP8SCOPE_URL") or None,
                    help="fp8-monitor root, e.g. http://127.0.0.1:8000 (default $FP8SCOPE_URL)")  # fmt: skip
@@ -140,8 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "--token-file or $FP8SCOPE_TOKEN)")  # fmt: skip
     g.add_argument("--token-file", metavar="PATH", help="file whose first line is the monitor's API token")
     g.add_argument("--inject", action="append", metavar="SPEC", default=[],
-                   help="fault: overflow:LAYER@STEP[xFACTOR], nan:LAYER@STEP or lr-spike@STEP[xFACTOR] "
-                        "(repeatable; LAYER e.g. blocks.1.mlp.fc)")  # fmt: skip
+                   help="fault: overflow:LAYER@STEP[xFACTOR], nan:LAYER@STEP, lr-spike@STEP[xFACTOR], or "
+                        "FP8's own saturate:LAYER@STEP[xOFFSET] (repeatable; LAYER e.g. "
+                        "blocks.1.mlp.fc)")  # fmt: skip
     return p
 
 
@@ -241,6 +252,10 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> Prepared:
                     p.error(f"--token-file {a.token_file!r}: its first line is empty")
         except OSError as e:
             p.error(f"--token-file {a.token_file!r}: {e.strerror}")
+    if a.capture_every < 1:
+        p.error("--capture-every must be >= 1")
+    if not a.capture_max_mb > 0:
+        p.error("--capture-max-mb must be > 0")
     if a.save_interval and not a.save:
         p.error("--save-interval needs --save PATH")
 
@@ -292,7 +307,12 @@ EXIT_HALTED = 3  # --halt-on-nonfinite stopped the run
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``fp8-train`` console script."""
+    """Entry point of the ``fp8-train`` console script (``fp8-train replay``: ``fp8_trainer.replay``)."""
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["replay"]:
+        from .replay import main as replay_main
+
+        return replay_main(args[1:])
     try:
         a, prepared = prepare(argv)
         result = train(a, prepared, out=lambda s: print(s, flush=True))

@@ -11,6 +11,16 @@ Grammar (``LAYER`` is a module path as ``tensor_table`` names it, e.g. ``blocks.
                                    of LAYER.input at STEP > 0); it propagates, as a real one would.
     lr-spike@STEP[xFACTOR]         the learning rate of step STEP times FACTOR (default 100): the loss
                                    spikes after it.
+
+A fault that is FP8's (``fp8-train replay`` must call it so), with a high-precision twin that trains as if
+nothing happened (the fault is undone in high precision, up to rounding):
+
+    saturate:LAYER@STEP[xFACTOR]   an outlier channel: FACTOR (default 4096) added to channel 0 of the layer's
+                                   input in STEP's forward, and FACTOR times the weight's column 0 taken off
+                                   its output again (through autograd, so the gradients are unchanged too):
+                                   the channel jumps far past the amax history, the stale E4M3 scale of
+                                   delayed scaling saturates it (LAYER.input overflow > 0 at STEP), and the
+                                   output keeps the correction without the offset it corrects.
 """
 
 from __future__ import annotations
@@ -23,15 +33,19 @@ from torch import nn
 
 __all__ = ["DEFAULT_FACTORS", "Injection", "Injector", "check_injections", "parse_injection"]
 
-DEFAULT_FACTORS = {"overflow": 1e4, "lr-spike": 100.0}
+DEFAULT_FACTORS = {"overflow": 1e4, "lr-spike": 100.0, "saturate": 4096.0}
 
 _FACTOR = r"(?:x(?P<factor>[0-9.eE+-]+))?"
 _PATTERNS = {
     "overflow": re.compile(rf"overflow:(?P<layer>[\w.]+)@(?P<step>\d+){_FACTOR}"),
     "nan": re.compile(r"nan:(?P<layer>[\w.]+)@(?P<step>\d+)"),
     "lr-spike": re.compile(rf"lr-spike@(?P<step>\d+){_FACTOR}"),
+    "saturate": re.compile(rf"saturate:(?P<layer>[\w.]+)@(?P<step>\d+){_FACTOR}"),
 }
-USAGE = "expected overflow:LAYER@STEP[xFACTOR], nan:LAYER@STEP or lr-spike@STEP[xFACTOR]"
+USAGE = (
+    "expected overflow:LAYER@STEP[xFACTOR], nan:LAYER@STEP, lr-spike@STEP[xFACTOR] "
+    "or saturate:LAYER@STEP[xFACTOR]"
+)
 
 
 @dataclass(frozen=True)
@@ -48,6 +62,8 @@ class Injection:
             return f"overflow: {self.layer}.weight x{self.factor:g} for this step"
         if self.kind == "nan":
             return f"nan: one NaN in {self.layer}.input"
+        if self.kind == "saturate":
+            return f"saturate: {self.layer}.input channel 0 + {self.factor:g}, undone on its output"
         return f"lr-spike: learning rate x{self.factor:g}"
 
     def details(self) -> dict:
@@ -134,6 +150,8 @@ class Injector:
             elif inj.kind == "nan":
                 module = self.model.get_submodule(inj.layer)
                 self._hooks.append(module.register_forward_pre_hook(_nan_input))
+            elif inj.kind == "saturate":
+                self._hooks.extend(_saturate(self.model.get_submodule(inj.layer), inj.factor))
         return fired
 
     def end(self, step: int) -> None:
@@ -153,3 +171,23 @@ def _nan_input(module: nn.Module, args: tuple) -> tuple | None:
     x = args[0].clone()
     x.view(-1)[0] = float("nan")
     return (x, *args[1:])
+
+
+def _saturate(module: nn.Module, offset: float) -> list:
+    """Hooks, in training forwards: ``offset`` added to channel 0 of the input, ``offset`` times the weight's
+    column 0 taken off the output (through autograd: the weight's gradient is unchanged as well)."""
+
+    def pre(mod, args):
+        if not torch.is_grad_enabled():
+            return None
+        x = args[0].clone()
+        x[..., 0] += offset
+        return (x, *args[1:])
+
+    def post(mod, args, out):
+        if not torch.is_grad_enabled():
+            return None
+        weight = mod.gemm_weight() if hasattr(mod, "gemm_weight") else mod.weight  # (out, in)
+        return out - offset * weight[:, 0]
+
+    return [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]

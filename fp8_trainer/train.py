@@ -42,7 +42,7 @@ from .stats import read_newest, step_stats
 from .train_config import FP8_RECIPES, HISTORY_LEN, TrainConfig
 from .train_graph import GraphedTraining, make_capturable
 
-__all__ = ["Prepared", "TrainResult", "dist_env", "make_recipe", "run_config", "train"]
+__all__ = ["Prepared", "TrainResult", "dist_env", "make_optimizer", "make_recipe", "run_config", "train"]
 
 
 @dataclass
@@ -218,6 +218,19 @@ class _NoMonitor:
     run_id = dashboard_url = None
 
 
+def _make_capture(a: TrainConfig, model, opt, config, world: int, say):
+    """``--capture-dir``: the incident capture (fp8_trainer.incident_capture), or None."""
+    if not a.capture_dir:
+        return None
+    if world > 1 or a.cuda_graph:
+        say("note: --capture-dir captures single-process eager runs only (not several ranks, --cuda-graph)")
+        return None
+    from .incident_capture import CaptureConfig, IncidentCapture
+
+    cfg = CaptureConfig(a.capture_dir, every=a.capture_every, max_bytes=int(a.capture_max_mb * 2**20))
+    return IncidentCapture(cfg, model, opt, config)
+
+
 def _make_monitor(a, model, recipe, config, rank: int, world: int):
     if not a.monitor_url:
         return _NoMonitor()
@@ -302,7 +315,7 @@ def _build(a, prepared: Prepared, rank: int, device):
             get_fp8_state(model).set_quality_stats(False)
         default_every = 10 if device.type == "cuda" else 1
         get_fp8_state(model).set_quality_schedule(a.quality_every or default_every)
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = make_optimizer(a, model)
     ckpt = prepared.checkpoint
     if ckpt is None and a.resume:
         ckpt = load_checkpoint(a.resume)
@@ -323,6 +336,11 @@ def _build(a, prepared: Prepared, rank: int, device):
         corpus.generator.set_state(streams[rank])
     prepared.checkpoint = None  # model and optimizer hold copies now: free the memory
     return corpus, recipe, model, opt, ckpt["step"], len(streams)
+
+
+def make_optimizer(a: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """The run's optimizer (AdamW) over ``model``'s parameters."""
+    return torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
 
 
 def step_lr(a: TrainConfig, step: int) -> float:
@@ -354,6 +372,7 @@ def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -
     lead = rank == 0
     progress = _Progress(a, start, tokens_per_step, lead, out)
     say = progress.say
+    capture = _make_capture(a, model, opt, config, world, say)
 
     n_params = sum(p.numel() for p in model.parameters())
     say(
@@ -383,6 +402,8 @@ def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -
             for step in range(start + 1, a.steps + 1):
                 # ----- learning rate and this step's injected faults -----
                 lr = step_lr(a, step) * injector.lr_factor(step)
+                if capture is not None:  # the state before the step's faults (fp8_trainer.incident_capture)
+                    capture.begin(step, lr, injector.injections)
                 for inj in injector.begin(step):
                     say(f"inject: step {step}: {inj.describe()}")
                     monitor.event("injection", step, **inj.details())
@@ -393,8 +414,13 @@ def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -
                     for group in opt.param_groups:
                         group["lr"] = lr
                     batch = lambda _: _next_batch(a, corpus, device)  # noqa: E731
+                    batch = capture.batches(batch) if capture is not None else batch
                     step_loss = _forward_backward(a, net, batch, recipe, device, world)
                 injector.end(step)
+                bundle = capture.end(step, step_loss) if capture is not None else None
+                if bundle is not None:
+                    say(f"fp8-train: step {step}: incident bundle {bundle} (fp8-train replay {bundle})")
+                    monitor.event("incident_bundle", step, path=str(bundle))
 
                 if a.halt_on_nonfinite and _nonfinite(step_loss, world):  # before the update: a host sync
                     result.status = "halted"

@@ -66,6 +66,10 @@ class TrainConfig:
     halt_on_nonfinite: bool = False  # stop at the first non-finite loss, before the update (exit code 3)
     resume: str | None = None  # continue the run saved in this checkpoint
     stats_dump: str | None = None  # every step's FP8 statistics and loss to this .npz (synchronous copies)
+    # ----- incident capture (fp8_trainer.incident_capture; replay with fp8-train replay BUNDLE) -----
+    capture_dir: str | None = None  # write a bundle here at a non-finite loss or a loss spike; None: off
+    capture_every: int = 8  # steps between the in-memory snapshots (a replay covers 8 to 16 steps)
+    capture_max_mb: float = 512.0  # the bundles in capture_dir together at most this many MiB
     # ----- monitoring and fault injection -----
     # the quality columns (SQNR, subnormals, dynamic range, outliers) in the quantize pass; off saves their
     # cost, which on the CPU path is about a tenth of a tiny-preset step (bench/quality_overhead.py)
