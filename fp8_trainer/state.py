@@ -41,6 +41,7 @@ model-wide overrides, so loading any layer restores them.
 
 from __future__ import annotations
 
+from copy import deepcopy
 from typing import Any
 
 import torch
@@ -310,6 +311,18 @@ class FP8State:
             self.block_stats = new_block_stats(self.n_tensors, self.device)  # from now on, every step
         self.version += 1
 
+    def __deepcopy__(self, memo: dict) -> FP8State:
+        """A copy with its own handle (the custom operators find a state by it) and no layer plans (caches,
+        holding prepared kernel launches; the copy makes its own)."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            if name != "linear_plans":
+                setattr(new, name, deepcopy(value, memo))
+        new.linear_plans = {}
+        new.handle = register_state(new)
+        return new
+
     def to(self, device) -> FP8State:
         """Move every tensor to ``device`` (done automatically at the first forward on a new device)."""
         device = torch.device(device)
@@ -448,17 +461,18 @@ class FP8State:
         stays as it was (``fp8_trainer.weight_cache`` says when a held copy is used again). ``variant`` names
         what ``quantize`` makes (which copies), so a forward that needs another one quantizes again. A
         forward that records nothing (evaluation) neither fills the cache nor needs it. The weight's
-        statistics are recorded once per step, by its first recording quantization: a later one in the same
-        step (another variant, or a copy the cache could not keep: FSDP2 gathers the weight into a fresh
-        tensor for every micro-batch) quantizes without recording, so a step's counts are one weight's, not
-        one per micro-batch. A weight that arrives in FP8 (``PreQuantizedWeight``: FSDP2's FP8 all-gather)
-        is taken as it is."""
+        statistics are recorded once per step and value (``WeightCache.first_record``): a later quantization
+        of the same value in the same step (another variant, or a copy the cache could not keep: FSDP2
+        gathers the weight into a fresh tensor for every micro-batch, a computed weight is made at every
+        forward) quantizes without recording, so a step's counts are one weight's, not one per micro-batch;
+        a weight changed within the step (an in-place op, an optimizer step) records again. A weight that
+        arrives in FP8 (``PreQuantizedWeight``: FSDP2's FP8 all-gather) is taken as it is."""
         if isinstance(weight, PreQuantizedWeight):
             return weight.fp8_copies(self, k, variant, record)
         key = self.weight_cache.key(weight, self.version, variant)
         got = self.weight_cache.lookup(k, key)
         if got is None:
-            got = quantize(record and self.weight_cache.first_record(k))
+            got = quantize(record and self.weight_cache.first_record(k, weight))
             if record:
                 self.weight_cache.store(k, key, weight, got)
         return got

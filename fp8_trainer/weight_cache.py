@@ -64,6 +64,9 @@ def _watch_optimizers() -> None:
         _hook = register_optimizer_step_post_hook(_count_step)
 
 
+_NOT_RECORDED = object()
+
+
 class PreQuantizedWeight(torch.Tensor):
     """A weight that arrives already in FP8 (FSDP2's FP8 all-gather, ``fp8_trainer.fsdp``): the layer takes
     its ``fp8_copies`` instead of quantizing it, and no copy of it is held here."""
@@ -80,7 +83,7 @@ class WeightCache:
         _watch_optimizers()
         self.enabled = True  # off only to measure what the cache saves (bench/weight_cache.py)
         self._held: dict[int, tuple[tuple, torch.Tensor, Any]] = {}
-        self._recorded: set[int] = set()  # layers whose pre-quantized weight was recorded in this step
+        self._recorded: dict[int, Any] = {}  # per layer, what its weight was when recorded in this step
 
     def key(self, weight: torch.Tensor, state_version: int, variant: Any) -> tuple | None:
         """What a copy of ``weight`` is valid for; ``None`` where no copy may be kept. A view of a parameter
@@ -105,11 +108,20 @@ class WeightCache:
             # the alias keeps the weight's storage alive: its address cannot be recycled while held
             self._held[k] = (key, weight.detach(), value)
 
-    def first_record(self, k: int) -> bool:
-        """True once per step for layer ``k``: a pre-quantized weight's statistics count once per step."""
-        if k in self._recorded:
+    def first_record(self, k: int, weight: torch.Tensor | None = None) -> bool:
+        """Whether layer ``k``'s weight records its statistics now: once per step, and again in the same step
+        only where ``weight`` changed in a way ``key`` also sees as a change of the value (an in-place op, an
+        optimizer step, ``weights_changed``), not where it is the same value in another tensor (FSDP2
+        gathers the weight into fresh storage for every micro-batch, with its version counter kept; a
+        computed weight is a fresh tensor at every forward). ``weight`` None: once per step (a weight that
+        arrives in FP8, ``fp8_trainer.fsdp``)."""
+        token = None
+        if weight is not None:
+            base = weight if weight._base is None else weight._base
+            token = (base._version, _epoch)
+        if self._recorded.get(k, _NOT_RECORDED) == token:
             return False
-        self._recorded.add(k)
+        self._recorded[k] = token
         return True
 
     def clear(self) -> None:

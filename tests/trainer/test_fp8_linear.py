@@ -124,3 +124,27 @@ def test_matches_torchao_emulated_current_scaling(lead, k, n):
     # and the comparison is not vacuous: FP8 differs from float32 far beyond that tolerance
     y_ref = run_layer(ref, x, g)[0]
     assert (y_ref - want[0]).abs().max().item() > 100 * 1e-5 * want[0].abs().max().item()
+
+
+def test_a_deep_copied_model_has_its_own_state_handle_and_plans():
+    """``copy.deepcopy`` of a trained FP8 model: its state is found by its own handle (the custom operators
+    look states up by it: a shared handle would record the copy's statistics into the original), and it
+    starts without the original's layer plans (caches made under the original's conditions)."""
+    from fp8_trainer import linear_ops
+
+    torch.manual_seed(0)
+    model = fp8_trainer.convert_to_fp8(nn.Sequential(nn.Linear(32, 16)))
+    with fp8_trainer.fp8_autocast():
+        model(torch.randn(4, 32)).sum().backward()
+    state = fp8_trainer.get_fp8_state(model)
+    assert state.linear_plans
+    twin = copy.deepcopy(model)
+    twin_state = fp8_trainer.get_fp8_state(twin)
+    assert twin_state is not state and twin_state.handle != state.handle
+    assert linear_ops._STATES[twin_state.handle] is twin_state and linear_ops._STATES[state.handle] is state
+    assert twin_state.linear_plans == {}
+    assert torch.equal(twin_state.scale, state.scale)
+    assert torch.equal(twin_state.amax_history, state.amax_history)
+    with fp8_trainer.fp8_autocast():
+        twin(torch.randn(4, 32)).sum().backward()
+    assert twin_state.steps == state.steps + 1
