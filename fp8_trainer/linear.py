@@ -63,6 +63,7 @@ from .block_linear import _BlockLinearFn
 from .linear_ops import FP8LinearFn, fused_transposes, layer_plan
 from .state import FP8State
 from .step import begin_forward
+from .tensor_parallel import DTensor, tp_forward
 
 __all__ = ["Conv1D", "Linear", "fused_transposes", "is_conv1d"]
 
@@ -129,6 +130,8 @@ class Linear(nn.Linear):
         return self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, DTensor):  # tensor parallelism: fp8_trainer.tensor_parallel
+            return tp_forward(self, x)
         if torch.compiler.is_compiling():
             return self._traced_forward(x)
         if torch.is_autocast_enabled(x.device.type):

@@ -41,6 +41,7 @@ model-wide overrides, so loading any layer restores them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from copy import deepcopy
 from typing import Any
 
@@ -184,6 +185,9 @@ class FP8State:
         self.steps = 0  # completed steps (host-side bookkeeping, never read from a tensor)
         self.tracker = StepTracker()  # the step in progress: pending, region, recorded forwards
         self.linear_plans: dict = {}  # per layer and input shape: fp8_trainer.linear_ops.LayerPlan
+        # called with the state as a step closes, before its amaxes are reduced (fp8_trainer.tensor_parallel
+        # merges the rows of sharded tensors there)
+        self.before_step_end: list[Callable[[FP8State], None]] = []
         # tensor index -> a function to call once with that tensor's next training value (capture_once)
         self.captures: dict[int, Any] = {}
         self.handle = register_state(self)  # how the custom operators find it (fp8_trainer.linear_ops)
@@ -499,6 +503,8 @@ class FP8State:
         """
         if not self.tracker.pending:
             return
+        for hook in self.before_step_end:
+            hook(self)
         self.tracker.closed()
         self.weight_cache.clear()  # the optimizer moves the weights, and the scales change, after a step
         stats = self.stats
