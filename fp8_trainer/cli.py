@@ -16,7 +16,7 @@ import torch
 
 from fp8_protocol.runs import check_tags
 
-from .checkpoint import CheckpointError, check_compatible, load_checkpoint
+from .checkpoint import CheckpointError, check_compatible, check_layout, load_checkpoint
 from .data import DataError, load_corpus
 from .inject import check_injections, parse_injection
 from .model import CHECKPOINT_MODES, GPT, PRESETS, fp8_filter
@@ -66,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the model: one graph with the FP8 Linears as custom operators (block "
                         "recipes: a graph break per layer); the first step compiles")  # fmt: skip
+
+    g.add_argument("--fsdp", action="store_true",
+                   help="shard the model with FSDP2 (each block and the root) instead of DDP, the FP8 "
+                        "weights cast before the all-gather; --save / --resume then name a sharded "
+                        "checkpoint directory, which resumes on any number of ranks (not with --compile, "
+                        "--cuda-graph, --inject, --capture-dir)")  # fmt: skip
 
     g = p.add_argument_group("FP8 recipe")
     g.add_argument("--recipe", choices=(*FP8_RECIPES, "bf16", "fp32"), default=_D.recipe,
@@ -182,6 +188,20 @@ def _mxfp8_misfit(preset: str, tokens: int) -> str | None:
     return None
 
 
+def _fsdp_misfit(a: argparse.Namespace) -> str | None:
+    """Why ``--fsdp`` cannot run with these flags, or None."""
+    refused = {
+        "--cuda-graph": (a.cuda_graph, "FSDP2's all-gathers and reduce-scatters are not captured"),
+        "--compile": (a.compile, "the compiled FP8 Linear cannot take an FP8-gathered weight yet"),
+        "--inject": (bool(a.inject), "fault injection edits whole weights, FSDP2 holds shards"),
+        "--capture-dir": (a.capture_dir is not None, "incident bundles hold whole, unsharded models"),
+    }
+    for flag, (given, why) in refused.items():
+        if given:
+            return f"--fsdp: not with {flag} ({why})"
+    return None
+
+
 def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> Prepared:
     """Refuse what cannot run (``p.error``: exit 2 with the message); fill in derived defaults (min_lr)."""
     for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_interval", "eval_iters"):
@@ -227,6 +247,10 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> Prepared:
         p.error("--device cuda: no CUDA device available")
     if a.quality_every is not None and a.quality_every < 1:
         p.error(f"--quality-every: expected an integer >= 1, got {a.quality_every}")
+    if a.fsdp:
+        misfit = _fsdp_misfit(a)
+        if misfit:
+            p.error(misfit)
     if a.cuda_graph:
         misfit = graph_misfit(a, dist_env()[1])
         if misfit:
@@ -273,6 +297,7 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> Prepared:
         try:
             checkpoint = load_checkpoint(a.resume)
             check_compatible(checkpoint, run_config(a, corpus.vocab_size), a.steps)
+            check_layout(checkpoint, a.fsdp)
         except CheckpointError as e:
             p.error(str(e) if str(e).startswith("--") else f"--resume {e}")
     try:

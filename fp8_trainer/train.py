@@ -4,7 +4,10 @@
 be called in-process (benchmarks, tests). Data parallel when launched by ``torchrun``: every rank draws its
 own data, DDP averages the gradients, and the FP8 layers all-reduce their amaxes (MAX) once per step, so
 every rank keeps identical weights and scales. Only rank 0 prints and saves; every rank runs the monitor
-client, which reports from rank 0.
+client, which reports from rank 0. With ``--fsdp`` FSDP2 shards the model instead of DDP (``fully_shard``
+per block and on the root, the FP8 weights cast before the all-gather: ``fp8_trainer.fsdp``); the data and
+the amax reduction are as under DDP, every rank evaluates (a forward is a collective) and every rank writes
+its shards of a sharded checkpoint (``fp8_trainer.checkpoint.save_sharded``).
 
 Nothing in the step reads a device value on the host except at log, eval and checkpoint steps; the
 progress bar shows the loss of the step before (copied asynchronously), and the monitor gets tensors.
@@ -26,10 +29,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from .autocast import fp8_autocast
-from .checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+from .checkpoint import checkpoint_path, load_checkpoint, load_sharded, save_checkpoint, save_sharded
 from .convert import convert_to_fp8, get_fp8_state
 from .data import Corpus, load_corpus
 from .hostcopy import LateCopy
@@ -286,9 +290,13 @@ def train(a: TrainConfig, prepared: Prepared | None = None, *, on_step=None, out
     """
     prepared = prepared or Prepared()
     rank, world, local_rank = dist_env()
-    own_group = world > 1 and not dist.is_initialized()
+    own_group = (world > 1 or a.fsdp) and not dist.is_initialized()
     if own_group:
-        dist.init_process_group("nccl" if a.device == "cuda" else "gloo")
+        backend = "nccl" if a.device == "cuda" else "gloo"
+        if world > 1 or "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend)
+        else:  # --fsdp in one process not started by torchrun: a group of one, nothing to meet
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     device = torch.device(f"cuda:{local_rank}" if a.device == "cuda" else a.device)  # one GPU per rank
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -315,11 +323,17 @@ def _build(a, prepared: Prepared, rank: int, device):
             get_fp8_state(model).set_quality_stats(False)
         default_every = 10 if device.type == "cuda" else 1
         get_fp8_state(model).set_quality_schedule(a.quality_every or default_every)
-    opt = make_optimizer(a, model)
+    if a.fsdp:
+        shard_model(model, fp8=recipe is not None)
+    opt = make_optimizer(a, model)  # after sharding: over the sharded parameters
     ckpt = prepared.checkpoint
     if ckpt is None and a.resume:
         ckpt = load_checkpoint(a.resume)
-    if ckpt is not None:
+    if ckpt is not None and ckpt.get("sharded"):
+        load_sharded(ckpt["sharded"], model=model, optimizer=opt)  # resharded to this run's ranks
+        for group in opt.param_groups:
+            group["capturable"] = False
+    elif ckpt is not None:
         model.load_state_dict(ckpt["model"])  # FP8 scaling state included (each layer's _extra_state)
         opt.load_state_dict(ckpt["optimizer"])
         for group in opt.param_groups:  # as this run wants it, whatever the saving run was
@@ -336,6 +350,23 @@ def _build(a, prepared: Prepared, rank: int, device):
         corpus.generator.set_state(streams[rank])
     prepared.checkpoint = None  # model and optimizer hold copies now: free the memory
     return corpus, recipe, model, opt, ckpt["step"], len(streams)
+
+
+def shard_model(model: GPT, fp8: bool) -> None:
+    """FSDP2 on ``model`` in place, as ``docs/distributed.md`` writes it: the FP8 weights cast before the
+    all-gather (``fp8``: the model is converted to FP8), ``fully_shard`` on each block and on the root (the
+    embeddings, the final norm and the head tied to the embedding). Mixed precision stays autocast's
+    (``_bf16``), as without FSDP2, so the parameters, the all-gathers that are not FP8 and the gradient
+    reduce-scatter are float32."""
+    from torch.distributed.fsdp import fully_shard
+
+    from .fsdp import enable_fp8_all_gather
+
+    if fp8:
+        enable_fp8_all_gather(model)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
 
 
 def make_optimizer(a: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
@@ -360,8 +391,8 @@ def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -
     corpus, recipe, model, opt, start, saved_streams = _build(a, prepared, rank, device)
     net = (
         nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
-        if world > 1
-        else model
+        if world > 1 and not a.fsdp
+        else model  # under --fsdp the model is sharded already (shard_model)
     )
     if a.compile:  # evaluation and checkpoints keep the eager model (no recompile for no_grad)
         net = torch.compile(net)
@@ -380,6 +411,7 @@ def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -
         + (f" {recipe.to_dict()}" if recipe is not None else "")
         + f", {n_params / 1e6:.2f}M parameters, vocabulary {corpus.vocab_size}, device {device}"
         + (f", {world} ranks" if world > 1 else "")
+        + (", FSDP2" if a.fsdp else "")
         + (f", resuming after step {start}" if start else "")
     )
     if saved_streams is not None and saved_streams < world:
@@ -487,6 +519,8 @@ def _clip_and_step(a: TrainConfig, model: nn.Module, opt) -> torch.Tensor:
     """Clip (or only measure) the gradient norm and step; the norm, on the device."""
     max_norm = a.grad_clip if a.grad_clip > 0 else math.inf  # inf: only measure the norm
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if isinstance(grad_norm, DTensor):  # FSDP2's sharded gradients: the norm is replicated on every rank
+        grad_norm = grad_norm.full_tensor()
     opt.step()
     return grad_norm
 
@@ -507,13 +541,14 @@ def _evaluate_and_save(
     lead,
     say,
 ) -> None:
-    """The validation loss at ``eval_interval`` and at the end (rank 0), a checkpoint at ``save_interval``
-    and at the end."""
-    if a.eval_interval and (step % a.eval_interval == 0 or step == a.steps) and lead:
+    """The validation loss at ``eval_interval`` and at the end (rank 0; every rank runs the forwards under
+    FSDP2, where they are collectives), a checkpoint at ``save_interval`` and at the end."""
+    if a.eval_interval and (step % a.eval_interval == 0 or step == a.steps) and (lead or a.fsdp):
         val = evaluate(model, val_batches, a, recipe, device)
-        result.val_losses.append((step, val))
-        say(f"step {step:5d}  val loss {val:.4f}")
-        monitor.event("eval", step, val_loss=val)
+        if lead:
+            result.val_losses.append((step, val))
+            say(f"step {step:5d}  val loss {val:.4f}")
+            monitor.event("eval", step, val_loss=val)
     if a.save and ((a.save_interval and step % a.save_interval == 0) or step == a.steps):
         _save(a, model, opt, step, config, corpus, world, lead, say)
 
@@ -537,7 +572,9 @@ def _forward_backward(
     for micro in range(a.grad_accum):
         x, y = batches(micro)
         last = micro == a.grad_accum - 1
-        no_sync = net.no_sync() if world > 1 and not last else nullcontext()  # all-reduce grads once
+        no_sync = net.no_sync() if world > 1 and not last and not a.fsdp else nullcontext()  # reduce once
+        if a.fsdp:
+            net.set_requires_gradient_sync(last)  # FSDP2's no_sync: reduce-scatter after the last only
         with no_sync:
             fp8 = fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe, step_boundary=last)
             with fp8, _bf16(a, device, cache=not captured):
@@ -568,12 +605,17 @@ def _save_on_stop(a, model, opt, result: TrainResult, start: int, config, corpus
 
 
 def _save(a, model, opt, step: int, config, corpus: Corpus, world: int, lead: bool, say) -> None:
-    """Rank 0 writes the checkpoint, with every rank's data-stream state (gathered: a collective)."""
+    """Rank 0 writes the checkpoint, with every rank's data-stream state (gathered: a collective); under
+    FSDP2 every rank writes its shards of a sharded checkpoint directory."""
     states = [corpus.generator.get_state()]
     if world > 1:
         states = [None] * world
         dist.all_gather_object(states, corpus.generator.get_state())
-    if lead:
+    if a.fsdp:
+        path = checkpoint_path(a.save, step)
+        save_sharded(path, model=model, optimizer=opt, step=step, config=config, data_rng=states)
+        say(f"step {step:5d}  saved {path} (sharded)")
+    elif lead:
         path = checkpoint_path(a.save, step)
         save_checkpoint(path, model=model, optimizer=opt, step=step, config=config, data_rng=states)
         say(f"step {step:5d}  saved {path}")

@@ -30,6 +30,10 @@ class TrainConfig:
     # torch.compile the model: one graph, each FP8 Linear two custom operators (fp8_trainer.linear_ops);
     # block-scaled layers are graph breaks
     compile: bool = False
+    # shard the model with FSDP2 (fully_shard per block and on the root) instead of DDP, the FP8 weights
+    # cast before the all-gather (fp8_trainer.fsdp); --save / --resume then use a sharded checkpoint
+    # directory (torch.distributed.checkpoint) that resumes on another number of ranks
+    fsdp: bool = False
     # ----- FP8 recipe (None: the recipe's default, so a delayed-only flag given to another is refused) -----
     # FP8 scaling "delayed" / "current" (per tensor), "mxfp8" (1x32 blocks, E8M0 scales; dimensions and
     # batch x seq_len divisible by 32) / "block" (FP8 block scaling: 1x128 activations and gradients, 128x128
