@@ -57,7 +57,7 @@ from .model import GPT, fp8_filter, preset_config
 from .train import _forward_backward, _optimizer_step, make_optimizer, make_recipe
 from .train_config import TrainConfig
 
-__all__ = ["VERDICTS", "replay", "main"]
+__all__ = ["VERDICTS", "replay", "post_report", "main"]
 
 VERDICTS = ("fp8-caused", "not-fp8", "not-reproducible")
 
@@ -411,6 +411,41 @@ def _cast_names(hp_casts) -> list[str]:
     return [f"{n}.{r}" for n, roles in (hp_casts or {}).items() for r in sorted(roles)]
 
 
+def post_report(
+    report: dict[str, Any],
+    monitor_url: str | None,
+    run_id: int,
+    incident_id: int,
+    *,
+    token: str | None = None,
+    timeout: float = 60.0,
+) -> dict[str, Any]:
+    """Store ``report`` (as `replay` returns it) on incident ``incident_id`` of run ``run_id`` of the
+    monitor at ``monitor_url`` (None: ``FP8SCOPE_URL``): ``PUT .../incidents/{id}/replay``; the token from
+    ``token``, else ``FP8SCOPE_TOKEN`` / ``FP8SCOPE_TOKEN_FILE``. Returns the stored replay as the service
+    answers it; raises ``RuntimeError`` naming the refusal (the service's message) or the failure."""
+    import httpx
+
+    from fp8_protocol.api import API_PREFIX
+    from fp8_protocol.env import env_token, service_url
+
+    root = service_url(monitor_url).rstrip("/")
+    token = token if token is not None else env_token()
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    url = f"{root}{API_PREFIX}/runs/{int(run_id)}/incidents/{int(incident_id)}/replay"
+    try:
+        r = httpx.put(url, json=report, headers=headers, timeout=timeout)
+    except httpx.HTTPError as e:
+        raise RuntimeError(f"cannot reach the fp8scope service at {root} ({e})") from None
+    if r.status_code != 200:
+        try:
+            detail = r.json().get("detail", r.text)
+        except ValueError:
+            detail = r.text
+        raise RuntimeError(f"the service refused the report (HTTP {r.status_code}): {str(detail)[:500]}")
+    return r.json()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fp8-train replay", description="Replay an incident bundle: is the fault FP8's, and where?"
@@ -421,12 +456,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--json", metavar="PATH", help="write the report here (default: stdout, after the summary)"
     )
+    g = p.add_argument_group("store the report on its incident (token: $FP8SCOPE_TOKEN(_FILE))")
+    g.add_argument("--monitor-url", help="the fp8scope service (e.g. http://127.0.0.1:8000)")
+    g.add_argument("--run-id", type=int, help="the run the incident belongs to")
+    g.add_argument("--incident", type=int, metavar="ID", help="the incident (its id on the dashboard)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """``fp8-train replay BUNDLE``: prints the verdict and culprits, the report as JSON."""
-    a = build_parser().parse_args(argv)
+    p = build_parser()
+    a = p.parse_args(argv)
+    post = (a.monitor_url, a.run_id, a.incident)
+    if any(v is not None for v in post) and any(v is None for v in post):
+        p.error("--monitor-url, --run-id and --incident go together")
     try:
         report = replay(a.bundle, bisect=a.bisect, device=a.device)
     except ValueError as e:
@@ -440,4 +483,11 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.json).write_text(text + "\n", encoding="utf-8")
     else:
         print(text)
+    if a.monitor_url is not None:
+        try:
+            post_report(report, a.monitor_url, a.run_id, a.incident)
+        except (RuntimeError, ValueError) as e:
+            print(f"fp8-train replay: {e}", file=sys.stderr)
+            return 1
+        print(f"stored on incident {a.incident} of run {a.run_id} at {a.monitor_url}")
     return 0

@@ -30,6 +30,7 @@ from sqlalchemy.orm.attributes import set_committed_value
 
 from fp8_protocol.codec import jsonable
 from monitor_server import commands as command_ops
+from monitor_server import replays
 from monitor_server.client_events import event_light
 from monitor_server.core.config import Settings
 from monitor_server.core.db import Database
@@ -303,7 +304,9 @@ class AlertService:
         order = self.tensor_order(meta)
         alerts = alerts_by_incident(session, [i.id for i in incidents])
         url = self.settings.public_url
-        return [incident_public(i, alerts[i.id], meta, order, url) for i in incidents]
+        out = [incident_public(i, alerts[i.id], meta, order, url) for i in incidents]
+        replays.annotate(session, run_id, incidents, out, self._config.incident_window_steps)
+        return out
 
     def flush(self, run_id: int) -> bool:
         """Write back a cached engine's state if it has batches not written yet (and still stands at the

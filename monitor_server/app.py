@@ -28,6 +28,7 @@ from monitor_server.api.routes import (
     health,
     incidents,
     queries,
+    replays,
     runs,
     stream,
     telemetry,
@@ -138,7 +139,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(LockTimeout, _database_unavailable)
     app.include_router(health.router)
     guarded = [(route.path, route) for route in health.router.routes]
-    for module in (runs, telemetry, queries, blocks, export, alerts, incidents, commands, stream, dashboard):
+    api_routes = (runs, telemetry, queries, blocks, export, alerts, incidents, replays, commands, stream)
+    for module in (*api_routes, dashboard):
         app.include_router(module.router, prefix=API_PREFIX)
         guarded += [(API_PREFIX + route.path, route) for route in module.router.routes]
     app.add_middleware(RequestGuard, settings=settings, routes=guarded)

@@ -20,6 +20,9 @@ Tables and their columns:
 - ``events``: ``id, step, kind, created_at, details`` (details as JSON text, non-finite floats spelled as
   on the wire).
 - ``alerts``: the fields of ``GET /runs/{id}/alerts`` (evidence as JSON text), by id.
+- ``replays``: one row per replayed incident whose steps overlap the range, by incident id: ``incident_id,
+  verdict, culprits`` (comma-separated, the most likely first) ``, updated_at, updated_by, report`` (the
+  report as JSON text, as stored; ``monitor_server/replays.py``).
 
 A download is whole or visibly cut off: the rows each table holds in the range are counted when the export
 starts, and an export that ends with fewer (the run deleted, or its statistics compacted, while it was
@@ -51,13 +54,13 @@ from sqlalchemy.orm import Session
 
 from fp8_protocol.stats import BASE_COLUMNS, BLOCK_COLUMNS, COUNT_COLUMNS, QUALITY_COLUMNS, stored_amax
 from monitor_server.alerting import alert_public
-from monitor_server.models import Alert, EventRow, StepRow, StepStat, as_utc
+from monitor_server.models import Alert, EventRow, Incident, IncidentReplay, StepRow, StepStat, as_utc
 from monitor_server.rollups import STAT_IDS, unpack_rows
 from monitor_server.run_meta import RunMeta
 from monitor_server.series import scalar_value
 
 FORMATS = ("csv", "parquet")
-TABLES = ("stats", "scalars", "events", "alerts")
+TABLES = ("stats", "scalars", "events", "alerts", "replays")
 LAYOUTS = ("long", "wide")
 MEDIA_TYPES = {"csv": "text/csv; charset=utf-8", "parquet": "application/vnd.apache.parquet"}
 
@@ -550,6 +553,60 @@ def alerts_table(sessions: SessionFactory, meta: RunMeta, lo: int, hi: int) -> I
         after = heads[-1][0]
 
 
+REPLAYS_SCHEMA = pa.schema(
+    [
+        ("incident_id", _I64),
+        ("verdict", _STR),
+        ("culprits", _STR),
+        ("updated_at", _TS),
+        ("updated_by", _STR),
+        ("report", _STR),
+    ]
+)
+
+
+def _replays_in_range(run_id: int, lo: int, hi: int) -> tuple:
+    """The conditions of a run's replays whose incident's steps overlap [lo, hi] (joined to incidents)."""
+    return (
+        IncidentReplay.run_id == run_id,
+        Incident.id == IncidentReplay.incident_id,
+        Incident.last_step >= lo,
+        Incident.first_step <= hi,
+    )
+
+
+def replays_table(sessions: SessionFactory, run_id: int, lo: int, hi: int) -> Iterator[pa.Table]:
+    """The run's incident replays (see `REPLAYS_SCHEMA`) by incident id, in chunks of about CHUNK_BYTES
+    of reports (a report is at most `max_replay_bytes`)."""
+    report_text = cast(IncidentReplay.report, Text).label("report_json")
+    with sessions() as session:
+        heads = session.execute(
+            select(IncidentReplay.incident_id, func.length(report_text))
+            .where(*_replays_in_range(run_id, lo, hi))
+            .order_by(IncidentReplay.incident_id)
+        ).all()
+    for ids in _byte_chunks([(h[0], h[1] or 0) for h in heads]):
+        with sessions() as session:
+            rows = session.execute(
+                select(IncidentReplay, report_text)
+                .where(IncidentReplay.incident_id.in_(ids))
+                .order_by(IncidentReplay.incident_id)
+            ).all()
+            records = [
+                {
+                    "incident_id": row.incident_id,
+                    "verdict": row.verdict,
+                    "culprits": ",".join(row.report.get("culprits", [])),
+                    "updated_at": as_utc(row.updated_at),
+                    "updated_by": row.updated_by,
+                    "report": report,
+                }
+                for row, report in rows
+            ]
+        yield pa.Table.from_pylist(records, schema=REPLAYS_SCHEMA)
+        del records, rows
+
+
 class ExportTooWide(ValueError):
     """A wide Parquet export over `WIDE_PARQUET_MAX_COLUMNS` columns (refused before anything is read)."""
 
@@ -569,6 +626,9 @@ def stored_rows(sessions: SessionFactory, meta: RunMeta, table: str, layout: str
         query = select(func.count()).where(StepRow.run_id == run_id, StepRow.step.between(lo, hi))
     elif table == "events":
         query = select(func.count()).where(EventRow.run_id == run_id, EventRow.step.between(lo, hi))
+    elif table == "replays":
+        query = select(func.count()).select_from(IncidentReplay, Incident)
+        query = query.where(*_replays_in_range(run_id, lo, hi))
     else:
         query = select(func.count()).where(
             Alert.run_id == run_id, Alert.last_step >= lo, Alert.first_step <= hi
@@ -636,6 +696,8 @@ def export(
         schema, tables = scalars_schema(names), scalars_table(sessions, meta.run_id, names, lo, hi)
     elif table == "events":
         schema, tables = EVENTS_SCHEMA, events_table(sessions, meta.run_id, lo, hi)
+    elif table == "replays":
+        schema, tables = REPLAYS_SCHEMA, replays_table(sessions, meta.run_id, lo, hi)
     else:
         schema, tables = ALERTS_SCHEMA, alerts_table(sessions, meta, lo, hi)
     return encode(fmt, schema, _whole(tables, expected, f"run {meta.run_id} {table}"))

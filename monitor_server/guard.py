@@ -38,7 +38,11 @@ from monitor_server.core.config import Settings
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1"})
 #: route name -> the setting that holds its body limit; every other route gets `max_control_bytes`
-BODY_LIMIT_SETTING = {"post_telemetry": "max_body_bytes", "create_run": "max_registration_bytes"}
+BODY_LIMIT_SETTING = {
+    "post_telemetry": "max_body_bytes",
+    "create_run": "max_registration_bytes",
+    "put_incident_replay": "max_replay_bytes",
+}
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """SQLAlchemy 2 models: runs, their tensors, steps, statistics, rollups, block scale histograms, alerts,
-incidents and commands.
+incidents, their replays and commands.
 
 Statistics are stored as packed little-endian float64 vectors of length T (one per run, statistic and step),
 never one row per tensor per step; `Rollup` holds the same vectors aggregated over aligned blocks of steps.
@@ -230,6 +230,24 @@ class Incident(Base):
     notified_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     acknowledged_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     acknowledged_by: Mapped[str | None] = mapped_column(String(200), nullable=True)
+
+
+class IncidentReplay(Base):
+    """The report of a replay of an incident's captured step (``fp8-train replay``): the verdict, the
+    culprits and the evidence per configuration, as the job sent it (one per incident; a new one replaces
+    it). See `monitor_server/replays.py`."""
+
+    __tablename__ = "incident_replays"
+    __table_args__ = (Index("ix_incident_replays_run", "run_id"),)
+
+    incident_id: Mapped[int] = mapped_column(ForeignKey("incidents.id", ondelete="CASCADE"), primary_key=True)
+    run_id: Mapped[int] = mapped_column(_run_fk())
+    verdict: Mapped[str] = mapped_column(String(32))
+    report: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    #: the token that stored it ("anonymous" without tokens)
+    updated_by: Mapped[str] = mapped_column(String(200))
 
 
 class Alert(Base):

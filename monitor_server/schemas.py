@@ -70,6 +70,8 @@ HeatmapMetric = Literal[
     "block_range",
 ]
 AlertState = Literal["open", "acknowledged"]
+#: the verdicts of an incident replay (`fp8-train replay`)
+ReplayVerdict = Literal["fp8-caused", "not-fp8", "not-reproducible"]
 
 
 class PublicModel(BaseModel):
@@ -380,6 +382,14 @@ class IncidentPublic(PublicModel):
         description="the run's dashboard page with this incident open, under the configured public URL"
     )
     alerts: list[IncidentAlert]
+    replay_verdict: ReplayVerdict | None = Field(
+        default=None, description="the verdict of its replay (GET .../replay), null: not replayed yet"
+    )
+    bundles: list[str] = Field(
+        default_factory=list,
+        description="paths of the incident bundles the job wrote (its `incident_bundle` events) from the "
+        "incident's window before its first step to its last step, oldest first",
+    )
 
 
 class IncidentDetail(IncidentPublic):
@@ -393,6 +403,61 @@ class AckAllResult(PublicModel):
 
     incidents: list[int] = Field(description="ids of the incidents acknowledged")
     alerts: int = Field(description="how many alerts were acknowledged (also those in no incident)")
+
+
+#: a float of a replay report: finite as a JSON number, non-finite spelled as on the wire
+ReplayFloat = Annotated[float, Field(allow_inf_nan=False)] | Literal["NaN", "Infinity", "-Infinity"]
+#: a tensor (``<layer>.<role>``) or layer name in a replay report
+ReplayName = Annotated[Text, Field(min_length=1, max_length=300)]
+#: the most configurations, culprits and FP8 layers (SQNR entries) one replay report may hold
+MAX_REPLAY_CONFIGS = 1024
+MAX_REPLAY_LAYERS = 4096
+
+
+class ReplayConfig(BaseModel):
+    """One configuration of a replay: what ran in high precision, the window's losses, whether the fault
+    came back, and (for the FP8 ones) each FP8 layer's output SQNR against the high-precision run."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: ReplayName
+    high_precision: list[ReplayName] = Field(default_factory=list, max_length=MAX_REPLAY_LAYERS)
+    loss: ReplayFloat = Field(description="the failing step's loss")
+    losses: list[ReplayFloat] = Field(default_factory=list, max_length=4096, description="the window's")
+    fault: StrictBool
+    sqnr_db: dict[ReplayName, ReplayFloat] | None = Field(default=None, max_length=MAX_REPLAY_LAYERS)
+    grad_sqnr_db_min: ReplayFloat | None = None
+    grad_sqnr_worst: ReplayName | None = None
+
+
+class ReplayReport(BaseModel):
+    """Body of PUT /runs/{id}/incidents/{incident_id}/replay: the report `fp8-train replay` writes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    verdict: ReplayVerdict
+    reason: Text = Field(max_length=2000)
+    culprits: list[ReplayName] = Field(
+        default_factory=list, max_length=MAX_REPLAY_CONFIGS, description="the most likely first"
+    )
+    configs: list[ReplayConfig] = Field(default_factory=list, max_length=MAX_REPLAY_CONFIGS)
+    bundle: Text | None = Field(default=None, max_length=4096, description="the bundle replayed")
+    step: StrictInt | None = Field(default=None, ge=0, description="the failing step")
+    window: list[StrictInt] | None = Field(
+        default=None, min_length=2, max_length=2, description="first and last step replayed"
+    )
+    bitwise: StrictBool | None = Field(default=None, description="the failing step's loss came back exactly")
+    trigger: JsonObject | None = Field(default=None, description="what made the job write the bundle")
+
+
+class ReplayPublic(ReplayReport):
+    """A stored replay report, with the incident it belongs to and who stored it when."""
+
+    incident_id: int
+    run_id: int
+    created_at: datetime
+    updated_at: datetime
+    updated_by: str
 
 
 class Health(PublicModel):

@@ -76,6 +76,8 @@ class Settings(BaseSettings):
             tensor, so 1 MiB holds `max_tensors` with room to spare).
         max_control_bytes: the body limit of every other request (commands, status changes, acks):
             kilobytes are enough.
+        max_replay_bytes: the body limit of ``PUT /runs/{id}/incidents/{iid}/replay`` (a replay report:
+            about 1 kB per configuration replayed on a small model).
         max_tensors: the most quantized tensors a run may register (each heatmap column holds one value
             per tensor).
         max_config_bytes: the largest run ``config`` (as JSON) a registration may carry (422 above it).
@@ -153,6 +155,7 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
     max_registration_bytes: int = Field(1024 * 1024, ge=1024)
     max_control_bytes: int = Field(64 * 1024, ge=1024)
+    max_replay_bytes: int = Field(1024 * 1024, ge=1024)
     max_tensors: int = Field(4096, ge=1)
     max_config_bytes: int = Field(64 * 1024, ge=1024)
     max_heatmap_cells: int = Field(4096 * 1024, ge=1024)

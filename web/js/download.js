@@ -1,5 +1,5 @@
-// The run page's download menu: one table of the run (per-tensor statistics, scalars, events, alerts) as
-// CSV or Parquet, from GET /runs/{id}/export, optionally over a step range.
+// The run page's download menu: one table of the run (per-tensor statistics, scalars, events, alerts,
+// incident replays) as CSV or Parquet, from GET /runs/{id}/export, optionally over a step range.
 
 import { download, qs } from "./api.js";
 import { el } from "./dom.js";
@@ -10,6 +10,7 @@ const TABLES = [
   ["scalars", null, "scalars (loss, lr, ...)"],
   ["events", null, "events"],
   ["alerts", null, "alerts"],
+  ["replays", null, "incident replays"],
 ];
 
 /** The menu (a <details> in the run's header). */

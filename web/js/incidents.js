@@ -1,9 +1,11 @@
 // The run's incidents panel: one entry per incident (alerts that share a cause), newest first, each
 // expandable to its alerts root cause first, with acknowledge per incident, per alert and for all at once.
 // It also keeps the run's alerts for the curves' markers and the post-mortem (one store for both).
+// Under each incident's title: its replay, verdict first (replay.js).
 
 import { api, auth } from "./api.js";
 import { badge, el, replace } from "./dom.js";
+import { ReplayViews } from "./replay.js";
 
 export const SEVERITY_KIND = { critical: "bad", warning: "warn", info: "info", ok: "ok" };
 
@@ -25,6 +27,7 @@ export class IncidentsPanel {
     this.alerts = new Map(); // id -> alert (as GET /alerts gives it)
     this.incidents = new Map(); // id -> incident (as GET /incidents gives it)
     this.expanded = new Set(this.focus === null ? [] : [this.focus]);
+    this.replays = new ReplayViews(runId, () => this.fill());
     this.ackAll = el("button", { type: "button", id: "ack-all", class: "small" }, "Acknowledge all");
     this.ackAll.addEventListener("click", () => this.acknowledgeAll());
     this.summary = el("span", { class: "muted", id: "incidents-summary" });
@@ -142,6 +145,7 @@ export class IncidentsPanel {
       { class: `incident ${i.state}${i.id === this.focus ? " focus" : ""}`, dataset: { incidentId: i.id, state: i.state } },
       el("div", { class: "alert-head" }, badge(i.severity, SEVERITY_KIND[i.severity] || ""), el("b", { class: "incident-title" }, i.title),
         el("span", { class: "muted" }, ` · steps ${i.first_step}–${i.last_step}`), el("span", { class: "spacer" }), ack),
+      this.replays.view(i),
       i.state === "acknowledged" ? el("div", { class: "muted" }, `acknowledged by ${i.acknowledged_by || "?"}`) : null,
       details,
     );

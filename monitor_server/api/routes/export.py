@@ -75,7 +75,8 @@ def export_run(
     _principal: ReadDep,
     format_: Annotated[Literal["csv", "parquet"], Query(alias="format", description="file format")] = "csv",
     table: Annotated[
-        Literal["stats", "scalars", "events", "alerts"], Query(description="which table of the run")
+        Literal["stats", "scalars", "events", "alerts", "replays"],
+        Query(description="which table of the run"),
     ] = "stats",
     layout: Annotated[
         Literal["long", "wide"] | None,
@@ -87,7 +88,8 @@ def export_run(
     """One table of the run as a file (``run-<id>-<table>.<format>``), streamed a chunk of steps at a time.
 
     Columns are listed in docs/wire-format.md (*Export*). `from`/`to` bound the steps (alerts: those whose
-    steps overlap the range). NaN and infinities are carried natively (CSV: `nan`, `inf`, `-inf`).
+    steps overlap the range; replays: those whose incident's do). NaN and infinities are carried natively
+    (CSV: `nan`, `inf`, `-inf`).
     """
     check_order(from_, to)
     if layout is not None and table != "stats":

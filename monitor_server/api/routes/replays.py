@@ -1,0 +1,60 @@
+"""Incident replays: store the report of ``fp8-train replay`` on its incident, read it back."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Path, status
+from sqlalchemy.orm import Session
+
+from monitor_server.api.deps import CtxDep, ReadDep, RunId, RunWriteDep, SessionDep, check_owner, run_or_404
+from monitor_server.models import Incident, utcnow
+from monitor_server.replays import get_replay, replay_public, store_replay
+from monitor_server.schemas import ReplayPublic, ReplayReport
+from monitor_server.wire import iso_dates
+
+router = APIRouter(prefix="/runs", tags=["incidents"])
+IncidentId = Annotated[int, Path(ge=1, le=2**31 - 1, description="incident id")]
+
+
+def _incident_or_404(session: Session, run_id: int, incident_id: int) -> Incident:
+    incident = session.get(Incident, incident_id)
+    if incident is None or incident.run_id != run_id:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"incident {incident_id} not found in run {run_id}")
+    return incident
+
+
+@router.put("/{run_id}/incidents/{incident_id}/replay", response_model=ReplayPublic)
+def put_incident_replay(
+    run_id: RunId, incident_id: IncidentId, body: ReplayReport, ctx: CtxDep, principal: RunWriteDep
+) -> ReplayPublic:
+    """Store the report of a replay of the incident's captured step (``fp8-train replay BUNDLE
+    --monitor-url ... --run-id ... --incident ...``), replacing one stored before. The job that owns the run
+    (an `ingest` token) or an operator (`control`) may. The incident shows the verdict from then on."""
+    report = body.model_dump(mode="json", exclude_none=True)
+    with ctx.db.run_lock(run_id), ctx.db.write() as session:
+        run = run_or_404(session, run_id)
+        check_owner(principal, run.owner, run_id)
+        incident = _incident_or_404(session, run_id, incident_id)
+        row = store_replay(session, incident, report, principal.name, utcnow())
+        result = ReplayPublic(**replay_public(row))
+        incident_out = ctx.detection.incidents_public(session, run_id, [incident])[0]
+    ctx.broker.publish(run_id, "incident", iso_dates(incident_out))
+    return result
+
+
+@router.get(
+    "/{run_id}/incidents/{incident_id}/replay",
+    response_model=ReplayPublic,
+    responses={404: {"description": "no such incident, or it has not been replayed"}},
+)
+def get_incident_replay(
+    run_id: RunId, incident_id: IncidentId, session: SessionDep, _principal: ReadDep
+) -> ReplayPublic:
+    """The stored replay of the incident: verdict, reason, culprits (most likely first), the evidence per
+    configuration (losses, fault, output SQNRs against high precision). 404 when it has none."""
+    _incident_or_404(session, run_id, incident_id)
+    row = get_replay(session, incident_id)
+    if row is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"incident {incident_id} has no replay yet")
+    return ReplayPublic(**replay_public(row))
