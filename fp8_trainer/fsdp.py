@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from fp8_kernels import current_scale_reference, new_stats, quantize_with_stats, tensor_amax
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from .autocast import current_region
@@ -102,6 +103,12 @@ def enable_fp8_all_gather(model: nn.Module) -> list[str]:
         if type(mod) is not Linear or isinstance(mod.weight, FP8ShardedWeight) or seen[id(mod.weight)] > 1:
             continue
         w = mod.weight
+        if isinstance(w, DTensor):
+            raise NotImplementedError(
+                f"enable_fp8_all_gather: layer {name!r} has a DTensor weight (tensor parallelism or an "
+                "earlier fully_shard); the FP8 all-gather is not supported there: shard tensor-parallel "
+                "weights with fully_shard's high-precision all-gather, and call this before fully_shard"
+            )
         mod.weight = nn.Parameter(FP8ShardedWeight(w.data), requires_grad=w.requires_grad)
         changed.append(name)
     return changed

@@ -21,8 +21,14 @@ a sharded one is held in pieces, and for these:
   every rank holds the whole tensor's row (a hook in the state's ``before_step_end``, added by the first
   TP forward: ``_register``). Replicated tensors' rows are left as they are: every rank holds the same tensor.
 
-Not supported (clear errors): block-scaled recipes (MXFP8, FP8 block scaling), a mesh of more than one
-dimension, weights sharded other than ``Shard(0)`` / ``Shard(1)``, transposed-weight layers (``Conv1D``).
+With FSDP2 on a 2-D ``(dp, tp)`` mesh (``parallelize_module`` over ``mesh["tp"]``, then ``fully_shard``
+over ``mesh["dp"]``), FSDP2 stores the weight on both dimensions and, when it unshards it over dp, hands the
+layer the DTensor ``parallelize_module`` made (the 1-D tp mesh, ``Shard(0)`` / ``Shard(1)``): this path runs
+as it is.
+
+Not supported (clear errors): block-scaled recipes (MXFP8, FP8 block scaling), a weight on a mesh of more
+than one dimension, weights sharded other than ``Shard(0)`` / ``Shard(1)``, transposed-weight layers
+(``Conv1D``), the FP8 all-gather of ``fp8_trainer.fsdp`` on tensor-parallel weights.
 Under ``torch.compile`` the layer's TP forward runs eagerly (a graph break).
 """
 
@@ -42,6 +48,7 @@ from .gemm import fp8_mm, gemm_operand
 from .linear_ops import FP8LinearFn, layer_plan
 from .state import merge_step_stats
 from .step import begin_forward
+from .weight_cache import PreQuantizedWeight
 
 if TYPE_CHECKING:
     from .state import FP8State
@@ -115,6 +122,13 @@ def tp_forward(layer, x: torch.Tensor) -> torch.Tensor:
         )
     if not isinstance(weight, DTensor):
         raise TypeError("tensor parallelism: a DTensor input needs the layer's weight to be a DTensor too")
+    local = weight._local_tensor
+    if isinstance(local, PreQuantizedWeight) or hasattr(local, "fsdp_pre_all_gather"):
+        # the FP8 all-gather casts the dp shard with the weight's scale but knows nothing of the tp shards
+        raise NotImplementedError(
+            "tensor parallelism: the FP8 all-gather (fp8_trainer.fsdp.enable_fp8_all_gather) is not "
+            "supported on tensor-parallel weights; shard them with fully_shard's high-precision all-gather"
+        )
     mesh = weight.device_mesh
     if mesh.ndim != 1:
         raise NotImplementedError(f"tensor parallelism: a 1-D device mesh only, got {mesh.ndim} dimensions")
