@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8_protocol.codec import jsonable
+from fp8_protocol.replay import VERDICTS
 
 from .convert import convert_to_fp8, get_fp8_state, set_layer_recipe
 from .formats import ROLES
@@ -58,8 +59,6 @@ from .train import _forward_backward, _optimizer_step, make_optimizer, make_reci
 from .train_config import TrainConfig
 
 __all__ = ["VERDICTS", "replay", "post_report", "main"]
-
-VERDICTS = ("fp8-caused", "not-fp8", "not-reproducible")
 
 
 def _train_config(config: dict[str, Any]) -> TrainConfig:

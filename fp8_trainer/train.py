@@ -32,6 +32,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
+from fp8_protocol.replay import INCIDENT_BUNDLE_EVENT
+
 from .autocast import fp8_autocast
 from .checkpoint import checkpoint_path, load_checkpoint, load_sharded, save_checkpoint, save_sharded
 from .convert import convert_to_fp8, get_fp8_state
@@ -452,7 +454,7 @@ def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -
                 bundle = capture.end(step, step_loss) if capture is not None else None
                 if bundle is not None:
                     say(f"fp8-train: step {step}: incident bundle {bundle} (fp8-train replay {bundle})")
-                    monitor.event("incident_bundle", step, path=str(bundle))
+                    monitor.event(INCIDENT_BUNDLE_EVENT, step, path=str(bundle))
 
                 if a.halt_on_nonfinite and _nonfinite(step_loss, world):  # before the update: a host sync
                     result.status = "halted"

@@ -20,11 +20,10 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from fp8_protocol.client_events import CUSTOM_EVENT
+from fp8_protocol.replay import INCIDENT_BUNDLE_EVENT
 from monitor_server.models import EventRow, Incident, IncidentReplay, as_utc
 from monitor_server.wire import SUMMARY_TEXT_CHARS
 
-#: the name of the custom event `fp8-train` sends when it writes an incident bundle
-BUNDLE_EVENT = "incident_bundle"
 #: the most bundle paths one incident lists (a job writes at most a few per run)
 MAX_BUNDLES = 16
 
@@ -75,9 +74,10 @@ def bundle_paths(session: Session, run_id: int, lo: int, hi: int) -> list[tuple[
     for event_id, step, summary in session.execute(query):
         summary = summary or {}
         path = summary.get("path")
-        if summary.get("name") == BUNDLE_EVENT and isinstance(path, str) and len(path) >= SUMMARY_TEXT_CHARS:
+        bundle = summary.get("name") == INCIDENT_BUNDLE_EVENT
+        if bundle and isinstance(path, str) and len(path) >= SUMMARY_TEXT_CHARS:
             path = session.get(EventRow, event_id).details.get("path")  # the summary keeps a text's start
-        if summary.get("name") == BUNDLE_EVENT and isinstance(path, str) and path:
+        if bundle and isinstance(path, str) and path:
             out.append((int(step), path))
     return out
 
