@@ -338,7 +338,7 @@ def _prepared_linear(device: torch.device) -> None:
         try:
             g = torch.Generator().manual_seed(1)
             out = []
-            for _ in range(3):
+            for _ in range(2):  # the second step runs under the scales the first one set
                 x = torch.randn(9, 32, generator=g)
                 with fp8_trainer.fp8_autocast(fp8_recipe=recipe):
                     loss = model(x).square().mean()
