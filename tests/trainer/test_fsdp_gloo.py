@@ -33,7 +33,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import fp8_trainer
 from fp8_trainer import CurrentScaling, DelayedScaling, MXFP8BlockScaling, fp8_autocast
 from fp8_trainer.fsdp import FP8GatheredWeight, enable_fp8_all_gather
+from tests.trainer import sharded_runs
 from tests.trainer.gloo import gloo_group, spawn_ranks
+from tests.trainer.sharded_runs import small_model
 
 WORLD = 2
 STEPS = 4
@@ -49,46 +51,17 @@ WEIGHT_ROWS = [1, 4, 7, 10, 13]
 AMAX, SCALE, OVERFLOW, UNDERFLOW, NONFINITE, NUMEL, SUM_SQ = range(7)
 
 
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-
-    def block() -> nn.Sequential:
-        return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32), nn.LayerNorm(32))
-
-    return nn.Sequential(block(), block(), nn.Linear(32, 32))
+make_model = small_model
 
 
 def batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 + step)
-    # (sequences, tokens, features): 16 tokens a sequence, so a micro-batch of 2 sequences is 32 tokens, as
-    # MXFP8 needs
-    return torch.randn(ROWS, 16, 32, generator=gen) * 2, torch.randn(ROWS, 16, 32, generator=gen)
+    return sharded_runs.batches(step, ROWS)
 
 
 def train(model: nn.Module, rows: slice, grad_accum: bool) -> dict:
     """STEPS optimizer steps on ``rows`` of each global batch; the second step as two micro-batches when
     ``grad_accum``. Returns each step's loss on these rows and each step's statistics."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses, stats = [], []
-    for step in range(STEPS):
-        x, y = (t[rows] for t in batches(step))
-        parts = (
-            [slice(0, x.shape[0] // 2), slice(x.shape[0] // 2, None)]
-            if grad_accum and step == 1
-            else [slice(None)]
-        )
-        total = 0.0
-        for j, part in enumerate(parts):
-            with fp8_autocast(step_boundary=j == len(parts) - 1):
-                out = model(x[part])
-            loss = (out.float() - y[part]).pow(2).mean() / len(parts)
-            loss.backward()
-            total += loss.item()
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-        stats.append(fp8_trainer.step_stats(model).clone())
-    return {"losses": losses, "stats": stats}
+    return sharded_runs.train(model, STEPS, ROWS, rows, accumulate=grad_accum)
 
 
 def evaluate(model: nn.Module, rows: slice) -> dict:

@@ -40,7 +40,9 @@ from fp8_trainer.fsdp import enable_fp8_all_gather
 from fp8_trainer.tensor_parallel import sharded_tensors
 from monitor_server.detectors.config import DetectorConfig
 from monitor_server.detectors.ranks import rank_divergence
+from tests.trainer import sharded_runs
 from tests.trainer.gloo import gloo_group, spawn_ranks
+from tests.trainer.sharded_runs import small_model
 
 DP, TP = 2, 2
 WORLD = DP * TP
@@ -60,41 +62,17 @@ PLAN = {
 SHARDED = [1, 2, 3, 4, 7, 8, 9, 10]  # column-wise: weight, grad_output; row-wise: input, weight
 
 
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-
-    def block() -> nn.Sequential:
-        return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32), nn.LayerNorm(32))
-
-    return nn.Sequential(block(), block(), nn.Linear(32, 32))
+make_model = small_model
 
 
 def batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(ROWS, 16, 32, generator=gen) * 2, torch.randn(ROWS, 16, 32, generator=gen)
+    return sharded_runs.batches(step, ROWS)
 
 
 def train(model: nn.Module, rows: slice) -> dict:
     """STEPS optimizer steps on ``rows`` of each global batch, the second as two micro-batches. Each step's
     loss on these rows and statistics."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses, stats = [], []
-    for step in range(STEPS):
-        x, y = (t[rows] for t in batches(step))
-        half = x.shape[0] // 2
-        parts = [slice(0, half), slice(half, None)] if step == 1 else [slice(None)]
-        total = 0.0
-        for j, part in enumerate(parts):
-            with fp8_autocast(step_boundary=j == len(parts) - 1):
-                out = model(x[part])
-            loss = (out.float() - y[part]).pow(2).mean() / len(parts)
-            loss.backward()
-            total += loss.item()
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-        stats.append(fp8_trainer.step_stats(model).clone())
-    return {"losses": losses, "stats": stats}
+    return sharded_runs.train(model, STEPS, ROWS, rows)
 
 
 def shard_2d(model: nn.Module, mesh) -> nn.Module:

@@ -37,7 +37,9 @@ from torch.distributed.tensor.parallel import (
 import fp8_trainer
 from fp8_trainer import CurrentScaling, DelayedScaling, MXFP8BlockScaling, fp8_autocast
 from fp8_trainer.tensor_parallel import sharded_tensors
+from tests.trainer import sharded_runs
 from tests.trainer.gloo import gloo_group, spawn_ranks
+from tests.trainer.sharded_runs import small_model
 
 WORLD = 2
 STEPS = 4
@@ -82,40 +84,17 @@ RUNS = {
 SHARDED = [1, 2, 3, 4, 7, 8, 9, 10]
 
 
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-
-    def block() -> nn.Sequential:
-        return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32), nn.LayerNorm(32))
-
-    return nn.Sequential(block(), block(), nn.Linear(32, 32))
+make_model = small_model
 
 
 def batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(4, 16, 32, generator=gen) * 2, torch.randn(4, 16, 32, generator=gen)
+    return sharded_runs.batches(step, 4)
 
 
 def train(model: nn.Module) -> dict:
     """STEPS optimizer steps on the whole batch, the second as two micro-batches. Each step's loss and
     statistics."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses, stats = [], []
-    for step in range(STEPS):
-        x, y = batches(step)
-        parts = [slice(0, 2), slice(2, None)] if step == 1 else [slice(None)]
-        total = 0.0
-        for j, part in enumerate(parts):
-            with fp8_autocast(step_boundary=j == len(parts) - 1):
-                out = model(x[part])
-            loss = (out.float() - y[part]).pow(2).mean() / len(parts)
-            loss.backward()
-            total += loss.item()
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-        stats.append(fp8_trainer.step_stats(model).clone())
-    return {"losses": losses, "stats": stats}
+    return sharded_runs.train(model, STEPS, 4)
 
 
 def worker(rank: int, port: int, out: dict) -> None:
