@@ -246,13 +246,31 @@ class Bench:
     ) -> None:
         server = server or self.server
         auth = OPS if server is self.server else {}
-        before = self.snapshot(server, auth) if rejected else None
+        row = self.measure(
+            name, expected, fn, server, lambda: self.snapshot(server, auth), rejected, time_goal_s
+        )
+        self.rows.append(row)
+        print(format_row(row), flush=True)
+
+    def measure(
+        self,
+        name: str,
+        expected: int,
+        fn: Callable[[], int | None],
+        server: ServerProcess,
+        state: Callable[[], object],
+        rejected: bool,
+        time_goal_s: float,
+    ) -> Row:
+        """Run `fn` against `server` under a `Watch` (memory, worst `/healthz`), timed, with `state()`
+        compared before and after where the request is to be `rejected`: the judged row."""
+        before = state() if rejected else None
         with Watch(server) as watch:
             t0 = time.perf_counter()
             status = fn()
             seconds = time.perf_counter() - t0
-        stored_nothing = (self.snapshot(server, auth) == before) if rejected else None
-        row = Row(
+        stored_nothing = (state() == before) if rejected else None
+        return Row(
             self.backend,
             name,
             expected,
@@ -264,8 +282,6 @@ class Bench:
             stored_nothing,
             time_goal_s,
         ).judge()
-        self.rows.append(row)
-        print(format_row(row), flush=True)
 
     def run_all(self) -> None:
         port, rid = self.server.port, self.run_id
@@ -559,24 +575,7 @@ def watched(
         def state() -> object:
             return [entry for entry in bench.snapshot(server, OPS) if entry[0] != by.run_id]
 
-        before = state() if rejected else None
-        with Watch(server) as watch:
-            t0 = time.perf_counter()
-            status = fn()
-            seconds = time.perf_counter() - t0
-        stored_nothing = (state() == before) if rejected else None
-    row = Row(
-        bench.backend,
-        name,
-        expected,
-        status,
-        seconds,
-        max(0, watch.peak - watch.idle) / MIB,
-        watch.worst * 1000,
-        watch.healthz_errors,
-        stored_nothing,
-        time_goal_s,
-    ).judge()
+        row = bench.measure(name, expected, fn, server, state, rejected, time_goal_s)
     p99, worst = by.p99_ms, 1000 * max(by.latencies, default=float("nan"))
     INGEST_LATENCY[f"{bench.backend}: {name}"] = {
         "p99_ms": p99,
