@@ -428,6 +428,8 @@ def post_report(
     from fp8_protocol.api import API_PREFIX
     from fp8_protocol.env import env_token, service_url
 
+    from .monitor.read import response_detail
+
     root = service_url(monitor_url).rstrip("/")
     token = token if token is not None else env_token()
     headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -437,11 +439,8 @@ def post_report(
     except httpx.HTTPError as e:
         raise RuntimeError(f"cannot reach the fp8scope service at {root} ({e})") from None
     if r.status_code != 200:
-        try:
-            detail = r.json().get("detail", r.text)
-        except ValueError:
-            detail = r.text
-        raise RuntimeError(f"the service refused the report (HTTP {r.status_code}): {str(detail)[:500]}")
+        detail = response_detail(r)[:500]
+        raise RuntimeError(f"the service refused the report (HTTP {r.status_code}): {detail}")
     return r.json()
 
 

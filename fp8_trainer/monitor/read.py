@@ -63,6 +63,14 @@ def _pandas():
     return pandas
 
 
+def response_detail(r: httpx.Response) -> str:
+    """The service's reason in an error answer (its JSON ``detail``), else the answer's text."""
+    try:
+        return str(r.json().get("detail", r.text))
+    except (ValueError, AttributeError):  # not JSON, or JSON that is not an object
+        return r.text
+
+
 def refusal(status: int, detail: str, root: str) -> str:
     """What a 4xx answer means, in words (as ``Monitor`` says it)."""
     if status == 401:
@@ -133,11 +141,7 @@ class Reader:
         except httpx.HTTPError as e:
             raise ReadError(f"cannot reach the fp8scope service at {self.url} ({e})") from None
         if r.status_code != 200:
-            try:
-                detail = r.json().get("detail", r.text)
-            except ValueError:
-                detail = r.text
-            raise ReadError(refusal(r.status_code, str(detail)[:300], self.url))
+            raise ReadError(refusal(r.status_code, response_detail(r)[:300], self.url))
         return r
 
     def _export(self, run_id: int, table: str, fmt: str, **params: Any) -> bytes:
