@@ -67,6 +67,11 @@ def _watch_optimizers() -> None:
 _NOT_RECORDED = object()
 
 
+def _owner(weight: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage and version counter ``weight`` shares: itself, or the base of a view."""
+    return weight if weight._base is None else weight._base
+
+
 class PreQuantizedWeight(torch.Tensor):
     """A weight that arrives already in FP8 (FSDP2's FP8 all-gather, ``fp8_trainer.fsdp``): the layer takes
     its ``fp8_copies`` instead of quantizing it, and no copy of it is held here."""
@@ -89,7 +94,7 @@ class WeightCache:
         """What a copy of ``weight`` is valid for; ``None`` where no copy may be kept. A view of a parameter
         (an FP8 ``Conv1D``'s transposed weight) is kept like the parameter: the same storage and version
         counter, and its place in the storage in the key."""
-        base = weight if weight._base is None else weight._base
+        base = _owner(weight)
         if not self.enabled or not isinstance(base, nn.Parameter):
             return None
         view = (weight.data_ptr(), tuple(weight.shape), weight.stride())
@@ -117,7 +122,7 @@ class WeightCache:
         arrives in FP8, ``fp8_trainer.fsdp``)."""
         token = None
         if weight is not None:
-            base = weight if weight._base is None else weight._base
+            base = _owner(weight)
             token = (base._version, _epoch)
         if self._recorded.get(k, _NOT_RECORDED) == token:
             return False
