@@ -25,6 +25,7 @@ from torch import nn
 
 from .convert import get_fp8_state
 from .hostcopy import LateCopy
+from .tensor_parallel import leads_tp_group
 
 __all__ = ["STAT_COLUMNS", "LateReader", "StatsReader", "read_newest", "step_stats"]
 
@@ -69,6 +70,11 @@ class LateReader:
         """Whether steps closed from now on carry a block part (``block_linear.split_block_stats``); a
         reader whose source never block-scales says False."""
         return False
+
+    def data_lead(self) -> bool:
+        """Whether this rank's statistics count in a reduction over ranks (``monitor/ranks.py``): False on
+        the ranks of a tensor-parallel group but the first, whose rows repeat the first's."""
+        return True
 
     def _tag(self, n: Any) -> Any:
         return n
@@ -133,6 +139,9 @@ class StatsReader(LateReader):
         the same answer at the same step, whether or not FP8 ran on it (the multi-rank gather needs that).
         """
         return self._state.block_stats is not None
+
+    def data_lead(self) -> bool:
+        return leads_tp_group(self._state)
 
     def _tag(self, n: int) -> tuple[int, int]:
         return self._state.steps, n  # the newest FP8 step in the copy, and how many it merges

@@ -53,7 +53,7 @@ from .weight_cache import PreQuantizedWeight
 if TYPE_CHECKING:
     from .state import FP8State
 
-__all__ = ["DTensor", "sharded_tensors", "tp_forward"]
+__all__ = ["DTensor", "leads_tp_group", "sharded_tensors", "tp_forward"]
 
 
 class _Sharded:
@@ -71,6 +71,14 @@ def sharded_tensors(state: FP8State) -> list[int]:
     """The indices of ``state``'s tensors seen sharded by a TP forward (rows merged at the step's end)."""
     info = _SHARDED.get(state)
     return sorted(info.rows) if info is not None else []
+
+
+def leads_tp_group(state: FP8State) -> bool:
+    """Whether this rank's statistics rows stand for its tensor-parallel group: True on the group's first
+    rank and wherever no TP forward has run. After the step's end the group's ranks hold the same rows (the
+    sharded ones merged, the replicated ones alike), so a reduction over ranks counts one of them."""
+    info = _SHARDED.get(state)
+    return info is None or dist.get_rank(info.group) == 0
 
 
 def _register(state: FP8State, group, rows: tuple[int, ...]) -> None:

@@ -42,6 +42,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch.distributed as dist
 from torch import nn
 
@@ -260,6 +261,7 @@ class Monitor:
                 recipe=recipe,
                 n_tensors=self.n_tensors,
                 rank_sample_interval=self.rank_sample_interval,
+                copies=np.array([t.get("role") == "weight" for t in self.tensors], dtype=bool),
             )
         else:
             self._steps = SingleRankSteps(self._reader, self.inbox, apply, report, self.sender, self._notices)

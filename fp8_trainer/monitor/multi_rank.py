@@ -27,6 +27,7 @@ from fp8_protocol.stats import AMAX, BASE_COLUMNS, STAT_COLUMNS
 from .control import CommandInbox
 from .notices import Notices
 from .ranks import (
+    DATA_LEAD,
     HAS_BLOCK,
     HAS_QUALITY,
     HAS_STATS,
@@ -54,6 +55,8 @@ class MultiRankSteps:
         recipe: the run's recipe (None: a step without statistics on any rank is no news).
         n_tensors: rows of a statistics block.
         rank_sample_interval: every how many steps rank 0 sends the per-rank amaxes.
+        copies: ``(n_tensors,)`` bool, the rows that are copies of one tensor on every data-parallel rank
+            (the weights), reduced once rather than summed (``ranks.py``); None: none.
     """
 
     def __init__(
@@ -70,6 +73,7 @@ class MultiRankSteps:
         recipe,
         n_tensors: int,
         rank_sample_interval: int,
+        copies: np.ndarray | None = None,
     ):
         self._ranks = ranks
         self.rank = ranks.rank
@@ -83,6 +87,7 @@ class MultiRankSteps:
         self._recipe = recipe
         self.n_tensors = n_tensors
         self.rank_sample_interval = rank_sample_interval
+        self._copies = copies
         self._scalars_by_step: dict[int, Any] = {}  # rank 0: the scalars of steps not reported yet
         self._announced: list[list[dict[str, Any]]] = []  # rank 0: commands announced, not yet broadcast
 
@@ -106,7 +111,8 @@ class MultiRankSteps:
         # the gathered width must agree on every rank: it follows the recipe state, which every rank changes
         # at the same step, never this rank's own statistics (read before this call applies any command)
         with_block = self._reader is not None and self._reader.has_block_part()
-        for s, block in self._ranks.step(step, stats, n_commands, device, with_block):
+        lead = self._reader is None or self._reader.data_lead()
+        for s, block in self._ranks.step(step, stats, n_commands, device, with_block, lead):
             self._handle_block(s, block, closing=False, now=step)
 
     def close(self) -> None:
@@ -141,14 +147,16 @@ class MultiRankSteps:
             self._notices.no_fp8(s)
             self._report(s, None, holder)
             return
+        # one rank per tensor-parallel group: its other ranks hold the same rows (ranks.py)
+        leads = gathered[gathered[:, T, DATA_LEAD] > 0]
         # the quality columns only where every rank with statistics had them
-        with_stats = gathered[:, T, HAS_STATS] > 0
-        quality = bool(np.all(gathered[with_stats, T, HAS_QUALITY] > 0))
+        with_stats = leads[:, T, HAS_STATS] > 0
+        quality = bool(np.all(leads[with_stats, T, HAS_QUALITY] > 0))
         width = len(STAT_COLUMNS) if quality else len(BASE_COLUMNS)
-        reduced = reduce_rank_stats(gathered[:, :T, :width]) if T else None
-        if reduced is not None and np.any(gathered[:, T, HAS_BLOCK] > 0):
+        reduced = reduce_rank_stats(leads[:, :T, :width], self._copies) if T else None
+        if reduced is not None and np.any(leads[:, T, HAS_BLOCK] > 0):
             # the ranks without a block part in this step sent zeros there (ranks.py)
-            block = reduce_rank_block(gathered[:, :T, len(STAT_COLUMNS) :])
+            block = reduce_rank_block(leads[:, :T, len(STAT_COLUMNS) :], self._copies)
             reduced = np.concatenate([reduced, block], axis=1)
         self._report(s, reduced, holder)
         if T and s % self.rank_sample_interval == 0:

@@ -3,11 +3,11 @@
 Every rank calls ``RankSync.step`` once per optimizer step (inside ``Monitor.step``). It launches one
 ``all_gather`` (``async_op=True``) of a ``(T + 1, 10)`` float64 buffer: rows ``0..T-1`` are this rank's
 ``step_stats`` (its own amaxes), row ``T`` a header ``[has_stats, commands_announced, has_quality,
-has_block, 0, ...]`` (columns ``HAS_STATS``, ``N_COMMANDS``, ``HAS_QUALITY`` and ``HAS_BLOCK``: a source
-without quality statistics sends the base columns, and the reduced step then carries the base columns
-alone). The gather is waited for at the next call, a step later, when it has long completed, so nothing
-waits on the other ranks; on a GPU the result then takes one more step to reach the host through a pinned
-copy.
+has_block, data_lead, 0, ...]`` (columns ``HAS_STATS``, ``N_COMMANDS``, ``HAS_QUALITY``, ``HAS_BLOCK`` and
+``DATA_LEAD``: a source without quality statistics sends the base columns, and the reduced step then carries
+the base columns alone; ``DATA_LEAD`` below). The gather is waited for at the next call, a step later, when
+it has long completed, so nothing waits on the other ranks; on a GPU the result then takes one more step to
+reach the host through a pinned copy.
 
 Once the model has had a block-scaled layer, the buffer is ``(T + 1, 10 + BLOCK_WIDTH)``: the block part
 (``BLOCK_COLUMNS`` and the scale exponent histogram) rides in the same gather. Every rank must gather the
@@ -17,13 +17,25 @@ its recipe at the same step (the command broadcast below, or the training script
 rank widens its gather at the same step. A rank without a block part in the step sends zeros there, the
 neutral element of every block column's merge, as ``merge_step_stats`` merges a step without one.
 
-From the gathered ``(W, T + 1, 10)`` (or wider) block rank 0 reports the *reduced* statistics (each column as
-``fp8_protocol.stats.MERGE`` says: amax: max over ranks, NaN ignored, as the kernels' amaxes ignore it;
-scale: the one of the rank whose amax is the max, so the pair stays consistent under current scaling,
-where each rank has its own; overflow, underflow, nonfinite, numel and the sums of squares: summed;
-min_abs: min), the reduced block part where any rank had one (``reduce_rank_block``: the block counts and
-histogram bins summed, ``block_range`` the max, as over micro-steps), and, every ``rank_sample_interval``
-steps, the per-rank amaxes as a ``rank_amax`` event.
+From the gathered ``(W, T + 1, 10)`` (or wider) block rank 0 reports the *reduced* statistics, one row per
+logical tensor (``reduce_rank_stats``). Which rows enter the reduction:
+
+* **one rank per tensor-parallel group.** After the step's end a tensor-parallel group's ranks hold the same
+  rows (a sharded tensor's rows are merged over the group, ``tensor_parallel.py``; a replicated tensor is the
+  same on each), so only the rank whose header says ``DATA_LEAD`` (the group's first; every rank without
+  tensor parallelism) is counted: counting the others would multiply every count by the TP degree;
+* **weights once.** The data-parallel ranks' weights are the same tensor (DDP's replicas; FSDP2's weight rows
+  are the whole weight's on every rank), so a weight's row is reduced as copies of one tensor: every column
+  the max over ranks, the counts, ``numel`` and sums of squares included (exact where the copies agree, the
+  worst copy where they do not), where activations and gradients, which are each rank's own part of the
+  global batch, are summed.
+
+Each column as ``fp8_protocol.stats.MERGE`` says: amax: max over ranks, NaN ignored, as the kernels'
+amaxes ignore it; scale: the one of the rank whose amax is the max, so the pair stays consistent under
+current scaling, where each rank has its own; overflow, underflow, nonfinite, numel and the sums of
+squares: summed (the max for weights, above); min_abs: min. Then the reduced block part where any rank had
+one (``reduce_rank_block``: the block counts and histogram bins summed, ``block_range`` the max, as over
+micro-steps), and, every ``rank_sample_interval`` steps, the per-rank amaxes as a ``rank_amax`` event.
 
 Commands (only rank 0 hears from the service) ride on the same collective: rank 0 writes how many it
 announces into the header; every rank reads that header at the same ``Monitor.step`` call, and only then
@@ -46,6 +58,7 @@ from ..block_linear import BLOCK_WIDTH, split_block_stats
 from ..hostcopy import HostCopy
 
 __all__ = [
+    "DATA_LEAD",
     "HAS_BLOCK",
     "HAS_QUALITY",
     "HAS_STATS",
@@ -57,14 +70,26 @@ __all__ = [
 
 #: Columns of the header row (row ``T``) of a gathered block: whether the rank had statistics in the step,
 #: how many commands rank 0 announced in it, whether its statistics have the quality columns, and whether
-#: they have a block part.
-HAS_STATS, N_COMMANDS, HAS_QUALITY, HAS_BLOCK = 0, 1, 2, 3
+#: they have a block part, and whether its rows count in the reduction (module docstring: the first rank of
+#: a tensor-parallel group, every rank without tensor parallelism).
+HAS_STATS, N_COMMANDS, HAS_QUALITY, HAS_BLOCK, DATA_LEAD = 0, 1, 2, 3, 4
 
 
-def reduce_rank_stats(block: np.ndarray) -> np.ndarray:
+def _summed(block: np.ndarray, copies: np.ndarray | None) -> np.ndarray:
+    """A summed column ``(W, T)`` over ranks: the sum, but the max for the rows that are ``copies`` of one
+    tensor (a data-parallel job's weights: counted once, module docstring)."""
+    out = np.sum(block, axis=0)
+    if copies is not None and copies.any():
+        out[copies] = np.max(block[:, copies], axis=0)
+    return out
+
+
+def reduce_rank_stats(block: np.ndarray, copies: np.ndarray | None = None) -> np.ndarray:
     """``(W, T, C)`` per-rank stats -> ``(T, C)``, each column as ``MERGE`` says: amax max (NaN ignored), the
     scale of the rank with that amax (the one that scaled it: headroom stays negative only where something
-    overflowed), ``min_abs`` min (NaN ignored), the counts, numel and sums of squares summed."""
+    overflowed), ``min_abs`` min (NaN ignored), the counts, numel and sums of squares summed, except in the
+    rows that ``copies`` (``(T,)`` bool) marks as copies of one tensor on every rank, where they are the max.
+    """
     amax = block[:, :, AMAX]
     out = np.empty(block.shape[1:], dtype=np.float64)
     for j, name in enumerate(STAT_COLUMNS[: block.shape[2]]):
@@ -77,15 +102,16 @@ def reduce_rank_stats(block: np.ndarray) -> np.ndarray:
         elif how == "min":
             out[:, j] = np.fmin.reduce(block[:, :, j], axis=0)
         else:
-            out[:, j] = np.sum(block[:, :, j], axis=0)
+            out[:, j] = _summed(block[:, :, j], copies)
     return out
 
 
-def reduce_rank_block(block: np.ndarray) -> np.ndarray:
+def reduce_rank_block(block: np.ndarray, copies: np.ndarray | None = None) -> np.ndarray:
     """``(W, T, BLOCK_WIDTH)`` per-rank block parts -> ``(T, BLOCK_WIDTH)``, as steps merge over micro-steps
     (``merge_step_stats``): each ``BLOCK_COLUMNS`` column as ``MERGE`` says (``block_range`` the max, NaN
-    ignored; the block counts summed), the histogram bins summed (every rank's blocks counted once)."""
-    out = block.sum(axis=0)
+    ignored; the block counts summed), the histogram bins summed (every rank's blocks counted once); in the
+    rows ``copies`` marks (as for ``reduce_rank_stats``) the max instead of the sum."""
+    out = np.stack([_summed(block[:, :, j], copies) for j in range(block.shape[2])], axis=1)
     for j, name in enumerate(BLOCK_COLUMNS):
         if MERGE[name] == "max":
             out[:, j] = np.fmax.reduce(block[:, :, j], axis=0)
@@ -104,13 +130,20 @@ class RankSync:
         self._host: deque = deque()  # (step, HostCopy)
 
     def step(
-        self, step: int, stats: torch.Tensor | None, n_commands: int, device, with_block: bool = False
+        self,
+        step: int,
+        stats: torch.Tensor | None,
+        n_commands: int,
+        device,
+        with_block: bool = False,
+        data_lead: bool = True,
     ) -> list[tuple[int, np.ndarray]]:
         """Collect the gathers that are ready (older steps), then launch this step's gather.
 
         ``stats``: this rank's statistics of the step, with or without a block part (``split_block_stats``),
         None where no FP8 ran. ``with_block``: whether this step's gather carries block parts; it sets the
-        gathered width, so it must be the same on every rank (module docstring).
+        gathered width, so it must be the same on every rank (module docstring). ``data_lead``: whether this
+        rank's rows count in the reduction (False on a tensor-parallel group's ranks but the first).
 
         Returns ``[(step, block (W, T + 1, 10 or 10 + BLOCK_WIDTH))]`` for the steps whose data reached the
         host now.
@@ -131,6 +164,7 @@ class RankSync:
             buf[:T, C:] = block
             buf[T, HAS_BLOCK] = 1.0
         buf[T, N_COMMANDS] = float(n_commands)
+        buf[T, DATA_LEAD] = float(data_lead)
         gathered = [torch.empty_like(buf) for _ in range(self.world)]
         work = dist.all_gather(gathered, buf, group=self.group, async_op=True)
         self._inflight.append((step, work, gathered))

@@ -4,8 +4,12 @@ every rank and the unsharded reference run exactly the same steps."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import fp8_trainer
 from fp8_trainer import fp8_autocast
@@ -21,6 +25,25 @@ def small_model() -> nn.Module:
     return nn.Sequential(block(), block(), nn.Linear(32, 32))
 
 
+#: the small model's blocks over a tensor-parallel mesh: the first Linear column-wise, the second row-wise
+TP_PLAN = {
+    "0.0": ColwiseParallel(),
+    "0.2": RowwiseParallel(),
+    "1.0": ColwiseParallel(),
+    "1.2": RowwiseParallel(),
+}
+
+
+def shard_2d(model: nn.Module, mesh) -> nn.Module:
+    """The small model on a ``(dp, tp)`` mesh: ``TP_PLAN`` over ``mesh["tp"]``, then ``fully_shard`` per block
+    and on the root over ``mesh["dp"]`` (FSDP2's high-precision all-gather)."""
+    parallelize_module(model, mesh["tp"], TP_PLAN)
+    for blk in list(model)[:2]:
+        fully_shard(blk, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
 def batches(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Step ``step``'s global batch ``(x, y)``: ``rows`` sequences of 16 tokens of 32 features (a
     micro-batch of 2 sequences is 32 tokens, as MXFP8 needs)."""
@@ -29,10 +52,16 @@ def batches(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def train(
-    model: nn.Module, steps: int, rows: int, take: slice = slice(None), accumulate: bool = True
+    model: nn.Module,
+    steps: int,
+    rows: int,
+    take: slice = slice(None),
+    accumulate: bool = True,
+    after_step: Callable[[int, float], None] | None = None,
 ) -> dict:
     """``steps`` optimizer steps on the ``take`` rows of each global batch of ``rows``, the second step as
-    two micro-batches when ``accumulate``: ``{"losses": [...], "stats": [step_stats, ...]}``."""
+    two micro-batches when ``accumulate``: ``{"losses": [...], "stats": [step_stats, ...]}``.
+    ``after_step(step, loss)`` is called after each optimizer step (e.g. a monitor's ``step``)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, stats = [], []
     for step in range(steps):
@@ -50,4 +79,6 @@ def train(
         opt.zero_grad()
         losses.append(total)
         stats.append(fp8_trainer.step_stats(model).clone())
+        if after_step is not None:
+            after_step(step, total)
     return {"losses": losses, "stats": stats}

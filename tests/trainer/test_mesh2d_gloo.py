@@ -31,8 +31,7 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import parallelize_module
 
 import fp8_trainer
 from fp8_trainer import CurrentScaling, DelayedScaling, fp8_autocast
@@ -42,7 +41,8 @@ from monitor_server.detectors.config import DetectorConfig
 from monitor_server.detectors.ranks import rank_divergence
 from tests.trainer import sharded_runs
 from tests.trainer.gloo import gloo_group, spawn_ranks
-from tests.trainer.sharded_runs import small_model
+from tests.trainer.sharded_runs import TP_PLAN as PLAN
+from tests.trainer.sharded_runs import shard_2d, small_model
 
 DP, TP = 2, 2
 WORLD = DP * TP
@@ -53,12 +53,6 @@ LOSS_RTOL = 0.01  # against the unsharded run (module docstring)
 WEIGHT_ROWS = [1, 4, 7, 10, 13]  # tensor 3k+1 of layer k (tensor_table order)
 AMAX, SCALE, OVERFLOW, UNDERFLOW, NONFINITE, NUMEL, SUM_SQ = range(7)
 WEIGHT_NUMEL = [64 * 32, 32 * 64, 64 * 32, 32 * 64, 32 * 32]  # the whole weights'
-PLAN = {
-    "0.0": ColwiseParallel(),
-    "0.2": RowwiseParallel(),
-    "1.0": ColwiseParallel(),
-    "1.2": RowwiseParallel(),
-}
 SHARDED = [1, 2, 3, 4, 7, 8, 9, 10]  # column-wise: weight, grad_output; row-wise: input, weight
 
 
@@ -73,14 +67,6 @@ def train(model: nn.Module, rows: slice) -> dict:
     """STEPS optimizer steps on ``rows`` of each global batch, the second as two micro-batches. Each step's
     loss on these rows and statistics."""
     return sharded_runs.train(model, STEPS, ROWS, rows)
-
-
-def shard_2d(model: nn.Module, mesh) -> nn.Module:
-    parallelize_module(model, mesh["tp"], PLAN)
-    for blk in list(model)[:2]:
-        fully_shard(blk, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
-    return model
 
 
 def _weight_kind(w) -> tuple:

@@ -19,6 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 import fp8_trainer
 from fp8_protocol.api import API_PREFIX
@@ -175,13 +176,18 @@ def _sent_block(body: dict, n_tensors: int) -> np.ndarray:
     return np.concatenate([columns, hist], axis=1)
 
 
-def _merged_over_ranks(parts: list[np.ndarray]) -> np.ndarray:
+def _merged_over_ranks(parts: list[np.ndarray], weights: np.ndarray) -> np.ndarray:
     """The ranks' block parts merged as micro-steps merge (merge_step_stats): everything summed but
-    block_range, the max."""
+    block_range, the max; a weight's rows (copies of one tensor on every rank) the max."""
     merged = np.sum(parts, axis=0)
+    merged[weights] = np.max(parts, axis=0)[weights]
     j = BLOCK_COLUMNS.index("block_range")
     merged[:, j] = np.fmax.reduce([p[:, j] for p in parts], axis=0)
     return merged
+
+
+def _weights(model) -> np.ndarray:
+    return np.array([t.role == "weight" for t in fp8_trainer.get_fp8_state(model).tensor_table()])
 
 
 def test_rank_reduction_of_block_parts_is_the_micro_step_merge():
@@ -207,16 +213,17 @@ def _rank_worker(rank: int, port: int, url: str, spool_dir: str, out) -> None:
     with gloo_group(rank, port, 2):
         model, recipe = tiny_model(recipe=Float8BlockScaling())  # any token count: the ranks' differ
         mon = Monitor(url, "ddp-block", model, recipe, spool_path=f"{spool_dir}/r{rank}.jsonl", **FAST)
+        ddp = DistributedDataParallel(model)  # one model: the same weights on both ranks
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         gen = torch.Generator().manual_seed(100 + rank)
         state = fp8_trainer.get_fp8_state(model)
         seen = {}
         for step in range(1, 5):
-            rank_step(model, opt, gen, rank, recipe)
+            rank_step(ddp, opt, gen, rank, recipe)
             seen[step] = (state.last_stats.clone().numpy(), state.last_block_stats.clone().numpy())
             mon.step(step)
         mon.close()
-        out[rank] = seen
+        out[rank] = {"seen": seen, "weights": _weights(model)}
 
 
 @pytest.mark.slow
@@ -225,12 +232,15 @@ def test_two_ranks_send_statistics_and_block_part_reduced_over_ranks(capture, tm
     res = spawn_ranks(_rank_worker, 2, url, str(tmp_path))
     steps = {s["step"]: s for b in capture.batches for s in b.get("steps", [])}
     assert sorted(steps) == [1, 2, 3, 4]
+    weights = res[0]["weights"]
     for step, body in steps.items():
-        (s0, b0), (s1, b1) = res[0][step], res[1][step]
+        (s0, b0), (s1, b1) = res[0]["seen"][step], res[1]["seen"][step]
         assert not np.array_equal(b0, b1)  # the ranks saw different data
-        np.testing.assert_array_equal(_unpack(body["stats"]["numel"]), s0[:, 5] + s1[:, 5])  # reduced
+        np.testing.assert_array_equal(b0[weights], b1[weights])  # but hold one weight
+        numel = np.where(weights, s0[:, 5], s0[:, 5] + s1[:, 5])  # a weight once, the rest summed
+        np.testing.assert_array_equal(_unpack(body["stats"]["numel"]), numel)
         sent = _sent_block(body, len(s0))
-        np.testing.assert_array_equal(sent, _merged_over_ranks([b0, b1]))
+        np.testing.assert_array_equal(sent, _merged_over_ranks([b0, b1], weights))
 
 
 LAYER = "blocks.0.mlp.fc"
@@ -252,6 +262,7 @@ def _switching_worker(rank: int, port: int, url: str, spool_dir: str, out) -> No
         # without FP8 while rank 0 runs it in FP8 (the all-reduce would wait for it)
         model, recipe = tiny_model(recipe=DelayedScaling(amax_history_len=4, reduce_amax=False))
         mon = Monitor(url, "ddp-switch", model, recipe, spool_path=f"{spool_dir}/s{rank}.jsonl", **FAST)
+        ddp = DistributedDataParallel(model)  # one model: the same weights on both ranks
         if rank == 1:
             model.get_submodule(LAYER).register_forward_pre_hook(_add_outlier)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -264,7 +275,7 @@ def _switching_worker(rank: int, port: int, url: str, spool_dir: str, out) -> No
             fp8 = not (rank == 1 and step == NO_FP8_ON_RANK_1)
             x = torch.randint(0, 256, (2, 16), generator=gen)  # 32 tokens: MXFP8's multiple of 32
             with fp8_trainer.fp8_autocast(fp8_recipe=recipe, enabled=fp8):
-                _, loss = model(x, x)
+                _, loss = ddp(x, x)
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -277,7 +288,7 @@ def _switching_worker(rank: int, port: int, url: str, spool_dir: str, out) -> No
                 )
             mon.step(step)
         mon.close()
-        out[rank] = {"seen": seen, "k": state.layer_index(LAYER)}
+        out[rank] = {"seen": seen, "k": state.layer_index(LAYER), "weights": _weights(model)}
 
 
 @pytest.mark.slow
@@ -290,9 +301,10 @@ def test_block_part_is_reduced_over_ranks_from_a_mid_run_switch_to_mxfp8(capture
     steps = {s["step"]: s for b in capture.batches for s in b.get("steps", [])}
     assert sorted(steps) == list(range(1, 8))
     rows = slice(3 * res[0]["k"], 3 * res[0]["k"] + 3)
+    weights = res[0]["weights"]
     for step, body in steps.items():
         ran = [res[r]["seen"][step] for r in (0, 1) if res[r]["seen"][step] is not None]
-        numel = sum(stats[:, 5] for stats, _ in ran)
+        numel = np.where(weights, np.max([st[:, 5] for st, _ in ran], axis=0), sum(st[:, 5] for st, _ in ran))
         np.testing.assert_array_equal(_unpack(body["stats"]["numel"]), numel)  # per-tensor part as before
         if step < SWITCH:  # no block-scaled layer yet: no block part (zero columns at most, batch-sticky)
             assert all(block is None for _, block in ran) and "block_hist" not in body
@@ -301,7 +313,7 @@ def test_block_part_is_reduced_over_ranks_from_a_mid_run_switch_to_mxfp8(capture
             )
             continue
         sent = _sent_block(body, len(numel))
-        np.testing.assert_array_equal(sent, _merged_over_ranks([block for _, block in ran]))
+        np.testing.assert_array_equal(sent, _merged_over_ranks([block for _, block in ran], weights))
         assert np.all(sent[rows, 0] > 0)
         assert [e[0] for e in body["block_hist"]] == list(range(rows.start, rows.stop))  # LAYER's 3 tensors
         if step == NO_FP8_ON_RANK_1:

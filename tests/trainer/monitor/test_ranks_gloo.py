@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
 
 from fp8_trainer import Monitor, fp8_autocast, get_layer_recipes, step_stats
 from tests.support.polling import wait_until
@@ -35,12 +36,13 @@ def worker(rank: int, port: int, url: str, spool_dir: str, out) -> None:
             rank_sample_interval=SAMPLE,
             **FAST,
         )
+        ddp = DistributedDataParallel(model)  # the ranks keep one model: the same weights
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         gen = torch.Generator().manual_seed(100 + rank)  # different data per rank
         stats, margins, extra = {}, {}, 0
         for step in range(1, 300):
             margins[step] = get_layer_recipes(model)[LAYER]["margin"]
-            loss = rank_step(model, opt, gen, rank, recipe)
+            loss = rank_step(ddp, opt, gen, rank, recipe)
             stats[step] = step_stats(model).clone().numpy()
             mon.step(step, loss=loss.detach())
             # rank 0 decides for both when to stop: a few steps after the command took effect
@@ -89,13 +91,18 @@ def test_two_ranks_report_reduced_stats_rank_amax_and_apply_commands_together(tm
         assert run["world_size"] == WORLD and run["steps_stored"] == len(steps)
         per_rank = per_rank_stats(res, steps)  # (W, S, T, 6)
         assert not np.array_equal(per_rank[0, :, :, 0], per_rank[1, :, :, 0])  # the ranks saw different data
-        expected = {
-            "amax": per_rank[..., 0].max(axis=0),
-            "scale": per_rank[0, ..., 1],
-            "overflow": per_rank[..., 2].sum(axis=0),
-            "underflow": per_rank[..., 3].sum(axis=0),
-            "nonfinite": per_rank[..., 4].sum(axis=0),
+        # a weight is one tensor held by both ranks (DDP's replicas): counted once; activations and
+        # gradients are each rank's part of the global batch: summed
+        tensors = sorted(get(server.url, f"/runs/{run_id}/tensors"), key=lambda t: t["index"])
+        weights = np.array([t["role"] == "weight" for t in tensors])
+        assert weights.any() and not weights.all()
+        np.testing.assert_array_equal(per_rank[0][:, weights], per_rank[1][:, weights])
+        assert per_rank[0][:, weights, 3].sum() > 0  # weights underflow: summing the copies would show twice
+        counts = {
+            name: np.where(weights, per_rank[0, ..., col], per_rank[..., col].sum(axis=0))
+            for col, name in ((2, "overflow"), (3, "underflow"), (4, "nonfinite"))
         }
+        expected = {"amax": per_rank[..., 0].max(axis=0), "scale": per_rank[0, ..., 1], **counts}
         np.testing.assert_array_equal(per_rank[0, ..., 1], per_rank[1, ..., 1])  # one shared scale
         for metric, want in expected.items():
             bucket_start, got = stored_heatmap(server.url, run_id, metric)  # (S, T)
