@@ -35,7 +35,9 @@ __all__ = [
     "save_sharded",
 ]
 
-CHECKPOINT_VERSION = 1
+#: 2: the attention's ``qkv`` output features are head-major (``model.CausalSelfAttention``); a version-1
+#: checkpoint's are query, key, value blocks, which this model would read as other heads
+CHECKPOINT_VERSION = 2
 SHARDED_META = "fp8-train.pt"  # in a sharded checkpoint's directory: everything but the model and optimizer
 
 
@@ -211,15 +213,16 @@ def check_compatible(ckpt: dict[str, Any], config: dict[str, Any], steps: int) -
         )
 
 
-def check_layout(ckpt: dict[str, Any], fsdp: bool) -> None:
+def check_layout(ckpt: dict[str, Any], sharded: bool) -> None:
     """Raise ``CheckpointError`` if the checkpoint's layout (a file, or a sharded directory) does not suit a
-    run with (``fsdp``) or without FSDP2."""
-    if ckpt.get("sharded") and not fsdp:
+    run whose parameters are split over ranks (``sharded``: ``--fsdp`` or ``--tp``) or one whose are not."""
+    if ckpt.get("sharded") and not sharded:
         raise CheckpointError(
-            "--resume: the checkpoint is a sharded directory (saved with --fsdp); resume it with --fsdp"
+            "--resume: the checkpoint is a sharded directory (saved with --fsdp or --tp); resume it with "
+            "--fsdp or --tp"
         )
-    if fsdp and not ckpt.get("sharded"):
+    if sharded and not ckpt.get("sharded"):
         raise CheckpointError(
-            "--resume: --fsdp resumes from a sharded checkpoint directory (saved with --fsdp), not a "
-            "checkpoint file"
+            "--resume: --fsdp and --tp resume from a sharded checkpoint directory (saved with --fsdp or "
+            "--tp), not a checkpoint file"
         )

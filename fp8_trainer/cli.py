@@ -73,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "checkpoint directory, which resumes on any number of ranks (not with --compile, "
                         "--cuda-graph, --inject, --capture-dir)")  # fmt: skip
 
+    g.add_argument("--tp", type=int, default=_D.tp, metavar="N",
+                   help="tensor parallelism over groups of N ranks (qkv and fc column-wise, proj and fc2 "
+                        "row-wise; N divides the preset's heads); alone every rank is in the group, with "
+                        "--fsdp a (ranks / N, N) mesh; per-tensor recipes only; --save / --resume as --fsdp "
+                        "(not with --compile, --cuda-graph, --inject, --capture-dir)")  # fmt: skip
+
     g = p.add_argument_group("FP8 recipe")
     g.add_argument("--recipe", choices=(*FP8_RECIPES, "bf16", "fp32"), default=_D.recipe,
                    help="FP8 scaling (per tensor: delayed, current; block-scaled: mxfp8, block), or a "
@@ -134,7 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--capture-dir", metavar="DIR",
                    help="at a non-finite loss or a loss spike, write an incident bundle (the step's "
                         "batches, RNG, model, optimizer and FP8 state from before it) to DIR (default: "
-                        "off)")  # fmt: skip
+                        "with --monitor-url, incidents/RUN-NAME/ beside the --save file or in the working "
+                        "directory; else off)")  # fmt: skip
+    g.add_argument("--no-capture", dest="capture", action="store_false",
+                   help="no incident capture, not even the default one with --monitor-url")  # fmt: skip
     g.add_argument("--capture-every", type=int, default=_D.capture_every, metavar="N",
                    help="steps between the in-memory snapshots (default %(default)s)")  # fmt: skip
     g.add_argument("--capture-max-mb", type=float, default=_D.capture_max_mb, metavar="MB",
@@ -202,6 +211,33 @@ def _fsdp_misfit(a: argparse.Namespace) -> str | None:
     return None
 
 
+def _tp_misfit(a: argparse.Namespace, world: int) -> str | None:
+    """Why ``--tp`` cannot run with these flags on ``world`` ranks, or None."""
+    heads = PRESETS[a.preset].n_head
+    if a.tp < 1:
+        return f"--tp must be >= 1, got {a.tp}"
+    if a.tp == 1:
+        return None
+    if heads % a.tp:
+        return f"--tp {a.tp}: preset {a.preset}'s {heads} attention heads do not split over {a.tp} ranks"
+    if a.recipe in ("mxfp8", "block"):
+        return f"--tp: not with --recipe {a.recipe} (a row shard does not hold whole scaling blocks)"
+    refused = {
+        "--cuda-graph": a.cuda_graph,
+        "--compile": a.compile,
+        "--inject": bool(a.inject),
+        "--capture-dir": a.capture_dir is not None,
+    }
+    for flag, given in refused.items():
+        if given:
+            return f"--tp: not with {flag} (as --fsdp)"
+    if world % a.tp:
+        return f"--tp {a.tp}: the {world} ranks do not split into groups of {a.tp}"
+    if world != a.tp and not a.fsdp:
+        return f"--tp {a.tp} on {world} ranks: data parallelism across the groups needs --fsdp"
+    return None
+
+
 def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> Prepared:
     """Refuse what cannot run (``p.error``: exit 2 with the message); fill in derived defaults (min_lr)."""
     for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_interval", "eval_iters"):
@@ -251,6 +287,9 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> Prepared:
         misfit = _fsdp_misfit(a)
         if misfit:
             p.error(misfit)
+    misfit = _tp_misfit(a, dist_env()[1])
+    if misfit:
+        p.error(misfit)
     if a.cuda_graph:
         misfit = graph_misfit(a, dist_env()[1])
         if misfit:
@@ -276,6 +315,8 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> Prepared:
                     p.error(f"--token-file {a.token_file!r}: its first line is empty")
         except OSError as e:
             p.error(f"--token-file {a.token_file!r}: {e.strerror}")
+    if not a.capture and a.capture_dir is not None:
+        p.error("--no-capture and --capture-dir: choose one")
     if a.capture_every < 1:
         p.error("--capture-every must be >= 1")
     if not a.capture_max_mb > 0:
@@ -285,7 +326,7 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> Prepared:
 
     rank = dist_env()[0]
     try:
-        corpus = load_corpus(a.data, seed=a.seed, rank=rank)
+        corpus = load_corpus(a.data, seed=a.seed, rank=rank // a.tp)  # a TP group trains one stream
     except DataError as e:
         p.error(f"--data {e}")
     try:
@@ -297,7 +338,7 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> Prepared:
         try:
             checkpoint = load_checkpoint(a.resume)
             check_compatible(checkpoint, run_config(a, corpus.vocab_size), a.steps)
-            check_layout(checkpoint, a.fsdp)
+            check_layout(checkpoint, a.fsdp or a.tp > 1)
         except CheckpointError as e:
             p.error(str(e) if str(e).startswith("--") else f"--resume {e}")
     try:

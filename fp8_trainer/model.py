@@ -61,23 +61,26 @@ def fp8_filter(module: nn.Module, fqn: str) -> bool:
 
 
 class CausalSelfAttention(nn.Module):
+    """Causal self-attention. The ``qkv`` projection's output features are *head-major*: head ``h``'s query,
+    key and value (``head_size`` each) side by side, then head ``h + 1``'s. So a column-wise tensor-parallel
+    split of ``qkv`` (contiguous rows of its weight) hands each rank whole heads, and the forward takes as
+    many heads as its ``qkv`` output holds: all of them unsharded, ``n_head / tp`` under ``--tp``."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.n_head = cfg.n_head
+        self.head_size = cfg.n_embd // cfg.n_head
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)  # each (B, T, C)
-        q, k, v = (
-            t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v)
-        )  # (B, nh, T, hs)
+        B, T, _ = x.shape
+        qkv = self.qkv(x).view(B, T, -1, 3, self.head_size)  # (B, T, heads, q|k|v, hs)
+        q, k, v = qkv.permute(3, 0, 2, 1, 4)  # each (B, heads, T, hs)
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0
         )
-        return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from tqdm import tqdm
 
 from fp8_protocol.replay import INCIDENT_BUNDLE_EVENT
@@ -225,15 +225,23 @@ class _NoMonitor:
 
 
 def _make_capture(a: TrainConfig, model, opt, config, world: int, say):
-    """``--capture-dir``: the incident capture (fp8_trainer.incident_capture), or None."""
-    if not a.capture_dir:
-        return None
-    if world > 1 or a.cuda_graph:
-        say("note: --capture-dir captures single-process eager runs only (not several ranks, --cuda-graph)")
-        return None
-    from .incident_capture import CaptureConfig, IncidentCapture
+    """``--capture-dir``, or a monitor without ``--no-capture``: the incident capture
+    (fp8_trainer.incident_capture), or None."""
+    from .incident_capture import CaptureConfig, IncidentCapture, default_directory
 
-    cfg = CaptureConfig(a.capture_dir, every=a.capture_every, max_bytes=int(a.capture_max_mb * 2**20))
+    directory = a.capture_dir
+    if directory is None and a.capture and a.monitor_url:
+        name = a.run_name or f"{a.preset}-{a.recipe}-{datetime.now(UTC):%Y%m%d-%H%M%S}"
+        directory = default_directory(a.save, name)
+    if not directory:
+        return None
+    if world > 1 or a.cuda_graph or a.fsdp:
+        say("note: incident capture covers single-process eager runs only (not several ranks, --cuda-graph, "
+            "--fsdp): this run trains without it")  # fmt: skip
+        return None
+    if a.capture_dir is None:
+        say(f"fp8-train: incident capture into {directory} (with a monitor; --no-capture: off)")
+    cfg = CaptureConfig(directory, every=a.capture_every, max_bytes=int(a.capture_max_mb * 2**20))
     return IncidentCapture(cfg, model, opt, config)
 
 
@@ -315,7 +323,8 @@ def _build(a, prepared: Prepared, rank: int, device):
     Returns ``(corpus, recipe, model, optimizer, start_step, saved_streams)``.
     """
     torch.manual_seed(a.seed)  # the same initial weights on every rank
-    corpus = prepared.corpus or load_corpus(a.data, seed=a.seed, rank=rank)
+    data_rank = rank // a.tp  # the ranks of a tensor-parallel group train the same batches
+    corpus = prepared.corpus or load_corpus(a.data, seed=a.seed, rank=data_rank)
     recipe = make_recipe(a)
     cfg = replace(preset_config(a.preset, corpus.vocab_size), checkpoint=a.activation_checkpointing)
     model = GPT(cfg).to(device)
@@ -325,7 +334,11 @@ def _build(a, prepared: Prepared, rank: int, device):
             get_fp8_state(model).set_quality_stats(False)
         default_every = 10 if device.type == "cuda" else 1
         get_fp8_state(model).set_quality_schedule(a.quality_every or default_every)
-    if a.fsdp:
+    if a.tp > 1:
+        mesh = tp_model(model, a.tp, device)
+        if a.fsdp:
+            shard_model(model, fp8=False, mesh=mesh["dp"])  # high-precision all-gather (docs/distributed.md)
+    elif a.fsdp:
         shard_model(model, fp8=recipe is not None)
     opt = make_optimizer(a, model)  # after sharding: over the sharded parameters
     ckpt = prepared.checkpoint
@@ -348,18 +361,18 @@ def _build(a, prepared: Prepared, rank: int, device):
     if "cuda" in ckpt["rng"] and device.type == "cuda":
         torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
     streams = ckpt["rng"]["data"]
-    if rank < len(streams):
-        corpus.generator.set_state(streams[rank])
+    if data_rank < len(streams):
+        corpus.generator.set_state(streams[data_rank])
     prepared.checkpoint = None  # model and optimizer hold copies now: free the memory
     return corpus, recipe, model, opt, ckpt["step"], len(streams)
 
 
-def shard_model(model: GPT, fp8: bool) -> None:
+def shard_model(model: GPT, fp8: bool, mesh=None) -> None:
     """FSDP2 on ``model`` in place, as ``docs/distributed.md`` writes it: the FP8 weights cast before the
     all-gather (``fp8``: the model is converted to FP8), ``fully_shard`` on each block and on the root (the
-    embeddings, the final norm and the head tied to the embedding). Mixed precision stays autocast's
-    (``_bf16``), as without FSDP2, so the parameters, the all-gathers that are not FP8 and the gradient
-    reduce-scatter are float32."""
+    embeddings, the final norm and the head tied to the embedding), over ``mesh`` (None: all ranks). Mixed
+    precision stays autocast's (``_bf16``), as without FSDP2, so the parameters, the all-gathers that are
+    not FP8 and the gradient reduce-scatter are float32."""
     from torch.distributed.fsdp import fully_shard
 
     from .fsdp import enable_fp8_all_gather
@@ -367,8 +380,27 @@ def shard_model(model: GPT, fp8: bool) -> None:
     if fp8:
         enable_fp8_all_gather(model)
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def tp_model(model: GPT, tp: int, device):
+    """Tensor parallelism on ``model`` in place (``--tp``): a ``(world / tp, tp)`` mesh (``("dp", "tp")``),
+    each block's ``attn.qkv`` and ``mlp.fc`` column-wise and ``attn.proj`` and ``mlp.fc2`` row-wise over
+    ``mesh["tp"]`` (the attention's head-major ``qkv`` gives each rank whole heads); the embeddings, the
+    norms and the head stay whole on every rank. Returns the mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp"))
+    plan = {}
+    for i in range(len(model.blocks)):
+        plan[f"blocks.{i}.attn.qkv"] = ColwiseParallel()
+        plan[f"blocks.{i}.attn.proj"] = RowwiseParallel()
+        plan[f"blocks.{i}.mlp.fc"] = ColwiseParallel()
+        plan[f"blocks.{i}.mlp.fc2"] = RowwiseParallel()
+    parallelize_module(model, mesh["tp"], plan)
+    return mesh
 
 
 def make_optimizer(a: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
@@ -393,15 +425,15 @@ def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -
     corpus, recipe, model, opt, start, saved_streams = _build(a, prepared, rank, device)
     net = (
         nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
-        if world > 1 and not a.fsdp
-        else model  # under --fsdp the model is sharded already (shard_model)
+        if world > 1 and not _sharded(a)
+        else model  # under --fsdp / --tp the model is sharded already (shard_model, tp_model)
     )
     if a.compile:  # evaluation and checkpoints keep the eager model (no recompile for no_grad)
         net = torch.compile(net)
     config = run_config(a, corpus.vocab_size)
     injector = Injector(model, [parse_injection(s) for s in a.inject or ()])
     val_batches = corpus.val_batches(a.eval_iters, a.batch_size, a.seq_len) if a.eval_interval else []
-    tokens_per_step = a.batch_size * a.seq_len * a.grad_accum * world
+    tokens_per_step = a.batch_size * a.seq_len * a.grad_accum * (world // a.tp)
     lead = rank == 0
     progress = _Progress(a, start, tokens_per_step, lead, out)
     say = progress.say
@@ -414,6 +446,7 @@ def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -
         + f", {n_params / 1e6:.2f}M parameters, vocabulary {corpus.vocab_size}, device {device}"
         + (f", {world} ranks" if world > 1 else "")
         + (", FSDP2" if a.fsdp else "")
+        + (f", tensor parallel over {a.tp}" if a.tp > 1 else "")
         + (f", resuming after step {start}" if start else "")
     )
     if saved_streams is not None and saved_streams < world:
@@ -520,11 +553,38 @@ def _optimizer_step(a: TrainConfig, model: nn.Module, opt) -> torch.Tensor:
 def _clip_and_step(a: TrainConfig, model: nn.Module, opt) -> torch.Tensor:
     """Clip (or only measure) the gradient norm and step; the norm, on the device."""
     max_norm = a.grad_clip if a.grad_clip > 0 else math.inf  # inf: only measure the norm
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if a.tp > 1:
+        grad_norm = clip_over_meshes(list(model.parameters()), max_norm)
+    else:
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     if isinstance(grad_norm, DTensor):  # FSDP2's sharded gradients: the norm is replicated on every rank
         grad_norm = grad_norm.full_tensor()
     opt.step()
     return grad_norm
+
+
+def clip_over_meshes(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` for gradients that live on different device meshes (under ``--tp`` with
+    ``--fsdp`` the split layers' on the 2-D mesh, the rest on its dp dimension), which one norm over all of
+    them cannot mix: the norm of each mesh's gradients, made whole (``full_tensor``), then their norm; each
+    gradient scaled by the same clipping coefficient, replicated on its own mesh. Returns the total norm."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
+    norms = []
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not norms:
+        return torch.zeros(())
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # as clip_grad_norm_
+    for mesh, grads in groups.items():
+        c = coef if mesh is None else DTensor.from_local(coef, mesh, [Replicate()] * mesh.ndim)
+        for g in grads:
+            g.mul_(c)
+    return total
 
 
 def _evaluate_and_save(
@@ -544,8 +604,9 @@ def _evaluate_and_save(
     say,
 ) -> None:
     """The validation loss at ``eval_interval`` and at the end (rank 0; every rank runs the forwards under
-    FSDP2, where they are collectives), a checkpoint at ``save_interval`` and at the end."""
-    if a.eval_interval and (step % a.eval_interval == 0 or step == a.steps) and (lead or a.fsdp):
+    FSDP2 and tensor parallelism, where they are collectives), a checkpoint at ``save_interval`` and at the
+    end."""
+    if a.eval_interval and (step % a.eval_interval == 0 or step == a.steps) and (lead or _sharded(a)):
         val = evaluate(model, val_batches, a, recipe, device)
         if lead:
             result.val_losses.append((step, val))
@@ -574,7 +635,8 @@ def _forward_backward(
     for micro in range(a.grad_accum):
         x, y = batches(micro)
         last = micro == a.grad_accum - 1
-        no_sync = net.no_sync() if world > 1 and not last and not a.fsdp else nullcontext()  # reduce once
+        ddp = world > 1 and not _sharded(a)
+        no_sync = net.no_sync() if ddp and not last else nullcontext()  # DDP: reduce once
         if a.fsdp:
             net.set_requires_gradient_sync(last)  # FSDP2's no_sync: reduce-scatter after the last only
         with no_sync:
@@ -584,6 +646,12 @@ def _forward_backward(
             (loss / a.grad_accum).backward()
         step_loss += loss.detach() / a.grad_accum
     return step_loss
+
+
+def _sharded(a: TrainConfig) -> bool:
+    """Whether the model's parameters are split over ranks (``--fsdp``, ``--tp``): no DDP, a collective
+    evaluation, a sharded checkpoint."""
+    return a.fsdp or a.tp > 1
 
 
 def _nonfinite(loss: torch.Tensor, world: int) -> bool:
@@ -613,7 +681,8 @@ def _save(a, model, opt, step: int, config, corpus: Corpus, world: int, lead: bo
     if world > 1:
         states = [None] * world
         dist.all_gather_object(states, corpus.generator.get_state())
-    if a.fsdp:
+    states = states[:: a.tp]  # one stream per tensor-parallel group, which all its ranks train
+    if _sharded(a):
         path = checkpoint_path(a.save, step)
         save_sharded(path, model=model, optimizer=opt, step=step, config=config, data_rng=states)
         say(f"step {step:5d}  saved {path} (sharded)")

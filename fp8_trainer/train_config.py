@@ -34,6 +34,10 @@ class TrainConfig:
     # cast before the all-gather (fp8_trainer.fsdp); --save / --resume then use a sharded checkpoint
     # directory (torch.distributed.checkpoint) that resumes on another number of ranks
     fsdp: bool = False
+    # tensor parallelism over groups of this many ranks (fp8_trainer.tensor_parallel): each block's qkv and
+    # fc column-wise, proj and fc2 row-wise; the ranks of a group train the same batch. Alone, all ranks
+    # form one group; with --fsdp a (world / tp, tp) mesh, FSDP2 over the first dimension
+    tp: int = 1
     # ----- FP8 recipe (None: the recipe's default, so a delayed-only flag given to another is refused) -----
     # FP8 scaling "delayed" / "current" (per tensor), "mxfp8" (1x32 blocks, E8M0 scales; dimensions and
     # batch x seq_len divisible by 32) / "block" (FP8 block scaling: 1x128 activations and gradients, 128x128
@@ -71,7 +75,10 @@ class TrainConfig:
     resume: str | None = None  # continue the run saved in this checkpoint
     stats_dump: str | None = None  # every step's FP8 statistics and loss to this .npz (synchronous copies)
     # ----- incident capture (fp8_trainer.incident_capture; replay with fp8-train replay BUNDLE) -----
-    capture_dir: str | None = None  # write a bundle here at a non-finite loss or a loss spike; None: off
+    # write a bundle here at a non-finite loss or a loss spike; None: off, but with a monitor (monitor_url)
+    # incidents/<run name>/ beside the --save file (else in the working directory), unless capture is False
+    capture_dir: str | None = None
+    capture: bool = True  # False (--no-capture): no capture, not even the default one with a monitor
     capture_every: int = 8  # steps between the in-memory snapshots (a replay covers 8 to 16 steps)
     capture_max_mb: float = 512.0  # the bundles in capture_dir together at most this many MiB
     # ----- monitoring and fault injection -----

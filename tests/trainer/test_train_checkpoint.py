@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fp8_trainer import cli, get_fp8_state
-from fp8_trainer.checkpoint import load_checkpoint
+from fp8_trainer.checkpoint import CHECKPOINT_VERSION, load_checkpoint
 from fp8_trainer.train import train
 
 # gradient accumulation, a scale interval of 2 resumed after an odd step, warmup + cosine and an evaluation
@@ -104,7 +104,10 @@ def test_resume_of_a_missing_or_foreign_file_is_an_error(tmp_path, capsys):
     for name, message in [
         ("nope.pt", "nope.pt: no such file"),
         ("junk.pt", "junk.pt: not a readable fp8-train checkpoint"),
-        ("other.pt", "other.pt: expected an fp8-train checkpoint of version 1, got version None"),
+        (
+            "other.pt",
+            f"other.pt: expected an fp8-train checkpoint of version {CHECKPOINT_VERSION}, got version None",
+        ),
     ]:
         with pytest.raises(SystemExit):
             cli.prepare([*FLAGS, "--resume", str(tmp_path / name)])

@@ -182,7 +182,7 @@ def test_fsdp_refuses_what_cannot_run(tmp_path, capsys):
 def test_checkpoint_layout_must_suit_the_run(runs, tmp_path, capsys):
     with pytest.raises(SystemExit):  # a sharded directory without --fsdp
         prepare(["--steps", "8", "--resume", str(runs["dir"] / "ck-3")])
-    assert "resume it with --fsdp" in capsys.readouterr().err
+    assert "resume it with --fsdp or --tp" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit):
         prepare(["--fsdp", "--steps", "8", "--resume", str(tmp_path / "empty")])
@@ -193,4 +193,4 @@ def test_checkpoint_layout_must_suit_the_run(runs, tmp_path, capsys):
     save_checkpoint(tmp_path / "ck.pt", model=model, optimizer=opt, step=1, config=config, data_rng=[])
     with pytest.raises(SystemExit):
         prepare(["--fsdp", "--steps", "8", "--resume", str(tmp_path / "ck.pt")])
-    assert "--fsdp resumes from a sharded checkpoint directory" in capsys.readouterr().err
+    assert "--fsdp and --tp resume from a sharded checkpoint directory" in capsys.readouterr().err
