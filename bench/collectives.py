@@ -9,6 +9,10 @@ processes:
   quantizes the gathered weight;
 * ``fp8scope delayed`` / ``fp8scope current`` - ``convert_to_fp8`` + ``enable_fp8_all_gather``: each rank
   casts its shard to FP8 before the all-gather (``fp8_trainer.fsdp``);
+* ``fp8scope hung monitor``  - ``fp8scope delayed`` with a ``fp8_trainer.Monitor`` on every rank (rank 0
+  posts) pointed at a service that accepts connections and never answers: a dead or slow monitor must not
+  slow a sharded run (its step time against ``fp8scope delayed``'s, in the same run; the monitor's own
+  per-step statistics gather shows in ``stats_gather``);
 * ``torchao float8``        - torchao's ``convert_to_float8_training`` with ``enable_fsdp_float8_all_gather``
   (dynamic scaling, ``emulate`` on a CPU), where torchao is importable; else the row says why not.
 
@@ -45,9 +49,18 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-MODES = ("bf16", "fp8scope hp-gather", "fp8scope delayed", "fp8scope current", "torchao float8")
+MODES = (
+    "bf16",
+    "fp8scope hp-gather",
+    "fp8scope delayed",
+    "fp8scope current",
+    "fp8scope hung monitor",
+    "torchao float8",
+)
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "stats_gather")
 GOAL_RATIO = 0.55
+#: step time with a hung monitor against without, at most (a noisy CPU timing: the median of the steps)
+GOAL_MONITOR = 1.05
 
 
 class Counter:
@@ -99,7 +112,7 @@ def build(mode: str, cfg):
     model = GPT(cfg)
     recipe = None
     if mode.startswith("fp8scope"):
-        recipe = CurrentScaling() if mode == "fp8scope current" else DelayedScaling()
+        recipe = CurrentScaling() if mode == "fp8scope current" else DelayedScaling()  # hung monitor: delayed
         convert_to_fp8(model, recipe=recipe, module_filter_fn=fp8_filter)
         if mode != "fp8scope hp-gather":
             enable_fp8_all_gather(model)
@@ -135,6 +148,14 @@ def run_mode(mode: str, args, counter: Counter, rank: int) -> dict:
 
         cfg = replace(cfg, n_layer=2, n_embd=64, block_size=32)
     model, recipe = build(mode, cfg)
+    monitor = None
+    if mode == "fp8scope hung monitor":
+        import tempfile
+
+        from fp8_trainer import Monitor
+
+        spool = Path(tempfile.mkdtemp()) / f"r{rank}.jsonl"
+        monitor = Monitor(f"http://127.0.0.1:{args.hung_port}", "bench", model, recipe, spool_path=spool)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(rank)
     times, losses = [], []
@@ -148,10 +169,14 @@ def run_mode(mode: str, args, counter: Counter, rank: int) -> dict:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if monitor is not None:
+            monitor.step(step + 1, loss=loss.detach())
         if counter.on:
             times.append(time.perf_counter() - t0)
             losses.append(loss.item())
     counter.on = False
+    if monitor is not None:
+        monitor.close()
     n = args.steps
     return {
         "bytes_per_step": {k: counter.bytes[k] / n for k in KINDS},
@@ -208,8 +233,15 @@ def main() -> None:
     if args.smoke:
         args.steps, args.warmup, args.batch_size, args.seq_len = 2, 1, 2, 32
 
+    import socket
+
+    hung = socket.socket()  # the hung service: it listens (the kernel completes handshakes), never answers
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(64)
+    args.hung_port = hung.getsockname()[1]
     out = mp.Manager().dict()
     mp.start_processes(worker, args=(free_port(), args, out), nprocs=2, join=True, start_method="spawn")
+    hung.close()
     res = out[0]  # rank 0's counts (the ranks' are the same: FSDP2 shards evenly here)
 
     model = "tiny GPT" + (" (smoke: smaller)" if args.smoke else "")
@@ -235,6 +267,10 @@ def main() -> None:
         goals[f"{mode} all-gather bytes <= {GOAL_RATIO}x bf16"] = {
             "value": GOAL_RATIO - value, "target": 0.0, "met": value <= GOAL_RATIO, "ratio": value,
         }  # fmt: skip
+    slowdown = res["fp8scope hung monitor"]["median_step_ms"] / res["fp8scope delayed"]["median_step_ms"]
+    goals[f"step time with a hung monitor <= {GOAL_MONITOR}x without"] = {
+        "value": GOAL_MONITOR - slowdown, "target": 0.0, "met": slowdown <= GOAL_MONITOR, "ratio": slowdown,
+    }  # fmt: skip
     summary = "; ".join(
         f"{k}: {g['ratio']:.3f}x ({'met' if g['met'] else 'MISSED'})" for k, g in goals.items()
     )

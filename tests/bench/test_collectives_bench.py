@@ -40,5 +40,10 @@ def test_collectives_smoke(tmp_path):
         rows["fp8scope current"]["calls_per_step"]["all_reduce"]
         > rows["fp8scope delayed"]["calls_per_step"]["all_reduce"]
     )
+    # a hung monitor: the same training (losses), its rank 0 never got an answer, the run did not wait on it
+    hung = rows["fp8scope hung monitor"]
+    assert hung["losses"] == rows["fp8scope delayed"]["losses"]
+    assert hung["bytes_per_step"]["all_gather"] == rows["fp8scope delayed"]["bytes_per_step"]["all_gather"]
+    assert any("hung monitor" in k for k in data["goals"])
     ao = rows["torchao float8"]
     assert "skipped" in ao or "uint8" in ao["dtypes"]["all_gather"]
