@@ -72,7 +72,7 @@ def jsonable(value: Any, other: Callable[[Any], Any] | None = None) -> Any:
     if isinstance(value, int | np.integer):
         return int(value)
     if isinstance(value, float | np.floating):
-        return encode_float(value)
+        return encode_float(float(value))
     if isinstance(value, dict):
         return {str(k): jsonable(v, other) for k, v in value.items()}
     if isinstance(value, list | tuple):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
+from typing import Any
 
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
 #: a loss moves the baseline by at most this many robust sigmas (times the EMA's alpha): a spike must not
@@ -46,7 +47,7 @@ class LossSpikeParams:
     ema_span: int = 10
 
     @classmethod
-    def of(cls, config) -> LossSpikeParams:
+    def of(cls, config: Any) -> LossSpikeParams:
         """From a detector configuration's ``loss_window``, ``loss_min_history``, ``loss_z_threshold``,
         ``loss_rel_floor`` and ``loss_ema_span`` (the client's and the service's are named alike)."""
         return cls(

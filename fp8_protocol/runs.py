@@ -23,10 +23,10 @@ def check_tags(tags: Any) -> list[str]:
     or saying there are more than ``MAX_TAGS``."""
     if isinstance(tags, str):
         raise ValueError(f"tags: expected a list of strings, got the string {tags!r}")
-    tags = sorted(set(tags))
-    bad = [t for t in tags if not isinstance(t, str) or not re.match(TAG_PATTERN, t)]
+    unique: list[str] = sorted(set(tags))
+    bad = [t for t in unique if not isinstance(t, str) or not re.match(TAG_PATTERN, t)]
     if bad:
         raise ValueError(f"tags: {bad[0]!r} is not a tag (1-64 letters, digits or _-.:/=+@)")
-    if len(tags) > MAX_TAGS:
-        raise ValueError(f"tags: at most {MAX_TAGS}, got {len(tags)}")
-    return tags
+    if len(unique) > MAX_TAGS:
+        raise ValueError(f"tags: at most {MAX_TAGS}, got {len(unique)}")
+    return unique

@@ -44,7 +44,7 @@ class SpoolContents:
     torn_lines: int = 0
 
 
-def read_spool(path: str | os.PathLike) -> SpoolContents:
+def read_spool(path: str | os.PathLike[str]) -> SpoolContents:
     """Parse a spool file.
 
     Raises:
@@ -125,7 +125,7 @@ def _post(client: httpx.Client, url: str, body: dict[str, Any], attempts: int = 
     return r
 
 
-def upload_spool(path: str | os.PathLike, url: str, token: str | None = None) -> UploadResult:
+def upload_spool(path: str | os.PathLike[str], url: str, token: str | None = None) -> UploadResult:
     """Replay a spool into the service at ``url`` (the service root): register the run (idempotently,
     by its client key), post every batch in order, then set the final status.
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 #: The columns every statistics row has and every telemetry step with statistics must carry, in this order.
 BASE_COLUMNS: tuple[str, ...] = ("amax", "scale", "overflow", "underflow", "nonfinite", "numel")
@@ -102,7 +103,9 @@ FP8_RANGE_BINADES: dict[str, float] = {f: math.log2(FP8_MAX[f] / FP8_MIN_SUBNORM
 # others) over a real one.
 
 
-def sqnr_db(sum_sq, err_sq, numel=None, nonfinite=None):
+def sqnr_db(
+    sum_sq: ArrayLike, err_sq: ArrayLike, numel: ArrayLike | None = None, nonfinite: ArrayLike | None = None
+) -> np.ndarray:
     """Signal-to-quantization-noise ratio in dB, 10·log10(Σx² / Σ(q(x)−x)²) over the finite elements: +inf
     for an exact round trip (an all-zero tensor included: nothing was lost). Given ``numel`` and
     ``nonfinite``, NaN for a tensor without a finite element: its sums are zero because nothing was measured,
@@ -116,7 +119,7 @@ def sqnr_db(sum_sq, err_sq, numel=None, nonfinite=None):
     return np.where(finite > 0, db, np.nan)
 
 
-def no_finite_element(numel, nonfinite):
+def no_finite_element(numel: ArrayLike, nonfinite: ArrayLike) -> np.ndarray:
     """Where a tensor had elements and none of them finite: the runtime's amax (which ignores NaN) reads 0 for
     one all NaN (stored as NaN, `stored_amax`) and its sums of squares are zero because nothing was
     measured, not because the tensor was zero."""
@@ -124,7 +127,7 @@ def no_finite_element(numel, nonfinite):
     return (numel > 0) & (np.asarray(nonfinite, dtype=np.float64) >= numel)
 
 
-def stored_amax(amax, numel, nonfinite):
+def stored_amax(amax: ArrayLike, numel: ArrayLike, nonfinite: ArrayLike) -> np.ndarray:
     """The amax the service stores: the one sent, except NaN for a tensor whose elements were all NaN. The
     runtime's amax ignores NaN elements, as Transformer Engine's does (``fmaxf`` from 0), so such a tensor
     reports 0, the amax of a tensor of zeros; it has no amax, and NaN says so (a ``max(amax)`` over a run
@@ -134,14 +137,14 @@ def stored_amax(amax, numel, nonfinite):
     return np.where(no_finite_element(numel, nonfinite) & (amax == 0), np.nan, amax)
 
 
-def rms(sum_sq, numel, nonfinite):
+def rms(sum_sq: ArrayLike, numel: ArrayLike, nonfinite: ArrayLike) -> np.ndarray:
     """Root mean square of the finite values (NaN when there are none)."""
     with np.errstate(divide="ignore", invalid="ignore"):
         n = np.asarray(numel, dtype=np.float64) - np.asarray(nonfinite, dtype=np.float64)
         return np.sqrt(np.asarray(sum_sq, dtype=np.float64) / n)
 
 
-def outlier_ratio(amax, sum_sq, numel, nonfinite):
+def outlier_ratio(amax: ArrayLike, sum_sq: ArrayLike, numel: ArrayLike, nonfinite: ArrayLike) -> np.ndarray:
     """amax / RMS: how far the largest value stands above the bulk (1 for a constant tensor, an all-zero one
     included; an outlier feature shows as hundreds or thousands)."""
     top = np.asarray(amax, dtype=np.float64)
@@ -149,7 +152,7 @@ def outlier_ratio(amax, sum_sq, numel, nonfinite):
         return np.where(top == 0, 1.0, top / rms(sum_sq, numel, nonfinite))
 
 
-def dynamic_range(amax, min_abs):
+def dynamic_range(amax: ArrayLike, min_abs: ArrayLike) -> np.ndarray:
     """log2(amax / smallest non-zero |x|): the binades the tensor spans, to compare with the format's
     (`FP8_RANGE_BINADES`); 0 when the tensor has no non-zero value (`min_abs` +inf)."""
     smallest = np.asarray(min_abs, dtype=np.float64)
@@ -157,7 +160,7 @@ def dynamic_range(amax, min_abs):
         return np.where(np.isposinf(smallest), 0.0, np.log2(np.asarray(amax, dtype=np.float64) / smallest))
 
 
-def subnormal_fraction(subnormal, numel):
+def subnormal_fraction(subnormal: ArrayLike, numel: ArrayLike) -> np.ndarray:
     """The share of values that land on FP8 subnormals (≤ 3 significant bits in E4M3, ≤ 2 in E5M2); 0 for a
     tensor with no values."""
     count, n = np.asarray(subnormal, dtype=np.float64), np.asarray(numel, dtype=np.float64)
@@ -165,7 +168,7 @@ def subnormal_fraction(subnormal, numel):
         return np.where(n == 0, 0.0, count / n)
 
 
-def block_fraction(count, blocks):
+def block_fraction(count: ArrayLike, blocks: ArrayLike) -> np.ndarray:
     """The share of a tensor's blocks a block count stands for (``blocks_at_limit``, ``blocks_overflow``,
     ``blocks_underflow``); 0 for a tensor with no blocks (per-tensor scaled, or a layer that did not run)."""
     c, n = np.asarray(count, dtype=np.float64), np.asarray(blocks, dtype=np.float64)

@@ -13,4 +13,5 @@ fi
 
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+.venv/bin/mypy  # the files and strictness of pyproject.toml's [tool.mypy]
 exec .venv/bin/python -m pytest "$@"
