@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -32,6 +33,14 @@ TP_PLAN = {
     "1.0": ColwiseParallel(),
     "1.2": RowwiseParallel(),
 }
+
+
+def mesh_2d(dp: int, tp: int, rows: int):
+    """This rank's ``(dp, tp)`` CPU mesh and the slice of a global batch of ``rows`` sequences its dp group
+    trains (the tp ranks of a group train the same rows)."""
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    d = mesh.get_local_rank("dp")
+    return mesh, slice(d * rows // dp, (d + 1) * rows // dp)
 
 
 def shard_2d(model: nn.Module, mesh) -> nn.Module:

@@ -30,7 +30,6 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 import fp8_trainer
@@ -76,9 +75,7 @@ def _weight_kind(w) -> tuple:
 def worker(rank: int, port: int, out: dict) -> None:
     torch.set_num_threads(1)
     with gloo_group(rank, port, WORLD):
-        mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
-        dp = mesh.get_local_rank("dp")
-        rows = slice(dp * ROWS // DP, (dp + 1) * ROWS // DP)
+        mesh, rows = sharded_runs.mesh_2d(DP, TP, ROWS)
         res = {}
         for name, recipe in RECIPES.items():
             model = shard_2d(fp8_trainer.convert_to_fp8(make_model(), recipe=recipe()), mesh)

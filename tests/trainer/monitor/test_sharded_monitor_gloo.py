@@ -21,7 +21,6 @@ import socket
 import numpy as np
 import pytest
 import torch
-from torch.distributed.device_mesh import init_device_mesh
 
 import fp8_trainer
 from fp8_trainer import DelayedScaling, Monitor
@@ -48,9 +47,7 @@ def _fp8_model(recipe):
 def worker(rank: int, port: int, url: str, hung_url: str, spool_dir: str, out: dict) -> None:
     torch.set_num_threads(1)
     with gloo_group(rank, port, WORLD):
-        mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
-        dp = mesh.get_local_rank("dp")
-        rows = slice(dp * ROWS // DP, (dp + 1) * ROWS // DP)
+        mesh, rows = sharded_runs.mesh_2d(DP, TP, ROWS)
         res = {}
         for mode, where in (("live", url), ("hung", hung_url), ("off", None)):
             recipe = _recipe()
