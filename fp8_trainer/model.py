@@ -73,6 +73,16 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
 
+    @torch.no_grad()
+    def to_head_major(self) -> None:
+        """Reorder ``qkv``'s output features from query | key | value blocks (each head-ordered) to
+        head-major; ``GPT`` calls it once on its freshly drawn weights."""
+        C, hs = self.qkv.in_features, self.head_size
+        order = torch.arange(3 * C).view(3, C // hs, hs).transpose(0, 1).reshape(-1)  # new row -> old row
+        self.qkv.weight.copy_(self.qkv.weight[order])
+        if self.qkv.bias is not None:
+            self.qkv.bias.copy_(self.qkv.bias[order])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         qkv = self.qkv(x).view(B, T, -1, 3, self.head_size)  # (B, T, heads, q|k|v, hs)
@@ -122,6 +132,10 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():  # GPT-2: scaled init of the residual projections
             if name.endswith(("proj.weight", "fc2.weight")):
                 nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * cfg.n_layer))
+        # the draws of the attention's initial weights are those of the query | key | value layout, put in
+        # head-major order: a seed gives the same function as with that layout
+        for block in self.blocks:
+            block.attn.to_head_major()
 
     @staticmethod
     def _init(m: nn.Module) -> None:

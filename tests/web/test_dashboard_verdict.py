@@ -61,7 +61,14 @@ def test_the_demo_run_says_what_went_wrong_under_its_header(server, page, demo_r
     items = page.eval_on_selector_all("#run-verdict .verdict-item", "lis => lis.map(li => li.textContent)")
     saturation = [t for t in items if "blocks.2.mlp.fc.weight" in t]
     assert saturation and "step 120" in saturation[0], items
-    assert any("loss spike" in t for t in items), items
+    # the learning-rate spike's incident, the step after it: its loss spike is one of its alerts (the root
+    # cause is the first by tensor order, so a tensor that saturated in the same step comes before it)
+    assert any("step 221" in t for t in items), items
+    alerts = httpx.get(f"{server.url}{API}/runs/{demo_run}/alerts").json()
+    spikes = [a for a in alerts if a["kind"] == "loss_spike"]
+    assert spikes and spikes[0]["first_step"] == 221, alerts
+    incidents = httpx.get(f"{server.url}{API}/runs/{demo_run}/incidents").json()
+    assert any(i["id"] == spikes[0]["incident_id"] and i["first_step"] == 221 for i in incidents), incidents
     # the header's status stays a green "finished": the loss ended finite
     assert page.text_content(".run-head .badge.ok") == "finished"
 
