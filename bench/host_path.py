@@ -21,6 +21,13 @@ separate, untimed step), and the ratio to ``nn.Linear``.
 
 Goals (issue "FP8 that pays"): delayed scaling <= 2x ``nn.Linear``'s host time per layer, current <= 2.5x.
 
+The ``floor`` rows are what no FP8 Linear written in Python can go below on this path: an
+``autograd.Function`` that makes the same prepared quantize calls (the same allocations and launches), GEMM
+stand-ins and saved tensors as fp8scope's layer and nothing else (no recipe, region, step or cache logic,
+no checks), with a step end of one scale update launch and a fresh statistics buffer.
+fp8scope's distance to its floor is its own Python; the floor's distance to ``nn.Linear`` is the cost of
+quantizing in separate launches from Python at all.
+
     .venv/bin/python bench/host_path.py [--layers 8] [--steps 200] [--rounds 7] [--out PATH]
     .venv/bin/python bench/host_path.py --smoke
 
@@ -118,11 +125,101 @@ def gpu_path():
             fp8_kernels.restore(saved)
 
 
+class _FloorFn(torch.autograd.Function):
+    """An FP8 Linear reduced to its device work: the same prepared quantize calls (allocations and
+    launches), GEMM stand-ins and saved tensors as fp8scope's layer (``linear_ops``), and nothing else: no
+    recipe, region or step bookkeeping, no plan or cache lookups, no checks. What an FP8 Linear written in
+    Python cannot go below on this host path (``--floor`` rows)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer):
+        (qx, qxt, sx, _), (qw, qwt, sw, _) = (
+            layer.qx(x, layer.sx, layer.rx),
+            layer.qw(weight, layer.sw, layer.rw),
+        )
+        sx, sw = layer.sx if sx is None else sx, layer.sw if sw is None else sw
+        out = torch._scaled_mm(qx, qw.t(), scale_a=sx, scale_b=sw, bias=bias, out_dtype=x.dtype)
+        ctx.save_for_backward(qxt, sx, qwt, sw)
+        ctx.layer = layer
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        qxt, sx, qwt, sw = ctx.saved_tensors
+        layer = ctx.layer
+        qg, qgt, sg, grad_b = layer.qg(grad, layer.sg, layer.rg)
+        sg = layer.sg if sg is None else sg
+        grad_x = torch._scaled_mm(qg, qwt.t(), scale_a=sg, scale_b=sw, out_dtype=grad.dtype)
+        grad_w = torch._scaled_mm(qgt, qxt.t(), scale_a=sg, scale_b=sx, out_dtype=grad.dtype)
+        return grad_x, grad_w, grad_b, None
+
+
+class _FloorLinear(nn.Linear):
+    """``nn.Linear`` through ``_FloorFn``, its prepared calls made at the first forward."""
+
+    current = False
+    step_end = None  # the model's step end, set on the last layer (_floor_stack)
+
+    def forward(self, x):
+        if not hasattr(self, "qx"):
+            self._prepare(x)
+        out = _FloorFn.apply(x, self.weight, self.bias, self)
+        if self.step_end is not None:
+            out.register_hook(self.step_end)
+        return out
+
+    def _prepare(self, x) -> None:
+        import fp8_kernels
+
+        op = "current_transposed" if self.current else "quantize_transposed"
+        for role, like, fp8, dbias in (
+            ("x", x, torch.float8_e4m3fn, False),
+            ("w", self.weight, torch.float8_e4m3fn, False),
+            ("g", x.new_empty(x.shape[0], self.out_features), torch.float8_e5m2, True),
+        ):
+            row, scale = fp8_kernels.new_stats(device=x.device), torch.ones((), device=x.device)
+            setattr(self, "r" + role, row)
+            setattr(self, "s" + role, scale)
+            prepared = fp8_kernels.prepare_quantize(op, like.detach(), fp8, row, scale, dbias=dbias)
+            setattr(self, "q" + role, prepared)
+
+
+def _floor_stack(current: bool, layers: int, features: int) -> nn.Module:
+    """The ``_FloorLinear`` model; its step end (a hook on the last layer's output: run as backward starts,
+    as good a time as its end for host time) is the fused scale update and the next step's statistics
+    buffer, as ``FP8State.end_step`` must at the least (fp8scope keeps the amax history with current
+    scaling too)."""
+    import fp8_kernels
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_FloorLinear(features, features) for _ in range(layers))).to(torch.bfloat16)
+    n = 3 * layers
+    for layer in model:
+        layer.current = current
+    update = fp8_kernels.fused_scale_update("cpu")
+    hist, amax = torch.zeros(16, n), torch.zeros(n)
+    settings = dict(
+        fp8_max=torch.full((n,), 448.0), margin=torch.zeros(n), history_len=torch.full((n,), 16),
+        most_recent=torch.zeros(n, dtype=torch.bool), interval=torch.ones(n, dtype=torch.int64),
+        step=torch.ones((), dtype=torch.int64), enabled=torch.ones(n, dtype=torch.bool),
+    )  # fmt: skip
+    scale = fp8_kernels.aligned_scales(n).fill_(1.0)
+
+    def step_end(grad):
+        update(hist, amax, scale, **settings)
+        fp8_kernels.new_stats(n)
+
+    model[-1].step_end = step_end
+    return model
+
+
 def _stack(kind: str, layers: int, features: int) -> tuple[nn.Module, object]:
     """``(model, region factory)`` for one configuration."""
     import fp8_trainer
 
     torch.manual_seed(0)
+    if kind.startswith("floor"):
+        return _floor_stack(kind.endswith("current"), layers, features), contextlib.nullcontext
     model = nn.Sequential(*(nn.Linear(features, features) for _ in range(layers))).to(torch.bfloat16)
     if kind == "nn.Linear":
         return model, contextlib.nullcontext
@@ -200,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.steps, args.rounds = 3, 2
     torch.set_num_threads(1)
-    kinds = ["nn.Linear", "fp8scope delayed", "fp8scope current"]
+    kinds = ["nn.Linear", "fp8scope delayed", "fp8scope current", "floor delayed", "floor current"]
     try:
         import torchao.float8  # noqa: F401
 

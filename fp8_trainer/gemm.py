@@ -34,7 +34,14 @@ from collections.abc import Callable, Sequence
 import torch
 from fp8_kernels import SCALE_ALIGN_BYTES, fp8_gpu
 
-__all__ = ["check_once_per_layout", "check_scaled_mm_args", "fp8_mm", "gemm_operand", "uses_scaled_mm"]
+__all__ = [
+    "check_once_per_layout",
+    "check_scaled_mm_args",
+    "fp8_mm",
+    "gemm_operand",
+    "is_plain_scaled_mm",
+    "uses_scaled_mm",
+]
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -164,6 +171,27 @@ def _scaled_mm(
     if bias is not None and mm_bias is None:
         out = out + bias.to(out.dtype)
     return out if out.dtype == out_dtype else out.to(out_dtype)
+
+
+def is_plain_scaled_mm(
+    a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None = None
+) -> bool:
+    """Whether ``fp8_mm(a, _, b, _, out_dtype, bias)`` is exactly ``torch._scaled_mm(a, b, scale_a=...,
+    scale_b=..., bias=bias, out_dtype=out_dtype, use_fast_accum=...)``: FP8 operands, not both E5M2, ``a``
+    row-major and ``b`` column-major with K a multiple of 16 (no copy, no padding), an output dtype cuBLASLt
+    writes, and a bias (if any) of that dtype that is not float32 (added in the GEMM's epilogue). A caller
+    that makes operands of the same layouts at every call (the FP8 Linear's plan, ``linear_ops``) decides
+    this once and then calls ``torch._scaled_mm`` itself, without ``fp8_mm``'s per-call branches."""
+    return (
+        a.dtype in _FP8
+        and b.dtype in _FP8
+        and not (a.dtype == b.dtype == torch.float8_e5m2)
+        and a.shape[1] % 16 == 0
+        and a.stride(1) == 1
+        and b.stride(0) == 1
+        and out_dtype in _OUT_DTYPES
+        and (bias is None or (out_dtype != torch.float32 and bias.dtype == out_dtype))
+    )
 
 
 def fp8_mm(

@@ -60,12 +60,16 @@ from torch import nn
 
 from .autocast import fp8_traced_enabled, is_fp8_enabled
 from .block_linear import _BlockLinearFn
-from .linear_ops import FP8LinearFn, fused_transposes, layer_plan
+from .linear_ops import apply_fp8_linear, fused_transposes, layer_plan
 from .state import FP8State
 from .step import begin_forward
 from .tensor_parallel import DTensor, tp_forward
 
 __all__ = ["Conv1D", "Linear", "fused_transposes", "is_conv1d"]
+
+# whether any device's autocast is on: one global read, where ``torch.is_autocast_enabled(device type)``
+# costs a device object and a lookup per call (older releases lack it: ask the device then)
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 
 
 def is_conv1d(mod: nn.Module) -> bool:
@@ -127,16 +131,24 @@ class Linear(nn.Linear):
 
     def gemm_weight(self) -> torch.Tensor:
         """The weight as the GEMMs take it, ``(out_features, in_features)``."""
-        return self.weight
+        return self._gemm_view(self.weight)
+
+    @staticmethod
+    def _gemm_view(weight: torch.Tensor) -> torch.Tensor:
+        """``gemm_weight`` of the stored ``weight``: the weight itself (``Conv1D``: its transpose)."""
+        return weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.weight, DTensor):  # tensor parallelism: fp8_trainer.tensor_parallel
+        # host time per call matters here (bench/host_path.py): the weight is read once, and the device's
+        # autocast state only where some autocast is on
+        weight = self.weight
+        if isinstance(weight, DTensor):  # tensor parallelism: fp8_trainer.tensor_parallel
             return tp_forward(self, x)
         if torch.compiler.is_compiling():
             return self._traced_forward(x)
-        if torch.is_autocast_enabled(x.device.type):
+        if _any_autocast() and torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        weight = self.gemm_weight()
+        weight = self._gemm_view(weight)
         state = self._fp8_state
         if state is None:
             if not is_fp8_enabled():
@@ -158,7 +170,7 @@ class Linear(nn.Linear):
         # read here: inside an autograd Function's forward grad mode is always off
         grad = torch.is_grad_enabled()
         plan = layer_plan(state, k, x, grad and x.requires_grad, grad and weight.requires_grad)
-        return FP8LinearFn.apply(x, weight, self.bias, state, k, record, plan)
+        return apply_fp8_linear(x, weight, self.bias, state, k, record, plan)
 
     def _traced_forward(self, x: torch.Tensor) -> torch.Tensor:
         """``forward`` as ``torch.compile`` traces it: the layer's mode (FP8 or not, per-tensor or block
@@ -202,5 +214,6 @@ class Conv1D(Linear):
         new.bias = mod.bias
         return new
 
-    def gemm_weight(self) -> torch.Tensor:
-        return self.weight.t()
+    @staticmethod
+    def _gemm_view(weight: torch.Tensor) -> torch.Tensor:
+        return weight.t()

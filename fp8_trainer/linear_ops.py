@@ -36,7 +36,7 @@ import torch
 from fp8_kernels import generation as dispatch_generation
 from fp8_kernels import has_kernel, prepare_quantize
 
-from .gemm import fp8_mm, gemm_operand, uses_scaled_mm
+from .gemm import fp8_mm, gemm_operand, is_plain_scaled_mm, uses_scaled_mm
 from .step import begin_forward
 
 if TYPE_CHECKING:
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 __all__ = [
     "FP8LinearFn",
     "LayerPlan",
+    "apply_fp8_linear",
     "backward",
     "forward",
     "fused_transposes",
@@ -129,12 +130,17 @@ def _prepared_call(state: FP8State, plan: LayerPlan, i: int, t: torch.Tensor, tr
     return q, qt, scale_inv if sinv is None else sinv, column_sums
 
 
+_NOT_PLAIN = object()  # a LayerPlan's GEMM that goes through fp8_mm
+
+
 @dataclass(slots=True)
 class LayerPlan:
     """What layer ``k``'s FP8 forward and backward decide once per input shape and state version
     (``layer_plan``), instead of on every call: which operands the quantize passes transpose, and whether
     the three GEMMs' argument checks have passed (they then run unchecked: the same code makes operands of
-    the same layouts, freshly allocated, every call)."""
+    the same layouts, freshly allocated, every call). A GEMM found to be a plain ``torch._scaled_mm`` call
+    (``gemm.is_plain_scaled_mm``) is then made directly: its ``*_plain`` field holds the dtype (of the bias
+    for fprop, of the output for dgrad and wgrad) the decision was made for, which each call compares."""
 
     need_dgrad: bool
     need_wgrad: bool
@@ -145,6 +151,9 @@ class LayerPlan:
     fp8_gemms: bool  # real FP8 GEMMs: the quantized tensors are the GEMM operands (``gemm.gemm_operand``)
     fprop_checked: bool = False
     backward_checked: bool = False
+    fprop_plain: object = _NOT_PLAIN
+    dgrad_plain: object = _NOT_PLAIN
+    wgrad_plain: object = _NOT_PLAIN
     # per quantized tensor (and statistics width, routing): its prepared quantize call (``_prepared_call``)
     prepared: dict = field(default_factory=dict)
 
@@ -179,9 +188,16 @@ def forward(state, k, x2, weight, bias, record, plan: LayerPlan):
         k, weight, t_w, record, lambda rec: _quantize(state, 3 * k + 1, weight, rec, t_w, plan)
     )
     ax, aw = (qx, qw) if plan.fp8_gemms else (gemm_operand(qx), gemm_operand(qw))
-    check = not plan.fprop_checked
-    out = fp8_mm(ax, sinv_x, aw.t(), sinv_w, x2.dtype, bias, fast_accum=True, check=check)  # fprop: as TE
-    plan.fprop_checked = True
+    bw, bias_dtype = aw.t(), None if bias is None else bias.dtype
+    if plan.fprop_plain is bias_dtype:  # fast accumulation in fprop: as TE
+        out = torch._scaled_mm(
+            ax, bw, scale_a=sinv_x, scale_b=sinv_w, bias=bias, out_dtype=x2.dtype, use_fast_accum=True
+        )
+    else:
+        out = fp8_mm(ax, sinv_x, bw, sinv_w, x2.dtype, bias, fast_accum=True, check=not plan.fprop_checked)
+        plan.fprop_checked = True
+        if plan.fp8_gemms and is_plain_scaled_mm(ax, bw, x2.dtype, bias):
+            plan.fprop_plain = bias_dtype
     saved_x = ax if qxt is None else qxt if plan.fp8_gemms else gemm_operand(qxt)
     saved_w = aw if qwt is None else qwt if plan.fp8_gemms else gemm_operand(qwt)
     return out, saved_x, sinv_x, saved_w, sinv_w
@@ -198,15 +214,25 @@ def backward(state, k, g2, saved, record, plan: LayerPlan, need_bias, x_dtype, w
     if record:
         state.tracker.queue_end_of_backward(state.on_backward_end)
     grad_x = grad_w = None
-    check = not plan.backward_checked
+    check = not plan.backward_checked  # dgrad and wgrad: the split accumulator (_scaled_mm's default), as TE
     if plan.need_dgrad:  # (out, in) column-major: the transpose's view where the quantize pass wrote one
         bw = saved_w.t() if plan.w_t else saved_w
-        grad_x = fp8_mm(ag, sinv_g, bw, sinv_w, x_dtype, check=check)
+        if plan.dgrad_plain is x_dtype:
+            grad_x = torch._scaled_mm(ag, bw, scale_a=sinv_g, scale_b=sinv_w, out_dtype=x_dtype)
+        else:
+            grad_x = fp8_mm(ag, sinv_g, bw, sinv_w, x_dtype, check=check)
+            if plan.fp8_gemms and is_plain_scaled_mm(ag, bw, x_dtype):
+                plan.dgrad_plain = x_dtype
     if plan.need_wgrad:
         # (out, tokens) row-major: the transpose written by the quantize pass, if any
         agt = ag.t() if qgt is None else qgt if plan.fp8_gemms else gemm_operand(qgt)
         bx = saved_x.t() if plan.x_t else saved_x
-        grad_w = fp8_mm(agt, sinv_g, bx, sinv_x, w_dtype, check=check)
+        if plan.wgrad_plain is w_dtype:
+            grad_w = torch._scaled_mm(agt, bx, scale_a=sinv_g, scale_b=sinv_x, out_dtype=w_dtype)
+        else:
+            grad_w = fp8_mm(agt, sinv_g, bx, sinv_x, w_dtype, check=check)
+            if plan.fp8_gemms and is_plain_scaled_mm(agt, bx, w_dtype):
+                plan.wgrad_plain = w_dtype
     plan.backward_checked = True
     return grad_x, grad_w, grad_b
 
@@ -218,22 +244,45 @@ class FP8LinearFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, state: FP8State, k: int, record: bool, plan: LayerPlan):
         flat = x.dim() == 2
         x2 = x if flat else x.reshape(-1, x.shape[-1])
-        out, *saved = forward(state, k, x2, weight, bias, record, plan)
-        ctx.save_for_backward(*saved)
+        out, saved_x, sinv_x, saved_w, sinv_w = forward(state, k, x2, weight, bias, record, plan)
+        # the FP8 operands are saved tensors (activation checkpointing and saved-tensor hooks see them, and
+        # they are freed when backward has run); the two 0-dim scales ride along with the plain values,
+        # which saves their packing and unpacking on every call
+        ctx.save_for_backward(saved_x, saved_w)
         shape = None if flat else x.shape
-        ctx.meta = (state, k, record, plan, shape, x.dtype, weight.dtype, bias is not None)
+        ctx.meta = (state, k, record, plan, shape, x.dtype, weight.dtype, bias is not None, sinv_x, sinv_w)
         return out if flat else out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_output):
-        state, k, record, plan, shape, x_dtype, w_dtype, has_bias = ctx.meta
+        state, k, record, plan, shape, x_dtype, w_dtype, has_bias, sinv_x, sinv_w = ctx.meta
         g2 = grad_output if shape is None else grad_output.reshape(-1, grad_output.shape[-1])
         need_bias = has_bias and ctx.needs_input_grad[2]
-        saved = ctx.saved_tensors
+        saved_x, saved_w = ctx.saved_tensors
+        saved = (saved_x, sinv_x, saved_w, sinv_w)
         grad_x, grad_w, grad_b = backward(state, k, g2, saved, record, plan, need_bias, x_dtype, w_dtype)
         if grad_x is not None and shape is not None:
             grad_x = grad_x.reshape(shape)
         return grad_x, grad_w, grad_b, None, None, None, None
+
+
+#: ``FP8LinearFn.apply`` without ``torch.autograd.Function.apply``'s Python wrapper: the C++ apply that the
+#: wrapper ends in, bound once. The wrapper's own work (binding default arguments for a Function with a
+#: ``setup_context``, unwrapping functorch's dead wrappers, routing into functorch) matters only under a
+#: functorch transform, where the caller takes ``FP8LinearFn.apply`` instead (``apply_fp8_linear``); the
+#: layer saves a few microseconds of host time per forward.
+try:
+    _bare_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, FP8LinearFn)
+    _functorch_active = torch._C._are_functorch_transforms_active
+except (AttributeError, KeyError):  # a release without them: the wrapper, always
+    _bare_apply, _functorch_active = FP8LinearFn.apply, lambda: False
+
+
+def apply_fp8_linear(x, weight, bias, state: FP8State, k: int, record: bool, plan: LayerPlan):
+    """``FP8LinearFn.apply(...)``, through the bare C++ apply where no functorch transform is active."""
+    if _functorch_active():
+        return FP8LinearFn.apply(x, weight, bias, state, k, record, plan)
+    return _bare_apply(x, weight, bias, state, k, record, plan)
 
 
 # ----- the custom operators (torch.compile) -----

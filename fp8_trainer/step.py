@@ -91,8 +91,9 @@ def begin_forward(state: FP8State, k: int, device: torch.device, record: bool) -
         return False, False
     if state.device != device:
         state.to(device)
-    if region.recipe is not None:
-        state.set_recipe(region.recipe)
+    recipe = region.recipe
+    if recipe is not None and recipe is not state.recipe:  # the same recipe object: the usual case
+        state.set_recipe(recipe)
     tracker.last_region = region
     if not state.enabled[k]:
         return False, False

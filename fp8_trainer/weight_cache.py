@@ -95,7 +95,8 @@ class WeightCache:
         (an FP8 ``Conv1D``'s transposed weight) is kept like the parameter: the same storage and version
         counter, and its place in the storage in the key."""
         base = _owner(weight)
-        if not self.enabled or not isinstance(base, nn.Parameter):
+        # the exact type first: isinstance against nn.Parameter runs its metaclass's Python check
+        if not self.enabled or (type(base) is not nn.Parameter and not isinstance(base, nn.Parameter)):
             return None
         view = (weight.data_ptr(), tuple(weight.shape), weight.stride())
         return (base.data_ptr(), base._version, view, state_version, _epoch, variant)

@@ -282,7 +282,8 @@ class PreparedLaunch:
     arguments are the same at every call (a prepared quantize: one call shape), so that only the tensors
     change: after the first launch on the current CUDA device it calls the compiled kernel's launcher with
     no key built, as long as every tensor argument keeps the 16-byte alignment it had (the one part of
-    ``launch_key`` a fresh tensor can change); otherwise, and off CUDA, it is ``launch``."""
+    ``launch_key`` a fresh tensor can change); otherwise it is ``launch``, and off CUDA (the interpreter, a
+    recorder) the kernel's generic launch that ``launch`` makes there, without passing the keywords twice."""
 
     __slots__ = ("kernel", "grid", "kwargs", "_compiled", "_tail", "_aligned", "_index")
 
@@ -302,9 +303,12 @@ class PreparedLaunch:
                     compiled.packed_metadata, None, None, None, *args, *self._tail,
                 )  # fmt: skip
                 return
-        launch(self.kernel, self.grid, *args, **self.kwargs)
         device = args[0].device
-        if compiled is None and device.type == "cuda":
+        if device.type != "cuda":  # launch's generic path, without a second pass over the keywords
+            self.kernel[(self.grid,)](*args, **self.kwargs)
+            return
+        launch(self.kernel, self.grid, *args, **self.kwargs)
+        if compiled is None:
             handle = _HANDLES.get((self.kernel, launch_key(device, args, self.kwargs)))
             if handle is not None:
                 compiled, names = handle

@@ -897,9 +897,8 @@ def launch_quantize(
     tiles_m, tiles_n = cdiv(m, bm), cdiv(n, bn)
     pm, pn = grid_2d(tiles_m, tiles_n, device)
     if dbias:
-        ws = torch.empty((pm, tiles_n * bn), dtype=torch.float32, device=device)
         column_sums = torch.empty(n, dtype=x.dtype, device=device)
-        extra = (ws, _column_counters(device, tiles_n), as_kernel_input(column_sums)[0])
+        extra = (*_column_buffers(device, tiles_n, pm * tiles_n * bn), as_kernel_input(column_sums)[0])
     else:
         extra = (q, q, q)  # not read
     args = (
@@ -931,32 +930,34 @@ class PreparedQuantize:
 
     __slots__ = (
         "_quantize", "_amax", "_amax_grid", "_dtype", "_shape", "_t_shape", "_bf16", "_numel", "_flat",
-        "_m", "_n", "_pn", "_tiles_n", "_ws_shape", "_dbias", "_x_dtype",
+        "_m", "_n", "_pn", "_tiles_n", "_ws_numel", "_dbias", "_x_dtype",
     )  # fmt: skip
 
     def __call__(self, x: torch.Tensor, scale: torch.Tensor | None, row: torch.Tensor) -> tuple:
+        # host time per call matters (bench/host_path.py): outputs are made with ``new_empty`` (x's device
+        # without a device argument to parse), and no view is made that the kernels do not need
         xc = x.contiguous()
         if self._bf16:
             xc = xc.view(torch.int16)
-        device = xc.device
-        q = torch.empty(self._shape, dtype=self._dtype, device=device)
+        q = xc.new_empty(self._shape, dtype=self._dtype)
         if self._amax is None:
             scale_t, amax_arg, amax_n, scale_inv = scale, scale, 1, None
         else:  # current scaling: the amax pass, as triton_current.amax_pass
-            buf = torch.empty(8 + self._amax_grid, dtype=torch.float32, device=device)
+            buf = xc.new_empty(8 + self._amax_grid, dtype=torch.float32)
             amax_arg = buf[8:].view(torch.int32)
             self._amax(xc, amax_arg, self._numel)
-            scale_t, amax_n, scale_inv = buf[0], self._amax_grid, buf[4]
+            # the quantize pass takes the scale's buffer by its address (element 0, buf itself) and writes
+            # the scale there and its reciprocal at element 4, which the GEMM takes as a 0-dim view
+            scale_t, amax_n, scale_inv = buf, self._amax_grid, buf[4]
         if self._flat:
             self._quantize(xc, q, scale_t, amax_arg, amax_n, row, q, scale_t, self._numel)
             return q, None, scale_inv, None
-        qt = None if self._t_shape is None else torch.empty(self._t_shape, dtype=self._dtype, device=device)
+        qt = None if self._t_shape is None else xc.new_empty(self._t_shape, dtype=self._dtype)
         column_sums = None
         if self._dbias:
-            column_sums = torch.empty(self._n, dtype=self._x_dtype, device=device)
-            ws = torch.empty(self._ws_shape, dtype=torch.float32, device=device)
+            column_sums = x.new_empty(self._n)  # x's dtype
             sums = column_sums.view(torch.int16) if self._bf16 else column_sums
-            extra = (ws, _column_counters(device, self._tiles_n), sums)
+            extra = (*_column_buffers(xc.device, self._tiles_n, self._ws_numel), sums)
         else:
             extra = (q, q, q)  # not read
         qt_arg = q if qt is None else qt
@@ -1023,24 +1024,34 @@ def prepare_quantize(
     pm, p._pn = grid_2d(tiles_m, p._tiles_n, device)
     p._m, p._n = m, n
     p._t_shape = (n, m) if transpose else None
-    p._ws_shape = (pm, p._tiles_n * bn)
+    p._ws_numel = pm * p._tiles_n * bn
     p._quantize = PreparedLaunch(_quantize_t_kernel, pm * p._pn, kwargs)
     return p
 
 
-#: ``(device, stream)`` -> int32 counters, zero between launches: the tiled kernel's per-column arrival
-#: counters for the column sums (``_flush_column_sums`` sets each back to 0). Launches on one stream run one
-#: after the other, so they share a buffer; another stream gets its own. Zeroed once, when made or grown.
-_COUNTERS: dict[tuple, torch.Tensor] = {}
+#: ``(device, stream)`` -> ``(workspace, counters)``, what the tiled kernel's column sums work in
+#: (``_flush_column_sums``): the float32 workspace of the programs' partial sums, written and read within
+#: one launch, and the int32 per-column arrival counters, zero between launches (the last program to arrive
+#: sets its column's back to 0). Launches on one stream run one after the other, so they share the buffers
+#: (no allocation per call); another stream gets its own. The counters are zeroed once, when made or grown.
+_COLUMN_BUFFERS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _column_counters(device: torch.device, n: int) -> torch.Tensor:
+def _column_buffers(device: torch.device, n: int, ws_numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(workspace of at least ws_numel floats, counters for n tile columns)`` for a launch on ``device``'s
+    current stream (``_COLUMN_BUFFERS``)."""
     stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
     key = (device, stream)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    return buf
+    held = _COLUMN_BUFFERS.get(key)
+    if held is not None and held[0].numel() >= ws_numel and held[1].numel() >= n:
+        return held
+    ws, counters = held if held is not None else (None, None)
+    if ws is None or ws.numel() < ws_numel:
+        ws = torch.empty(max(ws_numel, 1 << 14), dtype=torch.float32, device=device)
+    if counters is None or counters.numel() < n:
+        counters = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    held = _COLUMN_BUFFERS[key] = (ws, counters)
+    return held
 
 
 #: ``(call shape, 2-D divisors, the launch-configuration functions)`` -> ``(block or tile, launch keywords)``

@@ -162,7 +162,7 @@ def scale_update_triton(
     if n == 0:
         return new_hist, new_scale, new_scale_inv
     scaled_max = _scaled_max(fp8_max, margin)
-    scale_f = scale.to(torch.float32)  # a float32 view stays a view (its stride is passed)
+    scale_f = scale if scale.dtype == torch.float32 else scale.to(torch.float32)  # its stride is passed
     block_l, block_n = block_scale_update(hist.device)
     launch(
         _scale_update_kernel, cdiv(n, block_n),
