@@ -21,7 +21,9 @@ that would take the directory past ``max_bytes`` are not written (the capture sa
 
 Cost (``bench/`` numbers in ``docs/replay.md``): a snapshot is a host copy of the weights and the optimizer
 state (about 3x the parameter bytes with AdamW) every ``every`` steps, plus the batches (token ids) of up to
-``2 * every`` steps; memory is two snapshots. Off unless a directory is given (``fp8-train --capture-dir``).
+``2 * every`` steps; memory is two snapshots. Off in the library (nothing creates an ``IncidentCapture`` by
+itself); in ``fp8-train`` on with ``--capture-dir``, and with ``--monitor-url`` into ``default_directory``
+(``--no-capture`` turns that off): a monitored run is the one whose incidents someone will ask about.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import re
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +42,7 @@ from torch import nn
 
 from fp8_protocol.loss_spike import MAD_TO_SIGMA, LossSpikeParams, LossSpikeRule
 
-__all__ = ["BUNDLE_VERSION", "CaptureConfig", "IncidentCapture", "load_bundle"]
+__all__ = ["BUNDLE_VERSION", "CaptureConfig", "IncidentCapture", "default_directory", "load_bundle"]
 
 BUNDLE_VERSION = 1
 
@@ -118,7 +121,7 @@ class IncidentCapture:
             "step": step,
             "lr": float(lr),
             "batches": [],
-            "injections": [_injection_dict(i) for i in injections if i.step == step],
+            "injections": [_injection_dict(i) for i in injections if i.active(step)],
         }
         self.snapshots[-1].steps.append(self._current)
 
@@ -195,6 +198,15 @@ class IncidentCapture:
         os.replace(tmp, path)
         self.written.append(path)
         return path
+
+
+def default_directory(save: str | None, run_name: str) -> str:
+    """Where a monitored ``fp8-train`` run captures without ``--capture-dir``: ``incidents/<run name>/``
+    beside the ``--save`` file, else under the working directory. One folder per run, so that the size cap
+    and the bundle names (by step) of one run never meet another's."""
+    base = Path(save).parent if save else Path()
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", run_name).strip(".")[:80] or "run"
+    return str(base / "incidents" / safe)
 
 
 def _injection_dict(inj) -> dict[str, Any]:

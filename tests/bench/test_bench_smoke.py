@@ -441,3 +441,21 @@ def test_host_path_smoke(tmp_path):
     assert delayed["kernels"] == 3 * data["meta"]["layers"] + 1
     assert "sum" not in delayed["aten"]
     assert rows["fp8scope delayed"]["goal_ratio"] == 2.0 and rows["fp8scope current"]["goal_ratio"] == 2.5
+
+
+@pytest.mark.slow
+def test_replay_verdicts_smoke(tmp_path):
+    """``bench/replay_verdicts.py``: real `fp8-train` runs against a real service, captured by default (a
+    monitor is set), replayed, the report stored on the incident: the FP8 saturation comes back
+    fp8-caused with its input named first, the learning-rate spike not-fp8."""
+    data = run_bench("replay_verdicts.py", tmp_path / "rv.json")
+    rows = {r["kind"]: r for r in data["rows"]}
+    assert set(rows) == {"saturate", "lr-spike"} and data["meta"]["seeds"] == 1
+    sat, lr = rows["saturate"], rows["lr-spike"]
+    assert sat["bundles"] == ["incident-step40.pt"] and sat["trigger"] == "loss_spike" and sat["bitwise"]
+    assert sat["verdict"] == "fp8-caused" and sat["culprits"][0] == "blocks.3.mlp.fc2.input"
+    assert sat["loss_fp8"] > 2 * sat["loss_hp"] and sat["configs"] > 16  # bisected, layer by layer
+    assert lr["verdict"] == "not-fp8" and lr["culprits"] == [] and lr["bitwise"]
+    assert data["right"] == 2 and data["per_kind"]["saturate"]["culprit_first"] == 1
+    check_goals(data["goals"])
+    assert data["goals"]["verdict_right"]["met"]

@@ -103,6 +103,47 @@ def test_an_fp8_saturation_is_fp8_caused_and_its_tensor_is_named_first(run):
     assert report["verdict"] in VERDICTS and report["window"] == [bundle_start(bundles[0]), STEP]
 
 
+@pytest.mark.parametrize(
+    "fault,culprit",
+    [("jump", "{layer}.input"), ("lowprec", "{layer}.input+{layer}.weight")],
+)
+def test_a_stale_scale_jump_and_an_sqnr_collapse_are_fp8_caused_with_their_tensors_named(run, fault, culprit):
+    """jump: the input x16 from STEP on saturates against the stale history at STEP only; lowprec: the
+    input's range beyond E4M3's from STEP on. Both spike the FP8 loss at STEP, the replay says fp8-caused
+    and names the layer's casts (lowprec's undo amplifies the weight's rounding as much as the input's, so
+    only the pair in high precision removes it)."""
+    layer = "blocks.3.mlp.fc2"
+    result, _, bundles = run("--inject", f"{fault}:{layer}@{STEP}", steps=STEP + 2)
+    assert bundles[0].name == f"incident-step{STEP}.pt"
+    bundle = load_bundle(bundles[0])
+    assert [bool(s["injections"]) for s in bundle["steps"]] == [s["step"] >= STEP for s in bundle["steps"]]
+    expected = bundle["trigger"]["expected"]
+    assert result.losses[STEP - 1] > 2 * expected
+    if fault == "jump":  # the history has seen the jump: the next step trains on
+        assert result.losses[STEP] < expected + 0.5 * (result.losses[STEP - 1] - expected)
+
+    report = replay(bundles[0])
+    assert report["verdict"] == "fp8-caused", report["reason"]
+    assert report["culprits"][0] == culprit.format(layer=layer)
+    configs = {c["name"]: c for c in report["configs"]}
+    assert report["bitwise"] and not configs["high-precision"]["fault"]
+    singles = {n.removeprefix("layer "): c for n, c in configs.items() if n.startswith("layer ")}
+    assert [n for n, c in singles.items() if not c["fault"]] == [layer]
+    sqnr = configs["fp8"]["sqnr_db"]
+    assert sqnr[layer] < 0 < 15 < min(v for n, v in sqnr.items() if n != layer), sqnr
+
+
+def test_the_float32_twins_train_through_a_jump_and_an_sqnr_collapse(run):
+    """Undone in high precision up to rounding: no incident, and the losses of a run without the fault."""
+    clean, _, _ = run("--recipe", "fp32", steps=STEP + 2)
+    for fault in ("jump", "lowprec"):
+        twin, _, bundles = run(
+            "--recipe", "fp32", "--inject", f"{fault}:blocks.3.mlp.fc2@{STEP}", steps=STEP + 2
+        )
+        assert bundles == [] and twin.losses[: STEP - 1] == clean.losses[: STEP - 1]
+        assert twin.losses[STEP - 1 :] == pytest.approx(clean.losses[STEP - 1 :], rel=1e-4), fault
+
+
 def test_a_fault_from_outside_the_bundle_is_not_reproducible(run, tmp_path):
     _, _, bundles = run("--inject", f"saturate:blocks.3.mlp.fc2@{STEP}", steps=STEP)
     bundle = load_bundle(bundles[0])

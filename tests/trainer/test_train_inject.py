@@ -94,6 +94,9 @@ def test_overflow_factor():
         ("nan:blocks.3.mlp.fc2@12", Injection("nan", 12, "blocks.3.mlp.fc2")),
         ("lr-spike@7", Injection("lr-spike", 7, None, 100.0)),
         ("lr-spike@7x2.5", Injection("lr-spike", 7, None, 2.5)),
+        ("jump:blocks.1.mlp.fc@9", Injection("jump", 9, "blocks.1.mlp.fc", 16.0)),
+        ("gradspike:blocks.1.mlp.fc@9x64", Injection("gradspike", 9, "blocks.1.mlp.fc", 64.0)),
+        ("lowprec:blocks.1.mlp.fc@9", Injection("lowprec", 9, "blocks.1.mlp.fc", 2.0**20)),
     ],
 )
 def test_parse(spec, expected):
@@ -109,8 +112,48 @@ def test_parse(spec, expected):
         ("lr-spike@3x0", "FACTOR must be a finite number > 0"),
         ("lr-spike@3x1e999", "FACTOR must be a finite number > 0"),
         ("underflow:blocks.0.mlp.fc@2", "expected overflow:LAYER@STEP"),
+        ("jump:blocks.0.mlp.fc@2x0.5", "a jump's FACTOR must be > 1"),
+        ("lowprec:blocks.0.mlp.fc", "expected overflow:LAYER@STEP"),
     ],
 )
 def test_parse_errors(spec, message):
     with pytest.raises(ValueError, match=message):
         parse_injection(spec)
+
+
+def test_a_persistent_fault_acts_from_its_step_on_and_is_announced_once():
+    jump, spike = parse_injection("jump:blocks.1.mlp.fc@4"), parse_injection("gradspike:blocks.1.mlp.fc@4")
+    assert [jump.active(s) for s in (3, 4, 9)] == [False, True, True]
+    assert [spike.active(s) for s in (3, 4, 9)] == [False, True, False]
+    r, steps, lines = run(6, "--inject", "jump:blocks.1.mlp.fc@4")
+    x, overflow = row(r.model, "blocks.1.mlp.fc.input"), 2
+    assert steps[3][1][x, overflow] == 0
+    assert steps[4][1][x, overflow] > 0  # the input x16 saturates against the history of the smaller one
+    assert steps[5][1][x, overflow] == 0  # still x16, but the history has seen it
+    assert [line for line in lines if line.startswith("inject:")] == [
+        "inject: step 4: jump: blocks.1.mlp.fc.input x16 from this step on, undone on its output"
+    ]
+
+
+def test_gradspike_saturates_grad_output_only_and_is_exact_in_float32():
+    """The gradient x2**20 at the layer's output overflows its E5M2 cast at its step, nothing else; a float32
+    run with it trains bit for bit as one without (the factor is a power of two), and so, measured, does the
+    loss of the FP8 run's next steps (AdamW takes one saturated gradient in its stride)."""
+    layer = "blocks.1.mlp.fc"
+    clean, clean_steps, _ = run(6)
+    r, steps, _ = run(6, "--inject", f"gradspike:{layer}@4")
+    go = row(r.model, f"{layer}.grad_output")
+    overflow, numel = 2, 5
+    assert steps[4][1][go, overflow] > 0.99 * steps[4][1][go, numel]  # all but its zeros saturate, at step 4
+    assert steps[3][1][go, overflow] == 0 and steps[5][1][go, overflow] == 0
+    others = [t.index for t in tensor_table(r.model) if t.index != go]
+    assert steps[4][1][others, overflow].sum() == clean_steps[4][1][others, overflow].sum()
+    assert r.losses[:4] == clean.losses[:4]
+
+    def fp32(*extra):
+        a, prepared = cli.prepare(["--steps", "6", *FLAGS, "--recipe", "fp32", *extra])
+        return train(a, prepared, out=lambda line: None).losses
+
+    assert fp32("--inject", f"gradspike:{layer}@4") == fp32()
+    # the FP8 run's next losses: within 1% of the clean run's (the loss falls by ~8% a step here)
+    assert all(abs(x - c) < 0.01 * c for x, c in zip(r.losses[4:], clean.losses[4:], strict=True))
