@@ -403,6 +403,19 @@ class HeatmapPlan:
     first_bucket: int
     n_buckets: int
 
+    def tail(self, after_step: int, last_step: int) -> HeatmapPlan:
+        """The buckets of this layout (over steps up to `last_step`) that hold a step after `after_step`:
+        what a client holding the buckets up to that step lacks, in the same layout."""
+        end = self.first_bucket + self.n_buckets
+        first = end if after_step >= last_step else max(self.first_bucket, (after_step + 1) // self.width)
+        return HeatmapPlan(self.width, self.level, first, max(0, end - first))
+
+
+def heatmap_plan(session: Session, run_id: int, lo: int, hi: int, max_cols: int) -> HeatmapPlan:
+    """The bucket layout `read_heatmap` chooses for steps [lo, hi] of the run (no finer than the compacted
+    blocks where the range reaches below the steps kept per step)."""
+    return plan_heatmap(lo, hi, max_cols, heatmap_min_width(lo, raw_kept_from(session, run_id)))
+
 
 def plan_heatmap(lo: int, hi: int, max_cols: int, min_width: int = 1) -> HeatmapPlan:
     """Choose the bucket width for steps [lo, hi] and at most `max_cols` columns.
@@ -445,9 +458,18 @@ def cover(lo: int, hi: int, levels: list[int], last_step: int | None = None) -> 
 
 
 def read_heatmap(
-    session: Session, run_id: int, metric: str, lo: int, hi: int, max_cols: int, fp8_max: np.ndarray
+    session: Session,
+    run_id: int,
+    metric: str,
+    lo: int,
+    hi: int,
+    max_cols: int,
+    fp8_max: np.ndarray,
+    *,
+    plan: HeatmapPlan | None = None,
 ) -> dict:
-    """Aggregate `metric` over steps [lo, hi] into at most `max_cols` aligned buckets.
+    """Aggregate `metric` over steps [lo, hi] into at most `max_cols` aligned buckets (or the buckets of
+    `plan`, a layout of `heatmap_plan` for the same range or its `tail`: then only their steps are read).
 
     Returns a dict with `width`, `starts`/`ends` (first and last step of each bucket, clipped to the range),
     `steps` (number of stored steps per bucket), `values` (T, C) float64 (NaN in empty buckets) and
@@ -457,7 +479,9 @@ def read_heatmap(
     metric_id, how = HEATMAP_METRICS[metric]
     kept_from = raw_kept_from(session, run_id)
     last_step = session.scalar(select(Run.last_step).where(Run.id == run_id))
-    plan = plan_heatmap(lo, hi, max_cols, heatmap_min_width(lo, kept_from))
+    if plan is None:
+        plan = plan_heatmap(lo, hi, max_cols, heatmap_min_width(lo, kept_from))
+    lo = max(lo, plan.first_bucket * plan.width)  # a tail reads its own buckets' steps only
     T = len(fp8_max)
     starts_list: list[np.ndarray] = []
     values_list: list[np.ndarray] = []

@@ -460,6 +460,25 @@ class ReplayPublic(ReplayReport):
     updated_by: str
 
 
+class PolicyActionPublic(PublicModel):
+    """What a run's remediation policy made of a replayed incident (`monitor_server/policies.py`)."""
+
+    id: int
+    run_id: int
+    incident_id: int | None
+    rule: Literal["nonfinite", "low_sqnr", "persistent_underflow", "stale_scale"]
+    target: str = Field(description="the layer")
+    changes: dict[str, Any] = Field(description="the recipe change, as a command's")
+    reason: str
+    state: Literal["proposed", "queued", "kept", "rolled_back", "capped", "ended"]
+    command_id: int | None = Field(description="the command queued for it (by the policy or a person)")
+    rollback_id: int | None = Field(description="the rollback the check queued")
+    loss_before: float | None = Field(description="mean loss of the check_steps steps before the command")
+    loss_after: float | None = Field(description="mean loss of the check_steps steps after it")
+    created_at: datetime
+    checked_at: datetime | None
+
+
 class Health(PublicModel):
     """Response of GET /healthz (status "ok") and GET /readyz (status "ready")."""
 
@@ -519,29 +538,43 @@ class SeriesMulti(SeriesRange):
     series: dict[str, SeriesPoints] = Field(description="by scalar name, in the order asked (repeats once)")
 
 
-class HeatmapHead(PublicModel):
-    """The heatmap's fields other than its values: the metric, the tensors (rows) and the step buckets
-    (columns)."""
+HeatmapAggregation = Literal["max", "min", "sum"]
 
-    metric: HeatmapMetric
-    aggregation: Literal["max", "min", "sum"] = Field(description="how a bucket folds its steps")
-    tensors: list[TensorSpec] = Field(description="the rows, by tensor index")
+
+class HeatmapHead(PublicModel):
+    """The heatmap's fields other than its values: the metrics, the tensors (rows of each metric) and the
+    step buckets (columns)."""
+
+    metric: HeatmapMetric = Field(description="the first of `metrics`")
+    metrics: list[HeatmapMetric] = Field(description="the metrics, in the order of their blocks of rows")
+    aggregation: HeatmapAggregation = Field(description="how a bucket folds the first metric's steps")
+    aggregations: list[HeatmapAggregation] = Field(description="how a bucket folds each metric's steps")
+    tensors: list[TensorSpec] = Field(description="the rows of each metric: the run's tensors or those asked")
     bucket_width: int = Field(description="steps per bucket (a multiple of a rollup block)")
     bucket_start: list[int] = Field(description="first step of each bucket")
     bucket_end: list[int] = Field(description="last step of each bucket")
-    bucket_steps: list[int] = Field(description="stored steps in each bucket (0: an empty bucket)")
+    bucket_steps: list[int] = Field(
+        description="stored steps in each bucket that gave the first metric (0: an empty bucket)"
+    )
+    metric_steps: list[list[int]] = Field(description="per metric, as `bucket_steps` is for the first")
+    after_step: int | None = Field(
+        description="the buckets are those holding steps after this one (null: the whole range)"
+    )
 
 
 class HeatmapPublic(HeatmapHead):
-    """A tensors x buckets matrix; `values[t][c]` is null where bucket c holds no stored step."""
+    """A (metrics x tensors) x buckets matrix; `values[m * R + r][c]` is metric m of the r-th of the R
+    `tensors` in bucket c, null where that bucket holds no stored step of the metric."""
 
-    values: list[list[WireFloat | None]] = Field(description="rows (tensors) of columns (buckets)")
+    values: list[list[WireFloat | None]] = Field(
+        description="rows (each metric's block of tensors) of columns (buckets)"
+    )
 
 
 class HeatmapPackedHeader(HeatmapHead):
     """The JSON header of GET /runs/{id}/heatmap/packed, before its float64 matrix."""
 
-    rows: int = Field(description="rows of the matrix (the run's tensors)")
+    rows: int = Field(description="rows of the matrix (metrics x tensors, metric-major)")
     dtype: Literal["float64"] = Field(description="the matrix's cells: little-endian float64")
     cols: int = Field(description="columns of the matrix (buckets)")
 

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 
 from monitor_server.context import AppContext
 from monitor_server.core.config import Settings
-from monitor_server.heatmap import HeatmapTooLarge, heatmap_buckets
+from monitor_server.heatmap import HeatmapBadParameter, HeatmapTooLarge, heatmap_buckets, heatmap_selection
 from monitor_server.models import Run
 from monitor_server.run_meta import RunMeta
 from monitor_server.schemas import AlertState, HeatmapHead, HeatmapMetric
@@ -36,8 +36,8 @@ class Principal:
     scopes: frozenset[str]
 
 
-def get_ctx(request: Request) -> AppContext:
-    """The app's context."""
+async def get_ctx(request: Request) -> AppContext:
+    """The app's context (async: run on the event loop, not a worker thread's round trip per request)."""
     return request.app.state.ctx
 
 
@@ -101,9 +101,10 @@ def require_scope(*scopes: str) -> Callable[..., Principal]:
     before the request's body is read (FastAPI reads and parses a body before it runs dependencies).
     """
 
-    def dependency(
+    async def dependency(
         ctx: CtxDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)]
     ) -> Principal:
+        # async: a few comparisons, done on the event loop rather than in a worker thread
         return check_scope(authenticate(ctx, credentials), scopes)
 
     dependency.required_scopes = scopes  # type: ignore[attr-defined]
@@ -203,18 +204,53 @@ def get_heatmap(
     ctx: CtxDep,
     session: SessionDep,
     _principal: ReadDep,
-    metric: HeatmapMetric = "amax",
+    metric: Annotated[
+        HeatmapMetric | None, Query(description="one metric (amax when neither this nor metrics is given)")
+    ] = None,
+    metrics: Annotated[
+        str | None,
+        Query(max_length=400, description="several metrics of the same buckets, comma-separated"),
+    ] = None,
+    tensors: Annotated[
+        str | None,
+        Query(
+            max_length=65_536, description="only these tensors' rows: indices and ranges, e.g. 3,4,5 or 0-95"
+        ),
+    ] = None,
+    layer: Annotated[str | None, Query(max_length=1000, description="only this layer's tensors")] = None,
     from_: FromQ = None,
     to: ToQ = None,
     max_cols: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+    after_step: Annotated[
+        int | None,
+        Query(ge=0, le=2**62, description="only the buckets holding steps after this one (a live refresh)"),
+    ] = None,
+    bucket_width: Annotated[
+        int | None,
+        Query(
+            ge=1, le=2**62, description="with after_step: the width the caller holds (else: the whole range)"
+        ),
+    ] = None,
 ) -> tuple[HeatmapHead, dict[str, Any] | None]:
-    """The heatmap's fields but its values, and its buckets (`heatmap_buckets`); 422 when it has more
-    cells than `max_heatmap_cells` or `to` comes before `from`."""
+    """The heatmap's fields but its values, and its buckets (`heatmap_buckets`); 422 naming the parameter
+    for an unknown metric, tensor or layer, when it has more cells than `max_heatmap_cells` or `to` comes
+    before `from`."""
     check_order(from_, to)
     try:
+        selection = heatmap_selection(
+            meta,
+            metric=metric,
+            metrics=metrics,
+            tensors=tensors,
+            layer=layer,
+            after_step=after_step,
+            held_width=bucket_width,
+        )
         cells = ctx.settings.max_heatmap_cells
-        return heatmap_buckets(session, run, meta, metric, from_, to, max_cols, cells)
-    except HeatmapTooLarge as exc:
+        return heatmap_buckets(
+            session, run, meta, selection, lo=from_, hi=to, max_cols=max_cols, max_cells=cells
+        )
+    except (HeatmapTooLarge, HeatmapBadParameter) as exc:
         raise HTTPException(422, str(exc)) from None
 
 

@@ -2,6 +2,8 @@
 // grad_output inside each) or by role, layers collapsible into one row (the bucket aggregate of their
 // tensors), a name filter, non-finite cells drawn by an overlay trace in their own colours, hover details
 // in a tooltip, and x zoom that refetches the visible step range at the resolution the plot can show.
+// One request per drawing (the metric and the non-finite counts together), one of only the hovered layer's
+// rows for its tooltip, and on a live run only the buckets after those held.
 
 import { apiBinary, qs } from "./api.js";
 import { el, fmt, mark, plotly, plotlyText, replace } from "./dom.js";
@@ -55,19 +57,61 @@ const MARGIN = { l: 230, r: 20, t: 10, b: 40 };
 const COLORBAR_PX = 90; // the colour bar sits right of the cells
 const MAX_MARKERS = 20000; // beyond this many non-finite cells, an overlay heatmap draws them
 
-/** Fetch `GET /runs/{id}/heatmap/packed` and unpack it (layout: fp8_protocol/packed.py): the JSON header's
- * fields plus T, C, `vals` (Float64Array, row-major, NaN/Inf native) and `emptyCol` (1 where a bucket holds
- * no stored step). */
+/** Fetch `GET /runs/{id}/heatmap/packed` and unpack it (layout: fp8_protocol/packed.py; `params.metrics`
+ * several metrics of the same buckets, `params.tensors` or `params.layer` only some rows): the first metric's
+ * view (`unpackHeatmap`), each metric's in `byMetric`. */
 export async function fetchHeatmap(runId, params) {
-  const buffer = await apiBinary(`/runs/${runId}/heatmap/packed${qs(params)}`);
+  return unpackHeatmap(await apiBinary(`/runs/${runId}/heatmap/packed${qs(params)}`));
+}
+
+/** The views of a packed heatmap answer, one per metric over the same buffer: the JSON header's fields plus
+ * T (rows: the answer's `tensors`), C, `vals` (Float64Array of the metric's T x C block, row-major, NaN/Inf
+ * native), `emptyCol` (1 where a bucket holds no stored step of the metric), `bucket_steps` (the metric's)
+ * and `rowOf` (tensor index -> row, -1 for a tensor not in the answer). Returns the first metric's view
+ * with `byMetric` (metric -> view). */
+export function unpackHeatmap(buffer) {
   const n = new DataView(buffer).getUint32(0, true);
   const head = JSON.parse(new TextDecoder().decode(new Uint8Array(buffer, 4, n)));
   const offset = 4 + n + ((8 - ((4 + n) % 8)) % 8);
-  const T = head.rows;
+  const T = head.tensors.length;
   const C = head.cols;
-  const vals = new Float64Array(buffer, offset, T * C);
-  const emptyCol = Uint8Array.from(head.bucket_steps, (k) => (k === 0 ? 1 : 0));
-  return { ...head, T, C, vals, emptyCol };
+  const rowOf = new Int32Array(T ? Math.max(...head.tensors.map((t) => t.index)) + 1 : 0).fill(-1);
+  head.tensors.forEach((t, r) => {
+    rowOf[t.index] = r;
+  });
+  const byMetric = {};
+  head.metrics.forEach((metric, k) => {
+    byMetric[metric] = {
+      ...head, metric, aggregation: head.aggregations[k], bucket_steps: head.metric_steps[k], T, C, rowOf,
+      vals: new Float64Array(buffer, offset + k * T * C * 8, T * C),
+      emptyCol: Uint8Array.from(head.metric_steps[k], (s) => (s === 0 ? 1 : 0)),
+    };
+  });
+  for (const view of Object.values(byMetric)) view.byMetric = byMetric;
+  return byMetric[head.metrics[0]];
+}
+
+/** View `held` (`unpackHeatmap`) with the buckets of `tail` (an answer to `after_step`, same layout and rows)
+ * in place of those it held from the first of them on, and after them. */
+export function mergeTail(held, tail) {
+  const w = held.bucket_width;
+  const from = tail.C ? Math.floor(tail.bucket_start[0] / w) : Infinity;
+  let keep = held.bucket_start.findIndex((s) => Math.floor(s / w) >= from);
+  if (keep < 0) keep = held.C;
+  const C = keep + tail.C;
+  const vals = new Float64Array(held.T * C);
+  for (let r = 0; r < held.T; r++) {
+    vals.set(held.vals.subarray(r * held.C, r * held.C + keep), r * C);
+    vals.set(tail.vals.subarray(r * tail.C, (r + 1) * tail.C), r * C + keep);
+  }
+  const join = (key) => [...held[key].slice(0, keep), ...tail[key]];
+  const emptyCol = new Uint8Array(C);
+  emptyCol.set(held.emptyCol.subarray(0, keep));
+  emptyCol.set(tail.emptyCol, keep);
+  return {
+    ...held, C, vals, emptyCol, cols: C, after_step: null,
+    bucket_start: join("bucket_start"), bucket_end: join("bucket_end"), bucket_steps: join("bucket_steps"),
+  };
 }
 
 /** Side in pixels of the square marking a non-finite cell, for rows `rowH` pixels high. */
@@ -165,7 +209,8 @@ export class Heatmap {
     this.collapsed = new Set();
     this.range = null; // [from, to] when zoomed
     this.data = null;
-    this.companions = new Map(); // metric -> parsed heatmap with the same bucket layout
+    this.query = null; // the parameters `data` was asked with (a live refresh asks for the same layout)
+    this.companions = new Map(); // layer -> its tooltip metrics in the layout of `data` (or their promise)
     this.marker = null; // {step, tensorIndex, label}
     this.rows = [];
     this.build(container);
@@ -230,23 +275,25 @@ export class Heatmap {
     return Math.max(100, (this.scroller.clientWidth || 900) - MARGIN.l - MARGIN.r - COLORBAR_PX);
   }
 
-  async fetch(metric) {
-    const [from, to] = this.range || [null, null];
-    const query = { metric, from, to, max_cols: Math.round(this.plotWidth()) };
-    if (metric === this.metric) window.fp8scope.heatmapQuery = query;
-    return fetchHeatmap(this.runId, query);
+  /** The metrics one drawing asks for: the one shown and the non-finite counts that mark its cells. */
+  drawnMetrics() {
+    return this.metric === "nonfinite" ? ["nonfinite"] : [this.metric, "nonfinite"];
   }
 
-  /** Fetch the current metric for the current range and draw it. */
+  /** Fetch the current metric for the current range and draw it: one request, which brings the non-finite
+   * counts of the same buckets along (the cells they mark, code 5). */
   async load() {
     const seq = (this.seq = (this.seq || 0) + 1);
     this.info.textContent = "loading…";
-    const data = await this.fetch(this.metric);
+    const [from, to] = this.range || [null, null];
+    const query = { metrics: this.drawnMetrics().join(","), from, to, max_cols: Math.round(this.plotWidth()) };
+    // for tests and benchmarks: the request of the drawn metric's cells alone (`GET /runs/{id}/heatmap`)
+    window.fp8scope.heatmapQuery = { metric: this.metric, from, to, max_cols: query.max_cols };
+    const data = await fetchHeatmap(this.runId, query);
     mark("heatmap-data");
     if (seq !== this.seq || this.dead) return; // a newer request superseded this one
-    this.data = data;
-    this.companions = new Map([[this.metric, data]]);
-    this.nonfinite = null;
+    this.query = query;
+    this.take(data.byMetric);
     if (this.firstPaint && !this.plotted) {
       // the first frame now; plotly.js is held back until it is painted
       const painted = this.firstPaint;
@@ -255,17 +302,41 @@ export class Heatmap {
       painted(Boolean(this.previewCanvas));
     }
     await this.render();
-    await this.markNonfinite(seq);
   }
 
-  /** After the first drawing: the nonfinite counts of the same buckets, and the cells they mark (code 5),
-   * drawn again where there are any. */
-  async markNonfinite(seq) {
-    if (this.metric === "nonfinite") return; // its own colours show the counts
-    const c = await this.companion("nonfinite").catch(() => null);
-    if (seq !== this.seq || this.dead || !c) return;
-    if (!c.vals.some((v) => v > 0)) return;
-    this.nonfinite = c;
+  /** Hold the views (metric -> `unpackHeatmap` view) of one layout: the shown metric's, and the non-finite
+   * counts where any cell has some. The tooltips' data of another layout is dropped. */
+  take(byMetric) {
+    this.views = byMetric;
+    this.data = byMetric[this.metric];
+    const nf = byMetric.nonfinite;
+    this.nonfinite = this.metric !== "nonfinite" && nf && nf.vals.some((v) => v > 0) ? nf : null;
+    this.companions = new Map();
+  }
+
+  /** A live run's new steps: only the buckets after those held (`after_step`), merged in, in one request; a
+   * layout that has changed meanwhile (the run outgrew its bucket width) comes back whole. Zoomed, nothing. */
+  async refresh() {
+    const d = this.data;
+    // zoomed, or another metric picked (its drawing is on its way): nothing to refresh
+    if (this.range || (this.query && this.query.metrics !== this.drawnMetrics().join(","))) return;
+    if (!d || !d.C) {
+      await this.load();
+      return;
+    }
+    const seq = this.seq;
+    const views = this.views;
+    const query = { ...this.query, after_step: d.bucket_end[d.C - 1], bucket_width: d.bucket_width };
+    const tail = await fetchHeatmap(this.runId, query);
+    // a drawing asked for meanwhile (another metric, a zoom) wins; so does a refresh that merged first
+    if (seq !== this.seq || views !== this.views || this.dead) return;
+    if (tail.after_step === null) {
+      this.take(tail.byMetric);
+    } else if (tail.C) {
+      this.take(Object.fromEntries(Object.entries(views).map(([m, view]) => [m, mergeTail(view, tail.byMetric[m])])));
+    } else {
+      return; // no new bucket
+    }
     await this.render();
   }
 
@@ -303,8 +374,8 @@ export class Heatmap {
   rowValue(d, row, c, metric) {
     const C = d.C;
     if (d.emptyCol[c]) return [NaN, true];
-    if (row.indices.length === 1) return [d.vals[row.indices[0] * C + c], false];
-    return [aggregate(METRICS[metric].agg, row.indices.map((t) => d.vals[t * C + c])), false];
+    if (row.indices.length === 1) return [d.vals[d.rowOf[row.indices[0]] * C + c], false];
+    return [aggregate(METRICS[metric].agg, row.indices.map((t) => d.vals[d.rowOf[t] * C + c])), false];
   }
 
   /** The colour matrix of the displayed rows: z (rows of colour values, null where no data) and the cells
@@ -320,10 +391,11 @@ export class Heatmap {
     const logScale = this.metric === "amax" || this.metric === "scale";
     const headroom = this.metric === "headroom";
     const nf = this.nonfinite && this.nonfinite.C === C ? this.nonfinite.vals : null;
-    const hasNonfinite = (row, c) => row.indices.some((t) => nf[t * C + c] > 0);
+    const nfRow = nf ? this.nonfinite.rowOf : null;
+    const hasNonfinite = (row, c) => row.indices.some((t) => nf[nfRow[t] * C + c] > 0);
     for (let r = 0; r < R; r++) {
       const zr = new Array(C);
-      const single = rows[r].indices.length === 1 ? rows[r].indices[0] * C : -1;
+      const single = rows[r].indices.length === 1 ? d.rowOf[rows[r].indices[0]] * C : -1;
       for (let c = 0; c < C; c++) {
         let v;
         if (d.emptyCol[c]) {
@@ -358,7 +430,7 @@ export class Heatmap {
     if (!this.formats || this.formats.data !== d) {
       this.formats = { data: d, of: new Map(d.tensors.map((t) => [t.index, t.format])) };
     }
-    return row.indices.some((t) => d.vals[t * d.C + c] < (SATURATED_BELOW[this.formats.of.get(t)] ?? 0));
+    return row.indices.some((t) => d.vals[d.rowOf[t] * d.C + c] < (SATURATED_BELOW[this.formats.of.get(t)] ?? 0));
   }
 
   /** Row height in pixels, plot height, and the rows labelled on the y axis ([[row, label]]). */
@@ -541,14 +613,26 @@ export class Heatmap {
     drawStepAxis(this.axis, this.plot, this.scroller);
   }
 
-  /** Load the hover companions (scale and counts) for the current bucket layout, once per layout. */
-  async companion(metric) {
-    if (this.companions.has(metric)) return this.companions.get(metric);
+  /** The tooltip's other metrics (amax, scale and the counts) of one layer's tensors, in the layout of
+   * `data`: one request of only that layer's rows, once per layer and layout; null where it cannot be had. */
+  async companion(layer) {
+    if (this.companions.has(layer)) return this.companions.get(layer);
     const d = this.data;
-    const promise = this.fetch(metric).then((c) => (c.C === d.C && c.bucket_start[0] === d.bucket_start[0] ? c : null));
-    this.companions.set(metric, promise);
+    const views = this.views;
+    const metrics = HOVER_METRICS.filter((m) => m !== this.metric && !(m in views));
+    if (!metrics.length || !d.C) {
+      this.companions.set(layer, null);
+      return null;
+    }
+    // the held buckets' own range: the same layout even when the run has grown since
+    const query = { metrics: metrics.join(","), layer, from: d.bucket_start[0], to: d.bucket_end[d.C - 1], max_cols: this.query.max_cols };
+    const promise = fetchHeatmap(this.runId, query).then(
+      (c) => (c.C === d.C && c.bucket_width === d.bucket_width && c.bucket_start[0] === d.bucket_start[0] ? c.byMetric : null),
+      () => null,
+    );
+    this.companions.set(layer, promise);
     const c = await promise;
-    this.companions.set(metric, c);
+    if (this.views === views) this.companions.set(layer, c);
     return c;
   }
 
@@ -569,17 +653,18 @@ export class Heatmap {
       const [v, isEmpty] = this.rowValue(d, row, c, this.metric);
       const note = this.metric === "headroom" && v === Infinity ? " (amax 0: nothing to saturate)" : "";
       lines.push([this.metric, isEmpty ? "no data" : `${fmt(v)}${Number.isFinite(v) ? METRICS[this.metric].unit : note}`]);
+      const comp = this.companions.get(row.layer);
       for (const metric of HOVER_METRICS) {
         if (metric === this.metric) continue;
-        const comp = this.companions.get(metric);
-        if (comp === undefined || comp instanceof Promise) {
-          lines.push([metric, "…"]);
-          if (comp === undefined) this.companion(metric).then(() => { if (this.hovering === key) show(); });
-        } else if (comp) {
-          const [cv, ce] = this.rowValue(comp, row, c, metric);
+        const view = this.views[metric] || (comp && !(comp instanceof Promise) ? comp[metric] : undefined);
+        if (view) {
+          const [cv, ce] = this.rowValue(view, row, c, metric);
           lines.push([metric, ce ? "no data" : fmt(cv)]);
+        } else if (comp === undefined || comp instanceof Promise) {
+          lines.push([metric, "…"]);
         }
       }
+      if (comp === undefined) this.companion(row.layer).then(() => { if (this.hovering === key) show(); });
       this.tooltip.replaceChildren(...lines.map(([k, v], i) => el("div", { class: i === 0 ? "tt-head" : "" }, el("b", {}, k), " ", v)));
       this.tooltip.hidden = false;
     };

@@ -609,17 +609,16 @@ function drillHead(layer) {
 
 /** amax, scale, overflow, underflow, non-finite (and SQNR) lines of one layer's tensors; the steps where any
  * of them counted non-finite elements as bands across every panel (a tensor gone all NaN has no amax: NaN,
- * which the log axis leaves out, so the counts are what say where the values went). */
-async function drillDown(container, runId, layer, tensors) {
-  const mine = tensors.filter((t) => t.layer === layer);
+ * which the log axis leaves out, so the counts are what say where the values went). One request, of only
+ * the layer's rows. */
+async function drillDown(container, runId, layer) {
   replace(container, drillHead(layer), el("p", { class: "muted" }, "loading…"));
   // and the SQNR (dB) where the run sends the quality columns (a run without them stores no SQNR bucket)
   const metrics = ["amax", "scale", "overflow", "underflow", "nonfinite", "sqnr"];
-  const maps = await Promise.all(metrics.map((metric) => fetchHeatmap(runId, { metric, max_cols: 600 })));
-  if (maps[metrics.length - 1].emptyCol.every((e) => e === 1)) {
-    metrics.pop();
-    maps.pop();
-  }
+  const answer = await fetchHeatmap(runId, { metrics: metrics.join(","), layer, max_cols: 600 });
+  const mine = answer.tensors; // the layer's, by index
+  if (answer.byMetric.sqnr.emptyCol.every((e) => e === 1)) metrics.pop();
+  const maps = metrics.map((m) => answer.byMetric[m]);
   const plot = el("div", { id: "drilldown-plot" });
   replace(container, drillHead(layer), plot);
   const traces = [];
@@ -628,7 +627,8 @@ async function drillDown(container, runId, layer, tensors) {
   maps.forEach((hm, k) => {
     const x = hm.bucket_start;
     mine.forEach((t, j) => {
-      const raw = Array.from(hm.vals.subarray(t.index * hm.C, (t.index + 1) * hm.C), (v, c) => (hm.emptyCol[c] ? null : v));
+      const row = hm.rowOf[t.index];
+      const raw = Array.from(hm.vals.subarray(row * hm.C, (row + 1) * hm.C), (v, c) => (hm.emptyCol[c] ? null : v));
       traces.push({
         type: "scatter", mode: "lines", x, y: raw.map((v) => (Number.isFinite(v) ? v : null)), xaxis: "x", yaxis: `y${k + 1}`,
         name: plotlyText(t.role), legendgroup: t.role, showlegend: k === 0, line: { color: colours[j % 3], width: 1.2 },
@@ -639,10 +639,12 @@ async function drillDown(container, runId, layer, tensors) {
   // one band per span of buckets where any of the layer's tensors had non-finite elements; one marker per
   // tensor and span on the counts' panel, named in its hover
   const counts = maps[metrics.indexOf("nonfinite")];
-  const shapes = bandShapes(bucketSpans(counts, mine.map((t) => t.index)), { colour: SPECIAL[5][1], opacity: 0.12 });
-  const marks = mine.flatMap((t) => bucketSpans(counts, [t.index]).map((span) => {
+  // (the answer's rows are the layer's tensors: bucketSpans and the values take row numbers)
+  const rowOf = (t) => counts.rowOf[t.index];
+  const shapes = bandShapes(bucketSpans(counts, mine.map(rowOf)), { colour: SPECIAL[5][1], opacity: 0.12 });
+  const marks = mine.flatMap((t) => bucketSpans(counts, [rowOf(t)]).map((span) => {
     const c = counts.bucket_start.indexOf(span[0]);
-    return { x: span[0], y: counts.vals[t.index * counts.C + c], text: plotlyText(`${t.name}: ${spanText("non-finite elements", span)}`) };
+    return { x: span[0], y: counts.vals[rowOf(t) * counts.C + c], text: plotlyText(`${t.name}: ${spanText("non-finite elements", span)}`) };
   }));
   traces.push({
     type: "scatter", mode: "markers", name: "non-finite elements", x: marks.map((m) => m.x), y: marks.map((m) => m.y),
@@ -772,7 +774,7 @@ export async function mountRun(container, { runId, incident = null, metric = nul
   const layers = new Layers(layersPanel, runId, async (layer) => {
     drillPanel.hidden = false;
     try {
-      await drillDown(drillPanel, runId, layer, await store.tensors());
+      await drillDown(drillPanel, runId, layer);
       drillPanel.scrollIntoView({ behavior: "smooth", block: "start" });
     } catch (err) {
       replace(drillPanel, el("p", { class: "error" }, `drill-down failed: ${err.message}`));
@@ -836,10 +838,11 @@ export async function mountRun(container, { runId, incident = null, metric = nul
     curves.load().catch((err) => console.warn("curves", err));
     scalars.load().catch((err) => console.warn("scalars", err));
   }, 3000);
-  // live steps redraw the heatmap every few seconds; a big one (500 tensors x 1000 buckets takes the
-  // browser most of a second to draw) less often, so the page stays responsive during a run
+  // live steps redraw the heatmap every few seconds, fetching only the buckets after those it holds; a big
+  // one (500 tensors x 1000 buckets takes the browser most of a second to draw) less often, so the page
+  // stays responsive during a run
   const refreshHeatmap = throttle(() => {
-    if (!heatmap.range) heatmap.load().catch((err) => console.warn("heatmap", err));
+    heatmap.refresh().catch((err) => console.warn("heatmap", err));
   }, () => Math.max(3000, heatmap.data ? (heatmap.data.T * heatmap.data.C) / 60 : 0));
   const refreshLayers = throttle(loadLayers, 4000);
 
@@ -946,7 +949,7 @@ export async function mountRun(container, { runId, incident = null, metric = nul
           // reconnected: catch up on what the stream missed meanwhile
           alerts.load();
           store.loadCommands();
-          refreshHeatmap();
+          if (!heatmap.range) heatmap.load().catch((err) => console.warn("heatmap", err)); // all of it: steps may have come in any order
         }
       },
     },

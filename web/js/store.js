@@ -1,7 +1,8 @@
 // The run page's shared state: the run, its tensors, events, alerts and recipe commands, each with the error of its last failed
 // request; panels subscribe to the keys they render from and are notified on every change, so no panel
 // keeps a private copy (as TodoMVC's store). The tensor list is fetched once per page (or taken from the
-// heatmap's header, which carries it) and shared by the recipe editor and the drill-down.
+// heatmap's header, which carries it) and shared by the recipe editor and the block histogram; a
+// drill-down's answer names its layer's tensors itself.
 
 import { api } from "./api.js";
 

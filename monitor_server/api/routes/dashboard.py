@@ -60,10 +60,10 @@ async def stream_all(ctx: CtxDep, principal: ReadDep) -> StreamingResponse:
 def get_heatmap_packed(run_id: RunId, heatmap: HeatmapDep) -> Response:
     """`GET /runs/{id}/heatmap` (same parameters, buckets and aggregation) in the packed layout of
     `fp8_protocol.packed`: the header is `HeatmapPackedHeader` (the JSON answer's fields without `values`,
-    plus `rows`, `dtype`: "float64", `cols`), the matrix has a row per tensor. NaN and infinities are
-    native; cells of empty buckets (`bucket_steps` 0) are NaN."""
+    plus `rows`, `dtype`: "float64", `cols`), the matrix has a row per metric and tensor (metric-major).
+    NaN and infinities are native; cells of a metric's empty buckets (`metric_steps` 0) are NaN."""
     head, hm = heatmap
-    rows = len(head.tensors)
+    rows = len(head.metrics) * len(head.tensors)
     # empty buckets are NaN already
     matrix = np.zeros((rows, 0)) if hm is None else np.ascontiguousarray(hm["values"], dtype="<f8")
     cols = matrix.shape[1]

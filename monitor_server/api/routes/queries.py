@@ -70,18 +70,26 @@ def get_series(
 
 @router.get("/{run_id}/heatmap", response_model=HeatmapPublic)
 def get_heatmap(run_id: RunId, heatmap: HeatmapDep) -> Response:
-    """Tensors x step-buckets matrix of one metric; buckets keep the max (amax, scale, subnormal fraction,
-    dynamic range, outlier ratio), the min (headroom, SQNR) or the sum (counts), so no spike is averaged
-    away. Bucket width is a multiple of a rollup block, so there are at most `max_cols` columns.
+    """Tensors x step-buckets matrix of one metric, or of several (`metrics`: a block of rows each) and
+    of some tensors (`tensors` or `layer`); buckets keep the max (amax, scale, subnormal fraction, dynamic
+    range, outlier ratio), the min (headroom, SQNR) or the sum (counts), so no spike is averaged away.
+    Bucket width is a multiple of a rollup block, so there are at most `max_cols` columns; with
+    `after_step`, only the buckets that hold later steps (a live view's refresh).
     """
     head, hm = heatmap
     if hm is None:
-        return json_response(HeatmapPublic(**dict(head), values=[[] for _ in head.tensors]))
+        rows = len(head.metrics) * len(head.tensors)
+        return json_response(HeatmapPublic(**dict(head), values=[[] for _ in range(rows)]))
     # The fields but the values are validated by `HeatmapHead`; the matrix is spliced in as matrix_json
     # renders it (numbers, "NaN"/"Infinity"/"-Infinity", null), not through `HeatmapPublic`: for 512
     # tensors x 2000 buckets the whole model takes about 5x as long (bench/responses.py: ~215 ms against
     # ~43 ms), while tests/server/test_response_models.py checks the spliced answer against `HeatmapPublic`.
-    body = model_json(head)[:-1] + b',"values":' + matrix_json(hm["values"], hm["empty"]) + b"}"
+    R = len(head.tensors)
+    blocks = [
+        matrix_json(hm["values"][m * R : (m + 1) * R], empty)[1:-1] for m, empty in enumerate(hm["empty"])
+    ]
+    values = b"[" + b",".join(b for b in blocks if b) + b"]"
+    body = model_json(head)[:-1] + b',"values":' + values + b"}"
     return Response(body, media_type="application/json")
 
 
