@@ -442,10 +442,9 @@ class AlertService:
         notify: list[int],
     ) -> list[dict[str, Any]]:
         """After the commit: alerts and incidents to the stream, claimed incidents to the webhook."""
-        for public in alerts_out:
-            self.broker.publish(run_id, "alert", iso_dates(public))
-        for public in incidents_out:
-            self.broker.publish(run_id, "incident", iso_dates(public))
+        # one publication per kind: a NaN in 1,500 tensors is one hop onto the event loop, not 1,500
+        self.broker.publish_many(run_id, "alert", [iso_dates(public) for public in alerts_out])
+        self.broker.publish_many(run_id, "incident", [iso_dates(public) for public in incidents_out])
         for incident_id in notify:
             self.notifier.submit(self._message(run_id, incident_id), key=run_id)
         return alerts_out

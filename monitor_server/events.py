@@ -2,12 +2,17 @@
 
 Publishers may be worker threads (ingest runs in the threadpool); an event is encoded once, in the
 publisher's thread, and its bytes are shared by every subscriber's queue; delivery hops onto the event loop
-with `call_soon_threadsafe`. A subscriber that falls behind, by count (`QUEUE_SIZE` events) or by bytes
-(`max_queue_bytes` of unsent events: a client that stopped reading), or while all subscribers together hold
-more than `max_total_bytes`, is dropped: its queue is freed and it gets a final `dropped` event saying why,
-then the end of its stream, so that the page reconnects and reloads instead of silently missing events.
+with `call_soon_threadsafe`, once per publishing call: a batch's events (1,500 client events, the alerts of
+a NaN in every tensor) go as one `publish_many`, one hop onto the loop and one hand-over to the relay, not
+one per event, their frames joined into writes of up to `WRITE_BYTES` (a queue item each). A subscriber
+that falls behind, by count (`QUEUE_SIZE` queue items: events published one by one, or a batch's joined
+writes) or by bytes (`max_queue_bytes` of unsent events: a client that stopped reading), or while all
+subscribers together hold more than `max_total_bytes`, is dropped: its queue is freed and it gets a final
+`dropped` event saying why, then the end of its stream, so that the page reconnects and reloads instead of
+silently missing events.
 One token holds at most `max_streams_per_token` streams (`StreamLimit` beyond).
-`stream_events` turns a subscription into the frames of a streaming response.
+`stream_events` turns a subscription into the frames of a streaming response, the frames waiting in its
+queue joined into one write (up to `WRITE_BYTES`).
 
 Several server instances on one PostgreSQL database: a relay (`monitor_server.events_pg`) attached with
 `attach` gets every published event to send to the other instances, and hands theirs to `deliver`.
@@ -25,7 +30,8 @@ from typing import Any, Protocol
 
 import orjson
 
-#: events one subscriber may have waiting; one more and it is dropped (told to reload)
+#: queue items (single events, or the joined writes of a batch's events) one subscriber may have waiting;
+#: one more and it is dropped (told to reload)
 QUEUE_SIZE = 1000
 #: default byte bound of one subscriber's queue (`Settings.sse_queue_bytes`)
 QUEUE_BYTES = 8 * 1024 * 1024
@@ -35,6 +41,8 @@ TOTAL_BYTES = 256 * 1024 * 1024
 STREAMS_PER_TOKEN = 100
 #: subscription key receiving every run's events (the dashboard's runs list); its events carry `run_id`
 ALL_RUNS = 0
+#: frames joined into one write of a stream when several wait in its queue
+WRITE_BYTES = 64 * 1024
 #: the events `ALL_RUNS` subscribers get (what a runs list shows); command and client events stay per run
 ALL_RUNS_EVENTS = frozenset({"step", "alert", "incident", "run"})
 
@@ -54,8 +62,29 @@ class Event:
 CLOSED = Event("__closed__", None)
 
 
+def joined(frames: list[bytes], limit: int = WRITE_BYTES) -> list[bytes]:
+    """`frames` joined in order into pieces of at most `limit` bytes (a larger frame is a piece of its own):
+    each piece is one queue item and one write of a stream, so a subscriber's count bound (`QUEUE_SIZE`)
+    counts writes, and a burst of a thousand small events is not a thousand."""
+    if len(frames) == 1:
+        return frames
+    pieces: list[bytes] = []
+    group: list[bytes] = []
+    size = 0
+    for frame in frames:
+        if group and size + len(frame) > limit:
+            pieces.append(b"".join(group))
+            group, size = [], 0
+        group.append(frame)
+        size += len(frame)
+    if group:
+        pieces.append(b"".join(group))
+    return pieces
+
+
 class Relay(Protocol):
-    """Where a broker sends its events for the other server instances."""
+    """Where a broker sends its events for the other server instances (a relay may also have
+    ``send_many(run_id, name, items)``, taking several events of one name at once)."""
 
     def send(self, run_id: int, name: str, data: Any) -> None: ...
 
@@ -131,6 +160,16 @@ class Subscription:
         try:
             item = await asyncio.wait_for(self.queue.get(), timeout)
         except TimeoutError:
+            return None
+        if isinstance(item, bytes) and self.queued_bytes:
+            self._count(-len(item))
+        return item
+
+    def get_nowait(self) -> bytes | Event | None:
+        """The next SSE frame (or `CLOSED`) if one waits, else None."""
+        try:
+            item = self.queue.get_nowait()
+        except asyncio.QueueEmpty:
             return None
         if isinstance(item, bytes) and self.queued_bytes:
             self._count(-len(item))
@@ -224,29 +263,51 @@ class EventBroker:
     def publish(self, run_id: int, name: str, data: Any) -> None:
         """Send an event to `run_id`'s subscribers, here and (through the relay) on the other instances;
         safe to call from any thread."""
-        self.deliver(run_id, name, data)
+        self.publish_many(run_id, name, [data])
+
+    def publish_many(self, run_id: int, name: str, items: list[Any]) -> None:
+        """Send several events of one name to `run_id`'s subscribers, in order, here and on the other
+        instances, at the cost of one: one hop onto the event loop, one hand-over to the relay. Safe to
+        call from any thread."""
+        if not items:
+            return
+        self.deliver_many(run_id, name, items)
         relay = self._relay
         if relay is not None:
-            relay.send(run_id, name, data)
+            send_many = getattr(relay, "send_many", None)
+            if send_many is not None:
+                send_many(run_id, name, items)
+            else:
+                for data in items:
+                    relay.send(run_id, name, data)
 
     def deliver(self, run_id: int, name: str, data: Any) -> None:
         """Send an event to `run_id`'s subscribers of this instance; safe to call from any thread."""
+        self.deliver_many(run_id, name, [data])
+
+    def deliver_many(self, run_id: int, name: str, items: list[Any]) -> None:
+        """Send events of one name to `run_id`'s subscribers of this instance, in order, with one hop onto
+        the event loop; safe to call from any thread."""
         with self._lock:
             subs = list(self._subs.get(run_id, ()))
             everyone = list(self._subs.get(ALL_RUNS, ()))
         if not (subs or everyone) or self._loop is None or self._loop.is_closed():
             return
-        # encoded once, here in the publisher's thread; every subscriber's queue holds the same bytes
+        # encoded once, here in the publisher's thread, and joined into writes: every subscriber's queue
+        # holds the same bytes, a batch's events as a few queue items of up to WRITE_BYTES each
         if subs:
-            self._loop.call_soon_threadsafe(self._deliver, subs, Event(name, data).encode())
-        if everyone and name in ALL_RUNS_EVENTS and isinstance(data, dict):
-            frame = Event(name, {**data, "run_id": run_id}).encode()
-            self._loop.call_soon_threadsafe(self._deliver, everyone, frame)
+            chunks = joined([Event(name, data).encode() for data in items])
+            self._loop.call_soon_threadsafe(self._deliver, subs, chunks)
+        if everyone and name in ALL_RUNS_EVENTS:
+            frames = [Event(name, {**d, "run_id": run_id}).encode() for d in items if isinstance(d, dict)]
+            if frames:
+                self._loop.call_soon_threadsafe(self._deliver, everyone, joined(frames))
 
     @staticmethod
-    def _deliver(subs: list[Subscription], frame: bytes) -> None:
+    def _deliver(subs: list[Subscription], frames: list[bytes]) -> None:
         for sub in subs:
-            sub.put(frame)
+            for frame in frames:
+                sub.put(frame)
 
     def close(self) -> None:
         """End every open stream (server shutdown); call on the loop thread or via `close_threadsafe`."""
@@ -280,7 +341,9 @@ class EventBroker:
 
 
 async def stream_events(sub: Subscription, keepalive_s: float) -> AsyncIterator[bytes]:
-    """Yield SSE frames until the broker closes (shutdown); the response cancels us on disconnect."""
+    """Yield SSE frames until the broker closes (shutdown); the response cancels us on disconnect. Frames
+    that wait in the queue together go out as one write (up to `WRITE_BYTES`): a burst of a thousand
+    events costs the event loop a few dozen writes, not a thousand."""
     try:
         # a first event: a client (or a test) knows from it that it is subscribed and will miss nothing
         yield b"retry: 2000\nevent: subscribed\ndata: {}\n\n"
@@ -288,9 +351,21 @@ async def stream_events(sub: Subscription, keepalive_s: float) -> AsyncIterator[
             event = await sub.get(keepalive_s)
             if event is None:
                 yield b": keep-alive\n\n"
-            elif event is CLOSED:
+                continue
+            if event is CLOSED:
                 return
-            else:
-                yield event
+            frames, size, closed = [event], len(event), False
+            while size < WRITE_BYTES:
+                more = sub.get_nowait()
+                if more is None:
+                    break
+                if more is CLOSED:
+                    closed = True
+                    break
+                frames.append(more)
+                size += len(more)
+            yield frames[0] if len(frames) == 1 else b"".join(frames)
+            if closed:
+                return
     finally:
         sub.close()

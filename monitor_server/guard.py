@@ -17,7 +17,11 @@ first and, in order:
 4. refuses a body over the route's limit (413), by ``Content-Length`` up front or while it streams in, a
    client that stalls between two pieces of its body (408), and one that sends its body slower than
    ``body_min_bytes_per_second`` once ``body_rate_grace_seconds`` have passed (408): each piece in time
-   is not enough, so a trickle cannot hold a connection for ever.
+   is not enough, so a trickle cannot hold a connection for ever. The rate's clock runs only while the
+   route waits for the client's bytes: time the server itself spends before reading (a busy thread pool,
+   a batch of the same run being stored) never counts against a client whose body is already there. A
+   request refused while its body streams in is answered with ``Connection: close``: the rest of the
+   body is never read, and the connection is freed at once instead of waiting for bytes nobody wants.
 """
 
 from __future__ import annotations
@@ -181,33 +185,42 @@ class RequestGuard:
                     "(required without tokens, so that another site's page cannot post here)",
                 )
                 return
-        await self.app(scope, self._timed(receive, policy, self._too_large(policy, None)), send)
+        refused: list[bool] = []
+        timed = self._timed(receive, policy, self._too_large(policy, None), refused)
+        await self.app(scope, timed, closing_after_refusal(send, refused))
 
     @staticmethod
     def _too_large(policy: RoutePolicy, declared: int | None) -> str:
         size = f"request body of {declared} bytes" if declared is not None else "request body"
         return f"{size} exceeds the limit of {policy.max_body} bytes ({policy.limit_name})"
 
-    def _timed(self, receive: Receive, policy: RoutePolicy, too_large: str) -> Receive:
-        """`receive` that counts body bytes against the route's limit and times out a stalled body; once
-        the body is complete it passes through untouched (a streaming response waits on it for the
-        client's disconnect)."""
+    def _timed(self, receive: Receive, policy: RoutePolicy, too_large: str, refused: list[bool]) -> Receive:
+        """`receive` that counts body bytes against the route's limit and times out a stalled or trickling
+        body (noting a refusal in `refused`); once the body is complete it passes through untouched (a
+        streaming response waits on it for the client's disconnect).
+
+        The minimum rate is judged on the time spent waiting here, for the client: a body of N bytes may
+        keep the route waiting grace + N / rate seconds in all. Counted from the request's arrival instead,
+        a server busy elsewhere before it reads (every worker thread taken, the run's previous batch being
+        stored) would refuse a fast client whose whole body sat in its buffers."""
         timeout = self.settings.body_timeout_seconds
         rate, grace = self.settings.body_min_bytes_per_second, self.settings.body_rate_grace_seconds
         loop = asyncio.get_running_loop()
-        started = loop.time()
         received = 0
+        waited = 0.0  # seconds spent waiting for the client's bytes
         done = False
 
         async def guarded() -> Message:
-            nonlocal received, done
+            nonlocal received, waited, done
             if done:
                 return await receive()
             # the body is due at the minimum rate: what came so far buys time beyond the grace period
-            due = started + grace + received / rate - loop.time()
+            due = grace + received / rate - waited
+            started = loop.time()
             try:
-                message = await asyncio.wait_for(receive(), max(0.0, min(timeout, due)))
+                message = await asyncio.wait_for(receive(), min(timeout, due))
             except TimeoutError:
+                refused.append(True)
                 if due < timeout:
                     raise HTTPException(
                         408,
@@ -217,9 +230,11 @@ class RequestGuard:
                 raise HTTPException(
                     408, f"no request body data for {timeout:g} s (body_timeout_seconds)"
                 ) from None
+            waited += loop.time() - started
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > policy.max_body:
+                    refused.append(True)
                     raise HTTPException(413, too_large)
                 done = not message.get("more_body", False)
             else:
@@ -227,3 +242,17 @@ class RequestGuard:
             return message
 
         return guarded
+
+
+def closing_after_refusal(send: Send, refused: list[bool]) -> Send:
+    """`send` that adds ``Connection: close`` to the answer of a request whose body was refused midway
+    (408, 413): the rest of its body is never read, so the connection would otherwise stay open, taking
+    whatever the client still sends, until the client gives up."""
+
+    async def sending(message: Message) -> None:
+        if refused and message["type"] == "http.response.start":
+            headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"]
+            message = {**message, "headers": [*headers, (b"connection", b"close")]}
+        await send(message)
+
+    return sending

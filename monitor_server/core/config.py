@@ -97,14 +97,23 @@ class Settings(BaseSettings):
         max_scalar_name_chars: the longest scalar name accepted (422 above it).
         run_lock_wait_seconds: the longest a request waits for a run's lock (another batch of the same
             run being stored, on this instance or, on PostgreSQL, another); then 503 with Retry-After.
+        run_batches_in_flight: telemetry requests of one run this instance holds at once (one storing,
+            the others reading, parsing or waiting for their turn); one more gets 429 with Retry-After at
+            once, before its body is read. A training job sends one batch at a time (a retry or a spool
+            upload beside it makes two or three), so only a flood meets it, and the flood then costs the
+            other runs and ``/healthz`` next to nothing.
         run_lock_lease_seconds: on PostgreSQL, a run's lock held by an instance that stopped (frozen, not
             gone) is released after this long; storing a batch and running its detectors must take less.
         max_header_bytes: request line plus headers; larger heads get 431 before they are parsed.
         header_timeout_seconds, body_timeout_seconds: a client that takes longer to send its request
             head (or to deliver the next piece of its body) gets 408 and is disconnected.
         body_min_bytes_per_second, body_rate_grace_seconds: a body must arrive at this rate on average,
-            counted from the end of the grace period (a body of N bytes is due within grace + N / rate
-            seconds); a slower one gets 408, however regularly its pieces come.
+            counted from the end of the grace period (a body of N bytes may keep the server waiting for
+            it grace + N / rate seconds in all; time the server spends before it reads does not count); a
+            slower one gets 408 and its connection is closed, however regularly its pieces come. The
+            defaults, 1 KiB/s after 2 s: a trickle of 1,000 bytes every 5 s is refused about 3 s in,
+            while a real client on a slow link is far above them (a 64 MiB batch at 1 Mbit/s arrives at
+            128 KiB/s, and even a 2 s pause at the start for a connection's first round trips is covered).
         allowed_hosts: without tokens, the Host names (and Origin hosts) accepted besides the address
             the server listens on and the loopback names; with tokens, Host is not checked.
         webhook_url: Slack-compatible webhook that receives one message per incident (empty = off).
@@ -167,12 +176,13 @@ class Settings(BaseSettings):
     max_scalar_names_per_run: int = Field(4096, ge=1)
     max_scalar_name_chars: int = Field(200, ge=1)
     run_lock_wait_seconds: float = Field(5.0, gt=0)
+    run_batches_in_flight: int = Field(4, ge=1)
     run_lock_lease_seconds: float = Field(30.0, gt=0)
     max_header_bytes: int = Field(64 * 1024, ge=1024)
     header_timeout_seconds: float = Field(10.0, gt=0)
     body_timeout_seconds: float = Field(30.0, gt=0)
     body_min_bytes_per_second: float = Field(1024.0, gt=0)
-    body_rate_grace_seconds: float = Field(5.0, gt=0)
+    body_rate_grace_seconds: float = Field(2.0, gt=0)
     allowed_hosts: Annotated[list[str], NoDecode] = []
     webhook_url: str = ""
     webhook_min_interval_seconds: float = Field(60.0, ge=0)

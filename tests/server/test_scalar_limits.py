@@ -200,9 +200,9 @@ def test_a_frozen_instance_loses_the_run_lock_after_its_lease(make_client, db_ur
 
 
 def test_a_flooded_run_holds_one_worker_thread(make_client):
-    """Sixty batches of one run arrive while it is busy: they wait their turn without holding the worker
-    threads, so /healthz (and every other run) keeps answering."""
-    client = make_client(run_lock_wait_seconds=20)
+    """Sixty batches of one run arrive while it is busy (all admitted here): they wait their turn without
+    holding the worker threads, so /healthz (and every other run) keeps answering."""
+    client = make_client(run_lock_wait_seconds=20, run_batches_in_flight=64)
     ctx = client.app.state.ctx
     rid = create_run(client)["id"]
     held, done = threading.Event(), threading.Event()
@@ -238,3 +238,47 @@ def test_a_flooded_run_holds_one_worker_thread(make_client):
     assert sorted(f.result(timeout=60).status_code for f in flood) == [200] * 60
     pool.shutdown()
     assert stored(client, rid) == (60, ["loss"])
+
+
+def test_batches_of_a_run_beyond_those_in_flight_get_429_before_their_body_is_read(make_client):
+    """A run holds `run_batches_in_flight` batches at once on an instance: while those wait for the busy
+    run, one more is answered 429 with Retry-After at once, naming the setting (nothing of it stored);
+    the admitted ones are stored once the run is free, and other runs are not limited by it."""
+    client = make_client(run_lock_wait_seconds=20, run_batches_in_flight=3)
+    ctx = client.app.state.ctx
+    rid, other = create_run(client)["id"], create_run(client)["id"]
+    held, done = threading.Event(), threading.Event()
+
+    def hold_lock() -> None:
+        with ctx.db.run_lock(rid):
+            held.set()
+            done.wait(60)
+
+    holder = threading.Thread(target=hold_lock)
+    holder.start()
+    pool = ThreadPoolExecutor(3)
+    url = f"{API}/runs/{rid}/telemetry"
+    try:
+        assert held.wait(10)
+        admitted = [
+            pool.submit(client.post, url, json=scalars_body(f"a{i}", range(i, i + 1), ["loss"]))
+            for i in range(3)
+        ]
+        assert wait_until(lambda: ctx.run_turns.get(rid, (None, 0))[1] == 3)
+        for i in range(3, 6):
+            r = client.post(url, json=scalars_body(f"a{i}", range(i, i + 1), ["loss"]))
+            assert r.status_code == 429 and r.headers["retry-after"] == "1"
+            assert "run_batches_in_flight" in r.json()["detail"]
+        assert (
+            client.post(
+                f"{API}/runs/{other}/telemetry", json=scalars_body("o", range(1), ["loss"])
+            ).status_code
+            == 200
+        )
+    finally:
+        done.set()
+        holder.join(30)
+    assert [f.result(timeout=60).status_code for f in admitted] == [200] * 3
+    pool.shutdown()
+    assert stored(client, rid) == (3, ["loss"])
+    assert rid not in ctx.run_turns  # every place given back

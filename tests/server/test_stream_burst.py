@@ -147,3 +147,74 @@ def test_client_events_too_large_to_notify_reach_the_other_instance(tmp_path):
             assert event["id"] == stored_ids(a, run_id)[0]
         finally:
             reader.close()
+
+
+class ChunkCounter:
+    """A run's SSE stream read straight off the socket: the HTTP chunks (one per write of the server) and
+    the client events they carried."""
+
+    def __init__(self, server: ServerProcess, run_id: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", server.port), timeout=20)
+        self.sock.sendall(f"GET {API}/runs/{run_id}/stream HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+        self.buffer = b""
+        head = self._until(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and b"chunked" in head.lower()
+        self.chunks: list[bytes] = []
+        while b"event: subscribed" not in b"".join(self.chunks):
+            self.chunks.append(self._chunk())
+        self.chunks.clear()
+
+    def _until(self, marker: bytes) -> bytes:
+        while marker not in self.buffer:
+            data = self.sock.recv(65536)
+            assert data, "the stream ended"
+            self.buffer += data
+        part, _, self.buffer = self.buffer.partition(marker)
+        return part
+
+    def _chunk(self) -> bytes:
+        size = int(self._until(b"\r\n").split(b";")[0], 16)
+        while len(self.buffer) < size + 2:
+            data = self.sock.recv(65536)
+            assert data, "the stream ended"
+            self.buffer += data
+        chunk, self.buffer = self.buffer[:size], self.buffer[size + 2 :]
+        return chunk
+
+    def read_events(self, n: int) -> int:
+        """Read chunks until `n` client events came (keep-alive comments are chunks of their own and are
+        not counted); the chunks that carried them."""
+        carried = 0
+        while sum(c.count(b"event: event\n") for c in self.chunks) < n:
+            chunk = self._chunk()
+            if b"event: " in chunk:
+                self.chunks.append(chunk)
+                carried += 1
+        return carried
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_burst_goes_out_in_few_writes(tmp_path):
+    """A batch of 300 client events reaches a reading stream in a handful of writes (the frames waiting in
+    the queue joined, up to 64 KiB a write), not one write per event: each write is a turn of the event
+    loop that every other request waits for."""
+    with ServerProcess(f"sqlite:///{tmp_path / 'm.db'}", log_path=tmp_path / "s.log", env=ENV) as server:
+        run_id = httpx.post(f"{server.url}{API}/runs", json=run_body(1), timeout=30).json()["id"]
+        reader = ChunkCounter(server, run_id)
+        try:
+            n = 300
+            events = [{"kind": "custom", "step": i, "details": {"i": i, "note": "n" * 500}} for i in range(n)]
+            post_events(server, run_id, events)
+            writes = reader.read_events(n)
+            steps = [
+                json.loads(line[6:])["step"]
+                for c in reader.chunks
+                for line in c.split(b"\n")
+                if line.startswith(b"data: ")
+            ]
+            assert steps == list(range(n))  # every event, in order
+            assert writes <= 30, f"{n} events came in {writes} writes"
+        finally:
+            reader.close()

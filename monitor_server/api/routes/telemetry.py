@@ -48,30 +48,49 @@ def decode_slots(ctx: AppContext) -> asyncio.Semaphore:
 
 
 @asynccontextmanager
-async def run_turn(ctx: AppContext, run_id: int) -> AsyncIterator[None]:
-    """This instance's turn to store a batch of `run_id`: batches of one run wait for each other here, on
-    the event loop, at most ``run_lock_wait_seconds`` (then 503 with Retry-After), so that a run flooded
-    with batches holds one worker thread, not every one of them."""
-    lock, waiting = ctx.run_turns.get(run_id) or (asyncio.Lock(), 0)
-    ctx.run_turns[run_id] = (lock, waiting + 1)
+async def run_admission(ctx: AppContext, run_id: int) -> AsyncIterator[asyncio.Lock]:
+    """Admit one telemetry request of `run_id` on this instance, from its arrival to its answer: at most
+    ``run_batches_in_flight`` at once; one more gets 429 with Retry-After at once, before its body is read
+    or parsed. A training job sends its batches one at a time, so only a flood (or a job sending in
+    parallel) meets the bound; without it every batch of the flood would be read, parsed and queued, each
+    costing the event loop and the worker threads that every other run and `/healthz` need. Yields the
+    run's lock (its turn to store, `run_turn`)."""
+    lock, admitted = ctx.run_turns.get(run_id) or (asyncio.Lock(), 0)
+    limit = ctx.settings.run_batches_in_flight
+    if admitted >= limit:
+        raise HTTPException(
+            429,
+            f"run {run_id} has {admitted} telemetry batches in flight on this server, the limit"
+            " (run_batches_in_flight); send them one at a time",
+            headers={"Retry-After": "1"},
+        )
+    ctx.run_turns[run_id] = (lock, admitted + 1)
     try:
-        wait = ctx.settings.run_lock_wait_seconds
-        try:
-            await asyncio.wait_for(lock.acquire(), wait)
-        except TimeoutError:
-            raise HTTPException(
-                503, f"run {run_id} is busy (run_lock_wait_seconds={wait:g})", headers={"Retry-After": "1"}
-            ) from None
-        try:
-            yield
-        finally:
-            lock.release()
+        yield lock
     finally:
-        lock, waiting = ctx.run_turns[run_id]
-        if waiting > 1:
-            ctx.run_turns[run_id] = (lock, waiting - 1)
+        lock, admitted = ctx.run_turns[run_id]
+        if admitted > 1:
+            ctx.run_turns[run_id] = (lock, admitted - 1)
         else:
             del ctx.run_turns[run_id]
+
+
+@asynccontextmanager
+async def run_turn(ctx: AppContext, run_id: int, lock: asyncio.Lock) -> AsyncIterator[None]:
+    """This instance's turn to store a batch of `run_id` (`lock`, from `run_admission`): batches of one
+    run wait for each other here, on the event loop, at most ``run_lock_wait_seconds`` (then 503 with
+    Retry-After), so that a run flooded with batches holds one worker thread, not every one of them."""
+    wait = ctx.settings.run_lock_wait_seconds
+    try:
+        await asyncio.wait_for(lock.acquire(), wait)
+    except TimeoutError:
+        raise HTTPException(
+            503, f"run {run_id} is busy (run_lock_wait_seconds={wait:g})", headers={"Retry-After": "1"}
+        ) from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 #: inflating and counting go in pieces of this size, so a refused body is never held whole inflated
@@ -172,6 +191,10 @@ def decode(ctx: AppContext, run_id: RunId, body: bytes | bytearray) -> tuple[Run
         413: {"description": "body too large (max_body_bytes) or over the parse budget (max_json_elements)"},
         415: {"description": "unsupported Content-Encoding, or (without tokens) not application/json"},
         422: {"description": "invalid content or over a named limit; nothing is stored"},
+        429: {
+            "description": "the run has run_batches_in_flight batches in flight here (Retry-After); "
+            "nothing is stored"
+        },
         503: {"description": "the run stayed busy (run_lock_wait_seconds; Retry-After); nothing is stored"},
     },
 )
@@ -187,39 +210,42 @@ async def post_telemetry(run_id: RunId, request: Request, ctx: CtxDep, principal
         meta = await run_in_threadpool(run_meta, ctx, run_id)
         if meta is not None:
             check_owner(principal, meta.owner, run_id)
-    encoding = request.headers.get("content-encoding", "identity").strip().lower()
-    if encoding not in ("gzip", "identity"):
-        raise HTTPException(
-            status.HTTP_415_UNSUPPORTED_MEDIA_TYPE, f"Content-Encoding {encoding!r}: expected gzip or none"
-        )
-    body = await request.body()
-    # inflating and parsing cost memory in proportion to the body: a few batches at a time, the others
-    # wait their turn (holding only their compressed body), off the event loop
-    async with decode_slots(ctx):
-        settings = ctx.settings
+    # admitted after the owner check: another token's requests never take this run's places
+    async with run_admission(ctx, run_id) as turn:
+        encoding = request.headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("gzip", "identity"):
+            raise HTTPException(
+                status.HTTP_415_UNSUPPORTED_MEDIA_TYPE,
+                f"Content-Encoding {encoding!r}: expected gzip or none",
+            )
+        body = await request.body()
+        # inflating and parsing cost memory in proportion to the body: a few batches at a time, the others
+        # wait their turn (holding only their compressed body), off the event loop
+        async with decode_slots(ctx):
+            settings = ctx.settings
+            try:
+                if encoding == "gzip":
+                    body = await run_in_threadpool(
+                        gunzip_body, body, settings.max_body_bytes, settings.max_json_elements
+                    )
+                else:
+                    await run_in_threadpool(check_budget, body, settings.max_json_elements)
+            except HTTPException:
+                ctx.metrics.batches.labels("rejected").inc()
+                raise
+            meta, batch = await run_in_threadpool(decode, ctx, run_id, body)
+            del body
         try:
-            if encoding == "gzip":
-                body = await run_in_threadpool(
-                    gunzip_body, body, settings.max_body_bytes, settings.max_json_elements
-                )
-            else:
-                await run_in_threadpool(check_budget, body, settings.max_json_elements)
-        except HTTPException:
-            ctx.metrics.batches.labels("rejected").inc()
-            raise
-        meta, batch = await run_in_threadpool(decode, ctx, run_id, body)
-        del body
-    try:
-        async with run_turn(ctx, run_id):
-            outcome = await run_in_threadpool(ingest_batch, ctx, run_id, meta, batch, started)
-    except UnknownRun:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id} not found") from None
-    except CommandError as exc:
-        raise HTTPException(exc.status, exc.message) from None
-    except WireError as exc:  # past a limit only the stored run shows (max_scalar_names_per_run)
-        raise HTTPException(422, str(exc)) from None
-    except LockTimeout as exc:  # the run stays busy: the client sends the batch again
-        raise HTTPException(503, str(exc), headers={"Retry-After": "1"}) from None
+            async with run_turn(ctx, run_id, turn):
+                outcome = await run_in_threadpool(ingest_batch, ctx, run_id, meta, batch, started)
+        except UnknownRun:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id} not found") from None
+        except CommandError as exc:
+            raise HTTPException(exc.status, exc.message) from None
+        except WireError as exc:  # past a limit only the stored run shows (max_scalar_names_per_run)
+            raise HTTPException(422, str(exc)) from None
+        except LockTimeout as exc:  # the run stays busy: the client sends the batch again
+            raise HTTPException(503, str(exc), headers={"Retry-After": "1"}) from None
     commands = [CommandPublic(**c) for c in outcome.commands]
     return json_response(
         TelemetryResult(stored_steps=outcome.stored_steps, duplicate=outcome.duplicate, commands=commands)
