@@ -159,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quality-every", type=int, metavar="N",
                    help="the quality columns in every N-th step only, the others' quantize passes run the "
                         "leaner kernels (default: 10 with --device cuda, else 1: every step)")  # fmt: skip
+    g.add_argument("--remediation", choices=("off", "propose", "act"), default=_D.remediation,
+                   help="when a replay finds an incident FP8's fault, the monitor proposes a recipe change "
+                        "for the culprit layer (propose) or queues it and rolls it back if the loss gets "
+                        "worse (act); default %(default)s")  # fmt: skip
     g.add_argument("--tag", dest="tags", action="append", default=[], metavar="TAG",
                    help="a tag of the run in the monitor; repeatable")  # fmt: skip
     g.add_argument("--token", help="API token of the monitor (visible in the process list: prefer "
@@ -166,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--token-file", metavar="PATH", help="file whose first line is the monitor's API token")
     g.add_argument("--inject", action="append", metavar="SPEC", default=[],
                    help="fault: overflow:LAYER@STEP[xFACTOR], nan:LAYER@STEP, lr-spike@STEP[xFACTOR], or "
-                        "FP8's own saturate:LAYER@STEP[xOFFSET] (repeatable; LAYER e.g. "
+                        "FP8's own saturate:LAYER@STEP[xOFFSET], jump:LAYER@STEP[xFACTOR], "
+                        "lowprec:LAYER@STEP[xRANGE], gradspike:LAYER@STEP[xFACTOR] (repeatable; LAYER e.g. "
                         "blocks.1.mlp.fc)")  # fmt: skip
     return p
 
@@ -295,6 +300,8 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> Prepared:
         if misfit:
             p.error(misfit)
 
+    if a.remediation != "off" and not a.monitor_url:
+        p.error("--remediation needs --monitor-url")
     for flag in ("run_name", "token", "token_file"):
         if getattr(a, flag) is not None and not a.monitor_url:
             p.error(f"--{flag.replace('_', '-')} needs --monitor-url")

@@ -91,6 +91,9 @@ class TrainConfig:
     monitor_url: str | None = None  # fp8-monitor root; the flag's default is $FP8SCOPE_URL
     run_name: str | None = None  # None: preset-recipe-time
     tags: tuple[str, ...] = field(default_factory=tuple)  # the run's tags in the monitor
+    # what the monitor does with a replayed incident it finds FP8's fault: "off", "propose" (a recipe change
+    # on the incident for a person to apply) or "act" (the change queued, rolled back if the loss gets worse)
+    remediation: str = "off"
     token: str | None = None  # API token (visible in the process list: prefer token_file or $FP8SCOPE_TOKEN)
     token_file: str | None = None  # file whose first line is the API token
     inject: tuple[str, ...] = field(

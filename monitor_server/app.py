@@ -27,6 +27,7 @@ from monitor_server.api.routes import (
     export,
     health,
     incidents,
+    policies,
     queries,
     replays,
     runs,
@@ -139,7 +140,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(LockTimeout, _database_unavailable)
     app.include_router(health.router)
     guarded = [(route.path, route) for route in health.router.routes]
-    api_routes = (runs, telemetry, queries, blocks, export, alerts, incidents, replays, commands, stream)
+    api_routes = (
+        runs,
+        telemetry,
+        queries,
+        blocks,
+        export,
+        alerts,
+        incidents,
+        replays,
+        commands,
+        policies,
+        stream,
+    )
     for module in (*api_routes, dashboard):
         app.include_router(module.router, prefix=API_PREFIX)
         guarded += [(API_PREFIX + route.path, route) for route in module.router.routes]

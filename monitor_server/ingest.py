@@ -34,6 +34,7 @@ from monitor_server.models import (
     StepStat,
     utcnow,
 )
+from monitor_server.policies import check_actions
 from monitor_server.rollups import step_stat_rows, update_rollups
 from monitor_server.schemas import MAX_ID
 from monitor_server.wire import details_summary, json_too_deep
@@ -483,6 +484,10 @@ def store_batch(
     run.last_telemetry_at = now
     run.updated_at = now
     changed = command_ops.apply_acks(session, run, batch.acks)
+    if (
+        run.last_step is not None
+    ):  # a remediation policy's commands checked against the loss since (policies.py)
+        check_actions(session, run=run, last_step=run.last_step, now=now)
     session.add(
         IngestBatch(run_id=run_id, idempotency_key=batch.idempotency_key, stored_steps=len(new_steps))
     )

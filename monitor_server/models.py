@@ -250,6 +250,37 @@ class IncidentReplay(Base):
     updated_by: Mapped[str] = mapped_column(String(200))
 
 
+class PolicyAction(Base):
+    """What a run's remediation policy made of a replayed incident (`monitor_server/policies.py`): a recipe
+    command it queued (or proposed, for a person to apply), and the check of the loss after it.
+
+    ``state``: ``proposed`` (dry run: waits for a person), ``queued`` (its command is on its way to the job),
+    ``kept`` (the loss after it was no worse than before), ``rolled_back`` (it was worse: a rollback command
+    was queued), ``capped`` (not queued: the run's actions-per-hour cap was reached), ``ended`` (the run
+    ended before the check).
+    """
+
+    __tablename__ = "policy_actions"
+    __table_args__ = (Index("ix_policy_actions_run_state", "run_id", "state"), NEVER_REUSED)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = mapped_column(_run_fk())
+    incident_id: Mapped[int | None] = mapped_column(
+        ForeignKey("incidents.id", ondelete="SET NULL"), nullable=True
+    )
+    rule: Mapped[str] = mapped_column(String(32))
+    target: Mapped[str] = mapped_column(String(300))
+    changes: Mapped[dict[str, Any]] = mapped_column(JSON)
+    reason: Mapped[str] = mapped_column(Text)
+    state: Mapped[str] = mapped_column(String(16))
+    command_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    rollback_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    loss_before: Mapped[float | None] = mapped_column(Float, nullable=True)
+    loss_after: Mapped[float | None] = mapped_column(Float, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    checked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
 class Alert(Base):
     """A detector finding; at most one *open* alert per (run, kind, tensor)."""
 

@@ -60,6 +60,11 @@ def test_scopes(make_client):
     assert client.post(f"{API}/runs/{rid}/commands", json=change, headers=dash).status_code == 403
     r = client.post(f"{API}/runs/{rid}/commands", json=change, headers=ops)
     assert r.status_code == 201 and r.json()["created_by"] == "ops"
+    # a remediation policy's proposal: read to list, control to apply (before any lookup: 403 not 404)
+    assert client.get(f"{API}/runs/{rid}/policy-actions", headers=dash).status_code == 200
+    assert client.get(f"{API}/runs/{rid}/policy-actions", headers=trainer).status_code == 403
+    assert client.post(f"{API}/runs/{rid}/policy-actions/1/apply", headers=dash).status_code == 403
+    assert client.post(f"{API}/runs/{rid}/policy-actions/1/apply", headers=ops).status_code == 404
     assert client.get("/healthz").status_code == 200  # liveness stays open
     assert client.get("/openapi.json").status_code == 200
 

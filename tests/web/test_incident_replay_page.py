@@ -83,3 +83,31 @@ def test_the_incident_shows_its_replay_verdict_first_then_the_culprit(server, pa
     assert body == httpx.get(f"{server.url}{API}/runs/{rid}/export", params=query).content
     assert "fp8-caused" in body.decode()
     no_page_errors(page)
+
+
+def test_a_proposed_remediation_is_applied_with_one_click(server, page):
+    """A run whose policy proposes (a dry run): the replay's culprit layer, with its SQNR collapsed in FP8,
+    gets a proposal to train in high precision on the incident; Apply queues the command, by the person."""
+    config = {"remediation": {"mode": "propose"}}
+    rid = create_run(server.url, "proposed", 4, config=config)["id"]
+    stats = smooth_stats(60, 12)
+    stats["overflow"][40, 3] = 2048
+    post_steps(server.url, rid, "a", 0, stats)
+    (incident,) = httpx.get(f"{server.url}{API}/runs/{rid}/incidents").json()
+    r = httpx.put(f"{server.url}{API}/runs/{rid}/incidents/{incident['id']}/replay", json=report())
+    assert r.status_code == 200, r.text
+
+    open_run(page, server.url, rid)
+    action = f"#incidents-list li[data-incident-id='{incident['id']}'] .policy-action"
+    page.wait_for_selector(f"{action}[data-state='proposed']")
+    assert page.get_attribute(action, "data-rule") == "low_sqnr"
+    assert page.text_content(f"{action} code") == LAYER and "fp8_enabled → false" in page.text_content(action)
+    assert httpx.get(f"{server.url}{API}/runs/{rid}/commands").json() == []
+    page.click(f"{action} button.policy-apply")
+    page.wait_for_selector(f"{action}[data-state='queued']")
+    assert page.query_selector(f"{action} button.policy-apply") is None
+    (command,) = httpx.get(f"{server.url}{API}/runs/{rid}/commands").json()
+    assert (command["target"], command["changes"]) == (LAYER, {"fp8_enabled": False})
+    (stored,) = httpx.get(f"{server.url}{API}/runs/{rid}/policy-actions").json()
+    assert stored["state"] == "queued" and stored["command_id"] == command["id"]
+    no_page_errors(page)

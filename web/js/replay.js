@@ -5,7 +5,9 @@
 // yet", the bundles the job wrote for the incident and the command that replays one onto it.
 //
 // The incident (GET /incidents, or its live event) carries `replay_verdict` and `bundles`; the report
-// itself is read once per incident and verdict (GET /incidents/{id}/replay) and kept here.
+// itself is read once per incident and verdict (GET /incidents/{id}/replay) and kept here, with what the
+// run's remediation policy made of it (GET /policy-actions?incident_id=): the change it queued and how its
+// check went, or the change it proposes with an Apply button (POST /policy-actions/{id}/apply).
 
 import { api } from "./api.js";
 import { badge, el, fmt } from "./dom.js";
@@ -41,6 +43,7 @@ export class ReplayViews {
     this.runId = runId;
     this.onLoad = onLoad;
     this.reports = new Map(); // "<incident id>:<verdict>" -> report | Error | "loading"
+    this.actions = new Map(); // "<incident id>:<verdict>" -> the policy's actions on the incident
   }
 
   /** The replay block of incident `i` (as GET /incidents gives it). */
@@ -66,15 +69,56 @@ export class ReplayViews {
     if (report instanceof Error) body = el("div", { class: "error" }, `Could not load the replay: ${report.message}`);
     else if (report && report !== "loading") body = this.evidence(report);
     const replayed = report && report.bundle ? [report.bundle] : bundles;
-    return el("div", { class: "incident-replay", dataset: { verdict: i.replay_verdict } }, head, body, this.bundleLine(replayed));
+    return el("div", { class: "incident-replay", dataset: { verdict: i.replay_verdict } }, head, body,
+      this.policyLines(key), this.bundleLine(replayed));
   }
 
   async load(id, key) {
     this.reports.set(key, "loading");
     try {
-      this.reports.set(key, await api(`/runs/${this.runId}/incidents/${id}/replay`));
+      const [report, actions] = await Promise.all([
+        api(`/runs/${this.runId}/incidents/${id}/replay`),
+        api(`/runs/${this.runId}/policy-actions?incident_id=${id}`),
+      ]);
+      this.reports.set(key, report);
+      this.actions.set(key, actions);
     } catch (err) {
       this.reports.set(key, err);
+    }
+    this.onLoad();
+  }
+
+  /** The remediation policy's actions on the incident: the change, why, and its state; Apply on a proposal. */
+  policyLines(key) {
+    const actions = this.actions.get(key) || [];
+    if (!actions.length) return null;
+    const STATE = {
+      proposed: "proposed: apply it to queue the command", queued: "queued", kept: "kept: the loss did not get worse",
+      rolled_back: "rolled back: the loss got worse", capped: "not queued: the run's actions-per-hour cap",
+      ended: "not queued: the run ended",
+    };
+    return el("ul", { class: "policy-actions" }, actions.map((a) => {
+      const change = Object.entries(a.changes).map(([k, v]) => `${k} → ${v}`).join(", ");
+      const check = a.loss_before != null && a.loss_after != null
+        ? ` (mean loss ${fmt(a.loss_before)} before, ${fmt(a.loss_after)} after)` : "";
+      const apply = a.state === "proposed"
+        ? el("button", { class: "policy-apply", type: "button", onclick: () => this.apply(key, a) }, "Apply")
+        : null;
+      return el("li", { class: "policy-action", dataset: { state: a.state, rule: a.rule } },
+        el("b", {}, "Policy: "), el("code", {}, a.target), ` ${change} · `,
+        el("span", { class: "policy-state" }, STATE[a.state] || a.state), check, " ",
+        el("span", { class: "muted policy-reason" }, a.reason), " ", apply,
+        a.error ? el("span", { class: "error" }, ` ${a.error}`) : null);
+    }));
+  }
+
+  async apply(key, action) {
+    try {
+      const done = await api(`/runs/${this.runId}/policy-actions/${action.id}/apply`, { method: "POST" });
+      this.actions.set(key, (this.actions.get(key) || []).map((a) => (a.id === done.id ? done : a)));
+    } catch (err) {
+      const failed = { ...action, error: `Could not apply: ${err.message}` };
+      this.actions.set(key, (this.actions.get(key) || []).map((a) => (a.id === action.id ? failed : a)));
     }
     this.onLoad();
   }

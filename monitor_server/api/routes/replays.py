@@ -8,7 +8,9 @@ from fastapi import APIRouter, HTTPException, Path, status
 from sqlalchemy.orm import Session
 
 from monitor_server.api.deps import CtxDep, ReadDep, RunId, RunWriteDep, SessionDep, check_owner, run_or_404
+from monitor_server.commands import command_public
 from monitor_server.models import Incident, utcnow
+from monitor_server.policies import on_replay
 from monitor_server.replays import get_replay, replay_public, store_replay
 from monitor_server.schemas import ReplayPublic, ReplayReport
 from monitor_server.wire import iso_dates
@@ -30,16 +32,26 @@ def put_incident_replay(
 ) -> ReplayPublic:
     """Store the report of a replay of the incident's captured step (``fp8-train replay BUNDLE
     --monitor-url ... --run-id ... --incident ...``), replacing one stored before. The job that owns the run
-    (an `ingest` token) or an operator (`control`) may. The incident shows the verdict from then on."""
+    (an `ingest` token) or an operator (`control`) may. The incident shows the verdict from then on. A run
+    with a remediation policy (its config's ``remediation``) gets the policy's command queued or proposed
+    (``GET .../policy-actions``)."""
     report = body.model_dump(mode="json", exclude_none=True)
     with ctx.db.run_lock(run_id), ctx.db.write() as session:
         run = run_or_404(session, run_id)
         check_owner(principal, run.owner, run_id)
         incident = _incident_or_404(session, run_id, incident_id)
-        row = store_replay(session, incident, report, principal.name, utcnow())
+        now = utcnow()
+        row = store_replay(session, incident, report, principal.name, now)
         result = ReplayPublic(**replay_public(row))
         incident_out = ctx.detection.incidents_public(session, run_id, [incident])[0]
+        meta = ctx.run_meta.get(session, run_id)
+        layers = set(meta.layers) if meta else set()
+        # the run's remediation policy, if it has one, acts on (or proposes) a change (policies.py)
+        queued = [command_public(c) for c in on_replay(session, run=run, incident=incident, report=report,
+                                                        layers=layers, now=now)]  # fmt: skip
     ctx.broker.publish(run_id, "incident", iso_dates(incident_out))
+    for command in queued:
+        ctx.broker.publish(run_id, "command", iso_dates(command))
     return result
 
 

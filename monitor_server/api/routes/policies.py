@@ -1,0 +1,62 @@
+"""Remediation policy actions: list what a run's policy queued or proposed, and apply a proposed one."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Path, Query, status
+from sqlalchemy import select
+
+from monitor_server.api.deps import ControlDep, CtxDep, ReadDep, RunDep, RunId, SessionDep, run_or_404
+from monitor_server.commands import CommandError, command_public
+from monitor_server.models import PolicyAction
+from monitor_server.policies import action_public, apply_proposal
+from monitor_server.schemas import PolicyActionPublic
+from monitor_server.wire import iso_dates
+
+router = APIRouter(prefix="/runs", tags=["commands"])
+ActionId = Annotated[int, Path(ge=1, le=2**31 - 1, description="policy action id")]
+
+
+@router.get("/{run_id}/policy-actions", response_model=list[PolicyActionPublic])
+def list_policy_actions(
+    run_id: RunId,
+    _run: RunDep,
+    session: SessionDep,
+    _principal: ReadDep,
+    incident_id: Annotated[int | None, Query(ge=1, le=2**31 - 1, description="only this incident's")] = None,
+) -> list[PolicyActionPublic]:
+    """The run's policy actions, newest first: the rule, the change, its state and the loss check."""
+    query = select(PolicyAction).where(PolicyAction.run_id == run_id).order_by(PolicyAction.id.desc())
+    if incident_id is not None:
+        query = query.where(PolicyAction.incident_id == incident_id)
+    return [PolicyActionPublic(**action_public(a)) for a in session.execute(query).scalars()]
+
+
+@router.post("/{run_id}/policy-actions/{action_id}/apply", response_model=PolicyActionPublic)
+def apply_policy_action(
+    run_id: RunId, action_id: ActionId, ctx: CtxDep, principal: ControlDep
+) -> PolicyActionPublic:
+    """Apply a proposed action (a dry-run policy's): its command is queued with the caller as its author,
+    then checked against the loss and rolled back if the loss got worse, as the policy's own are."""
+    with ctx.db.run_lock(run_id), ctx.db.write() as session:
+        run = run_or_404(session, run_id)
+        action = session.get(PolicyAction, action_id)
+        if action is None or action.run_id != run_id:
+            raise HTTPException(
+                status.HTTP_404_NOT_FOUND, f"policy action {action_id} not found in run {run_id}"
+            )
+        meta = ctx.run_meta.get(session, run_id)
+        try:
+            command = apply_proposal(
+                session,
+                run=run,
+                action=action,
+                who=principal.name,
+                layers=set(meta.layers) if meta else set(),
+            )
+        except CommandError as exc:
+            raise HTTPException(exc.status, exc.message) from None
+        public, command_out = action_public(action), command_public(command)
+    ctx.broker.publish(run_id, "command", iso_dates(command_out))
+    return PolicyActionPublic(**public)
