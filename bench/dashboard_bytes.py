@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 from bench.dashboard import ingest  # noqa: E402  (the dashboard benchmark's run)
 from bench.ingest import StatStream  # noqa: E402
 from tests.support.server import API, batch_body, running_server  # noqa: E402
-from tests.web.browser import CHROMIUM, CHROMIUM_ARGS, VIEWPORT, open_run  # noqa: E402
+from tests.web.browser import CHROMIUM, CHROMIUM_ARGS, VIEWPORT, hover_cell, open_run  # noqa: E402
 
 
 class HeatmapTraffic:
@@ -90,26 +90,6 @@ class HeatmapTraffic:
             "bytes": sum(n for _, n in part),
             "urls": [u.split(API, 1)[-1] for u, _ in part],
         }
-
-
-def hover_cell(page: Any, col: int, row: int) -> None:
-    """Move the mouse onto heatmap cell (row, col) (two moves: plotly hovers on a move), the page scrolled
-    to show it first."""
-    x, y = page.evaluate(
-        """([c, r]) => { const gd = document.getElementById('heatmap'); const L = gd._fullLayout;
-        const box = gd.querySelector('.nsewdrag').getBoundingClientRect(); const t = gd.data[0];
-        return [box.x + L.xaxis.l2p(t.x0 + c * t.dx), box.y + L.yaxis.l2p(r)]; }""",
-        [col, row],
-    )
-    page.evaluate(f"window.scrollTo(0, {max(0, y - 300)})")
-    x, y = page.evaluate(
-        """([c, r]) => { const gd = document.getElementById('heatmap'); const L = gd._fullLayout;
-        const box = gd.querySelector('.nsewdrag').getBoundingClientRect(); const t = gd.data[0];
-        return [box.x + L.xaxis.l2p(t.x0 + c * t.dx), box.y + L.yaxis.l2p(r)]; }""",
-        [col, row],
-    )
-    page.mouse.move(x - 2, y)
-    page.mouse.move(x, y)
 
 
 def measure(url: str, run_id: int, T: int, steps: int, quiet: float) -> dict:

@@ -31,6 +31,26 @@ def stored(client, run_id: int) -> tuple[int, list[str]]:
     return run["steps_stored"], run["scalar_names"]
 
 
+class RunLockHolder:
+    """Another batch of the run being stored: a thread holds the run's lock from construction until
+    ``release``."""
+
+    def __init__(self, ctx, run_id: int):
+        self.held, self.done = threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self._hold, args=(ctx, run_id))
+        self.thread.start()
+        assert self.held.wait(10)
+
+    def _hold(self, ctx, run_id: int) -> None:
+        with ctx.db.run_lock(run_id):
+            self.held.set()
+            self.done.wait(60)
+
+    def release(self) -> None:
+        self.done.set()
+        self.thread.join(30)
+
+
 def test_a_batch_with_too_many_names_is_refused_naming_the_setting(make_client):
     client = make_client(max_scalar_names_per_batch=8)
     rid = create_run(client)["id"]
@@ -120,18 +140,9 @@ def test_a_wait_for_a_busy_run_ends_in_503_with_retry_after(make_client):
     client = make_client(run_lock_wait_seconds=0.3)
     ctx = client.app.state.ctx
     rid = create_run(client)["id"]
-    held, done = threading.Event(), threading.Event()
-
-    def hold_lock() -> None:
-        with ctx.db.run_lock(rid):  # another batch of the run, being stored
-            held.set()
-            done.wait(60)
-
-    holder = threading.Thread(target=hold_lock)
-    holder.start()
-    assert held.wait(10)
+    lock = RunLockHolder(ctx, rid)
     pool, future = post_in_thread(client, rid, scalars_body("busy", range(2), ["loss"]))
-    r = answered_while_held(holder, done.set, future)
+    r = answered_while_held(lock.thread, lock.done.set, future)
     pool.shutdown()
     assert r is not None, "the request waited for the run's lock until it was released"
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
@@ -205,18 +216,9 @@ def test_a_flooded_run_holds_one_worker_thread(make_client):
     client = make_client(run_lock_wait_seconds=20, run_batches_in_flight=64)
     ctx = client.app.state.ctx
     rid = create_run(client)["id"]
-    held, done = threading.Event(), threading.Event()
-
-    def hold_lock() -> None:
-        with ctx.db.run_lock(rid):
-            held.set()
-            done.wait(60)
-
-    holder = threading.Thread(target=hold_lock)
-    holder.start()
+    lock = RunLockHolder(ctx, rid)
     pool = ThreadPoolExecutor(61)
     try:
-        assert held.wait(10)
         url = f"{API}/runs/{rid}/telemetry"
         flood = [
             pool.submit(client.post, url, json=scalars_body(f"f{i}", range(i, i + 1), ["loss"]))
@@ -233,8 +235,7 @@ def test_a_flooded_run_holds_one_worker_thread(make_client):
             worst = max(worst, time.monotonic() - t0)
         assert worst < 1.0, f"/healthz took {worst:.2f} s while one run was flooded"
     finally:
-        done.set()
-        holder.join(30)
+        lock.release()
     assert sorted(f.result(timeout=60).status_code for f in flood) == [200] * 60
     pool.shutdown()
     assert stored(client, rid) == (60, ["loss"])
@@ -247,19 +248,10 @@ def test_batches_of_a_run_beyond_those_in_flight_get_429_before_their_body_is_re
     client = make_client(run_lock_wait_seconds=20, run_batches_in_flight=3)
     ctx = client.app.state.ctx
     rid, other = create_run(client)["id"], create_run(client)["id"]
-    held, done = threading.Event(), threading.Event()
-
-    def hold_lock() -> None:
-        with ctx.db.run_lock(rid):
-            held.set()
-            done.wait(60)
-
-    holder = threading.Thread(target=hold_lock)
-    holder.start()
+    lock = RunLockHolder(ctx, rid)
     pool = ThreadPoolExecutor(3)
     url = f"{API}/runs/{rid}/telemetry"
     try:
-        assert held.wait(10)
         admitted = [
             pool.submit(client.post, url, json=scalars_body(f"a{i}", range(i, i + 1), ["loss"]))
             for i in range(3)
@@ -276,8 +268,7 @@ def test_batches_of_a_run_beyond_those_in_flight_get_429_before_their_body_is_re
             == 200
         )
     finally:
-        done.set()
-        holder.join(30)
+        lock.release()
     assert [f.result(timeout=60).status_code for f in admitted] == [200] * 3
     pool.shutdown()
     assert stored(client, rid) == (3, ["loss"])

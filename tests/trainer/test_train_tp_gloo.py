@@ -11,12 +11,13 @@ Three runs of the tiny preset, delayed scaling, two micro-batches a step:
 
 ``mesh`` against ``ddp``: the weights start equal and delayed scaling takes every scale from the amax history,
 which both fill with amaxes reduced over all ranks (the tp shards' rows merged first), so the FP8 casts use
-the same scales. What differs is float32 summation order: the row-wise layers' partial sums are added by an
-all-reduce, and the gradient norm is summed per mesh. As between FSDP2 and DDP
-(``test_train_fsdp_gloo.py``), an ulp there moves an AdamW update of a near-zero gradient element, and an
-FP8 value of a later step by one rounding step now and then, averaged out over thousands of products: the
-same tolerance, 1e-4 relative on the losses, a hundred times less than what a head split across ranks, an
-unreduced amax or an unsynchronised gradient moves them (percents).
+the same scales. Both run with ``--grad-clip 0``, as in ``test_train_fsdp_gloo.py`` (where FSDP2 and DDP then
+give the same bits). What differs is float32 summation order: the row-wise layers' partial sums are added by
+an all-reduce. An ulp there moves an AdamW update of a near-zero gradient element, and an FP8 value of a
+later step by one rounding step now and then, averaged out over thousands of products: tolerance 1e-4
+relative on the losses, a hundred times less than what a head split across ranks, an unreduced amax or an
+unsynchronised gradient moves them (percents). The gradient clipping over several meshes
+(``clip_over_meshes``) runs all the same: it measures the norm.
 
 The resumed run's first step is ``mesh``'s step 3 for dp group 0 (its data stream, its weights and FP8
 scales restored onto another mesh), so rank 0's loss there equals ``mesh`` rank 0's to float32 rounding, and

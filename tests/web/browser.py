@@ -69,3 +69,19 @@ class PlotlyGate:
         self.released = True
         for route in self.held:
             route.continue_()
+
+
+#: heatmap cell (col, row) -> the page's pixel at its centre, from the plot's own axes
+_CELL_XY = """([c, r]) => { const gd = document.getElementById('heatmap'); const L = gd._fullLayout;
+    const box = gd.querySelector('.nsewdrag').getBoundingClientRect(); const t = gd.data[0];
+    return [box.x + L.xaxis.l2p(t.x0 + c * t.dx), box.y + L.yaxis.l2p(r)]; }"""
+
+
+def hover_cell(page: Any, col: int, row: int) -> None:
+    """Move the mouse onto heatmap cell (row, col), the page scrolled to show it first (two moves: plotly
+    hovers on a move, not on where the mouse already is)."""
+    _, y = page.evaluate(_CELL_XY, [col, row])
+    page.evaluate(f"window.scrollTo(0, {max(0, y - 300)})")
+    x, y = page.evaluate(_CELL_XY, [col, row])
+    page.mouse.move(x - 2, y)
+    page.mouse.move(x, y)

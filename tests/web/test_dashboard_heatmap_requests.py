@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.support.server import API
-from tests.web.browser import no_page_errors, open_run
+from tests.web.browser import hover_cell, no_page_errors, open_run
 from tests.web.dashboard_data import create_run, post_steps, smooth_stats
 
 pytestmark = pytest.mark.slow  # a real browser and server: several seconds each
@@ -39,17 +39,6 @@ class HeatmapRequests:
 
 def drawn_z(page) -> list[list[float | None]]:
     return page.evaluate("document.getElementById('heatmap').data[0].z")
-
-
-def hover_cell(page, col: int, row: int) -> None:
-    x, y = page.evaluate(
-        """([c, r]) => { const gd = document.getElementById('heatmap'); const L = gd._fullLayout;
-        const box = gd.querySelector('.nsewdrag').getBoundingClientRect(); const t = gd.data[0];
-        return [box.x + L.xaxis.l2p(t.x0 + c * t.dx), box.y + L.yaxis.l2p(r)]; }""",
-        [col, row],
-    )
-    page.mouse.move(x - 2, y)
-    page.mouse.move(x, y)
 
 
 def test_one_request_per_view_of_only_the_rows_it_draws(server, page):
