@@ -25,7 +25,7 @@ replay).
 Prints a row per run and per fault kind (verdict counts, culprit named first), and the goal line; writes
 bench/results/replay_verdicts.json.
 
-Measured (``python bench/replay_verdicts.py``, 3 seeds, 779 s on 2 shared cores):
+Measured (``python bench/replay_verdicts.py``, 3 seeds, 333 s on an otherwise idle 2-core machine):
 
     saturate   verdicts: fp8-caused 3; right 3/3; culprit first 3/3   (blocks.3.mlp.fc2.input)
     jump       verdicts: fp8-caused 3; right 3/3; culprit first 3/3   (blocks.3.mlp.fc2.input)
@@ -36,7 +36,7 @@ Measured (``python bench/replay_verdicts.py``, 3 seeds, 779 s on 2 shared cores)
     goal: ... >= 95% of fault runs: 15/18 = 83% (NOT met); FP8-caused culprit first 9/12
 
 Every replay bit for bit (``bitwise``); the FP8 loss at step 40 against high precision's: saturate
-5.4-9.5 against 2.1-2.4, jump 8.7-11.1, lowprec 5.6-6.1. The goal is missed on gradspike alone (15/15
+6.4-8.5 against 2.1-2.4, jump 10.5-11.0, lowprec 5.5-5.8. The goal is missed on gradspike alone (15/15
 without it): a saturated E5M2 gradient does not move the loss (docs/replay.md, Limits), so the
 loss-based capture writes no bundle for it.
 """
