@@ -76,8 +76,8 @@ HAS_STATS, N_COMMANDS, HAS_QUALITY, HAS_BLOCK, DATA_LEAD = 0, 1, 2, 3, 4
 
 
 def _summed(block: np.ndarray, copies: np.ndarray | None) -> np.ndarray:
-    """A summed column ``(W, T)`` over ranks: the sum, but the max for the rows that are ``copies`` of one
-    tensor (a data-parallel job's weights: counted once, module docstring)."""
+    """Summed columns ``(W, T, ...)`` over ranks: the sum, but the max for the rows that are ``copies`` of
+    one tensor (a data-parallel job's weights: counted once, module docstring)."""
     out = np.sum(block, axis=0)
     if copies is not None and copies.any():
         out[copies] = np.max(block[:, copies], axis=0)
@@ -111,7 +111,7 @@ def reduce_rank_block(block: np.ndarray, copies: np.ndarray | None = None) -> np
     (``merge_step_stats``): each ``BLOCK_COLUMNS`` column as ``MERGE`` says (``block_range`` the max, NaN
     ignored; the block counts summed), the histogram bins summed (every rank's blocks counted once); in the
     rows ``copies`` marks (as for ``reduce_rank_stats``) the max instead of the sum."""
-    out = np.stack([_summed(block[:, :, j], copies) for j in range(block.shape[2])], axis=1)
+    out = _summed(block, copies)
     for j, name in enumerate(BLOCK_COLUMNS):
         if MERGE[name] == "max":
             out[:, j] = np.fmax.reduce(block[:, :, j], axis=0)
