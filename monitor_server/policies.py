@@ -100,6 +100,15 @@ def culprit_layer(name: str, layers: set[str]) -> str | None:
     return layer if role in ROLES and layer in layers else None
 
 
+def first_culprit(report: dict[str, Any], layers: set[str]) -> tuple[str, str] | None:
+    """The report's first culprit that names one of the run's layers, and that layer; None if none does."""
+    for culprit in report.get("culprits", []):
+        layer = culprit_layer(culprit, layers)
+        if layer is not None:
+            return culprit, layer
+    return None
+
+
 def _sqnr(report: dict[str, Any], layer: str) -> float | None:
     """The layer's output SQNR (dB) in the report's all-FP8 configuration, if it has one."""
     for config in report.get("configs", []):
@@ -124,14 +133,10 @@ def propose(
         recipe: the culprit layer's recipe in force (``commands.effective_recipe``), with ``scaling``.
         alert_kinds: the kinds of the incident's alerts; root_kind: its root cause's.
     """
-    if report.get("verdict") != "fp8-caused":
+    found = first_culprit(report, layers) if report.get("verdict") == "fp8-caused" else None
+    if found is None:
         return None
-    culprits = [c for c in report.get("culprits", []) if culprit_layer(c, layers)]
-    if not culprits:
-        return None
-    first = culprits[0]
-    layer = culprit_layer(first, layers)
-    assert layer is not None
+    first, layer = found
     trigger = report.get("trigger") or {}
     sqnr = _sqnr(report, layer)
     if trigger.get("kind") == "nonfinite" or "nonfinite" in alert_kinds:
@@ -192,12 +197,10 @@ def on_replay(
         return []
     alerts = session.execute(select(Alert.id, Alert.kind).where(Alert.incident_id == incident.id)).all()
     root_kind = next((kind for aid, kind in alerts if aid == incident.root_alert_id), None)
-    culprit = next((c for c in report.get("culprits", []) if culprit_layer(c, layers)), None)
-    if culprit is None:
+    found = first_culprit(report, layers)
+    if found is None:
         return []
-    layer = culprit_layer(culprit, layers)
-    assert layer is not None
-    proposal = propose(report, layers, _layer_recipe(run, layer), {k for _, k in alerts}, root_kind)
+    proposal = propose(report, layers, _layer_recipe(run, found[1]), {k for _, k in alerts}, root_kind)
     if proposal is None:
         return []
     action = PolicyAction(
