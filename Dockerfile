@@ -2,7 +2,7 @@
 # training job for docker-compose.yml.
 
 # An example training job: the CPU build of PyTorch and the whole distribution (fp8-train). A C compiler
-# too: the fused CPU quantize kernel (kernels/cpu_fused.c) is compiled for the machine at the first step;
+# too: the fused CPU quantize kernel (fp8_kernels/cpu/fused.c) is compiled for the machine at the first step;
 # without one the job runs the slower reference kernels and says so.
 FROM python:3.11-slim AS trainer
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
@@ -10,7 +10,8 @@ RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
 WORKDIR /app
 COPY pyproject.toml setup.py README.md ./
 COPY fp8_trainer fp8_trainer
-COPY kernels kernels
+COPY fp8_kernels fp8_kernels
+COPY fp8_protocol fp8_protocol
 COPY monitor_server monitor_server
 COPY web web
 RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
@@ -27,7 +28,8 @@ COPY pyproject.toml setup.py README.md ./
 RUN python -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['server']; print('\n'.join(d for d in deps if not d.startswith('torch')))" > /tmp/requirements.txt \
     && pip install --no-cache-dir -r /tmp/requirements.txt
 COPY fp8_trainer fp8_trainer
-COPY kernels kernels
+COPY fp8_kernels fp8_kernels
+COPY fp8_protocol fp8_protocol
 COPY monitor_server monitor_server
 COPY web web
 RUN pip install --no-cache-dir --no-deps . && useradd --create-home fp8scope

@@ -633,6 +633,12 @@ def _late_batch(url: str, run_id: int, key: str) -> int:
     ).status_code
 
 
+def attack_ids_never_reused_in_tmp(bench: Bench) -> None:
+    """`attack_ids_never_reused` with a temporary folder of its own."""
+    with tempfile.TemporaryDirectory() as tmpdir:
+        attack_ids_never_reused(bench, Path(tmpdir))
+
+
 def attack_ids_never_reused(bench: Bench, tmp: Path) -> None:
     """Item 1: the newest run is deleted and another registered; the deleted run's job sends its next batch
     (same ingest token) to this instance, and to a second instance on the same database that had cached the
@@ -1176,20 +1182,25 @@ def attack_export_memory(bench: Bench) -> None:
     )
 
 
-def run_round_two(bench: Bench) -> None:
-    """The round-two attacks, after the others, against the same servers."""
-    with tempfile.TemporaryDirectory() as tmpdir:
-        attack_ids_never_reused(bench, Path(tmpdir))
-    attack_export_cut_off(bench)
-    attack_probe_run_ids(bench)
-    attack_deep_config_filter(bench)
-    attack_export_memory(bench)
-    attack_wide_scalars(bench)
-    attack_event_burst(bench)
-    attack_light_lists(bench)
-    attack_stuck_streams(bench)
-    attack_big_configs(bench)
-    attack_trickled_bodies(bench)
+def run_round_two(bench: Bench, only: set[str] | None = None) -> None:
+    """The round-two attacks, after the others, against the same servers (`only`: those whose function is
+    named ``attack_<name>``)."""
+    attacks: list[Callable[[Bench], None]] = [
+        attack_ids_never_reused_in_tmp,
+        attack_export_cut_off,
+        attack_probe_run_ids,
+        attack_deep_config_filter,
+        attack_export_memory,
+        attack_wide_scalars,
+        attack_event_burst,
+        attack_light_lists,
+        attack_stuck_streams,
+        attack_big_configs,
+        attack_trickled_bodies,
+    ]
+    for attack in attacks:
+        if only is None or attack.__name__.removeprefix("attack_").removesuffix("_in_tmp") in only:
+            attack(bench)
 
 
 def format_row(r: Row) -> str:
@@ -1229,6 +1240,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-pg", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="small attacks on SQLite only (CI)")
     parser.add_argument("--round-two-only", action="store_true", help="only the attacks of issue 38")
+    parser.add_argument(
+        "--only",
+        type=lambda v: set(v.split(",")),
+        help="with --round-two-only: these round-two attacks only (comma-separated, e.g. trickled_bodies)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "abuse.json")
     args = parser.parse_args(argv)
 
@@ -1240,7 +1256,7 @@ def main(argv: list[str] | None = None) -> int:
             bench = Bench("sqlite", srv, opn, args.smoke)
             if not args.round_two_only:
                 bench.run_all()
-            run_round_two(bench)
+            run_round_two(bench, args.only)
             rows += bench.rows
         if not (args.skip_pg or args.smoke):
             with (
@@ -1251,7 +1267,7 @@ def main(argv: list[str] | None = None) -> int:
                 bench = Bench("postgresql", srv, opn, args.smoke)
                 if not args.round_two_only:
                     bench.run_all()
-                run_round_two(bench)
+                run_round_two(bench, args.only)
                 rows += bench.rows
     met = sum(r.ok for r in rows)
     summary = f"{met}/{len(rows)} attacks met every goal"

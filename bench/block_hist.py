@@ -2,9 +2,10 @@
 per block-scaled tensor and step against the block columns alone (the same steps, packed float64 columns,
 through the real app in process on SQLite), and `GET /runs/{id}/block-histogram` of one tensor over the
 whole run at two widths; then the long run: a run of 100,000 steps filled through the ingest storage code
-(`monitor_server.ingest.store_batch`, under the run's lock, in large batches, as bench/ingest.py fills its
-heatmap run) on SQLite and PostgreSQL, and the histogram of one tensor over all of it at max_steps=1000,
-against the same buckets summed from every per-step row (how it was read before the coarse sums).
+(`monitor_server.services.ingest.store_batch`, under the run's lock, in large batches, as bench/ingest.py
+fills its heatmap run) on SQLite and PostgreSQL, and the histogram of one tensor over all of it at
+max_steps=1000, against the same buckets summed from every per-step row (how it was read before the coarse
+sums).
 
     python bench/block_hist.py                 # 32 layers (96 tensors, 64 block-scaled), 2,000 steps
     python bench/block_hist.py --steps 500     # quicker
@@ -37,11 +38,11 @@ from sqlalchemy import select  # noqa: E402
 
 from fp8_protocol.stats import BASE_COLUMNS, BLOCK_COLUMNS, BLOCK_HIST_BINS, FP8_MAX  # noqa: E402
 from monitor_server.app import create_app  # noqa: E402
-from monitor_server.block_hist import HistEntry, unpack_counts  # noqa: E402
 from monitor_server.core.config import Settings  # noqa: E402
-from monitor_server.ingest import DecodedBatch, store_batch  # noqa: E402
-from monitor_server.models import BlockHistogram  # noqa: E402
-from monitor_server.rollups import COMPACT_BLOCK  # noqa: E402
+from monitor_server.services.ingest import DecodedBatch, store_batch  # noqa: E402
+from monitor_server.storage.block_hist import HistEntry, unpack_counts  # noqa: E402
+from monitor_server.storage.models import BlockHistogram  # noqa: E402
+from monitor_server.storage.rollups import COMPACT_BLOCK  # noqa: E402
 from tests.support.server import API, col, fresh_pg_database, random_stats, run_body  # noqa: E402
 
 BATCH = 50

@@ -60,8 +60,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from fp8_kernels.cross_build import NO_LAUNCH, LaunchCounter  # noqa: E402
-
+from fp8_kernels.triton.cross_build import NO_LAUNCH, LaunchCounter  # noqa: E402
 from fp8_trainer.recipe import DelayedScaling, Float8BlockScaling, MXFP8BlockScaling  # noqa: E402
 
 
@@ -95,14 +94,16 @@ def _addmm(bias, a, b, *, beta=1, alpha=1):
 def emulated_gpu(counter: LaunchCounter, eager_stats: bool = False):
     """The CUDA dispatch on the CPU (module docstring): Triton launchers with counting stubs for kernels,
     the CUDA block sizes, the GEMM paths of an sm_90 GPU."""
-    import fp8_kernels
     import triton
-    from fp8_kernels import cross_build, triton_block_quantize, triton_quantize
 
+    import fp8_kernels
     import fp8_trainer.block_gemm as block_gemm
     import fp8_trainer.block_linear as block_linear
     import fp8_trainer.gemm
     import fp8_trainer.linear
+    from fp8_kernels.triton import block_quantize as triton_block_quantize
+    from fp8_kernels.triton import cross_build
+    from fp8_kernels.triton import quantize as triton_quantize
 
     undo = []
     gemms = None

@@ -1,4 +1,4 @@
-"""Block-scaled quantization: the Triton kernel (``triton_block_quantize``) vs the PyTorch reference (CUDA).
+"""Block-scaled quantization: the Triton kernel (``triton.block_quantize``) vs the PyTorch reference (CUDA).
 
 For bfloat16 tensors of 4096 x N elements and each block recipe (MXFP8 1x32 E8M0, FP8 block scaling 1x128
 and 128x128 float32 scales), per call:
@@ -27,9 +27,9 @@ import sys
 from pathlib import Path
 
 import torch
-from fp8_kernels.block_quantize import quantize_blocks
 from gpu_timing import ms_per_call, sync
 
+from fp8_kernels.reference.block_quantize import quantize_blocks
 from fp8_trainer.block_linear import BlockSpec, block_tensor_stats, new_block_stats
 
 RECIPES = {
@@ -41,7 +41,7 @@ FP8 = torch.float8_e4m3fn
 
 
 def impls(block, fmt):
-    from fp8_kernels.triton_block_quantize import block_quantize_triton
+    from fp8_kernels.triton.block_quantize import block_quantize_triton
 
     spec = BlockSpec(fmt, block[1], two_d=block[0] > 1)
 

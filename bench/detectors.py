@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from monitor_server.detectors.engine import DetectorConfig, DetectorEngine  # noqa: E402
-from monitor_server.ingest import decode_batch, parse_json  # noqa: E402
+from monitor_server.services.ingest import decode_batch, parse_json  # noqa: E402
 from tests.server.detectors.runs import healthy_run  # noqa: E402  (the detector tests' synthetic runs)
 from tests.support.server import batch_body  # noqa: E402  (the wire encodings the tests use)
 

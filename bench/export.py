@@ -1,8 +1,8 @@
 """Benchmark: GET /runs/{id}/export of a large run — time, bytes and the server's peak memory.
 
 A run of `--tensors` tensors x `--steps` steps (every step with statistics and a few scalars) is written
-into a SQLite database with the service's own storage rows (`monitor_server.rollups.step_stat_rows`; no
-rollups, which the export does not read), then every (format, layout) of the statistics table and the
+into a SQLite database with the service's own storage rows (`monitor_server.storage.rollups.step_stat_rows`;
+no rollups, which the export does not read), then every (format, layout) of the statistics table and the
 scalars table is downloaded from a fresh `fp8-monitor serve` subprocess. Memory is the server process's
 peak resident set (VmHWM in /proc) after the download minus its peak before it (after start-up and exports of
 one step in each format and layout, which map pyarrow's writers in), so it is what the export's data
@@ -34,8 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from monitor_server.core.db import Database  # noqa: E402
-from monitor_server.models import StepRow, StepStat  # noqa: E402
-from monitor_server.rollups import step_stat_rows  # noqa: E402
+from monitor_server.storage.models import StepRow, StepStat  # noqa: E402
+from monitor_server.storage.stat_rows import step_stat_rows  # noqa: E402
 from tests.support.server import API, ServerProcess, random_stats, run_body  # noqa: E402
 
 CASES = (("csv", "stats", "long"), ("parquet", "stats", "long"), ("csv", "stats", "wide"),

@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from fp8_protocol.stats import BASE_COLUMNS  # noqa: E402
 from monitor_server.core.db import Database  # noqa: E402
-from monitor_server.retention import compact  # noqa: E402
+from monitor_server.storage.retention import compact  # noqa: E402
 from tests.support.server import API, ServerProcess, fresh_pg_database, make_tensors  # noqa: E402  (shared with the tests)
 
 PG_URL = os.environ.get("FP8SCOPE_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")

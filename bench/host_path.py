@@ -4,9 +4,9 @@ A GPU trains at full speed only while its host thread launches work faster than 
 Linear that spends more Python per call than ``nn.Linear`` makes small and medium layers host-bound. This runs
 a stack of layers on the CPU with the GPU path emulated:
 
-* the real Triton launchers (``fp8_kernels.triton_quantize`` / ``triton_current`` / ``triton_scale_update``)
+* the real Triton launchers (``fp8_kernels.triton.quantize`` / ``triton.current`` / ``triton.scale_update``)
   registered for the CPU as they are for CUDA, each kernel replaced by a recorder
-  (``fp8_kernels.cross_build.recorded``) that counts the launch and runs nothing;
+  (``fp8_kernels.triton.cross_build.recorded``) that counts the launch and runs nothing;
 * ``uses_scaled_mm`` forced on, so the FP8 layers take their real-GEMM path (operand layouts, transposes
   written by the quantize pass, the argument checks), and ``torch._scaled_mm`` replaced by an allocation of
   its output (fp8scope and torchao alike);
@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from fp8_kernels.cross_build import NO_LAUNCH, LaunchCounter  # noqa: E402
+from fp8_kernels.triton.cross_build import NO_LAUNCH, LaunchCounter  # noqa: E402
 
 GOALS = {"fp8scope delayed": 2.0, "fp8scope current": 2.5}
 
@@ -80,10 +80,12 @@ def _scaled_mm_alloc(a, b, scale_a=None, scale_b=None, bias=None, out_dtype=None
 def gpu_path():
     """The emulated GPU path (module docstring); yields the recorders, whose ``calls`` count launches."""
     import fp8_kernels
-    from fp8_kernels import cross_build, triton_current, triton_quantize, triton_scale_update
-
     import fp8_trainer.gemm
     import fp8_trainer.linear_ops
+    from fp8_kernels.triton import cross_build
+    from fp8_kernels.triton import current as triton_current
+    from fp8_kernels.triton import quantize as triton_quantize
+    from fp8_kernels.triton import scale_update as triton_scale_update
 
     saved = fp8_kernels.registered()
     patched = [

@@ -4,7 +4,7 @@ One value = one number for one tensor at one step. The stream is 512 tensors x 6
 batch, posted to a real `fp8-monitor serve` (uvicorn subprocess) with the packed column encoding
 (base64 float32 amax/scale, float64 counts) and with plain JSON arrays. Heatmap latency is the median of
 several GET /heatmap?max_cols=1000 over a run of 512 tensors x 100,000 steps, filled through the same storage
-code as ingest (`monitor_server.ingest.store_batch`) in large batches.
+code as ingest (`monitor_server.services.ingest.store_batch`) in large batches.
 
     .venv/bin/python bench/ingest.py [--batches 40] [--heatmap-steps 100000] [--skip-pg] [--quality]
 
@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from fp8_protocol.stats import FP8_MAX, QUALITY_COLUMNS, STAT_COLUMNS  # noqa: E402
 from monitor_server.core.db import Database  # noqa: E402
-from monitor_server.ingest import DecodedBatch, store_batch  # noqa: E402
+from monitor_server.services.ingest import DecodedBatch, store_batch  # noqa: E402
 from tests.support.server import col, fresh_pg_database, running_server  # noqa: E402  (shared with the tests)
 
 STATS = STAT_COLUMNS

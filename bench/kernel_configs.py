@@ -2,7 +2,7 @@
 warps, grid size and form of the main loop's loads move the most bytes per second, each checked bit for bit
 against the PyTorch reference.
 
-The configuration is what ``fp8_kernels.triton_launch`` chooses (``block_1d``, ``tile_2d``, ``grid_cap``,
+The configuration is what ``fp8_kernels.triton.launch`` chooses (``block_1d``, ``tile_2d``, ``grid_cap``,
 ``prefetch`` and ``pipeline_stages``);
 this script swaps those functions for each candidate, the way ``tests/kernels/test_ptx.py`` does, so the
 kernels themselves are the shipped ones. Shapes are activation- and gradient-sized bf16 tensors of the GPT
@@ -56,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "kernel_configs.json"))
     a = p.parse_args(argv)
-    from fp8_kernels import quantize_with_stats_reference, triton_launch, triton_quantize
+    from fp8_kernels import quantize_with_stats_reference
+    from fp8_kernels.triton import launch as triton_launch
+    from fp8_kernels.triton import quantize as triton_quantize
 
     device = torch.device("cpu" if a.smoke else "cuda")
     l2 = torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 0

@@ -11,7 +11,7 @@ same kernel also writing the transposed FP8 tensor (the input viewed as rows of 
 whose interpreter walks tiles slowly), the layout backward
 GEMMs take; ``eager+T`` is the reference followed by ``q.t().contiguous()``. ``triton-pipe`` and
 ``triton+T-pipe`` are the same two kernels with their main loop's loads in Triton's software pipeline
-(``fp8_kernels.triton_launch.pipeline_stages``: asynchronous copies into shared memory, several blocks ahead)
+(``fp8_kernels.triton.launch.pipeline_stages``: asynchronous copies into shared memory, several blocks ahead)
 instead of the shipped register prefetch: the alternative, timed beside it.
 
 Bandwidth is useful bytes / time: the input read once and every output written once (bf16 in, FP8 out, and
@@ -50,8 +50,9 @@ from collections import deque
 from pathlib import Path
 
 import torch
-from fp8_kernels import fp8_gpu, new_stats
 from gpu_timing import calls_per_sample, goal, ms_per_call, ms_per_call_and_host
+
+from fp8_kernels import fp8_gpu, new_stats
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 COPY_BYTES = 2**30  # copy bandwidth reference: far beyond any L2 cache
@@ -106,7 +107,7 @@ def make_torchao(fp8: torch.dtype, backend: str):
 def pipelined(fn):
     """``fn`` run with the quantize kernels' loads in Triton's software pipeline (``prefetch`` off for the
     call, so ``pipeline_stages`` applies) instead of the shipped register prefetch."""
-    from fp8_kernels import triton_quantize
+    from fp8_kernels.triton import quantize as triton_quantize
 
     def run(*args):
         shipped = triton_quantize.prefetch
@@ -123,7 +124,7 @@ def build_impls(fp8: torch.dtype, backend: str, with_torchao: bool, width: int =
     """name -> ``fn(x, scale, stats) -> outputs``, and why torchao is missing (or ``None``); the transposed
     variants view ``x`` as rows of ``width``."""
     from fp8_kernels import quantize_with_stats_reference
-    from fp8_kernels.triton_quantize import quantize_with_stats_transposed_triton, quantize_with_stats_triton
+    from fp8_kernels.triton.quantize import quantize_with_stats_transposed_triton, quantize_with_stats_triton
 
     compiled = torch.compile(quantize_with_stats_reference, backend=backend)
 
@@ -155,7 +156,7 @@ def build_impls(fp8: torch.dtype, backend: str, with_torchao: bool, width: int =
 
 def rows_match(row: torch.Tensor, ref: torch.Tensor) -> bool:
     """Statistics rows equal: every column exactly but the two sums of squares, which a kernel sums in
-    float32 per block (within 14 * 2**-24 relative; ``triton_quantize``)."""
+    float32 per block (within 14 * 2**-24 relative; ``triton.quantize``)."""
     from fp8_protocol.stats import ERR_SQ, SUM_SQ
 
     exact = [c for c in range(row.shape[0]) if c not in (SUM_SQ, ERR_SQ)]

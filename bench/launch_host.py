@@ -4,13 +4,13 @@ side of one FP8 quantize costs the training step's host thread, measured without
 A training step's host thread launches every kernel; where it is slower than the GPU, the GPU waits. Each
 FP8 Linear quantizes three tensors per forward and backward, so a GPT of 48 Linears makes about 150
 launcher calls a step. This runs each launcher on CPU tensors with the CUDA block sizes and its Triton
-kernel replaced by a recorder (``fp8_kernels.cross_build.recorded``): the time is the launcher's own work
-(checks, output allocations, launch arguments) plus a recorded call, with no kernel and no device.
+kernel replaced by a recorder (``fp8_kernels.triton.cross_build.recorded``): the time is the launcher's own
+work (checks, output allocations, launch arguments) plus a recorded call, with no kernel and no device.
 
 Two forms of the same launchers, interleaved in rounds (the median over rounds per row):
 
 * ``planned``: as shipped: the constexprs and launch options of a call shape built once
-  (``triton_quantize._plan``);
+  (``triton.quantize._plan``);
 * ``rebuilt``: the plans dropped before every call, so each call builds its own, as the launcher did
   before plans were kept;
 * ``prepared``: the call as the FP8 Linear makes it, through the prepared form of the same launch
@@ -18,7 +18,7 @@ Two forms of the same launchers, interleaved in rounds (the median over rounds p
 
 and ``floor``: the output allocations alone (``torch.empty`` of the FP8 outputs), which no launcher avoids.
 
-On a GPU the launch itself differs (``triton_launch.launch``'s cached handle, and CUDA's caching allocator
+On a GPU the launch itself differs (``triton.launch.launch``'s cached handle, and CUDA's caching allocator
 instead of the CPU's); ``bench/profile_gpu.py`` measures whole layers there.
 
     .venv/bin/python bench/launch_host.py [--calls 3000] [--rounds 7] [--shape 512x1024] [--out PATH]
@@ -50,8 +50,9 @@ E4M3 = torch.float8_e4m3fn
 def _calls(x: torch.Tensor) -> list[tuple[str, str, object, object]]:
     """``(row, kernel attribute of triton_quantize, call, prepare)``: each launcher as a training step calls
     it, and ``prepare()`` -> its prepared call (made once the kernels are recorded: it binds them)."""
-    from fp8_kernels import triton_current, triton_quantize
-    from fp8_kernels.quantize import new_stats
+    from fp8_kernels.reference.quantize import new_stats
+    from fp8_kernels.triton import current as triton_current
+    from fp8_kernels.triton import quantize as triton_quantize
 
     scale = torch.ones((), dtype=torch.float32)
     row = new_stats(device=x.device)
@@ -102,7 +103,9 @@ def _per_call(fn, calls: int) -> float:
 
 
 def measure(shape: tuple[int, int], calls: int, rounds: int) -> list[dict]:
-    from fp8_kernels import cross_build, triton_current, triton_quantize
+    from fp8_kernels.triton import cross_build
+    from fp8_kernels.triton import current as triton_current
+    from fp8_kernels.triton import quantize as triton_quantize
 
     x = torch.randn(shape, dtype=torch.bfloat16)
     out = []

@@ -28,11 +28,10 @@ from sqlalchemy import insert
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from monitor_server import run_admin  # noqa: E402
-from monitor_server.context import AppContext  # noqa: E402
+from monitor_server.api.context import AppContext  # noqa: E402
 from monitor_server.core.config import Settings  # noqa: E402
-from monitor_server.migrations import upgrade_to_head  # noqa: E402
-from monitor_server.models import Alert, Run, RunTag, utcnow  # noqa: E402
+from monitor_server.storage.migrations import upgrade_to_head  # noqa: E402
+from monitor_server.storage.models import Alert, Run, RunTag, utcnow  # noqa: E402
 from tests.support.server import API, fresh_pg_database, running_server  # noqa: E402
 
 PG_URL = os.environ.get("FP8SCOPE_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
@@ -126,7 +125,7 @@ def measure(db_url: str, n: int, tmp: Path) -> dict[str, float]:
         out["GET /runs?q=llama"] = median_ms(lambda: get("/runs", q="llama", limit=100))
         out["GET /runs?tag=team-7"] = median_ms(lambda: get("/runs", tag="team-7", limit=100))
     out["stall check (in-process)"] = median_ms(ctx.detection.check_stalled_runs)
-    out["runs maintenance (in-process)"] = median_ms(lambda: run_admin.maintain(ctx, utcnow()))
+    out["runs maintenance (in-process)"] = median_ms(lambda: ctx.maintain(utcnow()))
     ctx.db.dispose()
     return out
 

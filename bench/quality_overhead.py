@@ -8,7 +8,7 @@ process, interleaved in blocks so that drift of the machine hits both alike:
 * ``quality`` - the default: the quality columns too, in the same pass.
 
 Each mode trains its own copy of the model (same seed, same batches). No monitor: the difference is the
-statistics' computation (on the CPU, the extra arithmetic of the fused quantize kernel, ``cpu_fused.c``).
+statistics' computation (on the CPU, the extra arithmetic of the fused quantize kernel, ``cpu/fused.c``).
 ``--reference`` adds both modes on the PyTorch references (``base-ref``, ``quality-ref``: the CPU path
 before the fused kernel, or where it does not build), interleaved with the others, and prints the paired
 ratios between them.
@@ -40,9 +40,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fp8_kernels import has_kernel, reference_kernels  # noqa: E402
-
 from bench.interleaved import interleave  # noqa: E402
+from fp8_kernels import has_kernel, reference_kernels  # noqa: E402
 from fp8_trainer import convert_to_fp8, fp8_autocast, tensor_table  # noqa: E402
 from fp8_trainer.convert import get_fp8_state  # noqa: E402
 from fp8_trainer.data import ByteCorpus  # noqa: E402

@@ -11,13 +11,17 @@ and the verdict counted is the one the service then shows on the incident.
 Faults (on ``blocks.3.mlp.fc2`` where they take a layer), per seed:
 
     FP8's:    saturate (an outlier channel past the amax history), jump (the input x16 from step 40 on),
-              lowprec (the input's range beyond E4M3's), gradspike (grad_output x2**20 for one step)
+              lowprec (the input's range beyond E4M3's), gradspike (grad_output x2**20 at step 40: the
+              loss does not move; the capture's statistics trigger, a saturated grad_output, writes
+              the bundle, and the replay judges the layer's gradients)
     not FP8's: lr-spike (x1000 at step 39: the loss spikes at 40), nan (a NaN in blocks.2.attn.qkv's input)
 
 The bundle replayed is the one of step 40 (every fault shows there; a run may have loss spikes of its own
-before it, captured too and left alone here: seeds 1 and 2 at steps 32 and 29).
-A run without a bundle at step 40 counts as a wrong verdict (the loss-based capture saw nothing to
-replay).
+before it, captured too and left alone here: seeds 1 and 2 at steps 33 and 26).
+A run without a bundle at step 40 counts as a wrong verdict (the capture saw nothing to replay). A
+gradspike counts as right only if the incident its bundle is listed on holds the service's own overflow
+alert on ``blocks.3.mlp.fc2.grad_output`` at step 40 (as its root, or joined to an incident the run's own
+earlier spike opened within the incident window).
 
     python bench/replay_verdicts.py            # 3 seeds x 6 faults (about 10 min on 2 shared cores)
     python bench/replay_verdicts.py --smoke    # 1 seed, saturate and lr-spike (about 1 min)
@@ -25,20 +29,22 @@ replay).
 Prints a row per run and per fault kind (verdict counts, culprit named first), and the goal line; writes
 bench/results/replay_verdicts.json.
 
-Measured (``python bench/replay_verdicts.py``, 3 seeds, 333 s on an otherwise idle 2-core machine):
+Measured (``python bench/replay_verdicts.py``, 3 seeds, 429 s on a 2-core machine shared with other work):
 
     saturate   verdicts: fp8-caused 3; right 3/3; culprit first 3/3   (blocks.3.mlp.fc2.input)
     jump       verdicts: fp8-caused 3; right 3/3; culprit first 3/3   (blocks.3.mlp.fc2.input)
     lowprec    verdicts: fp8-caused 3; right 3/3; culprit first 3/3   (...fc2.input+blocks.3.mlp.fc2.weight)
-    gradspike  verdicts: no incident 3; right 0/3; culprit first 0/3
+    gradspike  verdicts: fp8-caused 3; right 3/3; culprit first 3/3; on its alert's incident 3/3 (the
+               alert its root 1/3)                                     (blocks.3.mlp.fc2.grad_output)
     lr-spike   verdicts: not-fp8 3; right 3/3
     nan        verdicts: not-fp8 3; right 3/3
-    goal: ... >= 95% of fault runs: 15/18 = 83% (NOT met); FP8-caused culprit first 9/12
+    goal: ... >= 95% of fault runs: 18/18 = 100% (met); FP8-caused culprit first 12/12
 
 Every replay bit for bit (``bitwise``); the FP8 loss at step 40 against high precision's: saturate
-6.4-8.5 against 2.1-2.4, jump 10.5-11.0, lowprec 5.5-5.8. The goal is missed on gradspike alone (15/15
-without it): a saturated E5M2 gradient does not move the loss (docs/replay.md, Limits), so the
-loss-based capture writes no bundle for it.
+6.4-8.5 against 2.1-2.4, jump 10.5-11.0, lowprec 5.5-5.8, gradspike 2.145-2.404 against the same to
+within 3e-4 (the loss does not move; every gradspike bundle has the ``grad_overflow`` trigger). The
+gradspike alert is the root of its incident for seed 0 only: for seeds 1 and 2 it joins the incident
+the run's own loss spike (steps 33 and 26) opened, within the service's incident window.
 """
 
 from __future__ import annotations
@@ -81,11 +87,15 @@ FAULTS: dict[str, tuple[str, int, str, str | None]] = {
     "saturate": (f"saturate:{LAYER}@{STEP}", STEP + 1, "fp8-caused", f"{LAYER}.input"),
     "jump": (f"jump:{LAYER}@{STEP}", STEP + 1, "fp8-caused", f"{LAYER}.input"),
     "lowprec": (f"lowprec:{LAYER}@{STEP}", STEP + 1, "fp8-caused", f"{LAYER}.input+{LAYER}.weight"),
-    "gradspike": (f"gradspike:{LAYER}@{STEP - 1}", STEP + 1, "fp8-caused", f"{LAYER}.grad_output"),
+    "gradspike": (f"gradspike:{LAYER}@{STEP}", STEP + 1, "fp8-caused", f"{LAYER}.grad_output"),
     "lr-spike": (f"lr-spike@{STEP - 1}x1000", STEP + 1, "not-fp8", None),
     "nan": (f"nan:blocks.2.attn.qkv@{STEP}", STEP + 1, "not-fp8", None),
 }
 SMOKE = ("saturate", "lr-spike")
+#: fault kind -> the alert (kind, tensor) the incident its bundle lands on must hold. A gradspike moves no
+#: loss: its incident is that of the service's own overflow alert on the saturated gradient (the root, or
+#: an alert joined to an incident a run's own earlier spike opened within the incident window).
+INCIDENT_ALERT = {"gradspike": ("overflow_burst", f"{LAYER}.grad_output")}
 
 
 def counting_corpus(path: Path) -> Path:
@@ -133,12 +143,20 @@ def one_run(kind: str, seed: int, url: str, corpus: Path, work: Path) -> dict[st
 
         def incident():
             found = [i for i in client.get(f"/runs/{run['id']}/incidents").json() if listed in i["bundles"]]
+            # the one whose steps hold the failing step, where several list the bundle
+            found.sort(key=lambda i: not i["first_step"] <= STEP <= i["last_step"])
             return found[0] if found else None
 
         inc = wait(incident, 30)
         if inc is None:
             row.update(verdict="bundle not listed", culprits=[], seconds=time.monotonic() - t0)
             return _judge(row)
+        row.update(
+            incident_root=[inc["kind"], (inc["tensors"] or [None])[0]],
+            incident_alerts=[
+                [a["kind"], a["tensor_name"], a["first_step"], a["last_step"]] for a in inc["alerts"]
+            ],
+        )
         where = ["--monitor-url", url, "--run-id", str(run["id"]), "--incident", str(inc["id"])]
         run_cli(["replay", listed, "--json", "report.json", *where], cwd)
         stored = client.get(f"/runs/{run['id']}/incidents/{inc['id']}/replay").json()
@@ -161,7 +179,12 @@ def _judge(row: dict[str, Any]) -> dict[str, Any]:
     row["verdict_ok"] = row["verdict"] == row["expected"]
     if row["expected_culprit"] is not None:
         row["culprit_ok"] = bool(row["culprits"]) and row["culprits"][0] == row["expected_culprit"]
-    row["ok"] = row["verdict_ok"] and row.get("culprit_ok", True)
+    alert = INCIDENT_ALERT.get(row["kind"])
+    if alert is not None:  # the bundle on the incident of the fault's own alert, at the fault's step
+        held = row.get("incident_alerts", [])
+        row["incident_ok"] = any((k, t) == alert and lo <= STEP <= hi for k, t, lo, hi in held)
+        row["incident_root_ok"] = row.get("incident_root") == list(alert)
+    row["ok"] = row["verdict_ok"] and row.get("culprit_ok", True) and row.get("incident_ok", True)
     return row
 
 
@@ -176,6 +199,12 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "culprit_first": sum(r.get("culprit_ok", False) for r in mine)
             if mine[0]["expected_culprit"]
             else None,
+            "incident_right": (
+                sum(r.get("incident_ok", False) for r in mine) if kind in INCIDENT_ALERT else None
+            ),
+            "incident_root": (
+                sum(r.get("incident_root_ok", False) for r in mine) if kind in INCIDENT_ALERT else None
+            ),
         }
     fp8 = [r for r in rows if r["expected"] == "fp8-caused"]
     right = sum(r["ok"] for r in rows)
@@ -202,6 +231,11 @@ def print_table(rows: list[dict[str, Any]], s: dict[str, Any]) -> None:
     for kind, k in s["per_kind"].items():
         verdicts = ", ".join(f"{v} {n}" for v, n in k["verdicts"].items())
         culprit = "" if k["culprit_first"] is None else f"; culprit first {k['culprit_first']}/{k['runs']}"
+        if k["incident_right"] is not None:
+            culprit += (
+                f"; on its alert's incident {k['incident_right']}/{k['runs']} "
+                f"(the alert its root {k['incident_root']}/{k['runs']})"
+            )
         print(f"{kind:10s} verdicts: {verdicts}; right {k['verdict_right']}/{k['runs']}{culprit}")
     share = s["right"] / s["runs"] if s["runs"] else 0.0
     print(

@@ -29,9 +29,9 @@ sys.path.insert(0, str(ROOT))
 from fp8_protocol.codec import jsonable  # noqa: E402
 from fp8_protocol.tensors import TensorInfo  # noqa: E402
 from monitor_server.api.responses import model_json  # noqa: E402
-from monitor_server.schemas import HeatmapHead, HeatmapPublic, SeriesMulti, SeriesPublic  # noqa: E402
-from monitor_server.series import downsample_minmax, series_points  # noqa: E402
-from monitor_server.wire import matrix_json  # noqa: E402
+from monitor_server.infra.wire import matrix_json  # noqa: E402
+from monitor_server.storage.query_schemas import HeatmapHead, HeatmapPublic, SeriesMulti, SeriesPublic  # noqa: E402
+from monitor_server.storage.series import downsample_minmax, series_points  # noqa: E402
 
 
 def heatmap_case(tensors: int, buckets: int) -> dict[str, callable]:

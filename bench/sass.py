@@ -19,13 +19,13 @@ the registers and shared memory (the occupancy model; ``cross_build.SassProfile.
 ``KiB in flight / SM``: those programs times the blocks (tiles) each has in flight when it waits for one
 times its input bytes: 2 for the register prefetch (the current block and the next one, loaded before the
 current is worked on), ``stages - 1`` for Triton's software pipeline (the ``pipelined`` rows: the same
-kernels with ``prefetch`` off, ``triton_launch.pipeline_stages``), 1 for a plain loop. By Little's law a
+kernels with ``prefetch`` off, ``triton.launch.pipeline_stages``), 1 for a plain loop. By Little's law a
 kernel streams at most its bytes in flight over the memory latency; the figure is what the loads ask for,
 not a measurement.
 
-Each kernel is built the way its launcher builds it on a GPU (``fp8_kernels.cross_build``: CUDA block sizes,
-Triton's argument binder, ``triton.compile`` for ``GPUTarget("cuda", 90, 32)``, the FP8 cast saturating as on
-sm_89+), for a bf16 input; ``nvdisasm`` and ``cuobjdump``, shipped with Triton, read the cubin.
+Each kernel is built the way its launcher builds it on a GPU (``fp8_kernels.triton.cross_build``: CUDA block
+sizes, Triton's argument binder, ``triton.compile`` for ``GPUTarget("cuda", 90, 32)``, the FP8 cast saturating
+as on sm_89+), for a bf16 input; ``nvdisasm`` and ``cuobjdump``, shipped with Triton, read the cubin.
 
     python bench/sass.py [--out bench/results/sass.json]
 
@@ -50,7 +50,9 @@ X_SHAPE = (512, 1024)  # sizes are no part of the compiled kernels
 def _kernels():
     """``(name, module, kernel attribute, FP8 bytes written per input element, call, constexprs)``: ``call()``
     runs the launcher once on CPU tensors; ``constexprs`` override what it passed (the ``pipelined`` rows)."""
-    from fp8_kernels import triton_current, triton_histogram, triton_quantize
+    from fp8_kernels.triton import current as triton_current
+    from fp8_kernels.triton import histogram as triton_histogram
+    from fp8_kernels.triton import quantize as triton_quantize
 
     x = torch.zeros(X_SHAPE, dtype=torch.bfloat16)
     one = torch.tensor(1.0)
@@ -118,8 +120,9 @@ def _in_flight(kwargs: dict) -> int:
 
 def profile_all(compile_sm90) -> list[dict]:
     """One row per kernel of ``_kernels``, built by ``compile_sm90`` (``cross_build.sm90_compiler()``)."""
-    from fp8_kernels import cross_build, triton_current
-    from fp8_kernels.triton_launch import PROGRAMS_PER_SM
+    from fp8_kernels.triton import cross_build
+    from fp8_kernels.triton import current as triton_current
+    from fp8_kernels.triton.launch import PROGRAMS_PER_SM
 
     rows = []
     for name, module, attr, written, call, constexprs in _kernels():
@@ -194,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "sass.json"))
     a = p.parse_args(argv)
     import triton
-    from fp8_kernels import cross_build
+
+    from fp8_kernels.triton import cross_build
 
     try:
         compile_sm90 = cross_build.sm90_compiler()

@@ -4,8 +4,9 @@
 ``(rows, K)`` with their blocks along K (``fp8_trainer/block_linear.py``: fprop, dgrad and wgrad all take
 this form). It calls ``torch.nn.functional.scaled_mm`` (PyTorch's ``_scaled_mm_v2``, explicit scaling
 recipes) when the operands' device, dtypes, block shapes and sizes allow it, and otherwise
-``fp8_kernels.block_quantize.block_scaled_mm`` (dequantize both, one float32 matmul: the CPU path, and the
-path for everything listed under "falls back" below). ``gemm_paths()`` reports which path each GEMM took.
+``fp8_kernels.reference.block_quantize.block_scaled_mm`` (dequantize both, one float32 matmul: the CPU path,
+and the path for everything listed under "falls back" below). ``gemm_paths()`` reports which path each GEMM
+took.
 
 What PyTorch offers (docs/fp8-semantics.md, "The native block-scaled GEMM", has the sources):
 
@@ -59,8 +60,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
+
 from fp8_kernels import SCALE_ALIGN_BYTES
-from fp8_kernels.block_quantize import BlockQuantized, block_scaled_mm, e8m0_to_scale_inv
+from fp8_kernels.reference.block_quantize import BlockQuantized, block_scaled_mm, e8m0_to_scale_inv
 
 from .gemm import check_once_per_layout
 
@@ -233,7 +235,7 @@ class NativeArgs:
 
 def _vec128_scale(q: BlockQuantized) -> torch.Tensor:
     """1x128: ``(rows, K-blocks)`` with the rows adjacent in memory (stride ``(1, rows)``): no copy for the
-    CUDA kernel's scales, which it stores so (``triton_block_quantize``), a transposed copy of others."""
+    CUDA kernel's scales, which it stores so (``triton.block_quantize``), a transposed copy of others."""
     return q.scale_inv.t().contiguous().t()
 
 

@@ -1,5 +1,6 @@
 """Block-scaled FP8 ``Linear``: MXFP8 (1x32 blocks, E8M0 scales) and FP8 block scaling (1x128 / 128x128
-blocks, float32 scales), Transformer Engine semantics, on the numerics of ``fp8_kernels.block_quantize``.
+blocks, float32 scales), Transformer Engine semantics, on the numerics of
+``fp8_kernels.reference.block_quantize``.
 
 Which copy of each tensor feeds which GEMM (TE's ``general_gemm`` layouts, docs/fp8-semantics.md; ``x``
 flattened to ``(tokens, in)``, ``w`` ``(out, in)``, ``g`` = grad_output ``(tokens, out)``)::
@@ -30,7 +31,7 @@ Statistics (recorded into the step's row, with no host synchronisation): the bas
 element (``fp8_protocol.stats``), with ``scale`` that of the block holding the amax, plus the six
 ``BLOCK_COLUMNS`` and the 256-bin scale exponent histogram, all of the row-wise copy (for a 2-D-scaled
 weight, of its square blocks). Where a kernel is registered (CUDA) it merges them into the rows itself
-(``fp8_kernels.triton_block_quantize``: the quantize launch and a one-program fold); elsewhere
+(``fp8_kernels.triton.block_quantize``: the quantize launch and a one-program fold); elsewhere
 ``block_tensor_stats`` computes them in eager ops from ``x`` and the reference's ``q`` (the oracle the
 kernel is tested against) and ``merge_block_row`` merges them.
 """
@@ -41,7 +42,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-from fp8_kernels.block_quantize import (
+
+from fp8_kernels.dispatch import block_quantize
+from fp8_kernels.reference.block_quantize import (
     FP8_BLOCK,
     MXFP8_BLOCK,
     BlockQuantized,
@@ -49,9 +52,7 @@ from fp8_kernels.block_quantize import (
     e8m0_to_scale_inv,
     float32_block_scale,
 )
-from fp8_kernels.dispatch import block_quantize
-from fp8_kernels.quantize import overflow_threshold, subnormal_threshold
-
+from fp8_kernels.reference.quantize import overflow_threshold, subnormal_threshold
 from fp8_protocol.stats import BLOCK_COLUMNS, BLOCK_HIST_BINS, STAT_COLUMNS
 
 from .block_gemm import block_gemm
@@ -191,7 +192,7 @@ def quantize_block_tensor(
 
 def _blocked(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """``x`` zero-padded to whole blocks and viewed as ``(MB, NB, bm * bn)`` (a view for 1 x n blocks that
-    fit; ``fp8_kernels.block_quantize`` groups its blocks the same way)."""
+    fit; ``fp8_kernels.reference.block_quantize`` groups its blocks the same way)."""
     (bm, bn), (m, n) = block, x.shape
     gm, gn = -(-m // bm), -(-n // bn)
     if gm * bm != m or gn * bn != n:
@@ -206,8 +207,9 @@ def block_tensor_stats(
     ``STAT_COLUMNS`` (the ``BASE_COLUMNS`` alone without ``quality``), ``block_row`` float64
     ``(BLOCK_WIDTH,)``: the ``BLOCK_COLUMNS`` then the scale exponent histogram. Device tensors only.
 
-    The per-block quantities are ``fp8_kernels.block_quantize.block_stats``'s (the tests hold them to it),
-    computed here in one blocked view of ``x`` and ``q`` instead of the reference's separate passes."""
+    The per-block quantities are ``fp8_kernels.reference.block_quantize.block_stats``'s (the tests hold them
+    to it), computed here in one blocked view of ``x`` and ``q`` instead of the reference's separate
+    passes."""
     xb = _blocked(x.detach().to(torch.float32), q.block)  # (MB, NB, block elements), zero-padded
     qb = _blocked(q.data.to(torch.float32), q.block)
     finite = torch.isfinite(xb)

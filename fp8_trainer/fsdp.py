@@ -41,15 +41,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from fp8_kernels import current_scale_reference, new_stats, quantize_with_stats, tensor_amax
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
+from fp8_kernels import current_scale_reference, new_stats, quantize_with_stats, tensor_amax
+
 from .autocast import current_region
 from .distributed import all_reduce_amax
 from .linear import Linear
-from .state import merge_step_stats
+from .merge import merge_step_stats
 from .step import in_backward
 from .weight_cache import PreQuantizedWeight
 

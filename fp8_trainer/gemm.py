@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+
 from fp8_kernels import SCALE_ALIGN_BYTES, fp8_gpu
 
 __all__ = [

@@ -7,12 +7,19 @@ the snapshot it keeps each step's micro-batches, learning rate, injected faults 
 loss. The two newest snapshots are kept, so a window always covers at least ``every`` steps before the
 failing one: a fault whose damage shows a step late (a bad update) still lies inside the replayed window.
 
-Trigger, checked after each step's backward, before the optimizer step (one host read of the loss):
+Trigger, checked after each step's backward, before the optimizer step (one host read a step: the loss,
+and the step's grad_output overflow fractions with it, in one copy):
 
 * ``nonfinite``: the step's loss is NaN or infinite (the first such step only: after it every loss is);
 * ``loss_spike``: the loss-spike rule the monitor uses (``fp8_protocol.loss_spike``: robust z-score of the
   loss against a short moving average, ``z >= 6`` with 20 losses of history); the bundle records the loss
-  the rule expected and its robust sigma, which the replay's verdict measures against.
+  the rule expected and its robust sigma, which the replay's verdict measures against;
+* ``grad_overflow`` (when neither loss trigger fired): in some FP8 layer's ``grad_output`` cast, at least
+  ``grad_overflow_frac`` of the elements saturated in the step (the step's own statistics, ``overflow /
+  numel``), a tensor that was below the bar the step before. A saturated E5M2 gradient need not move the
+  loss (the layer's gradients come out too small for a step), so the loss triggers would not see it. The
+  bundle records the tensor (``LAYER.grad_output``), the fraction and the bar; the replay then judges the
+  layer's gradients (``fp8_trainer.replay_judge``).
 
 A bundle (``incident-step<S>.pt``, ``torch.save``, loads with ``weights_only=True``) holds the older of the
 two snapshots, the steps since it up to and including the failing one, and the run's configuration. Bundles
@@ -41,6 +48,7 @@ import torch
 from torch import nn
 
 from fp8_protocol.loss_spike import MAD_TO_SIGMA, LossSpikeParams, LossSpikeRule
+from fp8_protocol.stats import NUMEL, OVERFLOW
 
 __all__ = ["BUNDLE_VERSION", "CaptureConfig", "IncidentCapture", "default_directory", "load_bundle"]
 
@@ -56,12 +64,20 @@ class CaptureConfig:
     max_bytes: int = 512 * 2**20  # the bundles in the directory together (a bundle beyond it is skipped)
     max_bundles: int = 4  # bundles per run
     spike: LossSpikeParams = field(default_factory=LossSpikeParams)
+    # the grad_output overflow fraction of one step that is an incident (healthy tiny-preset runs on the
+    # CPU peak at 0.18 with delayed scaling, in the history's first steps; never above 0 with current
+    # scaling; a gradspike saturates 0.9999: docs/replay.md)
+    grad_overflow_frac: float = 0.5
 
     def __post_init__(self):
         if self.every < 1:
             raise ValueError(f"every: expected an integer >= 1, got {self.every}")
         if self.max_bytes <= 0:
             raise ValueError(f"max_bytes: expected > 0, got {self.max_bytes}")
+        if not 0 < self.grad_overflow_frac <= 1:
+            raise ValueError(
+                f"grad_overflow_frac: expected a fraction in (0, 1], got {self.grad_overflow_frac}"
+            )
 
 
 def _host_copy(value: Any) -> Any:
@@ -105,6 +121,8 @@ class IncidentCapture:
         self.skipped: list[str] = []  # why bundles were not written
         self.seen_nonfinite = False
         self._current: dict[str, Any] | None = None
+        self._fp8_steps = 0  # the FP8 state's completed steps when the step began
+        self._overflowing: set[int] = set()  # grad_output rows at or above the bar in the last FP8 step
 
     def begin(self, step: int, lr: float, injections=()) -> None:
         """Optimizer step ``step`` starts: take a snapshot if one is due, open the step's record."""
@@ -124,6 +142,43 @@ class IncidentCapture:
             "injections": [_injection_dict(i) for i in injections if i.active(step)],
         }
         self.snapshots[-1].steps.append(self._current)
+        state = self._fp8_state()
+        self._fp8_steps = state.steps if state is not None else 0
+
+    def _fp8_state(self):
+        return getattr(self.model, "_fp8_state", None)  # None: the model does not train in FP8
+
+    def _read(self, loss: torch.Tensor) -> tuple[float, list[float]]:
+        """The step's loss and, where an FP8 step completed since ``begin``, each layer's grad_output
+        overflow fraction in it: one host read (on a GPU, one synchronisation) for both."""
+        value = loss.detach().reshape(1).double()
+        state = self._fp8_state()
+        stats = state.last_stats if state is not None and state.steps != self._fp8_steps else None
+        if stats is None:
+            return float(value.item()), []
+        grad = stats[2::3]  # layer k owns rows 3k, 3k+1, 3k+2: grad_output is the third
+        frac = grad[:, OVERFLOW] / grad[:, NUMEL].clamp_min(1)
+        host = torch.cat([value.to(frac.device), frac]).tolist()
+        return host[0], host[1:]
+
+    def _grad_trigger(self, fractions: list[float]) -> dict[str, Any] | None:
+        """``grad_overflow`` when a layer's grad_output saturated at or above the bar in this step and not
+        in the one before (the worst such tensor), else None."""
+        bar = self.config.grad_overflow_frac
+        over = {k for k, f in enumerate(fractions) if f >= bar}
+        new = over - self._overflowing
+        if fractions:
+            self._overflowing = over
+        if not new:
+            return None
+        k = max(new, key=lambda i: fractions[i])
+        name = self._fp8_state().layer_names[k]
+        return {
+            "kind": "grad_overflow",
+            "tensor": f"{name}.grad_output",
+            "fraction": fractions[k],
+            "bar": bar,
+        }
 
     def batches(self, source):
         """``source`` (``micro -> (x, y)``) that also keeps each micro-batch of the step (on the host)."""
@@ -140,7 +195,7 @@ class IncidentCapture:
     def end(self, step: int, loss: torch.Tensor) -> Path | None:
         """The step's backward is done (``loss`` its mean loss): write a bundle if it is an incident; its
         path, or None."""
-        value = float(loss.detach())  # a host read: the trigger needs the value
+        value, fractions = self._read(loss)  # a host read: the triggers need the values
         self._current["loss"] = value
         trigger = None
         if not math.isfinite(value):
@@ -152,6 +207,9 @@ class IncidentCapture:
             score = self.rule.update(value)
             if score is not None and score.spike:
                 trigger = {"kind": "loss_spike", "loss": value}
+        grad = self._grad_trigger(fractions)
+        if trigger is None and grad is not None:
+            return self._write(step, {**grad, "loss": value})
         if trigger is None:
             return None
         # what the loss was expected to be (the spike rule's baseline), for the replay's verdict

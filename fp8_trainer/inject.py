@@ -11,6 +11,10 @@ Grammar (``LAYER`` is a module path as ``tensor_table`` names it, e.g. ``blocks.
                                    of LAYER.input at STEP > 0); it propagates, as a real one would.
     lr-spike@STEP[xFACTOR]         the learning rate of step STEP times FACTOR (default 100): the loss
                                    spikes after it.
+    gradblowup:LAYER@STEP[xFACTOR] the gradient arriving at the layer's output times FACTOR (default 2**20)
+                                   in STEP's backward, never undone: a gradient blow-up in any precision
+                                   (a loss-scaling bug), which saturates the layer's E5M2 grad_output cast
+                                   as gradspike does, and is not FP8's.
 
 A fault that is FP8's (``fp8-train replay`` must call it so), with a high-precision twin that trains as if
 nothing happened (the fault is undone in high precision, up to rounding):
@@ -74,6 +78,7 @@ __all__ = [
 DEFAULT_FACTORS = {
     "overflow": 1e4,
     "lr-spike": 100.0,
+    "gradblowup": 2.0**20,
     "saturate": 4096.0,
     "jump": 16.0,
     "gradspike": 2.0**20,
@@ -91,11 +96,12 @@ _PATTERNS = {
     "lr-spike": re.compile(rf"lr-spike@(?P<step>\d+){_FACTOR}"),
     **{
         kind: re.compile(rf"{kind}:(?P<layer>[\w.]+)@(?P<step>\d+){_FACTOR}")
-        for kind in ("saturate", "jump", "gradspike", "lowprec")
+        for kind in ("saturate", "jump", "gradspike", "lowprec", "gradblowup")
     },
 }
 USAGE = (
-    "expected overflow:LAYER@STEP[xFACTOR], nan:LAYER@STEP, lr-spike@STEP[xFACTOR] "
+    "expected overflow:LAYER@STEP[xFACTOR], nan:LAYER@STEP, lr-spike@STEP[xFACTOR], "
+    "gradblowup:LAYER@STEP[xFACTOR] "
     "or FP8's own saturate:, jump:, gradspike:, lowprec:LAYER@STEP[xFACTOR]"
 )
 
@@ -124,6 +130,8 @@ class Injection:
             return f"jump: {self.layer}.input x{self.factor:g} from this step on, undone on its output"
         if self.kind == "gradspike":
             return f"gradspike: {self.layer}.grad_output x{self.factor:g}, undone after its backward"
+        if self.kind == "gradblowup":
+            return f"gradblowup: {self.layer}.grad_output x{self.factor:g}, not undone"
         if self.kind == "lowprec":
             return (
                 f"lowprec: {self.layer}.input / {self.factor:g} beside an anchor in channel 0 of every "
@@ -324,6 +332,15 @@ def _gradspike(module: nn.Module, factor: float) -> list:
     return hooks
 
 
+def _gradblowup(module: nn.Module, factor: float) -> list:
+    """A hook, in training forwards: the output's gradient times ``factor``, kept (in any precision)."""
+
+    def post(mod, args, out):
+        return _ScaleGrad.apply(out, factor) if torch.is_grad_enabled() else None
+
+    return [module.register_forward_hook(post)]
+
+
 def _lowprec(module: nn.Module, shrink: float) -> list:
     """Hooks, in training forwards: the input divided by ``shrink``, and an anchor added to channel 0 of
     every token, between a half and three quarters of the input's amax (varying over the tokens, and inside
@@ -358,4 +375,10 @@ def _lowprec(module: nn.Module, shrink: float) -> list:
     return [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
 
 
-_HOOKS = {"saturate": _saturate, "jump": _jump, "gradspike": _gradspike, "lowprec": _lowprec}
+_HOOKS = {
+    "saturate": _saturate,
+    "jump": _jump,
+    "gradspike": _gradspike,
+    "gradblowup": _gradblowup,
+    "lowprec": _lowprec,
+}

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+
 from fp8_kernels import generation as dispatch_generation
 from fp8_kernels import has_kernel, prepare_quantize
 

@@ -5,7 +5,7 @@ field and the reason) and serialisable to JSON through ``to_dict`` / ``from_dict
 and edits them. ``recipe_from_dict`` rebuilds either kind from its dict (it dispatches on ``"type"``).
 
 The block-scaled recipes (``MXFP8BlockScaling``, ``Float8BlockScaling``, Transformer Engine's names and
-defaults) have their numerics in ``fp8_kernels.block_quantize``; the FP8 ``Linear`` runs them
+defaults) have their numerics in ``fp8_kernels.reference.block_quantize``; the FP8 ``Linear`` runs them
 (``fp8_trainer.block_linear``). They are ``Recipe``s like the others: ``recipe_from_dict`` rebuilds all four
 kinds (``block_recipe_from_dict`` the two block kinds alone), and a layer's ``scaling`` setting may name
 them (``"mxfp8"``, ``"block"``).
@@ -31,13 +31,18 @@ __all__ = [
     "MXFP8BlockScaling",
     "QParams",
     "Recipe",
+    "LAYER_SETTINGS",
     "SCALINGS",
+    "base_settings",
     "block_recipe_from_dict",
     "recipe_from_dict",
     "validate_setting",
 ]
 
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+#: Settings that ``set_layer_recipe`` can change per layer (or for the whole model); ``validate_setting``
+#: checks each.
+LAYER_SETTINGS = ("margin", "amax_history_len", "amax_compute_algo", "interval", "scaling", "fp8_enabled")
 #: A layer's ``scaling``: per-tensor ``"delayed"`` or ``"current"``, or block-scaled ``"mxfp8"`` (1x32 blocks,
 #: E8M0 scales) or ``"block"`` (FP8 block scaling, 1x128 / 128x128 float32 scales).
 SCALINGS = ("delayed", "current", "mxfp8", "block")
@@ -408,3 +413,21 @@ def recipe_from_dict(d: dict[str, Any]) -> Recipe:
     if kind in BLOCK_SCALINGS:
         return block_recipe_from_dict({**d, "type": kind})
     raise ValueError(f"type: unknown recipe type {kind!r}; expected one of {SCALINGS}")
+
+
+def base_settings(recipe: Recipe) -> dict[str, Any]:
+    """Every layer setting as ``recipe`` gives it (``FP8State``'s base, below the overrides); the history
+    settings of a recipe without them (current, block) are ``DelayedScaling``'s, used if a layer is switched
+    to delayed scaling."""
+    d = recipe if isinstance(recipe, DelayedScaling) else DelayedScaling()
+    return {
+        "scaling": recipe.scaling,
+        "fp8_format": recipe.fp8_format,
+        "margin": d.margin,
+        "interval": d.interval,
+        "amax_history_len": d.amax_history_len,
+        "amax_compute_algo": d.amax_compute_algo,
+        "reduce_amax": getattr(recipe, "reduce_amax", True),
+        "power_2_scale": getattr(recipe, "power_2_scale", False),
+        "fp8_enabled": True,
+    }

@@ -14,9 +14,12 @@ their batches, learning rates and injected faults) from the snapshot's state, on
    precision, then pairs. The culprits are the smallest set found, tensors (``<layer>.<role>``) where one
    cast suffices, else layers; ordered by the loss they leave, lowest first.
 
-The fault, in a configuration: a non-finite loss anywhere in the window, or a failing-step loss at least
-halfway from the loss the spike rule expected to the loss the run had (for a non-finite original:
-``expected + z_threshold * sigma``, the rule's own spike bar).
+The fault, in a configuration (``fp8_trainer.replay_judge``): a non-finite loss anywhere in the window, or a
+failing-step loss at least halfway from the loss the spike rule expected to the loss the run had (for a
+non-finite original: ``expected + z_threshold * sigma``, the rule's own spike bar). For a ``grad_overflow``
+bundle (a saturated gradient, which need not move the loss) the trigger layer's gradients at the failing
+step instead: far from high precision's on the same weights (each FP8 configuration runs that step once
+more in high precision for them), or blown up against the window's earlier steps.
 
 A cast alone in high precision runs outside the FP8 layer: the layer's forward is replaced, for that
 configuration, by a quantize-dequantize of its FP8 casts with the layer's live scales (the state's own
@@ -38,7 +41,7 @@ import dataclasses
 import json
 import math
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +58,7 @@ from .incident_capture import load_bundle
 from .inject import Injection, Injector
 from .linear import Linear
 from .model import GPT, fp8_filter, preset_config
+from .replay_judge import GradJudge, LossJudge, judge_for, layer_norm
 from .train import _forward_backward, _optimizer_step, make_optimizer, make_recipe
 from .train_config import TrainConfig
 
@@ -78,6 +82,8 @@ class _Window:
         self.vocab_size = bundle["config"]["vocab_size"]
         self.recipe = make_recipe(self.a)
         self.steps = bundle["steps"]
+        trigger = bundle["trigger"]  # a gradient trigger's layer: its gradient norm in every step
+        self.watch = trigger["tensor"].rsplit(".", 1)[0] if trigger.get("kind") == "grad_overflow" else None
         self.layers: list[str] = []
         if self.recipe is not None:
             self.layers = list(get_fp8_state(self._build()[0]).layer_names)
@@ -116,7 +122,7 @@ class _Window:
             _emulate(model.get_submodule(name), roles)
         recipe = self.recipe if fp8 else None
         outputs: dict[str, torch.Tensor] = {}
-        losses, grad_norms, grads = [], [], {}
+        losses, grad_norms, grads, layer_norms, layer_ref = [], [], {}, [], {}
         injector = Injector(model, [])
         for i, record in enumerate(self.steps):
             last = i == len(self.steps) - 1
@@ -124,21 +130,56 @@ class _Window:
             for group in opt.param_groups:
                 group["lr"] = record["lr"]
             injector.begin(record["step"])
+            if last and fp8 and self.watch is not None:
+                layer_ref = self._hp_gradients(model, record, list(hp_casts or ()))
             # after the faults' hooks: each layer's output as the model goes on with it
             hooks = _output_hooks(model, self.layers, outputs) if last else []
             loss = _forward_backward(self.a, model, _source(record, self.device), recipe, self.device, 1)
             injector.end(record["step"])
             for h in hooks:
                 h.remove()
+            if self.watch is not None:
+                layer_norms.append(layer_norm(model, self.watch))
             if last:
                 grads = {
-                    n: p.grad.detach().float().cpu()
+                    n: p.grad.detach().to("cpu", torch.float32, copy=True)
                     for n, p in model.named_parameters()
                     if p.grad is not None
                 }
+                if not fp8 and self.watch is not None:  # high precision is its own reference
+                    layer_ref = {n: g for n, g in grads.items() if n.startswith(self.watch + ".")}
             grad_norms.append(float(_optimizer_step(self.a, model, opt)))
             losses.append(float(loss))
-        return {"losses": losses, "grad_norms": grad_norms, "outputs": outputs, "grads": grads}
+        return {
+            "losses": losses,
+            "grad_norms": grad_norms,
+            "outputs": outputs,
+            "grads": grads,
+            "layer_norms": layer_norms,
+            "layer_ref": layer_ref,
+        }
+
+    def _hp_gradients(self, model: nn.Module, record: dict[str, Any], emulated: list[str]) -> dict[str, Any]:
+        """The watched layer's parameter gradients of ``record``'s step in high precision, from the weights
+        the configuration has reached (the faults' hooks on, the casts' emulation off, the RNG as it was):
+        its gradients' reference where the fault is in the gradients (``replay_judge.GradJudge``)."""
+        mods = [model.get_submodule(n) for n in emulated]
+        forwards = [mod.__dict__.pop("forward") for mod in mods]  # back to the layer's own forward
+        devices = [self.device] if self.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices):
+                _forward_backward(self.a, model, _source(record, self.device), None, self.device, 1)
+        finally:
+            for mod, forward in zip(mods, forwards, strict=True):
+                mod.forward = forward
+        prefix = f"{self.watch}."
+        ref = {
+            n: p.grad.detach().to("cpu", torch.float32, copy=True)
+            for n, p in model.named_parameters()
+            if p.grad is not None
+        }
+        model.zero_grad(set_to_none=True)
+        return {n: g for n, g in ref.items() if n.startswith(prefix)}
 
 
 def _source(record: dict[str, Any], device: torch.device):
@@ -212,58 +253,6 @@ def _output_hooks(model: nn.Module, layers: list[str], outputs: dict[str, torch.
     return [model.get_submodule(n).register_forward_hook(hook(n)) for n in layers]
 
 
-def _sqnr_db(out: torch.Tensor, ref: torch.Tensor) -> float:
-    signal = ref.double().pow(2).sum().item()
-    noise = (out.double() - ref.double()).pow(2).sum().item()
-    if not (math.isfinite(signal) and math.isfinite(noise)):
-        return math.nan
-    if noise == 0:
-        return math.inf
-    return 10 * math.log10(signal / noise) if signal > 0 else -math.inf
-
-
-@dataclass
-class _Judge:
-    """When a configuration has the fault: a non-finite loss in the window, or the failing step's loss at or
-    above ``bar``."""
-
-    bar: float | None
-
-    def entry(self, name: str, hp: list[str], result, reference) -> dict[str, Any]:
-        losses = result["losses"]
-        fault = not all(math.isfinite(v) for v in losses) or (self.bar is not None and losses[-1] >= self.bar)
-        entry = {"name": name, "high_precision": sorted(hp), "loss": losses[-1], "losses": losses}
-        if reference is not None:
-            entry["sqnr_db"] = {
-                n: _sqnr_db(out, reference["outputs"][n])
-                for n, out in result["outputs"].items()
-                if n in reference["outputs"]
-            }
-            grad_db = {
-                n: _sqnr_db(g, reference["grads"][n])
-                for n, g in result["grads"].items()
-                if n in reference["grads"]
-            }
-            if grad_db:
-                worst = min(grad_db, key=lambda n: grad_db[n] if not math.isnan(grad_db[n]) else -math.inf)
-                entry["grad_sqnr_db_min"], entry["grad_sqnr_worst"] = grad_db[worst], worst
-        entry["fault"] = fault
-        return entry
-
-
-def _verdict_bar(trigger: dict[str, Any]) -> float | None:
-    """The failing step's loss at or above which a configuration has the fault in the verdict: halfway from
-    the loss the spike rule expected to the run's (at least 3 of its sigmas above the expected loss); for a
-    non-finite original, the rule's own spike bar; None without a rule history."""
-    expected = trigger.get("expected")
-    if expected is None:
-        return None
-    loss, sigma = trigger["loss"], trigger["sigma"]
-    if math.isfinite(loss):
-        return expected + max(0.5 * (loss - expected), 3 * sigma)
-    return expected + trigger["z_threshold"] * sigma
-
-
 def replay(bundle_path: str | Path, *, bisect: bool = True, device: str = "cpu") -> dict[str, Any]:
     """Replay the bundle's window and return the JSON-able report: ``verdict`` (one of ``VERDICTS``),
     ``reason``, ``culprits`` (tensors or layers, the most likely first), and the evidence per configuration
@@ -296,7 +285,7 @@ def _replay(bundle: dict[str, Any], bundle_path, dev: torch.device, bisect: bool
         )
         return jsonable(report)
     window = _Window(bundle, dev)
-    judge = _Judge(_verdict_bar(trigger))
+    judge = judge_for(trigger)
     configs = report["configs"]
     hp = window.run(fp8=False)
     original = trigger["loss"]
@@ -311,7 +300,7 @@ def _replay(bundle: dict[str, Any], bundle_path, dev: torch.device, bisect: bool
 
     fp8 = window.run(fp8=True)
     configs.append(judge.entry("fp8", [], fp8, hp))
-    configs.append(_Judge(judge.bar).entry("high-precision", window.layers, hp, hp))
+    configs.append(judge.entry("high-precision", window.layers, hp, hp))
     report["bitwise"] = _same(fp8["losses"][-1], original)
     fp8_entry, hp_entry = configs
     if not (report["bitwise"] or fp8_entry["fault"]):
@@ -320,7 +309,7 @@ def _replay(bundle: dict[str, Any], bundle_path, dev: torch.device, bisect: bool
     if hp_entry["fault"]:
         report.update(
             verdict="not-fp8",
-            reason=f"the fault comes back in high precision too (loss {hp_entry['loss']:.4g} at step {step})",
+            reason=f"the fault comes back in high precision too ({judge.describe(hp_entry)} at step {step})",
         )
         return jsonable(report)
     if not fp8_entry["fault"]:
@@ -331,15 +320,11 @@ def _replay(bundle: dict[str, Any], bundle_path, dev: torch.device, bisect: bool
         return jsonable(report)
     report.update(
         verdict="fp8-caused",
-        reason=f"the fault comes back in FP8 (loss {fp8_entry['loss']:.4g}) and is gone in high precision "
-        f"(loss {hp_entry['loss']:.4g})",
+        reason=f"the fault comes back in FP8 ({judge.describe(fp8_entry)}) and is gone in high precision "
+        f"({judge.describe(hp_entry)})",
     )
     if bisect:
-        bar = judge.bar
-        a, b = fp8_entry["loss"], hp_entry["loss"]
-        if math.isfinite(a) and math.isfinite(b) and a > b:  # the same batch: halfway between the two
-            bar = b + 0.5 * (a - b)
-        report["culprits"] = _bisect(window, _Judge(bar), hp, configs)
+        report["culprits"] = _bisect(window, judge.for_bisection(fp8_entry, hp_entry), hp, configs)
     return jsonable(report)
 
 
@@ -355,7 +340,7 @@ def _not_reproduced(entry: dict[str, Any], trigger: dict[str, Any]) -> str:
     )
 
 
-def _bisect(window: _Window, judge: _Judge, reference, configs: list) -> list[str]:
+def _bisect(window: _Window, judge: LossJudge | GradJudge, reference, configs: list) -> list[str]:
     """Append the bisection's configurations to ``configs``; return the culprits (module docstring)."""
 
     def run(name, hp_layers=(), hp_casts=None):
@@ -365,13 +350,13 @@ def _bisect(window: _Window, judge: _Judge, reference, configs: list) -> list[st
         return entry
 
     singles = {name: run(f"layer {name}", [name]) for name in window.layers}
-    fixers = sorted((e["loss"], n) for n, e in singles.items() if not e["fault"])
+    fixers = sorted((judge.order(e), n) for n, e in singles.items() if not e["fault"])
     if fixers:
         culprit_layers = [n for _, n in fixers]  # each alone suffices: the smallest sets, best first
         groups = [[n] for n in culprit_layers]
     else:  # no single layer: shrink the all-high-precision set while the fault stays away
         keep = list(window.layers)
-        for name in sorted(window.layers, key=lambda n: -singles[n]["loss"]):  # least helpful first
+        for name in sorted(window.layers, key=lambda n: -judge.order(singles[n])):  # least helpful first
             trial = [n for n in keep if n != name]
             if trial and not run(f"layers {len(trial)}", trial)["fault"]:
                 keep = trial
@@ -392,13 +377,13 @@ def _bisect(window: _Window, judge: _Judge, reference, configs: list) -> list[st
             for role in ROLES:
                 e = run(f"cast {layer}.{role}", others, {layer: {role}})
                 if not e["fault"]:
-                    found.append((e["loss"], f"{layer}.{role}"))
+                    found.append((judge.order(e), f"{layer}.{role}"))
             if not found:
                 for pair in ((0, 1), (0, 2), (1, 2)):
                     roles = {ROLES[i] for i in pair}
                     e = run(f"casts {layer}.{'+'.join(sorted(roles))}", others, {layer: roles})
                     if not e["fault"]:
-                        found.append((e["loss"], "+".join(f"{layer}.{r}" for r in sorted(roles))))
+                        found.append((judge.order(e), "+".join(f"{layer}.{r}" for r in sorted(roles))))
             tensors.extend(found)
     if tensors:
         named = [t for _, t in sorted(tensors)]

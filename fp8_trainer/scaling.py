@@ -33,6 +33,7 @@ __all__ = [
     "compute_scale",
     "current_scale",
     "delayed_scaling_update",
+    "scale_update_reference",
     "update_amax_history",
 ]
 
@@ -166,3 +167,12 @@ def current_scale(
     if power_2_scale:
         scale = torch.bitwise_and(scale.view(torch.int32), _POW2_MASK).view(torch.float32)
     return scale
+
+
+def scale_update_reference(amax_history, amax, scale, *, most_recent, enabled, **recipe):
+    """``delayed_scaling_update`` with the fused kernel's signature and result ``(history, scale, scale_inv)``
+    (``fp8_kernels.fused_scale_update``), so ``FP8State.end_step`` makes one call whichever runs."""
+    history, new_scale = delayed_scaling_update(
+        amax_history, amax, scale, amax_compute_algo=most_recent, update=enabled, **recipe
+    )
+    return history, new_scale, torch.reciprocal(new_scale)

@@ -33,11 +33,11 @@ from functools import partial
 
 import numpy as np
 import torch
-from fp8_kernels import current_scale_reference, fp8_max, overflow_threshold, underflow_threshold
-from fp8_kernels.block_quantize import MXFP8_BLOCK
-from fp8_kernels.quantize import min_nonzero_reference, quality_row_reference
 from torch import nn
 
+from fp8_kernels import current_scale_reference, fp8_max, overflow_threshold, underflow_threshold
+from fp8_kernels.reference.block_quantize import MXFP8_BLOCK
+from fp8_kernels.reference.quantize import min_nonzero_reference, quality_row_reference
 from fp8_protocol.stats import AMAX, BASE_COLUMNS, MERGE, OVERFLOW, SCALE, STAT_COLUMNS
 
 from .block_linear import quantize_block_tensor

@@ -33,10 +33,9 @@ of another region if no backward came; gradient-accumulation micro-batches use `
 Layers with FP8 turned off keep their rows: amax, counts and numel are zero, ``scale`` is the last scale,
 and neither their history nor their scale changes until FP8 is turned back on.
 
-Checkpoints (see ``layer_extra_state``): every FP8 ``Linear`` saves its slice of this state as its module
-extra state (``<module path>._extra_state`` in ``model.state_dict()``), as Transformer Engine does. The step
-counter that phases ``interval`` is per model; every layer's slice carries a copy of it and of the
-model-wide overrides, so loading any layer restores them.
+Checkpoints (``layer_extra_state``, ``load_layer_extra_state``): every FP8 ``Linear`` saves its slice of
+this state as its module extra state; the format, its checks and the restore are ``fp8_trainer.extra_state``.
+The FP8 copies of the weights held within a step are ``fp8_trainer.weight_cache``'s (``quantized_weight``).
 """
 
 from __future__ import annotations
@@ -46,6 +45,7 @@ from copy import deepcopy
 from typing import Any
 
 import torch
+
 from fp8_kernels import (
     aligned_scales,
     as_aligned_scales,
@@ -56,18 +56,20 @@ from fp8_kernels import (
     quantize_with_stats,
     quantize_with_stats_transposed,
 )
-
-from fp8_protocol.stats import AMAX, BLOCK_COLUMNS, MIN_ABS, SCALE
+from fp8_protocol.stats import AMAX, MIN_ABS, SCALE
 from fp8_protocol.tensors import TensorInfo
 
-from .block_linear import block_specs, new_block_stats, split_block_stats
+from . import extra_state
+from .block_linear import block_specs, new_block_stats
 from .distributed import all_reduce_amax
+from .extra_state import EXTRA_STATE_VERSION
 from .formats import ROLES
 from .linear_ops import register_state
-from .recipe import BLOCK_SCALINGS, DelayedScaling, Recipe, validate_setting
-from .scaling import delayed_scaling_update
+from .merge import merge_step_stats
+from .recipe import BLOCK_SCALINGS, LAYER_SETTINGS, DelayedScaling, Recipe, base_settings, validate_setting
+from .scaling import scale_update_reference
 from .step import StepTracker
-from .weight_cache import PreQuantizedWeight, WeightCache
+from .weight_cache import WeightCache
 
 __all__ = [
     "EXTRA_STATE_VERSION",
@@ -77,71 +79,6 @@ __all__ = [
     "TensorInfo",
     "merge_step_stats",
 ]
-
-#: Settings that ``set_layer_recipe`` can change per layer (or for the whole model).
-LAYER_SETTINGS = ("margin", "amax_history_len", "amax_compute_algo", "interval", "scaling", "fp8_enabled")
-
-BLOCK_RANGE = BLOCK_COLUMNS.index("block_range")
-
-#: Version of the per-layer checkpoint format written by ``FP8State.layer_extra_state``.
-EXTRA_STATE_VERSION = 1
-
-
-def _base_settings(recipe: Recipe) -> dict[str, Any]:
-    # history settings for a recipe without them (current, block): DelayedScaling's, used if a layer is
-    # switched to delayed scaling
-    d = recipe if isinstance(recipe, DelayedScaling) else DelayedScaling()
-    return {
-        "scaling": recipe.scaling,
-        "fp8_format": recipe.fp8_format,
-        "margin": d.margin,
-        "interval": d.interval,
-        "amax_history_len": d.amax_history_len,
-        "amax_compute_algo": d.amax_compute_algo,
-        "reduce_amax": getattr(recipe, "reduce_amax", True),
-        "power_2_scale": getattr(recipe, "power_2_scale", False),
-        "fp8_enabled": True,
-    }
-
-
-def merge_step_stats(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Two FP8 steps' statistics ``(n, C)`` as one, each column as ``fp8_protocol.stats.MERGE`` says: amax
-    the max (NaN ignored), scale the one that scaled the larger amax (so headroom stays negative only where
-    something overflowed), ``min_abs`` the min (NaN ignored), the counts, numel and sums of squares summed.
-    The base columns alone (``C`` = 6) merge the same way; a block with the quality columns and one without
-    (a switch between steps) merge into the base columns they share. A block part (``C + BLOCK_WIDTH``
-    columns) merges as its own columns say (``block_range`` max, the counts and histogram summed); a step
-    without one (before the model's first block-scaled layer) counts as zeros there."""
-    a_stats, a_block = split_block_stats(a)
-    b_stats, b_block = split_block_stats(b)
-    if a_block is not None or b_block is not None:
-        merged = _merge_plain(a_stats, b_stats)
-        a_block = a_block if a_block is not None else torch.zeros_like(b_block)
-        b_block = b_block if b_block is not None else torch.zeros_like(a_block)
-        block = a_block + b_block
-        block[:, BLOCK_RANGE] = torch.fmax(a_block[:, BLOCK_RANGE], b_block[:, BLOCK_RANGE])
-        return torch.cat([merged, block], 1)
-    return _merge_plain(a, b)
-
-
-def _merge_plain(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    width = min(a.shape[1], b.shape[1])
-    a, b = a[:, :width], b[:, :width]
-    out = a + b
-    out[:, AMAX] = torch.fmax(a[:, AMAX], b[:, AMAX])
-    out[:, SCALE] = torch.where(b[:, AMAX] > a[:, AMAX], b[:, SCALE], a[:, SCALE])
-    if a.shape[1] > MIN_ABS:
-        out[:, MIN_ABS] = torch.fmin(a[:, MIN_ABS], b[:, MIN_ABS])
-    return out
-
-
-def _scale_update_reference(amax_history, amax, scale, *, most_recent, enabled, **recipe):
-    """``delayed_scaling_update`` with the fused kernel's signature and result ``(history, scale, scale_inv)``
-    (``fp8_kernels.fused_scale_update``), so ``end_step`` makes one call whichever runs."""
-    history, new_scale = delayed_scaling_update(
-        amax_history, amax, scale, amax_compute_algo=most_recent, update=enabled, **recipe
-    )
-    return history, new_scale, torch.reciprocal(new_scale)
 
 
 def _move_into(held: torch.Tensor | None, t: torch.Tensor) -> torch.Tensor:
@@ -223,7 +160,7 @@ class FP8State:
 
     # ----- recipe and settings (host side; never on the hot path) -----
     def _base(self) -> dict[str, Any]:
-        return {**_base_settings(self.recipe), **self.model_overrides}
+        return {**base_settings(self.recipe), **self.model_overrides}
 
     def layer_settings(self, k: int) -> dict[str, Any]:
         """Effective settings of layer ``k``: recipe, then model-wide overrides, then the layer's own."""
@@ -238,7 +175,7 @@ class FP8State:
     def set_recipe(self, recipe: Recipe) -> None:
         """Make ``recipe`` the base recipe (layer overrides stay on top of it)."""
         if recipe is not self.recipe and recipe != self.recipe:  # identity first: the usual case, per layer
-            base = {**_base_settings(recipe), **self.model_overrides}
+            base = {**base_settings(recipe), **self.model_overrides}
             self._check_shapes(lambda k: {**base, **self.layer_overrides[k]})
             self.recipe = recipe
             self._rebuild()
@@ -462,24 +399,8 @@ class FP8State:
 
     def quantized_weight(self, k: int, weight: torch.Tensor, variant: Any, record: bool, quantize):
         """Layer ``k``'s weight as ``quantize(record)`` makes it, quantized once per step while the weight
-        stays as it was (``fp8_trainer.weight_cache`` says when a held copy is used again). ``variant`` names
-        what ``quantize`` makes (which copies), so a forward that needs another one quantizes again. A
-        forward that records nothing (evaluation) neither fills the cache nor needs it. The weight's
-        statistics are recorded once per step and value (``WeightCache.first_record``): a later quantization
-        of the same value in the same step (another variant, or a copy the cache could not keep: FSDP2
-        gathers the weight into a fresh tensor for every micro-batch, a computed weight is made at every
-        forward) quantizes without recording, so a step's counts are one weight's, not one per micro-batch;
-        a weight changed within the step (an in-place op, an optimizer step) records again. A weight that
-        arrives in FP8 (``PreQuantizedWeight``: FSDP2's FP8 all-gather) is taken as it is."""
-        if isinstance(weight, PreQuantizedWeight):
-            return weight.fp8_copies(self, k, variant, record)
-        key = self.weight_cache.key(weight, self.version, variant)
-        got = self.weight_cache.lookup(k, key)
-        if got is None:
-            got = quantize(record and self.weight_cache.first_record(k, weight))
-            if record:
-                self.weight_cache.store(k, key, weight, got)
-        return got
+        stays as it was (``WeightCache.quantized``, which also says when its statistics are recorded)."""
+        return self.weight_cache.quantized(self, k, weight, variant, record, quantize)
 
     def quality_step(self, step: int) -> bool:
         """Whether the step of index ``step`` (0-based, ``steps`` before it completes) records the quality
@@ -516,7 +437,7 @@ class FP8State:
         else:
             self.step_t = self.step_t + 1
         # one launch for all tensors where a kernel is registered (Triton on CUDA), the reference elsewhere
-        update = fused_scale_update(self.device) or _scale_update_reference
+        update = fused_scale_update(self.device) or scale_update_reference
         history, scale, scale_inv = update(
             self.amax_history,
             amax,
@@ -622,26 +543,11 @@ class FP8State:
         if self.tracker.step_complete:
             self.end_step()
 
-    # ----- checkpoint (host side; copies to the CPU, never on the hot path) -----
+    # ----- checkpoint (host side; copies to the CPU, never on the hot path; fp8_trainer.extra_state) -----
     def layer_extra_state(self, k: int) -> dict[str, Any]:
-        """Layer ``k``'s slice of the scaling state, tensors and plain values only (``weights_only``-safe).
-
-        ``amax_history`` holds the layer's effective rows only (``(history_len, 3)``, newest first, columns
-        input / weight / grad_output). A step still pending (between forward and backward, or between
-        micro-batches) is not included: the slice is the state after the last completed step.
-        """
-        cols = slice(3 * k, 3 * k + 3)
-        length = self.layer_settings(k)["amax_history_len"]
-        return {
-            "version": EXTRA_STATE_VERSION,
-            "layer": self.layer_names[k],
-            "amax_history": self.amax_history[:length, cols].detach().to("cpu", copy=True),
-            "scale": self.scale[cols].detach().to("cpu", copy=True),
-            "scale_inv": self.scale_inv[cols].detach().to("cpu", copy=True),
-            "layer_overrides": dict(self.layer_overrides[k]),
-            "model_overrides": dict(self.model_overrides),
-            "step": self.steps,
-        }
+        """Layer ``k``'s slice of the scaling state as the last completed step left it, tensors and plain
+        values only (``weights_only``-safe; ``extra_state.save``)."""
+        return extra_state.save(self, k)
 
     def load_layer_extra_state(self, k: int, extra: dict[str, Any]) -> None:
         """Restore layer ``k``'s slice saved by ``layer_extra_state``: overrides, history, scales, step.
@@ -655,46 +561,13 @@ class FP8State:
         """
         name = self.layer_names[k] or "<root>"
         self.check_not_pending(name)
-        if not isinstance(extra, dict) or extra.get("version") != EXTRA_STATE_VERSION:
-            version = extra.get("version") if isinstance(extra, dict) else type(extra).__name__
-            raise ValueError(
-                f"{name}._extra_state: expected FP8 extra state version {EXTRA_STATE_VERSION}, "
-                f"got {version!r}"
-            )
-        try:
-            layer_overrides = self._clean_overrides(extra["layer_overrides"])
-            model_overrides = self._clean_overrides(extra["model_overrides"])
-            history = torch.as_tensor(extra["amax_history"], dtype=torch.float32)
-            scale = torch.as_tensor(extra["scale"], dtype=torch.float32)
-            scale_inv = torch.as_tensor(extra["scale_inv"], dtype=torch.float32)
-            step = extra["step"]
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{name}._extra_state: malformed FP8 extra state ({e})") from None
-        if history.dim() != 2 or history.shape[1] != 3 or scale.shape != (3,) or scale_inv.shape != (3,):
-            raise ValueError(
-                f"{name}._extra_state: expected amax_history (L, 3), scale (3,), scale_inv (3,); got "
-                f"{tuple(history.shape)}, {tuple(scale.shape)}, {tuple(scale_inv.shape)}"
-            )
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"{name}._extra_state: step must be an integer >= 0, got {step!r}")
-
-        self.layer_overrides[k] = layer_overrides
-        self.model_overrides = model_overrides
+        saved = extra_state.parse(name, extra)
+        self.layer_overrides[k] = saved.layer_overrides
+        self.model_overrides = saved.model_overrides
         self._rebuild()  # effective history lengths first: the saved history is fitted to them
-        cols = slice(3 * k, 3 * k + 3)
-        length = self.layer_settings(k)["amax_history_len"]
-        n = min(length, history.shape[0])
-        # new tensors, not in-place writes: earlier graphs may still hold views of the old scales
-        amax_history = self.amax_history.clone()
-        amax_history[:, cols] = 0
-        amax_history[:n, cols] = history[:n].to(self.device)
-        new_scale = aligned_scales(self.scale)
-        new_scale[cols] = scale.to(self.device)
-        # derived, not loaded: a stored scale_inv that disagreed with scale would scale every output wrongly
-        new_scale_inv = aligned_scales(torch.reciprocal(new_scale))
-        self.amax_history, self.scale, self.scale_inv = amax_history, new_scale, new_scale_inv
-        self.steps = step
-        self.step_t = torch.full((), step, dtype=torch.int64, device=self.device)
+        self.amax_history, self.scale, self.scale_inv = extra_state.restored(self, k, saved)
+        self.steps = saved.step
+        self.step_t = torch.full((), saved.step, dtype=torch.int64, device=self.device)
         self._new_stats_buffer()  # its scale column must show the restored scales
         self.version += 1
 
@@ -706,14 +579,3 @@ class FP8State:
                 "backward, or an unfinished gradient accumulation); finish the step or call "
                 "fp8_trainer.end_step(model) before loading"
             )
-
-    @staticmethod
-    def _clean_overrides(overrides: Any) -> dict[str, Any]:
-        if not isinstance(overrides, dict):
-            raise TypeError(f"overrides must be a dict, got {type(overrides).__name__}")
-        clean = {}
-        for key, value in overrides.items():
-            if key not in LAYER_SETTINGS:
-                raise ValueError(f"{key!r} is not a per-layer recipe setting")
-            clean[key] = validate_setting(key, value)
-        return clean

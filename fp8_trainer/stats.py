@@ -11,7 +11,7 @@ parts them; ``step_stats`` stays the statistics alone).
 
 Every completed FP8 step reaches a reader, whatever the loop does: where several steps close between two
 polls (a gradient-accumulation loop without ``step_boundary=False`` closes one per micro-batch, as
-Transformer Engine's does), the reader gets them merged (``fp8_trainer.state.merge_step_stats``: amax max,
+Transformer Engine's does), the reader gets them merged (``fp8_trainer.merge.merge_step_stats``: amax max,
 the scale that scaled it, counts summed), so a micro-batch that saturated is never dropped.
 """
 
@@ -20,8 +20,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from fp8_kernels import STAT_COLUMNS
 from torch import nn
+
+from fp8_kernels import STAT_COLUMNS
 
 from .convert import get_fp8_state
 from .hostcopy import LateCopy

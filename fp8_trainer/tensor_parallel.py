@@ -40,13 +40,14 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from fp8_kernels import current_scale_reference, quantize_with_stats, tensor_amax
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from fp8_kernels import current_scale_reference, quantize_with_stats, tensor_amax
 
 from .distributed import all_reduce_amax
 from .gemm import fp8_mm, gemm_operand
 from .linear_ops import FP8LinearFn, layer_plan
-from .state import merge_step_stats
+from .merge import merge_step_stats
 from .step import begin_forward
 from .weight_cache import PreQuantizedWeight
 

@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from fp8_protocol.replay import INCIDENT_BUNDLE_EVENT
 
+from .auto_replay import AutoReplay
 from .autocast import fp8_autocast
 from .checkpoint import checkpoint_path, load_checkpoint, load_sharded, save_checkpoint, save_sharded
 from .convert import convert_to_fp8, get_fp8_state
@@ -438,6 +439,7 @@ def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -
     progress = _Progress(a, start, tokens_per_step, lead, out)
     say = progress.say
     capture = _make_capture(a, model, opt, config, world, say)
+    replays = AutoReplay.for_job(a, capture, say)  # --remediation: each bundle replayed in a child
 
     n_params = sum(p.numel() for p in model.parameters())
     say(
@@ -488,6 +490,8 @@ def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -
                 if bundle is not None:
                     say(f"fp8-train: step {step}: incident bundle {bundle} (fp8-train replay {bundle})")
                     monitor.event(INCIDENT_BUNDLE_EVENT, step, path=str(bundle))
+                if replays is not None:  # starts a queued replay, reports an ended one: never waits
+                    replays.after_step(step, bundle, monitor)
 
                 if a.halt_on_nonfinite and _nonfinite(step_loss, world):  # before the update: a host sync
                     result.status = "halted"
@@ -519,6 +523,9 @@ def _train(a, prepared: Prepared, rank: int, world: int, device, on_step, out) -
         except KeyboardInterrupt:  # Ctrl-C: one line, a checkpoint if asked for, the run "interrupted"
             result.status = "interrupted"
             say(f"fp8-train: interrupted after step {result.step}")
+        finally:
+            if replays is not None:  # a replay still running is stopped (fp8_trainer.auto_replay)
+                replays.close(monitor, result.step)
         if result.status != "finished":
             _save_on_stop(a, model, opt, result, start, config, corpus, world, lead, say)
             monitor.close(result.status)

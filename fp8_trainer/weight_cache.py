@@ -80,8 +80,8 @@ class PreQuantizedWeight(torch.Tensor):
 class WeightCache:
     """Per layer, its weight's FP8 copy and what it was made from (module docstring).
 
-    ``lookup`` then ``store`` around a quantization; with ``value=True`` the same rule tells a recorder
-    (shadow mode) whether the weight was already recorded in this step.
+    ``quantized`` runs a quantization through it (``lookup``, then ``store``); ``first_record`` tells a
+    recorder (shadow mode too) whether the weight was already recorded in this step.
     """
 
     def __init__(self) -> None:
@@ -89,6 +89,30 @@ class WeightCache:
         self.enabled = True  # off only to measure what the cache saves (bench/weight_cache.py)
         self._held: dict[int, tuple[tuple, torch.Tensor, Any]] = {}
         self._recorded: dict[int, Any] = {}  # per layer, what its weight was when recorded in this step
+
+    def quantized(
+        self, state: Any, k: int, weight: torch.Tensor, variant: Any, record: bool, quantize
+    ) -> Any:
+        """Layer ``k``'s weight as ``quantize(record)`` makes it, quantized once per step while the weight
+        stays as it was (the module docstring says when a held copy is used again); ``state`` is the layer's
+        ``FP8State`` (``FP8State.quantized_weight`` calls this). ``variant`` names what ``quantize`` makes
+        (which copies), so a forward that needs another one quantizes again. A forward that records nothing
+        (evaluation) neither fills the cache nor needs it. The weight's statistics are recorded once per step
+        and value (``first_record``): a later quantization of the same value in the same step (another
+        variant, or a copy the cache could not keep: FSDP2 gathers the weight into a fresh tensor for every
+        micro-batch, a computed weight is made at every forward) quantizes without recording, so a step's
+        counts are one weight's, not one per micro-batch; a weight changed within the step (an in-place op,
+        an optimizer step) records again. A weight that arrives in FP8 (``PreQuantizedWeight``: FSDP2's FP8
+        all-gather) is taken as it is."""
+        if isinstance(weight, PreQuantizedWeight):
+            return weight.fp8_copies(state, k, variant, record)
+        key = self.key(weight, state.version, variant)
+        got = self.lookup(k, key)
+        if got is None:
+            got = quantize(record and self.first_record(k, weight))
+            if record:
+                self.store(k, key, weight, got)
+        return got
 
     def key(self, weight: torch.Tensor, state_version: int, variant: Any) -> tuple | None:
         """What a copy of ``weight`` is valid for; ``None`` where no copy may be kept. A view of a parameter

@@ -17,8 +17,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.concurrency import run_in_threadpool
 
 from fp8_protocol.api import API_PREFIX
-from monitor_server import run_admin
-from monitor_server.alerting import MAINTENANCE_JOB
+from monitor_server.api.context import AppContext
 from monitor_server.api.routes import (
     alerts,
     blocks,
@@ -29,20 +28,21 @@ from monitor_server.api.routes import (
     incidents,
     policies,
     queries,
+    replay_requests,
     replays,
     runs,
     stream,
     telemetry,
 )
-from monitor_server.api_docs import mount_api_docs
-from monitor_server.context import AppContext
 from monitor_server.core.config import Settings
 from monitor_server.core.db import LockTimeout
-from monitor_server.guard import RequestGuard
-from monitor_server.migrations import upgrade_to_head
-from monitor_server.models import utcnow
-from monitor_server.schemas import TelemetryBatch
-from monitor_server.web import mount_dashboard
+from monitor_server.infra.api_docs import mount_api_docs
+from monitor_server.infra.guard import RequestGuard
+from monitor_server.infra.web import mount_dashboard
+from monitor_server.services.alerting import MAINTENANCE_JOB
+from monitor_server.storage.migrations import upgrade_to_head
+from monitor_server.storage.models import utcnow
+from monitor_server.storage.schemas import TelemetryBatch
 
 log = logging.getLogger("fp8scope.monitor")
 
@@ -65,7 +65,7 @@ def _maintain(ctx: AppContext) -> None:
     # several instances on one database: one at a time does the round (the others skip it)
     with ctx.db.exclusive_job(MAINTENANCE_JOB) as mine:
         if mine:
-            run_admin.maintain(ctx, utcnow())
+            ctx.maintain(utcnow())
 
 
 async def _stall_checker(ctx: AppContext) -> None:
@@ -88,7 +88,7 @@ def _start_relay(ctx: AppContext) -> Any:
     database; None on SQLite (one process: the in-process broker is all there is)."""
     if ctx.db.sqlite:
         return None
-    from monitor_server.events_pg import PgEventRelay
+    from monitor_server.infra.events_pg import PgEventRelay
 
     relay = PgEventRelay(ctx.db.engine, ctx.broker, resolve=ctx.detection.event_data)
     relay.start()
@@ -149,6 +149,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         alerts,
         incidents,
         replays,
+        replay_requests,
         commands,
         policies,
         stream,

@@ -2,11 +2,12 @@
 
     fp8-monitor serve [--db URL] [--host 127.0.0.1] [--port 8000] [--tokens-file PATH]
     fp8-monitor upload SPOOL [--url http://127.0.0.1:8000] [--token SECRET]
+    fp8-monitor replay-worker [--url http://127.0.0.1:8000] [--once] [--poll-seconds 2]
 
 Flags override ``FP8SCOPE_*`` environment variables. Without tokens the server only listens on loopback.
 
-`upload` belongs to the client install (``pip install fp8scope``, what a training node has): it needs
-httpx and the torch-free protocol only, and finds the service as the job does (``--url``, else
+`upload` and `replay-worker` belong to the client install (``pip install fp8scope``, what a training node
+has): they need httpx and the torch-free protocol only, and find the service as the job does (``--url``, else
 ``FP8SCOPE_URL``; ``--token``, else ``FP8SCOPE_TOKEN`` / ``FP8SCOPE_TOKEN_FILE``). The service stack is
 imported by `serve` alone, which without the ``server`` extra says which extra to install.
 """
@@ -103,6 +104,49 @@ def _upload_parser(sub: argparse._SubParsersAction) -> None:
     )
 
 
+def _worker_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "replay-worker",
+        help="replay the incidents people ask for on the incident page",
+        description="Poll the service for replay requests, run fp8-train replay for each (on a machine that "
+        "sees the bundles), and store the report on its incident. Token: $FP8SCOPE_TOKEN or "
+        "$FP8SCOPE_TOKEN_FILE, with the control scope.",
+    )
+    p.add_argument("--url", help="service root (default: $FP8SCOPE_URL, else http://127.0.0.1:8000)")
+    p.add_argument("--poll-seconds", type=float, default=2.0, help="wait between polls when idle (default 2)")
+    p.add_argument("--timeout-seconds", type=float, default=3600.0, help="longest replay (default 3600)")
+    p.add_argument("--once", action="store_true", help="run what is pending now, then exit")
+
+
+def replay_worker(args: argparse.Namespace) -> int:
+    """Run the replay worker; exit code 2 when the service cannot be reached with --once."""
+    import os
+
+    import httpx
+
+    from fp8_protocol.env import env_token, service_url
+    from monitor_server.infra.replay_worker import ReplayWorker
+
+    try:
+        url = service_url(args.url if args.url or os.environ.get("FP8SCOPE_URL") else DEFAULT_URL)
+        token = env_token()
+    except (OSError, ValueError) as exc:
+        print(f"fp8-monitor replay-worker: {printable(str(exc))}", file=sys.stderr)
+        return 2
+    worker = ReplayWorker(url, token, timeout_s=args.timeout_seconds)
+    try:
+        ran = worker.serve(args.poll_seconds, args.once)
+    except httpx.HTTPError as exc:
+        print(f"fp8-monitor replay-worker: {printable(str(exc))}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        worker.close()
+    print(f"fp8-monitor replay-worker: {ran} replay request(s) run")
+    return 0
+
+
 def printable(text: str) -> str:
     """`text` with every character a terminal could act on (escape sequences, other control and format
     characters such as bidirectional overrides) written as a Python escape: what `upload` prints comes
@@ -194,7 +238,7 @@ def serve(args: argparse.Namespace) -> int:
 
         from monitor_server.app import create_app
         from monitor_server.core.config import describe_error, is_loopback
-        from monitor_server.http_protocol import bounded_protocol
+        from monitor_server.infra.http_protocol import bounded_protocol
     except ModuleNotFoundError as exc:  # a client install: the service is the server extra
         print(
             f"fp8-monitor serve: the monitor service needs the server extra ({exc.name} is not installed): "
@@ -253,7 +297,8 @@ def serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         timeout_graceful_shutdown=5,
         proxy_headers=False,
-        # request heads bounded in size and time before they are parsed (see monitor_server.http_protocol)
+        # request heads bounded in size and time before they are parsed (see
+        # monitor_server.infra.http_protocol)
         http=bounded_protocol(settings.max_header_bytes, settings.header_timeout_seconds),
     )
     Server(config).run()
@@ -261,11 +306,12 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of `fp8-monitor` (subcommands: serve, upload)."""
+    """The argument parser of `fp8-monitor` (subcommands: serve, upload, replay-worker)."""
     parser = argparse.ArgumentParser(prog="fp8-monitor", description="fp8scope monitor service")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _upload_parser(sub)
+    _worker_parser(sub)
     return parser
 
 
@@ -277,6 +323,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return serve(args)
     if args.command == "upload":
         return upload(args)
+    if args.command == "replay-worker":
+        return replay_worker(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

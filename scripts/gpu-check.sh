@@ -9,9 +9,8 @@
 #                                              # (orjson, torchao) into .whl/, to carry along with the tree
 #
 # Uses the machine's own python3 (PYTHON=... to choose another), which must have torch and triton. The
-# package fp8_kernels is the repository's kernels/ folder (a package-dir mapping in pyproject.toml), so the
-# packages are linked into a temporary folder on PYTHONPATH instead of installed; wheels found in .whl/ are
-# installed into it with pip --no-index (fp8_trainer imports orjson, for which a json-based stand-in is
+# packages (fp8_trainer, fp8_kernels, fp8_protocol, monitor_server) are linked into a temporary folder on
+# PYTHONPATH instead of installed; wheels found in .whl/ are installed into it with pip --no-index (fp8_trainer imports orjson, for which a json-based stand-in is
 # written when no wheel came along; torchao is the benchmarks' baseline, left out when missing).
 # Each part is bounded by `timeout` (its cap, in seconds), and all together by GPU_CHECK_BUDGET seconds
 # (default 300: five minutes; a part that would start with too little left is skipped and counts as failed).
@@ -185,7 +184,7 @@ print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, triton {triton.__v
     # ----- the project importable without a package index -----
     local site="$WORK/site"
     mkdir -p "$site"
-    ln -s "$ROOT/kernels" "$site/fp8_kernels"
+    ln -s "$ROOT/fp8_kernels" "$site/fp8_kernels"
     ln -s "$ROOT/fp8_trainer" "$site/fp8_trainer"
     ln -s "$ROOT/monitor_server" "$site/monitor_server"
     ln -s "$ROOT/fp8_protocol" "$site/fp8_protocol"

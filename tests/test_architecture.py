@@ -14,7 +14,7 @@ DOC = ROOT / "docs" / "architecture.md"
 def test_every_module_the_doc_names_exists():
     named = set(
         re.findall(
-            r"`((?:fp8_trainer|fp8_protocol|monitor_server|kernels|web|tests)/[\w./]+)`", DOC.read_text()
+            r"`((?:fp8_trainer|fp8_protocol|monitor_server|fp8_kernels|web|tests)/[\w./]+)`", DOC.read_text()
         )
     )
     assert len(named) > 20
@@ -71,25 +71,36 @@ def _module_imports(path: Path) -> set[str]:
     return names
 
 
-def _package_graph(folder: str, package: str) -> dict[str, set[str]]:
-    """Module -> the modules of the same package it imports, at any depth of the file (a function's
-    lazy import is still a dependency), relative (``from .x import``) and absolute (``package.x``)."""
-    modules = {p.stem: p for p in (ROOT / folder).glob("*.py") if p.stem != "__init__"}
+def _package_graph(package: str) -> dict[str, set[str]]:
+    """Module (dotted below ``package``: ``dispatch``, ``triton.launch``; a subfolder's ``__init__`` by the
+    folder's name) -> the modules of the same package it imports, at any depth of the file (a function's lazy
+    import is still a dependency), relative (``from .x import``, ``from ..x import``) and absolute
+    (``package.x``). The package's own ``__init__`` (what its users import) is left out."""
+    root = ROOT / package
+    modules = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root).with_suffix("").parts
+        parts = parts[:-1] if parts[-1] == "__init__" else parts
+        if parts:
+            modules[".".join(parts)] = path
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
+        here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
         deps = set()
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.ImportFrom):
-                if node.level == 1 and node.module:
-                    deps.add(node.module.split(".")[0])
-                elif node.level == 1:
-                    deps |= {a.name for a in node.names}
-                elif node.level == 0 and node.module and node.module.startswith(package + "."):
-                    deps.add(node.module.split(".")[1])
-                elif node.level == 0 and node.module == package:
-                    deps |= {a.name for a in node.names}
+                if node.level:
+                    base = here[: len(here) - (node.level - 1)]
+                    mod = base + (node.module.split(".") if node.module else [])
+                elif node.module and (node.module + ".").startswith(package + "."):
+                    mod = node.module.split(".")[1:]
+                else:
+                    continue
+                for a in node.names:  # ``from . import x``: module x if there is one, else the package
+                    sub = ".".join([*mod, a.name])
+                    deps.add(sub if sub in modules else ".".join(mod))
             elif isinstance(node, ast.Import):
-                deps |= {a.name.split(".")[1] for a in node.names if a.name.startswith(package + ".")}
+                deps |= {a.name.split(".", 1)[1] for a in node.names if a.name.startswith(package + ".")}
         graph[name] = (deps & modules.keys()) - {name}
     return graph
 
@@ -118,13 +129,161 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_the_kernels_form_no_import_circle():
-    """``fp8_kernels`` (the ``kernels`` folder): what the dispatch and the Triton launchers both need about
+    """``fp8_kernels``, its subfolders included: what the dispatch and the Triton launchers both need about
     the device lives in ``device.py``, below both; lazy imports inside functions count."""
-    graph = _package_graph("kernels", "fp8_kernels")
-    assert {"dispatch", "triton_launch", "device"} <= graph.keys()
+    graph = _package_graph("fp8_kernels")
+    assert {"dispatch", "device", "triton.launch", "reference.quantize", "cpu.fused"} <= graph.keys()
+    # the graph sees a relative import of the parent folder, and the dispatch's lazy imports
+    assert "device" in graph["triton.launch"] and "triton.quantize" in graph["dispatch"]
     assert _cycle(graph) is None, _cycle(graph)
+
+
+def test_the_kernels_are_layered_below_the_dispatch():
+    """The references import no kernel (they are the specification); the Triton and C kernels import the
+    references, ``device`` and ``layout`` but never the dispatch, which registers them."""
+    graph = _package_graph("fp8_kernels")
+    above = {
+        m: {d for d in deps if not d.startswith("reference")}
+        for m, deps in graph.items()
+        if m.startswith("reference")
+    }
+    assert {m: d for m, d in above.items() if d} == {}
+    kernels = {m: deps for m, deps in graph.items() if m.split(".")[0] in ("triton", "cpu")}
+    assert {m: d & {"dispatch"} for m, d in kernels.items() if "dispatch" in d} == {}
+    assert kernels["triton.quantize"] >= {"triton.launch", "reference.quantize"}
+
+
+def test_the_kernels_import_neither_side():
+    """``fp8_kernels`` is below both: it imports ``fp8_protocol`` (the statistics columns) and torch, never
+    the runtime or the service."""
+    bad = {p: n & {"fp8_trainer", "monitor_server"} for p, n in _imports("fp8_kernels").items()}
+    assert {p: n for p, n in bad.items() if n} == {}
+    assert any("fp8_protocol" in n for n in _imports("fp8_kernels").values())  # the check reads the imports
 
 
 def test_the_circle_check_finds_a_circle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+#: the floors of ``monitor_server`` and what each may import besides itself (``docs/architecture.md``): api →
+#: services → storage / detectors → core / infra, never upward; ``app.py`` and ``cli.py`` above them all
+SERVICE_FLOORS = {
+    "api": {"services", "storage", "detectors", "core", "infra"},
+    "services": {"storage", "detectors", "core", "infra"},
+    "storage": {"core", "infra"},
+    "detectors": {"core", "infra"},
+    "infra": {"core"},
+    "core": set(),
+}
+SERVICE_TOP = {"app", "cli"}
+
+
+def _upward(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Module -> the modules it imports from a floor above its own or beside it (none: the rule holds);
+    a module on no floor is listed with what it imports (or ``{"(no floor)"}``)."""
+    bad = {}
+    for module, deps in graph.items():
+        floor = module.split(".")[0]
+        if module in SERVICE_TOP:
+            continue
+        if floor not in SERVICE_FLOORS:
+            bad[module] = {"(no floor)"}
+            continue
+        allowed = SERVICE_FLOORS[floor] | {floor}
+        if wrong := {d for d in deps if d.split(".")[0] not in allowed}:
+            bad[module] = wrong
+    return bad
+
+
+def test_the_service_imports_only_down_its_floors():
+    """Routes ask services, services use storage and the detectors, and those stand on core and infra: no
+    module imports one on a floor above its own, lazy and type-checking imports included; every module
+    but the application (``app.py``, ``cli.py``) sits on a floor, so the flat package does not grow back."""
+    graph = _package_graph("monitor_server")
+    assert {
+        "api.deps",
+        "services.ingest",
+        "storage.rollups",
+        "detectors.engine",
+        "core.config",
+    } <= graph.keys()
+    assert "storage.models" in graph["services.ingest"]  # the graph reads the absolute imports
+    assert _upward(graph) == {}
+    assert {m for m in graph if "." not in m} == SERVICE_TOP | SERVICE_FLOORS.keys()
+
+
+def test_the_service_forms_no_import_circle():
+    graph = _package_graph("monitor_server")
+    assert _cycle(graph) is None, _cycle(graph)
+
+
+def test_the_floor_check_finds_an_upward_import():
+    ok = {
+        "api.deps": {"services.ingest", "core.config"},
+        "services.ingest": {"storage.models"},
+        "app": {"api"},
+    }
+    assert _upward(ok) == {}
+    up = {**ok, "storage.rollups": {"storage.models", "services.ingest"}, "core.db": {"infra.wire"}}
+    assert _upward(up) == {"storage.rollups": {"services.ingest"}, "core.db": {"infra.wire"}}
+    assert _upward({"detectors.engine": {"storage.models"}}) == {"detectors.engine": {"storage.models"}}
+    assert _upward({"rollups": set()}) == {"rollups": {"(no floor)"}}
+
+
+def test_no_service_module_is_over_600_lines():
+    """A module that grows past this is split on its seams (as the statistics rows left the rollups)."""
+    sizes = {
+        str(p.relative_to(ROOT)): len(p.read_text().splitlines())
+        for p in (ROOT / "monitor_server").rglob("*.py")
+    }
+    assert len(sizes) > 80
+    assert {p: n for p, n in sizes.items() if n > 600} == {}
+
+
+#: what a session runs against the database; a route hands its session to a service instead
+SESSION_SQL = {"execute", "scalar", "scalars", "get", "add", "add_all", "flush", "delete", "merge", "query"}
+
+
+def _sql_in(source: str) -> set[str]:
+    """The SQL a module's source runs itself: imports of SQLAlchemy's query builders (anything but
+    ``sqlalchemy.orm``'s types and ``sqlalchemy.exc``'s errors) and calls like ``session.execute(...)``."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            modules = [node.module]
+        elif isinstance(node, ast.Import):
+            modules = [a.name for a in node.names]
+        else:
+            modules = []
+        found |= {
+            m
+            for m in modules
+            if m.split(".")[0] == "sqlalchemy" and m not in ("sqlalchemy.orm", "sqlalchemy.exc")
+        }
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in SESSION_SQL
+        ):
+            target = node.func.value
+            if isinstance(target, ast.Name) and target.id == "session":
+                found.add(f"session.{node.func.attr}")
+    return found
+
+
+def test_routes_run_no_sql():
+    """A route validates, calls services with its session (or opens the transaction they run in) and
+    answers from Public models; the queries themselves are the services'."""
+    routes = {p: _sql_in((ROOT / p).read_text()) for p in _imports("monitor_server/api/routes")}
+    assert len(routes) > 10
+    assert {p: s for p, s in routes.items() if s} == {}
+
+
+def test_the_sql_check_finds_sql():
+    assert _sql_in("from sqlalchemy import select\nsession.execute(select(A))") == {
+        "sqlalchemy",
+        "session.execute",
+    }
+    assert _sql_in("from sqlalchemy.orm import Session\nrows = list_rows(session, run_id=1)") == set()
+    assert _sql_in("run = session.get(Run, 1)") == {"session.get"}

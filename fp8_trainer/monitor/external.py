@@ -23,13 +23,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from fp8_kernels import STAT_COLUMNS
 from torch import nn
 
+from fp8_kernels import STAT_COLUMNS
 from fp8_protocol.stats import BASE_COLUMNS, QUALITY_COLUMNS
 
 from ..formats import ROLES
-from ..state import merge_step_stats
+from ..merge import merge_step_stats
 from ..stats import LateReader
 
 __all__ = ["CallerStats", "attach_source", "declare_tensors"]

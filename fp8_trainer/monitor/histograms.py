@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from fp8_kernels import exponent_histogram, histogram_to_dict
 from torch import nn
 
+from fp8_kernels import exponent_histogram, histogram_to_dict
 from fp8_protocol.client_events import CUSTOM_EVENT
 
 from ..linear import Linear

@@ -2,38 +2,34 @@
 names, the step-range query parameters and the heatmap both heatmap routes answer from.
 
 Authentication: ``Authorization: Bearer <secret>``. With no tokens configured every request is allowed
-(as "anonymous"). A missing or unknown token is 401, a known token without the needed scope 403.
-Secrets are compared with `hmac.compare_digest` against every configured token.
+(as "anonymous"). A missing or unknown token is 401, a known token without the needed scope 403; who a
+token names and what it may do is `monitor_server/core/security.py`.
 """
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, Path, Query, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
-from monitor_server.context import AppContext
-from monitor_server.core.config import Settings
-from monitor_server.heatmap import HeatmapBadParameter, HeatmapTooLarge, heatmap_buckets, heatmap_selection
-from monitor_server.models import Run
-from monitor_server.run_meta import RunMeta
-from monitor_server.schemas import AlertState, HeatmapHead, HeatmapMetric
-from monitor_server.series import step_range
+from monitor_server.api.context import AppContext
+from monitor_server.core.security import Principal, check_scope, principal_for
+from monitor_server.services.heatmap import (
+    HeatmapBadParameter,
+    HeatmapTooLarge,
+    heatmap_buckets,
+    heatmap_selection,
+)
+from monitor_server.storage.models import Run
+from monitor_server.storage.query_schemas import HeatmapHead
+from monitor_server.storage.run_meta import RunMeta
+from monitor_server.storage.schemas import AlertState, HeatmapMetric
+from monitor_server.storage.series import step_range
 
 bearer_scheme = HTTPBearer(auto_error=False, description="Bearer token with scopes ingest / read / control")
-
-
-@dataclass(frozen=True)
-class Principal:
-    """Who is calling: the token's name (or "anonymous" when auth is off) and its scopes."""
-
-    name: str
-    scopes: frozenset[str]
 
 
 async def get_ctx(request: Request) -> AppContext:
@@ -51,40 +47,6 @@ def get_session(ctx: CtxDep) -> Iterator[Session]:
 
 
 SessionDep = Annotated[Session, Depends(get_session)]
-
-
-ANONYMOUS = Principal("anonymous", frozenset({"ingest", "read", "control"}))
-
-
-def principal_for(settings: Settings, scheme: str | None, secret: str | None) -> Principal:
-    """The caller for an ``Authorization: <scheme> <secret>`` header (401 when required and missing or
-    unknown). Pure: the request guard calls it before a body is read, the routes' dependencies after."""
-    if not settings.auth_enabled:
-        return ANONYMOUS
-    if scheme is None or scheme.lower() != "bearer" or not secret:
-        raise HTTPException(
-            status.HTTP_401_UNAUTHORIZED, "missing bearer token", headers={"WWW-Authenticate": "Bearer"}
-        )
-    given = secret.encode()
-    match = None
-    for token in settings.parsed_tokens:
-        # compare against every token so the time taken does not reveal which one matched
-        if hmac.compare_digest(given, token.secret.encode()):
-            match = token
-    if match is None:
-        raise HTTPException(
-            status.HTTP_401_UNAUTHORIZED, "unknown token", headers={"WWW-Authenticate": "Bearer"}
-        )
-    return Principal(match.name, match.scopes)
-
-
-def check_scope(principal: Principal, scopes: tuple[str, ...]) -> Principal:
-    """`principal` when it holds any of `scopes`, else 403 naming them."""
-    if not principal.scopes.intersection(scopes):
-        raise HTTPException(
-            status.HTTP_403_FORBIDDEN, f"token {principal.name!r} lacks the scope {' or '.join(scopes)!r}"
-        )
-    return principal
 
 
 def authenticate(ctx: AppContext, credentials: HTTPAuthorizationCredentials | None) -> Principal:
@@ -109,17 +71,6 @@ def require_scope(*scopes: str) -> Callable[..., Principal]:
 
     dependency.required_scopes = scopes  # type: ignore[attr-defined]
     return dependency
-
-
-def check_owner(principal: Principal, owner: str | None, run_id: int) -> None:
-    """403 when an `ingest`-only token writes to a run another token registered. `control` acts on any run;
-    a run without an owner (registered without tokens, or before owners were kept) takes any writer."""
-    if owner is None or "control" in principal.scopes or principal.name == owner:
-        return
-    detail = (
-        f"run {run_id} was registered by another token; {principal.name!r} may write only to its own runs"
-    )
-    raise HTTPException(status.HTTP_403_FORBIDDEN, detail)
 
 
 ReadDep = Annotated[Principal, Depends(require_scope("read"))]

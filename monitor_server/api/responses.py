@@ -1,5 +1,5 @@
-"""Answers the routes build themselves: JSON serialized from the response models (`monitor_server.schemas`),
-and the server-sent event streams.
+"""Answers the routes build themselves: JSON serialized from the response models
+(`monitor_server.storage.schemas`), and the server-sent event streams.
 
 Returning a model lets FastAPI validate it once more and write datetimes with a "Z"; the routes whose
 answers have always carried `datetime.isoformat`'s "+00:00" (as the event stream and the webhook do), or
@@ -18,8 +18,8 @@ from fastapi import HTTPException, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from monitor_server.context import AppContext
-from monitor_server.events import StreamLimit, stream_events
+from monitor_server.api.context import AppContext
+from monitor_server.infra.events import StreamLimit, stream_events
 
 
 def model_json(model: BaseModel) -> bytes:

@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from monitor_server.detectors.config import DetectorConfig
+from monitor_server.core.detector_config import DetectorConfig
 
 SCOPES: tuple[str, ...] = ("ingest", "read", "control")
 DEFAULT_SQLITE_FILE = "fp8scope.db"
@@ -133,7 +133,7 @@ class Settings(BaseSettings):
             with their telemetry. 0 = keep every run.
         raw_steps_kept: per run, the statistics of (at least) the last this many steps are kept per step;
             older steps only in the rollups (the heatmap reads them at 8-step resolution and coarser), by
-            the periodic maintenance. 0 = keep every step (see ``monitor_server/retention.py``).
+            the periodic maintenance. 0 = keep every step (see ``monitor_server/storage/retention.py``).
         detectors: passed through to the detector engine's ``DetectorConfig`` (thresholds); checked when the
             settings are built, so an unknown key or a bad value stops the service at start-up.
         sse_keepalive_seconds: interval of keep-alive comments on ``/stream``.

@@ -272,6 +272,18 @@ class Database:
             with self._write() as session, session.begin():
                 yield session
 
+    def ping(self) -> None:
+        """Raise unless the database answers a query."""
+        with self.read_session() as session:
+            session.execute(text("SELECT 1"))
+
+    def probe_write(self) -> None:
+        """Raise unless the database takes a write: a real row is written and rolled back (into
+        `alembic_version`: no sequence to advance, nothing that references it)."""
+        with self.write() as session:
+            session.execute(text("INSERT INTO alembic_version (version_num) VALUES ('readyz-probe')"))
+            session.rollback()
+
     def dispose(self) -> None:
         """Close all pooled connections."""
         self.engine.dispose()

@@ -1,8 +1,9 @@
 """Training-health detectors: pure, incremental, numpy-vectorised; the API layer stores their findings."""
 
 # the modules that define detectors: importing them registers the detectors the engine runs (base.py)
+from monitor_server.core.detector_config import DetectorConfig
+
 from . import amax, loss, nonfinite, quality, tensors  # noqa: F401
-from .config import DetectorConfig
 from .engine import DetectorEngine, check_stalled
 from .types import ALERT_KINDS, Finding, StepBatch
 

@@ -30,8 +30,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from fp8_protocol.tensors import TensorInfo
+from monitor_server.core.detector_config import DetectorConfig
 
-from .config import DetectorConfig
 from .state import decode_array, encode_array
 from .types import Finding
 

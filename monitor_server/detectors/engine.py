@@ -47,10 +47,10 @@ from fp8_protocol.client_events import parse_rank_amax
 from fp8_protocol.codec import jsonable
 from fp8_protocol.stats import FP8_MAX
 from fp8_protocol.tensors import TensorInfo
-from monitor_server.wire import details_summary
+from monitor_server.core.detector_config import DetectorConfig
+from monitor_server.infra.wire import details_summary
 
 from .base import BatchView, Detector, Stateful, array_state, registered
-from .config import DetectorConfig
 from .health import TensorSnapshot, layer_health
 from .ranks import rank_divergence
 from .recipe import merge_recipe, per_tensor, split_recipe
@@ -99,7 +99,7 @@ class TensorSummary(Stateful):
 
 def client_evidence(event: dict, details: dict) -> dict[str, Any]:
     """A client alert's evidence: the event's details when they are their own summary, else the summary
-    (`monitor_server.wire.details_summary`), marked incomplete, with the event's id when it has one (its
+    (`monitor_server.infra.wire.details_summary`), marked incomplete, with the event's id when it has one (its
     whole details are at ``GET /runs/{id}/events/{event_id}``): an alert never holds a flight recorder."""
     summary = details_summary(details)
     evidence: dict[str, Any] = {"source": "client", "details": summary}

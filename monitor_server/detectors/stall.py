@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from .config import DetectorConfig
+from monitor_server.core.detector_config import DetectorConfig
+
 from .types import Finding
 
 

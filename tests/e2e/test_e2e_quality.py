@@ -17,8 +17,8 @@ from fp8_protocol.stats import (
     SUM_SQ,
     sqnr_db,
 )
-from monitor_server.models import StepStat
-from monitor_server.rollups import STAT_IDS, unpack_rows
+from monitor_server.storage.models import StepStat
+from monitor_server.storage.stat_rows import STAT_IDS, unpack_rows
 from tests.e2e.e2e_utils import run_by_name
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The block-scaled quantize kernel (``triton_block_quantize``) against ``quantize_blocks`` and the statistics
+"""The block-scaled quantize kernel (``triton.block_quantize``) against ``quantize_blocks`` and the statistics
 of ``fp8_trainer.block_linear``, one case per recipe, input dtype and FP8 format; shared by the CPU test
 (``TRITON_INTERPRET=1``, in a subprocess: ``python -m tests.kernels.block_cases --json OUT`` from the
 repository root) and the GPU test (compiled, in-process), both in ``test_triton_block_quantize.py``.
@@ -20,8 +20,8 @@ import traceback
 from pathlib import Path
 
 import torch
-from fp8_kernels.block_quantize import block_stats, quantize_blocks
 
+from fp8_kernels.reference.block_quantize import block_stats, quantize_blocks
 from fp8_trainer.block_linear import BlockSpec, new_block_stats, record_block_stats
 from tests.kernels.exact_checks import same, same_bits, same_row
 
@@ -96,7 +96,7 @@ def check(device, recipe, dtype_name, fp8_name, *, power_2_scale=True, amax_epsi
     """The kernel's FP8 bits and ``scale_inv`` against ``quantize_blocks``; the statistics it merges into a
     step's rows over three calls (the amax rising, then falling: the scale column is the largest amax's)
     against ``record_block_stats`` from the reference, with and without the quality columns."""
-    from fp8_kernels.triton_block_quantize import block_quantize_triton
+    from fp8_kernels.triton.block_quantize import block_quantize_triton
 
     block, fmt, shape = RECIPES[recipe]
     fp8, dtype = FP8[fp8_name], DTYPES[dtype_name]
@@ -142,7 +142,7 @@ def _fp32_options(device):
 
 @case("empty-and-tiny")
 def _empty_and_tiny(device):
-    from fp8_kernels.triton_block_quantize import block_quantize_triton
+    from fp8_kernels.triton.block_quantize import block_quantize_triton
 
     for shape in ((0, 64), (1, 1), (3, 33)):
         x = torch.randn(shape).to(device)
@@ -164,7 +164,7 @@ def _empty_and_tiny(device):
 def _transposed_input(device):
     """The transpose of a row-major tensor (a column-wise copy's input) is read in place: the same bits and
     statistics as the reference's."""
-    from fp8_kernels.triton_block_quantize import block_quantize_triton
+    from fp8_kernels.triton.block_quantize import block_quantize_triton
 
     for recipe in ("mx1x32", "fp1x128", "mx32x32"):
         block, fmt, (m, n) = RECIPES[recipe]
@@ -187,8 +187,7 @@ def check_block_linear(device, scaling: str) -> None:
     ``device`` (on CUDA it registers itself; on the CPU this case registers it for the call) against the
     reference path: the same FP8 copies, statistics row and block part, for every role's spec."""
     import fp8_kernels
-    from fp8_kernels.triton_block_quantize import block_quantize_triton
-
+    from fp8_kernels.triton.block_quantize import block_quantize_triton
     from fp8_trainer.block_linear import BLOCK_WIDTH, block_specs, quantize_block_tensor
     from fp8_trainer.recipe import DelayedScaling
 

@@ -15,7 +15,7 @@ blocks plus a masked tail, a tail only, 2-D shapes with and without edge tiles a
 a saturating cast (sm_89+) the cast alone, elsewhere (here, under the interpreter, whose float8 cast rounds
 some values wrongly: docs/fp8-semantics.md, "Known traps") an arithmetic rounding the cast then only has to
 carry over
-(``triton_quantize._to_fp8``). The transposed output is compared with the transpose of the kernel's own
+(``triton.quantize._to_fp8``). The transposed output is compared with the transpose of the kernel's own
 ``q``.
 """
 
@@ -32,12 +32,8 @@ import traceback
 from pathlib import Path
 
 import torch
-from fp8_kernels import (
-    exponent_histogram_reference,
-    quantize_with_stats_reference,
-    tensor_amax_reference,
-)
 
+from fp8_kernels import exponent_histogram_reference, quantize_with_stats_reference, tensor_amax_reference
 from tests.kernels import linear_cases  # noqa: F401  (registers the cases of the kernels inside the FP8 Linear)
 from tests.kernels.case_registry import CASES, case, case_names
 from tests.kernels.exact_checks import same as _same
@@ -91,7 +87,7 @@ def _expected_precast(x: torch.Tensor, scale: torch.Tensor, fp8: torch.dtype) ->
 # ----- fused quantize + statistics (delayed scaling) -----
 def _quantize_case(dtype_name: str, fmt: str, shape_name: str, transpose: bool):
     def run(device: torch.device) -> None:
-        from fp8_kernels.triton_quantize import launch_quantize
+        from fp8_kernels.triton.quantize import launch_quantize
 
         dtype, fp8, shape = DTYPES[dtype_name], FP8[fmt], SHAPES[shape_name]
         x = make_input(shape, dtype, fp8).to(device)
@@ -128,8 +124,8 @@ for _d in DTYPES:
 
 def _boundary_case(dtype_name: str, fmt: str):
     def run(device: torch.device) -> None:
-        from fp8_kernels.quantize import overflow_threshold
-        from fp8_kernels.triton_quantize import launch_quantize
+        from fp8_kernels.reference.quantize import overflow_threshold
+        from fp8_kernels.triton.quantize import launch_quantize
 
         dtype, fp8 = DTYPES[dtype_name], FP8[fmt]
         fi = torch.finfo(fp8)
@@ -195,7 +191,7 @@ def _saturating_amax(fp8: torch.dtype) -> float:
 
 @case("quantize-scaled-amax-a-float32-ulp-above-max-is-no-overflow")
 def _amax_at_max(device: torch.device) -> None:
-    from fp8_kernels.triton_quantize import launch_quantize
+    from fp8_kernels.triton.quantize import launch_quantize
 
     for fp8 in FP8.values():
         amax = _saturating_amax(fp8)
@@ -215,9 +211,8 @@ def _amax_at_max(device: torch.device) -> None:
 def _amax_keeps_scale(device: torch.device) -> None:
     # three micro-batches into one row, the middle one saturating the first's scale: the row's amax is
     # reported beside the scale that scaled it (delayed: given scales; current: each call's own)
-    from fp8_kernels.triton_current import quantize_current_transposed_triton, quantize_current_triton
-    from fp8_kernels.triton_quantize import launch_quantize
-
+    from fp8_kernels.triton.current import quantize_current_transposed_triton, quantize_current_triton
+    from fp8_kernels.triton.quantize import launch_quantize
     from fp8_trainer.scaling import current_scale
 
     g = torch.Generator().manual_seed(11)
@@ -249,8 +244,8 @@ def _amax_keeps_scale(device: torch.device) -> None:
 def _many_blocks(device: torch.device) -> None:
     # every program walks tens of blocks, each element position collecting overflows, underflows and
     # non-finite elements in its packed per-slot counters (8 bits apart, at most LANE per block)
-    from fp8_kernels.triton_launch import block_1d, grid_cap
-    from fp8_kernels.triton_quantize import launch_quantize
+    from fp8_kernels.triton.launch import block_1d, grid_cap
+    from fp8_kernels.triton.quantize import launch_quantize
 
     block, _ = block_1d(device)
     n = 40 * block * grid_cap(device) + 5
@@ -270,7 +265,7 @@ def _nan_case(dtype_name: str, fmt: str, shape_name: str, fill: str, transpose: 
     among finite values, an all-NaN tensor, Inf among finite values (amax Inf)."""
 
     def run(device: torch.device) -> None:
-        from fp8_kernels.triton_quantize import launch_quantize
+        from fp8_kernels.triton.quantize import launch_quantize
 
         dtype, fp8, shape = DTYPES[dtype_name], FP8[fmt], SHAPES[shape_name]
         n = math.prod(shape)
@@ -317,7 +312,7 @@ for _f, _d, _s, _fill in [("e4m3", "bf16", "127x129", "nan-finite"), ("e4m3", "f
 
 @case("quantize-fresh-row-and-large-scale")
 def _fresh_row(device: torch.device) -> None:
-    from fp8_kernels.triton_quantize import quantize_with_stats_triton
+    from fp8_kernels.triton.quantize import quantize_with_stats_triton
 
     # no stats row given: a fresh one; a scale so large that finite products overflow to Inf (overflow)
     x = torch.tensor([2.0, -2.0, 0.0, 1e-30, NAN], device=device)
@@ -331,7 +326,7 @@ def _fresh_row(device: torch.device) -> None:
 
 @case("quantize-rejects-bad-operands")
 def _bad_operands(device: torch.device) -> None:
-    from fp8_kernels.triton_quantize import (
+    from fp8_kernels.triton.quantize import (
         launch_quantize,
         quantize_with_stats_transposed_triton,
         quantize_with_stats_triton,
@@ -405,8 +400,8 @@ def _dbias_case(dtype_name: str, shape_name: str, record: str):
     buffer (``base``: the 6 base columns, ``quality``: all 10) or into a fresh row (``off``)."""
 
     def run(device: torch.device) -> None:
-        from fp8_kernels.triton_current import quantize_current_transposed_triton, quantize_current_triton
-        from fp8_kernels.triton_quantize import (
+        from fp8_kernels.triton.current import quantize_current_transposed_triton, quantize_current_triton
+        from fp8_kernels.triton.quantize import (
             quantize_with_stats_transposed_triton,
             quantize_with_stats_triton,
         )
@@ -490,8 +485,8 @@ for (
 
 @case("dbias-rejects-a-tensor-that-is-not-2d")
 def _dbias_not_2d(device: torch.device) -> None:
-    from fp8_kernels.triton_current import quantize_current_transposed_triton, quantize_current_triton
-    from fp8_kernels.triton_quantize import quantize_with_stats_transposed_triton, quantize_with_stats_triton
+    from fp8_kernels.triton.current import quantize_current_transposed_triton, quantize_current_triton
+    from fp8_kernels.triton.quantize import quantize_with_stats_transposed_triton, quantize_with_stats_triton
 
     scale, fp8 = torch.tensor(1.0, device=device), FP8["e4m3"]
     for x in (torch.ones(5, device=device), torch.ones(2, 3, 4, device=device)):
@@ -514,12 +509,11 @@ def _current_case(dtype_name: str, fmt: str, shape_name: str, fill: str, transpo
                   pow2: bool = False):  # fmt: skip
     def run(device: torch.device) -> None:
         from fp8_kernels import quantize_current_reference
-        from fp8_kernels.triton_current import (
+        from fp8_kernels.triton.current import (
             quantize_current_transposed_triton,
             quantize_current_triton,
             tensor_amax_triton,
         )
-
         from fp8_trainer.scaling import current_scale
 
         dtype, fp8, shape = DTYPES[dtype_name], FP8[fmt], SHAPES[shape_name]
@@ -603,9 +597,8 @@ for _d in DTYPES:
 def _current_amax_from_every_program(device: torch.device) -> None:
     """The amax pass leaves one partial maximum per program and the quantize pass reduces them all: the
     tensor's maximum is put in each block (and the tail) in turn, so that every program holds it once."""
-    from fp8_kernels.triton_current import amax_pass, quantize_current_triton
-    from fp8_kernels.triton_launch import block_1d, grid_cap
-
+    from fp8_kernels.triton.current import amax_pass, quantize_current_triton
+    from fp8_kernels.triton.launch import block_1d, grid_cap
     from fp8_trainer.scaling import current_scale
 
     block, _ = block_1d(device)
@@ -652,7 +645,7 @@ for _d, _f, _s, _fill, _pow2 in [
 # ----- exponent histogram -----
 def _histogram_case(dtype_name: str, shape_name: str):
     def run(device: torch.device) -> None:
-        from fp8_kernels.triton_histogram import exponent_histogram_triton
+        from fp8_kernels.triton.histogram import exponent_histogram_triton
 
         dtype, shape = DTYPES[dtype_name], SHAPES[shape_name]
         n = math.prod(shape)
@@ -693,8 +686,7 @@ def _settings(device: torch.device):
 @case("scale_update-ten-tensors-six-steps")
 def _scale_update(device: torch.device) -> None:
     from fp8_kernels import SCALE_STRIDE, is_aligned_scale
-    from fp8_kernels.triton_scale_update import scale_update_triton
-
+    from fp8_kernels.triton.scale_update import scale_update_triton
     from fp8_trainer.scaling import delayed_scaling_update
 
     s = _settings(device)
@@ -743,8 +735,7 @@ def _scale_update(device: torch.device) -> None:
 
 def _scale_update_long(n: int):
     def run(device: torch.device) -> None:
-        from fp8_kernels.triton_scale_update import scale_update_triton
-
+        from fp8_kernels.triton.scale_update import scale_update_triton
         from fp8_trainer.scaling import delayed_scaling_update
 
         length = 67  # several row chunks and column blocks
@@ -783,14 +774,14 @@ for _n in (37, 48):
 # ----- the kernels inside FP8 training (interpreter: registered for the CPU) -----
 @case("fp8_linear-training-step-uses-kernels", devices=("cpu",))
 def _training_step(device: torch.device) -> None:
-    import fp8_kernels
-    from fp8_kernels.triton_current import tensor_amax_triton
-    from fp8_kernels.triton_histogram import exponent_histogram_triton
-    from fp8_kernels.triton_quantize import quantize_with_stats_transposed_triton, quantize_with_stats_triton
-    from fp8_kernels.triton_scale_update import scale_update_triton
     from torch import nn
 
+    import fp8_kernels
     import fp8_trainer
+    from fp8_kernels.triton.current import tensor_amax_triton
+    from fp8_kernels.triton.histogram import exponent_histogram_triton
+    from fp8_kernels.triton.quantize import quantize_with_stats_transposed_triton, quantize_with_stats_triton
+    from fp8_kernels.triton.scale_update import scale_update_triton
     from fp8_trainer.convert import get_fp8_state
     from fp8_trainer.scaling import delayed_scaling_update
 

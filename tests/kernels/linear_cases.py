@@ -15,14 +15,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import fp8_kernels
 import torch
-from fp8_kernels import quantize_current_reference, reference_kernels
 from torch import nn
 
+import fp8_kernels
 import fp8_trainer
 import fp8_trainer.gemm
 import fp8_trainer.linear_ops
+from fp8_kernels import quantize_current_reference, reference_kernels
 from fp8_trainer.gemm import fp8_mm, gemm_operand
 from tests.kernels.case_registry import case
 from tests.kernels.exact_checks import same, same_row
@@ -34,8 +34,8 @@ def _triton_kernels(device: torch.device, log: list, transposes: bool = True) ->
     ``(op, args, result)``; ``transposes=False`` leaves the transposing ones out. The scale update stays on
     its reference (it is tested on its own, and interpreted it costs most of a step). The dispatch table is
     restored afterwards (on CUDA: the compiled kernels registered there before)."""
-    from fp8_kernels.triton_current import quantize_current_transposed_triton, quantize_current_triton
-    from fp8_kernels.triton_quantize import quantize_with_stats_transposed_triton, quantize_with_stats_triton
+    from fp8_kernels.triton.current import quantize_current_transposed_triton, quantize_current_triton
+    from fp8_kernels.triton.quantize import quantize_with_stats_transposed_triton, quantize_with_stats_triton
 
     impls = {"quantize": quantize_with_stats_triton, "current": quantize_current_triton}
     if transposes:
@@ -254,9 +254,9 @@ def _prepared_equals_launch(device: torch.device) -> None:
     float32 input; rows with and without the quality columns) writes exactly what the full call writes on
     the same operands: q, qt, the statistics row, scale_inv, the column sums; a second call of the same
     prepared object on other values too (nothing of the first call's tensors is kept)."""
-    from fp8_kernels.quantize import BASE_COLUMNS, STAT_COLUMNS, new_stats
-    from fp8_kernels.triton_current import quantize_current_transposed_triton, quantize_current_triton
-    from fp8_kernels.triton_quantize import quantize_with_stats_transposed_triton, quantize_with_stats_triton
+    from fp8_kernels.reference.quantize import BASE_COLUMNS, STAT_COLUMNS, new_stats
+    from fp8_kernels.triton.current import quantize_current_transposed_triton, quantize_current_triton
+    from fp8_kernels.triton.quantize import quantize_with_stats_transposed_triton, quantize_with_stats_triton
 
     full = {
         "quantize": quantize_with_stats_triton,
@@ -320,8 +320,8 @@ def _prepared_linear(device: torch.device) -> None:
     """Training steps of a model whose layers take the prepared quantize calls equal, bit for bit (losses,
     gradients, statistics, scales), the same steps with every quantize through the full dispatch call;
     delayed and current scaling."""
-    from fp8_kernels.triton_current import quantize_current_transposed_triton, quantize_current_triton
-    from fp8_kernels.triton_quantize import quantize_with_stats_transposed_triton, quantize_with_stats_triton
+    from fp8_kernels.triton.current import quantize_current_transposed_triton, quantize_current_triton
+    from fp8_kernels.triton.quantize import quantize_with_stats_transposed_triton, quantize_with_stats_triton
 
     def run(recipe, prepared: bool):
         torch.manual_seed(0)

@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 import torch
-from fp8_kernels import new_stats, quantize_with_stats_reference
-from fp8_kernels.triton_current import quantize_current_triton
-from fp8_kernels.triton_quantize import launch_quantize
 
+from fp8_kernels import new_stats, quantize_with_stats_reference
+from fp8_kernels.triton.current import quantize_current_triton
+from fp8_kernels.triton.quantize import launch_quantize
 from fp8_protocol.stats import ERR_SQ, MIN_ABS, SUBNORMAL, SUM_SQ
 from tests.kernels.exact_checks import same_row
 from tests.kernels.quality_reference import quality_first_principles

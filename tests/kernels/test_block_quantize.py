@@ -1,4 +1,4 @@
-"""Block-scaled FP8 (fp8_kernels.block_quantize) against a first-principles reference written here.
+"""Block-scaled FP8 (fp8_kernels.reference.block_quantize) against a first-principles reference written here.
 
 The reference works one block at a time in Python floats (float64) and numpy float32 scalars where TE computes
 in float32: E8M0 as ``clamp(ceil(log2(amax * float32(1/FP8_MAX))) + 127, 0, 254)``, the float32 block scale
@@ -13,7 +13,8 @@ import math
 import numpy as np
 import pytest
 import torch
-from fp8_kernels.block_quantize import (
+
+from fp8_kernels.reference.block_quantize import (
     E8M0_NAN,
     BlockQuantized,
     block_scaled_mm,
@@ -24,7 +25,7 @@ from fp8_kernels.block_quantize import (
     mxfp8_quantize,
     quantize_blocks,
 )
-from fp8_kernels.quantize import quantize_current_reference
+from fp8_kernels.reference.quantize import quantize_current_reference
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # (max finite, smallest normal exponent, mantissa bits)

@@ -1,4 +1,4 @@
-"""The fused CPU kernel (``fp8_kernels.cpu_fused``) against the PyTorch references it replaces on the CPU:
+"""The fused CPU kernel (``fp8_kernels.cpu.fused``) against the PyTorch references it replaces on the CPU:
 FP8 bytes, amax, scale, counts and ``min_abs`` exact, the two sums of squares within ``same_row``'s bound;
 delayed and current scaling, every input dtype, base and quality rows, fresh rows and accumulation, the
 rounding ties of every FP8 value, every fp16 and bf16 value, random float32 bit patterns, tensors split
@@ -11,9 +11,10 @@ import os
 import subprocess
 import sys
 
-import fp8_kernels
 import pytest
 import torch
+
+import fp8_kernels
 from fp8_kernels import (
     has_kernel,
     new_stats,
@@ -23,13 +24,12 @@ from fp8_kernels import (
     quantize_with_stats_reference,
     reference_kernels,
 )
-from fp8_kernels.cpu_fused import (
+from fp8_kernels.cpu.fused import (
     _compiler,
     fused_cpu_available,
     quantize_current_cpu,
     quantize_with_stats_cpu,
 )
-
 from tests.kernels.exact_checks import same, same_bits, same_row
 from tests.kernels.kernel_cases import DTYPES, FP8, SHAPES, make_input
 from tests.support import ROOT
@@ -211,7 +211,7 @@ def test_dispatch_runs_it_on_the_cpu():
 def test_without_a_compiler_the_references_run_with_one_warning():
     code = (
         "import warnings, torch, fp8_kernels\n"
-        "from fp8_kernels.cpu_fused import fused_cpu_available\n"
+        "from fp8_kernels.cpu.fused import fused_cpu_available\n"
         "x = torch.randn(1000) * 100\n"
         "with warnings.catch_warnings(record=True) as w:\n"
         "    warnings.simplefilter('always')\n"

@@ -6,9 +6,10 @@ import re
 import subprocess
 import sys
 
-import fp8_kernels
 import pytest
 import torch
+
+import fp8_kernels
 from fp8_kernels import (
     exponent_histogram,
     exponent_histogram_reference,
@@ -24,8 +25,7 @@ from fp8_kernels import (
     tensor_amax_reference,
     use_reference,
 )
-from fp8_kernels.cpu_fused import fused_cpu_available
-
+from fp8_kernels.cpu.fused import fused_cpu_available
 from fp8_trainer.scaling import current_scale
 from tests.kernels.exact_checks import same_row
 
@@ -36,7 +36,6 @@ from tests.kernels.exact_checks import same_row
 def test_fp8_gpu_is_compute_capability_8_9_and_later(monkeypatch, capability, fp8):
     # the one place that decides real FP8 GEMMs and the Triton kernels (its capability read is patched here)
     from fp8_kernels import device
-
     from fp8_trainer.gemm import uses_scaled_mm
 
     monkeypatch.setattr(device, "_capability", lambda index: capability if index == 1 else (0, 0))
@@ -211,7 +210,7 @@ def test_persistent_grid_bounds_the_blocks_of_a_program():
     # the quantize kernels pack a program's per-element counts in 10-bit fields: no program may walk more
     # than MAX_BLOCKS_PER_PROGRAM blocks, however large the tensor or small the GPU
     pytest.importorskip("triton")
-    from fp8_kernels.triton_launch import MAX_BLOCKS_PER_PROGRAM, grid_cap, persistent_grid
+    from fp8_kernels.triton.launch import MAX_BLOCKS_PER_PROGRAM, grid_cap, persistent_grid
 
     assert MAX_BLOCKS_PER_PROGRAM < 2**10
     cpu = torch.device("cpu")
@@ -298,7 +297,7 @@ def test_grid_2d_bounds_the_tiles_of_a_program(monkeypatch, cap):
     # the tiled kernel's programs form a PM x PN grid (tile columns pn, pn + PN, ...; rows pm, pm + PM, ...):
     # no program may take more than MAX_BLOCKS_PER_PROGRAM tiles (its packed 8-bit counts), for any shape
     pytest.importorskip("triton")
-    from fp8_kernels import triton_launch
+    from fp8_kernels.triton import launch as triton_launch
 
     monkeypatch.setattr(triton_launch, "grid_cap", lambda device: cap)
     cpu = torch.device("cpu")

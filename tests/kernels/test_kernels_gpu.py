@@ -6,13 +6,13 @@ Skips without an sm_89+ GPU."""
 
 import math
 
-import fp8_kernels
 import pytest
 import torch
-from fp8_kernels import quantize_with_stats_reference
 from torch import nn
 
+import fp8_kernels
 import fp8_trainer
+from fp8_kernels import quantize_with_stats_reference
 from fp8_trainer.convert import get_fp8_state
 from fp8_trainer.linear import fused_transposes
 from tests.kernels import kernel_cases
@@ -31,7 +31,7 @@ def test_kernel_case_compiled(case):
 
 def test_cuda_tensors_dispatch_to_triton():
     from fp8_kernels.dispatch import _BUILTIN
-    from fp8_kernels.triton_quantize import quantize_with_stats_triton
+    from fp8_kernels.triton.quantize import quantize_with_stats_triton
 
     x = torch.randn(300, 77, device="cuda") * 100
     s = torch.tensor(2.5, device="cuda")
@@ -151,7 +151,7 @@ def test_fp8_linear_forward_matches_float64_with_kernels():
 
 def test_current_scaling_is_one_fused_call_per_tensor():
     from fp8_kernels.dispatch import _BUILTIN
-    from fp8_kernels.triton_current import quantize_current_transposed_triton, quantize_current_triton
+    from fp8_kernels.triton.current import quantize_current_transposed_triton, quantize_current_triton
 
     x = torch.randn(300, 77, device="cuda") * 100
     q, scale, row = fp8_kernels.quantize_current(x, torch.float8_e5m2)
@@ -167,11 +167,11 @@ def test_current_scaling_is_one_fused_call_per_tensor():
 
 
 def test_cached_launch_matches_the_generic_launch_bit_for_bit():
-    """Launches after the first of a specialisation skip Triton's generic path (``triton_launch.launch``):
+    """Launches after the first of a specialisation skip Triton's generic path (``triton.launch.launch``):
     their outputs equal the first launch's, for the 1-D and the transposed kernel, a misaligned view (another
     specialisation) included, and the handle is kept per specialisation."""
-    from fp8_kernels import triton_launch
-    from fp8_kernels.triton_quantize import launch_quantize
+    from fp8_kernels.triton import launch as triton_launch
+    from fp8_kernels.triton.quantize import launch_quantize
 
     triton_launch._HANDLES.clear()
     torch.manual_seed(0)
@@ -199,9 +199,9 @@ def test_pipelined_loads_give_the_shipped_bits(monkeypatch, quality):
     """The quantize kernels with their loads in Triton's software pipeline (``prefetch`` off: the form
     ``bench/kernels.py`` times beside the shipped one) write the same FP8 bits, transposes and statistics as
     the shipped register prefetch, on sizes with full blocks, a tail, edge tiles and a single element."""
-    from fp8_kernels import new_stats, triton_quantize
-    from fp8_kernels.triton_quantize import launch_quantize
-
+    from fp8_kernels import new_stats
+    from fp8_kernels.triton import quantize as triton_quantize
+    from fp8_kernels.triton.quantize import launch_quantize
     from fp8_protocol.stats import ERR_SQ, SUM_SQ
 
     torch.manual_seed(0)

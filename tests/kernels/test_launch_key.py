@@ -1,16 +1,17 @@
-"""``triton_launch.launch_key``: what a cached Triton launch handle is looked up by. Two launches may share a
+"""``triton.launch.launch_key``: what a cached Triton launch handle is looked up by. Two launches may share a
 compiled kernel only where Triton would have compiled the same one, so the key must change with everything
 Triton specialises on (a wrong key would run a kernel compiled for aligned pointers on a misaligned one)."""
 
 import pytest
 import torch
+
 from fp8_kernels import triton_available
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed (pip install .[dev])")
 
 
 def _key(*args, **kwargs):
-    from fp8_kernels.triton_launch import launch_key
+    from fp8_kernels.triton.launch import launch_key
 
     return launch_key(torch.device("cpu"), args, kwargs)
 
@@ -33,12 +34,13 @@ def test_key_changes_with_what_triton_specialises_on():
 
 
 def test_a_kept_plan_launches_what_a_fresh_one_would():
-    """``triton_quantize._plan`` keeps each call shape's constexprs and launch options: every variant of a
+    """``triton.quantize._plan`` keeps each call shape's constexprs and launch options: every variant of a
     quantize call, launched again from its kept plan, passes exactly what building it afresh passed, and the
     variants get plans of their own (a key that missed one would hand a variant another's constexprs)."""
-    from fp8_kernels import cross_build, triton_quantize
-    from fp8_kernels.quantize import BASE_COLUMNS, new_stats
-    from fp8_kernels.triton_launch import divisor
+    from fp8_kernels.reference.quantize import BASE_COLUMNS, new_stats
+    from fp8_kernels.triton import cross_build
+    from fp8_kernels.triton import quantize as triton_quantize
+    from fp8_kernels.triton.launch import divisor
 
     e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
     one = torch.tensor(1.0)

@@ -2,7 +2,7 @@
 loop reads and writes 16-byte vectors, odd and size-1 shapes compile, and the quantize kernels' machine code
 (SASS) keeps its main loop free of barriers, shuffles and spills.
 
-How (``fp8_kernels.cross_build``): each launcher (``launch_quantize``, ``tensor_amax_triton``, the
+How (``fp8_kernels.triton.cross_build``): each launcher (``launch_quantize``, ``tensor_amax_triton``, the
 current-scaling entries, ``exponent_histogram_triton``, ``scale_update_triton``) runs on CPU tensors with
 the CUDA block sizes and its kernel replaced by a recorder; the recorded arguments then go through Triton's
 argument binder and ``triton.compile`` for a ``GPUTarget("cuda", 90, 32)`` backend, down to the cubin (Triton
@@ -25,7 +25,9 @@ from collections import Counter
 
 import pytest
 import torch
-from fp8_kernels import cross_build, triton_available
+
+from fp8_kernels import triton_available
+from fp8_kernels.triton import cross_build
 
 pytestmark = [
     pytest.mark.slow,
@@ -79,7 +81,8 @@ def _per_thread(block_elems: int, num_warps: int) -> int:
 # ----- 1-D quantize (delayed scaling) -----
 @pytest.mark.parametrize("dtype,fp8", [(torch.bfloat16, E4M3), (torch.float32, E5M2), (torch.float16, E4M3)])
 def test_quantize_main_loop_is_vectorised(sm90, record, dtype, fp8):
-    from fp8_kernels import triton_launch, triton_quantize
+    from fp8_kernels.triton import launch as triton_launch
+    from fp8_kernels.triton import quantize as triton_quantize
 
     rec = record(triton_quantize, "_quantize_kernel")
     x = torch.zeros(4 * 4096 + 3, dtype=dtype)  # the size is no part of the compiled kernel
@@ -95,7 +98,7 @@ def test_quantize_main_loop_is_vectorised(sm90, record, dtype, fp8):
 
 @pytest.mark.parametrize("n", [1, 7])
 def test_quantize_odd_and_size_one_compile(sm90, record, n):
-    from fp8_kernels import triton_quantize
+    from fp8_kernels.triton import quantize as triton_quantize
 
     rec = record(triton_quantize, "_quantize_kernel")
     triton_quantize.quantize_with_stats_triton(torch.zeros(n, dtype=torch.bfloat16), torch.tensor(1.0), E4M3)
@@ -105,7 +108,8 @@ def test_quantize_odd_and_size_one_compile(sm90, record, n):
 # ----- 2-D quantize with the transposed output -----
 @pytest.mark.parametrize("dtype,fp8", [(torch.bfloat16, E4M3), (torch.float32, E5M2)])
 def test_transposed_quantize_vectorised_both_layouts(sm90, record, dtype, fp8):
-    from fp8_kernels import triton_launch, triton_quantize
+    from fp8_kernels.triton import launch as triton_launch
+    from fp8_kernels.triton import quantize as triton_quantize
 
     rec = record(triton_quantize, "_quantize_t_kernel")
     x = torch.zeros(256 + 16, 512 + 48, dtype=dtype)  # rows of both layouts multiples of 16; edge tiles
@@ -123,7 +127,7 @@ def test_transposed_quantize_vectorised_both_layouts(sm90, record, dtype, fp8):
 
 def test_transposed_quantize_any_token_count(sm90, record):
     # M (tokens) not a multiple of 16: rows of qt cannot start aligned, but x and q still move in vectors
-    from fp8_kernels import triton_quantize
+    from fp8_kernels.triton import quantize as triton_quantize
 
     rec = record(triton_quantize, "_quantize_t_kernel")
     triton_quantize.quantize_with_stats_transposed_triton(
@@ -136,7 +140,7 @@ def test_transposed_quantize_any_token_count(sm90, record):
 
 @pytest.mark.parametrize("shape", [(1, 1), (127, 129), (1, 4096), (33, 16)])
 def test_transposed_odd_and_size_one_compile(sm90, record, shape):
-    from fp8_kernels import triton_quantize
+    from fp8_kernels.triton import quantize as triton_quantize
 
     rec = record(triton_quantize, "_quantize_t_kernel")
     triton_quantize.quantize_with_stats_transposed_triton(
@@ -174,7 +178,7 @@ def _build_quantize(sm90, kernel: str, fp8, *, saturating_cast: bool, quality: b
 def _build_quantize_with_args(sm90, kernel: str, fp8, saturating_cast: bool, quality: bool, constexprs: dict):
     """``(build, the launch's keyword arguments)`` as ``_build_quantize``, ``constexprs`` overriding what the
     launcher passed."""
-    from fp8_kernels import triton_quantize
+    from fp8_kernels.triton import quantize as triton_quantize
 
     with cross_build.recorded(triton_quantize, kernel, saturating_cast=saturating_cast) as rec:
         stats = None if quality else torch.zeros(6, dtype=torch.float64)  # the base columns alone
@@ -206,8 +210,9 @@ def test_saturating_cast_replaces_the_arithmetic_rounding(sm90, kernel, fp8):
 
 def test_fp_fusion_is_asked_for_not_left_to_the_default(sm90, monkeypatch):
     # Triton 3.9 announces that its default will turn FP fusion off; the launches pass it explicitly
-    # (triton_launch.FP_FUSION), so the kernels build the same whatever the default: here flipped
-    from fp8_kernels import triton_launch, triton_quantize
+    # (triton.launch.FP_FUSION), so the kernels build the same whatever the default: here flipped
+    from fp8_kernels.triton import launch as triton_launch
+    from fp8_kernels.triton import quantize as triton_quantize
 
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0" if triton_launch.FP_FUSION else "1")
     with cross_build.recorded(triton_quantize, "_quantize_kernel", saturating_cast=True) as rec:
@@ -258,10 +263,10 @@ def test_programs_per_sm_follows_the_occupancy_model():
 @pytest.mark.parametrize("quality", [True, False], ids=["quality", "base"])
 @pytest.mark.parametrize("kernel", list(_QUANTIZE_ENTRIES))
 def test_pipelined_loads_are_asynchronous_copies_into_shared_memory(sm90, kernel, quality):
-    # With prefetch off the main loop is Triton's software pipeline (triton_launch.pipeline_stages): its
+    # With prefetch off the main loop is Triton's software pipeline (triton.launch.pipeline_stages): its
     # loads become 16-byte cp.async copies into shared memory, stages - 1 blocks (tiles) ahead, and no
     # register holds a block in flight, where the register prefetch holds the next one in registers.
-    from fp8_kernels import triton_launch
+    from fp8_kernels.triton import launch as triton_launch
 
     stages = triton_launch.pipeline_stages(cross_build.CUDA)
     assert stages >= 3  # deeper than the register prefetch's two blocks
@@ -288,7 +293,9 @@ def test_pipelined_loads_are_asynchronous_copies_into_shared_memory(sm90, kernel
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("power_2_scale", [False, True])
 def test_current_scaling_passes_vectorised(sm90, record, transposed, power_2_scale):
-    from fp8_kernels import triton_current, triton_launch, triton_quantize
+    from fp8_kernels.triton import current as triton_current
+    from fp8_kernels.triton import launch as triton_launch
+    from fp8_kernels.triton import quantize as triton_quantize
 
     amax_rec = record(triton_current, "_amax_kernel")
     quant_rec = record(triton_quantize, "_quantize_t_kernel" if transposed else "_quantize_kernel")
@@ -315,8 +322,11 @@ def test_current_scaling_is_two_launches_into_one_unfilled_buffer(record, transp
     # the launchers as on a GPU, kernels recorded: the amax pass and the quantize pass are all the device work
     # of a call (no fill of an accumulator first), and the quantize pass reads the partial maxima the amax
     # pass wrote, one per program, from the buffer whose head takes the scale and scale_inv
-    from fp8_kernels import new_stats, triton_current, triton_quantize
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fp8_kernels import new_stats
+    from fp8_kernels.triton import current as triton_current
+    from fp8_kernels.triton import quantize as triton_quantize
 
     class Ops(TorchDispatchMode):
         names: list[str] = []
@@ -348,7 +358,7 @@ def test_current_scaling_is_two_launches_into_one_unfilled_buffer(record, transp
 
 
 def test_amax_size_one_compiles(sm90, record):
-    from fp8_kernels import triton_current
+    from fp8_kernels.triton import current as triton_current
 
     rec = record(triton_current, "_amax_kernel")
     triton_current.tensor_amax_triton(torch.zeros(1, dtype=torch.float16))
@@ -359,7 +369,8 @@ def test_amax_size_one_compiles(sm90, record):
 # ----- exponent histogram -----
 @pytest.mark.parametrize("dtype,n", [(torch.bfloat16, 3 * 4096), (torch.float32, 4097), (torch.float32, 1)])
 def test_histogram_loads_vectorised(sm90, record, dtype, n):
-    from fp8_kernels import triton_histogram, triton_launch
+    from fp8_kernels.triton import histogram as triton_histogram
+    from fp8_kernels.triton import launch as triton_launch
 
     rec = record(triton_histogram, "_histogram_kernel")
     triton_histogram.exponent_histogram_triton(torch.zeros(n, dtype=dtype))
@@ -371,7 +382,8 @@ def test_histogram_loads_vectorised(sm90, record, dtype, n):
 # ----- the fused scale update -----
 @pytest.mark.parametrize("n", [1, 37, 48])
 def test_scale_update_compiles_and_stores_aligned_scales(sm90, record, n):
-    from fp8_kernels import SCALE_STRIDE, aligned_scales, triton_scale_update
+    from fp8_kernels import SCALE_STRIDE, aligned_scales
+    from fp8_kernels.triton import scale_update as triton_scale_update
 
     rec = record(triton_scale_update, "_scale_update_kernel")
     triton_scale_update.scale_update_triton(
@@ -435,7 +447,8 @@ _ONE = torch.tensor(1.0)
 def _build_entry(sm90, name: str, *, quality: bool = False):
     """``(sm_90 build, launch keywords)`` of entry ``name`` of ``_ENTRIES`` as its launcher builds it on a GPU
     (the saturating cast of sm_89+, the CUDA sizes), for a bf16 (512, 1024) input."""
-    from fp8_kernels import triton_current, triton_quantize
+    from fp8_kernels.triton import current as triton_current
+    from fp8_kernels.triton import quantize as triton_quantize
 
     kernel, call = _ENTRIES[name]
     with contextlib.ExitStack() as stack:
@@ -502,7 +515,7 @@ def test_transposed_tile_moves_through_shared_memory_in_words(sm90, name, qualit
 @pytest.mark.parametrize("shape", [(1, 1), (127, 129), (1, 4096), (33, 16), (64, 96)])
 @pytest.mark.parametrize("entry", ["quantize_with_stats_transposed_triton", "quantize_with_stats_triton"])
 def test_dbias_variant_compiles(sm90, record, shape, entry):
-    from fp8_kernels import triton_quantize
+    from fp8_kernels.triton import quantize as triton_quantize
 
     rec = record(triton_quantize, "_quantize_t_kernel")
     getattr(triton_quantize, entry)(

@@ -1,10 +1,11 @@
 """fp8_kernels quantize-with-statistics reference: saturation, bits, counts, accumulation."""
 
-import fp8_kernels
 import pytest
 import torch
+
+import fp8_kernels
 from fp8_kernels import STAT_COLUMNS, dequantize, quantize_with_stats, quantize_with_stats_reference
-from fp8_kernels.quantize import overflow_threshold
+from fp8_kernels.reference.quantize import overflow_threshold
 
 FORMATS = [
     # dtype, max, min subnormal

@@ -1,4 +1,4 @@
-"""The block-scaled quantize kernel (``triton_block_quantize``): its cases (``block_cases.py``) under
+"""The block-scaled quantize kernel (``triton.block_quantize``): its cases (``block_cases.py``) under
 ``TRITON_INTERPRET=1`` on the CPU, in a subprocess as ``test_triton_interpreter.py`` does; its sm_90 PTX
 (compiled here, no GPU: ``test_ptx.py``'s machinery) reading and writing 16-byte vectors; and on a CUDA GPU
 the same cases compiled (among them the block-scaled Linear's quantize and statistics through the dispatch
@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fp8_kernels import cross_build, triton_available
 
+from fp8_kernels import triton_available
+from fp8_kernels.triton import cross_build
 from tests.kernels import block_cases
 from tests.kernels.test_ptx import _global, _per_thread, _ptx, record, sm90  # noqa: F401 (fixtures)
 from tests.support import interpreter
@@ -48,7 +49,7 @@ def test_runner_ran_every_case(results):
 def block_record(record, monkeypatch):  # noqa: F811
     """The quantize kernel's launches recorded (the statistics fold's too, apart), with the CUDA tile
     sizes."""
-    from fp8_kernels import triton_block_quantize as tbq
+    from fp8_kernels.triton import block_quantize as tbq
 
     tile = tbq.block_tile
     monkeypatch.setattr(tbq, "block_tile", lambda device, block: tile(cross_build.CUDA, block))
@@ -69,7 +70,7 @@ def block_record(record, monkeypatch):  # noqa: F811
 )
 @pytest.mark.parametrize("stats", [True, False])
 def test_block_quantize_vectorised(sm90, block_record, block, fmt, dtype, fp8, stats):  # noqa: F811
-    from fp8_kernels.triton_block_quantize import block_quantize_triton, block_tile
+    from fp8_kernels.triton.block_quantize import block_quantize_triton, block_tile
 
     x = torch.zeros(512 + 7, 1024, dtype=dtype)  # an edge tile row: the size is no part of the kernel
     block_quantize_triton(x, fp8, block, fmt, **(_rows() if stats else {}))
@@ -88,7 +89,7 @@ def test_block_quantize_vectorised(sm90, block_record, block, fmt, dtype, fp8, s
 def test_transposed_input_is_read_in_vectors(sm90, block_record, block, fmt):  # noqa: F811
     """A column-wise copy's input, the transpose of a row-major tensor, is read in place with 16-byte loads
     (along the tile's rows) and the FP8 data stored in 16-byte vectors, as from a row-major input."""
-    from fp8_kernels.triton_block_quantize import block_quantize_triton, block_tile
+    from fp8_kernels.triton.block_quantize import block_quantize_triton, block_tile
 
     x = torch.zeros(1024, 512 + 16, dtype=torch.bfloat16).t()  # (528, 1024), strides (1, 528)
     block_quantize_triton(x, E4M3, block, fmt)
@@ -105,7 +106,7 @@ def test_transposed_input_is_read_in_vectors(sm90, block_record, block, fmt):  #
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", [(1, 1), (3, 33), (129, 200)])
 def test_block_quantize_odd_shapes_compile(sm90, block_record, shape):  # noqa: F811
-    from fp8_kernels.triton_block_quantize import block_quantize_triton
+    from fp8_kernels.triton.block_quantize import block_quantize_triton
 
     block_quantize_triton(torch.zeros(shape, dtype=torch.bfloat16), E5M2, (1, 128), "fp32", **_rows())
     assert "st.global" in _ptx(sm90, block_record)
@@ -117,7 +118,7 @@ def test_block_quantize_odd_shapes_compile(sm90, block_record, shape):  # noqa: 
 def test_block_fold_compiles(sm90, record, fmt, block, quality):  # noqa: F811
     """The statistics fold (one program: float64 reductions, ``log2`` of a float64, the rows' stores)
     builds for sm_90, and stores into both rows."""
-    from fp8_kernels import triton_block_quantize as tbq
+    from fp8_kernels.triton import block_quantize as tbq
 
     fold = record(tbq, "_block_fold_kernel")
     record(tbq, "_block_quantize_kernel")
@@ -133,8 +134,9 @@ def test_block_fold_compiles(sm90, record, fmt, block, quality):  # noqa: F811
 def test_launcher_reads_nothing_on_the_host(block_record, block, fmt):
     """A call allocates its outputs and launches: no value read on the host, no tensor made from a Python
     number, no op that would launch work on a device; what a call shape decides is built once."""
-    from fp8_kernels import triton_block_quantize as tbq
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fp8_kernels.triton import block_quantize as tbq
 
     class Ops(TorchDispatchMode):
         def __init__(self):

@@ -26,7 +26,7 @@ from fp8_protocol.client_events import (
     rank_amax_details,
 )
 from fp8_protocol.tensors import ROLES, TensorInfo
-from monitor_server.schemas import EventKind, Role, TensorSpec
+from monitor_server.storage.schemas import EventKind, Role, TensorSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,7 @@ from datetime import timedelta
 
 import numpy as np
 
-from monitor_server.models import utcnow
+from monitor_server.storage.models import utcnow
 from tests.support.server import API, create_run, post_batch, quiet_stats
 
 
@@ -70,7 +70,7 @@ def test_client_events_and_detector_state_persisted(client):
     assert "loss_spike" in kinds
     from sqlalchemy import select
 
-    from monitor_server.models import Run
+    from monitor_server.storage.models import Run
 
     with client.app.state.ctx.db.read_session() as session:
         state = session.scalar(select(Run.detector_state).where(Run.id == rid))

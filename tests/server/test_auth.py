@@ -167,3 +167,43 @@ def test_ingest_token_writes_only_to_its_own_runs(make_client):
     assert client.get(f"{API}/runs/{rid}/commands", headers=ops).json()[0]["state"] == "pending"
     assert client.post(f"{API}/runs/{rid}/telemetry", json=ack, headers=trainer).status_code == 200
     assert client.patch(f"{API}/runs/{rid}", json={"status": "crashed"}, headers=ops).status_code == 200
+
+
+def test_the_owner_is_checked_again_on_the_run_the_database_holds(make_client, db_url):
+    """The owner check that admits a batch before its body is read takes the run's cached meta without a
+    database read; once the body is parsed, the meta checked against the database decides. A database
+    restored under the server (the id now another token's run, created at another time) refuses the cached
+    owner's batch, and nothing is stored."""
+    from sqlalchemy import create_engine, text
+
+    client = make_client(tokens=[*TOKENS, "other:ingest:other-secret-1"])
+    trainer = _h("trainer-secret-1")
+    rid = client.post(f"{API}/runs", json=run_body(1), headers=trainer).json()["id"]
+    stats = random_stats(np.random.default_rng(0), 1, 3)
+    assert (
+        client.post(
+            f"{API}/runs/{rid}/telemetry", json=batch_body("a", [1], stats), headers=trainer
+        ).status_code
+        == 200
+    )
+    engine = create_engine(db_url)
+    with engine.begin() as conn:  # the row under the id is now another token's run
+        conn.execute(
+            text(
+                "UPDATE runs SET owner = 'other', created_at = created_at + interval '1 hour' WHERE id = :id"
+            )
+            if engine.dialect.name == "postgresql"
+            else text(
+                "UPDATE runs SET owner = 'other', created_at = datetime(created_at, '+1 hour') WHERE id = :id"
+            ),
+            {"id": rid},
+        )
+    engine.dispose()
+    r = client.post(f"{API}/runs/{rid}/telemetry", json=batch_body("b", [2], stats), headers=trainer)
+    assert r.status_code == 403 and "registered by another token" in r.json()["detail"]
+    ops = _h("ops-secret-1")
+    assert client.get(f"{API}/runs/{rid}", headers=ops).json()["steps_stored"] == 1
+    r = client.post(
+        f"{API}/runs/{rid}/telemetry", json=batch_body("c", [3], stats), headers=_h("other-secret-1")
+    )
+    assert r.status_code == 200

@@ -10,11 +10,11 @@ import pytest
 from sqlalchemy import func, select, update
 
 from fp8_protocol.stats import BLOCK_HIST_BINS, FP8_MAX
-from monitor_server import retention
-from monitor_server.block_hist import HIST_LEVELS, HistEntry, pack_counts, unpack_counts
-from monitor_server.ingest import DecodedBatch, store_batch
-from monitor_server.models import BlockHistogram
-from monitor_server.rollups import COMPACT_BLOCK
+from monitor_server.services.ingest import DecodedBatch, store_batch
+from monitor_server.storage import retention
+from monitor_server.storage.block_hist import HIST_LEVELS, HistEntry, pack_counts, unpack_counts
+from monitor_server.storage.models import BlockHistogram
+from monitor_server.storage.rollups import COMPACT_BLOCK
 from tests.support.server import API, create_run, random_stats
 
 T = 3  # create_run(n_layers=1): tensors 0 and 1 send histograms, 2 (per-tensor scaled) none

@@ -15,9 +15,9 @@ from fp8_protocol.stats import (
     LEGACY_BLOCK_COLUMNS,
     QUALITY_COLUMNS,
 )
-from monitor_server import retention
-from monitor_server.models import BlockHistogram, StepStat
-from monitor_server.rollups import STAT_IDS, unpack
+from monitor_server.storage import retention
+from monitor_server.storage.models import BlockHistogram, StepStat
+from monitor_server.storage.stat_rows import STAT_IDS, unpack
 from tests.support.server import API, col, create_run, random_stats
 
 T = 3  # create_run(n_layers=1)

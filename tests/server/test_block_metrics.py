@@ -15,9 +15,10 @@ from sqlalchemy import func, select
 
 from fp8_protocol.stats import BASE_COLUMNS, BLOCK_COLUMNS, BLOCK_HIST_BINS
 from monitor_server.core.db import make_engine
-from monitor_server.models import BlockHistogram, StepStat
-from monitor_server.retention import compaction_cut
-from monitor_server.rollups import COMPACT_BLOCK, STAT_IDS
+from monitor_server.storage.models import BlockHistogram, StepStat
+from monitor_server.storage.retention import compaction_cut
+from monitor_server.storage.rollups import COMPACT_BLOCK
+from monitor_server.storage.stat_rows import STAT_IDS
 from tests.support.polling import wait_for
 from tests.support.server import API, ServerProcess, col, create_run, decode
 

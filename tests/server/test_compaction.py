@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from sqlalchemy import func, select
 
-from monitor_server import retention
-from monitor_server.models import StepStat
-from monitor_server.rollups import COMPACT_BLOCK, STAT_IDS, raw_kept_from
+from monitor_server.storage import retention
+from monitor_server.storage.models import StepStat
+from monitor_server.storage.rollups import COMPACT_BLOCK, raw_kept_from
+from monitor_server.storage.stat_rows import STAT_IDS
 from tests.support.polling import wait_for
 from tests.support.server import API, batch_body, create_run, decode, random_stats
 

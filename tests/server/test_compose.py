@@ -101,7 +101,7 @@ def test_dockerfile_copies_existing_paths_and_runs_the_clis(compose):
     assert argv[0] == "fp8-train"
     prepare(argv[1:])  # exits 2 on a flag fp8-train rejects
     assert "torch==" in stages["trainer"] and "whl/cpu" in stages["trainer"]  # the CPU build, pinned
-    # a C compiler (kernels/cpu_fused.py looks for cc, gcc or clang) and C headers for the fused CPU kernel
+    # a C compiler (fp8_kernels/cpu/fused.py looks for cc, gcc or clang) and C headers for the fused kernel
     assert re.search(r"apt-get install [^\n]*\bgcc\b[^\n]*\blibc6-dev\b", stages["trainer"])
     for service in compose["services"].values():
         if "build" in service:

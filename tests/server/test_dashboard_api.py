@@ -12,7 +12,7 @@ from fnmatch import fnmatch
 import httpx
 import numpy as np
 
-from monitor_server.web import plotly_js, web_root
+from monitor_server.infra.web import plotly_js, web_root
 from tests.support import ROOT
 from tests.support.server import API, batch_body, random_stats, run_body, running_server
 

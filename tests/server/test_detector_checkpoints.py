@@ -11,8 +11,8 @@ import httpx
 import numpy as np
 from sqlalchemy import select
 
-from monitor_server.alerting import CHECKPOINT_VERSION_KEY
-from monitor_server.models import Run
+from monitor_server.services.alerting import CHECKPOINT_VERSION_KEY
+from monitor_server.storage.models import Run
 from tests.support.server import API, ServerProcess, batch_body, create_run, random_stats
 
 T = 9  # three layers

@@ -9,7 +9,7 @@ import concurrent.futures
 
 import orjson
 
-from monitor_server.events import EventBroker
+from monitor_server.infra.events import EventBroker
 from tests.support.server import API, create_run
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from monitor_server import export, ingest
+from monitor_server.services import export, export_tables, ingest
 from tests.support.server import API, STATS, batch_body, col, create_run, make_tensors, random_stats
 
 
@@ -144,7 +144,7 @@ def test_many_chunks_give_the_same_table(client, monkeypatch):
     whole = {fmt: _get(client, run["id"], format=fmt, layout="wide").content for fmt in ("csv", "parquet")}
     long = _get(client, run["id"], format="csv", layout="long").content
     monkeypatch.setattr(export, "CHUNK_CELLS", 18)
-    monkeypatch.setattr(export, "CHUNK_ROWS", 2)
+    monkeypatch.setattr(export_tables, "CHUNK_ROWS", 2)
     assert _get(client, run["id"], format="csv", layout="long").content == long  # the long layout too
     csv_chunked = _get(client, run["id"], format="csv", layout="wide").content
     assert csv_chunked == whole["csv"]

@@ -7,10 +7,19 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from monitor_server import export, retention
 from monitor_server.core.db import Database
-from monitor_server.run_meta import RunMetaCache
-from tests.support.server import API, batch_body, create_run, quiet_stats, run_body, running_server
+from monitor_server.services import export, export_tables
+from monitor_server.storage import retention
+from monitor_server.storage.run_meta import RunMetaCache
+from tests.support.server import (
+    API,
+    batch_body,
+    create_run,
+    quiet_stats,
+    run_body,
+    running_server,
+    slow_reader,
+)
 
 #: 10,240 steps of 66 tensors: 676k rows of the long layout, about 10 chunks (tens of MB of CSV), far more
 #: than a connection's buffers hold while the reader waits
@@ -30,8 +39,10 @@ def test_a_run_deleted_during_its_download_leaves_the_client_an_incomplete_trans
         run_id = httpx.post(f"{server.url}{API}/runs", json=run_body(LAYERS)).json()["id"]
         _fill(server.url, run_id)
         with (
-            httpx.Client(base_url=server.url, timeout=120) as client,
-            client.stream("GET", f"{API}/runs/{run_id}/export", params={"format": "csv"}) as response,
+            slow_reader() as client,
+            client.stream(
+                "GET", f"{server.url}{API}/runs/{run_id}/export", params={"format": "csv"}
+            ) as response,
         ):
             assert response.status_code == 200
             pieces = response.iter_raw()
@@ -55,7 +66,7 @@ def test_compaction_during_an_export_ends_it_with_an_error_not_a_shorter_file(
     body = batch_body("all", range(96), stats, encoding="float64", losses=[2.0] * 96)
     assert client.post(f"{API}/runs/{run['id']}/telemetry", json=body).status_code == 200
     monkeypatch.setattr(export, "CHUNK_CELLS", 60)  # 10 steps a chunk
-    monkeypatch.setattr(export, "CHUNK_ROWS", 10)
+    monkeypatch.setattr(export_tables, "CHUNK_ROWS", 10)
     db = Database(db_url)
     try:
         with db.read_session() as session:

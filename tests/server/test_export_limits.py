@@ -12,10 +12,18 @@ import orjson
 import pyarrow.parquet as pq
 
 from fp8_trainer.monitor.read import Reader
-from monitor_server import export
+from monitor_server.services import export_tables
 from tests.server.test_export_cut_off import LAYERS, _fill
 from tests.support.polling import wait_for
-from tests.support.server import API, batch_body, create_run, quiet_stats, run_body, running_server
+from tests.support.server import (
+    API,
+    batch_body,
+    create_run,
+    quiet_stats,
+    run_body,
+    running_server,
+    slow_reader,
+)
 
 
 def _parquet(client, run_id: int, **params) -> pq.ParquetFile:
@@ -54,7 +62,7 @@ def test_events_export_in_chunks_bounded_by_bytes_from_the_stored_json(client, m
     ]
     body = batch_body("ev", [0], quiet_stats(1, 3), events=events)
     assert client.post(f"{API}/runs/{run['id']}/telemetry", json=body).status_code == 200
-    monkeypatch.setattr(export, "CHUNK_BYTES", 2_500_000)  # two events of 1 MB a chunk
+    monkeypatch.setattr(export_tables, "CHUNK_BYTES", 2_500_000)  # two events of 1 MB a chunk
     table = _parquet(client, run["id"], table="events")
     assert [table.metadata.row_group(g).num_rows for g in range(table.num_row_groups)] == [2, 2, 2]
     got = table.read()
@@ -73,7 +81,7 @@ def test_scalars_export_in_chunks_of_bounded_cells(client, monkeypatch):
     ]
     r = client.post(f"{API}/runs/{run['id']}/telemetry", json={"idempotency_key": "s", "steps": steps})
     assert r.status_code == 200, r.text
-    monkeypatch.setattr(export, "SCALAR_CHUNK_CELLS", 10_000)  # 10 steps of 1,000 names a chunk
+    monkeypatch.setattr(export_tables, "SCALAR_CHUNK_CELLS", 10_000)  # 10 steps of 1,000 names a chunk
     table = _parquet(client, run["id"], table="scalars")
     assert [table.metadata.row_group(g).num_rows for g in range(table.num_row_groups)] == [10, 10, 10, 10]
     got = table.read()
@@ -88,11 +96,12 @@ def test_exports_over_the_concurrency_bound_get_429_until_one_ends(db_url, tmp_p
         run_id = httpx.post(f"{server.url}{API}/runs", json=run_body(LAYERS)).json()["id"]
         _fill(server.url, run_id)
         url = f"{server.url}{API}/runs/{run_id}/export"
-        # CSV: about 70 MB, which no socket buffer holds, so the first export is still streaming (its slot
-        # held) while this reader reads no further; the default Parquet of these quiet statistics compresses
-        # to a size the kernel's buffers can take whole, and its slot came back at once
+        # CSV: tens of MB, more than the server's send buffer and this reader's 64 KiB receive buffer
+        # hold, so the first export is still streaming (its slot held) while this reader reads no further;
+        # the default Parquet of these quiet statistics compresses to a size the kernel's buffers can take
+        # whole, and its slot came back at once
         csv = {"format": "csv"}
-        with httpx.Client(timeout=120) as reader, reader.stream("GET", url, params=csv) as first:
+        with slow_reader() as reader, reader.stream("GET", url, params=csv) as first:
             assert first.status_code == 200
             next(first.iter_raw())
             second = httpx.get(url, params={"table": "scalars"}, timeout=60)

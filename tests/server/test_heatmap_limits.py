@@ -9,8 +9,8 @@ import typing
 import numpy as np
 import orjson
 
-from monitor_server.rollups import HEATMAP_METRICS
-from monitor_server.schemas import HeatmapMetric
+from monitor_server.storage.rollups import HEATMAP_METRICS
+from monitor_server.storage.schemas import HeatmapMetric
 from tests.support.server import API, batch_body, create_run, random_stats, run_body
 
 

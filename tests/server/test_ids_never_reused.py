@@ -10,7 +10,7 @@ from sqlalchemy import delete
 from sqlalchemy.orm import Session
 
 from monitor_server.core.db import make_engine
-from monitor_server.models import Run, TensorRow
+from monitor_server.storage.models import Run, TensorRow
 from tests.support.server import API, batch_body, create_run, make_tensors, quiet_stats
 
 JOB = {"Authorization": "Bearer ingest-secret"}

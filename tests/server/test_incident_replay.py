@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import text
 
 from monitor_server.core.db import make_engine
-from monitor_server.migrations import upgrade_to_head
+from monitor_server.storage.migrations import upgrade_to_head
 from tests.server.test_migrations import at_revision, insert_run
 from tests.support.server import API, create_run, post_batch, quiet_stats, run_body
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from monitor_server.incidents import title
+from monitor_server.services.incidents import title
 from tests.support.polling import wait_until
 from tests.support.server import API, create_run, post_batch, quiet_stats
 
@@ -273,7 +273,7 @@ def test_the_webhook_gets_one_message_per_incident_with_the_run_link(hook, make_
 def test_an_alert_stored_before_incidents_existed_joins_one_when_it_is_updated(client):
     from sqlalchemy import delete, update
 
-    from monitor_server.models import Alert, Incident
+    from monitor_server.storage.models import Alert, Incident
 
     rid = create_run(client, n_layers=N_LAYERS)["id"]
     s = quiet_stats(10, T)

@@ -14,7 +14,7 @@ import httpx
 import orjson
 import pytest
 
-from monitor_server.events import EventBroker
+from monitor_server.infra.events import EventBroker
 from tests.support.polling import wait_until
 from tests.support.server import API, ServerProcess, create_run
 

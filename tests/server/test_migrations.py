@@ -13,10 +13,10 @@ from alembic.migration import MigrationContext
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.orm import Session
 
-from monitor_server.block_hist import read_histogram
 from monitor_server.core.db import make_engine
-from monitor_server.migrations import alembic_config, upgrade_to_head
-from monitor_server.models import Base
+from monitor_server.storage.block_hist import read_histogram
+from monitor_server.storage.migrations import alembic_config, upgrade_to_head
+from monitor_server.storage.models import Base
 
 
 @contextlib.contextmanager

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from monitor_server.policies import SQNR_FLOOR_DB, RemediationConfig, propose
+from monitor_server.services.policies import SQNR_FLOOR_DB, RemediationConfig, propose
 from tests.server.test_incident_replay import LAYER, T, incident_with_bundles, report
 from tests.support.server import API, post_batch, quiet_stats
 
@@ -127,6 +127,10 @@ def test_the_rules_in_order():
     assert (under.rule, under.changes) == ("persistent_underflow", {"amax_history_len": 4})
     assert propose(report("not-fp8"), LAYERS, DELAYED, set(), None) is None
     assert propose({**fine, "culprits": ["lm_head.input"]}, LAYERS, DELAYED, set(), None) is None
+    pair = propose({**spike, "culprits": [f"{LAYER}.input+{LAYER}.weight"]}, LAYERS, DELAYED, set(), None)
+    assert pair is not None and pair.rule == "low_sqnr" and pair.target == LAYER  # lowprec names a pair
+    mixed = {**spike, "culprits": [f"{LAYER}.input+blocks.0.mlp.fc.weight"]}  # two layers: no one target
+    assert propose(mixed, LAYERS, DELAYED, set(), None) is None
 
 
 def test_malformed_settings_read_as_off():

@@ -8,8 +8,8 @@ import pytest
 from sqlalchemy import select
 
 from fp8_protocol.stats import BASE_COLUMNS, QUALITY_COLUMNS
-from monitor_server.models import StepStat
-from monitor_server.rollups import STAT_IDS, unpack
+from monitor_server.storage.models import StepStat
+from monitor_server.storage.stat_rows import STAT_IDS, unpack
 from tests.support.server import API, col, create_run, random_stats
 
 

@@ -25,21 +25,23 @@ from pydantic import BaseModel, TypeAdapter
 from monitor_server.api import routes
 from monitor_server.app import create_app
 from monitor_server.core.config import Settings
-from monitor_server.schemas import (
+from monitor_server.storage.query_schemas import (
+    BlockHistogramPublic,
+    HeatmapPackedHeader,
+    HeatmapPublic,
+    LayerHealth,
+    SeriesMulti,
+    SeriesPublic,
+)
+from monitor_server.storage.schemas import (
     AckAllResult,
     AlertPublic,
-    BlockHistogramPublic,
     CommandPublic,
     EventPublic,
     Health,
-    HeatmapPackedHeader,
-    HeatmapPublic,
     IncidentDetail,
     IncidentPublic,
-    LayerHealth,
     RunPublic,
-    SeriesMulti,
-    SeriesPublic,
     TelemetryResult,
     WhoAmI,
 )

@@ -8,8 +8,9 @@ from __future__ import annotations
 import numpy as np
 from sqlalchemy import func, select
 
-from monitor_server.models import Rollup
-from monitor_server.rollups import HEATMAP_METRICS, LEVELS, STAT_IDS, headroom
+from monitor_server.storage.models import Rollup
+from monitor_server.storage.rollups import HEATMAP_METRICS, LEVELS, headroom
+from monitor_server.storage.stat_rows import STAT_IDS
 from tests.support.server import API, batch_body, create_run, decode, random_stats
 
 T = 6

@@ -8,8 +8,8 @@ from datetime import timedelta
 import numpy as np
 import pytest
 
-from monitor_server import run_admin
-from monitor_server.models import utcnow
+from monitor_server.services import run_admin
+from monitor_server.storage.models import utcnow
 from tests.support.server import API, batch_body, create_run, random_stats
 
 AUTH = {"tokens": ["job:ingest:ingest-secret", "dash:read:read-secret", "ops:read+control:control-secret"]}
@@ -121,7 +121,7 @@ def test_delete_needs_control_and_takes_the_telemetry_with_it(make_client):
     ctx = client.app.state.ctx
     from sqlalchemy import func, select
 
-    from monitor_server.models import Alert, StepRow, StepStat, TensorRow
+    from monitor_server.storage.models import Alert, StepRow, StepStat, TensorRow
 
     with ctx.db.read_session() as session:
         for table in (StepRow, StepStat, TensorRow, Alert):
@@ -176,11 +176,11 @@ def test_maintenance_closes_after_the_stall_period_by_default(make_client):
     client = make_client(stall_seconds=30, stall_check_seconds=3600)
     ctx = client.app.state.ctx
     run = create_run(client)
-    run_admin.maintain(ctx, utcnow() + timedelta(seconds=20))
+    ctx.maintain(utcnow() + timedelta(seconds=20))
     assert client.get(f"{API}/runs/{run['id']}").json()["status"] == "running"
-    run_admin.maintain(ctx, utcnow() + timedelta(seconds=40))
+    ctx.maintain(utcnow() + timedelta(seconds=40))
     assert client.get(f"{API}/runs/{run['id']}").json()["status"] == "crashed"
     never = make_client(stall_seconds=30, stall_check_seconds=3600, close_after_seconds=0)
     other = create_run(never)
-    run_admin.maintain(never.app.state.ctx, utcnow() + timedelta(days=30))
+    never.app.state.ctx.maintain(utcnow() + timedelta(days=30))
     assert never.get(f"{API}/runs/{other['id']}").json()["status"] == "running"

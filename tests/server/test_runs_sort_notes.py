@@ -9,8 +9,8 @@ from datetime import timedelta
 
 import pytest
 
-from monitor_server.models import Incident, Run, utcnow
-from monitor_server.run_sort import SORTS
+from monitor_server.storage.models import Incident, Run, utcnow
+from monitor_server.storage.run_sort import SORTS
 from tests.support.server import API, create_run
 
 NO_LOSS = math.inf

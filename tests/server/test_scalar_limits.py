@@ -14,7 +14,7 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from monitor_server.core.db import PG_RUN_LOCK_CLASS, Database
-from monitor_server.ingest import scalar_columns
+from monitor_server.services.ingest import scalar_columns
 from tests.support.polling import wait_until
 from tests.support.server import API, create_run
 

@@ -18,7 +18,7 @@ import pytest
 import uvicorn
 
 from monitor_server.core.config import Settings
-from monitor_server.guard import RequestGuard
+from monitor_server.infra.guard import RequestGuard
 from tests.support.polling import wait_until
 from tests.support.server import API, ServerProcess, free_port, run_body
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 from sqlalchemy import func, select
 
-from monitor_server.models import Rollup, StepStat
-from monitor_server.rollups import STAT_IDS
+from monitor_server.storage.models import Rollup, StepStat
+from monitor_server.storage.stat_rows import STAT_IDS
 from tests.support.server import API, batch_body, create_run, decode, random_stats
 
 T = 6

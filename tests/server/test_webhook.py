@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from monitor_server.webhook import WebhookNotifier, slack_payload
+from monitor_server.infra.webhook import WebhookNotifier, slack_payload
 from tests.support.polling import wait_until
 from tests.support.server import free_port
 

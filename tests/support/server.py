@@ -155,6 +155,14 @@ def decode(values: list) -> np.ndarray:
     return np.array([table[v] if isinstance(v, str) or v is None else v for v in values], dtype=np.float64)
 
 
+def slow_reader(timeout: float = 120) -> httpx.Client:
+    """A client whose connections take at most 64 KiB into the kernel's receive buffer: a reader that stops
+    reading stalls the server's writes after a few MB (the server's send buffer), where an autotuned loopback
+    buffer (tens of MB) could take a whole export and let the server finish it."""
+    small = [(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)]
+    return httpx.Client(timeout=timeout, transport=httpx.HTTPTransport(socket_options=small))
+
+
 def free_port() -> int:
     """An unused TCP port on loopback."""
     with socket.socket() as s:

@@ -19,16 +19,16 @@ import math
 
 import pytest
 import torch
-from fp8_kernels.block_quantize import (
+from torch import nn
+
+import fp8_trainer
+import fp8_trainer.block_linear
+from fp8_kernels.reference.block_quantize import (
     BlockQuantized,
     block_scaled_mm,
     float8_block_quantize,
     mxfp8_quantize,
 )
-from torch import nn
-
-import fp8_trainer
-import fp8_trainer.block_linear
 from fp8_trainer import block_gemm as bg
 from fp8_trainer.recipe import Float8BlockScaling, Format, MXFP8BlockScaling
 

@@ -1,6 +1,6 @@
 """Launches per block-scaled FP8 Linear (MXFP8, FP8 block scaling) on the GPU path, counted on the CPU.
 
-The layer runs its CUDA path on CPU tensors: the block-quantize launcher (``triton_block_quantize``) as
+The layer runs its CUDA path on CPU tensors: the block-quantize launcher (``triton.block_quantize``) as
 registered on CUDA, its Triton kernels replaced by stubs that count one launch each and run nothing; the
 block-scaled GEMM on the paths of an sm_90 GPU (FP8 block scaling's native ``scaled_mm``, a counted stub;
 MXFP8 emulated, which Hopper has no GEMM for). ``LaunchCounter`` counts every other ATen op that would
@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import collections
 
-import fp8_kernels
 import pytest
 import torch
-from fp8_kernels import cross_build
-from fp8_kernels.cross_build import LaunchCounter
 from torch import nn
 
+import fp8_kernels
 import fp8_trainer
 import fp8_trainer.block_gemm as block_gemm
+from fp8_kernels.triton import cross_build
+from fp8_kernels.triton.cross_build import LaunchCounter
 from fp8_trainer import fp8_autocast
 from fp8_trainer.recipe import Float8BlockScaling, MXFP8BlockScaling
 
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def block_gpu_path(monkeypatch):
     """The CUDA dispatch of the block recipes on the CPU (module docstring)."""
     pytest.importorskip("triton", reason="triton is not installed (pip install .[dev])")
-    from fp8_kernels import triton_block_quantize
+    from fp8_kernels.triton import block_quantize as triton_block_quantize
 
     counter = LaunchCounter()
 

@@ -1,6 +1,6 @@
-"""The block-scaled FP8 Linear against the reference in ``fp8_kernels.block_quantize``: its quantized operands
-and GEMM outputs bit for bit, its statistics against ``block_stats``, its gradients against float64 within
-the SQNR the format allows (and below what float32 would give, so FP8 really ran)."""
+"""The block-scaled FP8 Linear against the reference in ``fp8_kernels.reference.block_quantize``: its
+quantized operands and GEMM outputs bit for bit, its statistics against ``block_stats``, its gradients
+against float64 within the SQNR the format allows (and below what float32 would give, so FP8 really ran)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ import math
 import numpy as np
 import pytest
 import torch
-from fp8_kernels.block_quantize import (
+from torch import nn
+
+import fp8_trainer
+from fp8_kernels.reference.block_quantize import (
     block_amax,
     block_scaled_mm,
     block_stats,
     float8_block_quantize,
     mxfp8_quantize,
 )
-from torch import nn
-
-import fp8_trainer
 from fp8_protocol.stats import (
     AMAX,
     BLOCK_COLUMNS,

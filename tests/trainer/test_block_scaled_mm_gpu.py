@@ -19,10 +19,10 @@ import math
 
 import pytest
 import torch
-from fp8_kernels.block_quantize import BlockQuantized, float8_block_quantize, mxfp8_quantize
 from torch import nn
 
 import fp8_trainer
+from fp8_kernels.reference.block_quantize import BlockQuantized, float8_block_quantize, mxfp8_quantize
 from fp8_trainer import block_gemm as bg
 from fp8_trainer.recipe import Float8BlockScaling, Format, MXFP8BlockScaling
 from tests.support.gpu import FP8_GPU

@@ -8,9 +8,9 @@ import math
 
 import pytest
 import torch
-from fp8_kernels.block_quantize import block_scaled_mm, mxfp8_quantize
 
 import fp8_trainer
+from fp8_kernels.reference.block_quantize import block_scaled_mm, mxfp8_quantize
 from fp8_protocol.stats import BLOCK_COLUMNS, SCALE
 from fp8_trainer import cli
 from fp8_trainer.recipe import Float8BlockScaling, MXFP8BlockScaling

@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import collections
 
-import fp8_kernels
 import pytest
 import torch
-from fp8_kernels.cross_build import LaunchCounter
 from torch import nn
 
+import fp8_kernels
 import fp8_trainer
 import fp8_trainer.gemm
 import fp8_trainer.linear_ops
+from fp8_kernels.triton.cross_build import LaunchCounter
 from fp8_trainer import CurrentScaling, DelayedScaling, fp8_autocast
-from fp8_trainer.state import _scale_update_reference
+from fp8_trainer.scaling import scale_update_reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -51,7 +51,7 @@ def gpu_path(monkeypatch):
         return (q, q.t().contiguous(), *rest)
 
     def scale_update(*args, **kwargs):  # the Triton kernel writes the aligned layout itself
-        hist, scale, scale_inv = _scale_update_reference(*args, **kwargs)
+        hist, scale, scale_inv = scale_update_reference(*args, **kwargs)
         return hist, fp8_kernels.aligned_scales(scale), fp8_kernels.aligned_scales(scale_inv)
 
     fp8_kernels.register("cpu", quantize=kernel("quantize", fp8_kernels.quantize_with_stats_reference),

@@ -36,7 +36,7 @@ import fp8_trainer
 from fp8_trainer import CurrentScaling, DelayedScaling, fp8_autocast
 from fp8_trainer.fsdp import enable_fp8_all_gather
 from fp8_trainer.tensor_parallel import sharded_tensors
-from monitor_server.detectors.config import DetectorConfig
+from monitor_server.core.detector_config import DetectorConfig
 from monitor_server.detectors.ranks import rank_divergence
 from tests.trainer import sharded_runs
 from tests.trainer.gloo import gloo_group, spawn_ranks

@@ -10,7 +10,8 @@ import pytest
 
 from fp8_trainer import cli
 from fp8_trainer.replay import VERDICTS, post_report
-from monitor_server.schemas import ReplayVerdict
+from monitor_server.infra.replay_worker import ReplayWorker
+from monitor_server.storage.schemas import ReplayVerdict
 from tests.support.polling import wait_for
 from tests.support.server import API, running_server
 from tests.trainer.test_replay import FLAGS, STEP
@@ -63,3 +64,43 @@ def test_a_replay_of_a_real_bundle_is_stored_on_its_incident(tmp_path, capsys):
 
 def test_the_service_takes_the_verdicts_the_replay_gives():
     assert typing.get_args(ReplayVerdict) == VERDICTS
+
+
+def test_a_saturated_gradient_lands_on_its_overflow_alert_and_its_gradient_verdict_is_stored(tmp_path):
+    """gradspike moves no loss: the bundle (a statistics trigger) lands on the incident of the service's own
+    overflow alert on that grad_output, and the replay's gradient evidence is stored with the report."""
+    data = tmp_path / "count.txt"
+    data.write_text(" ".join(str(i) for i in range(20000)))
+    with running_server(f"sqlite:///{tmp_path / 'monitor.db'}") as server:
+        argv = ["--steps", str(STEP + 1), *FLAGS, "--data", str(data), "--capture-dir", str(tmp_path)]
+        argv += ["--inject", f"gradspike:{LAYER}@{STEP}", "--monitor-url", server.url, "--run-name", "grad"]
+        assert cli.main(argv) == 0
+        (bundle,) = tmp_path.glob("incident-step*.pt")
+        api = server.url + API
+        (run,) = httpx.get(f"{api}/runs").json()
+
+        def incident_with_bundle():
+            found = [i for i in httpx.get(f"{api}/runs/{run['id']}/incidents").json() if i["bundles"]]
+            return found[0] if found else None
+
+        incident = wait_for(incident_with_bundle, timeout=30, what="an incident listing the bundle")
+        assert incident["bundles"] == [str(bundle)]
+        assert incident["kind"] == "overflow_burst" and incident["tensors"][0] == f"{LAYER}.grad_output"
+        assert incident["first_step"] <= STEP <= incident["last_step"]
+
+        # asked for on the incident page, run by a replay worker (`fp8-monitor replay-worker`)
+        asked = httpx.post(f"{api}/runs/{run['id']}/incidents/{incident['id']}/replay-requests", json={})
+        assert asked.status_code == 201 and asked.json()["bundle"] == str(bundle)
+        said: list[str] = []
+        worker = ReplayWorker(server.url, None, say=said.append)
+        try:
+            finished = worker.run_once()
+            assert finished is not None and finished["state"] == "done", (finished, said)
+            assert worker.run_once() is None  # nothing else pending
+        finally:
+            worker.close()
+        stored = httpx.get(f"{api}/runs/{run['id']}/incidents/{incident['id']}/replay").json()
+        assert stored["verdict"] == "fp8-caused" and stored["trigger"]["kind"] == "grad_overflow"
+        assert stored["bundle"] == str(bundle) and stored["culprits"][0] == f"{LAYER}.grad_output"
+        fp8, hp = stored["configs"][:2]
+        assert fp8["layer_grad_sqnr_db"] < 1 and hp["layer_grad_sqnr_db"] == "Infinity"

@@ -26,10 +26,10 @@ from fp8_protocol.stats import (
     sqnr_db,
 )
 from fp8_trainer.convert import get_fp8_state
+from fp8_trainer.merge import merge_step_stats
 from fp8_trainer.monitor.external import CallerStats
 from fp8_trainer.monitor.ranks import reduce_rank_stats
 from fp8_trainer.monitor.sender import StepRecord, step_body
-from fp8_trainer.state import merge_step_stats
 
 
 def _model() -> nn.Module:

@@ -14,7 +14,7 @@ import pytest
 from sqlalchemy import create_engine
 from sqlalchemy.orm import Session
 
-from monitor_server.models import Run, utcnow
+from monitor_server.storage.models import Run, utcnow
 from tests.support.server import API, ServerProcess, make_tensors
 from tests.web.browser import no_page_errors, open_run, wait_stream
 from tests.web.dashboard_data import create_run, post_steps, smooth_stats

@@ -111,3 +111,37 @@ def test_a_proposed_remediation_is_applied_with_one_click(server, page):
     (stored,) = httpx.get(f"{server.url}{API}/runs/{rid}/policy-actions").json()
     assert stored["state"] == "queued" and stored["command_id"] == command["id"]
     no_page_errors(page)
+
+
+def test_the_replay_button_asks_a_worker_and_shows_how_it_goes(server, page):
+    """Replay on an incident with a bundle: a pending request for its bundle, the button disabled while it
+    is open; a worker claiming it and failing it shows live (no reload), with why, and the button comes back
+    as "Replay again"."""
+    rid = create_run(server.url, "asked", 4)["id"]
+    stats = smooth_stats(60, 12)
+    stats["overflow"][40, 3] = 2048
+    bundle = {"kind": "custom", "step": 40, "details": {"name": "incident_bundle", "path": BUNDLE}}
+    post_steps(server.url, rid, "a", 0, stats, events=[bundle])
+    (incident,) = httpx.get(f"{server.url}{API}/runs/{rid}/incidents").json()
+
+    open_run(page, server.url, rid)
+    line = f"#incidents-list li[data-incident-id='{incident['id']}'] .replay-request-line"
+    page.wait_for_selector(f"{line}[data-state='none'] button.replay-request")
+    page.click(f"{line} button.replay-request")
+    page.wait_for_selector(f"{line}[data-state='pending']")
+    assert "waiting for a replay worker" in page.text_content(f"{line} .replay-request-state")
+    assert page.is_disabled(f"{line} button.replay-request")
+    (asked,) = httpx.get(f"{server.url}{API}/runs/{rid}/replay-requests").json()
+    assert (asked["incident_id"], asked["bundle"], asked["state"]) == (incident["id"], BUNDLE, "pending")
+
+    # a worker takes it and fails it: both show live
+    assert httpx.post(f"{server.url}{API}/replay-requests/{asked['id']}/claim").status_code == 200
+    page.wait_for_selector(f"{line}[data-state='running']")
+    why = {"state": "failed", "detail": "bundle not found on the replay worker's machine: <i>x</i>"}
+    assert httpx.post(f"{server.url}{API}/replay-requests/{asked['id']}/finish", json=why).status_code == 200
+    page.wait_for_selector(f"{line}[data-state='failed']")
+    assert page.text_content(f"{line} .replay-request-state").strip() == f"the replay failed: {why['detail']}"
+    assert page.text_content(f"{line} button.replay-request") == "Replay again"
+    assert not page.is_disabled(f"{line} button.replay-request")
+    assert page.evaluate("document.querySelectorAll('.replay-request-line i').length") == 0
+    no_page_errors(page)

@@ -4,7 +4,7 @@
 import { api, auth } from "./api.js";
 import { el } from "./dom.js";
 
-/** monitor_server.schemas.MAX_NOTES: the service refuses longer notes (422). */
+/** monitor_server.storage.schemas.MAX_NOTES: the service refuses longer notes (422). */
 export const MAX_NOTES = 10_000;
 
 /** Notes on one line cut to `n` characters ("…" marks the cut), for a list cell. */

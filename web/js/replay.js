@@ -2,14 +2,16 @@
 // not-reproducible, with the reason), then the culprit tensors with their evidence (the failing step's loss
 // with each returned to high precision, against the loss in FP8 and in high precision; its layer's output
 // SQNR against high precision in the FP8 replay), then the bundle replayed. Without a replay: "No replay
-// yet", the bundles the job wrote for the incident and the command that replays one onto it.
+// yet", the bundles the job wrote for the incident, a Replay button that asks a replay worker to replay
+// the newest (POST /incidents/{id}/replay-requests; the worker is `fp8-monitor replay-worker`, on a machine
+// that sees the bundles) with the request's state, and the command that replays one by hand.
 //
 // The incident (GET /incidents, or its live event) carries `replay_verdict` and `bundles`; the report
 // itself is read once per incident and verdict (GET /incidents/{id}/replay) and kept here, with what the
 // run's remediation policy made of it (GET /policy-actions?incident_id=): the change it queued and how its
 // check went, or the change it proposes with an Apply button (POST /policy-actions/{id}/apply).
 
-import { api } from "./api.js";
+import { api, auth } from "./api.js";
 import { badge, el, fmt } from "./dom.js";
 
 const VERDICT = {
@@ -44,6 +46,57 @@ export class ReplayViews {
     this.onLoad = onLoad;
     this.reports = new Map(); // "<incident id>:<verdict>" -> report | Error | "loading"
     this.actions = new Map(); // "<incident id>:<verdict>" -> the policy's actions on the incident
+    this.requests = null; // incident id -> its newest replay request (GET /replay-requests, once; then live)
+  }
+
+  /** The run's replay requests, read once (the live stream's `replay_request` events keep them). */
+  async loadRequests() {
+    this.requests = new Map();
+    try {
+      for (const r of await api(`/runs/${this.runId}/replay-requests`)) this.requests.set(r.incident_id, r);
+    } catch (err) {
+      this.requestsError = err;
+    }
+    this.onLoad();
+  }
+
+  /** A request as the live stream sends it. */
+  upsertRequest(r) {
+    if (this.requests === null) this.requests = new Map();
+    this.requests.set(r.incident_id, r);
+    this.onLoad();
+  }
+
+  async requestReplay(i) {
+    try {
+      this.upsertRequest(await api(`/runs/${this.runId}/incidents/${i.id}/replay-requests`, { method: "POST", body: {} }));
+    } catch (err) {
+      this.upsertRequest({ incident_id: i.id, state: "error", detail: `Could not ask for a replay: ${err.message}` });
+    }
+  }
+
+  /** The Replay button and the state of the incident's newest request. */
+  requestLine(i) {
+    if (this.requests === null) {
+      this.loadRequests();
+      this.requests = new Map();
+    }
+    const r = this.requests.get(i.id);
+    const STATE = {
+      pending: "replay requested: waiting for a replay worker (fp8-monitor replay-worker)",
+      running: `replaying on ${r && r.claimed_by ? `the worker of ${r.claimed_by}` : "a worker"}…`,
+      done: "replayed: the report is on its way",
+      failed: `the replay failed: ${r && r.detail ? r.detail : "no reason given"}`,
+      error: r && r.detail,
+    };
+    const open = r && (r.state === "pending" || r.state === "running");
+    const denied = auth.readOnlyReason && auth.readOnlyReason();
+    const button = el("button", {
+      class: "replay-request", type: "button", disabled: open || Boolean(denied), title: denied || "",
+      onclick: () => this.requestReplay(i),
+    }, r && !open ? "Replay again" : "Replay");
+    return el("div", { class: "replay-request-line", dataset: { state: r ? r.state : "none" } }, button,
+      r ? el("span", { class: `replay-request-state${r.state === "failed" || r.state === "error" ? " error" : " muted"}` }, ` ${STATE[r.state] || r.state}`) : null);
   }
 
   /** The replay block of incident `i` (as GET /incidents gives it). */
@@ -56,7 +109,8 @@ export class ReplayViews {
       return el("div", { class: "incident-replay none", dataset: { verdict: "none" } },
         el("span", { class: "muted replay-none" }, "No replay yet."),
         this.bundleLine(bundles),
-        hint ? el("div", { class: "muted replay-hint" }, "replay it onto this incident: ", el("code", {}, hint)) : null);
+        bundles.length ? this.requestLine(i) : null,
+        hint ? el("div", { class: "muted replay-hint" }, "or by hand: ", el("code", {}, hint)) : null);
     }
     const [label, kind, meaning] = VERDICT[i.replay_verdict] || [i.replay_verdict, "", ""];
     const key = `${i.id}:${i.replay_verdict}`;

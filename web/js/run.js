@@ -928,6 +928,9 @@ export async function mountRun(container, { runId, incident = null, metric = nul
         alerts.upsertIncident(i);
         refreshRun();
       },
+      replay_request(r) {
+        alerts.replays.upsertRequest(r);
+      },
       command(c) {
         store.upsertCommand(c);
         if (c.state === "applied") refreshRun();

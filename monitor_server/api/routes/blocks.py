@@ -9,9 +9,10 @@ from fastapi import APIRouter, HTTPException, Query, Response, status
 
 from monitor_server.api.deps import FromQ, ReadRunDep, RunId, RunMetaDep, SessionDep, ToQ, clipped_range
 from monitor_server.api.responses import json_response
-from monitor_server.block_hist import EXPONENT_BIAS, read_histogram
-from monitor_server.run_meta import RunMeta
-from monitor_server.schemas import BlockHistogramPublic, TensorSpec
+from monitor_server.storage.block_hist import EXPONENT_BIAS, read_histogram
+from monitor_server.storage.query_schemas import BlockHistogramPublic
+from monitor_server.storage.run_meta import RunMeta
+from monitor_server.storage.schemas import TensorSpec
 
 router = APIRouter(prefix="/runs", tags=["queries"])
 

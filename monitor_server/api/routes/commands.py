@@ -5,13 +5,17 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, HTTPException, Query, status
-from sqlalchemy import select
 
 from monitor_server.api.deps import ControlDep, CtxDep, ReadDep, RunDep, RunId, SessionDep
-from monitor_server.commands import CommandError, command_public, create_command
-from monitor_server.models import Command, Run
-from monitor_server.schemas import CommandCreate, CommandPublic
-from monitor_server.wire import iso_dates
+from monitor_server.infra.wire import iso_dates
+from monitor_server.services.commands import (
+    CommandError,
+    command_public,
+    create_command,
+    run_commands,
+    run_for_update,
+)
+from monitor_server.storage.schemas import CommandCreate, CommandPublic
 
 router = APIRouter(prefix="/runs", tags=["commands"])
 
@@ -23,7 +27,7 @@ def post_command(run_id: RunId, body: CommandCreate, ctx: CtxDep, principal: Con
     The training job receives it in its next telemetry response, applies it at a step boundary and acks it.
     """
     with ctx.db.write() as session:
-        run = session.execute(select(Run).where(Run.id == run_id).with_for_update()).scalar_one_or_none()
+        run = run_for_update(session, run_id)
         if run is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id} not found")
         meta = ctx.run_meta.get(session, run_id)
@@ -46,7 +50,4 @@ def list_commands(
     state: Annotated[Literal["pending", "delivered", "applied", "rejected"] | None, Query()] = None,
 ) -> list[CommandPublic]:
     """The run's commands, newest first."""
-    query = select(Command).where(Command.run_id == run_id).order_by(Command.id.desc())
-    if state is not None:
-        query = query.where(Command.state == state)
-    return [CommandPublic(**command_public(c)) for c in session.execute(query).scalars()]
+    return [CommandPublic(**command_public(c)) for c in run_commands(session, run_id=run_id, state=state)]

@@ -27,9 +27,10 @@ from monitor_server.api.deps import (
 )
 from monitor_server.api.responses import EVENT_STREAM, event_stream, json_response, model_json
 from monitor_server.core.config import SCOPES
-from monitor_server.events import ALL_RUNS
-from monitor_server.schemas import HeatmapPackedHeader, SeriesMulti, WhoAmI
-from monitor_server.series import read_series, series_points
+from monitor_server.infra.events import ALL_RUNS
+from monitor_server.storage.query_schemas import HeatmapPackedHeader, SeriesMulti
+from monitor_server.storage.schemas import WhoAmI
+from monitor_server.storage.series import read_series, series_points
 
 router = APIRouter(tags=["dashboard"])
 

@@ -10,8 +10,8 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
-from monitor_server import export
 from monitor_server.api.deps import CtxDep, FromQ, ReadDep, RunDep, RunId, SessionDep, ToQ, check_order
+from monitor_server.services import export
 
 router = APIRouter(prefix="/runs", tags=["export"])
 

@@ -7,12 +7,11 @@ import shutil
 
 from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from sqlalchemy import text
 
+from monitor_server.api.context import AppContext
 from monitor_server.api.deps import CtxDep, ReadDep
 from monitor_server.api.responses import json_response
-from monitor_server.context import AppContext
-from monitor_server.schemas import Health, NotReady
+from monitor_server.storage.schemas import Health, NotReady
 
 router = APIRouter(tags=["health"])
 
@@ -20,8 +19,7 @@ router = APIRouter(tags=["health"])
 @router.get("/healthz", response_model=Health)
 def healthz(ctx: CtxDep) -> Health:
     """Liveness: the process is up and the database answers."""
-    with ctx.db.read_session() as session:
-        session.execute(text("SELECT 1"))
+    ctx.db.ping()
     return Health(status="ok", database=ctx.db.engine.dialect.name)
 
 
@@ -46,9 +44,7 @@ def readyz(ctx: CtxDep) -> Response:
     batch (`max_body_bytes`), else the answer is 503 `DiskFull`."""
     database = ctx.db.engine.dialect.name
     try:
-        with ctx.db.write() as session:
-            session.execute(text("INSERT INTO alembic_version (version_num) VALUES ('readyz-probe')"))
-            session.rollback()
+        ctx.db.probe_write()
         free = sqlite_free_bytes(ctx)
         if free is not None and free < ctx.settings.max_body_bytes:
             return json_response(NotReady(status="unavailable", database=database, detail="DiskFull"), 503)

@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Path, Query, status
-from sqlalchemy import select
 
-from monitor_server.alerting import alert_public
+from monitor_server.api.context import AppContext
 from monitor_server.api.deps import (
     AlertStateQ,
     ControlDep,
@@ -18,11 +17,17 @@ from monitor_server.api.deps import (
     SessionDep,
     run_or_404,
 )
-from monitor_server.context import AppContext
-from monitor_server.incidents import acknowledge, order_key
-from monitor_server.models import Alert, Incident, utcnow
-from monitor_server.schemas import AckAllResult, AlertPublic, IncidentDetail, IncidentPublic
-from monitor_server.wire import iso_dates
+from monitor_server.infra.wire import iso_dates
+from monitor_server.services.alert_records import alert_public
+from monitor_server.services.incidents import (
+    acknowledge,
+    incident_alerts,
+    incident_of_run,
+    incidents_by_id,
+    run_incidents,
+)
+from monitor_server.storage.models import utcnow
+from monitor_server.storage.schemas import AckAllResult, AlertPublic, IncidentDetail, IncidentPublic
 
 router = APIRouter(prefix="/runs", tags=["incidents"])
 IncidentId = Annotated[int, Path(ge=1, le=2**31 - 1, description="incident id")]
@@ -38,10 +43,8 @@ def list_incidents(
     limit: Annotated[int, Query(ge=1, le=1000)] = 200,
 ) -> list[IncidentPublic]:
     """The run's incidents, newest first; each lists its alerts root cause first."""
-    query = select(Incident).where(Incident.run_id == run_id).order_by(Incident.id.desc()).limit(limit)
-    if state is not None:
-        query = query.where(Incident.state == state)
-    incidents = ctx.detection.incidents_public(session, run_id, list(session.scalars(query)))
+    found = run_incidents(session, run_id=run_id, state=state, limit=limit)
+    incidents = ctx.detection.incidents_public(session, run_id, found)
     return [IncidentPublic(**incident) for incident in incidents]
 
 
@@ -50,16 +53,12 @@ def get_incident(
     run_id: RunId, incident_id: IncidentId, ctx: CtxDep, session: SessionDep, _principal: ReadDep
 ) -> IncidentDetail:
     """One incident, with its alerts in full (evidence included) as ``alerts_full``, root cause first."""
-    incident = session.get(Incident, incident_id)
-    if incident is None or incident.run_id != run_id:
+    incident = incident_of_run(session, run_id=run_id, incident_id=incident_id)
+    if incident is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"incident {incident_id} not found in run {run_id}")
     public = ctx.detection.incidents_public(session, run_id, [incident])[0]
     meta = ctx.run_meta.get(session, run_id)
-    order = ctx.detection.tensor_order(meta)
-    alerts = sorted(
-        session.scalars(select(Alert).where(Alert.incident_id == incident_id)),
-        key=lambda a: order_key(a, order),
-    )
+    alerts = incident_alerts(session, incident_id, ctx.detection.tensor_order(meta))
     return IncidentDetail(**public, alerts_full=[AlertPublic(**alert_public(a, meta)) for a in alerts])
 
 
@@ -72,7 +71,7 @@ def _ack(
         run_or_404(session, run_id)
         incidents, alerts = acknowledge(session, run_id, ids, who, utcnow())
         if ids is not None:  # already acknowledged ones are returned as they are (idempotent)
-            incidents = list(session.scalars(select(Incident).where(Incident.id.in_(ids))))
+            incidents = incidents_by_id(session, ids)
         meta = ctx.run_meta.get(session, run_id)
         alerts_out = [alert_public(a, meta) for a in alerts]
         incidents_out = ctx.detection.incidents_public(session, run_id, incidents)
@@ -96,8 +95,7 @@ def ack_incident(
 ) -> IncidentPublic:
     """Acknowledge an incident and its open alerts (idempotent). Later findings open a new incident."""
     with ctx.db.read_session() as session:
-        incident = session.get(Incident, incident_id)
-        if incident is None or incident.run_id != run_id:
+        if incident_of_run(session, run_id=run_id, incident_id=incident_id) is None:
             raise HTTPException(
                 status.HTTP_404_NOT_FOUND, f"incident {incident_id} not found in run {run_id}"
             )

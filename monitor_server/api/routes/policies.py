@@ -5,14 +5,12 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Path, Query, status
-from sqlalchemy import select
 
 from monitor_server.api.deps import ControlDep, CtxDep, ReadDep, RunDep, RunId, SessionDep, run_or_404
-from monitor_server.commands import CommandError, command_public
-from monitor_server.models import PolicyAction
-from monitor_server.policies import action_public, apply_proposal
-from monitor_server.schemas import PolicyActionPublic
-from monitor_server.wire import iso_dates
+from monitor_server.infra.wire import iso_dates
+from monitor_server.services.commands import CommandError, command_public
+from monitor_server.services.policies import action_of_run, action_public, apply_proposal, run_actions
+from monitor_server.storage.schemas import PolicyActionPublic
 
 router = APIRouter(prefix="/runs", tags=["commands"])
 ActionId = Annotated[int, Path(ge=1, le=2**31 - 1, description="policy action id")]
@@ -27,10 +25,8 @@ def list_policy_actions(
     incident_id: Annotated[int | None, Query(ge=1, le=2**31 - 1, description="only this incident's")] = None,
 ) -> list[PolicyActionPublic]:
     """The run's policy actions, newest first: the rule, the change, its state and the loss check."""
-    query = select(PolicyAction).where(PolicyAction.run_id == run_id).order_by(PolicyAction.id.desc())
-    if incident_id is not None:
-        query = query.where(PolicyAction.incident_id == incident_id)
-    return [PolicyActionPublic(**action_public(a)) for a in session.execute(query).scalars()]
+    actions = run_actions(session, run_id=run_id, incident_id=incident_id)
+    return [PolicyActionPublic(**action_public(a)) for a in actions]
 
 
 @router.post("/{run_id}/policy-actions/{action_id}/apply", response_model=PolicyActionPublic)
@@ -41,8 +37,8 @@ def apply_policy_action(
     then checked against the loss and rolled back if the loss got worse, as the policy's own are."""
     with ctx.db.run_lock(run_id), ctx.db.write() as session:
         run = run_or_404(session, run_id)
-        action = session.get(PolicyAction, action_id)
-        if action is None or action.run_id != run_id:
+        action = action_of_run(session, run_id=run_id, action_id=action_id)
+        if action is None:
             raise HTTPException(
                 status.HTTP_404_NOT_FOUND, f"policy action {action_id} not found in run {run_id}"
             )

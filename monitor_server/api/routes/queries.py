@@ -6,10 +6,8 @@ from dataclasses import asdict
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, Response, status
-from sqlalchemy import case, null, select
 
 from fp8_protocol.codec import jsonable
-from monitor_server.alerting import alert_public
 from monitor_server.api.deps import (
     CtxDep,
     EventId,
@@ -25,19 +23,14 @@ from monitor_server.api.deps import (
     clipped_range,
 )
 from monitor_server.api.responses import json_response, model_json
-from monitor_server.block_hist import add_block_health, latest_block_stats
-from monitor_server.client_events import INLINE_DETAIL_BYTES, event_light, event_public
-from monitor_server.models import Alert, EventRow, as_utc
-from monitor_server.schemas import (
-    EventKind,
-    EventPublic,
-    HeatmapPublic,
-    LayerHealth,
-    SeriesPublic,
-    TensorSpec,
-)
-from monitor_server.series import read_series, series_points
-from monitor_server.wire import iso_dates, matrix_json
+from monitor_server.infra.wire import iso_dates, matrix_json
+from monitor_server.services.alert_records import alert_public
+from monitor_server.services.alerts import open_alerts
+from monitor_server.services.client_events import event_of_run, event_public, run_events
+from monitor_server.storage.block_hist import add_block_health, latest_block_stats
+from monitor_server.storage.query_schemas import HeatmapPublic, LayerHealth, SeriesPublic
+from monitor_server.storage.schemas import EventKind, EventPublic, TensorSpec
+from monitor_server.storage.series import read_series, series_points
 
 router = APIRouter(prefix="/runs", tags=["queries"])
 
@@ -108,34 +101,16 @@ def list_events(
     (the top-level numbers and texts) with `details_complete` false; the whole event, flight recorder
     included, is `GET /runs/{id}/events/{event_id}`."""
     check_order(from_, to)
-    small = EventRow.details_bytes <= INLINE_DETAIL_BYTES
-    query = select(
-        EventRow.id,
-        EventRow.run_id,
-        EventRow.kind,
-        EventRow.step,
-        EventRow.created_at,
-        EventRow.details_bytes,
-        EventRow.summary,
-        # only small details leave the database: a list of big events costs their summaries
-        case((small, EventRow.details), else_=null()).label("details"),
-    ).where(EventRow.run_id == run_id)
-    if kind is not None:
-        query = query.where(EventRow.kind == kind)
-    if from_ is not None:
-        query = query.where(EventRow.step >= from_)
-    if to is not None:
-        query = query.where(EventRow.step <= to)
-    rows = session.execute(query.order_by(EventRow.step, EventRow.id).limit(limit)).mappings()
-    events = [EventPublic(**event_light({**row, "created_at": as_utc(row["created_at"])})) for row in rows]
+    found = run_events(session, run_id=run_id, kind=kind, lo=from_, hi=to, limit=limit)
+    events = [EventPublic(**event) for event in found]
     return json_response(events)
 
 
 @router.get("/{run_id}/events/{event_id}", response_model=EventPublic)
 def get_event(run_id: RunId, event_id: EventId, session: SessionDep, _principal: ReadDep) -> Response:
     """One event whole: its details as the client sent them (a flight recorder, histograms)."""
-    event = session.get(EventRow, event_id)
-    if event is None or event.run_id != run_id:
+    event = event_of_run(session, run_id=run_id, event_id=event_id)
+    if event is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"event {event_id} of run {run_id} not found")
     return json_response(event_public(event))
 
@@ -147,11 +122,8 @@ def get_layers(
     """Per-layer health ranked by severity, with the reasons a layer is flagged (detector engine); for a run
     that sends block statistics, each tensor's and layer's latest block range and share of blocks at a scale
     limit (the layer's: the worst of its tensors)."""
-    alerts = session.execute(
-        select(Alert).where(Alert.run_id == run_id, Alert.state == "open").order_by(Alert.id)
-    ).scalars()
-    open_alerts = [jsonable(iso_dates(alert_public(a, meta))) for a in alerts]
-    ranked = ctx.detection.layer_health(session, run_id, open_alerts)
+    alerts = [jsonable(iso_dates(alert_public(a, meta))) for a in open_alerts(session, run_id=run_id)]
+    ranked = ctx.detection.layer_health(session, run_id, alerts)
     if ranked is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id} not found")
     add_block_health(ranked, latest_block_stats(session, run_id, meta.num_tensors))

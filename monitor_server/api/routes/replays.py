@@ -7,21 +7,23 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Path, status
 from sqlalchemy.orm import Session
 
-from monitor_server.api.deps import CtxDep, ReadDep, RunId, RunWriteDep, SessionDep, check_owner, run_or_404
-from monitor_server.commands import command_public
-from monitor_server.models import Incident, utcnow
-from monitor_server.policies import on_replay
-from monitor_server.replays import get_replay, replay_public, store_replay
-from monitor_server.schemas import ReplayPublic, ReplayReport
-from monitor_server.wire import iso_dates
+from monitor_server.api.deps import CtxDep, ReadDep, RunId, RunWriteDep, SessionDep, run_or_404
+from monitor_server.core.security import check_owner
+from monitor_server.infra.wire import iso_dates
+from monitor_server.services.commands import command_public
+from monitor_server.services.incidents import incident_of_run
+from monitor_server.services.policies import on_replay
+from monitor_server.services.replays import get_replay, replay_public, store_replay
+from monitor_server.storage.models import Incident, utcnow
+from monitor_server.storage.schemas import ReplayPublic, ReplayReport
 
 router = APIRouter(prefix="/runs", tags=["incidents"])
 IncidentId = Annotated[int, Path(ge=1, le=2**31 - 1, description="incident id")]
 
 
 def _incident_or_404(session: Session, run_id: int, incident_id: int) -> Incident:
-    incident = session.get(Incident, incident_id)
-    if incident is None or incident.run_id != run_id:
+    incident = incident_of_run(session, run_id=run_id, incident_id=incident_id)
+    if incident is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"incident {incident_id} not found in run {run_id}")
     return incident
 

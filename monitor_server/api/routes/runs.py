@@ -7,12 +7,11 @@ from typing import Annotated, Any
 
 import orjson
 from fastapi import APIRouter, HTTPException, Query, Response, status
-from sqlalchemy import func, insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from fp8_protocol.runs import MAX_TAGS
-from monitor_server import run_admin, run_sort
+from monitor_server.api.context import AppContext
 from monitor_server.api.deps import (
     ControlDep,
     CtxDep,
@@ -21,15 +20,24 @@ from monitor_server.api.deps import (
     RunId,
     RunWriteDep,
     SessionDep,
-    check_owner,
     run_or_404,
 )
-from monitor_server.commands import command_public, effective_recipe, end_commands
-from monitor_server.context import AppContext
-from monitor_server.models import Alert, Incident, Run, TensorRow, as_utc, utcnow
-from monitor_server.run_admin import RunFilter, parse_config_filter, set_tags, tags_of
-from monitor_server.schemas import MAX_ID, RunCreate, RunPublic, RunStatus, RunUpdate, Tag, attributes
-from monitor_server.wire import first_nonfinite, iso_dates, json_too_deep
+from monitor_server.core.security import check_owner
+from monitor_server.infra.wire import first_nonfinite, iso_dates, json_too_deep
+from monitor_server.services import run_admin
+from monitor_server.services.commands import command_public, effective_recipe
+from monitor_server.services.run_admin import (
+    RunFilter,
+    count_open_alerts,
+    count_open_incidents,
+    insert_run,
+    parse_config_filter,
+    run_by_client_key,
+    tags_of,
+)
+from monitor_server.storage import run_sort
+from monitor_server.storage.models import Run, as_utc, utcnow
+from monitor_server.storage.schemas import MAX_ID, RunCreate, RunPublic, RunStatus, RunUpdate, Tag, attributes
 
 router = APIRouter(prefix="/runs", tags=["runs"])
 NEXT_CURSOR = "X-Next-Cursor"
@@ -109,27 +117,12 @@ def run_public(
     )
 
 
-def count_open_alerts(session: Session, run_id: int) -> int:
-    """Open alerts of one run."""
-    return session.scalar(select(func.count()).where(Alert.run_id == run_id, Alert.state == "open")) or 0
-
-
-def count_open_incidents(session: Session, run_id: int) -> int:
-    """Open incidents of one run."""
-    query = select(func.count()).where(Incident.run_id == run_id, Incident.state == "open")
-    return session.scalar(query) or 0
-
-
-def _by_index(t: Any) -> int:
-    return t.index
-
-
 def _existing_run(ctx: AppContext, body: RunCreate) -> RunPublic | None:
     """The run registered earlier with `body.client_key`, or None; 409 if it has other tensors."""
     if body.client_key is None:
         return None
     with ctx.db.read_session() as session:
-        run = session.scalar(select(Run).where(Run.client_key == body.client_key))
+        run = run_by_client_key(session, body.client_key)
         if run is None:
             return None
         if run.num_tensors != len(body.tensors):
@@ -185,29 +178,8 @@ def create_run(body: RunCreate, ctx: CtxDep, principal: RunWriteDep, response: R
     now = utcnow()
     try:
         with ctx.db.write() as session:
-            run = Run(
-                name=body.name,
-                config=body.config,
-                recipe=body.recipe,
-                recipe_overrides={"model": {}, "layers": {}},
-                world_size=body.world_size,
-                host=body.host,
-                status="running",
-                num_tensors=len(body.tensors),
-                created_at=now,
-                updated_at=now,
-                steps_stored=0,
-                client_key=body.client_key,
-                owner=principal.name if ctx.settings.auth_enabled else None,
-            )
-            session.add(run)
-            session.flush()
-            if body.tensors:  # a run without FP8 (a bf16 / fp32 baseline) registers none
-                session.execute(
-                    insert(TensorRow),
-                    [{"run_id": run.id, **t.model_dump()} for t in sorted(body.tensors, key=_by_index)],
-                )
-            set_tags(session, run.id, body.tags)
+            owner = principal.name if ctx.settings.auth_enabled else None
+            run = insert_run(session, body=body, owner=owner, now=now)
             created = run_public(run, 0, tags=body.tags)
     except IntegrityError:
         # a concurrent registration with the same client_key won the race
@@ -291,22 +263,11 @@ def update_run(run_id: RunId, body: RunUpdate, ctx: CtxDep, principal: RunWriteD
     """Change a run's status (one of `fp8_protocol.runs.RUN_STATUSES`), name, tags or notes (each replaced as
     a whole). An `ingest` token changes only its own runs. A run that ends rejects its commands not yet
     applied."""
-    ended_public: list[dict[str, Any]] = []
     with ctx.db.write() as session:
         run = run_or_404(session, run_id)
         check_owner(principal, run.owner, run_id)
-        if body.status is not None:
-            run.status = body.status
-            if body.status != "running":
-                ended_public = [command_public(c) for c in end_commands(session, run)]
-        if body.name is not None:
-            run.name = body.name
-        if body.tags is not None:
-            set_tags(session, run_id, body.tags)
-        if body.notes is not None:
-            run.notes = body.notes
-        run.updated_at = utcnow()
-        session.flush()
+        ended = run_admin.update_run(session, run, body=body, now=utcnow())
+        ended_public = [command_public(c) for c in ended]
         result = _public(session, run)
     ctx.broker.publish(run_id, "run", {"id": run_id, "status": result.status, "name": result.name})
     for command in ended_public:

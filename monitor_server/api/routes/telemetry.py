@@ -1,5 +1,6 @@
 """POST /runs/{id}/telemetry: the ingest endpoint. The body is inflated, counted and decoded here (by hand
-for speed; see docs/wire-format.md); storing it and what follows is `monitor_server.telemetry_service`."""
+for speed; see docs/wire-format.md); storing it and what follows is
+`monitor_server.services.telemetry_service`."""
 
 from __future__ import annotations
 
@@ -13,16 +14,17 @@ from fastapi import APIRouter, HTTPException, Request, Response, status
 from starlette.concurrency import run_in_threadpool
 
 from fp8_protocol.codec import WireError
-from monitor_server.api.deps import CtxDep, IngestDep, RunId, check_owner
+from monitor_server.api.context import AppContext
+from monitor_server.api.deps import CtxDep, IngestDep, RunId
 from monitor_server.api.responses import json_response
-from monitor_server.commands import CommandError
-from monitor_server.context import AppContext
 from monitor_server.core.db import LockTimeout
-from monitor_server.ingest import DecodedBatch, EventLimits, UnknownRun, decode_batch, parse_json
-from monitor_server.run_meta import RunMeta
-from monitor_server.schemas import CommandPublic, TelemetryResult
-from monitor_server.telemetry_service import ingest_batch
-from monitor_server.wire import JsonValueBudget
+from monitor_server.core.security import check_owner
+from monitor_server.infra.wire import JsonValueBudget
+from monitor_server.services.commands import CommandError
+from monitor_server.services.ingest import DecodedBatch, EventLimits, UnknownRun, decode_batch, parse_json
+from monitor_server.services.telemetry_service import ingest_batch
+from monitor_server.storage.run_meta import RunMeta
+from monitor_server.storage.schemas import CommandPublic, TelemetryResult
 
 router = APIRouter(prefix="/runs", tags=["telemetry"])
 
@@ -206,8 +208,9 @@ async def post_telemetry(run_id: RunId, request: Request, ctx: CtxDep, principal
     delivered; delivered ones are sent again until acknowledged).
     """
     started = time.perf_counter()
-    if ctx.settings.auth_enabled:  # the run's owner, from the cache, before the body is read
-        meta = await run_in_threadpool(run_meta, ctx, run_id)
+    auth = ctx.settings.auth_enabled
+    if auth:  # the run's owner before the body is read: from the cache as it stands, else from the database
+        meta = ctx.run_meta.peek(run_id) or await run_in_threadpool(run_meta, ctx, run_id)
         if meta is not None:
             check_owner(principal, meta.owner, run_id)
     # admitted after the owner check: another token's requests never take this run's places
@@ -235,9 +238,22 @@ async def post_telemetry(run_id: RunId, request: Request, ctx: CtxDep, principal
                 raise
             meta, batch = await run_in_threadpool(decode, ctx, run_id, body)
             del body
+        if auth:  # again on the meta `decode` checked against the database (a cached one may be stale)
+            check_owner(principal, meta.owner, run_id)
         try:
             async with run_turn(ctx, run_id, turn):
-                outcome = await run_in_threadpool(ingest_batch, ctx, run_id, meta, batch, started)
+                outcome = await run_in_threadpool(
+                    ingest_batch,
+                    db=ctx.db,
+                    metrics=ctx.metrics,
+                    broker=ctx.broker,
+                    detection=ctx.detection,
+                    max_scalar_names=ctx.settings.max_scalar_names_per_run,
+                    run_id=run_id,
+                    meta=meta,
+                    batch=batch,
+                    started=started,
+                )
         except UnknownRun:
             raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {run_id} not found") from None
         except CommandError as exc:

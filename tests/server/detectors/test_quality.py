@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from monitor_server.detectors.config import DetectorConfig
+from monitor_server.core.detector_config import DetectorConfig
 from monitor_server.detectors.engine import DetectorEngine
 from monitor_server.detectors.quality import rolling_median
 from tests.server.detectors.runs import add_quality, healthy_run, index_of, of_kind, run_engine, set_sqnr

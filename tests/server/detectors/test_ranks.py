@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from fp8_protocol.client_events import EVENT_KINDS, parse_rank_amax
-from monitor_server.detectors.config import DetectorConfig
+from monitor_server.core.detector_config import DetectorConfig
 from monitor_server.detectors.ranks import rank_divergence
-from monitor_server.schemas import EventKind
+from monitor_server.storage.schemas import EventKind
 from tests.server.detectors.runs import make_tensors
 from tests.support.server import API, batch_body, create_run, random_stats
 

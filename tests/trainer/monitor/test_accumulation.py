@@ -18,7 +18,7 @@ from torch import nn
 
 import fp8_trainer
 from fp8_trainer import CurrentScaling, DelayedScaling, Monitor, StatsReader, fp8_autocast
-from fp8_trainer.state import merge_step_stats
+from fp8_trainer.merge import merge_step_stats
 from tests.support.polling import wait_until
 from tests.trainer.monitor_utils import FAST, get, stored_stats
 

@@ -26,11 +26,11 @@ from fp8_protocol.api import API_PREFIX
 from fp8_protocol.stats import BLOCK_COLUMNS, BLOCK_HIST_BINS, STAT_COLUMNS
 from fp8_trainer import Monitor
 from fp8_trainer.block_linear import BLOCK_WIDTH, split_block_stats
+from fp8_trainer.merge import merge_step_stats
 from fp8_trainer.monitor.control import apply_commands
 from fp8_trainer.monitor.ranks import reduce_rank_block
 from fp8_trainer.monitor.sender import StepRecord, block_hist_entries, step_body
 from fp8_trainer.recipe import DelayedScaling, Float8BlockScaling
-from fp8_trainer.state import merge_step_stats
 from tests.trainer.gloo import gloo_group, rank_step, spawn_ranks
 from tests.trainer.monitor_utils import FAST, tiny_model
 

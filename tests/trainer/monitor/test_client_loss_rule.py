@@ -7,7 +7,7 @@ import numpy as np
 
 from fp8_trainer.monitor.detect import DetectConfig, Detector
 from fp8_trainer.monitor.sender import StepRecord
-from monitor_server.detectors.config import DetectorConfig
+from monitor_server.core.detector_config import DetectorConfig
 from monitor_server.detectors.loss import LossSpikeDetector
 
 

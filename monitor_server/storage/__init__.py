@@ -1,0 +1,1 @@
+"""Storage: the table models, per-step rows, rollups, block histograms, retention and migrations."""
