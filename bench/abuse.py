@@ -33,6 +33,14 @@ events in one batch: 200 in 1.61 / 1.89 s, the reader gets all of them, `/health
 500 trickled bodies: all 408, in 4.46 / 7.33 s (`/healthz` 82 / 222 ms): each is refused about 3 s after
 the server begins to read it, and opening 500 connections on the loaded machine spreads those starts over
 1.5-2.5 s.
+
+Since then (`--round-two-only --only trickled_bodies,wide_scalars`, load average about 5): the owner check
+before a body is read takes the cached run meta without a database read, and the 500 trickled bodies are
+refused in 3.92 / 4.44 s (`/healthz` 92 / 78 ms). A body of many values is parsed by a parser that lets
+other threads run between objects (`monitor_server/infra/body_json.py`; `bench/body_parse.py` compares it
+with orjson in one run: the worst `/healthz` per round halved, median 132 -> 50 ms). The wide-scalars rows
+on this loaded machine (load average about 8): the new names alone 41 / 89 ms, with the 45 small batches
+beside it 226 / 85 ms (the PostgreSQL one-batch row took 1.33 s, over its 1 s goal).
 """
 
 from __future__ import annotations

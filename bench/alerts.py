@@ -116,10 +116,10 @@ def fp8_train(flags: list[str], quick: bool, ranks: int = 1) -> Callable[[str, s
     """A runner: `fp8-train` (under torchrun with gloo when ranks > 1) against the service."""
 
     def run(name: str, url: str) -> None:
-        launcher = [sys.executable, "-m", "fp8_trainer.cli"]
+        launcher = [sys.executable, "-m", "fp8_trainer.app.cli"]
         if ranks > 1:
             launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc-per-node", str(ranks), "-m", "fp8_trainer.cli"]  # fmt: skip
+                        "--nproc-per-node", str(ranks), "-m", "fp8_trainer.app.cli"]  # fmt: skip
         cmd = [*launcher, *train_cmd(quick), *flags, "--monitor-url", url, "--run-name", name]
         # one intra-op thread per process: on a small, shared machine more threads only spin
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}

@@ -1,6 +1,6 @@
 """Benchmark: bytes moved per training step by each collective under FSDP2, and step time (2 ranks, gloo).
 
-The tiny GPT (``fp8_trainer.model``, every block and the root ``fully_shard``-ed, parameters in float32,
+The tiny GPT (``fp8_trainer.app.model``, every block and the root ``fully_shard``-ed, parameters in float32,
 ``MixedPrecisionPolicy(param_dtype=bfloat16)``), one mode per row, each in the same two spawned CPU
 processes:
 
@@ -105,8 +105,8 @@ def build(mode: str, cfg):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from fp8_trainer import CurrentScaling, DelayedScaling, convert_to_fp8
+    from fp8_trainer.app.model import GPT, fp8_filter
     from fp8_trainer.fsdp import enable_fp8_all_gather
-    from fp8_trainer.model import GPT, fp8_filter
 
     torch.manual_seed(0)
     model = GPT(cfg)
@@ -140,7 +140,7 @@ def run_mode(mode: str, args, counter: Counter, rank: int) -> dict:
     import contextlib
 
     from fp8_trainer import fp8_autocast
-    from fp8_trainer.model import PRESETS
+    from fp8_trainer.app.model import PRESETS
 
     cfg = PRESETS["tiny"]
     if args.smoke:

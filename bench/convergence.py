@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from fp8_trainer import cli
-from fp8_trainer.train import train
+from fp8_trainer.app import cli
+from fp8_trainer.app.train import train
 
 FP8 = ("delayed", "current", "mxfp8", "block")
 RECIPES = (*FP8, "bf16", "fp32")

@@ -51,9 +51,9 @@ import torch.nn.functional as F
 from gpt_throughput import GPT2_VOCAB, Job, random_batches, run_steps
 from gpu_timing import calls_per_sample, goal, ms_per_call
 
+from fp8_trainer.app.model import GPT, GPTConfig, fp8_filter, preset_config
 from fp8_trainer.gemm import _pad_k, check_scaled_mm_args, fp8_mm, gemm_operand, uses_scaled_mm
 from fp8_trainer.linear_ops import _quantize, fused_transposes
-from fp8_trainer.model import GPT, GPTConfig, fp8_filter, preset_config
 from fp8_trainer.state import FP8State
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

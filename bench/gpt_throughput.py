@@ -2,7 +2,7 @@
 bf16 autocast baseline and torchao's tensorwise FP8 recipe, measured side by side in one run.
 
 Every configuration trains its own copy of the same model (same seed) the way ``fp8-train`` does
-(``fp8_trainer/train.py``): float32 master weights, AdamW (betas 0.9 / 0.95), gradient clipping at 1.0,
+(``fp8_trainer/app/train.py``): float32 master weights, AdamW (betas 0.9 / 0.95), gradient clipping at 1.0,
 ``zero_grad(set_to_none=True)``, one optimizer step per batch. All run under ``torch.autocast`` to bfloat16,
 so attention, LayerNorm and the tied ``lm_head`` run in bf16 everywhere and the configurations differ only
 in their block Linears:
@@ -54,8 +54,8 @@ import torch
 from gpu_timing import goal, sync
 
 from fp8_trainer import CurrentScaling, DelayedScaling, StatsReader, convert_to_fp8, fp8_autocast
+from fp8_trainer.app.model import GPT, fp8_filter, preset_config
 from fp8_trainer.graphs import GraphedStep
-from fp8_trainer.model import GPT, fp8_filter, preset_config
 
 CONFIGS = (
     "bf16", "delayed", "current", "torchao", "bf16+graph", "delayed+graph",

@@ -36,8 +36,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.interleaved import interleave  # noqa: E402
 from fp8_trainer import convert_to_fp8, fp8_autocast, tensor_table  # noqa: E402
-from fp8_trainer.data import ByteCorpus  # noqa: E402
-from fp8_trainer.model import GPT, PRESETS, fp8_filter  # noqa: E402
+from fp8_trainer.app.data import ByteCorpus  # noqa: E402
+from fp8_trainer.app.model import GPT, PRESETS, fp8_filter  # noqa: E402
 from fp8_trainer.monitor import Monitor  # noqa: E402
 from fp8_trainer.recipe import DelayedScaling  # noqa: E402
 from tests.support.server import free_port, running_server  # noqa: E402

@@ -34,7 +34,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import fp8_trainer
-from fp8_trainer.model import GPT, fp8_filter, preset_config
+from fp8_trainer.app.model import GPT, fp8_filter, preset_config
 
 RECIPES = {"delayed": fp8_trainer.DelayedScaling, "current": fp8_trainer.CurrentScaling}
 

@@ -5,7 +5,7 @@ of its own, and frames whose guards change between calls are compiled again, up 
 after which they run eagerly. This counts Dynamo's recompilations (``torch._dynamo.utils.counters``) over a
 few training steps of
 
-* ``gpt``   - the GPT of ``fp8_trainer.model`` (tiny preset), the model the README's claim was tested on;
+* ``gpt``   - the GPT of ``fp8_trainer.app.model`` (tiny preset), the model the README's claim was tested on;
 * ``llama`` - a small Hugging Face ``LlamaForCausalLM`` (transformers installed),
 
 each in FP8 (delayed scaling, ``lm_head`` left in high precision) and in plain precision, with training steps
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fp8_trainer import DelayedScaling, convert_to_fp8, fp8_autocast  # noqa: E402
-from fp8_trainer.model import GPT, PRESETS, fp8_filter  # noqa: E402
+from fp8_trainer.app.model import GPT, PRESETS, fp8_filter  # noqa: E402
 
 
 def _gpt():

@@ -42,8 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fp8_trainer import step_stats  # noqa: E402
-from fp8_trainer.data import ByteCorpus  # noqa: E402
-from fp8_trainer.model import GPT, PRESETS, fp8_filter  # noqa: E402
+from fp8_trainer.app.data import ByteCorpus  # noqa: E402
+from fp8_trainer.app.model import GPT, PRESETS, fp8_filter  # noqa: E402
 from fp8_trainer.recipe import DelayedScaling  # noqa: E402
 from fp8_trainer.shadow import shadow  # noqa: E402
 

@@ -144,7 +144,7 @@ train_runs() {
         recipe=${run%%-*} flags=() cap=45
         case $run in *-compile*) flags+=(--compile) cap=150 ;; esac
         case $run in *-graph) flags+=(--cuda-graph) ;; esac
-        run_part "train-$run" "$cap" "$PY" -m fp8_trainer.cli --device cuda --preset 124m --recipe "$recipe" \
+        run_part "train-$run" "$cap" "$PY" -m fp8_trainer.app.cli --device cuda --preset 124m --recipe "$recipe" \
             --steps 12 --batch-size 8 --seq-len 1024 --eval-interval 0 --log-interval 6 --no-progress "${flags[@]}"
         line=$(grep -sE '^step +12 ' "$WORK/train-$run.log" | tail -1 | tr -s ' ')
         if [ "$RAN" = 1 ] && grep -q 'non-finite' "$WORK/train-$run.log"; then

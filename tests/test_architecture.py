@@ -287,3 +287,43 @@ def test_the_sql_check_finds_sql():
     }
     assert _sql_in("from sqlalchemy.orm import Session\nrows = list_rows(session, run_id=1)") == set()
     assert _sql_in("run = session.get(Run, 1)") == {"session.get"}
+
+
+def _library_imports_of_the_app(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Module of the library (``fp8_trainer`` outside ``app/``) -> the ``app`` modules it imports."""
+    return {
+        m: {d for d in deps if d.split(".")[0] == "app"}
+        for m, deps in graph.items()
+        if m.split(".")[0] != "app" and any(d.split(".")[0] == "app" for d in deps)
+    }
+
+
+def test_the_library_never_imports_the_application():
+    """``fp8_trainer`` is the library and ``fp8_trainer/app/`` the ``fp8-train`` application built on it: the
+    application imports the library, never the other way round (lazy imports and the package's own
+    ``__init__`` included), so the library can be used without the app."""
+    graph = _package_graph("fp8_trainer")
+    assert {"app.cli", "app.train", "app.build", "linear", "monitor.client"} <= graph.keys()
+    assert {"app.train", "app.build"} <= graph["app.cli"] and "convert" in graph["app.train"]
+    assert _library_imports_of_the_app(graph) == {}
+    init = _module_imports(ROOT / "fp8_trainer" / "__init__.py")
+    relative = {  # ``from .app import x`` gives app, ``from . import app`` app too
+        (node.module or alias.name).split(".")[0]
+        for node in ast.walk(ast.parse((ROOT / "fp8_trainer" / "__init__.py").read_text()))
+        if isinstance(node, ast.ImportFrom) and node.level
+        for alias in node.names
+    }
+    assert "recipe" in relative  # the check reads the package's relative imports
+    assert not {n for n in init if n.startswith("fp8_trainer.app")} and "app" not in relative
+
+
+def test_the_application_forms_no_import_circle():
+    graph = _package_graph("fp8_trainer")
+    app = {m: {d for d in deps if d.startswith("app.")} for m, deps in graph.items() if m.startswith("app.")}
+    assert len(app) >= 15
+    assert _cycle(app) is None, _cycle(app)
+
+
+def test_the_library_check_finds_an_import_of_the_app():
+    graph = {"linear": {"state"}, "state": set(), "app.train": {"linear"}, "monitor.client": {"app.model"}}
+    assert _library_imports_of_the_app(graph) == {"monitor.client": {"app.model"}}

@@ -4,8 +4,8 @@ A plain loop (``recipe`` is what the model was converted with; ``None`` for a bf
 
     import torch
     from fp8_trainer import DelayedScaling, Monitor, convert_to_fp8, fp8_autocast
-    from fp8_trainer.data import ByteCorpus
-    from fp8_trainer.model import GPT, PRESETS, fp8_filter
+    from fp8_trainer.app.data import ByteCorpus
+    from fp8_trainer.app.model import GPT, PRESETS, fp8_filter
 
     corpus, recipe = ByteCorpus(), DelayedScaling(amax_history_len=16)
     model = convert_to_fp8(GPT(PRESETS["tiny"]), recipe=recipe, module_filter_fn=fp8_filter)

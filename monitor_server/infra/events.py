@@ -49,7 +49,9 @@ ALL_RUNS_EVENTS = frozenset({"step", "alert", "incident", "run"})
 
 @dataclass(frozen=True)
 class Event:
-    """One server-sent event: its `event` name and JSON-able `data`."""
+    """One server-sent event: its `event` name and `data`, JSON-able but for datetimes. `encode` is the
+    one place events are serialised (publishers hand over their dicts as they are): datetimes become
+    ISO-8601 strings there (orjson's encoding is `datetime.isoformat`'s), as the relay's payloads do."""
 
     name: str
     data: Any

@@ -76,7 +76,7 @@ class ReplayWorker:
         if not Path(bundle).is_file():
             self.say(f"fp8-monitor replay-worker: {bundle}: not on this machine ({where})")
             return "failed", f"bundle not found on the replay worker's machine: {bundle}"
-        argv = [self.python, "-m", "fp8_trainer.cli", "replay", bundle, "--monitor-url", self.url]
+        argv = [self.python, "-m", "fp8_trainer.app.cli", "replay", bundle, "--monitor-url", self.url]
         argv += ["--run-id", str(request["run_id"]), "--incident", str(request["incident_id"])]
         env = {**os.environ, **({"FP8SCOPE_TOKEN": self.token} if self.token else {})}
         self.say(f"fp8-monitor replay-worker: replaying {bundle} onto {where}")

@@ -59,11 +59,11 @@ def incidents_public(
     verdicts and incident bundles within `window` steps before them)."""
     alerts = alerts_by_incident(session, [i.id for i in incidents])
     out = [incident_public(i, alerts[i.id], meta, order, public_url) for i in incidents]
-    replays.annotate(session, run_id, incidents, out, window)
+    replays.annotate(session, run_id=run_id, incidents=incidents, publics=out, window=window)
     return out
 
 
-def store_findings(session: Session, run_id: int, findings: list[Finding]) -> list[tuple[Alert, bool]]:
+def store_findings(session: Session, *, run_id: int, findings: list[Finding]) -> list[tuple[Alert, bool]]:
     """Fold findings into the open alerts of a run: one open alert per (kind, tensor), updated (last step,
     count, evidence, message, severity = max) rather than duplicated.
 
@@ -155,7 +155,7 @@ def open_stalls(session: Session) -> dict[int, tuple[int, str]]:
     return {run_id: (last_step, severity) for run_id, last_step, severity in session.execute(query)}
 
 
-def stall_seen(session: Session, run_id: int, finding: Finding) -> bool:
+def stall_seen(session: Session, *, run_id: int, finding: Finding) -> bool:
     """Whether the run's open `stalled` alert already says this (same step, same or worse severity), or
     the run is no longer running; read under the run's row lock."""
     status = session.scalar(select(Run.status).where(Run.id == run_id).with_for_update())

@@ -236,10 +236,13 @@ class AlertService:
         """Store findings as alerts and incidents in `session`; claim the webhook message of each incident
         that first deserves one. Returns the public alerts and incidents and the claimed incident ids."""
         now = utcnow()
-        changed = records.store_findings(session, run_id, findings)
+        changed = records.store_findings(session, run_id=run_id, findings=findings)
         meta = self.run_meta.get(session, run_id)
         window = self._config.incident_window_steps
-        incidents = assign_incidents(session, run_id, changed, self.tensor_order(meta), window, now)
+        order = self.tensor_order(meta)
+        incidents = assign_incidents(
+            session, run_id=run_id, touched=changed, order=order, window=window, now=now
+        )
         notify: list[int] = []
         if self.notifier is not None:
             floor = self.settings.webhook_min_severity
@@ -271,7 +274,7 @@ class AlertService:
             if finding is None or records.stall_known(alerted.get(run_id), finding):
                 continue
             with self.db.run_lock(run_id), self.db.write() as session:
-                if records.stall_seen(session, run_id, finding):
+                if records.stall_seen(session, run_id=run_id, finding=finding):
                     continue  # stored meanwhile (by another instance), or the run ended
                 published = self._record(session, run_id, [finding])
             self.publisher.publish(run_id, *published)

@@ -45,5 +45,5 @@ def acknowledge_alert(
         alert.acknowledged_by = who
         alert.updated_at = now
         session.flush()
-        incident = settle_incident(session, alert.incident_id, who, now)
+        incident = settle_incident(session, incident_id=alert.incident_id, who=who, now=now)
     return alert, incident

@@ -63,7 +63,7 @@ def _effective_for(run: Run, target: str) -> dict[str, Any]:
 
 
 def create_command(
-    session: Session, run: Run, body: CommandCreate, created_by: str, layers: set[str]
+    session: Session, *, run: Run, body: CommandCreate, created_by: str, layers: set[str]
 ) -> Command:
     """Validate and queue a recipe change or rollback for `run`.
 

@@ -123,7 +123,8 @@ class EngineCache:
         row = session.execute(query).first()
         if row is None:
             return None
-        version, base, overrides, last_step = row._tuple()
+        version: int = row[0]
+        base, overrides, last_step = row[1], row[2], row[3]
         recipe = run_recipe(base, overrides)
         with self.lock:
             cached = self._engines.get(run_id)
@@ -141,7 +142,11 @@ class EngineCache:
             upto = last_step if replay_to is None or last_step is None else min(last_step, replay_to)
             if upto is not None:
                 engine = entry.engine
-                for batch in stored_batches(session, run_id, engine.last_step, upto, len(meta.tensors)):
+                after, num_tensors = engine.last_step, len(meta.tensors)
+                batches = stored_batches(
+                    session, run_id=run_id, after=after, upto=upto, num_tensors=num_tensors
+                )
+                for batch in batches:
                     engine.process(batch)  # findings dropped: recorded when these steps first came
         with self.lock:
             self._engines[run_id] = entry

@@ -1,6 +1,6 @@
 """Steps read back from the database as the detector engine's input, to bring a restored engine up to date.
 
-A run's detector state is written back every few batches (`alerting.CHECKPOINT_BATCHES`, ...), not after
+A run's detector state is written back every few batches (`detector_cache.CHECKPOINT_BATCHES`, ...), not after
 every one. An engine restored from that checkpoint (after a restart, on another server instance, after its
 cache entry was evicted) is behind by the steps processed since: they are stored, so it runs them again
 from the `steps` and `step_stats` rows, in step order, and their findings are dropped (they were recorded
@@ -31,7 +31,7 @@ CHUNK_STEPS = 512
 
 
 def stored_batches(
-    session: Session, run_id: int, after: int | None, upto: int, num_tensors: int
+    session: Session, *, run_id: int, after: int | None, upto: int, num_tensors: int
 ) -> Iterator[StepBatch]:
     """The run's stored steps in (after, upto], ascending, as the batches ingest would have handed over."""
     lo = -(2**62) if after is None else after + 1

@@ -108,6 +108,7 @@ def order_key(alert: Alert, order: TensorOrder) -> tuple[float, float, int, int]
 
 def assign_incidents(
     session: Session,
+    *,
     run_id: int,
     touched: list[tuple[Alert, bool]],
     order: TensorOrder,
@@ -267,7 +268,7 @@ def title(root: dict[str, Any] | None, n_tensors: int) -> str:
 
 
 def acknowledge(
-    session: Session, run_id: int, incident_ids: list[int] | None, who: str, now: datetime
+    session: Session, *, run_id: int, incident_ids: list[int] | None, who: str, now: datetime
 ) -> tuple[list[Incident], list[Alert]]:
     """Acknowledge open incidents (all of the run's when `incident_ids` is None) and their open alerts;
     with None also the run's open alerts that belong to no incident. Returns what changed."""
@@ -290,7 +291,7 @@ def acknowledge(
     return incidents, alerts
 
 
-def settle_incident(session: Session, incident_id: int | None, who: str, now: datetime) -> Incident | None:
+def settle_incident(session: Session, *, incident_id: int | None, who: str, now: datetime) -> Incident | None:
     """After one of its alerts was acknowledged: acknowledge the incident once none of its alerts is open.
     Returns the incident (changed or not), None when the alert had none."""
     if incident_id is None:
@@ -329,7 +330,7 @@ def incidents_by_id(session: Session, ids: Iterable[int]) -> list[Incident]:
     return list(session.scalars(select(Incident).where(Incident.id.in_(list(ids)))))
 
 
-def incident_alerts(session: Session, incident_id: int, order: TensorOrder) -> list[Alert]:
+def incident_alerts(session: Session, *, incident_id: int, order: TensorOrder) -> list[Alert]:
     """An incident's alerts, root cause first (`order_key`)."""
     alerts = session.scalars(select(Alert).where(Alert.incident_id == incident_id))
     return sorted(alerts, key=lambda a: order_key(a, order))

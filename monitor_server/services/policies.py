@@ -41,7 +41,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from monitor_server.services.commands import CommandError, create_command, effective_recipe
-from monitor_server.storage.models import Alert, Command, Incident, PolicyAction, Run, as_utc
+from monitor_server.storage.models import Alert, Command, Incident, PolicyAction, Run
 from monitor_server.storage.schemas import CommandCreate, RecipeChanges
 from monitor_server.storage.series import read_series
 
@@ -230,7 +230,7 @@ def on_replay(
 def _queue(session: Session, run: Run, action: PolicyAction, who: str, layers: set[str]) -> Command | None:
     body = CommandCreate(target=action.target, changes=RecipeChanges(**action.changes))
     try:
-        command = create_command(session, run, body, who, layers)
+        command = create_command(session, run=run, body=body, created_by=who, layers=layers)
     except CommandError as exc:
         action.state, action.reason = "ended", f"{action.reason} (not queued: {exc.message})"
         session.flush()
@@ -286,7 +286,11 @@ def check_actions(session: Session, *, run: Run, last_step: int, now: datetime) 
             continue
         try:
             rollback = create_command(
-                session, run, CommandCreate(rollback=command.id), "policy:rollback", set()
+                session,
+                run=run,
+                body=CommandCreate(rollback=command.id),
+                created_by="policy:rollback",
+                layers=set(),
             )
         except CommandError:
             action.state = "ended"
@@ -295,26 +299,6 @@ def check_actions(session: Session, *, run: Run, last_step: int, now: datetime) 
         rollbacks.append(rollback)
     session.flush()
     return rollbacks
-
-
-def action_public(action: PolicyAction) -> dict[str, Any]:
-    """A policy action as the API returns it."""
-    return {
-        "id": action.id,
-        "run_id": action.run_id,
-        "incident_id": action.incident_id,
-        "rule": action.rule,
-        "target": action.target,
-        "changes": action.changes,
-        "reason": action.reason,
-        "state": action.state,
-        "command_id": action.command_id,
-        "rollback_id": action.rollback_id,
-        "loss_before": action.loss_before,
-        "loss_after": action.loss_after,
-        "created_at": as_utc(action.created_at),
-        "checked_at": as_utc(action.checked_at) if action.checked_at else None,
-    }
 
 
 def run_actions(session: Session, *, run_id: int, incident_id: int | None) -> list[PolicyAction]:

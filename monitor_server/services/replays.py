@@ -34,7 +34,7 @@ def get_replay(session: Session, incident_id: int) -> IncidentReplay | None:
 
 
 def store_replay(
-    session: Session, incident: Incident, report: dict[str, Any], who: str, now: datetime
+    session: Session, *, incident: Incident, report: dict[str, Any], who: str, now: datetime
 ) -> IncidentReplay:
     """Store `report` (validated, JSON-able) as the replay of `incident`, replacing one stored before."""
     row = session.get(IncidentReplay, incident.id)
@@ -61,7 +61,7 @@ def replay_public(row: IncidentReplay) -> dict[str, Any]:
     }
 
 
-def bundle_paths(session: Session, run_id: int, lo: int, hi: int) -> list[tuple[int, str]]:
+def bundle_paths(session: Session, *, run_id: int, lo: int, hi: int) -> list[tuple[int, str]]:
     """(step, path) of the run's ``incident_bundle`` events at steps lo..hi, by step. Reads the events'
     summaries (their top-level texts), and the details only of an event whose path the summary cut short."""
     query = (
@@ -72,7 +72,7 @@ def bundle_paths(session: Session, run_id: int, lo: int, hi: int) -> list[tuple[
     )
     out: list[tuple[int, str]] = []
     for row in session.execute(query):
-        event_id, step, stored = row._tuple()
+        event_id, step, stored = row[0], row[1], row[2]
         summary: dict[str, Any] = stored or {}
         path = summary.get("path")
         bundle = summary.get("name") == INCIDENT_BUNDLE_EVENT
@@ -85,7 +85,12 @@ def bundle_paths(session: Session, run_id: int, lo: int, hi: int) -> list[tuple[
 
 
 def annotate(
-    session: Session, run_id: int, incidents: Sequence[Incident], publics: list[dict[str, Any]], window: int
+    session: Session,
+    *,
+    run_id: int,
+    incidents: Sequence[Incident],
+    publics: list[dict[str, Any]],
+    window: int,
 ) -> None:
     """Add ``replay_verdict`` and ``bundles`` to the incidents as the API shows them (`publics`, in the
     order of `incidents`): two queries for all of them."""
@@ -95,7 +100,7 @@ def annotate(
     query = select(IncidentReplay.incident_id, IncidentReplay.verdict)
     verdicts = {i: v for i, v in session.execute(query.where(IncidentReplay.incident_id.in_(ids)))}
     lo = max(0, min(i.first_step for i in incidents) - window)
-    bundles = bundle_paths(session, run_id, lo, max(i.last_step for i in incidents))
+    bundles = bundle_paths(session, run_id=run_id, lo=lo, hi=max(i.last_step for i in incidents))
     for incident, public in zip(incidents, publics, strict=True):
         public["replay_verdict"] = verdicts.get(incident.id)
         paths = [p for s, p in bundles if incident.first_step - window <= s <= incident.last_step]

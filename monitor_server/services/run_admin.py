@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -49,7 +49,7 @@ def tags_of(session: Session, run_ids: list[int]) -> dict[int, list[str]]:
     return out
 
 
-def set_tags(session: Session, run_id: int, tags: list[str]) -> None:
+def set_tags(session: Session, *, run_id: int, tags: list[str]) -> None:
     """Replace the run's tags."""
     session.execute(delete(RunTag).where(RunTag.run_id == run_id))
     if tags:
@@ -115,7 +115,7 @@ def _config_matches(config: dict[str, Any], pairs: tuple[tuple[str, str], ...]) 
 
 
 def list_runs(
-    session: Session, flt: RunFilter, limit: int, sort: RunSort | None = None, cursor: str | None = None
+    session: Session, *, flt: RunFilter, limit: int, sort: RunSort | None = None, cursor: str | None = None
 ) -> tuple[list[tuple[Run, int, int]], str | None]:
     """Runs matching `flt` in `sort`'s order (None: newest first), at most `limit`, after `cursor` (the
     previous page's; for the newest-first order a run id, the list going on below it): (rows of (run, open
@@ -156,7 +156,7 @@ def list_runs(
     scanned = 0
     while scanned < CONFIG_SCAN_LIMIT:
         page = query.limit(chunk) if start is None else query.where(after(*start)).limit(chunk)
-        rows = session.execute(page).tuples().all()
+        rows: Sequence[Any] = session.execute(page).all()  # (run, alerts, incidents, sort value)
         for run, n_alerts, n_incidents, value in rows:
             scanned += 1
             start = (value, run.id)
@@ -185,7 +185,7 @@ def _by_config_value(
 ) -> tuple[list[tuple[Run, int, int]], str | None]:
     """A page of the runs sorted by a config value: every matching run's config read, sorted here."""
     ids = query.with_only_columns(Run.id, Run.config).limit(run_sort.CONFIG_SORT_LIMIT + 1)
-    rows = session.execute(ids).tuples().all()
+    rows: Sequence[Any] = session.execute(ids).all()  # (id, config)
     if len(rows) > run_sort.CONFIG_SORT_LIMIT:
         raise ValueError(
             f"sort: a config value sorts at most {run_sort.CONFIG_SORT_LIMIT} runs; "
@@ -203,7 +203,7 @@ def _by_config_value(
         rank, run_id = run_sort.decode_cursor(sort, cursor)
         begin = bisect.bisect_right([r[0] for r in ranked], run_sort.config_order_key(sort, rank, run_id))
     page = ranked[begin : begin + limit]
-    picked = session.execute(query.where(Run.id.in_([r[2] for r in page]))).tuples()
+    picked: Sequence[Any] = session.execute(query.where(Run.id.in_([r[2] for r in page]))).all()
     loaded: dict[int, tuple[Run, int, int]] = {run.id: (run, alerts, n) for run, alerts, n in picked}
     found = [loaded[run_id] for _, _, run_id in page if run_id in loaded]
     more = begin + limit < len(ranked)
@@ -315,7 +315,7 @@ def insert_run(session: Session, *, body: RunCreate, owner: str | None, now: dat
     if body.tensors:  # a run without FP8 (a bf16 / fp32 baseline) registers none
         tensors = sorted(body.tensors, key=lambda t: t.index)
         session.execute(insert(TensorRow), [{"run_id": run.id, **t.model_dump()} for t in tensors])
-    set_tags(session, run.id, body.tags)
+    set_tags(session, run_id=run.id, tags=body.tags)
     return run
 
 
@@ -330,7 +330,7 @@ def update_run(session: Session, run: Run, *, body: RunUpdate, now: datetime) ->
     if body.name is not None:
         run.name = body.name
     if body.tags is not None:
-        set_tags(session, run.id, body.tags)
+        set_tags(session, run_id=run.id, tags=body.tags)
     if body.notes is not None:
         run.notes = body.notes
     run.updated_at = now

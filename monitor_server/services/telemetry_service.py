@@ -21,7 +21,6 @@ from monitor_server.core.db import Database
 from monitor_server.detectors.types import StepBatch
 from monitor_server.infra.events import EventBroker
 from monitor_server.infra.metrics import Metrics
-from monitor_server.infra.wire import iso_dates
 from monitor_server.services.alerting import AlertService
 from monitor_server.services.client_events import event_light
 from monitor_server.services.commands import CommandError, command_public
@@ -120,9 +119,9 @@ def ingest_batch(
         if broker.has_subscribers(run_id):
             # one publication per kind: a batch of 1,500 events is one hop onto the event loop, not 1,500
             broker.publish_many(run_id, "step", step_summaries(result.new_steps, result.steps_stored))
-            broker.publish_many(run_id, "command", [iso_dates(command) for command in changed])
+            broker.publish_many(run_id, "command", changed)
             if not result.duplicate:  # light, as lists show them: a stream never carries megabytes
-                broker.publish_many(run_id, "event", [iso_dates(event_light(e)) for e in result.events])
+                broker.publish_many(run_id, "event", [event_light(e) for e in result.events])
         if not result.duplicate:
             try:
                 # the events as stored: a client alert's evidence names its event by id

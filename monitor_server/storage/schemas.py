@@ -9,7 +9,7 @@ routes' answers (series, heatmaps, health, block histograms) are `query_schemas.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 import orjson
@@ -38,7 +38,14 @@ def _storable_json(value: dict[str, Any]) -> dict[str, Any]:
     return value
 
 
+def _utc(value: datetime) -> datetime:
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value
+
+
 Text = Annotated[str, AfterValidator(_no_nul)]
+#: a stored time: SQLite hands back naive datetimes, written as UTC (a response model validated from a row's
+#: attributes, `model_validate(row, from_attributes=True)`, says so)
+UtcDatetime = Annotated[datetime, AfterValidator(_utc)]
 JsonObject = Annotated[dict[str, Any], AfterValidator(_storable_json)]
 Tag = Annotated[str, Field(pattern=TAG_PATTERN)]
 
@@ -305,9 +312,9 @@ class CommandPublic(PublicModel):
     applied_step: int | None
     reason: str | None
     created_by: str
-    created_at: datetime
-    delivered_at: datetime | None
-    resolved_at: datetime | None
+    created_at: UtcDatetime
+    delivered_at: UtcDatetime | None
+    resolved_at: UtcDatetime | None
 
 
 class TelemetryResult(PublicModel):
@@ -430,7 +437,7 @@ class ReplayConfig(BaseModel):
     grad_sqnr_db_min: ReplayFloat | None = None
     grad_sqnr_worst: ReplayName | None = None
     # a gradient-triggered replay (grad_overflow): the trigger layer's gradients against high precision,
-    # and their norm over its window median (fp8_trainer/replay_judge.py)
+    # and their norm over its window median (fp8_trainer/app/replay_judge.py)
     layer_grad_sqnr_db: ReplayFloat | None = None
     layer_grad_ratio: ReplayFloat | None = None
 
@@ -480,8 +487,8 @@ class PolicyActionPublic(PublicModel):
     rollback_id: int | None = Field(description="the rollback the check queued")
     loss_before: float | None = Field(description="mean loss of the check_steps steps before the command")
     loss_after: float | None = Field(description="mean loss of the check_steps steps after it")
-    created_at: datetime
-    checked_at: datetime | None
+    created_at: UtcDatetime
+    checked_at: UtcDatetime | None
 
 
 class ReplayRequestCreate(BaseModel):
@@ -516,8 +523,8 @@ class ReplayRequestPublic(PublicModel):
     requested_by: str
     claimed_by: str | None
     detail: str | None
-    created_at: datetime
-    updated_at: datetime
+    created_at: UtcDatetime
+    updated_at: UtcDatetime
 
 
 class Health(PublicModel):

@@ -26,17 +26,21 @@ def test_remediation_smoke(tmp_path):
     )
     assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     data = json.loads(out.read_text())
-    assert data["meta"]["smoke"] is True and data["meta"]["steps"] == 300 and data["meta"]["last"] == 50
+    assert data["meta"]["smoke"] is True and data["meta"]["last"] == 50
     rows = {r["mode"]: r for r in data["rows"]}
     assert set(rows) == {"act", "twin"} and all(r["kind"] == "lowprec" for r in rows.values())
     act, twin = rows["act"], rows["twin"]
-    assert act["steps"] == twin["steps"] == 300 and "incident-step40.pt" in act["bundles"]
+    # the policy run trained until its action was checked (then Ctrl-C), however slow the machine; the twin
+    # as many steps
+    assert (
+        60 < act["steps"] == twin["steps"] < data["meta"]["steps"] and "incident-step40.pt" in act["bundles"]
+    )
     assert any("fp8-caused" in line for line in act["replays"]), act["replays"]  # replayed by the job
     # the step-40 incident's action; a later bundle of the run (a gradient saturated while the run is
     # still off its course, in another layer) may bring one more
     (action,) = [a for a in act["actions"] if a["target"] == LAYER]
     assert action["rule"] == "low_sqnr"  # lowprec's pair of casts names one layer
-    assert action["changes"] == {"fp8_enabled": False} and action["applied_step"] > 40
+    assert action["changes"] == {"fp8_enabled": False} and 40 < action["applied_step"] < act["steps"]
     assert action["state"] in ("kept", "rolled_back") and action["audited"] and action["consistent"]
     assert twin["actions"] == [] and twin["bundles"] == []  # float32 undoes the fault: nothing to capture
     assert act["gap"] == pytest.approx((act["final"] - twin["final"]) / twin["final"])

@@ -14,7 +14,7 @@ FAST = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--eval-inte
 
 
 def train_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "fp8_trainer.cli", *FAST, *args]
+    return [sys.executable, "-m", "fp8_trainer.app.cli", *FAST, *args]
 
 
 def start_train(cwd: Path, *args: str) -> subprocess.Popen:

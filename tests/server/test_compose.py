@@ -14,7 +14,7 @@ import tomllib
 import pytest
 import yaml
 
-from fp8_trainer.cli import prepare
+from fp8_trainer.app.cli import prepare
 from monitor_server.cli import build_parser, build_settings
 from monitor_server.core.config import parse_token
 from tests.support import ROOT

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from fp8_trainer import DelayedScaling, convert_to_fp8, fp8_autocast, step_stats
-from fp8_trainer.model import GPT, GPTConfig, fp8_filter
+from fp8_trainer.app.model import GPT, GPTConfig, fp8_filter
 from tests.support.server import API, decode
 
 HEATMAP_METRICS = ("amax", "scale", "overflow", "underflow", "nonfinite")

@@ -12,7 +12,7 @@ import torch
 
 import fp8_trainer
 from fp8_trainer import CurrentScaling, DelayedScaling, fp8_autocast
-from fp8_trainer.model import GPT, GPTConfig, fp8_filter
+from fp8_trainer.app.model import GPT, GPTConfig, fp8_filter
 from fp8_trainer.recipe import Float8BlockScaling, MXFP8BlockScaling
 
 pytestmark = pytest.mark.usefixtures("one_thread")

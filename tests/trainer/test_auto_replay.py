@@ -1,8 +1,8 @@
-"""The job replays its own bundles (``fp8_trainer/auto_replay.py``): with ``--remediation act`` a real tiny
-run with an FP8 saturation, reporting to a real `fp8-monitor serve`, replays its step-40 bundle in a child
-process, the report lands on the incident, the service's policy queues its command, the job applies it, and
-the check decides, without anyone running `fp8-train replay`. A failing child is reported and training goes
-on; a child still running when the job ends is stopped."""
+"""The job replays its own bundles (``fp8_trainer/app/auto_replay.py``): with ``--remediation act`` a real
+tiny run with an FP8 saturation, reporting to a real `fp8-monitor serve`, replays its step-40 bundle in a
+child process, the report lands on the incident, the service's policy queues its command, the job applies it,
+and the check decides, without anyone running `fp8-train replay`. A failing child is reported and training
+goes on; a child still running when the job ends is stopped."""
 
 import subprocess
 import sys
@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from fp8_trainer import cli
-from fp8_trainer.auto_replay import AutoReplay, find_incident
-from fp8_trainer.train import train
+from fp8_trainer.app import cli
+from fp8_trainer.app.auto_replay import AutoReplay, find_incident
+from fp8_trainer.app.train import train
 from tests.support.polling import wait_for
 from tests.support.server import API, create_run, running_server
 from tests.trainer.test_replay import FLAGS, STEP
@@ -141,7 +141,7 @@ def test_the_incident_a_bundle_belongs_to():
 
 def test_the_child_is_a_module_with_its_own_usage():
     out = subprocess.run(
-        [sys.executable, "-m", "fp8_trainer.auto_replay", "--help"], capture_output=True, text=True
+        [sys.executable, "-m", "fp8_trainer.app.auto_replay", "--help"], capture_output=True, text=True
     )
     assert out.returncode == 0 and "--run-id" in out.stdout and "--step" in out.stdout
 

@@ -12,9 +12,9 @@ import torch
 import fp8_trainer
 from fp8_kernels.reference.block_quantize import block_scaled_mm, mxfp8_quantize
 from fp8_protocol.stats import BLOCK_COLUMNS, SCALE
-from fp8_trainer import cli
+from fp8_trainer.app import cli
+from fp8_trainer.app.train import train
 from fp8_trainer.recipe import Float8BlockScaling, MXFP8BlockScaling
-from fp8_trainer.train import train
 from tests.trainer.monitor_utils import tiny_model
 
 BLOCKS = BLOCK_COLUMNS.index("blocks")
@@ -44,7 +44,7 @@ def test_fp8_train_tiny_preset_block_recipe(recipe):
                                                      ("delayed", None, torch.float8_e5m2),
                                                      ("current", "e4m3", torch.float8_e4m3fn)])  # fmt: skip
 def test_fp8_train_format_defaults_follow_the_recipe_and_the_flag_wins(recipe, flag, want):
-    from fp8_trainer.train import make_recipe
+    from fp8_trainer.app.build import make_recipe
 
     args, _ = cli.prepare(["--recipe", recipe] + (["--fp8-format", flag] if flag else []))
     assert make_recipe(args).fp8_format.for_role("grad_output").dtype == want

@@ -9,10 +9,10 @@ import httpx
 import pytest
 import torch
 
-from fp8_trainer import cli
-from fp8_trainer.incident_capture import default_directory
-from fp8_trainer.train import _make_capture
-from fp8_trainer.train_config import TrainConfig
+from fp8_trainer.app import cli
+from fp8_trainer.app.incident_capture import default_directory
+from fp8_trainer.app.train import _make_capture
+from fp8_trainer.app.train_config import TrainConfig
 from tests.support.polling import wait_for
 from tests.support.server import API, running_server
 from tests.trainer.test_replay import FLAGS, STEP

@@ -21,10 +21,11 @@ import torch
 from torch._dynamo.utils import counters
 
 import fp8_trainer
-from fp8_trainer import CurrentScaling, DelayedScaling, cli, convert_to_fp8, fp8_autocast
-from fp8_trainer.model import GPT, fp8_filter, preset_config
+from fp8_trainer import CurrentScaling, DelayedScaling, convert_to_fp8, fp8_autocast
+from fp8_trainer.app import cli
+from fp8_trainer.app.model import GPT, fp8_filter, preset_config
+from fp8_trainer.app.train import train
 from fp8_trainer.stats import step_stats
-from fp8_trainer.train import train
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
 

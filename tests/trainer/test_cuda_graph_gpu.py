@@ -138,9 +138,9 @@ def test_fp8_train_cuda_graph_trains_as_the_eager_loop(monkeypatch, compile_mode
     bit; later ones follow updates by the capturable AdamW (a tensor learning rate), whose arithmetic is
     not the eager AdamW's to the last bit, so they are compared at bf16's resolution. With ``--compile``
     (both runs), the compiled parts between the FP8 Linears are captured with them."""
-    from fp8_trainer import train_graph
-    from fp8_trainer.train import train
-    from fp8_trainer.train_config import TrainConfig
+    from fp8_trainer.app import train_graph
+    from fp8_trainer.app.train import train
+    from fp8_trainer.app.train_config import TrainConfig
 
     runners = []
 

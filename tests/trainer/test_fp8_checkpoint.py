@@ -5,7 +5,7 @@ import torch
 
 import fp8_trainer
 from fp8_trainer import DelayedScaling, fp8_autocast, set_layer_recipe
-from fp8_trainer.model import GPT, GPTConfig, fp8_filter
+from fp8_trainer.app.model import GPT, GPTConfig, fp8_filter
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 RECIPE = DelayedScaling(amax_history_len=4, interval=2)

@@ -30,13 +30,13 @@ import math
 import subprocess
 import sys
 
-import fp8_kernels
 import pytest
 import torch
-from fp8_kernels import is_aligned_scale, quantize_with_stats, quantize_with_stats_reference
 from torch import nn
 
+import fp8_kernels
 import fp8_trainer
+from fp8_kernels import is_aligned_scale, quantize_with_stats, quantize_with_stats_reference
 from fp8_trainer import CurrentScaling, DelayedScaling, fp8_autocast
 from fp8_trainer.convert import get_fp8_state
 from fp8_trainer.gemm import uses_scaled_mm
@@ -195,8 +195,8 @@ def test_every_scaled_mm_gets_aligned_scales(recipe, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
 def test_fp8_train_cli_on_cuda(recipe):
-    cmd = [sys.executable, "-m", "fp8_trainer.cli", "--device", "cuda", "--recipe", recipe, "--steps", "5",
-           "--log-interval", "1", "--no-progress"]  # fmt: skip
+    cmd = [sys.executable, "-m", "fp8_trainer.app.cli", "--device", "cuda", "--recipe", recipe, "--steps",
+           "5", "--log-interval", "1", "--no-progress"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     assert "step     5" in proc.stdout, proc.stdout[-3000:]

@@ -10,13 +10,17 @@ import termios
 
 import pytest
 
-from fp8_trainer import cli
+from fp8_trainer.app import cli
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "fp8_trainer.cli", *args], capture_output=True, text=True, timeout=120, env=env
+        [sys.executable, "-m", "fp8_trainer.app.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
 
 
@@ -89,7 +93,7 @@ def test_progress_bar_on_a_terminal():
     args = ["--steps", "12", "--batch-size", "2", "--seq-len", "16", "--log-interval", "2"]
     args += ["--eval-interval", "6"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fp8_trainer.cli", *args], stdout=subprocess.PIPE, stderr=follower, env=env
+        [sys.executable, "-m", "fp8_trainer.app.cli", *args], stdout=subprocess.PIPE, stderr=follower, env=env
     )
     os.close(follower)
     chunks = []
@@ -111,7 +115,7 @@ def test_progress_bar_on_a_terminal():
 
 
 def test_the_run_config_holds_the_recipe_values_in_force_not_nulls():
-    from fp8_trainer.train import run_config
+    from fp8_trainer.app.build import run_config
 
     delayed, _ = cli.prepare(["--recipe", "delayed"])
     cfg = run_config(delayed, 256)

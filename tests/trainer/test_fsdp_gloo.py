@@ -266,7 +266,7 @@ def test_uneven_shards_three_ranks():
 
 
 def test_enable_skips_tied_weights():
-    from fp8_trainer.model import GPT, PRESETS
+    from fp8_trainer.app.model import GPT, PRESETS
 
     model = GPT(PRESETS["tiny"])
     fp8_trainer.convert_to_fp8(model)  # lm_head too: its weight is the embedding's

@@ -5,8 +5,8 @@ import torch
 
 import fp8_trainer
 from fp8_trainer import CurrentScaling, DelayedScaling, fp8_autocast
-from fp8_trainer.data import ByteCorpus, stdlib_corpus
-from fp8_trainer.model import GPT, GPTConfig, fp8_filter
+from fp8_trainer.app.data import ByteCorpus, stdlib_corpus
+from fp8_trainer.app.model import GPT, GPTConfig, fp8_filter
 
 STEPS = 250
 CFG = GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=64)  # every Linear dim a multiple of 16

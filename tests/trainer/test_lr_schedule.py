@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from fp8_trainer.schedule import lr_at
+from fp8_trainer.app.schedule import lr_at
 
 KW = {"lr": 1.0, "min_lr": 0.1, "warmup_steps": 4, "total_steps": 14}
 

@@ -33,7 +33,7 @@ def test_core_install_is_the_runtime_and_client_only():
 
 def test_importing_the_client_loads_nothing_of_the_service():
     code = (
-        "import sys, fp8_trainer, fp8_trainer.monitor, fp8_trainer.cli; "
+        "import sys, fp8_trainer, fp8_trainer.monitor, fp8_trainer.app.cli; "
         f"print(sorted(m for m in {sorted(SERVER_ONLY)!r} if m.replace('-', '_') in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

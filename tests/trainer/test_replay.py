@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from fp8_trainer import cli
-from fp8_trainer.incident_capture import CaptureConfig, IncidentCapture, load_bundle
-from fp8_trainer.inject import Injection, parse_injection
-from fp8_trainer.replay import VERDICTS, replay
-from fp8_trainer.train import train
+from fp8_trainer.app import cli
+from fp8_trainer.app.incident_capture import CaptureConfig, IncidentCapture, load_bundle
+from fp8_trainer.app.inject import Injection, parse_injection
+from fp8_trainer.app.replay import VERDICTS, replay
+from fp8_trainer.app.train import train
 
 FLAGS = ["--batch-size", "4", "--seq-len", "32", "--eval-interval", "0", "--no-progress"]
 FLAGS += ["--lr-schedule", "constant", "--warmup-steps", "0", "--capture-every", "3"]

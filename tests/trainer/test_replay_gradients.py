@@ -7,12 +7,12 @@ import math
 
 import pytest
 
-from fp8_trainer import cli
-from fp8_trainer.incident_capture import CaptureConfig, load_bundle
-from fp8_trainer.inject import Injection, parse_injection
-from fp8_trainer.replay import replay
-from fp8_trainer.replay_judge import GRAD_BLOWUP, GRAD_FAULT_DB
-from fp8_trainer.train import train
+from fp8_trainer.app import cli
+from fp8_trainer.app.incident_capture import CaptureConfig, load_bundle
+from fp8_trainer.app.inject import Injection, parse_injection
+from fp8_trainer.app.replay import replay
+from fp8_trainer.app.replay_judge import GRAD_BLOWUP, GRAD_FAULT_DB
+from fp8_trainer.app.train import train
 from tests.trainer.test_replay import FLAGS, STEP
 
 pytestmark = pytest.mark.usefixtures("one_thread")

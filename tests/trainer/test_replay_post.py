@@ -8,8 +8,8 @@ import typing
 import httpx
 import pytest
 
-from fp8_trainer import cli
-from fp8_trainer.replay import VERDICTS, post_report
+from fp8_trainer.app import cli
+from fp8_trainer.app.replay import VERDICTS, post_report
 from monitor_server.infra.replay_worker import ReplayWorker
 from monitor_server.storage.schemas import ReplayVerdict
 from tests.support.polling import wait_for

@@ -8,8 +8,8 @@ from torch import nn
 
 from fp8_protocol.stats import BASE_COLUMNS, NUMEL, OVERFLOW, SCALE, UNDERFLOW
 from fp8_trainer import DelayedScaling
+from fp8_trainer.app.report import health_table
 from fp8_trainer.convert import convert_to_fp8, tensor_table
-from fp8_trainer.report import health_table
 
 
 def test_worst_tensor_shares_never_round_a_few_elements_to_zero():

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from fp8_trainer import DelayedScaling, Monitor, set_layer_recipe, step_stats, tensor_table
-from fp8_trainer.model import GPT, GPTConfig
+from fp8_trainer.app.model import GPT, GPTConfig
 from fp8_trainer.shadow import shadow
 from tests.trainer.monitor_utils import FAST, get, stored_stats
 
@@ -166,7 +166,6 @@ def test_cpu_rows_equal_the_reference_kernel(fp8_dtype):
     """Shadow mode's CPU row (no FP8 tensor made, counting passes skipped where max/min rule them out) is
     bit for bit what the runtime's quantize-with-statistics reference records, delayed and current."""
     from fp8_kernels import quantize_current_reference, quantize_with_stats_reference
-
     from fp8_trainer.shadow import cpu_stats_row
 
     for j, x in enumerate(_edge_tensors()):

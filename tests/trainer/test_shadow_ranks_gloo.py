@@ -10,7 +10,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from fp8_trainer import DelayedScaling, Monitor, step_stats, tensor_table
-from fp8_trainer.model import GPT, GPTConfig
+from fp8_trainer.app.model import GPT, GPTConfig
 from tests.support.server import running_server
 from tests.trainer.gloo import gloo_group, per_rank_stats, rank_step, spawn_ranks
 from tests.trainer.monitor_utils import FAST, get, stored_heatmap

@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from fp8_trainer import cli, get_fp8_state
-from fp8_trainer.checkpoint import CHECKPOINT_VERSION, load_checkpoint
-from fp8_trainer.train import train
+from fp8_trainer import get_fp8_state
+from fp8_trainer.app import cli
+from fp8_trainer.app.checkpoint import CHECKPOINT_VERSION, load_checkpoint
+from fp8_trainer.app.train import train
 
 # gradient accumulation, a scale interval of 2 resumed after an odd step, warmup + cosine and an evaluation
 # before the save: every piece of state that could be lost is exercised

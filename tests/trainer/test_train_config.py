@@ -5,9 +5,9 @@ import dataclasses
 
 import pytest
 
-from fp8_trainer import cli
-from fp8_trainer.train import make_recipe, run_config
-from fp8_trainer.train_config import HISTORY_LEN, TrainConfig
+from fp8_trainer.app import cli
+from fp8_trainer.app.build import make_recipe, run_config
+from fp8_trainer.app.train_config import HISTORY_LEN, TrainConfig
 
 
 def test_every_flag_is_a_field_with_the_same_default(monkeypatch):

@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from fp8_trainer import cli, train_graph
+from fp8_trainer.app import cli, train_graph
+from fp8_trainer.app.train import train
+from fp8_trainer.app.train_config import TrainConfig
 from fp8_trainer.graphs import HostSyncAudit
-from fp8_trainer.train import train
-from fp8_trainer.train_config import TrainConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from fp8_trainer import cli
-from fp8_trainer.data import ByteCorpus, DataError, load_corpus
-from fp8_trainer.model import GPT, PRESETS, preset_config
-from fp8_trainer.train import train
+from fp8_trainer.app import cli
+from fp8_trainer.app.data import ByteCorpus, DataError, load_corpus
+from fp8_trainer.app.model import GPT, PRESETS, preset_config
+from fp8_trainer.app.train import train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -7,14 +7,16 @@ import sys
 import pytest
 import torch
 
-from fp8_trainer.checkpoint import load_checkpoint
+from fp8_trainer.app.checkpoint import load_checkpoint
 
 # Each rank runs the real fp8-train flags and loop, then dumps its own final state (only rank 0 saves
 # checkpoints, so the comparison needs this).
 WORKER = """
 import sys, torch
-from fp8_trainer import cli, get_fp8_state, step_stats
-from fp8_trainer.train import dist_env, train
+from fp8_trainer import get_fp8_state, step_stats
+from fp8_trainer.app import cli
+from fp8_trainer.app.build import dist_env
+from fp8_trainer.app.train import train
 
 torch.set_num_threads(1)
 a, prepared = cli.prepare(sys.argv[2:])

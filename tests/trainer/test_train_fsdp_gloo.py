@@ -38,16 +38,18 @@ import sys
 import pytest
 import torch
 
-from fp8_trainer.checkpoint import load_checkpoint, save_checkpoint
-from fp8_trainer.cli import prepare
-from fp8_trainer.train import run_config
-from fp8_trainer.train_config import TrainConfig
+from fp8_trainer.app.build import run_config
+from fp8_trainer.app.checkpoint import load_checkpoint, save_checkpoint
+from fp8_trainer.app.cli import prepare
+from fp8_trainer.app.train_config import TrainConfig
 
 # Each rank runs the real fp8-train flags and loop and dumps, per step, its loss and FP8 state.
 WORKER = """
 import sys, torch
-from fp8_trainer import cli, get_fp8_state, step_stats
-from fp8_trainer.train import dist_env, train
+from fp8_trainer import get_fp8_state, step_stats
+from fp8_trainer.app import cli
+from fp8_trainer.app.build import dist_env
+from fp8_trainer.app.train import train
 
 torch.set_num_threads(1)
 steps = {}

@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from fp8_trainer import cli, step_stats, tensor_table
-from fp8_trainer.inject import Injection, parse_injection
-from fp8_trainer.train import train
+from fp8_trainer import step_stats, tensor_table
+from fp8_trainer.app import cli
+from fp8_trainer.app.inject import Injection, parse_injection
+from fp8_trainer.app.train import train
 
 FLAGS = ["--batch-size", "4", "--seq-len", "32", "--eval-interval", "0", "--no-progress"]
 FLAGS += ["--lr-schedule", "constant", "--warmup-steps", "0"]

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from fp8_protocol.stats import BASE_COLUMNS, STAT_COLUMNS
-from fp8_trainer import cli
+from fp8_trainer.app import cli
 
 pytestmark = pytest.mark.slow  # two tiny runs of four steps
 

@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-from fp8_trainer import cli
-from fp8_trainer.checkpoint import load_checkpoint
-from fp8_trainer.train import train
+from fp8_trainer.app import cli
+from fp8_trainer.app.checkpoint import load_checkpoint
+from fp8_trainer.app.train import train
 from tests.trainer.monitor_utils import get
 
 FLAGS = ["--batch-size", "2", "--seq-len", "32", "--eval-interval", "0", "--no-progress"]
@@ -32,7 +32,7 @@ def test_ctrl_c_is_one_line_a_checkpoint_and_an_interrupted_run(server, tmp_path
     args += ["--run-name", "ctrl-c"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fp8_trainer.cli", *args],
+        [sys.executable, "-m", "fp8_trainer.app.cli", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -29,8 +29,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8_trainer.checkpoint import load_checkpoint
-from fp8_trainer.cli import prepare
+from fp8_trainer.app.checkpoint import load_checkpoint
+from fp8_trainer.app.cli import prepare
 from tests.trainer.test_train_fsdp_gloo import LOSS_RTOL, WORKER, check_resumed, dumps, finish, launch, losses
 
 

@@ -25,7 +25,7 @@ FLAGS += ["--eval-interval", "0", "--no-progress", "--log-interval", "1000"]
 
 
 def train(url: str, name: str, tmp_path, *extra: str, steps: int = STEPS) -> int:
-    cmd = [sys.executable, "-m", "fp8_trainer.cli", *FLAGS, "--steps", str(steps), "--monitor-url", url]
+    cmd = [sys.executable, "-m", "fp8_trainer.app.cli", *FLAGS, "--steps", str(steps), "--monitor-url", url]
     cmd += ["--run-name", name, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)

@@ -22,7 +22,7 @@ FLAGS += ["--eval-iters", "2", "--no-progress", "--log-interval", "1000"]
 
 
 def train(url: str, name: str, lr: str, tmp_path) -> None:
-    cmd = [sys.executable, "-m", "fp8_trainer.cli", *FLAGS, "--lr", lr, "--monitor-url", url]
+    cmd = [sys.executable, "-m", "fp8_trainer.app.cli", *FLAGS, "--lr", lr, "--monitor-url", url]
     cmd += ["--run-name", name, "--tag", "real-pair", "--tag", f"lr-{lr}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
@@ -100,7 +100,7 @@ def test_a_margin_pushed_into_a_real_run_is_marked_where_its_scale_drop_is(serve
     cmd = [
         sys.executable,
         "-m",
-        "fp8_trainer.cli",
+        "fp8_trainer.app.cli",
         *flags,
         "--monitor-url",
         server.url,

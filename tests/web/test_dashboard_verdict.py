@@ -39,7 +39,7 @@ def overlap(a: dict, b: dict) -> bool:
 
 @pytest.fixture(scope="module")
 def demo_run(server, tmp_path_factory) -> int:
-    cmd = [sys.executable, "-m", "fp8_trainer.cli", *DEMO, "--monitor-url", server.url]
+    cmd = [sys.executable, "-m", "fp8_trainer.app.cli", *DEMO, "--monitor-url", server.url]
     cmd += ["--run-name", "verdict-demo", "--no-progress", "--log-interval", "1000"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cwd = tmp_path_factory.mktemp("demo")

@@ -7,7 +7,6 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Query, status
 
 from monitor_server.api.deps import AlertId, AlertStateQ, ControlDep, CtxDep, ReadRunDep, RunId, SessionDep
-from monitor_server.infra.wire import iso_dates
 from monitor_server.services.alert_records import alert_public
 from monitor_server.services.alerts import acknowledge_alert, run_alerts
 from monitor_server.storage.models import utcnow
@@ -45,7 +44,7 @@ def ack_alert(run_id: RunId, alert_id: AlertId, ctx: CtxDep, principal: ControlD
         if incident is not None:
             incident_out = ctx.detection.incidents_public(session, run_id, [incident])[0]
         public = alert_public(alert, ctx.run_meta.get(session, run_id))
-    ctx.broker.publish(run_id, "alert", iso_dates(public))
+    ctx.broker.publish(run_id, "alert", public)
     if incident_out is not None:
-        ctx.broker.publish(run_id, "incident", iso_dates(incident_out))
+        ctx.broker.publish(run_id, "incident", incident_out)
     return AlertPublic(**public)

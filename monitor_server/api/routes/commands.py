@@ -7,10 +7,8 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, HTTPException, Query, status
 
 from monitor_server.api.deps import ControlDep, CtxDep, ReadDep, RunDep, RunId, SessionDep
-from monitor_server.infra.wire import iso_dates
 from monitor_server.services.commands import (
     CommandError,
-    command_public,
     create_command,
     run_commands,
     run_for_update,
@@ -33,12 +31,12 @@ def post_command(run_id: RunId, body: CommandCreate, ctx: CtxDep, principal: Con
         meta = ctx.run_meta.get(session, run_id)
         layers = set(meta.layers) if meta else set()
         try:
-            command = create_command(session, run, body, principal.name, layers)
+            command = create_command(session, run=run, body=body, created_by=principal.name, layers=layers)
         except CommandError as exc:
             raise HTTPException(exc.status, exc.message) from None
-        public = command_public(command)
-    ctx.broker.publish(run_id, "command", iso_dates(public))
-    return CommandPublic(**public)
+        public = CommandPublic.model_validate(command, from_attributes=True)
+    ctx.broker.publish(run_id, "command", public.model_dump())
+    return public
 
 
 @router.get("/{run_id}/commands", response_model=list[CommandPublic])
@@ -50,4 +48,5 @@ def list_commands(
     state: Annotated[Literal["pending", "delivered", "applied", "rejected"] | None, Query()] = None,
 ) -> list[CommandPublic]:
     """The run's commands, newest first."""
-    return [CommandPublic(**command_public(c)) for c in run_commands(session, run_id=run_id, state=state)]
+    commands = run_commands(session, run_id=run_id, state=state)
+    return [CommandPublic.model_validate(c, from_attributes=True) for c in commands]

@@ -17,7 +17,6 @@ from monitor_server.api.deps import (
     SessionDep,
     run_or_404,
 )
-from monitor_server.infra.wire import iso_dates
 from monitor_server.services.alert_records import alert_public
 from monitor_server.services.incidents import (
     acknowledge,
@@ -58,7 +57,7 @@ def get_incident(
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"incident {incident_id} not found in run {run_id}")
     public = ctx.detection.incidents_public(session, run_id, [incident])[0]
     meta = ctx.run_meta.get(session, run_id)
-    alerts = incident_alerts(session, incident_id, ctx.detection.tensor_order(meta))
+    alerts = incident_alerts(session, incident_id=incident_id, order=ctx.detection.tensor_order(meta))
     return IncidentDetail(**public, alerts_full=[AlertPublic(**alert_public(a, meta)) for a in alerts])
 
 
@@ -69,16 +68,16 @@ def _ack(
     publish; returns the incidents as the API shows them, their ids and the number of alerts acknowledged."""
     with ctx.db.run_lock(run_id), ctx.db.write() as session:
         run_or_404(session, run_id)
-        incidents, alerts = acknowledge(session, run_id, ids, who, utcnow())
+        incidents, alerts = acknowledge(session, run_id=run_id, incident_ids=ids, who=who, now=utcnow())
         if ids is not None:  # already acknowledged ones are returned as they are (idempotent)
             incidents = incidents_by_id(session, ids)
         meta = ctx.run_meta.get(session, run_id)
         alerts_out = [alert_public(a, meta) for a in alerts]
         incidents_out = ctx.detection.incidents_public(session, run_id, incidents)
     for public in alerts_out:
-        ctx.broker.publish(run_id, "alert", iso_dates(public))
+        ctx.broker.publish(run_id, "alert", public)
     for public in incidents_out:
-        ctx.broker.publish(run_id, "incident", iso_dates(public))
+        ctx.broker.publish(run_id, "incident", public)
     return [IncidentPublic(**i) for i in incidents_out], [i["id"] for i in incidents_out], len(alerts_out)
 
 

@@ -7,9 +7,8 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Path, Query, status
 
 from monitor_server.api.deps import ControlDep, CtxDep, ReadDep, RunDep, RunId, SessionDep, run_or_404
-from monitor_server.infra.wire import iso_dates
 from monitor_server.services.commands import CommandError, command_public
-from monitor_server.services.policies import action_of_run, action_public, apply_proposal, run_actions
+from monitor_server.services.policies import action_of_run, apply_proposal, run_actions
 from monitor_server.storage.schemas import PolicyActionPublic
 
 router = APIRouter(prefix="/runs", tags=["commands"])
@@ -26,7 +25,7 @@ def list_policy_actions(
 ) -> list[PolicyActionPublic]:
     """The run's policy actions, newest first: the rule, the change, its state and the loss check."""
     actions = run_actions(session, run_id=run_id, incident_id=incident_id)
-    return [PolicyActionPublic(**action_public(a)) for a in actions]
+    return [PolicyActionPublic.model_validate(a, from_attributes=True) for a in actions]
 
 
 @router.post("/{run_id}/policy-actions/{action_id}/apply", response_model=PolicyActionPublic)
@@ -53,6 +52,7 @@ def apply_policy_action(
             )
         except CommandError as exc:
             raise HTTPException(exc.status, exc.message) from None
-        public, command_out = action_public(action), command_public(command)
-    ctx.broker.publish(run_id, "command", iso_dates(command_out))
-    return PolicyActionPublic(**public)
+        public = PolicyActionPublic.model_validate(action, from_attributes=True)
+        command_out = command_public(command)
+    ctx.broker.publish(run_id, "command", command_out)
+    return public

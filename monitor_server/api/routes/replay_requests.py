@@ -8,7 +8,6 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Path, Query, Response, status
 
 from monitor_server.api.deps import ControlDep, CtxDep, ReadDep, RunDep, RunId, SessionDep, run_or_404
-from monitor_server.infra.wire import iso_dates
 from monitor_server.services import replay_requests as requests
 from monitor_server.services.incidents import incident_of_run
 from monitor_server.storage.models import utcnow
@@ -55,10 +54,10 @@ def request_replay(
         )
         public = requests.request_public(row)
     if made:
-        ctx.broker.publish(run_id, "replay_request", iso_dates(public))
+        ctx.broker.publish(run_id, "replay_request", public)
     else:
         response.status_code = status.HTTP_200_OK
-    return ReplayRequestPublic(**public)
+    return ReplayRequestPublic.model_validate(public)
 
 
 @router.get("/runs/{run_id}/replay-requests", response_model=list[ReplayRequestPublic])
@@ -107,8 +106,8 @@ def claim_request(request_id: RequestId, ctx: CtxDep, principal: ControlDep) -> 
         if not requests.claim(session, row=row, by=principal.name, now=utcnow()):
             raise HTTPException(409, f"replay request {request_id} is {row.state}, not pending")
         public = requests.request_public(row)
-    ctx.broker.publish(run_id, "replay_request", iso_dates(public))
-    return ReplayRequestPublic(**public)
+    ctx.broker.publish(run_id, "replay_request", public)
+    return ReplayRequestPublic.model_validate(public)
 
 
 @router.post(
@@ -129,5 +128,5 @@ def finish_request(
             raise HTTPException(409, f"replay request {request_id} is {row.state}, not running")
         requests.finish(session, row=row, state=body.state, detail=body.detail, now=utcnow())
         public = requests.request_public(row)
-    ctx.broker.publish(run_id, "replay_request", iso_dates(public))
-    return ReplayRequestPublic(**public)
+    ctx.broker.publish(run_id, "replay_request", public)
+    return ReplayRequestPublic.model_validate(public)

@@ -9,7 +9,6 @@ from sqlalchemy.orm import Session
 
 from monitor_server.api.deps import CtxDep, ReadDep, RunId, RunWriteDep, SessionDep, run_or_404
 from monitor_server.core.security import check_owner
-from monitor_server.infra.wire import iso_dates
 from monitor_server.services.commands import command_public
 from monitor_server.services.incidents import incident_of_run
 from monitor_server.services.policies import on_replay
@@ -43,7 +42,7 @@ def put_incident_replay(
         check_owner(principal, run.owner, run_id)
         incident = _incident_or_404(session, run_id, incident_id)
         now = utcnow()
-        row = store_replay(session, incident, report, principal.name, now)
+        row = store_replay(session, incident=incident, report=report, who=principal.name, now=now)
         result = ReplayPublic(**replay_public(row))
         incident_out = ctx.detection.incidents_public(session, run_id, [incident])[0]
         meta = ctx.run_meta.get(session, run_id)
@@ -51,9 +50,9 @@ def put_incident_replay(
         # the run's remediation policy, if it has one, acts on (or proposes) a change (policies.py)
         queued = [command_public(c) for c in on_replay(session, run=run, incident=incident, report=report,
                                                         layers=layers, now=now)]  # fmt: skip
-    ctx.broker.publish(run_id, "incident", iso_dates(incident_out))
+    ctx.broker.publish(run_id, "incident", incident_out)
     for command in queued:
-        ctx.broker.publish(run_id, "command", iso_dates(command))
+        ctx.broker.publish(run_id, "command", command)
     return result
 
 

@@ -23,7 +23,7 @@ from monitor_server.api.deps import (
     run_or_404,
 )
 from monitor_server.core.security import check_owner
-from monitor_server.infra.wire import first_nonfinite, iso_dates, json_too_deep
+from monitor_server.infra.wire import first_nonfinite, json_too_deep
 from monitor_server.services import run_admin
 from monitor_server.services.commands import command_public, effective_recipe
 from monitor_server.services.run_admin import (
@@ -243,7 +243,7 @@ def list_runs(
             raise ValueError("before: only for the newest-first list without a cursor; give cursor instead")
         flt = RunFilter(q=q, status=status_, tags=tuple(tag), config=parse_config_filter(list(config)))
         start = str(before) if before is not None else cursor
-        rows, next_cursor = run_admin.list_runs(session, flt, limit, order, start)
+        rows, next_cursor = run_admin.list_runs(session, flt=flt, limit=limit, sort=order, cursor=start)
     except ValueError as exc:
         raise HTTPException(422, str(exc)) from None
     if next_cursor is not None:
@@ -271,7 +271,7 @@ def update_run(run_id: RunId, body: RunUpdate, ctx: CtxDep, principal: RunWriteD
         result = _public(session, run)
     ctx.broker.publish(run_id, "run", {"id": run_id, "status": result.status, "name": result.name})
     for command in ended_public:
-        ctx.broker.publish(run_id, "command", iso_dates(command))
+        ctx.broker.publish(run_id, "command", command)
     if body.status is not None and body.status != "running":  # a finished run's caches go now
         ctx.detection.retire(run_id)
         ctx.run_meta.forget(run_id)

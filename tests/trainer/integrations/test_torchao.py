@@ -15,8 +15,8 @@ import torchao.float8.float8_linear as ao_linear
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
 from fp8_trainer import Monitor, step_stats, tensor_table
+from fp8_trainer.app.model import GPT, GPTConfig
 from fp8_trainer.integrations.torchao import torchao_scale, watch_torchao
-from fp8_trainer.model import GPT, GPTConfig
 from fp8_trainer.monitor.control import apply_commands
 from tests.trainer.monitor_utils import FAST, get, stored_stats
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fp8_trainer import DelayedScaling, Monitor, fp8_autocast, step_stats, tensor_table
-from fp8_trainer.model import GPT, GPTConfig
+from fp8_trainer.app.model import GPT, GPTConfig
 from tests.support.polling import wait_until
 from tests.trainer.monitor_utils import FAST, assert_stored_equal, get, stored_stats, tiny_model, train
 

@@ -76,8 +76,8 @@ def test_refusals_are_said_as_what_they_are(server, tmp_path, caplog, url_suffix
 def test_fp8_train_prints_the_dashboard_url(server, tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text(INGEST + "\n")
-    cmd = [sys.executable, "-m", "fp8_trainer.cli", "--steps", "6", "--batch-size", "2", "--seq-len", "16",
-           "--eval-interval", "0", "--no-progress", "--token-file", str(token_file),
+    cmd = [sys.executable, "-m", "fp8_trainer.app.cli", "--steps", "6", "--batch-size", "2", "--seq-len",
+           "16", "--eval-interval", "0", "--no-progress", "--token-file", str(token_file),
            "--run-name", "url-run"]  # fmt: skip
     env = {"FP8SCOPE_URL": server.url, "PATH": "/usr/bin:/bin"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)

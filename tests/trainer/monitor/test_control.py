@@ -10,7 +10,7 @@ import httpx
 import torch
 
 from fp8_trainer import Monitor, get_layer_recipes
-from fp8_trainer.model import GPT, GPTConfig
+from fp8_trainer.app.model import GPT, GPTConfig
 from fp8_trainer.monitor.control import apply_commands
 from tests.support.polling import wait_until
 from tests.support.server import API

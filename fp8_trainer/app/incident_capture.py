@@ -19,7 +19,7 @@ and the step's grad_output overflow fractions with it, in one copy):
   numel``), a tensor that was below the bar the step before. A saturated E5M2 gradient need not move the
   loss (the layer's gradients come out too small for a step), so the loss triggers would not see it. The
   bundle records the tensor (``LAYER.grad_output``), the fraction and the bar; the replay then judges the
-  layer's gradients (``fp8_trainer.replay_judge``).
+  layer's gradients (``fp8_trainer.app.replay_judge``).
 
 A bundle (``incident-step<S>.pt``, ``torch.save``, loads with ``weights_only=True``) holds the older of the
 two snapshots, the steps since it up to and including the failing one, and the run's configuration. Bundles

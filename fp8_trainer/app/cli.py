@@ -16,14 +16,15 @@ import torch
 
 from fp8_protocol.runs import check_tags
 
+from ..recipe import AMAX_COMPUTE_ALGOS
+from .build import Prepared, dist_env, make_recipe, run_config
 from .checkpoint import CheckpointError, check_compatible, check_layout, load_checkpoint
 from .data import DataError, load_corpus
 from .inject import check_injections, parse_injection
 from .model import CHECKPOINT_MODES, GPT, PRESETS, fp8_filter
-from .recipe import AMAX_COMPUTE_ALGOS
 from .report import health_table
 from .schedule import LR_SCHEDULES
-from .train import Prepared, dist_env, make_recipe, run_config, train
+from .train import train
 from .train_config import FP8_RECIPES, HISTORY_LEN, TrainConfig
 from .train_graph import graph_misfit
 
@@ -37,6 +38,17 @@ _D = TrainConfig()  # the defaults the flags show
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fp8-train", description=__doc__.replace("``", ""))
+    _model_flags(p)
+    _recipe_flags(p)
+    _optimization_flags(p)
+    _output_flags(p)
+    _capture_flags(p)
+    _monitor_flags(p)
+    return p
+
+
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of model and data, and how they are laid out on the devices."""
     g = p.add_argument_group("model and data")
     g.add_argument(
         "--preset", choices=list(PRESETS), default=_D.preset, help="model size (default %(default)s)"
@@ -79,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--fsdp a (ranks / N, N) mesh; per-tensor recipes only; --save / --resume as --fsdp "
                         "(not with --compile, --cuda-graph, --inject, --capture-dir)")  # fmt: skip
 
+
+def _recipe_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of the FP8 recipe."""
     g = p.add_argument_group("FP8 recipe")
     g.add_argument("--recipe", choices=(*FP8_RECIPES, "bf16", "fp32"), default=_D.recipe,
                    help="FP8 scaling (per tensor: delayed, current; block-scaled: mxfp8, block), or a "
@@ -93,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--power-2-scale", action="store_true",
                    help="current scaling: round each scale down to a power of two")  # fmt: skip
 
+
+def _optimization_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of optimizer, schedule, clipping."""
     g = p.add_argument_group("optimization")
     g.add_argument("--steps", type=int, default=_D.steps, help="optimizer steps (default %(default)s)")
     g.add_argument("--grad-accum", type=int, default=_D.grad_accum, help="micro-batches per optimizer step")
@@ -102,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr-schedule", choices=LR_SCHEDULES, default=_D.lr_schedule, help="after warmup")
     g.add_argument("--grad-clip", type=float, default=_D.grad_clip, help="max gradient norm (0: no clipping)")
 
+
+def _output_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of evaluation, logging, checkpoints."""
     g = p.add_argument_group("evaluation, logging, checkpoints")
     g.add_argument(
         "--eval-interval",
@@ -136,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "stats (steps x tensors x 10, or 6 with --no-quality-stats), loss, names); copies "
                         "them synchronously")  # fmt: skip
 
+
+def _capture_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of incident capture."""
     g = p.add_argument_group("incident capture (replay a bundle with: fp8-train replay BUNDLE)")
     g.add_argument("--capture-dir", metavar="DIR",
                    help="at a non-finite loss or a loss spike, write an incident bundle (the step's "
@@ -149,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--capture-max-mb", type=float, default=_D.capture_max_mb, metavar="MB",
                    help="the bundles in DIR together at most MB MiB (default %(default)s)")  # fmt: skip
 
+
+def _monitor_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of monitoring and fault injection."""
     g = p.add_argument_group("monitoring and fault injection")
     g.add_argument("--monitor-url", default=os.environ.get("FP8SCOPE_URL") or None,
                    help="fp8-monitor root, e.g. http://127.0.0.1:8000 (default $FP8SCOPE_URL)")  # fmt: skip
@@ -169,11 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "--token-file or $FP8SCOPE_TOKEN)")  # fmt: skip
     g.add_argument("--token-file", metavar="PATH", help="file whose first line is the monitor's API token")
     g.add_argument("--inject", action="append", metavar="SPEC", default=[],
-                   help="fault: overflow:LAYER@STEP[xFACTOR], nan:LAYER@STEP, lr-spike@STEP[xFACTOR], or "
+                   help="fault: overflow:LAYER@STEP[xFACTOR], nan:LAYER@STEP, lr-spike@STEP[xFACTOR], "
+                        "gradblowup:LAYER@STEP[xFACTOR], or "
                         "FP8's own saturate:LAYER@STEP[xOFFSET], jump:LAYER@STEP[xFACTOR], "
                         "lowprec:LAYER@STEP[xRANGE], gradspike:LAYER@STEP[xFACTOR] (repeatable; LAYER e.g. "
                         "blocks.1.mlp.fc)")  # fmt: skip
-    return p
 
 
 def _fp8_layers(preset: str) -> list[str]:
@@ -245,6 +272,19 @@ def _tp_misfit(a: argparse.Namespace, world: int) -> str | None:
 
 def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> Prepared:
     """Refuse what cannot run (``p.error``: exit 2 with the message); fill in derived defaults (min_lr)."""
+    _check_numbers(p, a)
+    _check_recipe(p, a)
+    _check_devices(p, a)
+    _check_monitor(p, a)
+    rank = dist_env()[0]
+    corpus, checkpoint, injections = _load(p, a, rank)
+    if rank == 0:
+        _notes(a, injections)
+    return Prepared(corpus=corpus, checkpoint=checkpoint)
+
+
+def _check_numbers(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """The sizes, intervals and the learning rate; ``--min-lr`` defaults to a tenth of ``--lr``."""
     for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_interval", "eval_iters"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -266,6 +306,9 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> Prepared:
     if a.grad_clip < 0:
         p.error("--grad-clip must be >= 0")
 
+
+def _check_recipe(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """The recipe's flags, and that the recipe can be made from them."""
     fp8 = a.recipe in FP8_RECIPES
     if a.stats_dump and not fp8:
         p.error(f"--stats-dump needs an FP8 recipe ({', '.join(FP8_RECIPES)}), not --recipe {a.recipe}")
@@ -284,6 +327,10 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> Prepared:
         make_recipe(a)
     except ValueError as e:
         p.error(str(e))
+
+
+def _check_devices(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """The device, and how the run is laid out over ranks (``--fsdp``, ``--tp``, ``--cuda-graph``)."""
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device available")
     if a.quality_every is not None and a.quality_every < 1:
@@ -300,6 +347,9 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> Prepared:
         if misfit:
             p.error(misfit)
 
+
+def _check_monitor(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """The monitor's flags, incident capture and checkpoint saving."""
     if a.remediation != "off" and not a.monitor_url:
         p.error("--remediation needs --monitor-url")
     for flag in ("run_name", "token", "token_file"):
@@ -331,7 +381,9 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> Prepared:
     if a.save_interval and not a.save:
         p.error("--save-interval needs --save PATH")
 
-    rank = dist_env()[0]
+
+def _load(p: argparse.ArgumentParser, a: argparse.Namespace, rank: int):
+    """The corpus, the checkpoint to resume and the faults to inject, each checked against the flags."""
     try:
         corpus = load_corpus(a.data, seed=a.seed, rank=rank // a.tp)  # a TP group trains one stream
     except DataError as e:
@@ -354,13 +406,16 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> Prepared:
         check_injections(injections, _fp8_layers(a.preset), a.steps, first_step=first)
     except ValueError as e:
         p.error(str(e))
-    if rank == 0:
-        if a.recipe == "current" and any(i.kind == "overflow" for i in injections):
-            print("note: with --recipe current each scale follows its tensor's own amax, so an injected "
-                  "overflow scales the weight without saturating it", file=sys.stderr)  # fmt: skip
-        if a.preset != "tiny" and a.device == "cpu":
-            print(f"note: preset {a.preset} on the CPU will be very slow", file=sys.stderr)
-    return Prepared(corpus=corpus, checkpoint=checkpoint)
+    return corpus, checkpoint, injections
+
+
+def _notes(a: argparse.Namespace, injections) -> None:
+    """Warnings about a run that will train, but perhaps not as its flags suggest (rank 0)."""
+    if a.recipe == "current" and any(i.kind == "overflow" for i in injections):
+        print("note: with --recipe current each scale follows its tensor's own amax, so an injected "
+              "overflow scales the weight without saturating it", file=sys.stderr)  # fmt: skip
+    if a.preset != "tiny" and a.device == "cpu":
+        print(f"note: preset {a.preset} on the CPU will be very slow", file=sys.stderr)
 
 
 def prepare(argv: list[str] | None = None) -> tuple[TrainConfig, Prepared]:
@@ -380,7 +435,7 @@ EXIT_HALTED = 3  # --halt-on-nonfinite stopped the run
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``fp8-train`` console script (``fp8-train replay``: ``fp8_trainer.replay``)."""
+    """Entry point of the ``fp8-train`` console script (``fp8-train replay``: ``fp8_trainer.app.replay``)."""
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["replay"]:
         from .replay import main as replay_main

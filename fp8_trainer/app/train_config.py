@@ -18,14 +18,14 @@ class TrainConfig:
     and ``train`` reads nothing else. Frozen: what a run was started with is what it ran with."""
 
     # ----- model and data -----
-    preset: str = "tiny"  # model size (fp8_trainer.model.PRESETS)
+    preset: str = "tiny"  # model size (fp8_trainer.app.model.PRESETS)
     data: str | None = None  # text file (bytes) or .bin of uint16 token ids; None: the stdlib source, bytes
     batch_size: int = 16  # sequences per micro-batch and rank
     seq_len: int = 64  # tokens per sequence (at most the preset's block size)
     seed: int = 0  # weights and data order: a run is repeatable
     device: str = "cpu"  # or "cuda": FP8 recipes then run under bf16 autocast, as with Transformer Engine
     activation_checkpointing: str = "none"  # recompute blocks in backward (model.CHECKPOINT_MODES)
-    # capture each optimizer step in a CUDA graph after 3 eager steps and replay it (fp8_trainer.train_graph)
+    # capture each optimizer step in a CUDA graph after 3 eager steps and replay it (app.train_graph)
     cuda_graph: bool = False
     # torch.compile the model: one graph, each FP8 Linear two custom operators (fp8_trainer.linear_ops);
     # block-scaled layers are graph breaks
@@ -62,7 +62,7 @@ class TrainConfig:
     lr: float = 1e-3  # peak learning rate
     min_lr: float | None = None  # final learning rate; None: lr / 10
     warmup_steps: int | None = None  # None: min(100, steps / 10)
-    lr_schedule: str = "cosine"  # after the warmup (fp8_trainer.schedule.LR_SCHEDULES)
+    lr_schedule: str = "cosine"  # after the warmup (fp8_trainer.app.schedule.LR_SCHEDULES)
     grad_clip: float = 1.0  # max gradient norm; 0: measured, not clipped
     # ----- evaluation, logging, checkpoints -----
     eval_interval: int = 100  # steps between validation losses; 0: none
@@ -74,7 +74,7 @@ class TrainConfig:
     halt_on_nonfinite: bool = False  # stop at the first non-finite loss, before the update (exit code 3)
     resume: str | None = None  # continue the run saved in this checkpoint
     stats_dump: str | None = None  # every step's FP8 statistics and loss to this .npz (synchronous copies)
-    # ----- incident capture (fp8_trainer.incident_capture; replay with fp8-train replay BUNDLE) -----
+    # ----- incident capture (fp8_trainer.app.incident_capture; replay with fp8-train replay BUNDLE) -----
     # write a bundle here at a non-finite loss or a loss spike; None: off, but with a monitor (monitor_url)
     # incidents/<run name>/ beside the --save file (else in the working directory), unless capture is False
     capture_dir: str | None = None

@@ -1,11 +1,11 @@
-"""When a configuration of a replay (``fp8_trainer.replay``) "has the fault": the judges.
+"""When a configuration of a replay (``fp8_trainer.app.replay``) "has the fault": the judges.
 
 ``LossJudge`` (a ``nonfinite`` or ``loss_spike`` bundle): a non-finite loss anywhere in the window, or the
 failing step's loss at or above a bar (``verdict_bar``: halfway from the loss the spike rule expected to the
 run's, at least 3 of its sigmas above the expected loss; for a non-finite original the rule's own spike
 bar). The bisection tightens the bar to halfway between the high-precision and the FP8 loss.
 
-``GradJudge`` (a ``grad_overflow`` bundle, ``fp8_trainer.incident_capture``): the fault is in the trigger
+``GradJudge`` (a ``grad_overflow`` bundle, ``fp8_trainer.app.incident_capture``): the fault is in the trigger
 layer's parameter gradients of the failing step, not in its loss. A configuration has it when
 
 * a loss of the window is non-finite, or

@@ -1,11 +1,11 @@
 """Automatic replay: with ``--remediation propose|act`` a job replays its own incident bundles as it trains.
 
-Each bundle the job writes (``fp8_trainer.incident_capture``) is replayed in a child process,
-``python -m fp8_trainer.auto_replay BUNDLE --monitor-url URL --run-id ID``, at a lower priority
+Each bundle the job writes (``fp8_trainer.app.incident_capture``) is replayed in a child process,
+``python -m fp8_trainer.app.auto_replay BUNDLE --monitor-url URL --run-id ID``, at a lower priority
 (``os.nice(NICE)``), so the training loop never waits on it: the loop only checks, once per step, whether
 the child has ended (``Popen.poll``, one system call). The child finds the incident that lists the bundle
 (the service pairs a bundle with an incident by step, from the job's ``incident_bundle`` event), runs
-``fp8_trainer.replay.replay`` and stores the report on that incident; the service's remediation policy
+``fp8_trainer.app.replay.replay`` and stores the report on that incident; the service's remediation policy
 (``monitor_server/services/policies.py``) then acts on a report that says *fp8-caused*, and its command
 reaches the job in a telemetry answer like any other.
 
@@ -93,7 +93,7 @@ class AutoReplay:
 
     def _start(self, job: _Pending, run_id: int) -> None:
         job.log = Path(job.bundle + ".replay.log")
-        cmd = [sys.executable, "-m", "fp8_trainer.auto_replay", job.bundle, "--monitor-url", self.url]
+        cmd = [sys.executable, "-m", "fp8_trainer.app.auto_replay", job.bundle, "--monitor-url", self.url]
         cmd += ["--run-id", str(run_id), "--step", str(job.step), "--device", self.device]
         env = {**os.environ, **self.token_env}  # not on the command line (visible in the process list)
         try:
@@ -182,7 +182,9 @@ def _wait_incident(url: str, run_id: int, listed: str, step: int, timeout: float
 
 def main(argv: list[str] | None = None) -> int:
     """The child: find the bundle's incident, replay the bundle, store the report there."""
-    p = argparse.ArgumentParser(prog="python -m fp8_trainer.auto_replay", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m fp8_trainer.app.auto_replay", description=__doc__.splitlines()[0]
+    )
     p.add_argument("bundle", help="the bundle, as the job reported it")
     p.add_argument("--monitor-url", required=True)
     p.add_argument("--run-id", type=int, required=True)

@@ -22,8 +22,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..graphs import GraphedStep
 from .data import Corpus
-from .graphs import GraphedStep
 
 __all__ = ["GraphedTraining", "graph_misfit", "make_capturable"]
 
@@ -37,14 +37,16 @@ def graph_misfit(a, world: int) -> str | None:
     if a.device != "cuda":
         return "--cuda-graph needs --device cuda"
     if world > 1:
-        return f"--cuda-graph: data-parallel runs ({world} ranks) are not captured (fp8_trainer.train_graph)"
+        return (
+            f"--cuda-graph: data-parallel runs ({world} ranks) are not captured (fp8_trainer.app.train_graph)"
+        )
     for flag, given in (
         ("--inject", bool(a.inject)),
         ("--halt-on-nonfinite", a.halt_on_nonfinite),
         ("--activation-checkpointing", a.activation_checkpointing != "none"),
     ):
         if given:
-            return f"--cuda-graph: {flag} cannot be captured (see fp8_trainer.train_graph)"
+            return f"--cuda-graph: {flag} cannot be captured (see fp8_trainer.app.train_graph)"
     return None
 
 

@@ -19,7 +19,7 @@ from fp8_protocol.stats import (
     sqnr_db,
 )
 
-from .convert import tensor_table
+from ..convert import tensor_table
 
 __all__ = ["fp8_summary", "health_table"]
 

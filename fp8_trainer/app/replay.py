@@ -1,4 +1,4 @@
-"""Replay a captured incident (``fp8_trainer.incident_capture``) and answer "is it FP8's fault?".
+"""Replay a captured incident (``fp8_trainer.app.incident_capture``) and answer "is it FP8's fault?".
 
 ``replay(bundle)`` reruns the bundle's window (the steps from its snapshot up to the failing step, with
 their batches, learning rates and injected faults) from the snapshot's state, once per configuration:
@@ -14,8 +14,8 @@ their batches, learning rates and injected faults) from the snapshot's state, on
    precision, then pairs. The culprits are the smallest set found, tensors (``<layer>.<role>``) where one
    cast suffices, else layers; ordered by the loss they leave, lowest first.
 
-The fault, in a configuration (``fp8_trainer.replay_judge``): a non-finite loss anywhere in the window, or a
-failing-step loss at least halfway from the loss the spike rule expected to the loss the run had (for a
+The fault, in a configuration (``fp8_trainer.app.replay_judge``): a non-finite loss anywhere in the window, or
+a failing-step loss at least halfway from the loss the spike rule expected to the loss the run had (for a
 non-finite original: ``expected + z_threshold * sigma``, the rule's own spike bar). For a ``grad_overflow``
 bundle (a saturated gradient, which need not move the loss) the trigger layer's gradients at the failing
 step instead: far from high precision's on the same weights (each FP8 configuration runs that step once
@@ -52,15 +52,16 @@ from torch import nn
 from fp8_protocol.codec import jsonable
 from fp8_protocol.replay import VERDICTS
 
-from .convert import convert_to_fp8, get_fp8_state, set_layer_recipe
-from .formats import ROLES
+from ..convert import convert_to_fp8, get_fp8_state, set_layer_recipe
+from ..formats import ROLES
+from ..linear import Linear
+from .build import make_optimizer, make_recipe
 from .incident_capture import load_bundle
 from .inject import Injection, Injector
-from .linear import Linear
 from .model import GPT, fp8_filter, preset_config
 from .replay_judge import GradJudge, LossJudge, judge_for, layer_norm
-from .train import _forward_backward, _optimizer_step, make_optimizer, make_recipe
 from .train_config import TrainConfig
+from .train_step import forward_backward, optimizer_step
 
 __all__ = ["VERDICTS", "replay", "post_report", "main"]
 
@@ -134,7 +135,7 @@ class _Window:
                 layer_ref = self._hp_gradients(model, record, list(hp_casts or ()))
             # after the faults' hooks: each layer's output as the model goes on with it
             hooks = _output_hooks(model, self.layers, outputs) if last else []
-            loss = _forward_backward(self.a, model, _source(record, self.device), recipe, self.device, 1)
+            loss = forward_backward(self.a, model, _source(record, self.device), recipe, self.device, 1)
             injector.end(record["step"])
             for h in hooks:
                 h.remove()
@@ -148,7 +149,7 @@ class _Window:
                 }
                 if not fp8 and self.watch is not None:  # high precision is its own reference
                     layer_ref = {n: g for n, g in grads.items() if n.startswith(self.watch + ".")}
-            grad_norms.append(float(_optimizer_step(self.a, model, opt)))
+            grad_norms.append(float(optimizer_step(self.a, model, opt)))
             losses.append(float(loss))
         return {
             "losses": losses,
@@ -168,7 +169,7 @@ class _Window:
         devices = [self.device] if self.device.type == "cuda" else []
         try:
             with torch.random.fork_rng(devices=devices):
-                _forward_backward(self.a, model, _source(record, self.device), None, self.device, 1)
+                forward_backward(self.a, model, _source(record, self.device), None, self.device, 1)
         finally:
             for mod, forward in zip(mods, forwards, strict=True):
                 mod.forward = forward
@@ -413,7 +414,7 @@ def post_report(
     from fp8_protocol.api import API_PREFIX
     from fp8_protocol.env import env_token, service_url
 
-    from .monitor.read import response_detail
+    from ..monitor.read import response_detail
 
     root = service_url(monitor_url).rstrip("/")
     token = token if token is not None else env_token()

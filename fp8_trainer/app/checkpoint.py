@@ -90,7 +90,7 @@ def _plain_shards(state: dict[str, Any]) -> dict[str, Any]:
     its plain high-precision shard, sharing its memory: DCP then writes and reads plain tensors."""
     from torch.distributed.tensor import DTensor
 
-    from .fsdp import FP8ShardedWeight
+    from ..fsdp import FP8ShardedWeight
 
     out = {}
     for key, value in state.items():
