@@ -4,8 +4,8 @@ needed, and the tests that read them go last (``tests.support.interpreter``)."""
 from __future__ import annotations
 
 import pytest
-from fp8_kernels import triton_available
 
+from fp8_kernels import triton_available
 from tests.support import interpreter
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from fp8_kernels import triton_available
 
+from fp8_kernels import triton_available
 from tests.support import ROOT
 
 GPU_CHECK = ROOT / "scripts" / "gpu-check.sh"

@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 import pytest
-from fp8_kernels import triton_available
 
+from fp8_kernels import triton_available
 from tests.support import ROOT
 from tests.trainer.test_block_launch_budget import BLOCK_LAYER, MXFP8_LAYER
 

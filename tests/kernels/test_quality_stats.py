@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-from fp8_kernels import new_stats, quantize_current_reference, quantize_with_stats_reference, triton_available
 
+from fp8_kernels import new_stats, quantize_current_reference, quantize_with_stats_reference, triton_available
 from fp8_protocol.stats import (
     ERR_SQ,
     MIN_ABS,

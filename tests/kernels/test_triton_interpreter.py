@@ -11,8 +11,8 @@ import subprocess
 import sys
 
 import pytest
-from fp8_kernels import triton_available
 
+from fp8_kernels import triton_available
 from tests.kernels import kernel_cases
 from tests.support import ROOT, interpreter
 

@@ -1,7 +1,8 @@
 """The marks of the tests that need a GPU with FP8 support and triton: ``pytestmark = FP8_GPU``."""
 
-import fp8_kernels
 import pytest
+
+import fp8_kernels
 
 #: skip, with the reason, unless a CUDA GPU with FP8 support (sm_89+) and triton are here
 FP8_GPU = [

@@ -13,12 +13,12 @@ import copy
 
 import pytest
 import torch
-from fp8_kernels import SCALE_STRIDE, aligned_scales, is_aligned_scale
 from torch import nn
 
 import fp8_trainer
 import fp8_trainer.gemm
 import fp8_trainer.linear_ops
+from fp8_kernels import SCALE_STRIDE, aligned_scales, is_aligned_scale
 from fp8_trainer import CurrentScaling, DelayedScaling, fp8_autocast
 from fp8_trainer.gemm import check_scaled_mm_args, fp8_mm
 
