@@ -38,7 +38,17 @@ def test_the_policy_acts_on_a_running_job_by_itself(tmp_path):
             (run,) = httpx.get(f"{api}/runs").json()
             return httpx.get(f"{api}/runs/{run['id']}/policy-actions").json()
 
+        def delivered():
+            (run,) = httpx.get(f"{api}/runs").json()
+            commands = httpx.get(f"{api}/runs/{run['id']}/commands").json()
+            return any(c["state"] in ("delivered", "applied") for c in commands)
+
         def hold(step, model, info):  # the replay runs beside the job; here the job waits for its outcome
+            if step == HOLD + 1:
+                # the command reaches the job in a telemetry answer: once it has, the job applies it at the
+                # next step, however many steps a flush interval holds on this machine
+                wait_for(delivered, timeout=120, what="the policy's command delivered to the job")
+                return
             if step != HOLD:
                 return
             try:  # at a low priority the replay takes a few seconds on an idle machine, minutes on a busy one
