@@ -65,6 +65,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.replay_verdicts import LAYER, TRAIN, counting_corpus  # noqa: E402  (the same runs' settings)
 from fp8_trainer.app.cli import EXIT_INTERRUPTED  # noqa: E402
 from fp8_trainer.monitor.read import Reader  # noqa: E402
 from tests.support.server import ServerProcess  # noqa: E402  (the tests' `fp8-monitor serve` launcher)
@@ -77,32 +78,14 @@ LAST = 50  # the final loss: the mean of the last LAST steps
 WITHIN = 0.02
 CHECK = 20  # the policy's check_steps (its default)
 GOAL_WITHIN = 0.80
-LAYER = "blocks.3.mlp.fc2"
-TRAIN = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--eval-interval", "0", "--no-progress"]
-TRAIN += [
-    "--lr-schedule",
-    "constant",
-    "--warmup-steps",
-    "0",
-    "--capture-every",
-    "3",
-    "--log-interval",
-    "1000",
-]
 FAULTS = {
     "saturate": f"saturate:{LAYER}@{STEP}",
     "jump": f"jump:{LAYER}@{STEP}",
     "lowprec": f"lowprec:{LAYER}@{STEP}",
-    "gradspike": f"gradspike:{LAYER}@{STEP}",  # no incident today (docs/replay.md, Limits): --only
+    "gradspike": f"gradspike:{LAYER}@{STEP}",  # a statistics fault, no loss moved: --only
 }
 DEFAULT = ("saturate", "jump", "lowprec")
 SMOKE = ("lowprec",)
-
-
-def counting_corpus(path: Path) -> Path:
-    """Counting in decimal: batches alike, a smooth loss, and the next digit needs the context."""
-    path.write_text(" ".join(str(i) for i in range(20000)))
-    return path
 
 
 def train(

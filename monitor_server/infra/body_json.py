@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 
 from fp8_protocol.codec import WireError
+from monitor_server.infra.wire import value_marks
 
 #: a body with more JSON values than this is parsed by the yielding parser (orjson would hold the GIL for
 #: several milliseconds)
@@ -28,9 +29,8 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def value_bound(body: bytes | bytearray) -> int:
-    """An upper bound on the JSON values in `body` (every value but the first follows a ',' or opens an
-    object or array)."""
-    return 1 + body.count(b",") + body.count(b"{") + body.count(b"[")
+    """An upper bound on the JSON values in `body`, counted as the parse budget counts them."""
+    return 1 + value_marks(body)
 
 
 def parse(body: bytes | bytearray) -> Any:

@@ -93,8 +93,13 @@ class JsonValueBudget:
     def over(self, piece: bytes | bytearray | memoryview) -> bool:
         """Count `piece`; True once the count is past the limit."""
         data = bytes(piece) if isinstance(piece, memoryview) else piece
-        self.count += data.count(b",") + data.count(b"{") + data.count(b"[")
+        self.count += value_marks(data)
         return self.count > self.limit
+
+
+def value_marks(data: bytes | bytearray) -> int:
+    """The ',' and the '{' and '[' in `data`: each follows or opens a JSON value (`JsonValueBudget`)."""
+    return data.count(b",") + data.count(b"{") + data.count(b"[")
 
 
 def iso_dates(value: dict[str, Any]) -> dict[str, Any]:
