@@ -118,8 +118,16 @@ def fp8_train(flags: list[str], quick: bool, ranks: int = 1) -> Callable[[str, s
     def run(name: str, url: str) -> None:
         launcher = [sys.executable, "-m", "fp8_trainer.app.cli"]
         if ranks > 1:
-            launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc-per-node", str(ranks), "-m", "fp8_trainer.app.cli"]  # fmt: skip
+            launcher = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                str(ranks),
+                "-m",
+                "fp8_trainer.app.cli",
+            ]
         cmd = [*launcher, *train_cmd(quick), *flags, "--monitor-url", url, "--run-name", name]
         # one intra-op thread per process: on a small, shared machine more threads only spin
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -212,41 +220,73 @@ def scenarios(quick: bool, seeds: list[int]) -> list[Scenario]:
         healthy = [
             ("delayed", "fp8-train (delayed, history 16)", fp8_train(s, quick)),
             ("current", "fp8-train --recipe current", fp8_train([*s, "--recipe", "current"], quick)),
-            ("grad-accum", "fp8-train --grad-accum 4 (step_boundary=False)",
-             fp8_train([*s, "--grad-accum", "4"], quick)),
-            ("grad-accum-te", "Monitor loop, 4 micro-batches each its own fp8_autocast step",
-             monitor_loop("accum_te", steps, seed)),
-            ("two-ranks", "torchrun --nproc-per-node 2 (gloo) fp8-train",
-             fp8_train(s, quick, ranks=2)),
-            ("moe-skips", "Monitor loop, an expert that runs every third step",
-             monitor_loop("moe", steps, seed)),
-            ("frozen-weight", "Monitor loop, one FP8 Linear's weight frozen",
-             monitor_loop("frozen", steps, seed)),
-            ("checkpointing", "fp8-train --activation-checkpointing non-reentrant",
-             fp8_train([*s, "--activation-checkpointing", "non-reentrant"], quick)),
-            ("warm-up-50", "fp8-train --steps 50 --warmup-steps 50",
-             fp8_train(["--seed", str(seed), "--steps", "50", "--warmup-steps", "50"], quick)),
-        ]  # fmt: skip
+            (
+                "grad-accum",
+                "fp8-train --grad-accum 4 (step_boundary=False)",
+                fp8_train([*s, "--grad-accum", "4"], quick),
+            ),
+            (
+                "grad-accum-te",
+                "Monitor loop, 4 micro-batches each its own fp8_autocast step",
+                monitor_loop("accum_te", steps, seed),
+            ),
+            ("two-ranks", "torchrun --nproc-per-node 2 (gloo) fp8-train", fp8_train(s, quick, ranks=2)),
+            (
+                "moe-skips",
+                "Monitor loop, an expert that runs every third step",
+                monitor_loop("moe", steps, seed),
+            ),
+            (
+                "frozen-weight",
+                "Monitor loop, one FP8 Linear's weight frozen",
+                monitor_loop("frozen", steps, seed),
+            ),
+            (
+                "checkpointing",
+                "fp8-train --activation-checkpointing non-reentrant",
+                fp8_train([*s, "--activation-checkpointing", "non-reentrant"], quick),
+            ),
+            (
+                "warm-up-50",
+                "fp8-train --steps 50 --warmup-steps 50",
+                fp8_train(["--seed", str(seed), "--steps", "50", "--warmup-steps", "50"], quick),
+            ),
+        ]
         for name, how, run in healthy:
             out.append(Scenario(f"{name}/s{seed}", "healthy", how, run))
         faults = [
-            ("nan", f"fp8-train --inject nan:blocks.1.mlp.fc@{at}",
-             fp8_train([*s, "--inject", f"nan:blocks.1.mlp.fc@{at}"], quick),
-             Expect(("nonfinite",), "blocks.1.mlp.fc.input", at, at)),
-            ("weight-x1e4", f"fp8-train --inject overflow:blocks.2.attn.proj@{at}",
-             fp8_train([*s, "--inject", f"overflow:blocks.2.attn.proj@{at}"], quick),
-             Expect(("overflow_burst",), "blocks.2.attn.proj.weight", at, at)),
+            (
+                "nan",
+                f"fp8-train --inject nan:blocks.1.mlp.fc@{at}",
+                fp8_train([*s, "--inject", f"nan:blocks.1.mlp.fc@{at}"], quick),
+                Expect(("nonfinite",), "blocks.1.mlp.fc.input", at, at),
+            ),
+            (
+                "weight-x1e4",
+                f"fp8-train --inject overflow:blocks.2.attn.proj@{at}",
+                fp8_train([*s, "--inject", f"overflow:blocks.2.attn.proj@{at}"], quick),
+                Expect(("overflow_burst",), "blocks.2.attn.proj.weight", at, at),
+            ),
             # lr x F in optimizer step `at`: the loss of step at+1 is the first computed with the new weights
-            ("lr-x100", f"fp8-train --inject lr-spike@{at}x100",
-             fp8_train([*s, "--inject", f"lr-spike@{at}x100"], quick),
-             Expect(("loss_spike",), None, at + 1, at + 3)),
-            ("lr-x1000", f"fp8-train --inject lr-spike@{at}x1000",
-             fp8_train([*s, "--inject", f"lr-spike@{at}x1000"], quick),
-             Expect(("loss_spike",), None, at + 1, at + 3)),
-            ("drift", f"Monitor loop, fc2's input x exp(0.033 (step - {at})^2) from step {at}",
-             monitor_loop("drift", at + 14, seed, drift_from=at),
-             Expect(("amax_divergence", "overflow_burst"), "fc2.input", at, at + 12)),
-        ]  # fmt: skip
+            (
+                "lr-x100",
+                f"fp8-train --inject lr-spike@{at}x100",
+                fp8_train([*s, "--inject", f"lr-spike@{at}x100"], quick),
+                Expect(("loss_spike",), None, at + 1, at + 3),
+            ),
+            (
+                "lr-x1000",
+                f"fp8-train --inject lr-spike@{at}x1000",
+                fp8_train([*s, "--inject", f"lr-spike@{at}x1000"], quick),
+                Expect(("loss_spike",), None, at + 1, at + 3),
+            ),
+            (
+                "drift",
+                f"Monitor loop, fc2's input x exp(0.033 (step - {at})^2) from step {at}",
+                monitor_loop("drift", at + 14, seed, drift_from=at),
+                Expect(("amax_divergence", "overflow_burst"), "fc2.input", at, at + 12),
+            ),
+        ]
         for name, how, run, expect in faults:
             out.append(Scenario(f"{name}/s{seed}", "fault", how, run, expect))
     return out
@@ -302,7 +342,7 @@ def evaluate(
             f"{found[1]['kind']} on {found[1]['tensor_name'] or 'the loss'} at {found[1]['onset_step']}"
             if found
             else None
-        ),  # fmt: skip
+        ),
         delay=found[1]["onset_step"] - e.first if found else None,
         root=f"{root['kind']} on {root['tensor_name'] or 'the loss'} at {root['onset_step']}"
         if root
@@ -328,9 +368,13 @@ def run_all(quick: bool, seeds: list[int], only: str | None) -> dict[str, Any]:
     env = {"FP8SCOPE_WEBHOOK_SETTLE_SECONDS": "1", "FP8SCOPE_WEBHOOK_MIN_INTERVAL_SECONDS": "60"}
     server = ServerProcess(
         f"sqlite:///{work / 'alerts.db'}",
-        "--webhook-url", receiver.url, "--public-url", PUBLIC_URL,
-        log_path=work / "server.log", env=env,
-    ).start()  # fmt: skip
+        "--webhook-url",
+        receiver.url,
+        "--public-url",
+        PUBLIC_URL,
+        log_path=work / "server.log",
+        env=env,
+    ).start()
     wanted = None if only is None else only.split(",")
     todo = [sc for sc in scenarios(quick, seeds) if wanted is None or sc.name.split("/")[0] in wanted]
     names: dict[str, Scenario] = {}
@@ -347,8 +391,11 @@ def run_all(quick: bool, seeds: list[int], only: str | None) -> dict[str, Any]:
             data = {}
             for name in names:
                 run = runs[name]
-                data[name] = (run, get(client, f"/runs/{run['id']}/alerts", limit=5000),
-                              get(client, f"/runs/{run['id']}/incidents", limit=1000))  # fmt: skip
+                data[name] = (
+                    run,
+                    get(client, f"/runs/{run['id']}/alerts", limit=5000),
+                    get(client, f"/runs/{run['id']}/incidents", limit=1000),
+                )
             notified = sum(1 for _, _, incs in data.values() for i in incs if i["notified_at"])
             # each notified incident's message is due a second after it opened (rate limit: 60 s per run)
             deadline = time.monotonic() + 30

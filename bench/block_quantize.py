@@ -123,8 +123,10 @@ def main(argv=None) -> int:
         print("block_quantize: needs a CUDA GPU (or --smoke with TRITON_INTERPRET=1)", file=sys.stderr)
         return 2
     results = [bench(rows, c, name, device, reps, args.smoke) for c in cols for name in RECIPES]
-    print(f"{'recipe':<14} {'shape':>12} {'triton ms':>10} {'triton-q ms':>12} {'eager ms':>9} "
-          f"{'triton GB/s':>12} {'x eager':>8} {'bits equal':>10}")  # fmt: skip
+    print(
+        f"{'recipe':<14} {'shape':>12} {'triton ms':>10} {'triton-q ms':>12} {'eager ms':>9} "
+        f"{'triton GB/s':>12} {'x eager':>8} {'bits equal':>10}"
+    )
     for r in results:
         print(
             f"{r['recipe']:<14} {'x'.join(map(str, r['shape'])):>12} {r['ms']['triton']:>10.4f} "

@@ -94,14 +94,21 @@ def plot(runs: dict[str, dict], path: Path, title: str) -> None:
             go.Scatter(x=run["val_steps"], y=run["val_loss"], mode="lines+markers", name=f"{name} val")
         )
         losses, k = run["train_loss"], 10
-        smooth = [sum(losses[max(0, i - k + 1) : i + 1]) / len(losses[max(0, i - k + 1) : i + 1])
-                  for i in range(len(losses))]  # fmt: skip
+        smooth = [
+            sum(losses[max(0, i - k + 1) : i + 1]) / len(losses[max(0, i - k + 1) : i + 1])
+            for i in range(len(losses))
+        ]
         fig.add_trace(
             go.Scatter(
-                x=list(range(1, len(losses) + 1)), y=smooth, mode="lines", line={"width": 1}, opacity=0.5,
-                name=f"{name} train (mean of {k})", visible="legendonly",
+                x=list(range(1, len(losses) + 1)),
+                y=smooth,
+                mode="lines",
+                line={"width": 1},
+                opacity=0.5,
+                name=f"{name} train (mean of {k})",
+                visible="legendonly",
             )
-        )  # fmt: skip
+        )
     fig.update_layout(title=title, xaxis_title="optimizer step", yaxis_title="loss (nats per byte)")
     fig.write_html(path, include_plotlyjs=True, full_html=True)
 

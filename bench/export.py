@@ -38,8 +38,13 @@ from monitor_server.storage.models import StepRow, StepStat  # noqa: E402
 from monitor_server.storage.stat_rows import step_stat_rows  # noqa: E402
 from tests.support.server import API, ServerProcess, random_stats, run_body  # noqa: E402
 
-CASES = (("csv", "stats", "long"), ("parquet", "stats", "long"), ("csv", "stats", "wide"),
-         ("parquet", "stats", "wide"), ("parquet", "scalars", None))  # fmt: skip
+CASES = (
+    ("csv", "stats", "long"),
+    ("parquet", "stats", "long"),
+    ("csv", "stats", "wide"),
+    ("parquet", "stats", "wide"),
+    ("parquet", "scalars", None),
+)
 ARROW_BYTES_PER_LONG_ROW = 8 + 3 * 4 + 6 * 8
 
 
@@ -96,9 +101,16 @@ def measure(db_url: str, run_id: int, fmt: str, table: str, layout: str | None) 
                 size += len(chunk)
         seconds = time.perf_counter() - t0
         after = peak_rss_mb(pid)
-    return {"format": fmt, "table": table, "layout": layout, "seconds": round(seconds, 2),
-            "mb": round(size / 2**20, 1), "peak_rss_before_mb": round(before, 1),
-            "peak_rss_after_mb": round(after, 1), "peak_growth_mb": round(after - before, 1)}  # fmt: skip
+    return {
+        "format": fmt,
+        "table": table,
+        "layout": layout,
+        "seconds": round(seconds, 2),
+        "mb": round(size / 2**20, 1),
+        "peak_rss_before_mb": round(before, 1),
+        "peak_rss_after_mb": round(after, 1),
+        "peak_growth_mb": round(after - before, 1),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -132,15 +144,19 @@ def main(argv: list[str] | None = None) -> dict:
             "python": platform.python_version(),
             "machine": platform.machine(),
             "database": "sqlite",
-        },  # fmt: skip
+        },
         "rows": rows,
     }
-    print(f"{T} tensors x {args.steps} steps ({long_rows:,} long rows); the whole long table in Arrow would "
-          f"be {result['meta']['whole_long_table_arrow_mb']} MB")  # fmt: skip
+    print(
+        f"{T} tensors x {args.steps} steps ({long_rows:,} long rows); the whole long table in Arrow would "
+        f"be {result['meta']['whole_long_table_arrow_mb']} MB"
+    )
     print(f"{'format':8} {'table':8} {'layout':6} {'seconds':>8} {'MB out':>8} {'peak RSS growth MB':>19}")
     for r in rows:
-        print(f"{r['format']:8} {r['table']:8} {r['layout'] or '-':6} {r['seconds']:8.1f} {r['mb']:8.1f} "
-              f"{r['peak_growth_mb']:19.1f}")  # fmt: skip
+        print(
+            f"{r['format']:8} {r['table']:8} {r['layout'] or '-':6} {r['seconds']:8.1f} {r['mb']:8.1f} "
+            f"{r['peak_growth_mb']:19.1f}"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")

@@ -206,8 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per step configuration")
     p.add_argument("--steps", type=int, default=10, help="timed steps per step configuration")
-    p.add_argument("--step-configs", default=None, help="bf16 step configurations of gpt_throughput.py "
-                   "(default: bf16,bf16+graph on CUDA, bf16 elsewhere)")  # fmt: skip
+    p.add_argument(
+        "--step-configs",
+        default=None,
+        help="bf16 step configurations of gpt_throughput.py "
+        "(default: bf16,bf16+graph on CUDA, bf16 elsewhere)",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--smoke", action="store_true", help="tiny preset, 2 steps, on the CPU")
     p.add_argument("--out", default=None, help="default: bench/results/gpt_ceiling_<preset>.json")
@@ -288,12 +292,22 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out) if a.out else Path(__file__).parent / "results" / f"gpt_ceiling_{a.preset}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
-        "device": name, "device_type": device.type, "smoke": a.smoke, "torch": torch.__version__,
-        "preset": a.preset, "batch_size": a.batch_size, "seq_len": a.seq_len, "tokens": m, "failed": failed,
-        "linears": linears, "dtype": str(dtype), "steps": a.steps, "warmup": a.warmup,
+        "device": name,
+        "device_type": device.type,
+        "smoke": a.smoke,
+        "torch": torch.__version__,
+        "preset": a.preset,
+        "batch_size": a.batch_size,
+        "seq_len": a.seq_len,
+        "tokens": m,
+        "failed": failed,
+        "linears": linears,
+        "dtype": str(dtype),
+        "steps": a.steps,
+        "warmup": a.warmup,
         "fp8_gemm": "torch._scaled_mm" if uses_scaled_mm(device) else "emulated (fp8_mm: no FP8 GEMM here)",
         "end_step_timed": {"quantize_ms": updates, "quantize_base_ms": updates_base},
-    }  # fmt: skip
+    }
     best = max((c["ceiling"] for c in ceilings.values() if c["ceiling"]), default=None)
     goals = {}
     if device.type == "cuda" and best is not None:

@@ -58,9 +58,17 @@ from fp8_trainer.app.model import GPT, fp8_filter, preset_config
 from fp8_trainer.graphs import GraphedStep
 
 CONFIGS = (
-    "bf16", "delayed", "current", "torchao", "bf16+graph", "delayed+graph",
-    "bf16+compile", "delayed+compile", "bf16+compile+graph", "delayed+compile+graph",
-)  # fmt: skip
+    "bf16",
+    "delayed",
+    "current",
+    "torchao",
+    "bf16+graph",
+    "delayed+graph",
+    "bf16+compile",
+    "delayed+compile",
+    "bf16+compile+graph",
+    "delayed+compile+graph",
+)
 GPT2_VOCAB = 50304  # GPT-2's 50257 padded to a multiple of 64
 
 
@@ -306,14 +314,16 @@ def main(argv: list[str] | None = None) -> int:
                 )
         if "torchao" in results:
             goals["delayed_vs_torchao"] = goal(
-                results["delayed"]["tokens_per_s"] / results["torchao"]["tokens_per_s"], 1.0,
+                results["delayed"]["tokens_per_s"] / results["torchao"]["tokens_per_s"],
+                1.0,
                 f"tokens/s vs torchao ({results['torchao']['note']})",
-            )  # fmt: skip
+            )
         if "torchao" in results and "delayed+compile" in results and "compile" in jobs["torchao"].modes:
             goals["compiled_vs_torchao"] = goal(  # both compiled, both launched eagerly
-                results["delayed+compile"]["tokens_per_s"] / results["torchao"]["tokens_per_s"], 1.0,
+                results["delayed+compile"]["tokens_per_s"] / results["torchao"]["tokens_per_s"],
+                1.0,
                 f"tokens/s, fp8scope delayed compiled vs torchao ({results['torchao']['note']})",
-            )  # fmt: skip
+            )
         print("goals:")
         for key, gl in goals.items():
             verdict = "met" if gl["met"] else "NOT met"
@@ -321,8 +331,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("goals: assessed on CUDA only")
     finite = all(v["final_loss"] == v["final_loss"] for v in results.values())
-    parts = [f"{c} {v['tokens_per_s']:,.0f} tok/s" + (f" (x{v['x_bf16']:.2f})" if v["x_bf16"] else "")
-             for c, v in results.items()]  # fmt: skip
+    parts = [
+        f"{c} {v['tokens_per_s']:,.0f} tok/s" + (f" (x{v['x_bf16']:.2f})" if v["x_bf16"] else "")
+        for c, v in results.items()
+    ]
     summary = f"{a.preset} b{a.batch_size}x{a.seq_len}: " + ", ".join(parts)
     summary += "".join(f", {c} n/a" for c in skipped) + ("" if finite else "; NON-FINITE LOSS")
     meta = {

@@ -201,10 +201,14 @@ def _floor_stack(current: bool, layers: int, features: int) -> nn.Module:
     update = fp8_kernels.fused_scale_update("cpu")
     hist, amax = torch.zeros(16, n), torch.zeros(n)
     settings = dict(
-        fp8_max=torch.full((n,), 448.0), margin=torch.zeros(n), history_len=torch.full((n,), 16),
-        most_recent=torch.zeros(n, dtype=torch.bool), interval=torch.ones(n, dtype=torch.int64),
-        step=torch.ones((), dtype=torch.int64), enabled=torch.ones(n, dtype=torch.bool),
-    )  # fmt: skip
+        fp8_max=torch.full((n,), 448.0),
+        margin=torch.zeros(n),
+        history_len=torch.full((n,), 16),
+        most_recent=torch.zeros(n, dtype=torch.bool),
+        interval=torch.ones(n, dtype=torch.int64),
+        step=torch.ones((), dtype=torch.int64),
+        enabled=torch.ones(n, dtype=torch.bool),
+    )
     scale = fp8_kernels.aligned_scales(n).fill_(1.0)
 
     def step_end(grad):

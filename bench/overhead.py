@@ -60,8 +60,14 @@ class Job:
         self.monitor = None
         if url is not None:
             tuning = {"flush_interval": args.flush_interval} if args.flush_interval else {}
-            self.monitor = Monitor(url, f"overhead-{mode}", self.model, self.recipe,
-                                   spool_path=spool_dir / f"{mode}.jsonl", **tuning)  # fmt: skip
+            self.monitor = Monitor(
+                url,
+                f"overhead-{mode}",
+                self.model,
+                self.recipe,
+                spool_path=spool_dir / f"{mode}.jsonl",
+                **tuning,
+            )
 
     def step(self) -> float:
         t0 = time.perf_counter()
@@ -108,23 +114,36 @@ def main() -> None:
     mean = {m: statistics.fmean(v) for m, v in times.items()}
     paired = {m: timings.paired(m, "off") for m in MODES}
     rows = [(m, med[m] * 1e3, mean[m] * 1e3, mean[m] / mean["off"], paired[m], len(times[m])) for m in MODES]
-    print(f"tiny GPT, batch {args.batch_size} x {args.seq_len}, torch threads {torch.get_num_threads()}, "
-          f"{args.rounds} rounds x {args.block} steps per mode, {n_tensors} tensors monitored")  # fmt: skip
+    print(
+        f"tiny GPT, batch {args.batch_size} x {args.seq_len}, torch threads {torch.get_num_threads()}, "
+        f"{args.rounds} rounds x {args.block} steps per mode, {n_tensors} tensors monitored"
+    )
     print(f"{'mode':<6} {'median ms':>10} {'mean ms':>10} {'mean/off':>9} {'paired':>7} {'steps':>6}")
     for m, a, b, ratio, pr, n in rows:
         print(f"{m:<6} {a:10.2f} {b:10.2f} {ratio:9.3f} {pr:7.3f} {n:6d}")
     print("paired = median over rounds of (this mode's block mean / the off block's mean in the same round)")
-    print(f"goal: on/off and dead/off <= 1.02 -> paired on {paired['on']:.3f}, dead {paired['dead']:.3f}; "
-          f"overall on {mean['on'] / mean['off']:.3f}, dead {mean['dead'] / mean['off']:.3f}")  # fmt: skip
+    print(
+        f"goal: on/off and dead/off <= 1.02 -> paired on {paired['on']:.3f}, dead {paired['dead']:.3f}; "
+        f"overall on {mean['on'] / mean['off']:.3f}, dead {mean['dead'] / mean['off']:.3f}"
+    )
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "overhead.json").write_text(json.dumps({
-        "machine": platform.platform(), "torch_threads": torch.get_num_threads(), "args": vars(args),
-        "tensors": n_tensors, "median_ms": {m: med[m] * 1e3 for m in MODES},
-        "mean_ms": {m: mean[m] * 1e3 for m in MODES},
-        "ratio_mean": {m: mean[m] / mean["off"] for m in MODES}, "ratio_paired_median": paired,
-        "step_times_s": times,
-    }, indent=1))  # fmt: skip
+    (out / "overhead.json").write_text(
+        json.dumps(
+            {
+                "machine": platform.platform(),
+                "torch_threads": torch.get_num_threads(),
+                "args": vars(args),
+                "tensors": n_tensors,
+                "median_ms": {m: med[m] * 1e3 for m in MODES},
+                "mean_ms": {m: mean[m] * 1e3 for m in MODES},
+                "ratio_mean": {m: mean[m] / mean["off"] for m in MODES},
+                "ratio_paired_median": paired,
+                "step_times_s": times,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -97,9 +97,10 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument(
-        "--reference", action="store_true",
+        "--reference",
+        action="store_true",
         help="also run both modes on the PyTorch references (base-ref, quality-ref): before the fused kernel",
-    )  # fmt: skip
+    )
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "quality_overhead.json"))
     args = p.parse_args()
 
@@ -130,9 +131,11 @@ def main() -> None:
         print(f"{m:<12} {med[m] * 1e3:10.2f} {mean[m] * 1e3:10.2f} {len(times[m]):6d}")
     ratio = paired("quality", "base")
     overall = mean["quality"] / mean["base"]
-    print(f"quality/base: paired (median over rounds) {ratio:.3f}, overall mean {overall:.3f}, "
-          f"median {med['quality'] / med['base']:.3f}; goal <= 1.03: "
-          f"{'met' if ratio <= 1.03 else 'NOT met'}")  # fmt: skip
+    print(
+        f"quality/base: paired (median over rounds) {ratio:.3f}, overall mean {overall:.3f}, "
+        f"median {med['quality'] / med['base']:.3f}; goal <= 1.03: "
+        f"{'met' if ratio <= 1.03 else 'NOT met'}"
+    )
     ratios = {"quality/base": ratio}
     if args.reference:
         for a, b in (("quality-ref", "base-ref"), ("base", "base-ref"), ("quality", "quality-ref")):
@@ -140,13 +143,25 @@ def main() -> None:
             print(f"{a}/{b}: paired {ratios[f'{a}/{b}']:.3f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "machine": platform.platform(), "torch_threads": torch.get_num_threads(), "args": vars(args),
-        "fused_cpu_kernel": fused, "load_average": os.getloadavg(),
-        "tensors": n_tensors, "median_ms": {m: med[m] * 1e3 for m in modes},
-        "mean_ms": {m: mean[m] * 1e3 for m in modes}, "ratio_paired_median": ratio,
-        "ratios_paired_median": ratios, "ratio_mean": overall, "step_times_s": times,
-    }, indent=1))  # fmt: skip
+    out.write_text(
+        json.dumps(
+            {
+                "machine": platform.platform(),
+                "torch_threads": torch.get_num_threads(),
+                "args": vars(args),
+                "fused_cpu_kernel": fused,
+                "load_average": os.getloadavg(),
+                "tensors": n_tensors,
+                "median_ms": {m: med[m] * 1e3 for m in modes},
+                "mean_ms": {m: mean[m] * 1e3 for m in modes},
+                "ratio_paired_median": ratio,
+                "ratios_paired_median": ratios,
+                "ratio_mean": overall,
+                "step_times_s": times,
+            },
+            indent=1,
+        )
+    )
     print(f"load average (1, 5, 15 min) at the end: {', '.join(f'{v:.2f}' for v in os.getloadavg())}")
 
 

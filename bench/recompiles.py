@@ -42,8 +42,9 @@ def _gpt():
 def _llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         vocab_size=256)  # fmt: skip
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=256
+    )
     return (
         LlamaForCausalLM(config),
         (lambda m, name: name != "lm_head"),
@@ -127,8 +128,10 @@ def main() -> None:
     print(f"{'model':8} {'precision':10} {'loop':14} {'graphs':>7} {'recompiles':>11} {'limit hits':>11}")
     for r in rows:
         loop = "train + eval" if r["evaluate"] else "train"
-        print(f"{r['model']:8} {'fp8' if r['fp8'] else 'plain':10} {loop:14} {r['unique_graphs']:>7} "
-              f"{r['recompiles']:>11} {r['recompile_limit_hits']:>11}")  # fmt: skip
+        print(
+            f"{r['model']:8} {'fp8' if r['fp8'] else 'plain':10} {loop:14} {r['unique_graphs']:>7} "
+            f"{r['recompiles']:>11} {r['recompile_limit_hits']:>11}"
+        )
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     env = {"torch": torch.__version__, "python": platform.python_version()}

@@ -279,18 +279,26 @@ def print_table(rows: list[dict[str, Any]], s: dict[str, Any]) -> None:
         )
     print()
     for kind, k in s["per_kind"].items():
-        print(f"{kind:9s} within 2% of the twin: with policies {k['act_within']}/{k['runs']}, "
-              f"without {k['off_within']}/{k['runs']}")  # fmt: skip
+        print(
+            f"{kind:9s} within 2% of the twin: with policies {k['act_within']}/{k['runs']}, "
+            f"without {k['off_within']}/{k['runs']}"
+        )
     share = s["act_within"] / s["act_runs"] if s["act_runs"] else 0.0
-    print(f"goal: with policies >= 80% of FP8-caused fault runs within 2% of the twin: {s['act_within']}/"
-          f"{s['act_runs']} = {share:.0%} ({'met' if share >= GOAL_WITHIN else 'NOT met'}); without policies "
-          f"{s['off_within']}/{s['off_runs']}")  # fmt: skip
+    print(
+        f"goal: with policies >= 80% of FP8-caused fault runs within 2% of the twin: {s['act_within']}/"
+        f"{s['act_runs']} = {share:.0%} ({'met' if share >= GOAL_WITHIN else 'NOT met'}); without policies "
+        f"{s['off_within']}/{s['off_runs']}"
+    )
     if s["healthy_runs"]:
-        print(f"goal: 0 actions on healthy runs: {s['healthy_actions']} on {s['healthy_runs']} runs "
-              f"({'met' if s['healthy_actions'] == 0 else 'NOT met'})")  # fmt: skip
-    print(f"goal: every action audited and rolled back when it does not help: audited {s['audited']}/"
-          f"{s['actions']}, rolled back exactly when worse {s['consistent']}/{s['actions']} "
-          f"(states {s['states']})")  # fmt: skip
+        print(
+            f"goal: 0 actions on healthy runs: {s['healthy_actions']} on {s['healthy_runs']} runs "
+            f"({'met' if s['healthy_actions'] == 0 else 'NOT met'})"
+        )
+    print(
+        f"goal: every action audited and rolled back when it does not help: audited {s['audited']}/"
+        f"{s['actions']}, rolled back exactly when worse {s['consistent']}/{s['actions']} "
+        f"(states {s['states']})"
+    )
 
 
 def main() -> None:
@@ -323,8 +331,12 @@ def main() -> None:
             length = rows[-1]["steps"] if args.smoke and mode == "twin" and rows else steps
             rows.append(run_row(kind, seed, mode, length, server.url, corpus, work, args.smoke))
             r = rows[-1]
-            print(f"[{len(rows)}/{len(plan)}] {kind} seed {seed} {mode}: final {r['final']:.4f}, "
-                  f"{_actions_text(r)}", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"[{len(rows)}/{len(plan)}] {kind} seed {seed} {mode}: final {r['final']:.4f}, "
+                f"{_actions_text(r)}",
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         server.stop()
     judge(rows)

@@ -267,8 +267,10 @@ def main() -> None:
         for seed in seeds:
             for kind in kinds:
                 rows.append(one_run(kind, seed, server.url, corpus, work))
-                print(f"[{len(rows)}/{len(seeds) * len(kinds)}] {kind} seed {seed}: {rows[-1]['verdict']}",
-                      file=sys.stderr)  # fmt: skip
+                print(
+                    f"[{len(rows)}/{len(seeds) * len(kinds)}] {kind} seed {seed}: {rows[-1]['verdict']}",
+                    file=sys.stderr,
+                )
     finally:
         server.stop()
     s = summarise(rows)

@@ -100,11 +100,21 @@ def main() -> None:
     print(f"cached/uncached: paired (median over rounds) {ratio:.3f}; same weights at the end: {same}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "machine": platform.platform(), "torch_threads": torch.get_num_threads(), "args": vars(args),
-        "load_average": os.getloadavg(), "median_ms": {m: med[m] * 1e3 for m in MODES},
-        "ratio_paired_median": ratio, "same_weights": same, "step_times_s": timings.steps,
-    }, indent=1))  # fmt: skip
+    out.write_text(
+        json.dumps(
+            {
+                "machine": platform.platform(),
+                "torch_threads": torch.get_num_threads(),
+                "args": vars(args),
+                "load_average": os.getloadavg(),
+                "median_ms": {m: med[m] * 1e3 for m in MODES},
+                "ratio_paired_median": ratio,
+                "same_weights": same,
+                "step_times_s": timings.steps,
+            },
+            indent=1,
+        )
+    )
     print(f"load average (1, 5, 15 min) at the end: {', '.join(f'{v:.2f}' for v in os.getloadavg())}")
     if not same:
         sys.exit("the cached run's weights differ from the uncached run's")

@@ -392,9 +392,15 @@ def block_quantize(
     fn = _lookup("block_quantize", x.device.type, x.numel())
     if fn is not None:
         q = fn(
-            x, fp8_dtype, block, scale_format, power_2_scale=power_2_scale, amax_epsilon=amax_epsilon,
-            stats=stats, block_stats=block_stats,
-        )  # fmt: skip
+            x,
+            fp8_dtype,
+            block,
+            scale_format,
+            power_2_scale=power_2_scale,
+            amax_epsilon=amax_epsilon,
+            stats=stats,
+            block_stats=block_stats,
+        )
         return q, stats is not None
     q = quantize_blocks(
         x, fp8_dtype, block, scale_format, power_2_scale=power_2_scale, amax_epsilon=amax_epsilon

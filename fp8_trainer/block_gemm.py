@@ -413,10 +413,17 @@ def _call_native(args: NativeArgs) -> torch.Tensor:
     }
     swizzle = f.SwizzleType.SWIZZLE_32_4_4 if args.swizzle else None
     return f.scaled_mm(
-        args.mat_a, args.mat_b, args.scale_a, recipes[args.recipe_a], args.scale_b, recipes[args.recipe_b],
-        swizzle_a=swizzle, swizzle_b=swizzle, output_dtype=args.output_dtype,
+        args.mat_a,
+        args.mat_b,
+        args.scale_a,
+        recipes[args.recipe_a],
+        args.scale_b,
+        recipes[args.recipe_b],
+        swizzle_a=swizzle,
+        swizzle_b=swizzle,
+        output_dtype=args.output_dtype,
         use_fast_accum=args.use_fast_accum,
-    )  # fmt: skip
+    )
 
 
 @dataclass

@@ -234,9 +234,20 @@ def block_tensor_stats(
             torch.count_nonzero(finite & (qa > 0) & (qa < subnormal_threshold(fp8_dtype))),
         )
     return _assemble(
-        x, q, amax_b, scale_b, at_limit, zero, overflow_b, underflow_b, torch.count_nonzero(~finite), big,
-        small, codes, quality_terms,
-    )  # fmt: skip
+        x,
+        q,
+        amax_b,
+        scale_b,
+        at_limit,
+        zero,
+        overflow_b,
+        underflow_b,
+        torch.count_nonzero(~finite),
+        big,
+        small,
+        codes,
+        quality_terms,
+    )
 
 
 def _scale_and_limit(q: BlockQuantized, amax_b: torch.Tensor, fp8_dtype, spec: BlockSpec, input_dtype):
@@ -336,16 +347,27 @@ class _BlockLinearFn(torch.autograd.Function):
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ix, iw = 3 * k, 3 * k + 1
         qx, qxc = quantize_block_tensor(
-            x2.detach(), state.dtypes[ix], specs[0], rowwise=True, columnwise=need_wgrad,
+            x2.detach(),
+            state.dtypes[ix],
+            specs[0],
+            rowwise=True,
+            columnwise=need_wgrad,
             **state.block_rows(ix, record),
-        )  # fmt: skip
+        )
         qw, qwc = state.quantized_weight(  # once per step (FP8State.quantized_weight)
-            k, weight, ("block", need_dgrad), record,
+            k,
+            weight,
+            ("block", need_dgrad),
+            record,
             lambda rec: quantize_block_tensor(
-                weight.detach(), state.dtypes[iw], specs[1], rowwise=True, columnwise=need_dgrad,
+                weight.detach(),
+                state.dtypes[iw],
+                specs[1],
+                rowwise=True,
+                columnwise=need_dgrad,
                 **state.block_rows(iw, rec),
             ),
-        )  # fmt: skip
+        )
         out = block_gemm(qx, qw, "fprop")  # float32
         if bias is not None:
             out = out + bias.to(torch.float32)
@@ -367,9 +389,13 @@ class _BlockLinearFn(torch.autograd.Function):
             check_mxfp8_shape(g2, f"{state.layer_names[k] or '<root>'}.grad_output")
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         qg, qgc = quantize_block_tensor(
-            g2.detach(), state.dtypes[ig], spec, rowwise=need_dgrad, columnwise=need_wgrad,
+            g2.detach(),
+            state.dtypes[ig],
+            spec,
+            rowwise=need_dgrad,
+            columnwise=need_wgrad,
             **state.block_rows(ig, ctx.record),
-        )  # fmt: skip
+        )
         if ctx.record:
             state.tracker.queue_end_of_backward(state.on_backward_end)
         grad_x = grad_w = grad_b = None

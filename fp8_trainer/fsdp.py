@@ -159,10 +159,15 @@ class FP8ShardedWeight(torch.Tensor):
     @staticmethod
     def __new__(cls, tensor: torch.Tensor):
         return torch.Tensor._make_wrapper_subclass(
-            cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(),
-            dtype=tensor.dtype, layout=tensor.layout, device=tensor.device,
+            cls,
+            tensor.size(),
+            strides=tensor.stride(),
+            storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype,
+            layout=tensor.layout,
+            device=tensor.device,
             requires_grad=tensor.requires_grad,
-        )  # fmt: skip
+        )
 
     def __init__(self, tensor: torch.Tensor):
         self._tensor = tensor
@@ -255,9 +260,15 @@ class FP8GatheredWeight(PreQuantizedWeight):
     @staticmethod
     def __new__(cls, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, row=None):
         return torch.Tensor._make_wrapper_subclass(
-            cls, data.size(), strides=data.stride(), storage_offset=data.storage_offset(), dtype=dtype,
-            layout=data.layout, device=data.device, requires_grad=False,
-        )  # fmt: skip
+            cls,
+            data.size(),
+            strides=data.stride(),
+            storage_offset=data.storage_offset(),
+            dtype=dtype,
+            layout=data.layout,
+            device=data.device,
+            requires_grad=False,
+        )
 
     def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, row=None):
         self._data, self._scale_inv, self._stats_row = data, scale_inv, row

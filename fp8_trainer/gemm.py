@@ -166,9 +166,14 @@ def _scaled_mm(
             (gemm_dtype, None if mm_bias is None else (mm_bias.dtype, mm_bias.shape)),
         )
     out = torch._scaled_mm(
-        a, b, scale_a=scale_inv_a, scale_b=scale_inv_b, bias=mm_bias, out_dtype=gemm_dtype,
+        a,
+        b,
+        scale_a=scale_inv_a,
+        scale_b=scale_inv_b,
+        bias=mm_bias,
+        out_dtype=gemm_dtype,
         use_fast_accum=fast_accum,
-    )  # fmt: skip
+    )
     if bias is not None and mm_bias is None:
         out = out + bias.to(out.dtype)
     return out if out.dtype == out_dtype else out.to(out_dtype)

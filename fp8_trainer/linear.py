@@ -188,9 +188,18 @@ class Linear(nn.Linear):
         need_dgrad, need_wgrad = grad and x.requires_grad, grad and weight.requires_grad
         shape = x.shape
         out, *_ = torch.ops.fp8scope.linear_forward(
-            x.reshape(-1, shape[-1]), weight, self.bias, state.handle, k, need_dgrad or need_wgrad,
-            need_dgrad, need_wgrad, state.current[k], state.dtypes[3 * k], state.dtypes[3 * k + 1],
-        )  # fmt: skip
+            x.reshape(-1, shape[-1]),
+            weight,
+            self.bias,
+            state.handle,
+            k,
+            need_dgrad or need_wgrad,
+            need_dgrad,
+            need_wgrad,
+            state.current[k],
+            state.dtypes[3 * k],
+            state.dtypes[3 * k + 1],
+        )
         return out.reshape(*shape[:-1], out.shape[-1])
 
     @torch.compiler.disable

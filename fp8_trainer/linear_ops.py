@@ -122,9 +122,14 @@ def _prepared_call(state: FP8State, plan: LayerPlan, i: int, t: torch.Tensor, tr
         current = state.current[i // 3]
         op = ("current" if current else "quantize") + ("_transposed" if transpose else "")
         fn = plan.prepared[key] = prepare_quantize(
-            op, t, state.dtypes[i], row, None if current else scale, dbias=dbias,
+            op,
+            t,
+            state.dtypes[i],
+            row,
+            None if current else scale,
+            dbias=dbias,
             power_2_scale=current and state.power_2_scale,
-        )  # fmt: skip
+        )
     if fn is None:
         return None
     q, qt, sinv, column_sums = fn(t, scale, row)
@@ -375,8 +380,23 @@ def linear_backward(
 
 
 @linear_backward.register_fake
-def _(grad, saved_x, sinv_x, saved_w, sinv_w, handle, k, record, x_t, w_t, need_dgrad, need_wgrad, need_bias,
-      x_dtype, w_dtype):  # fmt: skip
+def _(
+    grad,
+    saved_x,
+    sinv_x,
+    saved_w,
+    sinv_w,
+    handle,
+    k,
+    record,
+    x_t,
+    w_t,
+    need_dgrad,
+    need_wgrad,
+    need_bias,
+    x_dtype,
+    w_dtype,
+):
     tokens, n_out = grad.shape
     n_in = saved_x.shape[0] if x_t else saved_x.shape[1]
     return (
@@ -401,15 +421,25 @@ def _backward(ctx, grad_out, *_saved_grads):
     need = ctx.needs_input_grad
     need_bias = ctx.has_bias and need[2]
     grad_x, grad_w, grad_b = linear_backward(
-        grad_out, *ctx.saved_tensors, ctx.handle, ctx.k, ctx.record, ctx.x_t, ctx.w_t, need[0], need[1],
-        need_bias, ctx.x_dtype, ctx.w_dtype,
-    )  # fmt: skip
+        grad_out,
+        *ctx.saved_tensors,
+        ctx.handle,
+        ctx.k,
+        ctx.record,
+        ctx.x_t,
+        ctx.w_t,
+        need[0],
+        need[1],
+        need_bias,
+        ctx.x_dtype,
+        ctx.w_dtype,
+    )
     return (
         grad_x if need[0] else None,
         grad_w if need[1] else None,
         grad_b if need_bias else None,
         *(None,) * 8,
-    )  # fmt: skip
+    )
 
 
 torch.library.register_autograd("fp8scope::linear_forward", _backward, setup_context=_setup_context)

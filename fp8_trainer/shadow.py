@@ -123,8 +123,10 @@ class HookedState(FP8State):
             log.warning(
                 "shadow: %s has %d rows (tokens), not a multiple of %d: an MXFP8 run would refuse it "
                 "(Transformer Engine does); its statistics are recorded all the same",
-                self.tensor_table()[i].name, x.shape[0], MXFP8_BLOCK,
-            )  # fmt: skip
+                self.tensor_table()[i].name,
+                x.shape[0],
+                MXFP8_BLOCK,
+            )
         quantize_block_tensor(
             x, self.dtypes[i], spec, rowwise=False, columnwise=False, **self.block_rows(i, True)
         )

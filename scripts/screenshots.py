@@ -32,10 +32,32 @@ RUNS = [  # (name, learning rate, recipe, tags, extra flags)
 
 
 def train(url: str, name: str, lr: str, recipe: str, tags: list[str], extra: list[str], steps: int) -> None:
-    cmd = [sys.executable, "-m", "fp8_trainer.app.cli", "--preset", "tiny", "--steps", str(steps),
-           "--batch-size", "8", "--seq-len", "64", "--lr", lr, "--recipe", recipe, "--eval-interval", "20",
-           "--no-progress", "--monitor-url", url, "--run-name", name,
-           *[a for t in tags for a in ("--tag", t)], *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "fp8_trainer.app.cli",
+        "--preset",
+        "tiny",
+        "--steps",
+        str(steps),
+        "--batch-size",
+        "8",
+        "--seq-len",
+        "64",
+        "--lr",
+        lr,
+        "--recipe",
+        recipe,
+        "--eval-interval",
+        "20",
+        "--no-progress",
+        "--monitor-url",
+        url,
+        "--run-name",
+        name,
+        *[a for t in tags for a in ("--tag", t)],
+        *extra,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as cwd:
         subprocess.run(cmd, cwd=cwd, check=True, capture_output=True, env=env, timeout=1800)

@@ -188,10 +188,20 @@ def quantize_with_stats_cpu(
     if amax is not None:  # recorded as the reference does: |amax|, NaN read as 0
         amax = torch.nan_to_num(amax.detach().abs().to(torch.float32), nan=0.0, posinf=math.inf)
     rc = _library().fp8_quantize_stats(
-        x.data_ptr(), _IN_DTYPES[x.dtype], x.numel(), scale.data_ptr(), None, 0, 0,
-        _params(fp8_dtype).data_ptr(), q.data_ptr(), row.data_ptr(), width, stats is not None,
+        x.data_ptr(),
+        _IN_DTYPES[x.dtype],
+        x.numel(),
+        scale.data_ptr(),
+        None,
+        0,
+        0,
+        _params(fp8_dtype).data_ptr(),
+        q.data_ptr(),
+        row.data_ptr(),
+        width,
+        stats is not None,
         None if amax is None else amax.data_ptr(),
-    )  # fmt: skip
+    )
     if rc != 0:  # a scale that is not finite and positive, or no memory (nothing was written): the reference
         return quantize_with_stats_reference(x, scale, fp8_dtype, stats, amax=amax)
     return q, row
@@ -239,5 +249,5 @@ def quantize_current_cpu(
         width,
         stats is not None,
         None,
-    )  # fmt: skip  (a current scale is always finite and positive)
+    )  # (a current scale is always finite and positive)
     return (q, scale, torch.reciprocal(scale), row) if return_scale_inv else (q, scale, row)

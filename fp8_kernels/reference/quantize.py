@@ -226,9 +226,16 @@ def _work_buffer(shape: torch.Size, device: torch.device, dtype: torch.dtype = t
 
 
 def quality_row_reference(
-    a: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, min_abs: torch.Tensor, fp8_dtype: torch.dtype,
-    *, mask_codes: bool, x: torch.Tensor | None = None, work: torch.Tensor | None = None,
-) -> torch.Tensor:  # fmt: skip
+    a: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    min_abs: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    mask_codes: bool,
+    x: torch.Tensor | None = None,
+    work: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``(sum_sq, err_sq, subnormal, min_abs)`` (float64) from ``a = |x * scale|`` (float32; 0 for the NaN
     and Inf elements of ``x``, +inf for a finite ``x`` whose product overflowed) and the FP8 tensor ``q``.
     ``mask_codes``: ``q`` was cast from ``x`` itself, whose NaN/Inf elements have non-zero codes: their

@@ -124,9 +124,14 @@ def _per_row(v, TWO_D: tl.constexpr):
 
 @triton.jit
 def _scales(
-    amax, FMAX: tl.constexpr, RCP_FMAX: tl.constexpr, E8M0: tl.constexpr, POW2_SCALE: tl.constexpr,
-    AMAX_EPS: tl.constexpr, INPUT_MAX: tl.constexpr,
-):  # fmt: skip
+    amax,
+    FMAX: tl.constexpr,
+    RCP_FMAX: tl.constexpr,
+    E8M0: tl.constexpr,
+    POW2_SCALE: tl.constexpr,
+    AMAX_EPS: tl.constexpr,
+    INPUT_MAX: tl.constexpr,
+):
     """``(scale, scale_inv as float32, scale_inv as stored)`` of blocks with float32 ``amax`` (never NaN)."""
     if E8M0:
         v = amax * RCP_FMAX
@@ -181,21 +186,54 @@ def _fold_sum(v, TWO_D: tl.constexpr):
 
 #: Float64 slots of a program's record (``_SLOTS``, in this order), and the record's stride.
 _SLOTS = (
-    "amax", "ratio", "min_abs", "sum_sq", "err_sq", "overflow", "underflow", "nonfinite", "subnormal",
-    "blocks_overflow", "blocks_underflow", "blocks_at_limit", "blocks_zero",
-)  # fmt: skip
+    "amax",
+    "ratio",
+    "min_abs",
+    "sum_sq",
+    "err_sq",
+    "overflow",
+    "underflow",
+    "nonfinite",
+    "subnormal",
+    "blocks_overflow",
+    "blocks_underflow",
+    "blocks_at_limit",
+    "blocks_zero",
+)
 PARTS = 16
 
 
 @triton.jit
 def _tile(
-    x_ptr, q_ptr, scale_inv_ptr, tm, tn, M, N, GN,
-    MASKED: tl.constexpr, TWO_D: tl.constexpr, E8M0: tl.constexpr, POW2_SCALE: tl.constexpr,
-    AMAX_EPS: tl.constexpr, INPUT_MAX: tl.constexpr, RCP_FMAX: tl.constexpr, FMAX: tl.constexpr,
-    OVF_THRESHOLD: tl.constexpr, OVF_INCLUSIVE: tl.constexpr, SUBNORMAL_TOP: tl.constexpr,
-    MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, DROP: tl.constexpr, QUALITY: tl.constexpr,
-    STATS: tl.constexpr, IS_BF16: tl.constexpr, X_T: tl.constexpr, TILE_M: tl.constexpr, BN: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    q_ptr,
+    scale_inv_ptr,
+    tm,
+    tn,
+    M,
+    N,
+    GN,
+    MASKED: tl.constexpr,
+    TWO_D: tl.constexpr,
+    E8M0: tl.constexpr,
+    POW2_SCALE: tl.constexpr,
+    AMAX_EPS: tl.constexpr,
+    INPUT_MAX: tl.constexpr,
+    RCP_FMAX: tl.constexpr,
+    FMAX: tl.constexpr,
+    OVF_THRESHOLD: tl.constexpr,
+    OVF_INCLUSIVE: tl.constexpr,
+    SUBNORMAL_TOP: tl.constexpr,
+    MIN_NORMAL: tl.constexpr,
+    SUB_MAGIC: tl.constexpr,
+    DROP: tl.constexpr,
+    QUALITY: tl.constexpr,
+    STATS: tl.constexpr,
+    IS_BF16: tl.constexpr,
+    X_T: tl.constexpr,
+    TILE_M: tl.constexpr,
+    BN: tl.constexpr,
+):
     rm = tm * TILE_M + tl.arange(0, TILE_M)
     rn = tn * BN + tl.arange(0, BN)
     offs = rm[:, None] * N + rn[None, :]
@@ -280,15 +318,37 @@ def _slot(rec, slots, j: tl.constexpr, v):
 
 @triton.jit(do_not_specialize=["M", "N", "T"])
 def _block_quantize_kernel(
-    x_ptr, q_ptr, scale_inv_ptr, part_ptr, hist_ptr, M, N, T,
-    TWO_D: tl.constexpr, E8M0: tl.constexpr, POW2_SCALE: tl.constexpr, AMAX_EPS: tl.constexpr,
-    INPUT_MAX: tl.constexpr, RCP_FMAX: tl.constexpr, FMAX: tl.constexpr, UNDERFLOW: tl.constexpr,
-    OVF_THRESHOLD: tl.constexpr, OVF_INCLUSIVE: tl.constexpr, SUBNORMAL_TOP: tl.constexpr,
-    MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, DROP: tl.constexpr, QUALITY: tl.constexpr,
-    STATS: tl.constexpr, IS_BF16: tl.constexpr, X_T: tl.constexpr, DIV_M: tl.constexpr,
-    DIV_N: tl.constexpr, TILE_M: tl.constexpr,
+    x_ptr,
+    q_ptr,
+    scale_inv_ptr,
+    part_ptr,
+    hist_ptr,
+    M,
+    N,
+    T,
+    TWO_D: tl.constexpr,
+    E8M0: tl.constexpr,
+    POW2_SCALE: tl.constexpr,
+    AMAX_EPS: tl.constexpr,
+    INPUT_MAX: tl.constexpr,
+    RCP_FMAX: tl.constexpr,
+    FMAX: tl.constexpr,
+    UNDERFLOW: tl.constexpr,
+    OVF_THRESHOLD: tl.constexpr,
+    OVF_INCLUSIVE: tl.constexpr,
+    SUBNORMAL_TOP: tl.constexpr,
+    MIN_NORMAL: tl.constexpr,
+    SUB_MAGIC: tl.constexpr,
+    DROP: tl.constexpr,
+    QUALITY: tl.constexpr,
+    STATS: tl.constexpr,
+    IS_BF16: tl.constexpr,
+    X_T: tl.constexpr,
+    DIV_M: tl.constexpr,
+    DIV_N: tl.constexpr,
+    TILE_M: tl.constexpr,
     BN: tl.constexpr,
-):  # fmt: skip
+):
     """``T`` consecutive tiles per program (tile ``t``: tile row ``t // GN``, block column ``t % GN``), their
     statistics folded into one record (slot-wise max, min or sum) and one histogram."""
     N = (N // DIV_N) * DIV_N  # exact (the launcher checked), and visible: rows start 16-element aligned
@@ -308,16 +368,66 @@ def _block_quantize_kernel(
         if t < n_tiles:
             if ((tm + 1) * TILE_M <= M) & ((tn + 1) * BN <= N):
                 rec, hist = _tile(
-                    x_ptr, q_ptr, scale_inv_ptr, tm, tn, M, N, GN, False, TWO_D, E8M0, POW2_SCALE,
-                    AMAX_EPS, INPUT_MAX, RCP_FMAX, FMAX, OVF_THRESHOLD, OVF_INCLUSIVE, SUBNORMAL_TOP,
-                    MIN_NORMAL, SUB_MAGIC, DROP, QUALITY, STATS, IS_BF16, X_T, TILE_M, BN,
-                )  # fmt: skip
+                    x_ptr,
+                    q_ptr,
+                    scale_inv_ptr,
+                    tm,
+                    tn,
+                    M,
+                    N,
+                    GN,
+                    False,
+                    TWO_D,
+                    E8M0,
+                    POW2_SCALE,
+                    AMAX_EPS,
+                    INPUT_MAX,
+                    RCP_FMAX,
+                    FMAX,
+                    OVF_THRESHOLD,
+                    OVF_INCLUSIVE,
+                    SUBNORMAL_TOP,
+                    MIN_NORMAL,
+                    SUB_MAGIC,
+                    DROP,
+                    QUALITY,
+                    STATS,
+                    IS_BF16,
+                    X_T,
+                    TILE_M,
+                    BN,
+                )
             else:
                 rec, hist = _tile(
-                    x_ptr, q_ptr, scale_inv_ptr, tm, tn, M, N, GN, True, TWO_D, E8M0, POW2_SCALE,
-                    AMAX_EPS, INPUT_MAX, RCP_FMAX, FMAX, OVF_THRESHOLD, OVF_INCLUSIVE, SUBNORMAL_TOP,
-                    MIN_NORMAL, SUB_MAGIC, DROP, QUALITY, STATS, IS_BF16, X_T, TILE_M, BN,
-                )  # fmt: skip
+                    x_ptr,
+                    q_ptr,
+                    scale_inv_ptr,
+                    tm,
+                    tn,
+                    M,
+                    N,
+                    GN,
+                    True,
+                    TWO_D,
+                    E8M0,
+                    POW2_SCALE,
+                    AMAX_EPS,
+                    INPUT_MAX,
+                    RCP_FMAX,
+                    FMAX,
+                    OVF_THRESHOLD,
+                    OVF_INCLUSIVE,
+                    SUBNORMAL_TOP,
+                    MIN_NORMAL,
+                    SUB_MAGIC,
+                    DROP,
+                    QUALITY,
+                    STATS,
+                    IS_BF16,
+                    X_T,
+                    TILE_M,
+                    BN,
+                )
             acc_sum += rec
             acc_max = tl.maximum(acc_max, rec)
             acc_min = tl.minimum(acc_min, rec)
@@ -336,11 +446,22 @@ def _pick(acc, cols, j: tl.constexpr):
 
 @triton.jit(do_not_specialize=["programs", "numel", "blocks"])
 def _block_fold_kernel(
-    part_ptr, row_ptr, brow_ptr, programs, numel, blocks,
-    E8M0: tl.constexpr, POW2_SCALE: tl.constexpr, AMAX_EPS: tl.constexpr, INPUT_MAX: tl.constexpr,
-    RCP_FMAX: tl.constexpr, FMAX: tl.constexpr, QUALITY: tl.constexpr, NSLOTS: tl.constexpr,
+    part_ptr,
+    row_ptr,
+    brow_ptr,
+    programs,
+    numel,
+    blocks,
+    E8M0: tl.constexpr,
+    POW2_SCALE: tl.constexpr,
+    AMAX_EPS: tl.constexpr,
+    INPUT_MAX: tl.constexpr,
+    RCP_FMAX: tl.constexpr,
+    FMAX: tl.constexpr,
+    QUALITY: tl.constexpr,
+    NSLOTS: tl.constexpr,
     CHUNK: tl.constexpr,
-):  # fmt: skip
+):
     """One program: the ``programs`` records reduced (max, min or sum per slot, in a fixed order) and merged
     into the statistics row and the block row (module docstring)."""
     cols = tl.arange(0, 16)
@@ -413,14 +534,26 @@ def _plan(key: tuple) -> tuple:
     tile_m, warps = block_tile(torch.device(device_type), (bm, bn))
     e8m0 = scale_format == "e8m0"
     scales = dict(
-        E8M0=e8m0, POW2_SCALE=pow2, AMAX_EPS=_f32(eps), INPUT_MAX=float(torch.finfo(dtype).max),
-        RCP_FMAX=_f32(1.0 / fp8_max(fp8_dtype)), FMAX=fp8_max(fp8_dtype),
-    )  # fmt: skip
+        E8M0=e8m0,
+        POW2_SCALE=pow2,
+        AMAX_EPS=_f32(eps),
+        INPUT_MAX=float(torch.finfo(dtype).max),
+        RCP_FMAX=_f32(1.0 / fp8_max(fp8_dtype)),
+        FMAX=fp8_max(fp8_dtype),
+    )
     kernel = dict(
-        **format_constants(fp8_dtype) | scales, TWO_D=bm > 1, QUALITY=quality, STATS=stats,
-        IS_BF16=dtype == torch.bfloat16, X_T=x_t, DIV_M=divisor(M) if x_t else 1, DIV_N=divisor(N),
-        TILE_M=tile_m, BN=bn, num_warps=warps,
-    )  # fmt: skip
+        **format_constants(fp8_dtype) | scales,
+        TWO_D=bm > 1,
+        QUALITY=quality,
+        STATS=stats,
+        IS_BF16=dtype == torch.bfloat16,
+        X_T=x_t,
+        DIV_M=divisor(M) if x_t else 1,
+        DIV_N=divisor(N),
+        TILE_M=tile_m,
+        BN=bn,
+        num_warps=warps,
+    )
     fold = dict(
         scales, QUALITY=quality, NSLOTS=len(_SLOTS), CHUNK=128 if device_type == "cuda" else 4, num_warps=4
     )
@@ -487,9 +620,20 @@ def block_quantize_triton(
     # the transpose of a row-major tensor (a column-wise copy's input) is read in place, not copied
     x_t = not x.is_contiguous() and x.stride() == (1, M)
     key = (
-        dev.type, M, N, x.dtype, fp8_dtype, (bm, bn), scale_format, bool(power_2_scale), amax_epsilon,
-        stats is not None, quality, x_t, block_tile,
-    )  # fmt: skip
+        dev.type,
+        M,
+        N,
+        x.dtype,
+        fp8_dtype,
+        (bm, bn),
+        scale_format,
+        bool(power_2_scale),
+        amax_epsilon,
+        stats is not None,
+        quality,
+        x_t,
+        block_tile,
+    )
     grid, per_program, gm, gn, kernel, fold = _plan(key)
     q = torch.empty((M, N), dtype=fp8_dtype, device=dev)
     if scale_format == "e8m0":

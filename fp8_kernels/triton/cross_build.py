@@ -85,10 +85,28 @@ class Recorder:
 
 
 #: ATen ops that only make views or allocate: no device work on a GPU (``LaunchCounter`` leaves them out)
-NO_LAUNCH = frozenset({
-    "view", "_unsafe_view", "reshape", "_reshape_alias", "t", "transpose", "permute", "select", "slice",
-    "expand", "as_strided", "alias", "detach", "unsqueeze", "squeeze", "unbind", "empty", "empty_strided",
-})  # fmt: skip
+NO_LAUNCH = frozenset(
+    {
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "_reshape_alias",
+        "t",
+        "transpose",
+        "permute",
+        "select",
+        "slice",
+        "expand",
+        "as_strided",
+        "alias",
+        "detach",
+        "unsqueeze",
+        "squeeze",
+        "unbind",
+        "empty",
+        "empty_strided",
+    }
+)
 
 
 class LaunchCounter(TorchDispatchMode):
@@ -234,9 +252,7 @@ def _loops(sass: str) -> tuple[tuple[tuple[str, ...], ...], tuple[bool, ...]]:
             if len(body) > 1:  # not the branch to itself that ends the code
                 loops.append(body)
                 spans.append((seen[target.group(1)], len(code)))
-    innermost = tuple(
-        not any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans) for a, b in spans
-    )  # fmt: skip
+    innermost = tuple(not any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans) for a, b in spans)
     return tuple(loops), innermost
 
 

@@ -108,9 +108,17 @@ def quantize_current_triton(
         check_dbias_operand(x)
     parts, scale_out = amax_pass(x)
     q, _, row, scale, *column_sums = launch_quantize(
-        x, None, fp8_dtype, stats, amax_parts=parts, scale_from_amax=True, precast=precast,
-        power_2_scale=power_2_scale, scale_out=scale_out, dbias=dbias,
-    )  # fmt: skip
+        x,
+        None,
+        fp8_dtype,
+        stats,
+        amax_parts=parts,
+        scale_from_amax=True,
+        precast=precast,
+        power_2_scale=power_2_scale,
+        scale_out=scale_out,
+        dbias=dbias,
+    )
     out = (q, scale, scale_out[4], row) if return_scale_inv else (q, scale, row)
     return (*out, *column_sums)
 
@@ -134,9 +142,18 @@ def quantize_current_transposed_triton(
         raise ValueError(f"x: the transposed output needs a 2-D tensor, got shape {tuple(x.shape)}")
     parts, scale_out = amax_pass(x)
     q, qt, row, scale, *column_sums = launch_quantize(
-        x, None, fp8_dtype, stats, amax_parts=parts, scale_from_amax=True, precast=precast, transpose=True,
-        power_2_scale=power_2_scale, scale_out=scale_out, dbias=dbias,
-    )  # fmt: skip
+        x,
+        None,
+        fp8_dtype,
+        stats,
+        amax_parts=parts,
+        scale_from_amax=True,
+        precast=precast,
+        transpose=True,
+        power_2_scale=power_2_scale,
+        scale_out=scale_out,
+        dbias=dbias,
+    )
     out = (q, qt, scale, scale_out[4], row) if return_scale_inv else (q, qt, scale, row)
     return (*out, *column_sums)
 

@@ -272,9 +272,18 @@ def launch(kernel, grid0: int, *args, **kwargs) -> None:
     compiled, tail = handle
     stream = torch._C._cuda_getCurrentRawStream(device.index)
     compiled.run(
-        grid0, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
-        *args, *(kwargs[name] for name in tail),
-    )  # fmt: skip
+        grid0,
+        1,
+        1,
+        stream,
+        compiled.function,
+        compiled.packed_metadata,
+        None,
+        None,
+        None,
+        *args,
+        *(kwargs[name] for name in tail),
+    )
 
 
 class PreparedLaunch:
@@ -299,9 +308,18 @@ class PreparedLaunch:
             index = args[0].device.index
             if index == self._index == torch.cuda.current_device() and _alignment(args) == self._aligned:
                 compiled.run(
-                    self.grid, 1, 1, torch._C._cuda_getCurrentRawStream(index), compiled.function,
-                    compiled.packed_metadata, None, None, None, *args, *self._tail,
-                )  # fmt: skip
+                    self.grid,
+                    1,
+                    1,
+                    torch._C._cuda_getCurrentRawStream(index),
+                    compiled.function,
+                    compiled.packed_metadata,
+                    None,
+                    None,
+                    None,
+                    *args,
+                    *self._tail,
+                )
                 return
         device = args[0].device
         if device.type != "cuda":  # launch's generic path, without a second pass over the keywords

@@ -130,9 +130,15 @@ def _round_fp8(r, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, DROP: tl.co
 
 @triton.jit
 def _scale_and_count(
-    x, scale, FMAX: tl.constexpr, UNDERFLOW: tl.constexpr, OVF_THRESHOLD: tl.constexpr,
-    OVF_INCLUSIVE: tl.constexpr, SUBNORMAL_TOP: tl.constexpr, QUALITY: tl.constexpr,
-):  # fmt: skip
+    x,
+    scale,
+    FMAX: tl.constexpr,
+    UNDERFLOW: tl.constexpr,
+    OVF_THRESHOLD: tl.constexpr,
+    OVF_INCLUSIVE: tl.constexpr,
+    SUBNORMAL_TOP: tl.constexpr,
+    QUALITY: tl.constexpr,
+):
     """One element's ``(|x|, packed counts, pre-cast value, |x * scale| of a finite x else 0)``: the counts
     overflow, underflow, non-finite and subnormal exclude each other, so one int32 holds them, 8 bits
     apart."""
@@ -168,7 +174,7 @@ def _clamp(xs, FMAX: tl.constexpr):
 @triton.jit
 def _fp8_rounded(
     xs, dtype, FMAX: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, DROP: tl.constexpr
-):  # fmt: skip
+):
     """``xs`` clamped to ``+-FMAX`` and rounded to the FP8 format on the float32 bits (``_round_fp8``), then
     cast: ``(q in dtype, q as float32)``. The cast meets only values the format holds, so it cannot round
     differently on a GPU and under the interpreter (whose float8 cast rounds some values wrongly). NaN gets
@@ -183,9 +189,14 @@ def _fp8_rounded(
 
 @triton.jit
 def _to_fp8(
-    xs, dtype, FMAX: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, DROP: tl.constexpr,
+    xs,
+    dtype,
+    FMAX: tl.constexpr,
+    MIN_NORMAL: tl.constexpr,
+    SUB_MAGIC: tl.constexpr,
+    DROP: tl.constexpr,
     SAT_CAST: tl.constexpr,
-):  # fmt: skip
+):
     """``xs`` in the FP8 ``dtype``, saturated (``clamp(xs, -FMAX, FMAX)``, NaN kept, rounded to nearest
     even): ``(q, q as float32)``, the second for the quality statistics (unused otherwise: it costs
     nothing). ``SAT_CAST`` where the cast itself does all that (sm_89+: ``cvt.rn.satfinite``, values beyond
@@ -227,9 +238,15 @@ def _needs_exact(sq, err, low):
 
 @triton.jit
 def _exact_terms(
-    x, scale, dtype, FMAX: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr,
-    DROP: tl.constexpr, SAT_CAST: tl.constexpr,
-):  # fmt: skip
+    x,
+    scale,
+    dtype,
+    FMAX: tl.constexpr,
+    MIN_NORMAL: tl.constexpr,
+    SUB_MAGIC: tl.constexpr,
+    DROP: tl.constexpr,
+    SAT_CAST: tl.constexpr,
+):
     """``(a**2, (|q| - a)**2)`` per element in float64, as the reference takes them: ``a = |x * scale|``
     (float32) of a finite ``x``, its exact float64 product where the float32 one overflowed, 0 for NaN /
     Inf; ``|q|`` the FP8 value of ``a``."""
@@ -244,9 +261,18 @@ def _exact_terms(
 
 @triton.jit
 def _exact_sums_1d(
-    x_ptr, q_ptr, n, scale, FMAX: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr,
-    DROP: tl.constexpr, SAT_CAST: tl.constexpr, IS_BF16: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    q_ptr,
+    n,
+    scale,
+    FMAX: tl.constexpr,
+    MIN_NORMAL: tl.constexpr,
+    SUB_MAGIC: tl.constexpr,
+    DROP: tl.constexpr,
+    SAT_CAST: tl.constexpr,
+    IS_BF16: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """This program's two sums of squares again, in float64 (``_needs_exact``): its blocks of the 1-D
     kernel's round robin, the partial one included. Rare: a plain masked loop, an eighth of a block at a time
     (float64 values of a whole block would raise the kernel's register count, which its main loop sets)."""
@@ -366,9 +392,18 @@ def _accumulate_quality(stats_ptr, subnormal, sq, err, min_bits, scale):
 
 @triton.jit
 def _accumulate_stats(
-    stats_ptr, given_amax, scale_out_ptr, amax, overflow, underflow, nonfinite, scale, n,
-    HAS_AMAX: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr,
-):  # fmt: skip
+    stats_ptr,
+    given_amax,
+    scale_out_ptr,
+    amax,
+    overflow,
+    underflow,
+    nonfinite,
+    scale,
+    n,
+    HAS_AMAX: tl.constexpr,
+    SCALE_FROM_AMAX: tl.constexpr,
+):
     """Fold one program's totals into the float64 statistics row (columns ``BASE_COLUMNS``): amax fmax,
     scale the one of the call that set the amax (``quantize_with_stats_reference``), counts summed."""
     pid = tl.program_id(0)
@@ -401,28 +436,84 @@ def _fold(x, ax, counts, qa, af, amax_acc, count_acc, sq_acc, err_acc, min_acc, 
 
 @triton.jit
 def _quantize_block(
-    x_ptr, q_ptr, precast_ptr, offs, mask, scale, amax_acc, count_acc, sq_acc, err_acc, min_acc,
-    FMAX: tl.constexpr, UNDERFLOW: tl.constexpr, OVF_THRESHOLD: tl.constexpr, OVF_INCLUSIVE: tl.constexpr,
-    SUBNORMAL_TOP: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, DROP: tl.constexpr,
-    QUALITY: tl.constexpr, STORE_PRECAST: tl.constexpr, SAT_CAST: tl.constexpr, IS_BF16: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    q_ptr,
+    precast_ptr,
+    offs,
+    mask,
+    scale,
+    amax_acc,
+    count_acc,
+    sq_acc,
+    err_acc,
+    min_acc,
+    FMAX: tl.constexpr,
+    UNDERFLOW: tl.constexpr,
+    OVF_THRESHOLD: tl.constexpr,
+    OVF_INCLUSIVE: tl.constexpr,
+    SUBNORMAL_TOP: tl.constexpr,
+    MIN_NORMAL: tl.constexpr,
+    SUB_MAGIC: tl.constexpr,
+    DROP: tl.constexpr,
+    QUALITY: tl.constexpr,
+    STORE_PRECAST: tl.constexpr,
+    SAT_CAST: tl.constexpr,
+    IS_BF16: tl.constexpr,
+):
     """One block of the 1-D kernel (``mask=None``: a full block); returns the updated accumulators.
     Masked-out elements load as 0, which counts as nothing."""
     x = load_f32(x_ptr, offs, mask, IS_BF16)
     return _quantize_values(
-        x, q_ptr, precast_ptr, offs, mask, scale, amax_acc, count_acc, sq_acc, err_acc, min_acc,
-        FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, SUBNORMAL_TOP, MIN_NORMAL, SUB_MAGIC, DROP, QUALITY,
-        STORE_PRECAST, SAT_CAST,
-    )  # fmt: skip
+        x,
+        q_ptr,
+        precast_ptr,
+        offs,
+        mask,
+        scale,
+        amax_acc,
+        count_acc,
+        sq_acc,
+        err_acc,
+        min_acc,
+        FMAX,
+        UNDERFLOW,
+        OVF_THRESHOLD,
+        OVF_INCLUSIVE,
+        SUBNORMAL_TOP,
+        MIN_NORMAL,
+        SUB_MAGIC,
+        DROP,
+        QUALITY,
+        STORE_PRECAST,
+        SAT_CAST,
+    )
 
 
 @triton.jit
 def _quantize_values(
-    x, q_ptr, precast_ptr, offs, mask, scale, amax_acc, count_acc, sq_acc, err_acc, min_acc,
-    FMAX: tl.constexpr, UNDERFLOW: tl.constexpr, OVF_THRESHOLD: tl.constexpr, OVF_INCLUSIVE: tl.constexpr,
-    SUBNORMAL_TOP: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, DROP: tl.constexpr,
-    QUALITY: tl.constexpr, STORE_PRECAST: tl.constexpr, SAT_CAST: tl.constexpr,
-):  # fmt: skip
+    x,
+    q_ptr,
+    precast_ptr,
+    offs,
+    mask,
+    scale,
+    amax_acc,
+    count_acc,
+    sq_acc,
+    err_acc,
+    min_acc,
+    FMAX: tl.constexpr,
+    UNDERFLOW: tl.constexpr,
+    OVF_THRESHOLD: tl.constexpr,
+    OVF_INCLUSIVE: tl.constexpr,
+    SUBNORMAL_TOP: tl.constexpr,
+    MIN_NORMAL: tl.constexpr,
+    SUB_MAGIC: tl.constexpr,
+    DROP: tl.constexpr,
+    QUALITY: tl.constexpr,
+    STORE_PRECAST: tl.constexpr,
+    SAT_CAST: tl.constexpr,
+):
     """``_quantize_block`` on values already loaded (float32)."""
     ax, counts, xs, af = _scale_and_count(
         x, scale, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, SUBNORMAL_TOP, QUALITY
@@ -439,13 +530,35 @@ def _quantize_values(
 
 @triton.jit(do_not_specialize=["n", "amax_n"])
 def _quantize_kernel(
-    x_ptr, q_ptr, scale_ptr, amax_ptr, amax_n, stats_ptr, precast_ptr, scale_out_ptr, n,
-    FMAX: tl.constexpr, UNDERFLOW: tl.constexpr, OVF_THRESHOLD: tl.constexpr, OVF_INCLUSIVE: tl.constexpr,
-    SUBNORMAL_TOP: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, DROP: tl.constexpr,
-    QUALITY: tl.constexpr, HAS_AMAX: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr, POW2_SCALE: tl.constexpr,
-    STORE_PRECAST: tl.constexpr, SAT_CAST: tl.constexpr, IS_BF16: tl.constexpr, PREFETCH: tl.constexpr,
-    STAGES: tl.constexpr, AMAX_PARTS: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    amax_ptr,
+    amax_n,
+    stats_ptr,
+    precast_ptr,
+    scale_out_ptr,
+    n,
+    FMAX: tl.constexpr,
+    UNDERFLOW: tl.constexpr,
+    OVF_THRESHOLD: tl.constexpr,
+    OVF_INCLUSIVE: tl.constexpr,
+    SUBNORMAL_TOP: tl.constexpr,
+    MIN_NORMAL: tl.constexpr,
+    SUB_MAGIC: tl.constexpr,
+    DROP: tl.constexpr,
+    QUALITY: tl.constexpr,
+    HAS_AMAX: tl.constexpr,
+    SCALE_FROM_AMAX: tl.constexpr,
+    POW2_SCALE: tl.constexpr,
+    STORE_PRECAST: tl.constexpr,
+    SAT_CAST: tl.constexpr,
+    IS_BF16: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    STAGES: tl.constexpr,
+    AMAX_PARTS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     given_amax = _given_amax(amax_ptr, amax_n, HAS_AMAX, AMAX_PARTS)
@@ -466,40 +579,107 @@ def _quantize_kernel(
             cur = raw
             raw = tl.load(x_ptr + tl.minimum(b + nprog, n_full - 1) * BLOCK + lanes)
             amax_acc, count_acc, sq_acc, err_acc, min_acc = _quantize_values(
-                to_f32(cur, IS_BF16), q_ptr, precast_ptr, b * BLOCK + lanes, None, scale, amax_acc, count_acc,
-                sq_acc, err_acc, min_acc, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, SUBNORMAL_TOP,
-                MIN_NORMAL, SUB_MAGIC, DROP, QUALITY, STORE_PRECAST, SAT_CAST,
-            )  # fmt: skip
+                to_f32(cur, IS_BF16),
+                q_ptr,
+                precast_ptr,
+                b * BLOCK + lanes,
+                None,
+                scale,
+                amax_acc,
+                count_acc,
+                sq_acc,
+                err_acc,
+                min_acc,
+                FMAX,
+                UNDERFLOW,
+                OVF_THRESHOLD,
+                OVF_INCLUSIVE,
+                SUBNORMAL_TOP,
+                MIN_NORMAL,
+                SUB_MAGIC,
+                DROP,
+                QUALITY,
+                STORE_PRECAST,
+                SAT_CAST,
+            )
     else:  # Triton's software pipeline (STAGES >= 2 on a GPU: copies STAGES - 1 blocks ahead)
         for b in tl.range(pid, n_full, nprog, num_stages=STAGES):  # full blocks: no mask
             amax_acc, count_acc, sq_acc, err_acc, min_acc = _quantize_block(
-                x_ptr, q_ptr, precast_ptr, b * BLOCK + lanes, None, scale, amax_acc, count_acc,
-                sq_acc, err_acc, min_acc, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, SUBNORMAL_TOP,
-                MIN_NORMAL, SUB_MAGIC, DROP, QUALITY, STORE_PRECAST, SAT_CAST, IS_BF16,
-            )  # fmt: skip
+                x_ptr,
+                q_ptr,
+                precast_ptr,
+                b * BLOCK + lanes,
+                None,
+                scale,
+                amax_acc,
+                count_acc,
+                sq_acc,
+                err_acc,
+                min_acc,
+                FMAX,
+                UNDERFLOW,
+                OVF_THRESHOLD,
+                OVF_INCLUSIVE,
+                SUBNORMAL_TOP,
+                MIN_NORMAL,
+                SUB_MAGIC,
+                DROP,
+                QUALITY,
+                STORE_PRECAST,
+                SAT_CAST,
+                IS_BF16,
+            )
     tail = n_full * BLOCK
     if (pid == n_full % nprog) & (tail < n):  # the partial block, by the program whose turn comes next
         offs = tail + tl.arange(0, BLOCK)
         amax_acc, count_acc, sq_acc, err_acc, min_acc = _quantize_block(
-            x_ptr, q_ptr, precast_ptr, offs, offs < n, scale, amax_acc, count_acc,
-            sq_acc, err_acc, min_acc, FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, SUBNORMAL_TOP,
-            MIN_NORMAL, SUB_MAGIC, DROP, QUALITY, STORE_PRECAST, SAT_CAST, IS_BF16,
-        )  # fmt: skip
+            x_ptr,
+            q_ptr,
+            precast_ptr,
+            offs,
+            offs < n,
+            scale,
+            amax_acc,
+            count_acc,
+            sq_acc,
+            err_acc,
+            min_acc,
+            FMAX,
+            UNDERFLOW,
+            OVF_THRESHOLD,
+            OVF_INCLUSIVE,
+            SUBNORMAL_TOP,
+            MIN_NORMAL,
+            SUB_MAGIC,
+            DROP,
+            QUALITY,
+            STORE_PRECAST,
+            SAT_CAST,
+            IS_BF16,
+        )
     # unpack before summing: each field of a slot is at most LANE * MAX_BLOCKS_PER_PROGRAM (< 2**8)
     _accumulate_stats(
-        stats_ptr, given_amax, scale_out_ptr, tl.max(amax_acc, axis=0), tl.sum(count_acc & 255, axis=0),
-        tl.sum((count_acc >> 8) & 255, axis=0), tl.sum((count_acc >> 16) & 255, axis=0), scale, n,
-        HAS_AMAX, SCALE_FROM_AMAX,
-    )  # fmt: skip
+        stats_ptr,
+        given_amax,
+        scale_out_ptr,
+        tl.max(amax_acc, axis=0),
+        tl.sum(count_acc & 255, axis=0),
+        tl.sum((count_acc >> 8) & 255, axis=0),
+        tl.sum((count_acc >> 16) & 255, axis=0),
+        scale,
+        n,
+        HAS_AMAX,
+        SCALE_FROM_AMAX,
+    )
     if QUALITY:
         sq, err, low = tl.sum(sq_acc, axis=0), tl.sum(err_acc, axis=0), tl.min(min_acc, axis=0)
         if _needs_exact(sq, err, low):
             sq, err = _exact_sums_1d(
                 x_ptr, q_ptr, n, scale, FMAX, MIN_NORMAL, SUB_MAGIC, DROP, SAT_CAST, IS_BF16, BLOCK
-            )  # fmt: skip
+            )
         _accumulate_quality(
             stats_ptr, tl.sum((count_acc >> 24) & 255, axis=0), sq, err, _min_abs_bits(low), scale
-        )  # fmt: skip
+        )
 
 
 @triton.jit
@@ -513,9 +693,19 @@ def _pair_offsets(tm, tn, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _store_transposed(
-    qt_ptr, qe, qo, tm, re, rn, M, N, MASKED: tl.constexpr, PACKED: tl.constexpr, BLOCK_M: tl.constexpr,
+    qt_ptr,
+    qe,
+    qo,
+    tm,
+    re,
+    rn,
+    M,
+    N,
+    MASKED: tl.constexpr,
+    PACKED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-):  # fmt: skip
+):
     """The tile's two FP8 halves into ``qt`` (``(N, M)``). ``PACKED`` (``M`` a multiple of 16): each
     column's rows ``2i`` and ``2i + 1`` as one 16-bit word, so the transpose moves 16-bit words (Triton reads
     them back from shared memory with ``ldmatrix.trans``, 16 bytes per thread, where single bytes took 16
@@ -540,11 +730,29 @@ def _store_transposed(
 
 @triton.jit
 def _quantize_half(
-    x, q_ptr, precast_ptr, offs, mask, scale, amax_acc, count_acc, sq_acc, err_acc, min_acc,
-    FMAX: tl.constexpr, UNDERFLOW: tl.constexpr, OVF_THRESHOLD: tl.constexpr, OVF_INCLUSIVE: tl.constexpr,
-    SUBNORMAL_TOP: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, DROP: tl.constexpr,
-    QUALITY: tl.constexpr, STORE_PRECAST: tl.constexpr, SAT_CAST: tl.constexpr,
-):  # fmt: skip
+    x,
+    q_ptr,
+    precast_ptr,
+    offs,
+    mask,
+    scale,
+    amax_acc,
+    count_acc,
+    sq_acc,
+    err_acc,
+    min_acc,
+    FMAX: tl.constexpr,
+    UNDERFLOW: tl.constexpr,
+    OVF_THRESHOLD: tl.constexpr,
+    OVF_INCLUSIVE: tl.constexpr,
+    SUBNORMAL_TOP: tl.constexpr,
+    MIN_NORMAL: tl.constexpr,
+    SUB_MAGIC: tl.constexpr,
+    DROP: tl.constexpr,
+    QUALITY: tl.constexpr,
+    STORE_PRECAST: tl.constexpr,
+    SAT_CAST: tl.constexpr,
+):
     """One half of a tile (values already loaded, float32): its FP8 values written to ``q``; returns ``(q,
     accumulators)``."""
     ax, counts, xs, af = _scale_and_count(
@@ -565,13 +773,40 @@ def _quantize_half(
 
 @triton.jit
 def _quantize_pair_tile(
-    xe, xo, q_ptr, qt_ptr, precast_ptr, tm, tn, M, N, scale, amax_acc, count_acc, sq_acc, err_acc, min_acc,
-    col_acc, MASKED: tl.constexpr, FMAX: tl.constexpr, UNDERFLOW: tl.constexpr, OVF_THRESHOLD: tl.constexpr,
-    OVF_INCLUSIVE: tl.constexpr, SUBNORMAL_TOP: tl.constexpr, MIN_NORMAL: tl.constexpr,
-    SUB_MAGIC: tl.constexpr, DROP: tl.constexpr, QUALITY: tl.constexpr, STORE_PRECAST: tl.constexpr,
-    SAT_CAST: tl.constexpr, TRANSPOSE: tl.constexpr, DBIAS: tl.constexpr, PACKED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
+    xe,
+    xo,
+    q_ptr,
+    qt_ptr,
+    precast_ptr,
+    tm,
+    tn,
+    M,
+    N,
+    scale,
+    amax_acc,
+    count_acc,
+    sq_acc,
+    err_acc,
+    min_acc,
+    col_acc,
+    MASKED: tl.constexpr,
+    FMAX: tl.constexpr,
+    UNDERFLOW: tl.constexpr,
+    OVF_THRESHOLD: tl.constexpr,
+    OVF_INCLUSIVE: tl.constexpr,
+    SUBNORMAL_TOP: tl.constexpr,
+    MIN_NORMAL: tl.constexpr,
+    SUB_MAGIC: tl.constexpr,
+    DROP: tl.constexpr,
+    QUALITY: tl.constexpr,
+    STORE_PRECAST: tl.constexpr,
+    SAT_CAST: tl.constexpr,
+    TRANSPOSE: tl.constexpr,
+    DBIAS: tl.constexpr,
+    PACKED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """Tile ``(tm, tn)`` of the 2-D kernel from its two halves (even rows ``xe``, odd rows ``xo``, float32,
     masked-out elements 0): written to ``q``, with ``TRANSPOSE`` to ``qt``, with ``DBIAS`` added into the
     column sums ``col_acc`` (element by element: nothing crosses threads per tile). Returns the updated
@@ -584,15 +819,53 @@ def _quantize_pair_tile(
         mask_e = None
         mask_o = None
     qe, amax_acc, count_acc, sq_acc, err_acc, min_acc = _quantize_half(
-        xe, q_ptr, precast_ptr, offs, mask_e, scale, amax_acc, count_acc, sq_acc, err_acc, min_acc,
-        FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, SUBNORMAL_TOP, MIN_NORMAL, SUB_MAGIC, DROP, QUALITY,
-        STORE_PRECAST, SAT_CAST,
-    )  # fmt: skip
+        xe,
+        q_ptr,
+        precast_ptr,
+        offs,
+        mask_e,
+        scale,
+        amax_acc,
+        count_acc,
+        sq_acc,
+        err_acc,
+        min_acc,
+        FMAX,
+        UNDERFLOW,
+        OVF_THRESHOLD,
+        OVF_INCLUSIVE,
+        SUBNORMAL_TOP,
+        MIN_NORMAL,
+        SUB_MAGIC,
+        DROP,
+        QUALITY,
+        STORE_PRECAST,
+        SAT_CAST,
+    )
     qo, amax_acc, count_acc, sq_acc, err_acc, min_acc = _quantize_half(
-        xo, q_ptr, precast_ptr, offs + N, mask_o, scale, amax_acc, count_acc, sq_acc, err_acc, min_acc,
-        FMAX, UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, SUBNORMAL_TOP, MIN_NORMAL, SUB_MAGIC, DROP, QUALITY,
-        STORE_PRECAST, SAT_CAST,
-    )  # fmt: skip
+        xo,
+        q_ptr,
+        precast_ptr,
+        offs + N,
+        mask_o,
+        scale,
+        amax_acc,
+        count_acc,
+        sq_acc,
+        err_acc,
+        min_acc,
+        FMAX,
+        UNDERFLOW,
+        OVF_THRESHOLD,
+        OVF_INCLUSIVE,
+        SUBNORMAL_TOP,
+        MIN_NORMAL,
+        SUB_MAGIC,
+        DROP,
+        QUALITY,
+        STORE_PRECAST,
+        SAT_CAST,
+    )
     if TRANSPOSE:
         _store_transposed(qt_ptr, qe, qo, tm, re, rn, M, N, MASKED, PACKED, BLOCK_M, BLOCK_N)
     if DBIAS:
@@ -629,7 +902,7 @@ def _to_x_dtype(v, dst_ptr, IS_BF16: tl.constexpr):
 @triton.jit
 def _flush_column_sums(
     col_acc, ws_ptr, cnt_ptr, dbias_ptr, tn, pm, PM, N, W, IS_BF16: tl.constexpr, BLOCK_N: tl.constexpr
-):  # fmt: skip
+):
     """This program's column sums of tile column ``tn`` (its row tiles ``pm, pm + PM, ...``) into row ``pm``
     of the float32 workspace ``ws`` (``(PM, W)``); the last of the column's ``PM`` programs to arrive (the
     counter ``cnt[tn]``, which it sets back to 0 for the next call) adds the ``PM`` rows in order 0, 1, ...
@@ -650,10 +923,24 @@ def _flush_column_sums(
 
 @triton.jit
 def _exact_sums_2d(
-    x_ptr, q_ptr, M, N, pm, pn, PM, PN, scale, FMAX: tl.constexpr, MIN_NORMAL: tl.constexpr,
-    SUB_MAGIC: tl.constexpr, DROP: tl.constexpr, SAT_CAST: tl.constexpr, IS_BF16: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    q_ptr,
+    M,
+    N,
+    pm,
+    pn,
+    PM,
+    PN,
+    scale,
+    FMAX: tl.constexpr,
+    MIN_NORMAL: tl.constexpr,
+    SUB_MAGIC: tl.constexpr,
+    DROP: tl.constexpr,
+    SAT_CAST: tl.constexpr,
+    IS_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """``_exact_sums_1d`` for the 2-D kernel: this program's tiles (tile columns ``pn, pn + PN, ...``, tile
     rows ``pm, pm + PM, ...``), every one masked, an eighth of its rows at a time."""
     ROWS: tl.constexpr = BLOCK_M // 8
@@ -675,15 +962,46 @@ def _exact_sums_2d(
 
 @triton.jit(do_not_specialize=["M", "N", "amax_n", "PN"])
 def _quantize_t_kernel(
-    x_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, amax_n, stats_ptr, precast_ptr, scale_out_ptr, ws_ptr, cnt_ptr,
-    dbias_ptr, M, N, PN,
-    FMAX: tl.constexpr, UNDERFLOW: tl.constexpr, OVF_THRESHOLD: tl.constexpr, OVF_INCLUSIVE: tl.constexpr,
-    SUBNORMAL_TOP: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_MAGIC: tl.constexpr, DROP: tl.constexpr,
-    QUALITY: tl.constexpr, HAS_AMAX: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr, POW2_SCALE: tl.constexpr,
-    STORE_PRECAST: tl.constexpr, SAT_CAST: tl.constexpr, IS_BF16: tl.constexpr, DIV_M: tl.constexpr,
-    DIV_N: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr, AMAX_PARTS: tl.constexpr,
-    TRANSPOSE: tl.constexpr, DBIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    q_ptr,
+    qt_ptr,
+    scale_ptr,
+    amax_ptr,
+    amax_n,
+    stats_ptr,
+    precast_ptr,
+    scale_out_ptr,
+    ws_ptr,
+    cnt_ptr,
+    dbias_ptr,
+    M,
+    N,
+    PN,
+    FMAX: tl.constexpr,
+    UNDERFLOW: tl.constexpr,
+    OVF_THRESHOLD: tl.constexpr,
+    OVF_INCLUSIVE: tl.constexpr,
+    SUBNORMAL_TOP: tl.constexpr,
+    MIN_NORMAL: tl.constexpr,
+    SUB_MAGIC: tl.constexpr,
+    DROP: tl.constexpr,
+    QUALITY: tl.constexpr,
+    HAS_AMAX: tl.constexpr,
+    SCALE_FROM_AMAX: tl.constexpr,
+    POW2_SCALE: tl.constexpr,
+    STORE_PRECAST: tl.constexpr,
+    SAT_CAST: tl.constexpr,
+    IS_BF16: tl.constexpr,
+    DIV_M: tl.constexpr,
+    DIV_N: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    STAGES: tl.constexpr,
+    AMAX_PARTS: tl.constexpr,
+    TRANSPOSE: tl.constexpr,
+    DBIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     pid = tl.program_id(0)
     # the programs form a PM x PN grid: program (pm, pn) takes tile columns pn, pn + PN, ... and in each the
     # tile rows pm, pm + PM, ...: the PN programs of one pm read one band of rows together, and each
@@ -726,56 +1044,171 @@ def _quantize_t_kernel(
                     cur_o = raw_o
                     raw_e, raw_o = _load_pair(x_ptr, nxt, tn, M, N, False, BLOCK_M, BLOCK_N)
                     amax_acc, count_acc, sq_acc, err_acc, min_acc, col_acc = _quantize_pair_tile(
-                        to_f32(cur_e, IS_BF16), to_f32(cur_o, IS_BF16), q_ptr, qt_ptr, precast_ptr, tm, tn,
-                        M, N, scale, amax_acc, count_acc, sq_acc, err_acc, min_acc, col_acc, False, FMAX,
-                        UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, SUBNORMAL_TOP, MIN_NORMAL, SUB_MAGIC, DROP,
-                        QUALITY, STORE_PRECAST, SAT_CAST, TRANSPOSE, DBIAS, PACKED, BLOCK_M, BLOCK_N,
-                    )  # fmt: skip
+                        to_f32(cur_e, IS_BF16),
+                        to_f32(cur_o, IS_BF16),
+                        q_ptr,
+                        qt_ptr,
+                        precast_ptr,
+                        tm,
+                        tn,
+                        M,
+                        N,
+                        scale,
+                        amax_acc,
+                        count_acc,
+                        sq_acc,
+                        err_acc,
+                        min_acc,
+                        col_acc,
+                        False,
+                        FMAX,
+                        UNDERFLOW,
+                        OVF_THRESHOLD,
+                        OVF_INCLUSIVE,
+                        SUBNORMAL_TOP,
+                        MIN_NORMAL,
+                        SUB_MAGIC,
+                        DROP,
+                        QUALITY,
+                        STORE_PRECAST,
+                        SAT_CAST,
+                        TRANSPOSE,
+                        DBIAS,
+                        PACKED,
+                        BLOCK_M,
+                        BLOCK_N,
+                    )
             else:  # Triton's software pipeline, as in the 1-D kernel
                 for tm in tl.range(pm, full_m, PM, num_stages=STAGES):
                     raw_e, raw_o = _load_pair(x_ptr, tm, tn, M, N, False, BLOCK_M, BLOCK_N)
                     amax_acc, count_acc, sq_acc, err_acc, min_acc, col_acc = _quantize_pair_tile(
-                        to_f32(raw_e, IS_BF16), to_f32(raw_o, IS_BF16), q_ptr, qt_ptr, precast_ptr, tm, tn,
-                        M, N, scale, amax_acc, count_acc, sq_acc, err_acc, min_acc, col_acc, False, FMAX,
-                        UNDERFLOW, OVF_THRESHOLD, OVF_INCLUSIVE, SUBNORMAL_TOP, MIN_NORMAL, SUB_MAGIC, DROP,
-                        QUALITY, STORE_PRECAST, SAT_CAST, TRANSPOSE, DBIAS, PACKED, BLOCK_M, BLOCK_N,
-                    )  # fmt: skip
+                        to_f32(raw_e, IS_BF16),
+                        to_f32(raw_o, IS_BF16),
+                        q_ptr,
+                        qt_ptr,
+                        precast_ptr,
+                        tm,
+                        tn,
+                        M,
+                        N,
+                        scale,
+                        amax_acc,
+                        count_acc,
+                        sq_acc,
+                        err_acc,
+                        min_acc,
+                        col_acc,
+                        False,
+                        FMAX,
+                        UNDERFLOW,
+                        OVF_THRESHOLD,
+                        OVF_INCLUSIVE,
+                        SUBNORMAL_TOP,
+                        MIN_NORMAL,
+                        SUB_MAGIC,
+                        DROP,
+                        QUALITY,
+                        STORE_PRECAST,
+                        SAT_CAST,
+                        TRANSPOSE,
+                        DBIAS,
+                        PACKED,
+                        BLOCK_M,
+                        BLOCK_N,
+                    )
             masked_from = full_m
         # the edge tiles of this column, masked: the last tile row, or every row of the last tile column
         for tm in range(masked_from + (pm + PM - masked_from % PM) % PM, tiles_m, PM):
             raw_e, raw_o = _load_pair(x_ptr, tm, tn, M, N, True, BLOCK_M, BLOCK_N)
             amax_acc, count_acc, sq_acc, err_acc, min_acc, col_acc = _quantize_pair_tile(
-                to_f32(raw_e, IS_BF16), to_f32(raw_o, IS_BF16), q_ptr, qt_ptr, precast_ptr, tm, tn, M, N,
-                scale, amax_acc, count_acc, sq_acc, err_acc, min_acc, col_acc, True, FMAX, UNDERFLOW,
-                OVF_THRESHOLD, OVF_INCLUSIVE, SUBNORMAL_TOP, MIN_NORMAL, SUB_MAGIC, DROP, QUALITY,
-                STORE_PRECAST, SAT_CAST, TRANSPOSE, DBIAS, PACKED, BLOCK_M, BLOCK_N,
-            )  # fmt: skip
+                to_f32(raw_e, IS_BF16),
+                to_f32(raw_o, IS_BF16),
+                q_ptr,
+                qt_ptr,
+                precast_ptr,
+                tm,
+                tn,
+                M,
+                N,
+                scale,
+                amax_acc,
+                count_acc,
+                sq_acc,
+                err_acc,
+                min_acc,
+                col_acc,
+                True,
+                FMAX,
+                UNDERFLOW,
+                OVF_THRESHOLD,
+                OVF_INCLUSIVE,
+                SUBNORMAL_TOP,
+                MIN_NORMAL,
+                SUB_MAGIC,
+                DROP,
+                QUALITY,
+                STORE_PRECAST,
+                SAT_CAST,
+                TRANSPOSE,
+                DBIAS,
+                PACKED,
+                BLOCK_M,
+                BLOCK_N,
+            )
         if DBIAS:
             _flush_column_sums(
                 col_acc, ws_ptr, cnt_ptr, dbias_ptr, tn, pm, PM, N, tiles_n * BLOCK_N, IS_BF16, BLOCK_N
-            )  # fmt: skip
+            )
     # unpack before summing: each field of a slot is at most LANE * MAX_BLOCKS_PER_PROGRAM (< 2**8)
     amax = tl.max(tl.max(amax_acc, axis=1), axis=0)
     overflow = tl.sum(tl.sum(count_acc & 255, axis=1), axis=0)
     underflow = tl.sum(tl.sum((count_acc >> 8) & 255, axis=1), axis=0)
     nonfinite = tl.sum(tl.sum((count_acc >> 16) & 255, axis=1), axis=0)
     _accumulate_stats(
-        stats_ptr, given_amax, scale_out_ptr, amax, overflow, underflow, nonfinite, scale, M * N,
-        HAS_AMAX, SCALE_FROM_AMAX,
-    )  # fmt: skip
+        stats_ptr,
+        given_amax,
+        scale_out_ptr,
+        amax,
+        overflow,
+        underflow,
+        nonfinite,
+        scale,
+        M * N,
+        HAS_AMAX,
+        SCALE_FROM_AMAX,
+    )
     if QUALITY:
         sq = tl.sum(tl.sum(sq_acc, axis=1), axis=0)
         err = tl.sum(tl.sum(err_acc, axis=1), axis=0)
         low = tl.min(tl.min(min_acc, axis=1), axis=0)
         if _needs_exact(sq, err, low):
             sq, err = _exact_sums_2d(
-                x_ptr, q_ptr, M, N, pm, pn, PM, PN, scale, FMAX, MIN_NORMAL, SUB_MAGIC, DROP, SAT_CAST,
-                IS_BF16, BLOCK_M, BLOCK_N,
-            )  # fmt: skip
+                x_ptr,
+                q_ptr,
+                M,
+                N,
+                pm,
+                pn,
+                PM,
+                PN,
+                scale,
+                FMAX,
+                MIN_NORMAL,
+                SUB_MAGIC,
+                DROP,
+                SAT_CAST,
+                IS_BF16,
+                BLOCK_M,
+                BLOCK_N,
+            )
         _accumulate_quality(
-            stats_ptr, tl.sum(tl.sum((count_acc >> 24) & 255, axis=1), axis=0), sq, err,
-            _min_abs_bits(low), scale,
-        )  # fmt: skip
+            stats_ptr,
+            tl.sum(tl.sum((count_acc >> 24) & 255, axis=1), axis=0),
+            sq,
+            err,
+            _min_abs_bits(low),
+            scale,
+        )
 
 
 def _check(x, scale, stats, precast, amax) -> torch.Tensor:
@@ -809,9 +1242,13 @@ def _check_amax_parts(parts: torch.Tensor | None, amax: torch.Tensor | None, dev
     if amax is not None:
         raise ValueError("amax_parts: give amax or amax_parts, not both")
     if (
-        parts.dtype != torch.int32 or parts.dim() != 1 or not parts.is_contiguous() or parts.numel() < 1
-        or parts.numel() >= 2**31 or parts.device != device
-    ):  # fmt: skip
+        parts.dtype != torch.int32
+        or parts.dim() != 1
+        or not parts.is_contiguous()
+        or parts.numel() < 1
+        or parts.numel() >= 2**31
+        or parts.device != device
+    ):
         raise ValueError(
             f"amax_parts: expected a contiguous, non-empty 1-D int32 tensor of partial maxima on {device}, "
             f"got {parts.dtype} {tuple(parts.shape)} on {parts.device}"
@@ -881,9 +1318,16 @@ def launch_quantize(
     amax_n = amax_parts.numel() if amax_parts is not None else 1
     precast_arg = precast if precast is not None else q
     shape = (  # the kernel's choices: whatever in this call selects its constexprs and launch options
-        device, is_bf16, fp8_dtype, row.shape[0] == len(STAT_COLUMNS), given is not None, scale_from_amax,
-        power_2_scale, precast is not None, amax_parts is not None,
-    )  # fmt: skip
+        device,
+        is_bf16,
+        fp8_dtype,
+        row.shape[0] == len(STAT_COLUMNS),
+        given is not None,
+        scale_from_amax,
+        power_2_scale,
+        precast is not None,
+        amax_parts is not None,
+    )
     if not (transpose or dbias):
         n = xc.numel()
         block, kwargs = _plan(shape, None)
@@ -929,9 +1373,23 @@ class PreparedQuantize:
     by the quantize pass); ``row`` a statistics row of the prepared width."""
 
     __slots__ = (
-        "_quantize", "_amax", "_amax_grid", "_dtype", "_shape", "_t_shape", "_bf16", "_numel", "_flat",
-        "_m", "_n", "_pn", "_tiles_n", "_ws_numel", "_dbias", "_x_dtype",
-    )  # fmt: skip
+        "_quantize",
+        "_amax",
+        "_amax_grid",
+        "_dtype",
+        "_shape",
+        "_t_shape",
+        "_bf16",
+        "_numel",
+        "_flat",
+        "_m",
+        "_n",
+        "_pn",
+        "_tiles_n",
+        "_ws_numel",
+        "_dbias",
+        "_x_dtype",
+    )
 
     def __call__(self, x: torch.Tensor, scale: torch.Tensor | None, row: torch.Tensor) -> tuple:
         # host time per call matters (bench/host_path.py): outputs are made with ``new_empty`` (x's device
@@ -1012,7 +1470,7 @@ def prepare_quantize(
         power_2_scale,
         False,
         amax is not None,
-    )  # fmt: skip  (launch_quantize's call shape)
+    )  # (launch_quantize's call shape)
     if p._flat:
         block, kwargs = _plan(shape, None)
         p._quantize = PreparedLaunch(_quantize_kernel, persistent_grid(cdiv(p._numel, block), device), kwargs)
@@ -1153,9 +1611,13 @@ def _scale_operand(scale, amax, scale_from_amax: bool, scale_out: torch.Tensor |
         if scale_out is None:
             scale_out = torch.empty(8, dtype=torch.float32, device=amax.device)
         elif (
-            scale_out.dtype != torch.float32 or scale_out.dim() != 1 or scale_out.numel() < 5
-            or scale_out.stride(0) != 1 or scale_out.data_ptr() % 16 or scale_out.device != amax.device
-        ):  # fmt: skip
+            scale_out.dtype != torch.float32
+            or scale_out.dim() != 1
+            or scale_out.numel() < 5
+            or scale_out.stride(0) != 1
+            or scale_out.data_ptr() % 16
+            or scale_out.device != amax.device
+        ):
             raise ValueError(
                 "scale_out: expected a contiguous 1-D float32 buffer of at least 5 elements, 16-byte "
                 f"aligned, on {amax.device}; got {scale_out.dtype} {tuple(scale_out.shape)} "

@@ -165,10 +165,27 @@ def scale_update_triton(
     scale_f = scale if scale.dtype == torch.float32 else scale.to(torch.float32)  # its stride is passed
     block_l, block_n = block_scale_update(hist.device)
     launch(
-        _scale_update_kernel, cdiv(n, block_n),
-        hist, amax, amax.stride(0), scale_f, scale_f.stride(0), scaled_max, most_recent.contiguous(),
-        history_len.contiguous(), interval.contiguous(), step, enabled.contiguous(),
-        new_hist, new_scale, new_scale_inv, length, n,
-        OUT_STRIDE=new_scale.stride(0), DIV_N=divisor(n), BLOCK_L=block_l, BLOCK_N=block_n,
-    )  # fmt: skip
+        _scale_update_kernel,
+        cdiv(n, block_n),
+        hist,
+        amax,
+        amax.stride(0),
+        scale_f,
+        scale_f.stride(0),
+        scaled_max,
+        most_recent.contiguous(),
+        history_len.contiguous(),
+        interval.contiguous(),
+        step,
+        enabled.contiguous(),
+        new_hist,
+        new_scale,
+        new_scale_inv,
+        length,
+        n,
+        OUT_STRIDE=new_scale.stride(0),
+        DIV_N=divisor(n),
+        BLOCK_L=block_l,
+        BLOCK_N=block_n,
+    )
     return new_hist, new_scale, new_scale_inv

@@ -99,9 +99,13 @@ class AutoReplay:
         try:
             with open(job.log, "w", encoding="utf-8") as log:
                 job.proc = subprocess.Popen(
-                    cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                    cmd,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
                     start_new_session=True,  # a Ctrl-C at the terminal reaches the job, which stops it
-                )  # fmt: skip
+                )
         except OSError as e:  # no log file, no process: said, and training goes on
             self.finished.append((job.bundle, -1))
             self.say(f"fp8-train: auto replay of {job.bundle} not started: {e}")
@@ -137,9 +141,11 @@ class AutoReplay:
         self.running = None
         run = monitor.run_id if monitor.run_id is not None else "RUN"
         for left in self.queue:
-            self.say(f"fp8-train: not replayed: {left.bundle} (by hand: fp8-train replay {left.bundle} "
-                     f"--monitor-url {self.url} --run-id {run} --incident ID, the incident that lists "
-                     "it)")  # fmt: skip
+            self.say(
+                f"fp8-train: not replayed: {left.bundle} (by hand: fp8-train replay {left.bundle} "
+                f"--monitor-url {self.url} --run-id {run} --incident ID, the incident that lists "
+                "it)"
+            )
         self.queue.clear()
 
 

@@ -96,9 +96,13 @@ def _plain_shards(state: dict[str, Any]) -> dict[str, Any]:
     for key, value in state.items():
         if isinstance(value, DTensor) and isinstance(value._local_tensor, FP8ShardedWeight):
             value = DTensor.from_local(
-                value._local_tensor._tensor, value.device_mesh, value.placements, run_check=False,
-                shape=value.shape, stride=value.stride(),
-            )  # fmt: skip
+                value._local_tensor._tensor,
+                value.device_mesh,
+                value.placements,
+                run_check=False,
+                shape=value.shape,
+                stride=value.stride(),
+            )
         out[key] = value
     return out
 

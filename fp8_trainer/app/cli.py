@@ -65,48 +65,76 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--seed", type=int, default=_D.seed, help="weights, data order; a run is repeatable")
     g.add_argument("--device", choices=("cpu", "cuda"), default=_D.device)
-    g.add_argument("--activation-checkpointing", choices=CHECKPOINT_MODES,
-                   default=_D.activation_checkpointing,
-                   help="recompute each block in backward (torch.utils.checkpoint); the FP8 layers recompute "
-                        "in FP8 with the original scales (default %(default)s)")  # fmt: skip
+    g.add_argument(
+        "--activation-checkpointing",
+        choices=CHECKPOINT_MODES,
+        default=_D.activation_checkpointing,
+        help="recompute each block in backward (torch.utils.checkpoint); the FP8 layers recompute "
+        "in FP8 with the original scales (default %(default)s)",
+    )
 
-    g.add_argument("--cuda-graph", action="store_true",
-                   help="capture each optimizer step in a CUDA graph after 3 eager steps and replay it: no "
-                        "host work per layer (--device cuda; not with --inject, --halt-on-nonfinite, "
-                        "--activation-checkpointing or several ranks)")  # fmt: skip
+    g.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="capture each optimizer step in a CUDA graph after 3 eager steps and replay it: no "
+        "host work per layer (--device cuda; not with --inject, --halt-on-nonfinite, "
+        "--activation-checkpointing or several ranks)",
+    )
 
-    g.add_argument("--compile", action="store_true",
-                   help="torch.compile the model: one graph with the FP8 Linears as custom operators (block "
-                        "recipes: a graph break per layer); the first step compiles")  # fmt: skip
+    g.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the model: one graph with the FP8 Linears as custom operators (block "
+        "recipes: a graph break per layer); the first step compiles",
+    )
 
-    g.add_argument("--fsdp", action="store_true",
-                   help="shard the model with FSDP2 (each block and the root) instead of DDP, the FP8 "
-                        "weights cast before the all-gather; --save / --resume then name a sharded "
-                        "checkpoint directory, which resumes on any number of ranks (not with --compile, "
-                        "--cuda-graph, --inject, --capture-dir)")  # fmt: skip
+    g.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard the model with FSDP2 (each block and the root) instead of DDP, the FP8 "
+        "weights cast before the all-gather; --save / --resume then name a sharded "
+        "checkpoint directory, which resumes on any number of ranks (not with --compile, "
+        "--cuda-graph, --inject, --capture-dir)",
+    )
 
-    g.add_argument("--tp", type=int, default=_D.tp, metavar="N",
-                   help="tensor parallelism over groups of N ranks (qkv and fc column-wise, proj and fc2 "
-                        "row-wise; N divides the preset's heads); alone every rank is in the group, with "
-                        "--fsdp a (ranks / N, N) mesh; per-tensor recipes only; --save / --resume as --fsdp "
-                        "(not with --compile, --cuda-graph, --inject, --capture-dir)")  # fmt: skip
+    g.add_argument(
+        "--tp",
+        type=int,
+        default=_D.tp,
+        metavar="N",
+        help="tensor parallelism over groups of N ranks (qkv and fc column-wise, proj and fc2 "
+        "row-wise; N divides the preset's heads); alone every rank is in the group, with "
+        "--fsdp a (ranks / N, N) mesh; per-tensor recipes only; --save / --resume as --fsdp "
+        "(not with --compile, --cuda-graph, --inject, --capture-dir)",
+    )
 
 
 def _recipe_flags(p: argparse.ArgumentParser) -> None:
     """The flags of the FP8 recipe."""
     g = p.add_argument_group("FP8 recipe")
-    g.add_argument("--recipe", choices=(*FP8_RECIPES, "bf16", "fp32"), default=_D.recipe,
-                   help="FP8 scaling (per tensor: delayed, current; block-scaled: mxfp8, block), or a "
-                        "baseline without FP8 (default %(default)s)")  # fmt: skip
-    g.add_argument("--fp8-format", choices=("hybrid", "e4m3"), default=None,
-                   help="default: hybrid for delayed and current, e4m3 for mxfp8 and block (as Transformer "
-                        "Engine's recipes)")  # fmt: skip
+    g.add_argument(
+        "--recipe",
+        choices=(*FP8_RECIPES, "bf16", "fp32"),
+        default=_D.recipe,
+        help="FP8 scaling (per tensor: delayed, current; block-scaled: mxfp8, block), or a "
+        "baseline without FP8 (default %(default)s)",
+    )
+    g.add_argument(
+        "--fp8-format",
+        choices=("hybrid", "e4m3"),
+        default=None,
+        help="default: hybrid for delayed and current, e4m3 for mxfp8 and block (as Transformer "
+        "Engine's recipes)",
+    )
     g.add_argument("--margin", type=int, default=None, help="delayed scaling margin (default 0)")
     g.add_argument("--amax-history-len", type=int, default=None, help=f"default {HISTORY_LEN}")
     g.add_argument("--amax-compute-algo", choices=AMAX_COMPUTE_ALGOS, default=None, help="default max")
     g.add_argument("--interval", type=int, default=None, help="steps between scale updates (default 1)")
-    g.add_argument("--power-2-scale", action="store_true",
-                   help="current scaling: round each scale down to a power of two")  # fmt: skip
+    g.add_argument(
+        "--power-2-scale",
+        action="store_true",
+        help="current scaling: round each scale down to a power of two",
+    )
 
 
 def _optimization_flags(p: argparse.ArgumentParser) -> None:
@@ -136,8 +164,12 @@ def _output_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--log-interval", type=int, default=_D.log_interval, help="steps between log lines (no progress bar)"
     )
-    g.add_argument("--no-progress", dest="progress", action="store_false",
-                   help="no progress bar (it is also off when stderr is not a terminal)")  # fmt: skip
+    g.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="no progress bar (it is also off when stderr is not a terminal)",
+    )
     g.add_argument("--save", metavar="PATH", help="checkpoint file; '{step}' in it keeps one per save")
     g.add_argument(
         "--save-interval",
@@ -152,55 +184,103 @@ def _output_flags(p: argparse.ArgumentParser) -> None:
         "--save (exit code 3; costs one host sync per step)",
     )
     g.add_argument("--resume", metavar="PATH", help="continue the run saved in this checkpoint")
-    g.add_argument("--stats-dump", metavar="FILE.npz",
-                   help="write every step's FP8 statistics and loss to FILE (numpy .npz: steps, "
-                        "stats (steps x tensors x 10, or 6 with --no-quality-stats), loss, names); copies "
-                        "them synchronously")  # fmt: skip
+    g.add_argument(
+        "--stats-dump",
+        metavar="FILE.npz",
+        help="write every step's FP8 statistics and loss to FILE (numpy .npz: steps, "
+        "stats (steps x tensors x 10, or 6 with --no-quality-stats), loss, names); copies "
+        "them synchronously",
+    )
 
 
 def _capture_flags(p: argparse.ArgumentParser) -> None:
     """The flags of incident capture."""
     g = p.add_argument_group("incident capture (replay a bundle with: fp8-train replay BUNDLE)")
-    g.add_argument("--capture-dir", metavar="DIR",
-                   help="at a non-finite loss or a loss spike, write an incident bundle (the step's "
-                        "batches, RNG, model, optimizer and FP8 state from before it) to DIR (default: "
-                        "with --monitor-url, incidents/RUN-NAME/ beside the --save file or in the working "
-                        "directory; else off)")  # fmt: skip
-    g.add_argument("--no-capture", dest="capture", action="store_false",
-                   help="no incident capture, not even the default one with --monitor-url")  # fmt: skip
-    g.add_argument("--capture-every", type=int, default=_D.capture_every, metavar="N",
-                   help="steps between the in-memory snapshots (default %(default)s)")  # fmt: skip
-    g.add_argument("--capture-max-mb", type=float, default=_D.capture_max_mb, metavar="MB",
-                   help="the bundles in DIR together at most MB MiB (default %(default)s)")  # fmt: skip
+    g.add_argument(
+        "--capture-dir",
+        metavar="DIR",
+        help="at a non-finite loss or a loss spike, write an incident bundle (the step's "
+        "batches, RNG, model, optimizer and FP8 state from before it) to DIR (default: "
+        "with --monitor-url, incidents/RUN-NAME/ beside the --save file or in the working "
+        "directory; else off)",
+    )
+    g.add_argument(
+        "--no-capture",
+        dest="capture",
+        action="store_false",
+        help="no incident capture, not even the default one with --monitor-url",
+    )
+    g.add_argument(
+        "--capture-every",
+        type=int,
+        default=_D.capture_every,
+        metavar="N",
+        help="steps between the in-memory snapshots (default %(default)s)",
+    )
+    g.add_argument(
+        "--capture-max-mb",
+        type=float,
+        default=_D.capture_max_mb,
+        metavar="MB",
+        help="the bundles in DIR together at most MB MiB (default %(default)s)",
+    )
 
 
 def _monitor_flags(p: argparse.ArgumentParser) -> None:
     """The flags of monitoring and fault injection."""
     g = p.add_argument_group("monitoring and fault injection")
-    g.add_argument("--monitor-url", default=os.environ.get("FP8SCOPE_URL") or None,
-                   help="fp8-monitor root, e.g. http://127.0.0.1:8000 (default $FP8SCOPE_URL)")  # fmt: skip
+    g.add_argument(
+        "--monitor-url",
+        default=os.environ.get("FP8SCOPE_URL") or None,
+        help="fp8-monitor root, e.g. http://127.0.0.1:8000 (default $FP8SCOPE_URL)",
+    )
     g.add_argument("--run-name", help="run name in the monitor (default: preset-recipe-time)")
-    g.add_argument("--no-quality-stats", dest="quality_stats", action="store_false",
-                   help="leave the quantization-quality columns (SQNR, subnormals, dynamic range, outlier "
-                        "ratio) out of the quantize pass, to save their cost")  # fmt: skip
-    g.add_argument("--quality-every", type=int, metavar="N",
-                   help="the quality columns in every N-th step only, the others' quantize passes run the "
-                        "leaner kernels (default: 10 with --device cuda, else 1: every step)")  # fmt: skip
-    g.add_argument("--remediation", choices=("off", "propose", "act"), default=_D.remediation,
-                   help="when a replay finds an incident FP8's fault, the monitor proposes a recipe change "
-                        "for the culprit layer (propose) or queues it and rolls it back if the loss gets "
-                        "worse (act); default %(default)s")  # fmt: skip
-    g.add_argument("--tag", dest="tags", action="append", default=[], metavar="TAG",
-                   help="a tag of the run in the monitor; repeatable")  # fmt: skip
-    g.add_argument("--token", help="API token of the monitor (visible in the process list: prefer "
-                   "--token-file or $FP8SCOPE_TOKEN)")  # fmt: skip
+    g.add_argument(
+        "--no-quality-stats",
+        dest="quality_stats",
+        action="store_false",
+        help="leave the quantization-quality columns (SQNR, subnormals, dynamic range, outlier "
+        "ratio) out of the quantize pass, to save their cost",
+    )
+    g.add_argument(
+        "--quality-every",
+        type=int,
+        metavar="N",
+        help="the quality columns in every N-th step only, the others' quantize passes run the "
+        "leaner kernels (default: 10 with --device cuda, else 1: every step)",
+    )
+    g.add_argument(
+        "--remediation",
+        choices=("off", "propose", "act"),
+        default=_D.remediation,
+        help="when a replay finds an incident FP8's fault, the monitor proposes a recipe change "
+        "for the culprit layer (propose) or queues it and rolls it back if the loss gets "
+        "worse (act); default %(default)s",
+    )
+    g.add_argument(
+        "--tag",
+        dest="tags",
+        action="append",
+        default=[],
+        metavar="TAG",
+        help="a tag of the run in the monitor; repeatable",
+    )
+    g.add_argument(
+        "--token",
+        help="API token of the monitor (visible in the process list: prefer --token-file or $FP8SCOPE_TOKEN)",
+    )
     g.add_argument("--token-file", metavar="PATH", help="file whose first line is the monitor's API token")
-    g.add_argument("--inject", action="append", metavar="SPEC", default=[],
-                   help="fault: overflow:LAYER@STEP[xFACTOR], nan:LAYER@STEP, lr-spike@STEP[xFACTOR], "
-                        "gradblowup:LAYER@STEP[xFACTOR], or "
-                        "FP8's own saturate:LAYER@STEP[xOFFSET], jump:LAYER@STEP[xFACTOR], "
-                        "lowprec:LAYER@STEP[xRANGE], gradspike:LAYER@STEP[xFACTOR] (repeatable; LAYER e.g. "
-                        "blocks.1.mlp.fc)")  # fmt: skip
+    g.add_argument(
+        "--inject",
+        action="append",
+        metavar="SPEC",
+        default=[],
+        help="fault: overflow:LAYER@STEP[xFACTOR], nan:LAYER@STEP, lr-spike@STEP[xFACTOR], "
+        "gradblowup:LAYER@STEP[xFACTOR], or "
+        "FP8's own saturate:LAYER@STEP[xOFFSET], jump:LAYER@STEP[xFACTOR], "
+        "lowprec:LAYER@STEP[xRANGE], gradspike:LAYER@STEP[xFACTOR] (repeatable; LAYER e.g. "
+        "blocks.1.mlp.fc)",
+    )
 
 
 def _fp8_layers(preset: str) -> list[str]:
@@ -412,8 +492,11 @@ def _load(p: argparse.ArgumentParser, a: argparse.Namespace, rank: int):
 def _notes(a: argparse.Namespace, injections) -> None:
     """Warnings about a run that will train, but perhaps not as its flags suggest (rank 0)."""
     if a.recipe == "current" and any(i.kind == "overflow" for i in injections):
-        print("note: with --recipe current each scale follows its tensor's own amax, so an injected "
-              "overflow scales the weight without saturating it", file=sys.stderr)  # fmt: skip
+        print(
+            "note: with --recipe current each scale follows its tensor's own amax, so an injected "
+            "overflow scales the weight without saturating it",
+            file=sys.stderr,
+        )
     if a.preset != "tiny" and a.device == "cpu":
         print(f"note: preset {a.preset} on the CPU will be very slow", file=sys.stderr)
 

@@ -45,10 +45,16 @@ class Progress:
         show_bar = lead and a.progress and sys.stderr.isatty()
         width = _terminal_width() if show_bar else 0
         self.bar = tqdm(
-            total=a.steps, initial=start, unit="step", file=sys.stderr, disable=not show_bar,
+            total=a.steps,
+            initial=start,
+            unit="step",
+            file=sys.stderr,
+            disable=not show_bar,
             # a terminal that reports no size (some ptys) would hide the bar: assume 100 x 24 there
-            dynamic_ncols=width > 0, ncols=None if width > 0 else 100, nrows=None if width > 0 else 24,
-        )  # fmt: skip
+            dynamic_ncols=width > 0,
+            ncols=None if width > 0 else 100,
+            nrows=None if width > 0 else 24,
+        )
         self.lagged, self.smooth_tps = _Lagged(), None
         self.t_start = time.perf_counter()
 

@@ -194,12 +194,24 @@ def _setup(a: TrainConfig, prepared: Prepared, rank: int, world: int, device, ou
     lead = rank == 0
     progress = Progress(a, start, tokens_per_step, lead, out)
     run = Run(
-        a=a, corpus=corpus, recipe=recipe, model=model, net=net, opt=opt, device=device, world=world,
-        lead=lead, start=start, config=config, injector=injector, val_batches=val_batches,
-        tokens_per_step=tokens_per_step, progress=progress,
+        a=a,
+        corpus=corpus,
+        recipe=recipe,
+        model=model,
+        net=net,
+        opt=opt,
+        device=device,
+        world=world,
+        lead=lead,
+        start=start,
+        config=config,
+        injector=injector,
+        val_batches=val_batches,
+        tokens_per_step=tokens_per_step,
+        progress=progress,
         result=TrainResult(losses=[], model=model, step=start),
         losses=torch.zeros(a.steps - start, device=device),
-    )  # fmt: skip
+    )
     run.capture = _make_capture(a, model, opt, config, world, run.say)
     run.replays = AutoReplay.for_job(a, run.capture, run.say)  # --remediation: each bundle replayed
     _announce(run, saved_streams)
@@ -325,8 +337,10 @@ def _make_capture(a: TrainConfig, model, opt, config, world: int, say):
     if not directory:
         return None
     if world > 1 or a.cuda_graph or a.fsdp:
-        say("note: incident capture covers single-process eager runs only (not several ranks, --cuda-graph, "
-            "--fsdp): this run trains without it")  # fmt: skip
+        say(
+            "note: incident capture covers single-process eager runs only (not several ranks, --cuda-graph, "
+            "--fsdp): this run trains without it"
+        )
         return None
     if a.capture_dir is None:
         say(f"fp8-train: incident capture into {directory} (with a monitor; --no-capture: off)")

@@ -136,12 +136,22 @@ class TEStats(LateReader):
         for k, (path, _, n) in enumerate(self.layers):
             for g in range(n):
                 layer = path if n == 1 else f"{path}.{('fc1', 'fc2')[g] if n == 2 else f'gemm{g}'}"
-                for role, key, idx in (("input", "scaling_fwd", 3 * g), ("weight", "scaling_fwd", 3 * g + 1),
-                                       ("grad_output", "scaling_bwd", 2 * g)):  # fmt: skip
+                for role, key, idx in (
+                    ("input", "scaling_fwd", 3 * g),
+                    ("weight", "scaling_fwd", 3 * g + 1),
+                    ("grad_output", "scaling_bwd", 2 * g),
+                ):
                     fmt = "e5m2" if role == "grad_output" else "e4m3"  # HYBRID; E4M3 is read from the recipe
                     name = f"{layer}.{role}"
-                    self.tensors.append({"index": len(self.tensors), "name": name, "layer": layer,
-                                         "role": role, "format": fmt})  # fmt: skip
+                    self.tensors.append(
+                        {
+                            "index": len(self.tensors),
+                            "name": name,
+                            "layer": layer,
+                            "role": role,
+                            "format": fmt,
+                        }
+                    )
                     self._where.append((k, key, idx))
         self._forwards = [0] * len(self.layers)
         self._hooks = [

@@ -74,8 +74,10 @@ class Histograms:
 
         state = getattr(module, "_fp8_state", None)
         if isinstance(module, Linear) and state is not None:  # the FP8 layer captures it (compiled too)
-            state.capture_once(info["index"], lambda t: send(t, "next forward" if info["role"] == "input"
-                                                             else "next backward"))  # fmt: skip
+            state.capture_once(
+                info["index"],
+                lambda t: send(t, "next forward" if info["role"] == "input" else "next backward"),
+            )
             return
         # other sources: hooks, run as they do eagerly under torch.compile too (not traced: a graph break
         # each)

@@ -48,8 +48,10 @@ def put_incident_replay(
         meta = ctx.run_meta.get(session, run_id)
         layers = set(meta.layers) if meta else set()
         # the run's remediation policy, if it has one, acts on (or proposes) a change (policies.py)
-        queued = [command_public(c) for c in on_replay(session, run=run, incident=incident, report=report,
-                                                        layers=layers, now=now)]  # fmt: skip
+        queued = [
+            command_public(c)
+            for c in on_replay(session, run=run, incident=incident, report=report, layers=layers, now=now)
+        ]
     ctx.broker.publish(run_id, "incident", incident_out)
     for command in queued:
         ctx.broker.publish(run_id, "command", command)
