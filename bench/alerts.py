@@ -23,7 +23,6 @@ incident's root cause (its headline) is at the fault's step and on the fault's t
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -42,6 +41,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import seeded_parser, seeds_of, write_json  # noqa: E402
 from tests.support.server import ServerProcess  # noqa: E402  (the tests' `fp8-monitor serve` launcher)
 
 API = "/api/v1"
@@ -470,19 +470,22 @@ def print_table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="one seed, shorter runs, smaller batches")
-    p.add_argument("--seeds", type=int, default=None, help="seeds per scenario (default 3; --quick: 1)")
-    p.add_argument("--only", help="comma-separated scenario names (e.g. 'lr-x100,drift'); default: all")
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "alerts.json")
+    p = seeded_parser(
+        __doc__,
+        "alerts.json",
+        small="--quick",
+        small_help="one seed, shorter runs, smaller batches",
+        seeds_help="seeds per scenario (default 3; --quick: 1)",
+        only_help="comma-separated scenario names (e.g. 'lr-x100,drift'); default: all",
+    )
     args = p.parse_args()
-    n_seeds = args.seeds or (1 if args.quick else 3)
-    result = run_all(args.quick, list(range(n_seeds)), args.only)
+    seeds = seeds_of(args, args.quick)
+    n_seeds = len(seeds)
+    result = run_all(args.quick, seeds, args.only)
     summary = summarise(result["rows"])
     print_table(result["rows"], summary)
     out = {"quick": args.quick, "seeds": n_seeds, "summary": summary, **result}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2))
+    write_json(args.out, out)
     print(f"wrote {args.out} ({result['seconds']:.0f} s)")
 
 

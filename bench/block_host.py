@@ -42,11 +42,8 @@ Writes bench/results/block_host.json.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
-import json
-import platform
 import statistics
 import sys
 import time
@@ -60,6 +57,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.common import layer_meta, layer_parser, write_report  # noqa: E402
 from fp8_kernels.triton.cross_build import NO_LAUNCH, LaunchCounter  # noqa: E402
 from fp8_trainer.recipe import DelayedScaling, Float8BlockScaling, MXFP8BlockScaling  # noqa: E402
 
@@ -249,14 +247,17 @@ def measure(layers: int, tokens: int, features: int, steps: int, rounds: int) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=4, help="L: per layer is (L + 1 layers - 1 layer) / L")
-    ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--features", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=20, help="steps per timed block")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "block_host.json")
-    ap.add_argument("--smoke", action="store_true", help="a few steps (exercises the script only)")
+    per_layer = "L: per layer is (L + 1 layers - 1 layer) / L"
+    ap = layer_parser(
+        __doc__,
+        "block_host.json",
+        layers=4,
+        tokens=256,
+        features=256,
+        steps=20,
+        rounds=5,
+        layers_help=per_layer,
+    )
     args = ap.parse_args(argv)
     if args.smoke:
         args.layers, args.steps, args.rounds = 1, 2, 1
@@ -276,31 +277,11 @@ def main(argv: list[str] | None = None) -> int:
         "(the eager-stats rows compute their statistics over every element here, which a GPU does on the "
         "device: their host us is an upper bound; launch counts are exact)"
     )
-    summary = "\n".join(lines)
-    print(
+    heading = (
         f"GPU path emulated on the CPU (kernels and GEMMs counted, not run), {args.tokens} tokens, "
         f"{args.features} -> {args.features}, median of {args.rounds} rounds"
     )
-    print(summary)
-    data = {
-        "meta": {
-            "smoke": args.smoke,
-            "layers": args.layers,
-            "tokens": args.tokens,
-            "features": args.features,
-            "steps": args.steps,
-            "rounds": args.rounds,
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "machine": platform.machine(),
-        },
-        "rows": rows,
-        "summary": summary,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(data, indent=2))
-    print(f"wrote {args.out}")
-    return 0
+    return write_report(args.out, heading, lines, rows, layer_meta(args))
 
 
 if __name__ == "__main__":

@@ -219,7 +219,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
@@ -232,7 +232,12 @@ def main() -> None:
     args = p.parse_args()
     if args.smoke:
         args.steps, args.warmup, args.batch_size, args.seq_len = 2, 1, 2, 32
+    return args
 
+
+def measure(args: argparse.Namespace) -> dict:
+    """Both ranks' runs of every mode, against a hung service for the hung-monitor mode; rank 0's counts
+    (the ranks' are the same: FSDP2 shards evenly here)."""
     import socket
 
     hung = socket.socket()  # the hung service: it listens (the kernel completes handshakes), never answers
@@ -242,8 +247,12 @@ def main() -> None:
     out = mp.Manager().dict()
     mp.start_processes(worker, args=(free_port(), args, out), nprocs=2, join=True, start_method="spawn")
     hung.close()
-    res = out[0]  # rank 0's counts (the ranks' are the same: FSDP2 shards evenly here)
+    return out[0]
 
+
+def print_table(args: argparse.Namespace, res: dict) -> None:
+    """Bytes per rank and step of each collective, the step time and the all-gather's dtype per mode (each
+    row's all-gather ratio to bf16 is kept in ``res``)."""
     model = "tiny GPT" + (" (smoke: smaller)" if args.smoke else "")
     print(
         f"{model}, FSDP2 on 2 ranks (gloo, CPU), param_dtype bf16, {args.batch_size} x {args.seq_len} "
@@ -264,6 +273,10 @@ def main() -> None:
             f"{mode:<20}{cells}{r['median_step_ms']:>10.1f}  {','.join(r['dtypes']['all_gather'])}"
             f"  ({ratio:.3f}x bf16)"
         )
+
+
+def assess(res: dict) -> dict:
+    """The goals: FP8 all-gather bytes against bf16's, and the step time with a hung monitor."""
     goals = {}
     for mode in ("fp8scope delayed", "fp8scope current"):
         value = res[mode]["all_gather_vs_bf16"]
@@ -281,29 +294,29 @@ def main() -> None:
         "met": slowdown <= GOAL_MONITOR,
         "ratio": slowdown,
     }
+    return goals
+
+
+def main() -> None:
+    args = parse_args()
+    res = measure(args)
+    print_table(args, res)
+    goals = assess(res)
     summary = "; ".join(
         f"{k}: {g['ratio']:.3f}x ({'met' if g['met'] else 'MISSED'})" for k, g in goals.items()
     )
     print(summary)
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(
-        json.dumps(
-            {
-                "meta": {
-                    "smoke": args.smoke,
-                    "machine": platform.platform(),
-                    "torch": torch.__version__,
-                    "args": vars(args),
-                    "load_average": os.getloadavg(),
-                },
-                "rows": [{"mode": m, **res[m]} for m in MODES],
-                "goals": goals,
-                "summary": summary,
-            },
-            indent=1,
-        )
-    )
+    meta = {
+        "smoke": args.smoke,
+        "machine": platform.platform(),
+        "torch": torch.__version__,
+        "args": vars(args),
+        "load_average": os.getloadavg(),
+    }
+    rows = [{"mode": m, **res[m]} for m in MODES]
+    path.write_text(json.dumps({"meta": meta, "rows": rows, "goals": goals, "summary": summary}, indent=1))
     print(f"wrote {path}")
 
 

@@ -209,21 +209,47 @@ def server_requests(url: str, run_id: int, query: dict, repeats: int = 5) -> dic
     return out
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def browser_bench_parser(doc: str, steps: int) -> argparse.ArgumentParser:
+    """The options every run-page benchmark starts with: the run's tensors and steps (``steps`` by
+    default); ``doc`` (the script's docstring) is the help text."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tensors", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=20_000)
-    parser.add_argument("--chunk", type=int, default=250, help="steps per telemetry batch")
-    parser.add_argument("--senders", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3, help="cold page loads (each followed by 2 warm)")
-    parser.add_argument("--live", type=int, default=10, help="steps posted one by one for the live delay")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "dashboard.json")
-    args = parser.parse_args()
-    if not Path(CHROMIUM).exists():
-        print(f"{CHROMIUM} is missing (apt-get install chromium)", file=sys.stderr)
-        return 2
+    parser.add_argument("--steps", type=int, default=steps)
+    return parser
+
+
+def chromium_missing() -> bool:
+    """Whether the Chromium the browser benchmarks drive is missing (said on stderr): nothing to measure."""
+    if Path(CHROMIUM).exists():
+        return False
+    print(f"{CHROMIUM} is missing (apt-get install chromium)", file=sys.stderr)
+    return True
+
+
+def page_summary(samples: list[dict]) -> dict:
+    """Medians of one variant's cold or warm loads, in seconds from navigation: each stage of the page
+    (plotly.js loaded and executed, the heatmap requested and unpacked, each plot painted) and the whole."""
+    pick = lambda key: statistics.median(s[key] for s in samples) / 1000.0  # noqa: E731
+    plotly_end = [s["plotly"][0]["end"] for s in samples if s["plotly"]]
+    hm = [s["heatmap_req"][0] for s in samples if s["heatmap_req"]]
+    return {
+        "plotly_js_executed_s": pick("plotly_ready"),
+        "heatmap_data_s": pick("heatmap_data"),
+        "curves_data_s": pick("curves_data"),
+        "drawn_s": pick("drawn"),
+        "interactive_s": pick("interactive"),
+        "heatmap_drawn_s": pick("heatmap"),
+        "curves_drawn_s": pick("curves"),
+        "plotly_js_loaded_s": statistics.median(plotly_end) / 1000.0 if plotly_end else None,
+        "heatmap_request_s": statistics.median(h["end"] - h["start"] for h in hm) / 1000.0 if hm else None,
+        "heatmap_response_end_s": statistics.median(h["end"] for h in hm) / 1000.0 if hm else None,
+        "samples_s": [s["drawn"] / 1000.0 for s in samples],
+    }
+
+
+def measure(args: argparse.Namespace, shot: Path) -> dict:
+    """The whole measurement on a fresh server: the run ingested, the page loads of every variant, the
+    live delays (and the screenshot), and the page's first requests timed alone."""
     from playwright.sync_api import sync_playwright
 
     with tempfile.TemporaryDirectory() as tmp, running_server(f"sqlite:///{tmp}/dash.db") as srv:
@@ -233,47 +259,33 @@ def main() -> int:
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             loads = time_page(browser, srv.url, run_id, args.repeats)
-            shot = args.out.with_suffix(".png")
             delays = live_delay(browser, srv.url, run_id, args.tensors, args.steps, args.live, shot)
             browser.close()
         first = next(iter(VARIANTS))
         alone = server_requests(srv.url, run_id, loads[first]["cold"][0]["query"])
+    return {"ingest_seconds": ingest_s, "loads": loads, "delays": delays, "alone": alone}
 
-    def summary(samples: list[dict]) -> dict:
-        pick = lambda key: statistics.median(s[key] for s in samples) / 1000.0  # noqa: E731
-        plotly_end = [s["plotly"][0]["end"] for s in samples if s["plotly"]]
-        hm = [s["heatmap_req"][0] for s in samples if s["heatmap_req"]]
-        return {
-            "plotly_js_executed_s": pick("plotly_ready"),
-            "heatmap_data_s": pick("heatmap_data"),
-            "curves_data_s": pick("curves_data"),
-            "drawn_s": pick("drawn"),
-            "interactive_s": pick("interactive"),
-            "heatmap_drawn_s": pick("heatmap"),
-            "curves_drawn_s": pick("curves"),
-            "plotly_js_loaded_s": statistics.median(plotly_end) / 1000.0 if plotly_end else None,
-            "heatmap_request_s": statistics.median(h["end"] - h["start"] for h in hm) / 1000.0
-            if hm
-            else None,
-            "heatmap_response_end_s": statistics.median(h["end"] for h in hm) / 1000.0 if hm else None,
-            "samples_s": [s["drawn"] / 1000.0 for s in samples],
-        }
 
+def build_results(args: argparse.Namespace, measured: dict) -> dict:
+    """The JSON: the machine (its load too: other work slows both server and browser), the parameters,
+    each variant's summaries, the requests alone, the live delays and the goals on today's page."""
+    loads, delays = measured["loads"], measured["delays"]
+    first = next(iter(VARIANTS))
     results = {
         "machine": {
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "platform": platform.platform(),
-            # other work on the machine slows both the server and the browser: report it with the numbers
             "load_average_1min_at_end": os.getloadavg()[0],
         },
         "params": vars(args) | {"out": str(args.out)},
-        "ingest_seconds": ingest_s,
+        "ingest_seconds": measured["ingest_seconds"],
         "pages": {
-            name: {"cold": summary(v["cold"]), "warm": summary(v["warm"])} for name, v in loads.items()
+            name: {"cold": page_summary(v["cold"]), "warm": page_summary(v["warm"])}
+            for name, v in loads.items()
         },
         "heatmap_query": loads[first]["cold"][0]["query"],
-        "requests_alone": alone,
+        "requests_alone": measured["alone"],
         "live_delay_s": {"median": statistics.median(delays), "max": max(delays), "samples": delays},
     }
     page = results["pages"][first]
@@ -282,7 +294,16 @@ def main() -> int:
         f"drawn_warm_s<={GOAL_DRAWN_WARM_S}": page["warm"]["drawn_s"] <= GOAL_DRAWN_WARM_S,
         f"live_max_s<={GOAL_LIVE_S}": max(delays) <= GOAL_LIVE_S,
     }
-    fmt = lambda v: f"{1000 * v:.0f}" if v is not None else "-"  # noqa: E731
+    return results
+
+
+def as_ms(v: float | None) -> str:
+    """Seconds shown as whole milliseconds; "-" where the page did not report the stage."""
+    return f"{1000 * v:.0f}" if v is not None else "-"
+
+
+def print_pages(results: dict, args: argparse.Namespace) -> None:
+    """The headline table: fully drawn and interactive, cold and warm, per variant."""
     print()
     print(
         f"run page, {args.tensors} tensors x {args.steps:,} steps, headless Chromium, {args.repeats} cold "
@@ -294,32 +315,40 @@ def main() -> int:
     print("-" * len(head))
     for name, p in results["pages"].items():
         c, w = p["cold"], p["warm"]
-        drawn = f"{fmt(c['drawn_s']):>9}{fmt(w['drawn_s']):>9}"
-        print(f"{name:<22}{drawn}{fmt(c['interactive_s']):>18}{fmt(w['interactive_s']):>7}")
+        drawn = f"{as_ms(c['drawn_s']):>9}{as_ms(w['drawn_s']):>9}"
+        print(f"{name:<22}{drawn}{as_ms(c['interactive_s']):>18}{as_ms(w['interactive_s']):>7}")
     print(
         f"goals: fully drawn cold <= {1000 * GOAL_DRAWN_S:.0f} ms, warm <= {1000 * GOAL_DRAWN_WARM_S:.0f} ms"
     )
+
+
+BREAKDOWN = (
+    ("plotly.js downloaded", "plotly_js_loaded_s"),
+    ("plotly.js executed", "plotly_js_executed_s"),
+    ("heatmap response complete", "heatmap_response_end_s"),
+    ("  of which the request itself", "heatmap_request_s"),
+    ("heatmap data unpacked", "heatmap_data_s"),
+    ("curves data parsed", "curves_data_s"),
+    ("curves painted", "curves_drawn_s"),
+    ("heatmap painted", "heatmap_drawn_s"),
+    ("fully drawn", "drawn_s"),
+    ("interactive (plotly)", "interactive_s"),
+)
+
+
+def print_breakdown(pages: dict) -> None:
+    """Each stage of the page, cold and warm, per variant: where the time to a drawn page goes."""
     print()
-    names = list(results["pages"])
+    names = list(pages)
     print(f"{'breakdown (ms)':<30}" + "".join(f"{n:>22}{'':>6}" for n in names))
     print(f"{'':<30}" + f"{'cold':>22}{'warm':>6}" * len(names))
-    for label, key in (
-        ("plotly.js downloaded", "plotly_js_loaded_s"),
-        ("plotly.js executed", "plotly_js_executed_s"),
-        ("heatmap response complete", "heatmap_response_end_s"),
-        ("  of which the request itself", "heatmap_request_s"),
-        ("heatmap data unpacked", "heatmap_data_s"),
-        ("curves data parsed", "curves_data_s"),
-        ("curves painted", "curves_drawn_s"),
-        ("heatmap painted", "heatmap_drawn_s"),
-        ("fully drawn", "drawn_s"),
-        ("interactive (plotly)", "interactive_s"),
-    ):
-        cells = "".join(
-            f"{fmt(results['pages'][n]['cold'][key]):>22}{fmt(results['pages'][n]['warm'][key]):>6}"
-            for n in names
-        )
+    for label, key in BREAKDOWN:
+        cells = "".join(f"{as_ms(pages[n]['cold'][key]):>22}{as_ms(pages[n]['warm'][key]):>6}" for n in names)
         print(f"{label:<30}{cells}")
+
+
+def print_requests_and_live(results: dict) -> None:
+    """The heatmap's shape and the first requests timed alone, the live delay, the machine's load."""
     q, a = results["heatmap_query"], results["requests_alone"]
     print(f"heatmap: max_cols={q['max_cols']} -> {a['columns']} columns of {a['bucket_width']} steps")
     for name in ("heatmap_packed", "heatmap_json", "series_multi"):
@@ -328,6 +357,23 @@ def main() -> int:
     print(f"step POSTed -> shown on the page: median {d['median']:.3f} s, max {d['max']:.3f} s (goal <= 2)")
     print(f"load average (1 min) at the end: {results['machine']['load_average_1min_at_end']:.1f}")
     print("goals:", json.dumps(results["goals"]))
+
+
+def main() -> int:
+    parser = browser_bench_parser(__doc__, 20_000)
+    parser.add_argument("--chunk", type=int, default=250, help="steps per telemetry batch")
+    parser.add_argument("--senders", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="cold page loads (each followed by 2 warm)")
+    parser.add_argument("--live", type=int, default=10, help="steps posted one by one for the live delay")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "dashboard.json")
+    args = parser.parse_args()
+    if chromium_missing():
+        return 2
+    shot = args.out.with_suffix(".png")
+    results = build_results(args, measure(args, shot))
+    print_pages(results, args)
+    print_breakdown(results["pages"])
+    print_requests_and_live(results)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
     print(

@@ -20,7 +20,6 @@ Prints a table and writes bench/results/dashboard_bytes.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -34,7 +33,7 @@ import orjson
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.dashboard import ingest  # noqa: E402  (the dashboard benchmark's run)
+from bench.dashboard import browser_bench_parser, chromium_missing, ingest  # noqa: E402  (its run, its options)
 from bench.ingest import StatStream  # noqa: E402
 from tests.support.server import API, batch_body, running_server  # noqa: E402
 from tests.web.browser import CHROMIUM, CHROMIUM_ARGS, VIEWPORT, hover_cell, open_run  # noqa: E402
@@ -145,16 +144,11 @@ def measure(url: str, run_id: int, T: int, steps: int, quiet: float) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--tensors", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=3000)
+    parser = browser_bench_parser(__doc__, 3000)
     parser.add_argument("--quiet", type=float, default=1.5, help="seconds without a new heatmap request")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "dashboard_bytes.json")
     args = parser.parse_args()
-    if not Path(CHROMIUM).exists():
-        print(f"{CHROMIUM} is missing (apt-get install chromium)", file=sys.stderr)
+    if chromium_missing():
         return 2
     with tempfile.TemporaryDirectory() as tmp, running_server(f"sqlite:///{tmp}/bytes.db") as srv:
         print(f"ingesting {args.tensors} tensors x {args.steps:,} steps ...", flush=True)

@@ -201,10 +201,9 @@ class Result:
     alert_kinds: dict = field(default_factory=dict)
 
 
-def simulate(
-    db_url: str, R: int, T: int, seconds: float, nan_runs: int, kill: bool, tmp: Path, keep: int = 0
-) -> Result:
-    receiver = Receiver()
+def start_instances(db_url: str, receiver: Receiver, tmp: Path) -> list[ServerProcess]:
+    """Instances A and B on the one database, their webhooks to ``receiver``, settling fast enough for a
+    short run, and their streams' keep-alives frequent enough to notice a dead instance."""
     env = {
         "FP8SCOPE_WEBHOOK_URL": receiver.url,
         "FP8SCOPE_WEBHOOK_SETTLE_SECONDS": "1",
@@ -214,11 +213,14 @@ def simulate(
     servers = [ServerProcess(db_url, log_path=tmp / f"server-{i}.log", env=env) for i in range(2)]
     for s in servers:
         s.start(timeout=120)
-    watchers = [StreamWatcher(s.url) for s in servers]
-    for w in watchers:
-        w.connected.wait(30)
-    result = Result(runs=R, tensors=T, seconds=seconds, killed=kill)
-    http = httpx.Client(timeout=30, headers={"content-type": "application/json"})
+    return servers
+
+
+def create_runs(
+    http: httpx.Client, servers: list[ServerProcess], R: int, T: int, seconds: float, nan_runs: int
+) -> list[SimRun]:
+    """``R`` runs, created on A and B in turn (each run's home); ``nan_runs`` of them, spread evenly, get a
+    NaN a third of the way through."""
     runs: list[SimRun] = []
     nan_every = max(1, R // max(1, nan_runs)) if nan_runs else 0
     for i in range(R):
@@ -231,40 +233,60 @@ def simulate(
         }
         r = http.post(f"{servers[i % 2].url}{API}/runs", json=body)
         r.raise_for_status()
-        nan_step = (
-            int(seconds // 3) if nan_every and i % nan_every == 0 and i // nan_every < nan_runs else None
-        )
+        with_nan = nan_every and i % nan_every == 0 and i // nan_every < nan_runs
+        nan_step = int(seconds // 3) if with_nan else None
         runs.append(SimRun(r.json()["id"], name, i % 2, T, seed=i, nan_step=nan_step))
-    result.nan_runs = sum(run.nan_step is not None for run in runs)
+    return runs
 
-    sent: dict[tuple[int, int], tuple[float, int]] = {}  # (run, step) -> (send time, instance that took it)
-    down = threading.Event()
-    lock = threading.Lock()
 
-    def post(run: SimRun, step: int) -> None:
+class Sender:
+    """Posts the runs' steps as a load balancer in front of the two instances would: to a run's home, to A
+    while B is down, and to the other instance after a failure (60 tries, 0.2 s apart). Keeps when each
+    stored step was sent and which instance took it, and counts failovers and failures on ``result``."""
+
+    def __init__(self, http: httpx.Client, servers: list[ServerProcess], result: Result) -> None:
+        self.http, self.servers, self.result = http, servers, result
+        self.sent: dict[tuple[int, int], tuple[float, int]] = {}  # (run, step) -> (send time, instance)
+        self.down = threading.Event()  # B killed and not back yet
+        self.lock = threading.Lock()
+
+    def post(self, run: SimRun, step: int) -> None:
+        """Post one step of ``run`` until an instance takes it (or the tries run out)."""
         data = run.body(step)
         target = run.home
         for _attempt in range(60):
-            if target == 1 and down.is_set():
+            if target == 1 and self.down.is_set():
                 target = 0
             t0 = time.time()
             try:
-                r = http.post(f"{servers[target].url}{API}/runs/{run.run_id}/telemetry", content=data)
+                r = self.http.post(
+                    f"{self.servers[target].url}{API}/runs/{run.run_id}/telemetry", content=data
+                )
                 if r.status_code == 200:
-                    with lock:
-                        sent[(run.run_id, step)] = (t0, target)
+                    with self.lock:
+                        self.sent[(run.run_id, step)] = (t0, target)
                         if target != run.home:
-                            result.failovers += 1
+                            self.result.failovers += 1
                     return
                 why = f"{'AB'[target]}: {r.status_code} {r.text[:80]}"
             except httpx.HTTPError as exc:
                 why = f"{'AB'[target]}: {type(exc).__name__}"
-            with lock:
-                result.post_failures[why] = result.post_failures.get(why, 0) + 1
+            with self.lock:
+                self.result.post_failures[why] = self.result.post_failures.get(why, 0) + 1
             target = 1 - target  # the load balancer tries the other instance
             time.sleep(0.2)
 
-    pool = ThreadPoolExecutor(max_workers=min(64, 2 * R))
+    def restart_b(self, killed_at: float) -> None:
+        """Start B again (beside the sending loop: the runs keep their one step per second meanwhile)."""
+        self.servers[1].start(timeout=120)
+        self.result.restarted_after_s = time.time() - killed_at
+        self.down.clear()
+
+
+def drive(sender: Sender, runs: list[SimRun], seconds: float, kill: bool) -> int:
+    """One step per run per second for ``seconds``, each step's posts in a pool; with ``kill``, B is killed
+    halfway through and started again 10 s later. Returns the steps each run sent."""
+    pool = ThreadPoolExecutor(max_workers=min(64, 2 * len(runs)))
     start = time.time()
     kill_at, back_at = seconds / 2, seconds / 2 + 10
     restarter: threading.Thread | None = None
@@ -273,26 +295,30 @@ def simulate(
         tick = start + step
         time.sleep(max(0.0, tick - time.time()))
         for run in runs:
-            pool.submit(post, run, step)
+            pool.submit(sender.post, run, step)
         elapsed = time.time() - start
-        if kill and restarter is None and not down.is_set() and elapsed >= kill_at:  # once
-            down.set()
-            servers[1].stop(signal.SIGKILL)
-        if kill and down.is_set() and elapsed >= back_at and restarter is None:
-            # started beside the loop: the runs keep their one step per second while B comes back
-            def restart() -> None:
-                servers[1].start(timeout=120)
-                result.restarted_after_s = time.time() - start - kill_at
-                down.clear()
-
-            restarter = threading.Thread(target=restart)
+        if kill and restarter is None and not sender.down.is_set() and elapsed >= kill_at:  # once
+            sender.down.set()
+            sender.servers[1].stop(signal.SIGKILL)
+        if kill and sender.down.is_set() and elapsed >= back_at and restarter is None:
+            restarter = threading.Thread(target=sender.restart_b, args=(start + kill_at,))
             restarter.start()
         step += 1
     if restarter is not None:
         restarter.join()
     pool.shutdown(wait=True)
-    steps_sent = step
-    # the last events may still be on their way: wait until every stored step has been seen, or 10 s
+    return step
+
+
+def p50_p99(values: list[float]) -> tuple[float, float]:
+    """The median and the 99th percentile (nearest rank, from below) of a non-empty sample."""
+    ordered = sorted(values)
+    return statistics.median(ordered), ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+def record_latencies(result: Result, sent: dict, watchers: list[StreamWatcher]) -> None:
+    """Latency from each stored step's POST to its event on the other instance's stream, and on the
+    stream of the instance that took it, once every stored step was seen (or 10 s passed)."""
     deadline = time.time() + 10
     while time.time() < deadline and not all(
         all(key in w.arrived for key in sent) for w in watchers if not w.stop.is_set()
@@ -307,51 +333,45 @@ def simulate(
         if same is not None:
             local.append(same - t0)
     if local:
-        local.sort()
-        result.local_p50_s = statistics.median(local)
-        result.local_p99_s = local[min(len(local) - 1, int(0.99 * len(local)))]
-    result.steps_sent = steps_sent * R
+        result.local_p50_s, result.local_p99_s = p50_p99(local)
+    if latencies:
+        result.latency_p50_s, result.latency_p99_s = p50_p99(latencies)
+        result.latency_samples = len(latencies)
+
+
+def close_watchers(result: Result, watchers: list[StreamWatcher]) -> None:
+    """Stop the streams, and keep how often each reconnected and why streams ended."""
     for w in watchers:
         w.close()
         result.reconnects.append(w.reconnects)
         for why, n in w.ended.items():
             result.streams_ended[why] = result.streams_ended.get(why, 0) + n
-    if latencies:
-        latencies.sort()
-        result.latency_p50_s = statistics.median(latencies)
-        result.latency_p99_s = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
-        result.latency_samples = len(latencies)
 
-    # what the service kept: every step once, the alerts the NaNs call for and nothing else
-    time.sleep(3)  # the webhook's settle time (1 s) and its delivery: the messages are counted below
-    a = servers[0].url
+
+def count_kept(result: Result, http: httpx.Client, url: str, runs: list[SimRun], steps_sent: int) -> None:
+    """What the service kept, read from ``url``: every step once, and the alerts and incidents the NaNs
+    call for and nothing else."""
     for run in runs:
-        info = http.get(f"{a}{API}/runs/{run.run_id}").json()
-        stored = info["steps_stored"]
+        stored = http.get(f"{url}{API}/runs/{run.run_id}").json()["steps_stored"]
         result.steps_stored += stored
         result.steps_lost += max(0, steps_sent - stored)
         result.steps_twice += max(0, stored - steps_sent)
-        alerts = http.get(f"{a}{API}/runs/{run.run_id}/alerts", params={"limit": 1000}).json()
+        alerts = http.get(f"{url}{API}/runs/{run.run_id}/alerts", params={"limit": 1000}).json()
         for alert in alerts:
             result.alert_kinds[alert["kind"]] = result.alert_kinds.get(alert["kind"], 0) + 1
             if alert["kind"] == "nonfinite" and run.nan_step is not None:
                 result.nonfinite_alerts += 1
             else:
                 result.other_alerts += 1
-        incidents = http.get(f"{a}{API}/runs/{run.run_id}/incidents").json()
-        result.incidents += len(incidents)
+        result.incidents += len(http.get(f"{url}{API}/runs/{run.run_id}/incidents").json())
     result.incidents_expected = result.nan_runs
-    with receiver.lock:
-        result.webhook_messages = sum(receiver.messages.values())
-    result.values_per_s = result.steps_stored * T * len(BASE_COLUMNS) / seconds
-    http.close()
-    for s in servers:
-        s.stop()
-    receiver.close()
-    # storage per value stored: on disk as the run left it (rollup rows are rewritten as their blocks fill,
-    # so it holds dead row versions until autovacuum reuses them), then the live rows alone (VACUUM FULL),
-    # then after compacting all but each run's last `keep` steps (what FP8SCOPE_RAW_STEPS_KEPT has the
-    # service do)
+
+
+def measure_storage(result: Result, db_url: str, T: int, keep: int) -> None:
+    """Bytes per value stored: on disk as the run left it (rollup rows are rewritten as their blocks fill,
+    so it holds dead row versions until autovacuum reuses them), then the live rows alone (VACUUM FULL),
+    then after compacting all but each run's last ``keep`` steps (what FP8SCOPE_RAW_STEPS_KEPT has the
+    service do)."""
     values = max(1, result.steps_stored * T * len(BASE_COLUMNS))
     result.bytes_per_value_on_disk = _stats_bytes(db_url) / values
     result.bytes_per_value = _stats_bytes(db_url, vacuum=True) / values
@@ -360,6 +380,38 @@ def simulate(
         compact(db, keep)
         db.dispose()
         result.bytes_per_value_compacted = _stats_bytes(db_url, vacuum=True) / values
+
+
+def simulate(
+    db_url: str, R: int, T: int, seconds: float, nan_runs: int, kill: bool, tmp: Path, keep: int = 0
+) -> Result:
+    receiver = Receiver()
+    servers = start_instances(db_url, receiver, tmp)
+    watchers = [StreamWatcher(s.url) for s in servers]
+    for w in watchers:
+        w.connected.wait(30)
+    result = Result(runs=R, tensors=T, seconds=seconds, killed=kill)
+    http = httpx.Client(timeout=30, headers={"content-type": "application/json"})
+    runs = create_runs(http, servers, R, T, seconds, nan_runs)
+    result.nan_runs = sum(run.nan_step is not None for run in runs)
+
+    sender = Sender(http, servers, result)
+    steps_sent = drive(sender, runs, seconds, kill)
+    # the last events may still be on their way: record_latencies waits for them
+    record_latencies(result, sender.sent, watchers)
+    result.steps_sent = steps_sent * R
+    close_watchers(result, watchers)
+
+    time.sleep(3)  # the webhook's settle time (1 s) and its delivery: the messages are counted below
+    count_kept(result, http, servers[0].url, runs, steps_sent)
+    with receiver.lock:
+        result.webhook_messages = sum(receiver.messages.values())
+    result.values_per_s = result.steps_stored * T * len(BASE_COLUMNS) / seconds
+    http.close()
+    for s in servers:
+        s.stop()
+    receiver.close()
+    measure_storage(result, db_url, T, keep)
     return result
 
 

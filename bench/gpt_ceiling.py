@@ -41,14 +41,21 @@ The JSON goes to bench/results/gpt_ceiling_<preset>.json.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from gpt_throughput import GPT2_VOCAB, Job, random_batches, run_steps
+from gpt_throughput import (
+    Job,
+    add_device_arguments,
+    apply_smoke,
+    gpt_parser,
+    random_batches,
+    run_steps,
+    vocab_size,
+)
+from gpu_common import device_name, failure, meta_head, write_json
 from gpu_timing import calls_per_sample, goal, ms_per_call
 
 from fp8_trainer.app.model import GPT, GPTConfig, fp8_filter, preset_config
@@ -58,6 +65,8 @@ from fp8_trainer.state import FP8State
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 SAMPLE_MS = 20.0
+GEMM_CALLS = ("fprop", "dgrad", "wgrad")  # a Linear's GEMMs in a training step
+QUANTIZED = ("input", "weight", "grad_output")  # what a Linear quantizes in a step
 
 
 def fp8_linears(cfg: GPTConfig) -> dict[str, tuple[int, int, int]]:
@@ -192,63 +201,50 @@ def step_times(
         except Exception as e:  # a capture or compile that fails: say so, keep the others
             if config == "bf16":
                 raise
-            failed[config] = f"failed ({type(e).__name__}: {e})"
+            failed[config] = failure(e)
         job = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return out, failed
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="124m")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps per step configuration")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per step configuration")
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, ``--smoke`` applied and ``--step-configs`` checked and split into a list."""
+    p = gpt_parser(__doc__, 10, "untimed steps per step configuration", "timed steps per step configuration")
     p.add_argument(
         "--step-configs",
         default=None,
         help="bf16 step configurations of gpt_throughput.py "
         "(default: bf16,bf16+graph on CUDA, bf16 elsewhere)",
     )
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--smoke", action="store_true", help="tiny preset, 2 steps, on the CPU")
+    add_device_arguments(p)
     p.add_argument("--out", default=None, help="default: bench/results/gpt_ceiling_<preset>.json")
     a = p.parse_args(argv)
-    if a.smoke:
-        a.preset, a.batch_size, a.seq_len, a.warmup, a.steps, a.device = "tiny", 2, 32, 1, 2, "cpu"
-    device = torch.device(a.device)
-    default_steps = "bf16,bf16+graph" if device.type == "cuda" else "bf16"
+    apply_smoke(a)
+    default_steps = "bf16,bf16+graph" if torch.device(a.device).type == "cuda" else "bf16"
     a.step_configs = [c.strip() for c in (a.step_configs or default_steps).split(",") if c.strip()]
     bad = [c for c in a.step_configs if c.split("+")[0] != "bf16"]
     if bad:
         p.error(f"--step-configs: bf16 configurations only (bf16[+compile][+graph]), got {bad}")
     a.no_compile = False
-    vocab = 256 if a.smoke else GPT2_VOCAB
-    cfg = preset_config(a.preset, vocab)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    m = a.batch_size * a.seq_len
-    linears = fp8_linears(cfg)
+    return a
 
-    steps, failed = step_times(a, device, vocab)
-    gemms = {name: gemm_times(m, k, n, device, dtype) for name, (k, n, _) in linears.items()}
-    quant, updates = quantize_times(linears, m, device, dtype, quality=True)
-    quant_base, updates_base = quantize_times(linears, m, device, dtype, quality=False)
 
-    def per_step(kind: str) -> float:  # ms of the GEMMs of every converted Linear in one step
-        calls = ("fprop", "dgrad", "wgrad")
-        return sum(linears[name][2] * sum(t[f"{kind} {c}"] for c in calls) for name, t in gemms.items())
+def gemms_per_step(linears: dict[str, tuple[int, int, int]], gemms: dict[str, dict], kind: str) -> float:
+    """ms of the GEMMs of every converted Linear in one step, as ``kind`` (bf16, fp8, fp8_mm) runs them."""
+    return sum(linears[name][2] * sum(t[f"{kind} {c}"] for c in GEMM_CALLS) for name, t in gemms.items())
 
-    g_bf16, g_fp8, g_fp8_mm = per_step("bf16"), per_step("fp8"), per_step("fp8_mm")
 
-    def quantize_per_step(times: dict[str, float]) -> float:  # every quantize call of a step, the update
-        return times["end_step"] + sum(
-            linears[name][2] * sum(times[f"{name}.{what}"] for what in ("input", "weight", "grad_output"))
-            for name in linears
-        )
+def quantize_per_step(linears: dict[str, tuple[int, int, int]], times: dict[str, float]) -> float:
+    """ms of every quantize call of one step, and of the step's scale update."""
+    return times["end_step"] + sum(
+        linears[name][2] * sum(times[f"{name}.{what}"] for what in QUANTIZED) for name in linears
+    )
 
-    q, q_base = quantize_per_step(quant), quantize_per_step(quant_base)
+
+def ceilings_of(steps: dict[str, float], g_bf16: float, g_fp8: float, q: float) -> dict[str, dict]:
+    """Amdahl's bound per step configuration: the step with its bf16 GEMMs swapped for FP8 ones (and the
+    quantize work added, for ``with_quantize``); ``None`` where the measured parts leave no time at all."""
     ceilings = {}
     for config, t in steps.items():
         rest = t - g_bf16
@@ -258,25 +254,20 @@ def main(argv: list[str] | None = None) -> int:
             "ceiling": t / (rest + g_fp8) if rest + g_fp8 > 0 else None,
             "with_quantize": t / (rest + g_fp8 + q) if rest + g_fp8 + q > 0 else None,
         }
+    return ceilings
 
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    print(
-        f"GPT {a.preset}, batch {a.batch_size} x {a.seq_len} = {m} tokens, {name}, {dtype}: "
-        f"what FP8 on the block Linears can buy at most" + (" (smoke: not a measurement)" if a.smoke else "")
-    )
+
+def print_gemms(linears: dict[str, tuple[int, int, int]], gemms: dict[str, dict], m: int) -> None:
+    """Per Linear kind: its three GEMMs in bf16 and FP8, and the speed-up."""
     print(f"\n{'Linear (tokens x in x out)':<36} {'bf16 ms':>9} {'fp8 ms':>9} {'x':>6}   (fprop+dgrad+wgrad)")
     for lname, (k, n, _) in linears.items():
         t = gemms[lname]
-        b16 = sum(t[f"bf16 {g}"] for g in ("fprop", "dgrad", "wgrad"))
-        f8 = sum(t[f"fp8 {g}"] for g in ("fprop", "dgrad", "wgrad"))
+        b16 = sum(t[f"bf16 {g}"] for g in GEMM_CALLS)
+        f8 = sum(t[f"fp8 {g}"] for g in GEMM_CALLS)
         print(f"{lname + f' ({m}x{k}x{n})':<36} {b16:9.3f} {f8:9.3f} {b16 / f8:6.2f}")
-    n_linears = sum(c for *_, c in linears.values())
-    print(
-        f"per step ({n_linears} Linears): GEMMs bf16 {g_bf16:.2f} ms, FP8 {g_fp8:.2f} ms "
-        f"(saves {g_bf16 - g_fp8:.2f}; {g_fp8_mm:.2f} through fp8_mm); "
-        f"fp8scope quantize + scale update {q:.2f} ms "
-        f"({q_base:.2f} without the quality statistics)"
-    )
+
+
+def print_ceilings(ceilings: dict[str, dict], failed: dict[str, str]) -> None:
     print(f"\n{'bf16 step':<22} {'step ms':>9} {'GEMM share':>11} {'ceiling':>8} {'w/ quantize':>12}")
     for config, c in ceilings.items():
         ceil = f"{c['ceiling']:8.2f}" if c["ceiling"] else f"{'n/a':>8}"
@@ -289,13 +280,41 @@ def main(argv: list[str] | None = None) -> int:
         "quantization and host work free; w/ quantize: plus fp8scope's quantize kernels"
     )
 
-    out = Path(a.out) if a.out else Path(__file__).parent / "results" / f"gpt_ceiling_{a.preset}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    device = torch.device(a.device)
+    vocab = vocab_size(a)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    m = a.batch_size * a.seq_len
+    linears = fp8_linears(preset_config(a.preset, vocab))
+
+    steps, failed = step_times(a, device, vocab)
+    gemms = {name: gemm_times(m, k, n, device, dtype) for name, (k, n, _) in linears.items()}
+    quant, updates = quantize_times(linears, m, device, dtype, quality=True)
+    quant_base, updates_base = quantize_times(linears, m, device, dtype, quality=False)
+    per_step = {f"gemm_{kind}": gemms_per_step(linears, gemms, kind) for kind in ("bf16", "fp8", "fp8_mm")}
+    per_step["quantize"] = q = quantize_per_step(linears, quant)
+    per_step["quantize_base"] = quantize_per_step(linears, quant_base)
+    g_bf16, g_fp8 = per_step["gemm_bf16"], per_step["gemm_fp8"]
+    ceilings = ceilings_of(steps, g_bf16, g_fp8, q)
+
+    print(
+        f"GPT {a.preset}, batch {a.batch_size} x {a.seq_len} = {m} tokens, {device_name(device)}, {dtype}: "
+        f"what FP8 on the block Linears can buy at most" + (" (smoke: not a measurement)" if a.smoke else "")
+    )
+    print_gemms(linears, gemms, m)
+    n_linears = sum(c for *_, c in linears.values())
+    print(
+        f"per step ({n_linears} Linears): GEMMs bf16 {g_bf16:.2f} ms, FP8 {g_fp8:.2f} ms "
+        f"(saves {g_bf16 - g_fp8:.2f}; {per_step['gemm_fp8_mm']:.2f} through fp8_mm); "
+        f"fp8scope quantize + scale update {q:.2f} ms "
+        f"({per_step['quantize_base']:.2f} without the quality statistics)"
+    )
+    print_ceilings(ceilings, failed)
+
     meta = {
-        "device": name,
-        "device_type": device.type,
-        "smoke": a.smoke,
-        "torch": torch.__version__,
+        **meta_head(device, a.smoke),
         "preset": a.preset,
         "batch_size": a.batch_size,
         "seq_len": a.seq_len,
@@ -327,17 +346,10 @@ def main(argv: list[str] | None = None) -> int:
         "gemm_ms": gemms,
         "quantize_ms": quant,
         "quantize_base_ms": quant_base,
-        "per_step_ms": {
-            "gemm_bf16": g_bf16,
-            "gemm_fp8": g_fp8,
-            "gemm_fp8_mm": g_fp8_mm,
-            "quantize": q,
-            "quantize_base": q_base,
-        },
+        "per_step_ms": per_step,
         "ceilings": ceilings,
     }
-    out.write_text(json.dumps(data, indent=2))
-    print(f"wrote {out}")
+    write_json(a.out or Path(__file__).parent / "results" / f"gpt_ceiling_{a.preset}.json", data)
     return 0
 
 

@@ -42,8 +42,6 @@ The JSON goes to bench/results/gpt_throughput.json.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import time
 import types
@@ -51,6 +49,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+from gpu_common import device_name, failure, meta_head, print_goals, write_json
 from gpu_timing import goal, sync
 
 from fp8_trainer import CurrentScaling, DelayedScaling, StatsReader, convert_to_fp8, fp8_autocast
@@ -198,150 +197,188 @@ def run_steps(job: Job, batches: list[tuple[torch.Tensor, torch.Tensor]], n: int
     return time.perf_counter() - t0
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def gpt_parser(doc: str, steps: int, warmup_help: str, steps_help: str) -> argparse.ArgumentParser:
+    """A parser (``doc`` its help text) with the model and batch options this benchmark and
+    ``gpt_ceiling.py`` share, so that both measure the same preset and batch by the same flags."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="124m")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps per configuration (compilation etc.)")
-    p.add_argument("--steps", type=int, default=20, help="timed steps per configuration and round")
+    p.add_argument("--warmup", type=int, default=5, help=warmup_help)
+    p.add_argument("--steps", type=int, default=steps, help=steps_help)
+    return p
+
+
+def add_device_arguments(p: argparse.ArgumentParser) -> None:
+    """``--device`` (CUDA where there is one) and ``--smoke`` (see ``apply_smoke``)."""
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--smoke", action="store_true", help="tiny preset, 2 steps, on the CPU")
+
+
+def apply_smoke(a: argparse.Namespace) -> None:
+    """``--smoke``: the tiny preset, a tiny batch and 2 steps on the CPU, which exercises the script only."""
+    if a.smoke:
+        a.preset, a.batch_size, a.seq_len, a.warmup, a.steps = "tiny", 2, 32, 1, 2
+        a.device = "cpu"
+
+
+def vocab_size(a: argparse.Namespace) -> int:
+    """GPT-2's (padded) vocabulary; a small one in a smoke run, where the embedding would dwarf the model."""
+    return 256 if a.smoke else GPT2_VOCAB
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, ``--smoke`` applied and ``--configs`` checked and split into ``a.configs``."""
+    warmup_help = "untimed steps per configuration (compilation etc.)"
+    p = gpt_parser(__doc__, 20, warmup_help, "timed steps per configuration and round")
     p.add_argument("--rounds", type=int, default=2, help="timed rounds, alternating over the configurations")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {CONFIGS}")
     p.add_argument("--no-compile", action="store_true", help="run torchao uncompiled")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--smoke", action="store_true", help="tiny preset, 2 steps, on the CPU")
+    add_device_arguments(p)
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "gpt_throughput.json"))
     a = p.parse_args(argv)
+    apply_smoke(a)
     if a.smoke:
-        a.preset, a.batch_size, a.seq_len, a.warmup, a.steps, a.rounds = "tiny", 2, 32, 1, 2, 1
-        a.device = "cpu"
-    device = torch.device(a.device)
-    configs = [c.strip() for c in a.configs.split(",") if c.strip()]
-    bad = [c for c in configs if c not in CONFIGS]
+        a.rounds = 1
+    a.configs = [c.strip() for c in a.configs.split(",") if c.strip()]
+    bad = [c for c in a.configs if c not in CONFIGS]
     if bad:
         p.error(f"--configs: unknown {bad}; expected a subset of {CONFIGS}")
-    vocab = 256 if a.smoke else GPT2_VOCAB
+    return a
 
+
+def build_jobs(
+    a: argparse.Namespace, device: torch.device, vocab: int
+) -> tuple[dict[str, Job], dict[str, str]]:
+    """A ``Job`` per configuration, and those that could not be set up (torchao missing or not working with
+    this torch, no CUDA for a graph), with why. Any other configuration that fails to build is an error."""
     jobs: dict[str, Job] = {}
     skipped: dict[str, str] = {}
-    for config in configs:
+    for config in a.configs:
         try:
             jobs[config] = Job(config, a, device, vocab)
-        except Exception as e:  # torchao missing or not working with this torch, no CUDA for a graph
+        except Exception as e:
             if config != "torchao" and "+" not in config:  # a compile or a capture may fail: say so
                 raise
             skipped[config] = f"unavailable ({type(e).__name__}: {e})"
-    batches = random_batches(a, vocab, device)
-    tokens = a.batch_size * a.seq_len
+    return jobs, skipped
 
-    for config, job in list(jobs.items()):  # warm-up; a compile that fails leaves torchao uncompiled
+
+def warm_up(job: Job, batches: list[tuple], n: int) -> str | None:
+    """Run ``job``'s ``n`` untimed steps; ``None`` when they ran, else why the configuration is dropped. A
+    compile or a capture that fails is reported, not raised; torchao whose compilation fails falls back to
+    eager (noted on the job) and is dropped only if that fails too."""
+    try:
+        run_steps(job, batches, n, 0)
+        return None
+    except Exception as e:
+        if "+" in job.config:
+            return failure(e)
+        if job.config != "torchao":
+            raise
+        if job.forward is job.model:
+            return failure(e)
+        job.forward, job.modes = job.model, []
+        job.note = job.note.replace("compiled", f"eager (torch.compile failed: {type(e).__name__})")
         try:
-            run_steps(job, batches, a.warmup, 0)
-        except Exception as e:
-            if "+" in config:  # a compile or a capture that fails: say so, measure the others
-                skipped[config] = f"failed ({type(e).__name__}: {e})"
-                del jobs[config]
-                continue
-            if config != "torchao":
-                raise
-            if job.forward is job.model:
-                skipped[config] = f"failed ({type(e).__name__}: {e})"
-                del jobs[config]
-                continue
-            job.forward, job.modes = job.model, []
-            job.note = job.note.replace("compiled", f"eager (torch.compile failed: {type(e).__name__})")
-            try:
-                run_steps(job, batches, a.warmup, 0)
-            except Exception as e2:
-                skipped[config] = f"failed ({type(e2).__name__}: {e2})"
-                del jobs[config]
+            run_steps(job, batches, n, 0)
+        except Exception as e2:
+            return failure(e2)
+        return None
+
+
+def measure(jobs: dict[str, Job], batches: list[tuple], a: argparse.Namespace) -> None:
+    """The timed rounds, alternating over the configurations: each job's tokens/s and ms per step."""
+    tokens = a.batch_size * a.seq_len
     for r in range(a.rounds):
         for job in jobs.values():
             seconds = run_steps(job, batches, a.steps, r * a.steps)
             job.tokens_per_s.append(a.steps * tokens / seconds)
             job.step_ms.append(seconds * 1e3 / a.steps)
 
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    n_params = sum(p.numel() for p in next(iter(jobs.values())).model.parameters()) if jobs else 0
-    print(
-        f"GPT {a.preset} ({n_params / 1e6:.1f}M parameters), batch {a.batch_size} x {a.seq_len} tokens, "
-        f"{name}, bf16 autocast; {a.warmup} warm-up + {a.steps} timed steps x {a.rounds} rounds"
-        + (" (smoke: not a measurement)" if a.smoke else "")
-    )
-    base = statistics.median(jobs["bf16"].tokens_per_s) if "bf16" in jobs else None
+
+def job_result(job: Job, jobs: dict[str, Job], base: float | None) -> dict:
+    """One configuration's medians and ratios: against eager bf16 and against bf16 run the same way."""
+    tps = statistics.median(job.tokens_per_s)
+    same = jobs.get("+".join(["bf16", *job.modes]))  # bf16 run the same way (torchao: compiled)
+    return {
+        "tokens_per_s": tps,
+        "tokens_per_s_rounds": job.tokens_per_s,
+        "step_ms": statistics.median(job.step_ms),
+        "x_bf16": tps / base if base else None,
+        "x_bf16_same_mode": tps / statistics.median(same.tokens_per_s) if same is not None else None,
+        "final_loss": float(job.losses[-1]) if job.losses else float("nan"),
+        "stats_polled": job.polled,
+        "note": job.note or ("statistics read one step late" if job.reader is not None else ""),
+    }
+
+
+def print_results(results: dict[str, dict], skipped: dict[str, str]) -> None:
+    """The table: one row per configuration measured, then those skipped with why."""
     head = ("config", "tokens/s", "step ms", "x bf16", "x same", "final loss")
     print(f"{head[0]:<30} {head[1]:>12} {head[2]:>9} {head[3]:>7} {head[4]:>7} {head[5]:>10}  notes")
-    results = {}
-    for config, job in jobs.items():
-        tps = statistics.median(job.tokens_per_s)
-        same = jobs.get("+".join(["bf16", *job.modes]))  # bf16 run the same way (torchao: compiled)
-        x_same = tps / statistics.median(same.tokens_per_s) if same is not None else None
-        final = float(job.losses[-1]) if job.losses else float("nan")
-        note = job.note or ("statistics read one step late" if job.reader is not None else "")
-        results[config] = {
-            "tokens_per_s": tps,
-            "tokens_per_s_rounds": job.tokens_per_s,
-            "step_ms": statistics.median(job.step_ms),
-            "x_bf16": tps / base if base else None,
-            "x_bf16_same_mode": x_same,
-            "final_loss": final,
-            "stats_polled": job.polled,
-            "note": note,
-        }
-        ratio = f"{tps / base:7.2f}" if base else f"{'n/a':>7}"
+    for config, r in results.items():
+        ratio = f"{r['x_bf16']:7.2f}" if r["x_bf16"] else f"{'n/a':>7}"
+        x_same = r["x_bf16_same_mode"]
         ratio_same = f"{x_same:7.2f}" if x_same is not None else f"{'n/a':>7}"
         label = config if config.startswith(("bf16", "torchao")) else f"fp8scope {config}"
-        step_ms = results[config]["step_ms"]
-        print(f"{label:<30} {tps:12,.0f} {step_ms:9.2f} {ratio} {ratio_same} {final:10.4f}  {note}")
+        print(
+            f"{label:<30} {r['tokens_per_s']:12,.0f} {r['step_ms']:9.2f} {ratio} {ratio_same} "
+            f"{r['final_loss']:10.4f}  {r['note']}"
+        )
     for config, why in skipped.items():
         print(f"{config:<30} {'n/a':>12}  {why}")
 
+
+def assess_goals(results: dict[str, dict], torchao_compiled: bool) -> dict:
+    """The CUDA goals: fp8scope delayed (eager, graphed, compiled, both) at 1.3x eager bf16, and at least
+    on par with torchao (eager fp8scope, and compiled fp8scope against compiled torchao)."""
     goals = {}
-    if device.type == "cuda" and "delayed" in results:
-        if base:
-            goals["delayed_1.3x_bf16"] = goal(results["delayed"]["x_bf16"], 1.3, "tokens/s vs bf16 autocast")
-        if base and "delayed+graph" in results:
-            goals["graphed_1.3x_bf16"] = goal(
-                results["delayed+graph"]["x_bf16"], 1.3, "tokens/s, fp8scope delayed in a CUDA graph vs bf16"
-            )
+    if "bf16" in results:
         for config, key, what in (
-            ("delayed+compile", "compiled_1.3x_bf16", "compiled"),
-            ("delayed+compile+graph", "compiled_graphed_1.3x_bf16", "compiled and in a CUDA graph"),
+            ("delayed", "delayed_1.3x_bf16", "tokens/s vs bf16 autocast"),
+            ("delayed+graph", "graphed_1.3x_bf16", "tokens/s, fp8scope delayed in a CUDA graph vs bf16"),
+            ("delayed+compile", "compiled_1.3x_bf16", "tokens/s, fp8scope delayed compiled vs bf16"),
+            (
+                "delayed+compile+graph",
+                "compiled_graphed_1.3x_bf16",
+                "tokens/s, fp8scope delayed compiled and in a CUDA graph vs bf16",
+            ),
         ):
-            if base and config in results:
-                goals[key] = goal(
-                    results[config]["x_bf16"], 1.3, f"tokens/s, fp8scope delayed {what} vs bf16"
-                )
-        if "torchao" in results:
-            goals["delayed_vs_torchao"] = goal(
-                results["delayed"]["tokens_per_s"] / results["torchao"]["tokens_per_s"],
-                1.0,
-                f"tokens/s vs torchao ({results['torchao']['note']})",
-            )
-        if "torchao" in results and "delayed+compile" in results and "compile" in jobs["torchao"].modes:
+            if config in results:
+                goals[key] = goal(results[config]["x_bf16"], 1.3, what)
+    if "torchao" in results:
+        ao = results["torchao"]
+        goals["delayed_vs_torchao"] = goal(
+            results["delayed"]["tokens_per_s"] / ao["tokens_per_s"],
+            1.0,
+            f"tokens/s vs torchao ({ao['note']})",
+        )
+        if "delayed+compile" in results and torchao_compiled:
             goals["compiled_vs_torchao"] = goal(  # both compiled, both launched eagerly
-                results["delayed+compile"]["tokens_per_s"] / results["torchao"]["tokens_per_s"],
+                results["delayed+compile"]["tokens_per_s"] / ao["tokens_per_s"],
                 1.0,
-                f"tokens/s, fp8scope delayed compiled vs torchao ({results['torchao']['note']})",
+                f"tokens/s, fp8scope delayed compiled vs torchao ({ao['note']})",
             )
-        print("goals:")
-        for key, gl in goals.items():
-            verdict = "met" if gl["met"] else "NOT met"
-            print(f"  {key:<26} {gl['value']:6.2f} (target >= {gl['target']:g}): {verdict}")
-    else:
-        print("goals: assessed on CUDA only")
-    finite = all(v["final_loss"] == v["final_loss"] for v in results.values())
+    return goals
+
+
+def summarise(a: argparse.Namespace, results: dict[str, dict], skipped: dict[str, str], finite: bool) -> str:
+    """The one-line summary scripts/gpu-check.sh shows: tokens/s per configuration, against eager bf16."""
     parts = [
         f"{c} {v['tokens_per_s']:,.0f} tok/s" + (f" (x{v['x_bf16']:.2f})" if v["x_bf16"] else "")
         for c, v in results.items()
     ]
     summary = f"{a.preset} b{a.batch_size}x{a.seq_len}: " + ", ".join(parts)
-    summary += "".join(f", {c} n/a" for c in skipped) + ("" if finite else "; NON-FINITE LOSS")
-    meta = {
-        "device": name,
-        "device_type": device.type,
-        "smoke": a.smoke,
-        "torch": torch.__version__,
+    return summary + "".join(f", {c} n/a" for c in skipped) + ("" if finite else "; NON-FINITE LOSS")
+
+
+def run_meta(
+    a: argparse.Namespace, device: torch.device, n_params: int, vocab: int, skipped: dict[str, str]
+) -> dict:
+    """What was run, where, and how it was timed: the JSON's ``meta``."""
+    return {
+        **meta_head(device, a.smoke),
         "preset": a.preset,
         "parameters": n_params,
         "batch_size": a.batch_size,
@@ -354,11 +391,46 @@ def main(argv: list[str] | None = None) -> int:
         "timing": "tokens / seconds of N steps with a device synchronisation only before and after; "
         "median over rounds that alternate over the configurations",
     }
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    data = {"meta": meta, "goals": goals, "summary": summary, "results": results}
-    out.write_text(json.dumps(data, indent=2))
-    print(f"wrote {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    device = torch.device(a.device)
+    vocab = vocab_size(a)
+    jobs, skipped = build_jobs(a, device, vocab)
+    batches = random_batches(a, vocab, device)
+    for config, job in list(jobs.items()):  # warm-up; a compile that fails leaves torchao uncompiled
+        why = warm_up(job, batches, a.warmup)
+        if why is not None:
+            skipped[config] = why
+            del jobs[config]
+    measure(jobs, batches, a)
+
+    n_params = sum(p.numel() for p in next(iter(jobs.values())).model.parameters()) if jobs else 0
+    print(
+        f"GPT {a.preset} ({n_params / 1e6:.1f}M parameters), batch {a.batch_size} x {a.seq_len} tokens, "
+        f"{device_name(device)}, bf16 autocast; "
+        f"{a.warmup} warm-up + {a.steps} timed steps x {a.rounds} rounds"
+        + (" (smoke: not a measurement)" if a.smoke else "")
+    )
+    base = statistics.median(jobs["bf16"].tokens_per_s) if "bf16" in jobs else None
+    results = {config: job_result(job, jobs, base) for config, job in jobs.items()}
+    print_results(results, skipped)
+    goals = {}
+    if device.type == "cuda" and "delayed" in results:
+        goals = assess_goals(results, "torchao" in jobs and "compile" in jobs["torchao"].modes)
+        print("goals:")
+        print_goals(goals, 26, "6.2f")
+    else:
+        print("goals: assessed on CUDA only")
+    finite = all(v["final_loss"] == v["final_loss"] for v in results.values())
+    data = {
+        "meta": run_meta(a, device, n_params, vocab, skipped),
+        "goals": goals,
+        "summary": summarise(a, results, skipped, finite),
+        "results": results,
+    }
+    write_json(a.out, data)
     return 0 if finite else 1
 
 

@@ -36,11 +36,8 @@ Writes bench/results/host_path.json.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
-import json
-import platform
 import statistics
 import sys
 import time
@@ -53,6 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.common import layer_meta, layer_parser, write_report  # noqa: E402
 from fp8_kernels.triton.cross_build import NO_LAUNCH, LaunchCounter  # noqa: E402
 
 GOALS = {"fp8scope delayed": 2.0, "fp8scope current": 2.5}
@@ -291,14 +289,7 @@ def measure(kinds, layers: int, tokens: int, features: int, steps: int, rounds: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=16)
-    ap.add_argument("--features", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=200, help="steps per timed block")
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "host_path.json")
-    ap.add_argument("--smoke", action="store_true", help="a few steps (exercises the script only)")
+    ap = layer_parser(__doc__, "host_path.json", layers=8, tokens=16, features=16, steps=200, rounds=7)
     args = ap.parse_args(argv)
     if args.smoke:
         args.steps, args.rounds = 3, 2
@@ -318,31 +309,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['config']:22} {r['host_us_per_layer']:8.1f} {r['ratio_to_nn_linear']:11.2f} "
             f"{r['launches_per_layer']:9.2f} {goal:>6}"
         )
-    summary = "\n".join(lines)
-    print(
+    heading = (
         f"GPU path emulated on the CPU: {args.layers} layers of {args.features}x{args.features}, "
         f"{args.tokens} tokens, bf16; median of {args.rounds} rounds of {args.steps} steps"
     )
-    print(summary)
-    data = {
-        "meta": {
-            "smoke": args.smoke,
-            "layers": args.layers,
-            "tokens": args.tokens,
-            "features": args.features,
-            "steps": args.steps,
-            "rounds": args.rounds,
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "machine": platform.machine(),
-        },
-        "rows": rows,
-        "summary": summary,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(data, indent=2))
-    print(f"wrote {args.out}")
-    return 0
+    return write_report(args.out, heading, lines, rows, layer_meta(args))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -37,12 +36,13 @@ import orjson
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fp8_protocol.stats import FP8_MAX, QUALITY_COLUMNS, STAT_COLUMNS  # noqa: E402
+from bench.common import doc_parser, machine_info, shown_path, write_json  # noqa: E402
+from fp8_protocol.stats import BASE_COLUMNS, FP8_MAX, QUALITY_COLUMNS  # noqa: E402
 from monitor_server.core.db import Database  # noqa: E402
 from monitor_server.services.ingest import DecodedBatch, store_batch  # noqa: E402
 from tests.support.server import col, fresh_pg_database, running_server  # noqa: E402  (shared with the tests)
 
-STATS = STAT_COLUMNS
+STATS = BASE_COLUMNS  # the six every run sends; the quality columns are added with --quality
 PG_URL = os.environ.get("FP8SCOPE_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 
 
@@ -239,10 +239,8 @@ def bench_heatmap(
     return out
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def parse_args() -> argparse.Namespace:
+    parser = doc_parser(__doc__)
     parser.add_argument("--tensors", type=int, default=512)
     parser.add_argument("--steps-per-batch", type=int, default=50)
     parser.add_argument("--batches", type=int, default=40)
@@ -253,45 +251,26 @@ def main() -> int:
     parser.add_argument("--skip-heatmap", action="store_true")
     parser.add_argument("--quality", action="store_true", help="also post and read the quality columns")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "ingest.json")
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    backends = [b for b in args.backends.split(",") if not (args.skip_pg and b == "postgresql")]
-    results: dict = {
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-        },
-        "params": vars(args) | {"out": str(args.out)},
-        "ingest": {},
-        "heatmap": {},
-    }
-    with tempfile.TemporaryDirectory() as tmp:
-        for backend in backends:
-            ctx = (
-                fresh_pg_database(PG_URL, "fp8scope_bench")
-                if backend == "postgresql"
-                else contextlib.nullcontext(f"sqlite:///{tmp}/bench.db")
-            )
-            with ctx as db_url, running_server(db_url) as srv:
-                url = srv.url
-                for encoding in ("packed", "json", *(["packed+quality"] if args.quality else [])):
-                    r = bench_ingest(
-                        url, encoding, args.tensors, args.steps_per_batch, args.batches, args.senders
-                    )
-                    results["ingest"][f"{backend}/{encoding}"] = r
-                    print(
-                        f"  ingest {backend:10s} {encoding:6s} {r['values_per_s']:>12,.0f} values/s",
-                        flush=True,
-                    )
-                if not args.skip_heatmap:
-                    r = bench_heatmap(url, db_url, args.tensors, args.heatmap_steps, quality=args.quality)
-                    results["heatmap"][backend] = r
-                    print(
-                        f"  heatmap {backend:10s} amax {r['amax_full']['median_ms']:.1f} ms median",
-                        flush=True,
-                    )
 
+def measure_backend(backend: str, db_url: str, args: argparse.Namespace, results: dict) -> None:
+    """Ingest in every encoding, then (unless skipped) the heatmap, against one backend's server; each
+    result goes into `results` as it comes and is printed."""
+    with running_server(db_url) as srv:
+        url = srv.url
+        for encoding in ("packed", "json", *(["packed+quality"] if args.quality else [])):
+            r = bench_ingest(url, encoding, args.tensors, args.steps_per_batch, args.batches, args.senders)
+            results["ingest"][f"{backend}/{encoding}"] = r
+            print(f"  ingest {backend:10s} {encoding:6s} {r['values_per_s']:>12,.0f} values/s", flush=True)
+        if not args.skip_heatmap:
+            r = bench_heatmap(url, db_url, args.tensors, args.heatmap_steps, quality=args.quality)
+            results["heatmap"][backend] = r
+            print(f"  heatmap {backend:10s} amax {r['amax_full']['median_ms']:.1f} ms median", flush=True)
+
+
+def print_tables(args: argparse.Namespace, results: dict) -> None:
+    """The ingest table and (when measured) the heatmap table."""
     print()
     print(
         f"ingest: {args.tensors} tensors x 6 statistics x {args.steps_per_batch} steps per batch, "
@@ -306,33 +285,59 @@ def main() -> int:
             f"{backend:<12}{encoding:<16}{r['values_per_s']:>14,.0f}{r['steps_per_s']:>10,.0f}"
             f"{r['batch_latency_median_ms']:>14.1f}{r['batch_bytes'] / 1e6:>10.2f}"
         )
-    if results["heatmap"]:
-        print()
-        print(f"heatmap: {args.tensors} tensors x {args.heatmap_steps:,} steps, max_cols=1000, median of 9")
-        print(
-            f"{'backend':<12}{'query':<18}{'median ms':>10}{'min ms':>9}{'columns':>9}{'width':>7}"
-            f"{'fill values/s':>15}"
-        )
-        for backend, r in results["heatmap"].items():
-            for name in ("amax_full", "headroom_full", "amax_last_5000", "sqnr_full"):
-                if name not in r:
-                    continue
-                q = r[name]
-                print(
-                    f"{backend:<12}{name:<18}{q['median_ms']:>10.1f}{q['min_ms']:>9.1f}{q['columns']:>9}"
-                    f"{q['bucket_width']:>7}{r['fill_values_per_s']:>15,.0f}"
-                )
+    if not results["heatmap"]:
+        return
+    print()
+    print(f"heatmap: {args.tensors} tensors x {args.heatmap_steps:,} steps, max_cols=1000, median of 9")
+    print(
+        f"{'backend':<12}{'query':<18}{'median ms':>10}{'min ms':>9}{'columns':>9}{'width':>7}"
+        f"{'fill values/s':>15}"
+    )
+    for backend, r in results["heatmap"].items():
+        for name in ("amax_full", "headroom_full", "amax_last_5000", "sqnr_full"):
+            if name not in r:
+                continue
+            q = r[name]
+            print(
+                f"{backend:<12}{name:<18}{q['median_ms']:>10.1f}{q['min_ms']:>9.1f}{q['columns']:>9}"
+                f"{q['bucket_width']:>7}{r['fill_values_per_s']:>15,.0f}"
+            )
+
+
+def goals(results: dict) -> dict[str, bool | None]:
+    """SQLite's packed ingest rate and its heatmap median against the goals (None: not measured)."""
     sqlite_ingest = results["ingest"].get("sqlite/packed", {}).get("values_per_s", 0)
     sqlite_heatmap = results["heatmap"].get("sqlite", {}).get("amax_full", {}).get("median_ms")
-    results["goals"] = {
+    return {
         "sqlite_ingest_values_per_s>=1e6": sqlite_ingest >= 1e6,
         "sqlite_heatmap_median_ms<=150": None if sqlite_heatmap is None else sqlite_heatmap <= 150,
     }
+
+
+def main() -> int:
+    args = parse_args()
+    backends = [b for b in args.backends.split(",") if not (args.skip_pg and b == "postgresql")]
+    results: dict = {
+        "machine": machine_info(),
+        "params": vars(args) | {"out": str(args.out)},
+        "ingest": {},
+        "heatmap": {},
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        for backend in backends:
+            ctx = (
+                fresh_pg_database(PG_URL, "fp8scope_bench")
+                if backend == "postgresql"
+                else contextlib.nullcontext(f"sqlite:///{tmp}/bench.db")
+            )
+            with ctx as db_url:
+                measure_backend(backend, db_url, args, results)
+    print_tables(args, results)
+    results["goals"] = goals(results)
     print()
     print("goals:", json.dumps(results["goals"]))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
+    write_json(args.out, results)
+    print(f"wrote {shown_path(args.out)}")
     return 0
 
 

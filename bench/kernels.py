@@ -40,16 +40,16 @@ its time per call: the GPU waited on the host.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import platform
 import statistics
 import sys
 from collections import deque
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
+from gpu_common import device_name, failure, meta_head, print_goals, write_json
 from gpu_timing import calls_per_sample, goal, ms_per_call, ms_per_call_and_host
 
 from fp8_kernels import fp8_gpu, new_stats
@@ -239,7 +239,20 @@ def bench_size(n: int, impls: dict, fp8, device, reps: int, l2_bytes: int, smoke
     return row
 
 
-def main(argv: list[str] | None = None) -> int:
+class Plan(NamedTuple):
+    """Where and what a run measures: the device, the tensor sizes, samples per size, torch.compile's
+    backend, the copy reference's buffer size and the L2 size the rotating inputs must outgrow."""
+
+    device: torch.device
+    sizes: list[int]
+    reps: int
+    backend: str
+    copy_bytes: int
+    l2_bytes: int
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line (``--help`` shows the module's docstring)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--min-exp", type=int, default=20)
     p.add_argument("--max-exp", type=int, default=28)
@@ -249,90 +262,94 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-torchao", action="store_true", help="leave the torchao baseline out")
     p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU under TRITON_INTERPRET=1")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "kernels.json"))
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
 
-    if a.smoke:
-        if "triton" not in sys.modules:
-            os.environ["TRITON_INTERPRET"] = "1"  # must precede the first triton import
-        elif os.environ.get("TRITON_INTERPRET") != "1":
-            print("--smoke: triton is already imported without TRITON_INTERPRET=1", file=sys.stderr)
-            return 2
-        device, sizes, reps, backend = torch.device("cpu"), [2**10, 2**12], 2, "eager"
-        copy_bytes, l2_bytes = 2**20, 0
-    else:
-        if not fp8_gpu():
-            print("bench/kernels.py: needs a CUDA GPU with FP8 support (sm_89+); none here, nothing measured")
-            return 0
-        device, reps, backend = torch.device("cuda"), a.reps, "inductor"
-        sizes = [2**e for e in range(a.min_exp, a.max_exp + 1, a.step_exp)]
-        copy_bytes = COPY_BYTES
-        l2_bytes = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 * 2**20)
 
-    import triton
+def smoke_plan() -> Plan | None:
+    """The smoke run's plan: tiny sizes on the CPU under Triton's interpreter, which must be switched on
+    before triton's first import; ``None`` (said on stderr) where triton came in without it already."""
+    if "triton" not in sys.modules:
+        os.environ["TRITON_INTERPRET"] = "1"  # must precede the first triton import
+    elif os.environ.get("TRITON_INTERPRET") != "1":
+        print("--smoke: triton is already imported without TRITON_INTERPRET=1", file=sys.stderr)
+        return None
+    return Plan(torch.device("cpu"), [2**10, 2**12], 2, "eager", 2**20, 0)
 
+
+def gpu_plan(a: argparse.Namespace) -> Plan:
+    """The measurement's plan on the CUDA GPU: the requested sizes, compiled by inductor."""
+    device = torch.device("cuda")
+    sizes = [2**e for e in range(a.min_exp, a.max_exp + 1, a.step_exp)]
+    l2_bytes = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 * 2**20)
+    return Plan(device, sizes, a.reps, "inductor", COPY_BYTES, l2_bytes)
+
+
+def allow_recompiles() -> None:
+    """Room for one torch.compile compilation per size: each size may compile afresh, more often than
+    dynamo's default limit allows."""
     dynamo = torch._dynamo.config
-    for knob in ("recompile_limit", "cache_size_limit"):  # one compilation per size at most
+    for knob in ("recompile_limit", "cache_size_limit"):
         if hasattr(dynamo, knob):
             setattr(dynamo, knob, max(64, getattr(dynamo, knob)))
-    fp8 = FORMATS[a.format]
-    impls, torchao_missing = build_impls(fp8, backend, not a.no_torchao, width=32 if a.smoke else 1024)
+
+
+def probe_torchao(impls: dict, device: torch.device, why_not: str) -> str:
+    """Drop torchao from ``impls`` where it imports but does not run with this torch (the others are still
+    measured); returns why it is missing, updated."""
     if "torchao" in impls:
-        try:  # a torchao that imports but does not run with this torch: measure the others
+        try:
             probe = torch.randn(2**12, device=device).to(torch.bfloat16)
             impls["torchao"](probe, torch.tensor(2.0, device=device), None)
         except Exception as e:
             del impls["torchao"]
-            torchao_missing = f"failed ({type(e).__name__}: {e})"
-    copy_gbps = copy_bandwidth(copy_bytes, device, max(reps, 5), a.smoke)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    print(
-        f"fused quantize+stats, bf16 -> {a.format}, {name}, copy bandwidth {copy_gbps:.0f} GB/s "
-        f"({copy_bytes / 2**30:g} GiB buffers); median of {reps} samples of back-to-back calls"
-        + (" (smoke: interpreter, not a measurement)" if a.smoke else "")
+            return failure(e)
+    return why_not
+
+
+def table_columns(impls: dict) -> list[str]:
+    """The implementations in the table's order: the fused kernels first, then their references."""
+    order = (
+        *("triton", "triton-base", "triton+T", "triton-pipe", "triton+T-pipe"),
+        *("eager", "eager+T", "compile", "torchao", "copy"),
     )
-    if "torchao" not in impls:
-        print(f"torchao baseline: not measured ({torchao_missing})")
-    cols = [
-        c
-        for c in (
-            *("triton", "triton-base", "triton+T", "triton-pipe", "triton+T-pipe"),
-            *("eager", "eager+T", "compile", "torchao", "copy"),
-        )
-        if c in impls
-    ]
+    return [c for c in order if c in impls]
+
+
+def print_header(cols: list[str], with_torchao: bool) -> None:
+    """The table's head: GB/s and fraction of copy per implementation, then the fused kernel's ratios."""
     header = f"{'numel':>10} " + " ".join(f"{c + ' GB/s':>13} {'%copy':>5}" for c in cols)
     header += f" {'x base':>6} {'x eager':>7} {'xT eager':>8} {'x compile':>9}"
-    print(header + (" x torchao" if "torchao" in impls else ""))
-    rows = []
-    for n in sizes:
-        row = bench_size(n, impls, fp8, device, reps, l2_bytes, a.smoke)
-        for impl in impls:
-            row[impl]["fraction_of_copy"] = row[impl]["gbps"] / copy_gbps
-        row["speedup_vs_eager"] = row["eager"]["ms"] / row["triton"]["ms"]
-        row["base_over_full"] = row["triton-base"]["ms"] / row["triton"]["ms"]
-        row["speedup_T_vs_eager_T"] = row["eager+T"]["ms"] / row["triton+T"]["ms"]
-        row["speedup_vs_compile"] = row["compile"]["ms"] / row["triton"]["ms"]
-        if "torchao" in impls:
-            row["speedup_vs_torchao"] = row["torchao"]["ms"] / row["triton"]["ms"]
-        rows.append(row)
-        line = f"{n:>10} " + " ".join(
-            f"{row[c]['gbps']:13.1f} {row[c]['fraction_of_copy']:5.0%}" for c in cols
-        )
-        line += (
-            f" {row['base_over_full']:6.2f} {row['speedup_vs_eager']:7.2f} {row['speedup_T_vs_eager_T']:8.2f}"
-        )
-        line += f" {row['speedup_vs_compile']:9.2f}"
-        if "torchao" in impls:
-            line += f" {row['speedup_vs_torchao']:9.2f}"
-        print(line + ("  launch-bound" if row["launch_bound"] else ""), flush=True)
-    if any(r["launch_bound"] for r in rows):
-        print(
-            f"launch-bound: the host took at least {LAUNCH_BOUND:.0%} of the fused kernel's time per call to "
-            "issue it (triton or triton+T), so the GPU waited for launches: those rows' GB/s measure the "
-            "launcher, not bandwidth"
-        )
-    big = rows[-1]
-    goals = {
+    print(header + (" x torchao" if with_torchao else ""))
+
+
+def add_ratios(row: dict, impls: dict, copy_gbps: float) -> None:
+    """Each implementation's fraction of the copy bandwidth, and the fused kernel's speed-ups over the
+    references (``base_over_full``: what the quality statistics cost)."""
+    for impl in impls:
+        row[impl]["fraction_of_copy"] = row[impl]["gbps"] / copy_gbps
+    row["speedup_vs_eager"] = row["eager"]["ms"] / row["triton"]["ms"]
+    row["base_over_full"] = row["triton-base"]["ms"] / row["triton"]["ms"]
+    row["speedup_T_vs_eager_T"] = row["eager+T"]["ms"] / row["triton+T"]["ms"]
+    row["speedup_vs_compile"] = row["compile"]["ms"] / row["triton"]["ms"]
+    if "torchao" in impls:
+        row["speedup_vs_torchao"] = row["torchao"]["ms"] / row["triton"]["ms"]
+
+
+def print_row(row: dict, cols: list[str]) -> None:
+    """One size's line, printed as soon as it is measured."""
+    line = f"{row['numel']:>10} " + " ".join(
+        f"{row[c]['gbps']:13.1f} {row[c]['fraction_of_copy']:5.0%}" for c in cols
+    )
+    line += f" {row['base_over_full']:6.2f} {row['speedup_vs_eager']:7.2f} {row['speedup_T_vs_eager_T']:8.2f}"
+    line += f" {row['speedup_vs_compile']:9.2f}"
+    if "speedup_vs_torchao" in row:
+        line += f" {row['speedup_vs_torchao']:9.2f}"
+    print(line + ("  launch-bound" if row["launch_bound"] else ""), flush=True)
+
+
+def kernel_goals(big: dict) -> dict:
+    """The goals at the largest size: the fused kernels near the copy bandwidth and well ahead of eager."""
+    return {
         "triton_80pct_of_copy": goal(big["triton"]["fraction_of_copy"], 0.8, "fused kernel / copy bandwidth"),
         "triton_T_80pct_of_copy": goal(
             big["triton+T"]["fraction_of_copy"], 0.8, "fused kernel + transpose, fraction of copy"
@@ -340,12 +357,11 @@ def main(argv: list[str] | None = None) -> int:
         "triton_2x_eager": goal(big["speedup_vs_eager"], 2.0, "fused kernel vs eager reference"),
         "triton_T_2x_eager": goal(big["speedup_T_vs_eager_T"], 2.0, "fused + transpose vs eager + transpose"),
     }
-    correct = all(big["stats_match_eager"].values()) and all((big["bits_match_eager"] or {}).values())
-    print(f"goals at {big['numel']} elements{' (smoke: not a measurement)' if a.smoke else ''}:")
-    for key, g in goals.items():
-        verdict = "met" if g["met"] else "NOT met"
-        print(f"  {key:<24} {g['value']:8.2f} (target >= {g['target']:g}): {verdict}")
-    summary = (
+
+
+def summarise(big: dict, copy_gbps: float, correct: bool) -> str:
+    """The one-line summary scripts/gpu-check.sh shows, at the largest size."""
+    return (
         f"2^{int(math.log2(big['numel']))}: triton {big['triton']['gbps']:.0f} GB/s "
         f"({big['triton']['fraction_of_copy']:.0%} of copy {copy_gbps:.0f}), "
         f"+T {big['triton+T']['fraction_of_copy']:.0%}, "
@@ -354,38 +370,83 @@ def main(argv: list[str] | None = None) -> int:
         f"+T {big['triton+T-pipe']['fraction_of_copy']:.0%}; "
         f"x eager {big['speedup_vs_eager']:.2f}, "
         f"+T x eager {big['speedup_T_vs_eager_T']:.2f}"
-        + (f", x torchao {big['speedup_vs_torchao']:.2f}" if "torchao" in impls else ", torchao n/a")
+        + (f", x torchao {big['speedup_vs_torchao']:.2f}" if "speedup_vs_torchao" in big else ", torchao n/a")
         + ("; launch-bound" if big["launch_bound"] else "")
         + ("" if correct else "; STATISTICS/BITS DIFFER FROM EAGER")
     )
-    meta = {
-        "device": name,
-        "device_type": device.type,
-        "smoke": a.smoke,
-        "torch": torch.__version__,
+
+
+def run_meta(a: argparse.Namespace, plan: Plan, copy_gbps: float, torchao: str | None) -> dict:
+    """What was run, where, and how it was timed: the JSON's ``meta``."""
+    import triton
+
+    return {
+        **meta_head(plan.device, a.smoke),
         "triton": triton.__version__,
         "input_dtype": "bfloat16",
         "fp8_format": a.format,
         "copy_gbps": copy_gbps,
-        "copy_bytes": copy_bytes,
-        "l2_bytes": l2_bytes,
-        "reps": reps,
-        "compile_backend": backend,
-        "torchao": None if "torchao" in impls else torchao_missing,
+        "copy_bytes": plan.copy_bytes,
+        "l2_bytes": plan.l2_bytes,
+        "reps": plan.reps,
+        "compile_backend": plan.backend,
+        "torchao": torchao,
         "timing": "median over samples of N back-to-back calls between one CUDA event pair, divided by N; "
         "inputs rotated over buffers totalling >= 4x L2, outputs kept alive",
         "launch_bound": f"a row where triton's or triton+T's host time per call (host_ms: the loop issuing a "
         f"sample's calls) is >= {LAUNCH_BOUND:g}x its time per call: the GPU waited on the host, and the "
         "row's GB/s measure the launcher, not bandwidth",
     }
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {"meta": meta, "goals": goals, "correct": correct, "summary": summary, "rows": rows}, indent=2
-        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    if a.smoke:
+        plan = smoke_plan()
+        if plan is None:
+            return 2
+    elif not fp8_gpu():
+        print("bench/kernels.py: needs a CUDA GPU with FP8 support (sm_89+); none here, nothing measured")
+        return 0
+    else:
+        plan = gpu_plan(a)
+    device, reps = plan.device, plan.reps
+
+    allow_recompiles()
+    fp8 = FORMATS[a.format]
+    impls, torchao_missing = build_impls(fp8, plan.backend, not a.no_torchao, width=32 if a.smoke else 1024)
+    torchao_missing = probe_torchao(impls, device, torchao_missing)
+    copy_gbps = copy_bandwidth(plan.copy_bytes, device, max(reps, 5), a.smoke)
+    print(
+        f"fused quantize+stats, bf16 -> {a.format}, {device_name(device)}, "
+        f"copy bandwidth {copy_gbps:.0f} GB/s "
+        f"({plan.copy_bytes / 2**30:g} GiB buffers); median of {reps} samples of back-to-back calls"
+        + (" (smoke: interpreter, not a measurement)" if a.smoke else "")
     )
-    print(f"wrote {out}")
+    if "torchao" not in impls:
+        print(f"torchao baseline: not measured ({torchao_missing})")
+    cols = table_columns(impls)
+    print_header(cols, "torchao" in impls)
+    rows = []
+    for n in plan.sizes:
+        row = bench_size(n, impls, fp8, device, reps, plan.l2_bytes, a.smoke)
+        add_ratios(row, impls, copy_gbps)
+        rows.append(row)
+        print_row(row, cols)
+    if any(r["launch_bound"] for r in rows):
+        print(
+            f"launch-bound: the host took at least {LAUNCH_BOUND:.0%} of the fused kernel's time per call to "
+            "issue it (triton or triton+T), so the GPU waited for launches: those rows' GB/s measure the "
+            "launcher, not bandwidth"
+        )
+    big = rows[-1]
+    goals = kernel_goals(big)
+    correct = all(big["stats_match_eager"].values()) and all((big["bits_match_eager"] or {}).values())
+    print(f"goals at {big['numel']} elements{' (smoke: not a measurement)' if a.smoke else ''}:")
+    print_goals(goals, 24, "8.2f")
+    meta = run_meta(a, plan, copy_gbps, None if "torchao" in impls else torchao_missing)
+    summary = summarise(big, copy_gbps, correct)
+    write_json(a.out, {"meta": meta, "goals": goals, "correct": correct, "summary": summary, "rows": rows})
     return 0
 
 

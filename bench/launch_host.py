@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
-import platform
 import statistics
 import sys
 import time
@@ -43,6 +41,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from bench.common import write_report  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 
@@ -175,26 +175,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['saved_us']:7.1f}"
         )
         lines.append(f"{r['launcher']:40} {cells}")
-    summary = "\n".join(lines)
-    print(f"bf16 {shape[0]}x{shape[1]}, kernels recorded (no device), median of {args.rounds} rounds")
-    print(summary)
-    data = {
-        "meta": {
-            "smoke": args.smoke,
-            "shape": list(shape),
-            "calls": args.calls,
-            "rounds": args.rounds,
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "machine": platform.machine(),
-        },
-        "rows": rows,
-        "summary": summary,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(data, indent=2))
-    print(f"wrote {args.out}")
-    return 0
+    heading = f"bf16 {shape[0]}x{shape[1]}, kernels recorded (no device), median of {args.rounds} rounds"
+    meta = {"smoke": args.smoke, "shape": list(shape), "calls": args.calls, "rounds": args.rounds}
+    return write_report(args.out, heading, lines, rows, meta)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ Goal: both ratios <= 1.02 on the CPU.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -34,28 +33,20 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import TinyGPTJob, modes_parser, warm_up, write_json  # noqa: E402
 from bench.interleaved import interleave  # noqa: E402
-from fp8_trainer import convert_to_fp8, fp8_autocast, tensor_table  # noqa: E402
-from fp8_trainer.app.data import ByteCorpus  # noqa: E402
-from fp8_trainer.app.model import GPT, PRESETS, fp8_filter  # noqa: E402
+from fp8_trainer import fp8_autocast, tensor_table  # noqa: E402
 from fp8_trainer.monitor import Monitor  # noqa: E402
-from fp8_trainer.recipe import DelayedScaling  # noqa: E402
 from tests.support.server import free_port, running_server  # noqa: E402
 
 MODES = ("off", "on", "dead")
 
 
-class Job:
+class Job(TinyGPTJob):
     """One mode's model, optimizer, data stream and (optional) monitor."""
 
     def __init__(self, mode: str, url: str | None, spool_dir: Path, args: argparse.Namespace):
-        torch.manual_seed(0)
-        self.recipe = DelayedScaling()
-        self.model = GPT(PRESETS["tiny"])
-        convert_to_fp8(self.model, recipe=self.recipe, module_filter_fn=fp8_filter)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
-        self.corpus = ByteCorpus(seed=0)
-        self.args = args
+        super().__init__(args)
         self.step_no = 0
         self.monitor = None
         if url is not None:
@@ -71,7 +62,7 @@ class Job:
 
     def step(self) -> float:
         t0 = time.perf_counter()
-        x, y = self.corpus.batch("train", self.args.batch_size, self.args.seq_len)
+        x, y = self.batch()
         with fp8_autocast(fp8_recipe=self.recipe):
             _, loss = self.model(x, y)
         loss.backward()  # the FP8 step (history, scales, statistics) closes when backward ends
@@ -85,13 +76,8 @@ class Job:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=8)
-    p.add_argument("--block", type=int, default=15, help="steps per mode per round")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps per mode first")
+    p = modes_parser(__doc__, rounds=8, block=15, warmup=5, batch_size=16)
     p.add_argument("--pause", type=float, default=1.0, help="seconds between blocks (untimed)")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--flush-interval", type=float, default=None, help="the Monitor's (default: its own, 1 s)")
     args = p.parse_args()
 
@@ -99,9 +85,7 @@ def main() -> None:
         spool = Path(tmp)
         urls = {"off": None, "on": server.url, "dead": f"http://127.0.0.1:{free_port()}"}
         jobs = {m: Job(m, urls[m], spool, args) for m in MODES}
-        for job in jobs.values():
-            for _ in range(args.warmup):
-                job.step()
+        warm_up(jobs.values(), args.warmup)
         time.sleep(args.pause)
         timings = interleave({m: jobs[m].step for m in MODES}, args.rounds, args.block, pause=args.pause)
         times = timings.steps
@@ -126,24 +110,18 @@ def main() -> None:
         f"goal: on/off and dead/off <= 1.02 -> paired on {paired['on']:.3f}, dead {paired['dead']:.3f}; "
         f"overall on {mean['on'] / mean['off']:.3f}, dead {mean['dead'] / mean['off']:.3f}"
     )
-    out = ROOT / "bench" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "overhead.json").write_text(
-        json.dumps(
-            {
-                "machine": platform.platform(),
-                "torch_threads": torch.get_num_threads(),
-                "args": vars(args),
-                "tensors": n_tensors,
-                "median_ms": {m: med[m] * 1e3 for m in MODES},
-                "mean_ms": {m: mean[m] * 1e3 for m in MODES},
-                "ratio_mean": {m: mean[m] / mean["off"] for m in MODES},
-                "ratio_paired_median": paired,
-                "step_times_s": times,
-            },
-            indent=1,
-        )
-    )
+    result = {
+        "machine": platform.platform(),
+        "torch_threads": torch.get_num_threads(),
+        "args": vars(args),
+        "tensors": n_tensors,
+        "median_ms": {m: med[m] * 1e3 for m in MODES},
+        "mean_ms": {m: mean[m] * 1e3 for m in MODES},
+        "ratio_mean": {m: mean[m] / mean["off"] for m in MODES},
+        "ratio_paired_median": paired,
+        "step_times_s": times,
+    }
+    write_json(ROOT / "bench" / "results" / "overhead.json", result, indent=1)
 
 
 if __name__ == "__main__":

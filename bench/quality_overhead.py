@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import platform
 import statistics
@@ -40,35 +39,28 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import TinyGPTJob, modes_parser, print_load_average, warm_up, write_json  # noqa: E402
 from bench.interleaved import interleave  # noqa: E402
 from fp8_kernels import has_kernel, reference_kernels  # noqa: E402
-from fp8_trainer import convert_to_fp8, fp8_autocast, tensor_table  # noqa: E402
-from fp8_trainer.app.data import ByteCorpus  # noqa: E402
-from fp8_trainer.app.model import GPT, PRESETS, fp8_filter  # noqa: E402
+from fp8_trainer import fp8_autocast, tensor_table  # noqa: E402
 from fp8_trainer.convert import get_fp8_state  # noqa: E402
-from fp8_trainer.recipe import DelayedScaling  # noqa: E402
 
 MODES = ("base", "quality")
 REFERENCE_MODES = ("base-ref", "quality-ref")
 
 
-class Job:
-    """One mode's model, optimizer and data stream."""
+class Job(TinyGPTJob):
+    """One mode's model (quality statistics on or off, the fused kernel or the references), optimizer and
+    data stream."""
 
     def __init__(self, mode: str, args: argparse.Namespace):
-        torch.manual_seed(0)
-        self.recipe = DelayedScaling()
-        self.model = GPT(PRESETS["tiny"])
-        convert_to_fp8(self.model, recipe=self.recipe, module_filter_fn=fp8_filter)
+        super().__init__(args)
         get_fp8_state(self.model).set_quality_stats(mode.startswith("quality"))
         self.reference = mode.endswith("-ref")  # the PyTorch references instead of the CPU's fused kernel
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
-        self.corpus = ByteCorpus(seed=0)
-        self.args = args
 
     def step(self) -> float:
         t0 = time.perf_counter()
-        x, y = self.corpus.batch("train", self.args.batch_size, self.args.seq_len)
+        x, y = self.batch()
         with use_kernels(not self.reference):
             with fp8_autocast(fp8_recipe=self.recipe):
                 _, loss = self.model(x, y)
@@ -90,12 +82,7 @@ def use_kernels(enabled: bool):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--block", type=int, default=10, help="steps per mode per round")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps per mode first")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=64)
+    p = modes_parser(__doc__, rounds=10, block=10, warmup=5, batch_size=16)
     p.add_argument(
         "--reference",
         action="store_true",
@@ -107,9 +94,7 @@ def main() -> None:
     modes = MODES + (REFERENCE_MODES if args.reference else ())
     fused = has_kernel("quantize", "cpu")  # builds the fused CPU kernel now, outside the timed steps
     jobs = {m: Job(m, args) for m in modes}
-    for job in jobs.values():
-        for _ in range(args.warmup):
-            job.step()
+    warm_up(jobs.values(), args.warmup)
     widths = {m: get_fp8_state(jobs[m].model).last_stats.shape[1] for m in modes}
     assert all(widths[m] == (10 if m.startswith("quality") else 6) for m in modes), widths  # as they say
     timings = interleave({m: jobs[m].step for m in modes}, args.rounds, args.block)
@@ -141,28 +126,22 @@ def main() -> None:
         for a, b in (("quality-ref", "base-ref"), ("base", "base-ref"), ("quality", "quality-ref")):
             ratios[f"{a}/{b}"] = paired(a, b)
             print(f"{a}/{b}: paired {ratios[f'{a}/{b}']:.3f}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "machine": platform.platform(),
-                "torch_threads": torch.get_num_threads(),
-                "args": vars(args),
-                "fused_cpu_kernel": fused,
-                "load_average": os.getloadavg(),
-                "tensors": n_tensors,
-                "median_ms": {m: med[m] * 1e3 for m in modes},
-                "mean_ms": {m: mean[m] * 1e3 for m in modes},
-                "ratio_paired_median": ratio,
-                "ratios_paired_median": ratios,
-                "ratio_mean": overall,
-                "step_times_s": times,
-            },
-            indent=1,
-        )
-    )
-    print(f"load average (1, 5, 15 min) at the end: {', '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    result = {
+        "machine": platform.platform(),
+        "torch_threads": torch.get_num_threads(),
+        "args": vars(args),
+        "fused_cpu_kernel": fused,
+        "load_average": os.getloadavg(),
+        "tensors": n_tensors,
+        "median_ms": {m: med[m] * 1e3 for m in modes},
+        "mean_ms": {m: mean[m] * 1e3 for m in modes},
+        "ratio_paired_median": ratio,
+        "ratios_paired_median": ratios,
+        "ratio_mean": overall,
+        "step_times_s": times,
+    }
+    write_json(Path(args.out), result, indent=1)
+    print_load_average()
 
 
 if __name__ == "__main__":

@@ -48,8 +48,6 @@ clean FP8 run itself ends 13.7% above its float32 twin; lowprec comes closer wit
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import signal
 import subprocess
@@ -65,6 +63,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import cases_of, seeded_parser, seeds_of, write_json  # noqa: E402
 from bench.replay_verdicts import LAYER, TRAIN, counting_corpus  # noqa: E402  (the same runs' settings)
 from fp8_trainer.app.cli import EXIT_INTERRUPTED  # noqa: E402
 from fp8_trainer.monitor.read import Reader  # noqa: E402
@@ -302,20 +301,20 @@ def print_table(rows: list[dict[str, Any]], s: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--smoke", action="store_true", help="one seed, lowprec (act, until checked, and twin)")
-    p.add_argument("--seeds", type=int, default=None, help="seeds (default 3; --smoke: 1)")
-    p.add_argument("--only", help=f"comma-separated faults (default {','.join(DEFAULT)}; also gradspike)")
+    p = seeded_parser(
+        __doc__,
+        "remediation.json",
+        small="--smoke",
+        small_help="one seed, lowprec (act, until checked, and twin)",
+        seeds_help="seeds (default 3; --smoke: 1)",
+        only_help=f"comma-separated faults (default {','.join(DEFAULT)}; also gradspike)",
+    )
     p.add_argument(
         "--steps", type=int, default=None, help=f"steps per run (default {STEPS}; --smoke {SMOKE_STEPS})"
     )
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "remediation.json")
     args = p.parse_args()
-    seeds = list(range(args.seeds or (1 if args.smoke else 3)))
-    kinds = args.only.split(",") if args.only else list(SMOKE if args.smoke else DEFAULT)
-    unknown = [k for k in kinds if k not in FAULTS]
-    if unknown:
-        p.error(f"--only: unknown faults {unknown}; choose from {list(FAULTS)}")
+    seeds = seeds_of(args, args.smoke)
+    kinds = cases_of(p, args.only, SMOKE if args.smoke else DEFAULT, FAULTS, "faults")
     steps = args.steps or (SMOKE_STEPS if args.smoke else STEPS)
     work = Path(tempfile.mkdtemp(prefix="fp8scope-bench-remediation-"))
     corpus = counting_corpus(work / "count.txt")
@@ -355,8 +354,7 @@ def main() -> None:
         f"policies, {s['off_within']}/{s['off_runs']} without; {s['healthy_actions']} actions on "
         f"{s['healthy_runs']} healthy runs; {s['audited']}/{s['actions']} actions audited",
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2))
+    write_json(args.out, out)
     print(f"wrote {args.out} ({seconds:.0f} s)")
 
 

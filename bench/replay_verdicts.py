@@ -49,8 +49,6 @@ the run's own loss spike (steps 33 and 26) opened, within the service's incident
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import subprocess
 import sys
@@ -65,6 +63,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import cases_of, seeded_parser, seeds_of, write_json  # noqa: E402
 from tests.support.server import ServerProcess  # noqa: E402  (the tests' `fp8-monitor serve` launcher)
 
 API = "/api/v1"
@@ -247,17 +246,17 @@ def print_table(rows: list[dict[str, Any]], s: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--smoke", action="store_true", help="one seed, two faults (saturate, lr-spike)")
-    p.add_argument("--seeds", type=int, default=None, help="seeds per fault (default 3; --smoke: 1)")
-    p.add_argument("--only", help="comma-separated fault kinds (default: all; --smoke: saturate,lr-spike)")
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "replay_verdicts.json")
+    p = seeded_parser(
+        __doc__,
+        "replay_verdicts.json",
+        small="--smoke",
+        small_help="one seed, two faults (saturate, lr-spike)",
+        seeds_help="seeds per fault (default 3; --smoke: 1)",
+        only_help="comma-separated fault kinds (default: all; --smoke: saturate,lr-spike)",
+    )
     args = p.parse_args()
-    seeds = list(range(args.seeds or (1 if args.smoke else 3)))
-    kinds = args.only.split(",") if args.only else list(SMOKE if args.smoke else FAULTS)
-    unknown = [k for k in kinds if k not in FAULTS]
-    if unknown:
-        p.error(f"--only: unknown fault kinds {unknown}; choose from {list(FAULTS)}")
+    seeds = seeds_of(args, args.smoke)
+    kinds = cases_of(p, args.only, SMOKE if args.smoke else FAULTS, FAULTS, "fault kinds")
     work = Path(tempfile.mkdtemp(prefix="fp8scope-bench-replay-"))
     corpus = counting_corpus(work / "count.txt")
     started = time.monotonic()
@@ -286,8 +285,7 @@ def main() -> None:
         "summary": f"replay verdicts: {s['right']}/{s['runs']} right, FP8-caused culprit first "
         f"{s['fp8_culprit_first']}/{s['fp8_runs']}",
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2))
+    write_json(args.out, out)
     print(f"wrote {args.out} ({seconds:.0f} s)")
 
 

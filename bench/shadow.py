@@ -29,7 +29,6 @@ quantize kernel (not measured here: no GPU).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -41,29 +40,24 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import TinyGPTJob, modes_parser, warm_up, write_json  # noqa: E402
 from fp8_trainer import step_stats  # noqa: E402
-from fp8_trainer.app.data import ByteCorpus  # noqa: E402
-from fp8_trainer.app.model import GPT, PRESETS, fp8_filter  # noqa: E402
-from fp8_trainer.recipe import DelayedScaling  # noqa: E402
+from fp8_trainer.app.model import fp8_filter  # noqa: E402
 from fp8_trainer.shadow import shadow  # noqa: E402
 
 MODES = ("plain", "shadow")
 
 
-class Job:
+class Job(TinyGPTJob):
+    """One mode's model (not in FP8; in `shadow` mode with the what-if statistics), optimizer and data."""
+
     def __init__(self, mode: str, args: argparse.Namespace):
-        torch.manual_seed(0)
-        self.device = torch.device(args.device)
-        self.model = GPT(PRESETS["tiny"]).to(self.device)
+        super().__init__(args, fp8=False, device=args.device)
         if mode == "shadow":
-            shadow(self.model, DelayedScaling(), module_filter_fn=fp8_filter)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
-        self.corpus = ByteCorpus(seed=0)
-        self.args = args
+            shadow(self.model, self.recipe, module_filter_fn=fp8_filter)
 
     def step(self) -> torch.Tensor:
-        x, y = self.corpus.batch("train", self.args.batch_size, self.args.seq_len)
-        x, y = x.to(self.device), y.to(self.device)
+        x, y = self.batch()
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
             _, loss = self.model(x, y)
         loss.backward()
@@ -78,20 +72,13 @@ def _sync(device: torch.device) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--block", type=int, default=10, help="steps per mode per round")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=64)
+    p = modes_parser(__doc__, rounds=6, block=10, warmup=3, batch_size=16)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads on the CPU")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     jobs = {mode: Job(mode, args) for mode in MODES}
-    for job in jobs.values():
-        for _ in range(args.warmup):
-            job.step()
+    warm_up(jobs.values(), args.warmup)
     clocks = {"wall": time.perf_counter, "cpu": time.process_time}
     times = {c: {m: [] for m in MODES} for c in clocks}
     ratios = {c: [] for c in clocks}
@@ -132,9 +119,7 @@ def main() -> None:
     for c in clocks:
         overall, paired = result["ratio_overall"][c], result["ratio_paired"][c]
         print(f"shadow/plain ({c}): {overall:.3f} overall, {paired:.3f} paired by round")
-    out = ROOT / "bench" / "results" / "shadow.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    write_json(ROOT / "bench" / "results" / "shadow.json", result)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ writes bench/results/weight_cache.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -33,34 +32,26 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import TinyGPTJob, modes_parser, print_load_average, warm_up, write_json  # noqa: E402
 from bench.interleaved import interleave  # noqa: E402
-from fp8_trainer import convert_to_fp8, fp8_autocast  # noqa: E402
-from fp8_trainer.app.data import ByteCorpus  # noqa: E402
-from fp8_trainer.app.model import GPT, PRESETS, fp8_filter  # noqa: E402
+from fp8_trainer import fp8_autocast  # noqa: E402
 from fp8_trainer.convert import get_fp8_state  # noqa: E402
-from fp8_trainer.recipe import DelayedScaling  # noqa: E402
 
 MODES = ("cached", "uncached")
 
 
-class Job:
-    """One mode's model, optimizer and data stream."""
+class Job(TinyGPTJob):
+    """One mode's model (its weight cache on or off), optimizer and data stream."""
 
     def __init__(self, mode: str, args: argparse.Namespace):
-        torch.manual_seed(0)
-        self.recipe = DelayedScaling()
-        self.model = GPT(PRESETS["tiny"])
-        convert_to_fp8(self.model, recipe=self.recipe, module_filter_fn=fp8_filter)
+        super().__init__(args)
         get_fp8_state(self.model).weight_cache.enabled = mode == "cached"
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
-        self.corpus = ByteCorpus(seed=0)
-        self.args = args
 
     def step(self) -> float:
         a = self.args
         t0 = time.perf_counter()
         for micro in range(a.grad_accum):
-            x, y = self.corpus.batch("train", a.batch_size, a.seq_len)
+            x, y = self.batch()
             with fp8_autocast(fp8_recipe=self.recipe, step_boundary=micro == a.grad_accum - 1):
                 _, loss = self.model(x, y)
             (loss / a.grad_accum).backward()
@@ -70,20 +61,13 @@ class Job:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=8)
-    p.add_argument("--block", type=int, default=4, help="steps per mode per round")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per mode first")
+    p = modes_parser(__doc__, rounds=8, block=4, warmup=2, batch_size=4)
     p.add_argument("--grad-accum", type=int, default=4)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "weight_cache.json"))
     args = p.parse_args()
 
     jobs = {m: Job(m, args) for m in MODES}
-    for job in jobs.values():
-        for _ in range(args.warmup):
-            job.step()
+    warm_up(jobs.values(), args.warmup)
     timings = interleave({m: jobs[m].step for m in MODES}, args.rounds, args.block)
     same = all(
         torch.equal(p, q)
@@ -98,24 +82,18 @@ def main() -> None:
     for m in MODES:
         print(f"{m:<10} median {med[m] * 1e3:8.2f} ms per step ({len(timings.steps[m])} steps)")
     print(f"cached/uncached: paired (median over rounds) {ratio:.3f}; same weights at the end: {same}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "machine": platform.platform(),
-                "torch_threads": torch.get_num_threads(),
-                "args": vars(args),
-                "load_average": os.getloadavg(),
-                "median_ms": {m: med[m] * 1e3 for m in MODES},
-                "ratio_paired_median": ratio,
-                "same_weights": same,
-                "step_times_s": timings.steps,
-            },
-            indent=1,
-        )
-    )
-    print(f"load average (1, 5, 15 min) at the end: {', '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    result = {
+        "machine": platform.platform(),
+        "torch_threads": torch.get_num_threads(),
+        "args": vars(args),
+        "load_average": os.getloadavg(),
+        "median_ms": {m: med[m] * 1e3 for m in MODES},
+        "ratio_paired_median": ratio,
+        "same_weights": same,
+        "step_times_s": timings.steps,
+    }
+    write_json(Path(args.out), result, indent=1)
+    print_load_average()
     if not same:
         sys.exit("the cached run's weights differ from the uncached run's")
 

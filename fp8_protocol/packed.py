@@ -5,7 +5,7 @@ Layout: a little-endian uint32 N; N bytes of a JSON object (the header, which ho
 ``cols`` and ``dtype`` ``"float64"``); zero bytes up to a multiple of 8 (so the matrix can be viewed in
 place, as the dashboard's ``Float64Array`` does); then rows x cols little-endian float64 in row-major order,
 NaN and infinities native. The service writes it (`pack_matrix`); the read client (`unpack_matrix`) and
-`web/js/heatmap.js` read it.
+`web/js/heatmapdata.js` read it.
 """
 
 from __future__ import annotations

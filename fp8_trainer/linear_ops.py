@@ -180,6 +180,35 @@ def layer_plan(state: FP8State, k: int, x2: torch.Tensor, need_dgrad: bool, need
     return plan
 
 
+def _planned_mm(
+    plan: LayerPlan,
+    field_name: str,
+    key: object,
+    a: torch.Tensor,
+    sinv_a: torch.Tensor,
+    b: torch.Tensor,
+    sinv_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    check: bool,
+    bias: torch.Tensor | None = None,
+    *,
+    fast: bool = False,
+) -> torch.Tensor:
+    """One of the layer's three GEMMs (its ``LayerPlan`` field ``field_name``: ``fprop_plain``,
+    ``dgrad_plain`` or ``wgrad_plain``). Once that field holds ``key`` (the bias dtype in fprop, the output
+    dtype in dgrad and wgrad) the call is known to be a plain ``torch._scaled_mm`` and is made directly;
+    until then it goes through ``fp8_mm``, and the field records ``key`` when the call turns out plain.
+    ``fast``: cuBLASLt's fast accumulation (fprop); ``check``: ``fp8_mm``'s argument check."""
+    if getattr(plan, field_name) is key:
+        return torch._scaled_mm(
+            a, b, scale_a=sinv_a, scale_b=sinv_b, bias=bias, out_dtype=out_dtype, use_fast_accum=fast
+        )
+    out = fp8_mm(a, sinv_a, b, sinv_b, out_dtype, bias, fast_accum=fast, check=check)
+    if plan.fp8_gemms and is_plain_scaled_mm(a, b, out_dtype, bias):
+        setattr(plan, field_name, key)
+    return out
+
+
 def forward(state, k, x2, weight, bias, record, plan: LayerPlan):
     """fprop of layer ``k`` for a 2-D input: ``(out, saved_x, sinv_x, saved_w, sinv_w)``.
 
@@ -195,15 +224,12 @@ def forward(state, k, x2, weight, bias, record, plan: LayerPlan):
     )
     ax, aw = (qx, qw) if plan.fp8_gemms else (gemm_operand(qx), gemm_operand(qw))
     bw, bias_dtype = aw.t(), None if bias is None else bias.dtype
-    if plan.fprop_plain is bias_dtype:  # fast accumulation in fprop: as TE
-        out = torch._scaled_mm(
-            ax, bw, scale_a=sinv_x, scale_b=sinv_w, bias=bias, out_dtype=x2.dtype, use_fast_accum=True
-        )
-    else:
-        out = fp8_mm(ax, sinv_x, bw, sinv_w, x2.dtype, bias, fast_accum=True, check=not plan.fprop_checked)
-        plan.fprop_checked = True
-        if plan.fp8_gemms and is_plain_scaled_mm(ax, bw, x2.dtype, bias):
-            plan.fprop_plain = bias_dtype
+    check = not plan.fprop_checked
+    # fast accumulation in fprop: as TE
+    out = _planned_mm(
+        plan, "fprop_plain", bias_dtype, ax, sinv_x, bw, sinv_w, x2.dtype, check, bias, fast=True
+    )
+    plan.fprop_checked = True
     saved_x = ax if qxt is None else qxt if plan.fp8_gemms else gemm_operand(qxt)
     saved_w = aw if qwt is None else qwt if plan.fp8_gemms else gemm_operand(qwt)
     return out, saved_x, sinv_x, saved_w, sinv_w
@@ -223,22 +249,12 @@ def backward(state, k, g2, saved, record, plan: LayerPlan, need_bias, x_dtype, w
     check = not plan.backward_checked  # dgrad and wgrad: the split accumulator (_scaled_mm's default), as TE
     if plan.need_dgrad:  # (out, in) column-major: the transpose's view where the quantize pass wrote one
         bw = saved_w.t() if plan.w_t else saved_w
-        if plan.dgrad_plain is x_dtype:
-            grad_x = torch._scaled_mm(ag, bw, scale_a=sinv_g, scale_b=sinv_w, out_dtype=x_dtype)
-        else:
-            grad_x = fp8_mm(ag, sinv_g, bw, sinv_w, x_dtype, check=check)
-            if plan.fp8_gemms and is_plain_scaled_mm(ag, bw, x_dtype):
-                plan.dgrad_plain = x_dtype
+        grad_x = _planned_mm(plan, "dgrad_plain", x_dtype, ag, sinv_g, bw, sinv_w, x_dtype, check)
     if plan.need_wgrad:
         # (out, tokens) row-major: the transpose written by the quantize pass, if any
         agt = ag.t() if qgt is None else qgt if plan.fp8_gemms else gemm_operand(qgt)
         bx = saved_x.t() if plan.x_t else saved_x
-        if plan.wgrad_plain is w_dtype:
-            grad_w = torch._scaled_mm(agt, bx, scale_a=sinv_g, scale_b=sinv_x, out_dtype=w_dtype)
-        else:
-            grad_w = fp8_mm(agt, sinv_g, bx, sinv_x, w_dtype, check=check)
-            if plan.fp8_gemms and is_plain_scaled_mm(agt, bx, w_dtype):
-                plan.wgrad_plain = w_dtype
+        grad_w = _planned_mm(plan, "wgrad_plain", w_dtype, agt, sinv_g, bx, sinv_x, w_dtype, check)
     plan.backward_checked = True
     return grad_x, grad_w, grad_b
 

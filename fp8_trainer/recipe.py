@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Self, TypeVar
 
 from .formats import E4M3, E5M2, FP8Format
 
@@ -38,6 +38,8 @@ __all__ = [
     "recipe_from_dict",
     "validate_setting",
 ]
+
+_T = TypeVar("_T")
 
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 #: Settings that ``set_layer_recipe`` can change per layer (or for the whole model); ``validate_setting``
@@ -128,8 +130,48 @@ def validate_setting(name: str, value: Any) -> Any:
     raise ValueError(f"{name}: unknown recipe field")
 
 
+def _fields(d: dict[str, Any], cls: type, kind: str) -> dict[str, Any]:
+    """The fields of a recipe of type ``kind`` from its dict (``ValueError`` for another type or a field
+    that ``cls`` does not have)."""
+    if not isinstance(d, dict):
+        raise ValueError(f"recipe: expected a dict, got {type(d).__name__}")
+    d = dict(d)
+    t = d.pop("type", d.pop("scaling", kind))
+    if t != kind:
+        raise ValueError(f"type: expected {kind!r}, got {t!r}")
+    allowed = set(cls.__dataclass_fields__)
+    unknown = sorted(set(d) - allowed)
+    if unknown:
+        raise ValueError(f"{unknown[0]}: unknown field for {cls.__name__}")
+    return d
+
+
+class _RecipeForm:
+    """What every recipe shares: its ``scaling`` name (``_TYPE``, the ``"type"`` of its dict) and its JSON
+    form, every field with the format by its name, which ``from_dict`` (or ``recipe_from_dict``) inverts.
+    One home for them keeps the four kinds' dicts alike, as the monitor stores and edits them."""
+
+    _TYPE: ClassVar[str]
+
+    @property
+    def scaling(self) -> str:
+        return self._TYPE
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict: ``{"type": scaling, **fields}``; ``from_dict`` (or ``recipe_from_dict``) inverts
+        it."""
+        d = asdict(self)  # the subclasses are dataclasses
+        d["fp8_format"] = d["fp8_format"].value
+        return {"type": self._TYPE, **d}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Self:
+        """Build from ``to_dict``'s output (unknown keys raise ``ValueError``)."""
+        return cls(**_fields(d, cls, cls._TYPE))
+
+
 @dataclass(frozen=True)
-class DelayedScaling:
+class DelayedScaling(_RecipeForm):
     """Delayed scaling (Transformer Engine semantics).
 
     Per tensor an ``amax_history`` of ``amax_history_len`` steps; at the end of each optimizer step the
@@ -143,6 +185,8 @@ class DelayedScaling:
     the float32 maximum. The initial scale is 1. With ``reduce_amax`` and torch.distributed initialised,
     the amaxes are all-reduced (MAX) across ranks before the update.
     """
+
+    _TYPE = "delayed"
 
     margin: int | float = 0
     interval: int = 1
@@ -162,24 +206,9 @@ class DelayedScaling:
         ):
             object.__setattr__(self, name, validate_setting(name, getattr(self, name)))
 
-    @property
-    def scaling(self) -> str:
-        return "delayed"
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-able dict; ``DelayedScaling.from_dict`` (or ``recipe_from_dict``) inverts it."""
-        d = asdict(self)
-        d["fp8_format"] = self.fp8_format.value
-        return {"type": "delayed", **d}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> DelayedScaling:
-        """Build from ``to_dict``'s output (unknown keys raise ``ValueError``)."""
-        return cls(**_fields(d, cls, "delayed"))
-
 
 @dataclass(frozen=True)
-class CurrentScaling:
+class CurrentScaling(_RecipeForm):
     """Current (just-in-time) scaling: ``scale = FP8_MAX / amax`` of this tensor in this step.
 
     No history and no margin; NaN elements are ignored by the amax (as in Transformer Engine); a zero or
@@ -189,6 +218,8 @@ class CurrentScaling:
     one binade of headroom.
     """
 
+    _TYPE = "current"
+
     fp8_format: Format = field(default=Format.HYBRID)
     power_2_scale: bool = False
 
@@ -196,33 +227,6 @@ class CurrentScaling:
         object.__setattr__(self, "fp8_format", validate_setting("fp8_format", self.fp8_format))
         if not isinstance(self.power_2_scale, bool):
             raise ValueError(f"power_2_scale: must be a bool, got {self.power_2_scale!r}")
-
-    @property
-    def scaling(self) -> str:
-        return "current"
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-able dict; ``CurrentScaling.from_dict`` (or ``recipe_from_dict``) inverts it."""
-        return {"type": "current", "fp8_format": self.fp8_format.value, "power_2_scale": self.power_2_scale}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> CurrentScaling:
-        """Build from ``to_dict``'s output (unknown keys raise ``ValueError``)."""
-        return cls(**_fields(d, cls, "current"))
-
-
-def _fields(d: dict[str, Any], cls: type, kind: str) -> dict[str, Any]:
-    if not isinstance(d, dict):
-        raise ValueError(f"recipe: expected a dict, got {type(d).__name__}")
-    d = dict(d)
-    t = d.pop("type", d.pop("scaling", kind))
-    if t != kind:
-        raise ValueError(f"type: expected {kind!r}, got {t!r}")
-    allowed = set(cls.__dataclass_fields__)
-    unknown = sorted(set(d) - allowed)
-    if unknown:
-        raise ValueError(f"{unknown[0]}: unknown field for {cls.__name__}")
-    return d
 
 
 # --- block-scaled recipes (Transformer Engine 2.x names and defaults) --------------------------------------
@@ -234,7 +238,7 @@ def _check_bool(name: str, value: Any) -> None:
 
 
 @dataclass(frozen=True)
-class MXFP8BlockScaling:
+class MXFP8BlockScaling(_RecipeForm):
     """MXFP8 (Transformer Engine's ``MXFP8BlockScaling``): every 32 consecutive values along a row share
     one power-of-two scale stored as E8M0 (an 8-bit biased exponent), computed from the block's own amax
     in this step (no history):
@@ -249,6 +253,8 @@ class MXFP8BlockScaling:
     copies). Both dimensions must be multiples of 32. Default format E4M3 everywhere (TE's default).
     """
 
+    _TYPE = "mxfp8"
+
     fp8_format: Format = Format.E4M3
     enable_2d_quantization: bool = False
 
@@ -257,23 +263,6 @@ class MXFP8BlockScaling:
     def __post_init__(self) -> None:
         object.__setattr__(self, "fp8_format", validate_setting("fp8_format", self.fp8_format))
         _check_bool("enable_2d_quantization", self.enable_2d_quantization)
-
-    @property
-    def scaling(self) -> str:
-        return "mxfp8"
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-able dict; ``MXFP8BlockScaling.from_dict`` (or ``block_recipe_from_dict``) inverts it."""
-        return {
-            "type": "mxfp8",
-            "fp8_format": self.fp8_format.value,
-            "enable_2d_quantization": self.enable_2d_quantization,
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> MXFP8BlockScaling:
-        """Build from ``to_dict``'s output (unknown keys raise ``ValueError``)."""
-        return cls(**_fields(d, cls, "mxfp8"))
 
 
 @dataclass(frozen=True)
@@ -307,8 +296,13 @@ class QParams:
             raise ValueError(f"{name}.{e}") from None
 
 
+def _of_role(role: str, input_: _T, weight: _T, grad_output: _T) -> _T:
+    """The one of a per-role triple that belongs to ``role`` (KeyError for a name that is no role)."""
+    return {"input": input_, "weight": weight, "grad_output": grad_output}[role]
+
+
 @dataclass(frozen=True)
-class Float8BlockScaling:
+class Float8BlockScaling(_RecipeForm):
     """FP8 block scaling (Transformer Engine's ``Float8BlockScaling``, DeepSeek-V3's recipe): one float32
     scale per block, from the block's own amax in this step (no history):
 
@@ -324,6 +318,8 @@ class Float8BlockScaling:
     be multiples of 128. Default format E4M3 everywhere (TE's default); GEMMs accumulate with promotion
     (TE fixes ``use_split_accumulator=True`` for all three GEMMs).
     """
+
+    _TYPE = "block"
 
     fp8_format: Format = Format.E4M3
     fp8_quant_fwd_inp: QParams = field(default_factory=QParams)
@@ -350,36 +346,13 @@ class Float8BlockScaling:
                 f"{two_d[1]}: 2-D blocks for both {two_d[0]} and {two_d[1]} (a 2-D by 2-D block GEMM)"
             )
 
-    @property
-    def scaling(self) -> str:
-        return "block"
-
     def block_scaling_dim(self, role: str) -> int:
         """1 or 2 for ``role`` (``"input"``, ``"weight"`` or ``"grad_output"``)."""
-        return {
-            "input": self.x_block_scaling_dim,
-            "weight": self.w_block_scaling_dim,
-            "grad_output": self.grad_block_scaling_dim,
-        }[role]
+        return _of_role(role, self.x_block_scaling_dim, self.w_block_scaling_dim, self.grad_block_scaling_dim)
 
     def qparams(self, role: str) -> QParams:
         """The ``QParams`` of ``role`` (``"input"``, ``"weight"`` or ``"grad_output"``)."""
-        return {
-            "input": self.fp8_quant_fwd_inp,
-            "weight": self.fp8_quant_fwd_weight,
-            "grad_output": self.fp8_quant_bwd_grad,
-        }[role]
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-able dict; ``Float8BlockScaling.from_dict`` (or ``block_recipe_from_dict``) inverts it."""
-        d = asdict(self)
-        d["fp8_format"] = self.fp8_format.value
-        return {"type": "block", **d}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Float8BlockScaling:
-        """Build from ``to_dict``'s output (unknown keys raise ``ValueError``)."""
-        return cls(**_fields(d, cls, "block"))
+        return _of_role(role, self.fp8_quant_fwd_inp, self.fp8_quant_fwd_weight, self.fp8_quant_bwd_grad)
 
 
 BlockRecipe = MXFP8BlockScaling | Float8BlockScaling

@@ -91,6 +91,24 @@ def _move_into(held: torch.Tensor | None, t: torch.Tensor) -> torch.Tensor:
     return held
 
 
+class _RowViewed:
+    """A per-tensor vector of ``FP8State`` (``stats``, ``scale``, ``scale_inv``) whose row views
+    ``FP8State._rows`` caches: the vector is kept as ``_<name>``, its views as ``_<name>_rows``, and assigning
+    a new vector drops the views of the old one, so they are made again, once, at their next use."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._value, self._views = f"_{name}", f"_{name}_rows"
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self
+        return getattr(obj, self._value)
+
+    def __set__(self, obj: Any, value: torch.Tensor) -> None:
+        setattr(obj, self._value, value)
+        setattr(obj, self._views, None)
+
+
 class FP8State:
     """Scaling state and statistics of every quantized tensor of one model."""
 
@@ -308,29 +326,9 @@ class FP8State:
     # The hot path takes tensor i's statistics row and scales as views; indexing a tensor costs an op
     # dispatch each time (a few microseconds of host time, three times per quantize), so each vector's
     # views are made once, in one unbind, when the vector is replaced (once per step).
-    @property
-    def stats(self) -> torch.Tensor:
-        return self._stats
-
-    @stats.setter
-    def stats(self, value: torch.Tensor) -> None:
-        self._stats, self._stats_rows = value, None
-
-    @property
-    def scale(self) -> torch.Tensor:
-        return self._scale
-
-    @scale.setter
-    def scale(self, value: torch.Tensor) -> None:
-        self._scale, self._scale_rows = value, None
-
-    @property
-    def scale_inv(self) -> torch.Tensor:
-        return self._scale_inv
-
-    @scale_inv.setter
-    def scale_inv(self, value: torch.Tensor) -> None:
-        self._scale_inv, self._scale_inv_rows = value, None
+    stats = _RowViewed()
+    scale = _RowViewed()
+    scale_inv = _RowViewed()
 
     def _rows(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Tensor ``i``'s ``(stats row, scale, scale_inv)`` as views of the current vectors."""

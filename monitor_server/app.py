@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -102,6 +102,29 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     """
     settings = settings or Settings()
     ctx = AppContext.create(settings)
+    app = FastAPI(
+        title="fp8scope monitor",
+        version="0.1.0",
+        description="Telemetry ingest, heatmaps, alerts and the recipe-command channel of fp8scope. "
+        "Wire format: docs/wire-format.md.",
+        lifespan=_lifespan(ctx),
+        docs_url=None,  # served by mount_api_docs, with security headers (or not at all)
+        redoc_url=None,
+    )
+    app.state.ctx = ctx
+    app.add_exception_handler(DBAPIError, _database_unavailable)
+    app.add_exception_handler(PoolTimeout, _database_unavailable)
+    app.add_exception_handler(LockTimeout, _database_unavailable)
+    app.add_middleware(RequestGuard, settings=settings, routes=_include_routes(app))
+    mount_dashboard(app)
+    mount_api_docs(app, settings.api_docs)
+    app.openapi = _openapi_with_batch_schema(app)  # type: ignore[method-assign]
+    return app
+
+
+def _lifespan(ctx: AppContext) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The app's startup and shutdown: migrate the schema, bind the broker to the event loop, start the
+    PostgreSQL relay and the stall checker; on the way out stop them and release the database."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -110,7 +133,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         relay = _start_relay(ctx)
         if relay is not None:  # serve once listening (or after a few seconds without: it keeps trying)
             await run_in_threadpool(relay.listening.wait, 5.0)
-        if not settings.auth_enabled:
+        if not ctx.settings.auth_enabled:
             log.warning("no tokens configured: authentication is off; only loopback listening is allowed")
         checker = asyncio.create_task(_stall_checker(ctx))
         try:
@@ -125,41 +148,41 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             ctx.detection.close()
             ctx.db.dispose()
 
-    app = FastAPI(
-        title="fp8scope monitor",
-        version="0.1.0",
-        description="Telemetry ingest, heatmaps, alerts and the recipe-command channel of fp8scope. "
-        "Wire format: docs/wire-format.md.",
-        lifespan=lifespan,
-        docs_url=None,  # served by mount_api_docs, with security headers (or not at all)
-        redoc_url=None,
-    )
-    app.state.ctx = ctx
-    app.add_exception_handler(DBAPIError, _database_unavailable)
-    app.add_exception_handler(PoolTimeout, _database_unavailable)
-    app.add_exception_handler(LockTimeout, _database_unavailable)
+    return lifespan
+
+
+#: the routers served under the API prefix (the health probes are served at the root)
+_API_ROUTES = (
+    runs,
+    telemetry,
+    queries,
+    blocks,
+    export,
+    alerts,
+    incidents,
+    replays,
+    replay_requests,
+    commands,
+    policies,
+    stream,
+    dashboard,
+)
+
+
+def _include_routes(app: FastAPI) -> list[tuple[str, Any]]:
+    """Mount every router and return (full path, route) for each route: the request guard applies each
+    route's own limits by its path."""
     app.include_router(health.router)
     guarded = [(route.path, route) for route in health.router.routes]
-    api_routes = (
-        runs,
-        telemetry,
-        queries,
-        blocks,
-        export,
-        alerts,
-        incidents,
-        replays,
-        replay_requests,
-        commands,
-        policies,
-        stream,
-    )
-    for module in (*api_routes, dashboard):
+    for module in _API_ROUTES:
         app.include_router(module.router, prefix=API_PREFIX)
         guarded += [(API_PREFIX + route.path, route) for route in module.router.routes]
-    app.add_middleware(RequestGuard, settings=settings, routes=guarded)
-    mount_dashboard(app)
-    mount_api_docs(app, settings.api_docs)
+    return guarded
+
+
+def _openapi_with_batch_schema(app: FastAPI) -> Callable[[], dict[str, Any]]:
+    """The app's OpenAPI document, built once, with the telemetry batch's schema among its components: the
+    telemetry route reads its body itself (for speed), so FastAPI cannot derive that schema from it."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -174,5 +197,4 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             app.openapi_schema = schema
         return app.openapi_schema
 
-    app.openapi = openapi  # type: ignore[method-assign]
-    return app
+    return openapi

@@ -71,11 +71,21 @@ def _module_imports(path: Path) -> set[str]:
     return names
 
 
-def _package_graph(package: str) -> dict[str, set[str]]:
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    """Ids of the nodes inside ``if TYPE_CHECKING:`` blocks (imports for annotations only, never run)."""
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            inside |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return inside
+
+
+def _package_graph(package: str, *, runtime: bool = False) -> dict[str, set[str]]:
     """Module (dotted below ``package``: ``dispatch``, ``triton.launch``; a subfolder's ``__init__`` by the
     folder's name) -> the modules of the same package it imports, at any depth of the file (a function's lazy
     import is still a dependency), relative (``from .x import``, ``from ..x import``) and absolute
-    (``package.x``). The package's own ``__init__`` (what its users import) is left out."""
+    (``package.x``). The package's own ``__init__`` (what its users import) is left out. ``runtime``: without
+    the imports under ``if TYPE_CHECKING:``, which annotations need and nothing runs."""
     root = ROOT / package
     modules = {}
     for path in root.rglob("*.py"):
@@ -87,7 +97,11 @@ def _package_graph(package: str) -> dict[str, set[str]]:
     for name, path in modules.items():
         here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
         deps = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        skipped = _type_checking_nodes(tree) if runtime else set()
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
             if isinstance(node, ast.ImportFrom):
                 if node.level:
                     base = here[: len(here) - (node.level - 1)]
@@ -327,3 +341,16 @@ def test_the_application_forms_no_import_circle():
 def test_the_library_check_finds_an_import_of_the_app():
     graph = {"linear": {"state"}, "state": set(), "app.train": {"linear"}, "monitor.client": {"app.model"}}
     assert _library_imports_of_the_app(graph) == {"monitor.client": {"app.model"}}
+
+
+def test_no_package_forms_an_import_circle_when_it_runs():
+    """No circle anywhere among the imports that run, lazy ones included (a module's ``if TYPE_CHECKING:``
+    imports, for its annotations only, are the one way two modules may name each other)."""
+    circles = {pkg: _cycle(_package_graph(pkg, runtime=True)) for pkg in PACKAGES}
+    assert circles == dict.fromkeys(PACKAGES)
+    # the runtime graph drops exactly the type-checking imports: FP8State is annotated in step.py
+    assert "state" in _package_graph("fp8_trainer")["step"]
+    assert "state" not in _package_graph("fp8_trainer", runtime=True)["step"]
+
+
+PACKAGES = ("fp8_protocol", "fp8_kernels", "fp8_trainer", "monitor_server")

@@ -314,42 +314,27 @@ def quantize_with_stats_reference(
         check_dbias_operand(x)
         q, row = quantize_with_stats_reference(x, scale, fp8_dtype, stats, amax=amax)
         return q, row, column_sums_reference(x)
-    width = _row_width(stats)
-    quality = width == len(STAT_COLUMNS)
+    quality = _row_width(stats) == len(STAT_COLUMNS)
     x, scale = x.detach(), scale.detach()  # statistics and FP8 bits: nothing to differentiate
-    fmax = fp8_max(fp8_dtype)
-    threshold, inclusive = overflow_threshold(fp8_dtype)
     xf = x if x.dtype == torch.float32 else x.to(torch.float32)
     ax = xf.abs()
     # Counts from cheap count_nonzero passes (a bool .sum() is several times slower on the CPU), combined
-    # into (overflow, underflow, nonfinite, numel) by one small matrix-vector product below.
+    # into (overflow, underflow, nonfinite, numel) by one small matrix-vector product (_counts).
     n_inf = torch.count_nonzero(ax == math.inf)
     n_nan = torch.count_nonzero(ax != ax)
     n_nonzero = torch.count_nonzero(ax)
     # NaN ignored by the amax (counted above); with the quality statistics Inf reads as 0 too (they are
     # over the finite values), and the amax and the counts below take the Inf elements from n_inf instead
     ax.nan_to_num_(nan=0.0, posinf=0.0 if quality else math.inf)
-    if amax is None:
-        amax = torch.amax(ax) if ax.numel() else ax.new_zeros(())  # empty: 0, the neutral element
-        if quality:
-            amax = torch.where(n_inf > 0, math.inf, amax)
-    else:
-        amax = torch.nan_to_num(amax.detach().abs().to(torch.float32), nan=0.0, posinf=math.inf)
+    amax = _call_amax(ax, amax, n_inf, quality)
     if quality:  # one int32 buffer for the quality passes; the min before scaling: |x| itself
         work = _work_buffer(ax.shape, ax.device)
         min_abs = min_nonzero_reference(ax, out=work)
     a = ax.mul_(scale)  # |x * scale| exactly (scale > 0, rounding is sign-symmetric); reuses the buffer
-    big = a >= threshold if inclusive else a > threshold
-    n_big = torch.count_nonzero(big)  # saturated, and Inf inputs (counted in n_inf where they read as 0)
-    n_small = torch.count_nonzero(a <= underflow_threshold(fp8_dtype))  # zeros, underflows, NaN (now 0)
-    if quality:  # the Inf elements are 0 here, among the small ones: as if they were still Inf
-        n_big, n_small = n_big + n_inf, n_small - n_inf
-    raw = torch.stack([n_big, n_small, n_nonzero, n_inf, n_nan]).to(torch.float64)
-    del big
-    xs = xf * scale
-    mix, offset = _mix(x.device)
-    counts = torch.add(torch.mv(mix, raw), offset, alpha=xf.numel())
-    q = xs.clamp_(-fmax, fmax).to(fp8_dtype)
+    counts = _counts(a, fp8_dtype, n_inf, n_nan, n_nonzero, quality)
+    fmax = fp8_max(fp8_dtype)
+    q = (xf * scale).clamp_(-fmax, fmax).to(fp8_dtype)
+    quality_row = None
     if quality:
         quality_row = quality_row_reference(a, q, scale, min_abs, fp8_dtype, mask_codes=True, x=xf, work=work)
     del a, ax
@@ -358,16 +343,60 @@ def quantize_with_stats_reference(
             [amax.to(torch.float64).reshape(1), scale.to(torch.float64).reshape(1), counts, quality_row]
         )
         return q, row
+    return q, _accumulate(stats, amax, scale, counts, quality_row)
+
+
+def _call_amax(
+    ax: torch.Tensor, amax: torch.Tensor | None, n_inf: torch.Tensor, quality: bool
+) -> torch.Tensor:
+    """The call's amax: the max of ``ax`` (``|x|`` with NaN as 0, and Inf as 0 too with ``quality``, when
+    ``n_inf`` puts it back), or the caller's ``amax`` as ``|amax|`` with NaN read as 0."""
+    if amax is not None:
+        return torch.nan_to_num(amax.detach().abs().to(torch.float32), nan=0.0, posinf=math.inf)
+    found = torch.amax(ax) if ax.numel() else ax.new_zeros(())  # empty: 0, the neutral element
+    return torch.where(n_inf > 0, math.inf, found) if quality else found
+
+
+def _counts(
+    a: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    n_inf: torch.Tensor,
+    n_nan: torch.Tensor,
+    n_nonzero: torch.Tensor,
+    quality: bool,
+) -> torch.Tensor:
+    """``(overflow, underflow, nonfinite, numel)`` (float64) from ``a = |x * scale|`` (NaN as 0; with
+    ``quality`` Inf as 0 too) and the counts of ``x``'s Inf, NaN and non-zero elements."""
+    threshold, inclusive = overflow_threshold(fp8_dtype)
+    big = a >= threshold if inclusive else a > threshold
+    n_big = torch.count_nonzero(big)  # saturated, and Inf inputs (counted in n_inf where they read as 0)
+    del big
+    n_small = torch.count_nonzero(a <= underflow_threshold(fp8_dtype))  # zeros, underflows, NaN (now 0)
+    if quality:  # the Inf elements are 0 here, among the small ones: as if they were still Inf
+        n_big, n_small = n_big + n_inf, n_small - n_inf
+    raw = torch.stack([n_big, n_small, n_nonzero, n_inf, n_nan]).to(torch.float64)
+    mix, offset = _mix(a.device)
+    return torch.add(torch.mv(mix, raw), offset, alpha=a.numel())
+
+
+def _accumulate(
+    stats: torch.Tensor,
+    amax: torch.Tensor,
+    scale: torch.Tensor,
+    counts: torch.Tensor,
+    quality_row: torch.Tensor | None,
+) -> torch.Tensor:
+    """Add one call's statistics into the row ``stats`` in place (module docstring) and return it."""
     amax64 = amax.to(torch.float64)
     # the scale of the call that set the amax (a NaN in the row counts as nothing, as fmax reads it)
     takes = (amax64 >= stats[AMAX]) | torch.isnan(stats[AMAX])
     stats[SCALE].copy_(torch.where(takes, scale.to(torch.float64), stats[SCALE]))
     torch.fmax(stats[AMAX], amax64, out=stats[AMAX])
     stats[OVERFLOW:SUM_SQ].add_(counts)
-    if quality:
+    if quality_row is not None:
         stats[SUM_SQ:MIN_ABS].add_(quality_row[:3])
         torch.fmin(stats[MIN_ABS], quality_row[3], out=stats[MIN_ABS])
-    return q, stats
+    return stats
 
 
 def current_scale_reference(

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .torch_file import read_torch_file
+
 __all__ = [
     "CHECKPOINT_VERSION",
     "CheckpointError",
@@ -171,12 +173,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
                 f"{path}: a directory without {SHARDED_META}: not a sharded fp8-train checkpoint"
             )
         return {**load_checkpoint(path / SHARDED_META), "sharded": str(path)}
-    if not path.is_file():
-        raise CheckpointError(f"{path}: no such file")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises many types for a file that is not a checkpoint
-        raise CheckpointError(f"{path}: not a readable fp8-train checkpoint ({type(e).__name__})") from None
+    ckpt = read_torch_file(path, "fp8-train checkpoint", CheckpointError)
     if not isinstance(ckpt, dict) or ckpt.get("version") != CHECKPOINT_VERSION:
         version = ckpt.get("version") if isinstance(ckpt, dict) else None
         raise CheckpointError(

@@ -7,7 +7,6 @@ with ``torchrun --nproc-per-node N``. With ``--monitor-url`` the run streams its
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import replace
 from urllib.parse import urlparse
@@ -16,16 +15,15 @@ import torch
 
 from fp8_protocol.runs import check_tags
 
-from ..recipe import AMAX_COMPUTE_ALGOS
 from .build import Prepared, dist_env, make_recipe, run_config
 from .checkpoint import CheckpointError, check_compatible, check_layout, load_checkpoint
 from .data import DataError, load_corpus
+from .flags import add_flags, config_from_args
 from .inject import check_injections, parse_injection
-from .model import CHECKPOINT_MODES, GPT, PRESETS, fp8_filter
+from .model import GPT, PRESETS, fp8_filter
 from .report import health_table
-from .schedule import LR_SCHEDULES
 from .train import train
-from .train_config import FP8_RECIPES, HISTORY_LEN, TrainConfig
+from .train_config import FP8_RECIPES, TrainConfig
 from .train_graph import graph_misfit
 
 __all__ = ["TrainConfig", "build_parser", "health_table", "main", "make_recipe", "prepare"]
@@ -33,254 +31,11 @@ __all__ = ["TrainConfig", "build_parser", "health_table", "main", "make_recipe",
 DELAYED_ONLY = ("margin", "amax_history_len", "amax_compute_algo", "interval")
 
 
-_D = TrainConfig()  # the defaults the flags show
-
-
 def build_parser() -> argparse.ArgumentParser:
+    """The ``fp8-train`` parser: one flag per ``TrainConfig`` field, in its groups (``flags.add_flags``)."""
     p = argparse.ArgumentParser(prog="fp8-train", description=__doc__.replace("``", ""))
-    _model_flags(p)
-    _recipe_flags(p)
-    _optimization_flags(p)
-    _output_flags(p)
-    _capture_flags(p)
-    _monitor_flags(p)
+    add_flags(p, TrainConfig)
     return p
-
-
-def _model_flags(p: argparse.ArgumentParser) -> None:
-    """The flags of model and data, and how they are laid out on the devices."""
-    g = p.add_argument_group("model and data")
-    g.add_argument(
-        "--preset", choices=list(PRESETS), default=_D.preset, help="model size (default %(default)s)"
-    )
-    g.add_argument("--data", help="text file (bytes) or .bin of uint16 token ids; default: stdlib source")
-    g.add_argument(
-        "--batch-size",
-        type=int,
-        default=_D.batch_size,
-        help="sequences per micro-batch and rank (default %(default)s)",
-    )
-    g.add_argument(
-        "--seq-len", type=int, default=_D.seq_len, help="tokens per sequence (default %(default)s)"
-    )
-    g.add_argument("--seed", type=int, default=_D.seed, help="weights, data order; a run is repeatable")
-    g.add_argument("--device", choices=("cpu", "cuda"), default=_D.device)
-    g.add_argument(
-        "--activation-checkpointing",
-        choices=CHECKPOINT_MODES,
-        default=_D.activation_checkpointing,
-        help="recompute each block in backward (torch.utils.checkpoint); the FP8 layers recompute "
-        "in FP8 with the original scales (default %(default)s)",
-    )
-
-    g.add_argument(
-        "--cuda-graph",
-        action="store_true",
-        help="capture each optimizer step in a CUDA graph after 3 eager steps and replay it: no "
-        "host work per layer (--device cuda; not with --inject, --halt-on-nonfinite, "
-        "--activation-checkpointing or several ranks)",
-    )
-
-    g.add_argument(
-        "--compile",
-        action="store_true",
-        help="torch.compile the model: one graph with the FP8 Linears as custom operators (block "
-        "recipes: a graph break per layer); the first step compiles",
-    )
-
-    g.add_argument(
-        "--fsdp",
-        action="store_true",
-        help="shard the model with FSDP2 (each block and the root) instead of DDP, the FP8 "
-        "weights cast before the all-gather; --save / --resume then name a sharded "
-        "checkpoint directory, which resumes on any number of ranks (not with --compile, "
-        "--cuda-graph, --inject, --capture-dir)",
-    )
-
-    g.add_argument(
-        "--tp",
-        type=int,
-        default=_D.tp,
-        metavar="N",
-        help="tensor parallelism over groups of N ranks (qkv and fc column-wise, proj and fc2 "
-        "row-wise; N divides the preset's heads); alone every rank is in the group, with "
-        "--fsdp a (ranks / N, N) mesh; per-tensor recipes only; --save / --resume as --fsdp "
-        "(not with --compile, --cuda-graph, --inject, --capture-dir)",
-    )
-
-
-def _recipe_flags(p: argparse.ArgumentParser) -> None:
-    """The flags of the FP8 recipe."""
-    g = p.add_argument_group("FP8 recipe")
-    g.add_argument(
-        "--recipe",
-        choices=(*FP8_RECIPES, "bf16", "fp32"),
-        default=_D.recipe,
-        help="FP8 scaling (per tensor: delayed, current; block-scaled: mxfp8, block), or a "
-        "baseline without FP8 (default %(default)s)",
-    )
-    g.add_argument(
-        "--fp8-format",
-        choices=("hybrid", "e4m3"),
-        default=None,
-        help="default: hybrid for delayed and current, e4m3 for mxfp8 and block (as Transformer "
-        "Engine's recipes)",
-    )
-    g.add_argument("--margin", type=int, default=None, help="delayed scaling margin (default 0)")
-    g.add_argument("--amax-history-len", type=int, default=None, help=f"default {HISTORY_LEN}")
-    g.add_argument("--amax-compute-algo", choices=AMAX_COMPUTE_ALGOS, default=None, help="default max")
-    g.add_argument("--interval", type=int, default=None, help="steps between scale updates (default 1)")
-    g.add_argument(
-        "--power-2-scale",
-        action="store_true",
-        help="current scaling: round each scale down to a power of two",
-    )
-
-
-def _optimization_flags(p: argparse.ArgumentParser) -> None:
-    """The flags of optimizer, schedule, clipping."""
-    g = p.add_argument_group("optimization")
-    g.add_argument("--steps", type=int, default=_D.steps, help="optimizer steps (default %(default)s)")
-    g.add_argument("--grad-accum", type=int, default=_D.grad_accum, help="micro-batches per optimizer step")
-    g.add_argument("--lr", type=float, default=_D.lr, help="peak learning rate (AdamW)")
-    g.add_argument("--min-lr", type=float, default=None, help="final learning rate (default lr / 10)")
-    g.add_argument("--warmup-steps", type=int, default=None, help="default min(100, steps / 10)")
-    g.add_argument("--lr-schedule", choices=LR_SCHEDULES, default=_D.lr_schedule, help="after warmup")
-    g.add_argument("--grad-clip", type=float, default=_D.grad_clip, help="max gradient norm (0: no clipping)")
-
-
-def _output_flags(p: argparse.ArgumentParser) -> None:
-    """The flags of evaluation, logging, checkpoints."""
-    g = p.add_argument_group("evaluation, logging, checkpoints")
-    g.add_argument(
-        "--eval-interval",
-        type=int,
-        default=_D.eval_interval,
-        help="steps between validation losses (0: none)",
-    )
-    g.add_argument(
-        "--eval-iters", type=int, default=_D.eval_iters, help="validation batches (the same every time)"
-    )
-    g.add_argument(
-        "--log-interval", type=int, default=_D.log_interval, help="steps between log lines (no progress bar)"
-    )
-    g.add_argument(
-        "--no-progress",
-        dest="progress",
-        action="store_false",
-        help="no progress bar (it is also off when stderr is not a terminal)",
-    )
-    g.add_argument("--save", metavar="PATH", help="checkpoint file; '{step}' in it keeps one per save")
-    g.add_argument(
-        "--save-interval",
-        type=int,
-        default=_D.save_interval,
-        help="steps between checkpoints (0: at the end)",
-    )
-    g.add_argument(
-        "--halt-on-nonfinite",
-        action="store_true",
-        help="stop at the first non-finite loss, before the update, saving the previous step's weights with "
-        "--save (exit code 3; costs one host sync per step)",
-    )
-    g.add_argument("--resume", metavar="PATH", help="continue the run saved in this checkpoint")
-    g.add_argument(
-        "--stats-dump",
-        metavar="FILE.npz",
-        help="write every step's FP8 statistics and loss to FILE (numpy .npz: steps, "
-        "stats (steps x tensors x 10, or 6 with --no-quality-stats), loss, names); copies "
-        "them synchronously",
-    )
-
-
-def _capture_flags(p: argparse.ArgumentParser) -> None:
-    """The flags of incident capture."""
-    g = p.add_argument_group("incident capture (replay a bundle with: fp8-train replay BUNDLE)")
-    g.add_argument(
-        "--capture-dir",
-        metavar="DIR",
-        help="at a non-finite loss or a loss spike, write an incident bundle (the step's "
-        "batches, RNG, model, optimizer and FP8 state from before it) to DIR (default: "
-        "with --monitor-url, incidents/RUN-NAME/ beside the --save file or in the working "
-        "directory; else off)",
-    )
-    g.add_argument(
-        "--no-capture",
-        dest="capture",
-        action="store_false",
-        help="no incident capture, not even the default one with --monitor-url",
-    )
-    g.add_argument(
-        "--capture-every",
-        type=int,
-        default=_D.capture_every,
-        metavar="N",
-        help="steps between the in-memory snapshots (default %(default)s)",
-    )
-    g.add_argument(
-        "--capture-max-mb",
-        type=float,
-        default=_D.capture_max_mb,
-        metavar="MB",
-        help="the bundles in DIR together at most MB MiB (default %(default)s)",
-    )
-
-
-def _monitor_flags(p: argparse.ArgumentParser) -> None:
-    """The flags of monitoring and fault injection."""
-    g = p.add_argument_group("monitoring and fault injection")
-    g.add_argument(
-        "--monitor-url",
-        default=os.environ.get("FP8SCOPE_URL") or None,
-        help="fp8-monitor root, e.g. http://127.0.0.1:8000 (default $FP8SCOPE_URL)",
-    )
-    g.add_argument("--run-name", help="run name in the monitor (default: preset-recipe-time)")
-    g.add_argument(
-        "--no-quality-stats",
-        dest="quality_stats",
-        action="store_false",
-        help="leave the quantization-quality columns (SQNR, subnormals, dynamic range, outlier "
-        "ratio) out of the quantize pass, to save their cost",
-    )
-    g.add_argument(
-        "--quality-every",
-        type=int,
-        metavar="N",
-        help="the quality columns in every N-th step only, the others' quantize passes run the "
-        "leaner kernels (default: 10 with --device cuda, else 1: every step)",
-    )
-    g.add_argument(
-        "--remediation",
-        choices=("off", "propose", "act"),
-        default=_D.remediation,
-        help="when a replay finds an incident FP8's fault, the monitor proposes a recipe change "
-        "for the culprit layer (propose) or queues it and rolls it back if the loss gets "
-        "worse (act); default %(default)s",
-    )
-    g.add_argument(
-        "--tag",
-        dest="tags",
-        action="append",
-        default=[],
-        metavar="TAG",
-        help="a tag of the run in the monitor; repeatable",
-    )
-    g.add_argument(
-        "--token",
-        help="API token of the monitor (visible in the process list: prefer --token-file or $FP8SCOPE_TOKEN)",
-    )
-    g.add_argument("--token-file", metavar="PATH", help="file whose first line is the monitor's API token")
-    g.add_argument(
-        "--inject",
-        action="append",
-        metavar="SPEC",
-        default=[],
-        help="fault: overflow:LAYER@STEP[xFACTOR], nan:LAYER@STEP, lr-spike@STEP[xFACTOR], "
-        "gradblowup:LAYER@STEP[xFACTOR], or "
-        "FP8's own saturate:LAYER@STEP[xOFFSET], jump:LAYER@STEP[xFACTOR], "
-        "lowprec:LAYER@STEP[xRANGE], gradspike:LAYER@STEP[xFACTOR] (repeatable; LAYER e.g. "
-        "blocks.1.mlp.fc)",
-    )
 
 
 def _fp8_layers(preset: str) -> list[str]:
@@ -507,10 +262,7 @@ def prepare(argv: list[str] | None = None) -> tuple[TrainConfig, Prepared]:
     p = build_parser()
     a = p.parse_args(argv)
     prepared = _check(p, a)
-    values = vars(a)
-    return TrainConfig(
-        **{**values, "tags": tuple(values["tags"]), "inject": tuple(values["inject"])}
-    ), prepared
+    return config_from_args(TrainConfig, a), prepared
 
 
 EXIT_INTERRUPTED = 130  # the shell's code for a process stopped by SIGINT

@@ -50,6 +50,8 @@ from torch import nn
 from fp8_protocol.loss_spike import MAD_TO_SIGMA, LossSpikeParams, LossSpikeRule
 from fp8_protocol.stats import NUMEL, OVERFLOW
 
+from .torch_file import read_torch_file
+
 __all__ = ["BUNDLE_VERSION", "CaptureConfig", "IncidentCapture", "default_directory", "load_bundle"]
 
 BUNDLE_VERSION = 1
@@ -274,12 +276,7 @@ def _injection_dict(inj) -> dict[str, Any]:
 def load_bundle(path: str | Path) -> dict[str, Any]:
     """Read a bundle written by ``IncidentCapture`` (on the CPU). Raises ``ValueError`` naming the file."""
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{path}: no such file")
-    try:
-        bundle = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises many types for a file that is not a bundle
-        raise ValueError(f"{path}: not a readable incident bundle ({type(e).__name__})") from None
+    bundle = read_torch_file(path, "incident bundle", ValueError)
     if not isinstance(bundle, dict) or bundle.get("version") != BUNDLE_VERSION:
         raise ValueError(f"{path}: expected an incident bundle of version {BUNDLE_VERSION}")
     return bundle

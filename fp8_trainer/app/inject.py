@@ -106,6 +106,22 @@ USAGE = (
 )
 
 
+#: what each fault does, in one line (``Injection.describe``)
+_DESCRIPTIONS = {
+    "overflow": "overflow: {layer}.weight x{factor:g} for this step",
+    "nan": "nan: one NaN in {layer}.input",
+    "saturate": "saturate: {layer}.input channel 0 + {factor:g}, undone on its output",
+    "jump": "jump: {layer}.input x{factor:g} from this step on, undone on its output",
+    "gradspike": "gradspike: {layer}.grad_output x{factor:g}, undone after its backward",
+    "gradblowup": "gradblowup: {layer}.grad_output x{factor:g}, not undone",
+    "lowprec": (
+        "lowprec: {layer}.input / {factor:g} beside an anchor in channel 0 of every token, from this step "
+        "on, undone on its output"
+    ),
+    "lr-spike": "lr-spike: learning rate x{factor:g}",
+}
+
+
 @dataclass(frozen=True)
 class Injection:
     """One fault: ``kind`` at optimizer step ``step`` (1-based), on ``layer`` (None for lr-spike)."""
@@ -120,24 +136,9 @@ class Injection:
         return step >= self.step if self.kind in PERSISTENT else step == self.step
 
     def describe(self) -> str:
-        if self.kind == "overflow":
-            return f"overflow: {self.layer}.weight x{self.factor:g} for this step"
-        if self.kind == "nan":
-            return f"nan: one NaN in {self.layer}.input"
-        if self.kind == "saturate":
-            return f"saturate: {self.layer}.input channel 0 + {self.factor:g}, undone on its output"
-        if self.kind == "jump":
-            return f"jump: {self.layer}.input x{self.factor:g} from this step on, undone on its output"
-        if self.kind == "gradspike":
-            return f"gradspike: {self.layer}.grad_output x{self.factor:g}, undone after its backward"
-        if self.kind == "gradblowup":
-            return f"gradblowup: {self.layer}.grad_output x{self.factor:g}, not undone"
-        if self.kind == "lowprec":
-            return (
-                f"lowprec: {self.layer}.input / {self.factor:g} beside an anchor in channel 0 of every "
-                "token, from this step on, undone on its output"
-            )
-        return f"lr-spike: learning rate x{self.factor:g}"
+        """One line saying what the fault does (``_DESCRIPTIONS``), as the training log prints it."""
+        template = _DESCRIPTIONS.get(self.kind, _DESCRIPTIONS["lr-spike"])
+        return template.format(layer=self.layer, factor=self.factor)
 
     def details(self) -> dict:
         """JSON-able fields for a monitor event."""

@@ -109,6 +109,43 @@ def _parse_tuning(tuning: dict[str, Any]) -> tuple[SenderConfig, DetectConfig, i
     return sender, detect, int(tuning.get("rank_sample_interval", 50))
 
 
+def _checked_tokens_per_step(tokens_per_step: int | None) -> int | None:
+    """``tokens_per_step`` as given, once known to be None or a number > 0 (ValueError otherwise)."""
+    if tokens_per_step is not None and (isinstance(tokens_per_step, bool) or not tokens_per_step > 0):
+        raise ValueError(f"tokens_per_step: must be a number > 0, got {tokens_per_step!r}")
+    return tokens_per_step
+
+
+def _tensor_table(model: nn.Module, recipe, caller) -> list[dict[str, Any]]:
+    """The tensors the run reports: the caller's or another runtime's (``caller``), fp8scope's own FP8
+    layers (refusing a model without any while a recipe says it is in FP8), or none for a baseline."""
+    if caller is not None:
+        return caller.tensors
+    if recipe is None:
+        return []
+    state = get_fp8_state(model)
+    if state.n_layers == 0:
+        raise ValueError(
+            "model: no FP8 layers; convert it with fp8_trainer.convert_to_fp8 first "
+            "(or pass recipe=None for a run without FP8)"
+        )
+    return [t.to_dict() for t in state.tensor_table()]
+
+
+def _stats_reader(model: nn.Module, recipe, caller):
+    """Where each step's statistics come from: ``caller`` when there is one, else the model's FP8 layers
+    (``StatsReader``); None for a run without FP8."""
+    if caller is not None:
+        return caller
+    return StatsReader(model) if recipe is not None else None
+
+
+def _world() -> tuple[bool, int, int]:
+    """``(distributed, world_size, rank)``: a torch.distributed job of more than one rank, or one process."""
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return distributed, dist.get_world_size() if distributed else 1, dist.get_rank() if distributed else 0
+
+
 class Monitor:
     """Telemetry client of one training run; see the module docstring for a complete loop.
 
@@ -183,9 +220,7 @@ class Monitor:
         record_start = started_wanted(run_info)
         tags = check_tags(tags)
         config = jsonable_config(config)  # refused here, with where, rather than stopping the sender later
-        if tokens_per_step is not None and (isinstance(tokens_per_step, bool) or not tokens_per_step > 0):
-            raise ValueError(f"tokens_per_step: must be a number > 0, got {tokens_per_step!r}")
-        self.tokens_per_step = tokens_per_step
+        self.tokens_per_step = _checked_tokens_per_step(tokens_per_step)
         self.run_name = run_name
         self._announce = bool(announce)
         self._last_step_at: float | None = None
@@ -197,41 +232,15 @@ class Monitor:
         self.recipe = recipe
         self._notices = Notices(self._caller)
         self._closed = False
-        if self._caller is not None:
-            self.tensors = self._caller.tensors
-        elif recipe is not None:
-            state = get_fp8_state(model)
-            if state.n_layers == 0:
-                raise ValueError(
-                    "model: no FP8 layers; convert it with fp8_trainer.convert_to_fp8 first "
-                    "(or pass recipe=None for a run without FP8)"
-                )
-            self.tensors = [t.to_dict() for t in state.tensor_table()]
-        else:
-            self.tensors = []
+        self.tensors = _tensor_table(model, recipe, self._caller)
         self.n_tensors = len(self.tensors)
-        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        self.world_size = dist.get_world_size() if distributed else 1
-        self.rank = dist.get_rank() if distributed else 0
-        if self._caller is not None:
-            self._reader = self._caller
-        else:
-            self._reader = StatsReader(model) if recipe is not None else None
+        distributed, self.world_size, self.rank = _world()
+        self._reader = _stats_reader(model, recipe, self._caller)
         self.inbox = CommandInbox()
         self.detect_cfg = detect_cfg
         self.sender: Sender | None = None
         if self.rank == 0:
-            body = run_body(
-                run_name,
-                model,
-                recipe,
-                self._caller,
-                config=config,
-                tags=tags,
-                world_size=self.world_size,
-                tensors=self.tensors,
-                started=started_info() if record_start else None,
-            )
+            body = self._run_body(config, tags, started_info() if record_start else None)
             self.sender = start_sender(
                 url,
                 token,
@@ -242,29 +251,51 @@ class Monitor:
                 spool_path=spool_path,
                 fail_fast=fail_fast,
             )
-        once = self._notices.once
-        histograms = Histograms(self.tensors, model, self.sender, once)
-        self._reporter = StepReporter(self.tensors, detect_cfg, histograms, self.sender, once)
+        self._reporter = self._make_reporter()
         self.detector, self.recorder = self._reporter.detector, self._reporter.recorder
-        apply = commands_applier(model, recipe, self._caller)
-        report = self._reporter.report
-        if distributed:
-            self._steps = MultiRankSteps(
-                RankSync(self.n_tensors),
-                self._reader,
-                self.inbox,
-                apply,
-                report,
-                self.sender,
-                self._notices,
-                model=model,
-                recipe=recipe,
-                n_tensors=self.n_tensors,
-                rank_sample_interval=self.rank_sample_interval,
-                copies=np.array([t.get("role") == "weight" for t in self.tensors], dtype=bool),
-            )
-        else:
-            self._steps = SingleRankSteps(self._reader, self.inbox, apply, report, self.sender, self._notices)
+        self._steps = self._make_steps(distributed)
+
+    def _run_body(self, config, tags: list[str], started: dict[str, Any] | None) -> dict[str, Any]:
+        """What registering the run tells the service: its name, settings, tensors and ranks."""
+        return run_body(
+            self.run_name,
+            self.model,
+            self.recipe,
+            self._caller,
+            config=config,
+            tags=tags,
+            world_size=self.world_size,
+            tensors=self.tensors,
+            started=started,
+        )
+
+    def _make_reporter(self) -> StepReporter:
+        """Detection and events of every step: the exponent histograms they carry and the reporter."""
+        once = self._notices.once
+        histograms = Histograms(self.tensors, self.model, self.sender, once)
+        return StepReporter(self.tensors, self.detect_cfg, histograms, self.sender, once)
+
+    def _make_steps(self, distributed: bool) -> SingleRankSteps | MultiRankSteps:
+        """The step path: this rank's alone, or one rank's of a distributed job (rank 0 reports)."""
+        parts = (
+            self._reader,
+            self.inbox,
+            commands_applier(self.model, self.recipe, self._caller),
+            self._reporter.report,
+            self.sender,
+            self._notices,
+        )
+        if not distributed:
+            return SingleRankSteps(*parts)
+        return MultiRankSteps(
+            RankSync(self.n_tensors),
+            *parts,
+            model=self.model,
+            recipe=self.recipe,
+            n_tensors=self.n_tensors,
+            rank_sample_interval=self.rank_sample_interval,
+            copies=np.array([t.get("role") == "weight" for t in self.tensors], dtype=bool),
+        )
 
     # ----- public state -----
     @property

@@ -36,21 +36,18 @@ from .ranks import (
     reduce_rank_block,
     reduce_rank_stats,
 )
+from .step_path import StepPath
 
 __all__ = ["MultiRankSteps"]
 
 
-class MultiRankSteps:
+class MultiRankSteps(StepPath):
     """Steps of one rank of a distributed job (module docstring).
 
     Args:
         ranks: this rank's gather pipeline.
-        reader: the statistics reader, None for a run without FP8 layers.
-        inbox: the commands from the service (only rank 0 hears any).
-        apply: ``(commands, step) -> acks`` (``control.commands_applier``).
-        report: ``(step, host statistics or None, scalars holder)`` (``StepReporter.report``; rank 0).
-        sender: rank 0's sender; None on the other ranks.
-        notices: the run's ``Notices``.
+        reader, inbox, apply, report, sender, notices: as ``StepPath``'s; only rank 0 hears commands in
+            its inbox, reports, and has a sender (None on the other ranks).
         model: the model (a run without FP8 still gathers on its device).
         recipe: the run's recipe (None: a step without statistics on any rank is no news).
         n_tensors: rows of a statistics block.
@@ -75,14 +72,9 @@ class MultiRankSteps:
         rank_sample_interval: int,
         copies: np.ndarray | None = None,
     ):
+        super().__init__(reader, inbox, apply, report, sender, notices)
         self._ranks = ranks
         self.rank = ranks.rank
-        self._reader = reader
-        self._inbox = inbox
-        self._apply = apply
-        self._report = report
-        self._sender = sender
-        self._notices = notices
         self._model = model
         self._recipe = recipe
         self.n_tensors = n_tensors

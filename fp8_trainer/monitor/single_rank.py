@@ -16,30 +16,17 @@ import torch
 
 from .control import CommandInbox
 from .notices import Notices
+from .step_path import StepPath
 
 __all__ = ["SingleRankSteps"]
 
 
-class SingleRankSteps:
-    """Steps of a one-rank job, from ``Monitor.step`` to the reporter, in order (module docstring).
-
-    Args:
-        reader: the statistics reader (``StatsReader`` or one with its interface), None for a run without
-            FP8 layers.
-        inbox: the commands from the service.
-        apply: ``(commands, step) -> acks`` (``control.commands_applier``).
-        report: ``(step, host statistics or None, scalars holder)`` (``StepReporter.report``).
-        sender: where the acks go.
-        notices: the run's ``Notices``.
-    """
+class SingleRankSteps(StepPath):
+    """Steps of a one-rank job, from ``Monitor.step`` to the reporter, in order (module docstring); the
+    arguments are ``StepPath``'s."""
 
     def __init__(self, reader, inbox: CommandInbox, apply, report, sender, notices: Notices):
-        self._reader = reader
-        self._inbox = inbox
-        self._apply = apply
-        self._report = report
-        self._sender = sender
-        self._notices = notices
+        super().__init__(reader, inbox, apply, report, sender, notices)
         self._prev: tuple[int, Any] | None = None  # (step, scalars) of a run without FP8 layers, one late
         # (step, scalars, FP8 ran) in step order, waiting for the host copy of their statistics: a step
         # whose copy is in flight holds back the later ones, so the service gets every step, in order

@@ -23,7 +23,8 @@ from monitor_server.services.heatmap import (
     heatmap_buckets,
     heatmap_selection,
 )
-from monitor_server.storage.models import Run
+from monitor_server.services.incidents import incident_of_run
+from monitor_server.storage.models import Incident, Run
 from monitor_server.storage.query_schemas import HeatmapHead
 from monitor_server.storage.run_meta import RunMeta
 from monitor_server.storage.schemas import AlertState, HeatmapMetric
@@ -83,6 +84,9 @@ RunWriteDep = Annotated[Principal, Depends(require_scope("ingest", "control"))]
 RunId = Annotated[int, Path(ge=1, le=2**31 - 1, description="run id")]
 AlertId = Annotated[int, Path(ge=1, le=2**31 - 1, description="alert id")]
 EventId = Annotated[int, Path(ge=1, le=2**31 - 1, description="event id")]
+IncidentId = Annotated[int, Path(ge=1, le=2**31 - 1, description="incident id")]
+ActionId = Annotated[int, Path(ge=1, le=2**31 - 1, description="policy action id")]
+RequestId = Annotated[int, Path(ge=1, le=2**31 - 1, description="replay request id")]
 
 #: query parameters bounding a step range (`check_order` refuses one that ends before it starts)
 FromQ = Annotated[
@@ -108,6 +112,14 @@ def clipped_range(run: Run, lo: int | None, hi: int | None) -> tuple[int, int] |
     leaves nothing."""
     check_order(lo, hi)
     return step_range(run.first_step, run.last_step, lo, hi)
+
+
+def incident_or_404(session: Session, run_id: int, incident_id: int) -> Incident:
+    """The run's incident, or 404 naming both (an incident of another run is not found in this one)."""
+    incident = incident_of_run(session, run_id=run_id, incident_id=incident_id)
+    if incident is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"incident {incident_id} not found in run {run_id}")
+    return incident
 
 
 def run_or_404(session: Session, run_id: int) -> Run:

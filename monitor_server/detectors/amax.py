@@ -6,10 +6,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fp8_protocol.codec import jsonable
-
 from .base import BatchView, Detector, array_state, nested_state
 from .episodes import advance
+from .per_tensor import by_role, firings
 from .tensors import Tail
 from .types import Finding
 
@@ -49,12 +48,7 @@ class AmaxDivergenceDetector(Detector, key="divergence", order=50):
         self.run = np.zeros(n, dtype=np.int64)
         self.fired = np.zeros(n, dtype=bool)
         self.last_growth = np.full(n, np.nan)
-        self.tol = np.array(
-            [
-                cfg.divergence_log2_grad if m.role == "grad_output" else cfg.divergence_log2
-                for m in self.tensors
-            ]
-        )
+        self.tol = by_role(self.tensors, cfg.divergence_log2, cfg.divergence_log2_grad)
         self.tail = Tail(n)
 
     def observe(self, view: BatchView) -> list[Finding]:
@@ -103,39 +97,27 @@ class AmaxDivergenceDetector(Detector, key="divergence", order=50):
         self.last_growth = np.where(has, growth[last_valid, np.arange(n)], self.last_growth)
 
         findings = []
-        for s, j in zip(*np.nonzero(fire), strict=True):
-            t, r = cols[j], run[s, j]
-            step, name, m = int(steps[s]), self.tensors[t].name, margin[t]
-            tol = self.tol[t]
-            critical = growth[s, t] > m + 2 * tol
-            findings.append(
-                Finding(
-                    kind="amax_divergence",
-                    step=step,
-                    tensor_index=int(t),
-                    onset=step - int(r) + 1,
-                    severity="critical" if critical else "warning",
-                    message=(
-                        f"amax divergence in {name} at step {step}: amax {amax[s, t]:.4g} is "
-                        f"2^{growth[s, t]:.2f} "
-                        f"times the mean of the previous {window[t]} steps (2^{mean[s, t]:.2f}), beyond the "
-                        f"margin {m:g} + tolerance {tol:g}, for {r} steps"
-                    ),
-                    evidence=jsonable(
-                        {
-                            "amax": amax[s, t],
-                            "log2_amax": log2_amax[s, t],
-                            "window_mean_log2_amax": mean[s, t],
-                            "growth_log2": growth[s, t],
-                            "window": window[t],
-                            "margin": m,
-                            "tolerance_log2": tol,
-                            "consecutive_steps": r,
-                            "amax_tail": self.tail.get(s, t),
-                        }
-                    ),
-                )
+        for f in firings(fire, cols, run, steps, self.tensors):
+            s, t, r, m, tol = f.s, f.t, f.run, margin[f.t], self.tol[f.t]
+            message = (
+                f"amax divergence in {f.name} at step {f.step}: amax {amax[s, t]:.4g} is "
+                f"2^{growth[s, t]:.2f} "
+                f"times the mean of the previous {window[t]} steps (2^{mean[s, t]:.2f}), beyond the "
+                f"margin {m:g} + tolerance {tol:g}, for {r} steps"
             )
+            evidence = {
+                "amax": amax[s, t],
+                "log2_amax": log2_amax[s, t],
+                "window_mean_log2_amax": mean[s, t],
+                "growth_log2": growth[s, t],
+                "window": window[t],
+                "margin": m,
+                "tolerance_log2": tol,
+                "consecutive_steps": r,
+                "amax_tail": self.tail.get(s, t),
+            }
+            severity = "critical" if growth[s, t] > m + 2 * tol else "warning"
+            findings.append(f.finding("amax_divergence", severity, message, evidence))
         return findings
 
 
@@ -189,9 +171,8 @@ class ScaleCollapseDetector(Detector, key="scale_collapse", order=30):
         self.ring = ext[-cfg.scale_window :].copy()
 
         findings = []
-        for s, j in zip(*np.nonzero(fire | escalate), strict=True):
-            t, r = cols[j], run[s, j]
-            step, name = int(steps[s]), self.tensors[t].name
+        for f in firings(fire | escalate, cols, run, steps, self.tensors):
+            s, t = f.s, f.t
             critical = bool(broken[s, t])
             with np.errstate(divide="ignore", invalid="ignore"):
                 drop = float(np.log2(ref[s, t] / scale[s, t]))
@@ -202,25 +183,16 @@ class ScaleCollapseDetector(Detector, key="scale_collapse", order=30):
                     f"scale fell 2^{drop:.1f}x to {scale[s, t]:.4g} within {cfg.scale_window} steps "
                     f"(more than 2^{cfg.scale_drop_log2:g})"
                 )
-            findings.append(
-                Finding(
-                    kind="scale_collapse",
-                    step=step,
-                    tensor_index=int(t),
-                    onset=step - int(r) + 1,
-                    severity="critical" if critical else "warning",
-                    message=f"scale collapse in {name} at step {step}: {how}",
-                    evidence=jsonable(
-                        {
-                            "scale": scale[s, t],
-                            "window_max_scale": ref[s, t],
-                            "drop_log2": drop,
-                            "drop_threshold_log2": cfg.scale_drop_log2,
-                            "scale_min": cfg.scale_min,
-                            "window": cfg.scale_window,
-                            "scale_tail": self.tail.get(s, t),
-                        }
-                    ),
-                )
-            )
+            evidence = {
+                "scale": scale[s, t],
+                "window_max_scale": ref[s, t],
+                "drop_log2": drop,
+                "drop_threshold_log2": cfg.scale_drop_log2,
+                "scale_min": cfg.scale_min,
+                "window": cfg.scale_window,
+                "scale_tail": self.tail.get(s, t),
+            }
+            message = f"scale collapse in {f.name} at step {f.step}: {how}"
+            severity = "critical" if critical else "warning"
+            findings.append(f.finding("scale_collapse", severity, message, evidence))
         return findings

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -92,125 +92,175 @@ def layer_health(
     one (a run without the quality columns), NaN when one of them had no finite element in its latest
     step (a tensor gone all NaN: its last finite SQNR would read as a healthy quantization).
     """
-    head = headroom_log2(snap.last_amax, snap.last_scale, snap.fp8_max)
-    n = len(tensors)
-    sqnr = snap.sqnr_db if snap.sqnr_db is not None else np.full(n, np.nan)
-    sqnr_level = snap.sqnr_level_db if snap.sqnr_level_db is not None else np.full(n, np.nan)
-    dead = snap.sqnr_nonfinite if snap.sqnr_nonfinite is not None else np.zeros(n, dtype=bool)
-    sat = saturation_state(head, snap.fp8_max, snap.fp8_rounding, snap.saturation_log2)
+    view = _TensorView.of(tensors, snap)
+    alerts = _alerts_by_tensor(open_alerts, len(tensors))
+    ranked = []
+    for order, (layer, idx) in enumerate(_layers(tensors).items()):
+        verdict = _LayerVerdict()
+        for i in idx:
+            verdict.add_alerts(alerts.get(i, []), tensors[i].name, float(view.position[i]))
+            verdict.add_tensor_facts(i, tensors[i].name, snap, view)
+        ranked.append((_layer_entry(layer, idx, tensors, snap, view, verdict), verdict.onset, order))
+    ranked.sort(key=lambda r: (-SEVERITY_RANK[r[0]["severity"]], r[1], -r[0]["score"], r[2]))
+    return [entry for entry, _, _ in ranked]
+
+
+@dataclass
+class _TensorView:
+    """What `layer_health` works out once for every tensor (all (T,) arrays by tensor index) before it
+    walks the layers: the headroom and saturation state, the SQNR columns with their defaults for a run
+    that sends none, and each tensor's forward-then-backward position."""
+
+    head: np.ndarray
+    sat: np.ndarray
+    sqnr: np.ndarray
+    sqnr_level: np.ndarray
+    dead: np.ndarray  # bool: the latest step with an SQNR verdict had no finite element
+    position: np.ndarray
+
+    @classmethod
+    def of(cls, tensors: list[TensorInfo], snap: TensorSnapshot) -> _TensorView:
+        n = len(tensors)
+        head = headroom_log2(snap.last_amax, snap.last_scale, snap.fp8_max)
+        position = np.empty(n, dtype=np.int64)
+        position[forward_backward_order(tensors)] = np.arange(n)
+        return cls(
+            head=head,
+            sat=saturation_state(head, snap.fp8_max, snap.fp8_rounding, snap.saturation_log2),
+            sqnr=snap.sqnr_db if snap.sqnr_db is not None else np.full(n, np.nan),
+            sqnr_level=snap.sqnr_level_db if snap.sqnr_level_db is not None else np.full(n, np.nan),
+            dead=snap.sqnr_nonfinite if snap.sqnr_nonfinite is not None else np.zeros(n, dtype=bool),
+            position=position,
+        )
+
+
+def _layers(tensors: list[TensorInfo]) -> dict[str, list[int]]:
+    """Layer name -> its tensors' indices, layers in the order their first tensor comes (the tie-break of
+    the ranking); a tensor without a layer is in none."""
     layers: dict[str, list[int]] = {}
     for i, meta in enumerate(tensors):
         if meta.layer:
             layers.setdefault(meta.layer, []).append(i)
-    position = np.empty(len(tensors), dtype=np.int64)
-    position[forward_backward_order(tensors)] = np.arange(len(tensors))
-    alerts_by_tensor: dict[int, list[dict]] = {}
+    return layers
+
+
+def _alerts_by_tensor(open_alerts: list[dict], n: int) -> dict[int, list[dict]]:
+    """The open alerts by the tensor they name; one without a valid tensor index belongs to no layer."""
+    by_tensor: dict[int, list[dict]] = {}
     for alert in open_alerts:
         t = alert.get("tensor_index")
-        if isinstance(t, int) and 0 <= t < len(tensors):
-            alerts_by_tensor.setdefault(t, []).append(alert)
-
-    out = []
-    for order, (layer, idx) in enumerate(layers.items()):
-        reasons: list[tuple[str, str]] = []  # (severity, text)
-        diverging = False
-        onset = (np.inf, np.inf)  # the earliest open alert's (step, forward-then-backward position)
-        for i in idx:
-            name = tensors[i].name
-            for a in alerts_by_tensor.get(i, []):
-                step = a.get("onset_step", a.get("first_step"))
-                if isinstance(step, int | float):
-                    onset = min(onset, (float(step), float(position[i])))
-                sev = a.get("severity") if a.get("severity") in SEVERITY_WEIGHT else "warning"
-                reasons.append(
-                    (
-                        sev,
-                        f"open {a.get('kind')} alert on {name} (steps {a.get('first_step')}-"
-                        f"{a.get('last_step')}, {a.get('count', 1)}x): {a.get('message', '')}",
-                    )
-                )
-                diverging = True
-            if snap.nonfinite_total[i] > 0:
-                reasons.append(
-                    ("critical", f"{name}: {snap.nonfinite_total[i]:.0f} non-finite values so far")
-                )
-            h, warm = head[i], bool(snap.warming_up[i])
-            during = " (warm-up: the amax history has not filled yet)" if warm else ""
-            if sat[i] == "saturating":
-                reasons.append(
-                    (
-                        "info" if warm else "warning",
-                        f"{name} saturates: headroom 2^{h:.2f} (amax * scale above the FP8 "
-                        f"max {snap.fp8_max[i]:g}){during}",
-                    )
-                )
-                diverging |= not warm
-            elif sat[i] == "clipping":
-                reasons.append(("info", f"{name} clips its largest elements: headroom 2^{h:.2f}{during}"))
-            g, cover = snap.growth_log2[i], snap.margin[i] + snap.divergence_log2[i]
-            if g > cover:
-                reasons.append(
-                    (
-                        "info" if warm else "warning",
-                        f"amax of {name} grew 2^{g:.2f}x over the last {snap.window[i]} steps, "
-                        f"more than history and margin cover (2^{cover:g}){during}",
-                    )
-                )
-                diverging |= not warm
-        severity = max((sev for sev, _ in reasons), key=SEVERITY_RANK.__getitem__, default="ok")
-        finite_head = head[idx][np.isfinite(head[idx])]
-        least = float(finite_head.min()) if finite_head.size else 16.0
-        score = sum(SEVERITY_WEIGHT[sev] for sev, _ in reasons) + 0.001 * float(
-            np.clip(16.0 - least, 0.0, 32.0)
-        )
-        reasons.sort(key=lambda r: -SEVERITY_RANK[r[0]])
-        known = sqnr[idx][~np.isnan(sqnr[idx])]
-        gone = dead[idx].any()  # a tensor with nothing finite left: no SQNR to report, and worse than any
-        entries = [_tensor_entry(tensors[i], i, snap, head, sat, sqnr, sqnr_level, dead) for i in idx]
-        out.append(
-            {
-                "layer": layer,
-                "severity": severity,
-                "score": score,
-                "diverging": diverging,
-                "reasons": [text for _, text in reasons],
-                "sqnr_db": "NaN" if gone else encode_float(known.min()) if known.size else None,
-                "tensors": entries,
-                "_order": order,
-                "_onset": onset,
-            }
-        )
-    out.sort(key=lambda d: (-SEVERITY_RANK[d["severity"]], d["_onset"], -d["score"], d["_order"]))
-    for d in out:
-        del d["_order"], d["_onset"]
-    return out
+        if isinstance(t, int) and 0 <= t < n:
+            by_tensor.setdefault(t, []).append(alert)
+    return by_tensor
 
 
-def _tensor_entry(
-    meta: TensorInfo,
-    i: int,
+@dataclass
+class _LayerVerdict:
+    """A layer's reasons as its tensors are read, whether it diverges, and the onset of its earliest open
+    alert (step, forward-then-backward position: inf while it has none)."""
+
+    reasons: list[tuple[str, str]] = field(default_factory=list)  # (severity, text)
+    diverging: bool = False
+    onset: tuple[float, float] = (np.inf, np.inf)
+
+    @property
+    def severity(self) -> str:
+        """The worst reason's severity; "ok" without reasons."""
+        return max((sev for sev, _ in self.reasons), key=SEVERITY_RANK.__getitem__, default="ok")
+
+    def add_alerts(self, alerts: list[dict], name: str, position: float) -> None:
+        """An open alert on tensor `name`: a reason of the alert's severity, and the layer diverges."""
+        for a in alerts:
+            step = a.get("onset_step", a.get("first_step"))
+            if isinstance(step, int | float):
+                self.onset = min(self.onset, (float(step), position))
+            sev = a.get("severity") if a.get("severity") in SEVERITY_WEIGHT else "warning"
+            self.reasons.append(
+                (
+                    sev,
+                    f"open {a.get('kind')} alert on {name} (steps {a.get('first_step')}-"
+                    f"{a.get('last_step')}, {a.get('count', 1)}x): {a.get('message', '')}",
+                )
+            )
+            self.diverging = True
+
+    def add_tensor_facts(self, i: int, name: str, snap: TensorSnapshot, view: _TensorView) -> None:
+        """Tensor `i`'s own reasons: non-finite values, saturation or clipping, amax growth beyond what
+        history and margin cover (the last two only info, and not diverging, during its warm-up)."""
+        nonfinite = snap.nonfinite_total[i]
+        if nonfinite > 0:
+            self.reasons.append(("critical", f"{name}: {nonfinite:.0f} non-finite values so far"))
+        h, warm = view.head[i], bool(snap.warming_up[i])
+        during = " (warm-up: the amax history has not filled yet)" if warm else ""
+        if view.sat[i] == "saturating":
+            self.reasons.append(
+                (
+                    "info" if warm else "warning",
+                    f"{name} saturates: headroom 2^{h:.2f} (amax * scale above the FP8 "
+                    f"max {snap.fp8_max[i]:g}){during}",
+                )
+            )
+            self.diverging |= not warm
+        elif view.sat[i] == "clipping":
+            self.reasons.append(("info", f"{name} clips its largest elements: headroom 2^{h:.2f}{during}"))
+        g, cover = snap.growth_log2[i], snap.margin[i] + snap.divergence_log2[i]
+        if g > cover:
+            self.reasons.append(
+                (
+                    "info" if warm else "warning",
+                    f"amax of {name} grew 2^{g:.2f}x over the last {snap.window[i]} steps, "
+                    f"more than history and margin cover (2^{cover:g}){during}",
+                )
+            )
+            self.diverging |= not warm
+
+
+def _layer_entry(
+    layer: str,
+    idx: list[int],
+    tensors: list[TensorInfo],
     snap: TensorSnapshot,
-    head: np.ndarray,
-    sat: np.ndarray,
-    sqnr: np.ndarray,
-    sqnr_level: np.ndarray,
-    dead: np.ndarray,
+    view: _TensorView,
+    verdict: _LayerVerdict,
 ) -> dict[str, Any]:
+    """A layer's answer: its severity, its score (the reasons' weights plus a small term for the least
+    headroom, so healthy layers rank by headroom), its reasons worst first, its worst SQNR and its tensors."""
+    finite_head = view.head[idx][np.isfinite(view.head[idx])]
+    least = float(finite_head.min()) if finite_head.size else 16.0
+    score = sum(SEVERITY_WEIGHT[sev] for sev, _ in verdict.reasons) + 0.001 * float(
+        np.clip(16.0 - least, 0.0, 32.0)
+    )
+    reasons = sorted(verdict.reasons, key=lambda r: -SEVERITY_RANK[r[0]])
+    known = view.sqnr[idx][~np.isnan(view.sqnr[idx])]
+    gone = view.dead[idx].any()  # a tensor with nothing finite left: no SQNR to report, and worse than any
+    return {
+        "layer": layer,
+        "severity": verdict.severity,
+        "score": score,
+        "diverging": verdict.diverging,
+        "reasons": [text for _, text in reasons],
+        "sqnr_db": "NaN" if gone else encode_float(known.min()) if known.size else None,
+        "tensors": [_tensor_entry(tensors[i], i, snap, view) for i in idx],
+    }
+
+
+def _tensor_entry(meta: TensorInfo, i: int, snap: TensorSnapshot, view: _TensorView) -> dict[str, Any]:
+    """One tensor's latest values in its layer's answer."""
     return {
         "index": meta.index,
         "name": meta.name,
         "role": meta.role,
         "last_amax": encode_float(snap.last_amax[i]),
         "last_scale": encode_float(snap.last_scale[i]),
-        "headroom_log2": encode_float(head[i]),
-        "saturation": str(sat[i]),
+        "headroom_log2": encode_float(view.head[i]),
+        "saturation": str(view.sat[i]),
         "warming_up": bool(snap.warming_up[i]),
         "amax_growth_log2": encode_float(snap.growth_log2[i]),
         "overflow_total": encode_float(snap.overflow_total[i]),
         "underflow_total": encode_float(snap.underflow_total[i]),
         "nonfinite_total": encode_float(snap.nonfinite_total[i]),
-        "sqnr_db": "NaN" if dead[i] else None if np.isnan(sqnr[i]) else encode_float(sqnr[i]),
-        "sqnr_level_db": None if np.isnan(sqnr_level[i]) else encode_float(sqnr_level[i]),
+        "sqnr_db": "NaN" if view.dead[i] else None if np.isnan(view.sqnr[i]) else encode_float(view.sqnr[i]),
+        "sqnr_level_db": None if np.isnan(view.sqnr_level[i]) else encode_float(view.sqnr_level[i]),
     }
 
 

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fp8_protocol.codec import jsonable
 from fp8_protocol.stats import no_finite_element, sqnr_db
 
 from .base import BatchView, Detector, array_state, nested_state
 from .episodes import advance
+from .per_tensor import firings
 from .tensors import Tail
 from .types import Finding
 
@@ -128,33 +128,22 @@ class SqnrDropDetector(Detector, key="sqnr_drop", order=55):
         self.level = np.where(valid.any(axis=0), level[last_valid, np.arange(n)], self.level)
 
         findings = []
-        for s, j in zip(*np.nonzero(fire), strict=True):
-            t, r = cols[j], run[s, j]
-            step, name = int(steps[s]), self.tensors[t].name
-            critical = drop[s, t] > 2 * cfg.sqnr_drop_db
-            findings.append(
-                Finding(
-                    kind="sqnr_drop",
-                    step=step,
-                    tensor_index=int(t),
-                    onset=step - int(r) + 1,
-                    severity="critical" if critical else "warning",
-                    message=(
-                        f"SQNR drop in {name} at step {step}: {sqnr[s, t]:.1f} dB, {drop[s, t]:.1f} dB below "
-                        f"its recent level of {level[s, t]:.1f} dB (median of {count[s, t]} steps), more "
-                        f"than {cfg.sqnr_drop_db:g} dB, for {r} steps"
-                    ),
-                    evidence=jsonable(
-                        {
-                            "sqnr_db": sqnr[s, t],
-                            "level_db": level[s, t],
-                            "drop_db": drop[s, t],
-                            "threshold_db": cfg.sqnr_drop_db,
-                            "level_steps": count[s, t],
-                            "consecutive_steps": r,
-                            "sqnr_tail": self.tail.get(s, t),
-                        }
-                    ),
-                )
+        for f in firings(fire, cols, run, steps, self.tensors):
+            s, t = f.s, f.t
+            message = (
+                f"SQNR drop in {f.name} at step {f.step}: {sqnr[s, t]:.1f} dB, {drop[s, t]:.1f} dB below "
+                f"its recent level of {level[s, t]:.1f} dB (median of {count[s, t]} steps), more "
+                f"than {cfg.sqnr_drop_db:g} dB, for {f.run} steps"
             )
+            evidence = {
+                "sqnr_db": sqnr[s, t],
+                "level_db": level[s, t],
+                "drop_db": drop[s, t],
+                "threshold_db": cfg.sqnr_drop_db,
+                "level_steps": count[s, t],
+                "consecutive_steps": f.run,
+                "sqnr_tail": self.tail.get(s, t),
+            }
+            severity = "critical" if drop[s, t] > 2 * cfg.sqnr_drop_db else "warning"
+            findings.append(f.finding("sqnr_drop", severity, message, evidence))
         return findings

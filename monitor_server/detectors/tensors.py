@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
-from fp8_protocol.codec import jsonable
-
 from .base import BatchView, Detector, Stateful, array_state, nested_state
 from .episodes import advance
+from .per_tensor import by_role, firings
 from .types import Finding
 
 TAIL = 8  # evidence carries this many recent values of the series that fired
@@ -67,8 +67,25 @@ class Tail(Stateful):
         return {"steps": ext_steps[lo : p + 1], "values": ext_values[lo : p + 1, t]}
 
 
+class CountShareDetector(Detector):
+    """Base of the detectors that watch what share of a tensor's elements one count column counts
+    (`column` / numel): `observe` hands both columns, and where the tensors are watched, to `process`."""
+
+    column: ClassVar[str]
+
+    def observe(self, view: BatchView) -> list[Finding]:
+        count, numel = view.stats.get(self.column), view.stats.get("numel")
+        if count is None or numel is None:
+            return []
+        return self.process(view.steps, count, numel, view.watched)
+
+    def process(self, steps, count, numel, enabled) -> list[Finding]:
+        """The findings of (S, T) counts of `numel` elements where `enabled`."""
+        raise NotImplementedError
+
+
 @dataclass(eq=False)
-class OverflowBurstDetector(Detector, key="overflow", order=40):
+class OverflowBurstDetector(CountShareDetector, key="overflow", order=40):
     """Rule: ``frac = overflow / numel``; a step overflows when ``frac > overflow_frac``. Fires once per
     episode of consecutive overflowing steps: severity warning when the episode reaches
     `overflow_consecutive` steps, critical at once when ``frac >= overflow_jump_frac`` (grad_output:
@@ -80,25 +97,15 @@ class OverflowBurstDetector(Detector, key="overflow", order=40):
     fired: np.ndarray = array_state(bool)  # (T,) fired in the open episode
     fired_critical: np.ndarray = array_state(bool)  # (T,) fired as critical in the open episode
     tail: Tail = nested_state()  # overflow fractions, for evidence
+    column: ClassVar[str] = "overflow"
 
     def __post_init__(self) -> None:
         cfg, n = self.config, len(self.tensors)
-        self.jump_frac = np.array(
-            [
-                cfg.overflow_jump_frac_grad if m.role == "grad_output" else cfg.overflow_jump_frac
-                for m in self.tensors
-            ]
-        )
+        self.jump_frac = by_role(self.tensors, cfg.overflow_jump_frac, cfg.overflow_jump_frac_grad)
         self.run = np.zeros(n, dtype=np.int64)
         self.fired = np.zeros(n, dtype=bool)
         self.fired_critical = np.zeros(n, dtype=bool)
         self.tail = Tail(n)
-
-    def observe(self, view: BatchView) -> list[Finding]:
-        overflow, numel = view.stats.get("overflow"), view.stats.get("numel")
-        if overflow is None or numel is None:
-            return []
-        return self.process(view.steps, overflow, numel, view.watched)
 
     def process(self, steps, overflow, numel, enabled) -> list[Finding]:
         cfg = self.config
@@ -113,44 +120,34 @@ class OverflowBurstDetector(Detector, key="overflow", order=40):
             lambda run, c: [(run >= cfg.overflow_consecutive) | jump[:, c], jump[:, c]],
         )
         findings = []
-        for s, j in zip(*np.nonzero(fire | escalate), strict=True):
-            t, r = cols[j], run[s, j]
-            step, name = int(steps[s]), self.tensors[t].name
+        for f in firings(fire | escalate, cols, run, steps, self.tensors):
+            s, t = f.s, f.t
             critical = bool(jump[s, t])
             how = (
                 f"{frac[s, t]:.3%} of elements saturated (jump above {self.jump_frac[t]:.3%})"
                 if critical
                 else f"more than {cfg.overflow_frac:.3%} of elements saturated for "
-                f"{r} consecutive steps "
+                f"{f.run} consecutive steps "
                 f"({frac[s, t]:.3%} now)"
             )
-            findings.append(
-                Finding(
-                    kind="overflow_burst",
-                    step=step,
-                    tensor_index=int(t),
-                    onset=step - int(r) + 1,
-                    severity="critical" if critical else "warning",
-                    message=f"overflow burst in {name} at step {step}: {how}",
-                    evidence=jsonable(
-                        {
-                            "overflow": overflow[s, t],
-                            "numel": numel[s, t],
-                            "fraction": frac[s, t],
-                            "consecutive_steps": r,
-                            "threshold": cfg.overflow_frac,
-                            "jump_threshold": self.jump_frac[t],
-                            "escalation": bool(escalate[s, j] and not fire[s, j]),
-                            "fraction_tail": self.tail.get(s, t),
-                        }
-                    ),
-                )
-            )
+            evidence = {
+                "overflow": overflow[s, t],
+                "numel": numel[s, t],
+                "fraction": frac[s, t],
+                "consecutive_steps": f.run,
+                "threshold": cfg.overflow_frac,
+                "jump_threshold": self.jump_frac[t],
+                "escalation": bool(escalate[s, f.j] and not fire[s, f.j]),
+                "fraction_tail": self.tail.get(s, t),
+            }
+            message = f"overflow burst in {f.name} at step {f.step}: {how}"
+            severity = "critical" if critical else "warning"
+            findings.append(f.finding("overflow_burst", severity, message, evidence))
         return findings
 
 
 @dataclass(eq=False)
-class UnderflowExcessDetector(Detector, key="underflow", order=60):
+class UnderflowExcessDetector(CountShareDetector, key="underflow", order=60):
     """Rule: ``frac = underflow / numel``; fires (severity info) once per episode when ``frac`` stays above
     `underflow_frac` (input, weight) or `underflow_frac_grad` (grad_output) for `underflow_consecutive`
     consecutive steps. Gradients have many tiny values that flush to zero in normal training, hence the
@@ -160,21 +157,14 @@ class UnderflowExcessDetector(Detector, key="underflow", order=60):
     run: np.ndarray = array_state(np.int64)  # (T,) length of the open episode
     fired: np.ndarray = array_state(bool)  # (T,) fired in the open episode
     tail: Tail = nested_state()  # underflow fractions, for evidence
+    column: ClassVar[str] = "underflow"
 
     def __post_init__(self) -> None:
         cfg, n = self.config, len(self.tensors)
-        self.threshold = np.array(
-            [cfg.underflow_frac_grad if m.role == "grad_output" else cfg.underflow_frac for m in self.tensors]
-        )
+        self.threshold = by_role(self.tensors, cfg.underflow_frac, cfg.underflow_frac_grad)
         self.run = np.zeros(n, dtype=np.int64)
         self.fired = np.zeros(n, dtype=bool)
         self.tail = Tail(n)
-
-    def observe(self, view: BatchView) -> list[Finding]:
-        underflow, numel = view.stats.get("underflow"), view.stats.get("numel")
-        if underflow is None or numel is None:
-            return []
-        return self.process(view.steps, underflow, numel, view.watched)
 
     def process(self, steps, underflow, numel, enabled) -> list[Finding]:
         cfg = self.config
@@ -185,30 +175,19 @@ class UnderflowExcessDetector(Detector, key="underflow", order=60):
             mask, self.run, [self.fired], lambda run, c: [run >= cfg.underflow_consecutive]
         )
         findings = []
-        for s, j in zip(*np.nonzero(fire), strict=True):
-            t, r = cols[j], run[s, j]
-            step, name = int(steps[s]), self.tensors[t].name
-            findings.append(
-                Finding(
-                    kind="underflow_excess",
-                    step=step,
-                    tensor_index=int(t),
-                    onset=step - int(r) + 1,
-                    severity="info",
-                    message=(
-                        f"excess underflow in {name} at step {step}: {frac[s, t]:.2%} of elements flushed to "
-                        f"zero, above {self.threshold[t]:.2%} for {r} consecutive steps"
-                    ),
-                    evidence=jsonable(
-                        {
-                            "underflow": underflow[s, t],
-                            "numel": numel[s, t],
-                            "fraction": frac[s, t],
-                            "consecutive_steps": r,
-                            "threshold": self.threshold[t],
-                            "fraction_tail": self.tail.get(s, t),
-                        }
-                    ),
-                )
+        for f in firings(fire, cols, run, steps, self.tensors):
+            s, t = f.s, f.t
+            message = (
+                f"excess underflow in {f.name} at step {f.step}: {frac[s, t]:.2%} of elements flushed to "
+                f"zero, above {self.threshold[t]:.2%} for {f.run} consecutive steps"
             )
+            evidence = {
+                "underflow": underflow[s, t],
+                "numel": numel[s, t],
+                "fraction": frac[s, t],
+                "consecutive_steps": f.run,
+                "threshold": self.threshold[t],
+                "fraction_tail": self.tail.get(s, t),
+            }
+            findings.append(f.finding("underflow_excess", "info", message, evidence))
         return findings

@@ -8,7 +8,7 @@ from datetime import datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from monitor_server.services.incidents import settle_incident
+from monitor_server.services.incidents import mark_acknowledged, settle_incident
 from monitor_server.storage.models import Alert, Incident
 
 
@@ -40,10 +40,7 @@ def acknowledge_alert(
         return None
     incident = None
     if alert.state == "open":
-        alert.state = "acknowledged"
-        alert.acknowledged_at = now
-        alert.acknowledged_by = who
-        alert.updated_at = now
+        mark_acknowledged(alert, who=who, now=now)
         session.flush()
         incident = settle_incident(session, incident_id=alert.incident_id, who=who, now=now)
     return alert, incident

@@ -14,7 +14,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from monitor_server.storage.models import Command, Run, as_utc, utcnow
-from monitor_server.storage.schemas import CommandCreate
+from monitor_server.storage.schemas import CommandCreate, CommandPublic, attributes
 
 #: Transformer Engine DelayedScaling defaults, used for fields the run's base recipe does not state
 RECIPE_DEFAULTS: dict[str, Any] = {
@@ -26,6 +26,8 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     "fp8_enabled": True,
 }
 MODEL_TARGET = "model"
+#: the recipe kinds a job registers as ``type`` that are also a ``scaling`` (the runtime's four)
+SCALINGS = ("delayed", "current", "mxfp8", "block")
 
 
 class CommandError(Exception):
@@ -45,13 +47,23 @@ def _overrides(run: Run) -> dict[str, Any]:
     }
 
 
+def base_recipe(recipe: dict[str, Any] | None) -> dict[str, Any]:
+    """The run's registered recipe over the defaults. A job states its recipe's kind as ``type``
+    (``DelayedScaling.to_dict()``: ``{"type": "current", ...}``), which is the ``scaling`` a command
+    changes: a current-scaled run's ``scaling`` is ``current``, not the defaults' ``delayed``."""
+    recipe = recipe or {}
+    kind = recipe.get("type")
+    scaling = {"scaling": kind} if kind in SCALINGS and "scaling" not in recipe else {}
+    return {**RECIPE_DEFAULTS, **recipe, **scaling}
+
+
 def effective_recipe(run: Run) -> dict[str, Any]:
     """The recipe in force: {"model": defaults + base recipe + model overrides, "layers": {layer: merged}}.
 
     Only layers with overrides are listed under "layers".
     """
     ov = _overrides(run)
-    model = {**RECIPE_DEFAULTS, **(run.recipe or {}), **ov["model"]}
+    model = {**base_recipe(run.recipe), **ov["model"]}
     return {"model": model, "layers": {layer: {**model, **values} for layer, values in ov["layers"].items()}}
 
 
@@ -188,24 +200,17 @@ def deliver_pending(session: Session, run: Run) -> tuple[list[Command], list[Com
     return unacked, fresh
 
 
+#: the times of a command (SQLite hands them back naive)
+_COMMAND_TIMES = ("created_at", "delivered_at", "resolved_at")
+
+
 def command_public(command: Command) -> dict[str, Any]:
-    """A command as the API returns it."""
-    return {
-        "id": command.id,
-        "run_id": command.run_id,
-        "kind": command.kind,
-        "target": command.target,
-        "changes": command.changes,
-        "previous": command.previous,
-        "rollback_of": command.rollback_of,
-        "state": command.state,
-        "applied_step": command.applied_step,
-        "reason": command.reason,
-        "created_by": command.created_by,
-        "created_at": as_utc(command.created_at),
-        "delivered_at": as_utc(command.delivered_at),
-        "resolved_at": as_utc(command.resolved_at),
-    }
+    """A command as the API returns it: `CommandPublic`'s fields in its order, the times in UTC. A dict, not
+    the model: telemetry responses carry every unacknowledged command, and the stream takes dicts."""
+    public = attributes(command, CommandPublic.model_fields)
+    for name in _COMMAND_TIMES:
+        public[name] = as_utc(public[name])
+    return public
 
 
 def run_for_update(session: Session, run_id: int) -> Run | None:

@@ -267,6 +267,15 @@ def title(root: dict[str, Any] | None, n_tensors: int) -> str:
     return f"{label}{where} at step {root['onset_step']}{more}"
 
 
+def mark_acknowledged(row: Incident | Alert, *, who: str, now: datetime) -> None:
+    """Acknowledge one incident or alert (`who` at `now`): both keep the same acknowledgement record, and
+    the change counts as an update (lists order by it, the stream shows it)."""
+    row.state = "acknowledged"
+    row.acknowledged_at = now
+    row.acknowledged_by = who
+    row.updated_at = now
+
+
 def acknowledge(
     session: Session, *, run_id: int, incident_ids: list[int] | None, who: str, now: datetime
 ) -> tuple[list[Incident], list[Alert]]:
@@ -283,10 +292,7 @@ def acknowledge(
     alerts = list(session.scalars(alerts_q))
     rows: list[Incident | Alert] = [*incidents, *alerts]
     for row in rows:
-        row.state = "acknowledged"
-        row.acknowledged_at = now
-        row.acknowledged_by = who
-        row.updated_at = now
+        mark_acknowledged(row, who=who, now=now)
     session.flush()
     return incidents, alerts
 
@@ -303,10 +309,9 @@ def settle_incident(session: Session, *, incident_id: int | None, who: str, now:
         select(Alert.id).where(Alert.incident_id == incident_id, Alert.state == "open").limit(1)
     )
     if still_open is None:
-        incident.state = "acknowledged"
-        incident.acknowledged_at = now
-        incident.acknowledged_by = who
-    incident.updated_at = now
+        mark_acknowledged(incident, who=who, now=now)
+    else:
+        incident.updated_at = now
     session.flush()
     return incident
 

@@ -5,6 +5,7 @@ and store it in one transaction (steps, per-statistic blobs, rollups, acks, idem
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, cast
 
 import numpy as np
@@ -13,20 +14,14 @@ from sqlalchemy import Table, insert, select
 from sqlalchemy.orm import Session
 
 from fp8_protocol.client_events import EVENT_FIELDS, EVENT_KINDS, RANK_AMAX_EVENT, parse_rank_amax
-from fp8_protocol.codec import WireError, decode_column, decode_float, encode_float
-from fp8_protocol.stats import (
-    BASE_COLUMNS,
-    BLOCK_COLUMNS,
-    LEGACY_BLOCK_COLUMNS,
-    QUALITY_COLUMNS,
-    stored_amax,
-)
+from fp8_protocol.codec import WireError, decode_float, encode_float
 from monitor_server.detectors.types import StepBatch
 from monitor_server.infra import body_json
 from monitor_server.infra.wire import details_summary, json_too_deep
 from monitor_server.services import commands as command_ops
+from monitor_server.services.ingest_columns import StatsTable
 from monitor_server.services.policies import check_actions
-from monitor_server.storage.block_hist import HistEntry, decode_block_hist, hist_rows, update_histogram_sums
+from monitor_server.storage.block_hist import HistEntry, hist_rows, update_histogram_sums
 from monitor_server.storage.models import (
     Base,
     BlockHistogram,
@@ -50,11 +45,6 @@ def _table(model: type[Base]) -> Table:
 
 _TOP_KEYS = {"idempotency_key", "steps", "events", "acks"}
 _STEP_KEYS = {"step", "scalars", "stats", "block_hist"}
-_BASE_SET = frozenset(BASE_COLUMNS)
-_QUALITY_SET = frozenset(QUALITY_COLUMNS)
-_BLOCK_SET = frozenset(BLOCK_COLUMNS)
-_LEGACY_BLOCK_SET = frozenset(LEGACY_BLOCK_COLUMNS)  # an older sender's block columns (no blocks_zero)
-_ALL_COLUMNS = _BASE_SET | _QUALITY_SET | _BLOCK_SET
 
 
 @dataclass
@@ -170,26 +160,12 @@ def decode_batch(payload: Any, num_tensors: int, limits: EventLimits = EventLimi
     Raises:
         WireError: with a message naming the offending field.
     """
-    if not isinstance(payload, dict):
-        raise WireError("body: expected a JSON object")
-    unknown = set(payload) - _TOP_KEYS
-    if unknown:
-        raise WireError(f"body: unknown field(s) {sorted(unknown)}; expected {sorted(_TOP_KEYS)}")
-    key = payload.get("idempotency_key")
-    if not isinstance(key, str) or not 1 <= len(key) <= 200 or "\x00" in key:
-        raise WireError("idempotency_key: required, a string of 1..200 characters (no NUL)")
-    steps_in = payload.get("steps", [])
-    if not isinstance(steps_in, list):
-        raise WireError("steps: expected an array")
-    S, T = len(steps_in), num_tensors
+    key, steps_in = _decode_envelope(payload)
+    S = len(steps_in)
     steps = np.empty(S, dtype=np.int64)
-    columns: frozenset[str] | None = None  # the statistics the batch's steps carry (one set per batch)
-    stats: dict[str, np.ndarray] = {}
-    has_stats = np.ones(S, dtype=bool)
     scalars: list[dict[str, float]] = []
     names: set[str] = set()  # the distinct scalar names so far
-    block_hist: dict[int, list[HistEntry]] = {}
-    carried_quality = np.zeros(S, dtype=bool)  # per step: it carried the quality columns
+    table = StatsTable(S, num_tensors)
     for i, entry in enumerate(steps_in):
         where = f"steps[{i}]"
         if not isinstance(entry, dict):
@@ -202,61 +178,55 @@ def decode_batch(payload: Any, num_tensors: int, limits: EventLimits = EventLimi
         if not isinstance(sc, dict):
             raise WireError(f"{where}.scalars: expected an object")
         scalars.append(_decode_scalars(sc, where, names, limits))
-        if "stats" not in entry:  # a step in which no FP8 layer ran: its scalars only
-            if "block_hist" in entry:
-                raise WireError(f"{where}.block_hist: sent without the step's stats")
-            has_stats[i] = False
-            continue
-        st = entry["stats"]
-        if not isinstance(st, dict):
-            raise WireError(f"{where}.stats: an object with columns {list(BASE_COLUMNS)} (or left out)")
-        keys = _stat_columns(frozenset(st), where)
-        if columns is None:
-            columns = keys
-            stats = {name: np.full((S, T), np.nan) for name in columns}
-        elif keys - _QUALITY_SET != columns - _QUALITY_SET:
-            raise WireError(
-                f"{where}.stats: columns {sorted(keys)} differ from the batch's first step {sorted(columns)}"
-                " (every step of a batch carries the same statistics, the quality columns aside: a step"
-                " may leave them out, e.g. on a sampling schedule)"
-            )
-        elif not keys <= columns:  # the quality columns, first in this step: NaN (absent) in the earlier ones
-            columns = columns | keys
-            stats.update({name: np.full((S, T), np.nan) for name in keys - set(stats)})
-        carried_quality[i] = bool(keys & _QUALITY_SET)
-        for name in keys:
-            stats[name][i] = decode_column(st[name], T, f"{where}.stats.{name}")
-        if "block_hist" in entry:
-            if not columns >= _LEGACY_BLOCK_SET:
-                raise WireError(
-                    f"{where}.block_hist: sent without the block statistics {list(BLOCK_COLUMNS)}"
-                    " in the step's stats"
-                )
-            entries = decode_block_hist(entry["block_hist"], T, f"{where}.block_hist")
-            if entries:
-                block_hist[int(steps[i])] = entries
-    if columns is None:  # no step carried statistics
-        stats = {name: np.full((S, T), np.nan) for name in BASE_COLUMNS}
-    else:  # a tensor gone all NaN has no amax: NaN, not the 0 of an amax that ignores NaN
-        stats["amax"] = stored_amax(stats["amax"], stats["numel"], stats["nonfinite"])
+        table.add_step(i, int(steps[i]), entry, where)
+    table.finish()
+    order = _step_order(steps)
+    if order is not None:
+        steps = steps[order]
+        scalars = [scalars[j] for j in order.tolist()]
+        table.reorder(order)
+    events = _decode_events(payload.get("events", []), num_tensors, limits)
+    acks = _decode_acks(payload.get("acks", []))
+    columns_of, present = scalar_columns(scalars)
+    return DecodedBatch(
+        key,
+        steps,
+        scalars,
+        table.stats,
+        events,
+        acks,
+        table.has_stats,
+        table.block_hist,
+        columns_of,
+        present,
+        table.quality_present(),
+    )
+
+
+def _decode_envelope(payload: Any) -> tuple[str, list[Any]]:
+    """The body's idempotency key and its steps array, once the body is an object of the known fields."""
+    if not isinstance(payload, dict):
+        raise WireError("body: expected a JSON object")
+    unknown = set(payload) - _TOP_KEYS
+    if unknown:
+        raise WireError(f"body: unknown field(s) {sorted(unknown)}; expected {sorted(_TOP_KEYS)}")
+    key = payload.get("idempotency_key")
+    if not isinstance(key, str) or not 1 <= len(key) <= 200 or "\x00" in key:
+        raise WireError("idempotency_key: required, a string of 1..200 characters (no NUL)")
+    steps_in = payload.get("steps", [])
+    if not isinstance(steps_in, list):
+        raise WireError("steps: expected an array")
+    return key, steps_in
+
+
+def _step_order(steps: np.ndarray) -> np.ndarray | None:
+    """The permutation that puts the batch's steps in ascending order, None when they already are (a
+    sender's usual batch: nothing to copy). A step number sent twice is refused."""
+    S = len(steps)
     if S and len(np.unique(steps)) != S:
         raise WireError("steps: the same step number appears twice in one batch")
     order = np.argsort(steps, kind="stable")
-    if S and np.any(order != np.arange(S)):
-        steps = steps[order]
-        stats = {name: m[order] for name, m in stats.items()}
-        has_stats = has_stats[order]
-        carried_quality = carried_quality[order]
-        scalars = [scalars[j] for j in order.tolist()]
-    events = _decode_events(payload.get("events", []), T, limits)
-    acks = _decode_acks(payload.get("acks", []))
-    columns_of, present = scalar_columns(scalars)
-    quality_present = None
-    if carried_quality.any() and not carried_quality[has_stats].all():
-        quality_present = carried_quality
-    return DecodedBatch(
-        key, steps, scalars, stats, events, acks, has_stats, block_hist, columns_of, present, quality_present
-    )
+    return order if S and np.any(order != np.arange(S)) else None
 
 
 def _decode_scalars(sc: dict[str, Any], where: str, names: set[str], limits: EventLimits) -> dict[str, float]:
@@ -277,27 +247,6 @@ def _decode_scalars(sc: dict[str, Any], where: str, names: set[str], limits: Eve
                 )
         out[k] = decode_float(v, f"{where}.scalars.{k}")
     return out
-
-
-def _stat_columns(keys: frozenset[str], where: str) -> frozenset[str]:
-    """The statistics a step carries: every base column, and the quality and the block columns each all or
-    none."""
-    unknown = sorted(keys - _ALL_COLUMNS)
-    if unknown:
-        raise WireError(f"{where}.stats: unknown statistic(s) {unknown}")
-    missing = sorted(_BASE_SET - keys)
-    if missing:
-        raise WireError(f"{where}.stats: missing statistic(s) {missing}")
-    for kind, group in (("quality", QUALITY_COLUMNS), ("block", BLOCK_COLUMNS)):
-        present = keys & frozenset(group)
-        if present == _LEGACY_BLOCK_SET:  # an older sender's: every block column but blocks_zero
-            continue
-        if present and len(present) != len(group):
-            raise WireError(
-                f"{where}.stats: the {kind} statistics {list(group)} come all together or not at all;"
-                f" missing {sorted(frozenset(group) - keys)}"
-            )
-    return keys
 
 
 def _decode_events(events: Any, num_tensors: int, limits: EventLimits) -> list[dict[str, Any]]:
@@ -400,112 +349,160 @@ def store_batch(
     run = session.execute(select(Run).where(Run.id == run_id).with_for_update()).scalar_one_or_none()
     if run is None:
         raise UnknownRun(run_id)
-    empty = StepBatch(steps=np.zeros(0, dtype=np.int64))
     if session.get(IngestBatch, (run_id, batch.idempotency_key)) is not None:
         commands, fresh = command_ops.deliver_pending(session, run)
-        return StoreResult(True, empty, commands, fresh)
-    steps = batch.steps
+        return StoreResult(True, StepBatch(steps=np.zeros(0, dtype=np.int64)), commands, fresh)
+    new = _NewSteps.of(batch, _unstored(session, run, batch.steps))
+    names = _grown_scalar_names(run, list(new.scalar_columns), max_scalar_names)
+    now = utcnow()
+    if len(new.steps):
+        _store_steps(session, run, batch, new, fp8_max)
+        _advance_run(run, new, names)
+    events = _insert_events(session, run_id, now, batch.events)
+    run.last_telemetry_at = now
+    run.updated_at = now
+    changed = command_ops.apply_acks(session, run, batch.acks)
+    if run.last_step is not None:  # a remediation policy's commands, checked against the loss since
+        check_actions(session, run=run, last_step=run.last_step, now=now)
+    key = batch.idempotency_key
+    session.add(IngestBatch(run_id=run_id, idempotency_key=key, stored_steps=len(new.steps)))
+    commands, fresh = command_ops.deliver_pending(session, run)
+    return StoreResult(False, new.step_batch(), commands, changed + fresh, events, run.steps_stored)
+
+
+def _unstored(session: Session, run: Run, steps: np.ndarray) -> np.ndarray:
+    """(S,) bool: the batch's steps the run has not stored yet. Only a batch that reaches back to the run's
+    last stored step (one resent after a lost answer) costs a query."""
     keep = np.ones(len(steps), dtype=bool)
     if len(steps) and run.last_step is not None and steps[0] <= run.last_step:
-        stored = set(
-            session.scalars(
-                select(StepRow.step).where(
-                    StepRow.run_id == run_id, StepRow.step.between(int(steps[0]), int(steps[-1]))
-                )
-            )
-        )
+        span = StepRow.step.between(int(steps[0]), int(steps[-1]))
+        stored = set(session.scalars(select(StepRow.step).where(StepRow.run_id == run.id, span)))
         keep = np.fromiter((s not in stored for s in steps.tolist()), bool, len(steps))
-    new_steps = steps[keep]
-    new_stats = {name: m[keep] for name, m in batch.stats.items()} if not keep.all() else batch.stats
-    has_stats = batch.has_stats[keep] if batch.has_stats is not None else np.ones(len(new_steps), bool)
-    new_scalars = [sc for sc, k in zip(batch.scalars, keep.tolist(), strict=True) if k]
-    columns, present = batch.scalar_columns, batch.scalar_present
-    if not keep.all():  # the names of the new steps only, each column cut to them
-        columns = {name: col[keep] for name, col in columns.items() if present[name][keep].any()}
+    return keep
+
+
+@dataclass
+class _NewSteps:
+    """The part of a batch the run has not stored yet (all of it but for a resent batch), each column cut
+    to those steps; the scalars' columns keep only the names the new steps carry."""
+
+    keep: np.ndarray  # (S,) bool over the batch's steps
+    steps: np.ndarray
+    stats: dict[str, np.ndarray]
+    has_stats: np.ndarray
+    scalars: list[dict[str, float]]
+    scalar_columns: dict[str, np.ndarray]  # sorted by name
+    scalar_present: dict[str, np.ndarray]
+
+    @classmethod
+    def of(cls, batch: DecodedBatch, keep: np.ndarray) -> _NewSteps:
+        steps = batch.steps[keep]
+        has_stats = batch.has_stats[keep] if batch.has_stats is not None else np.ones(len(steps), bool)
+        scalars = [sc for sc, k in zip(batch.scalars, keep.tolist(), strict=True) if k]
+        if keep.all():
+            columns, present = batch.scalar_columns, batch.scalar_present
+            return cls(keep, steps, batch.stats, has_stats, scalars, columns, present)
+        stats = {name: m[keep] for name, m in batch.stats.items()}
+        present = batch.scalar_present
+        columns = {name: col[keep] for name, col in batch.scalar_columns.items() if present[name][keep].any()}
         present = {name: present[name][keep] for name in columns}
-    scalar_names = list(columns)  # sorted
+        return cls(keep, steps, stats, has_stats, scalars, columns, present)
+
+    def step_batch(self) -> StepBatch:
+        """The new steps as the detectors read them."""
+        return StepBatch(
+            steps=self.steps,
+            scalars=self.scalar_columns,
+            stats=self.stats,
+            present=self.scalar_present,
+            has_stats=None if self.has_stats.all() else self.has_stats,
+        )
+
+
+def _grown_scalar_names(run: Run, scalar_names: list[str], max_scalar_names: int | None) -> set[str] | None:
+    """The run's scalar names with the batch's, when the batch brings new ones (None when it does not);
+    refused when they would be more than `max_scalar_names`."""
     known = set(run.scalar_names or ())
-    names = None if known.issuperset(scalar_names) else known.union(scalar_names)  # the run's, when new
-    if names is not None and max_scalar_names is not None and len(names) > max_scalar_names:
+    if known.issuperset(scalar_names):
+        return None
+    names = known.union(scalar_names)
+    if max_scalar_names is not None and len(names) > max_scalar_names:
         raise WireError(
             f"steps: the run would have {len(names)} distinct scalar names, more than the limit of"
             f" {max_scalar_names} (max_scalar_names_per_run); it has {len(known)}"
         )
-    now = utcnow()
-    if len(new_steps):
-        step_rows = []
-        for s, sc in zip(new_steps.tolist(), new_scalars, strict=True):
-            loss = sc.get("loss")
-            finite_loss = loss if loss is not None and np.isfinite(loss) else None
-            encoded = {k: encode_float(v) for k, v in sc.items()}
-            step_rows.append({"run_id": run_id, "step": s, "loss": finite_loss, "scalars": encoded})
-        session.execute(insert(_table(StepRow)), step_rows)
-        if batch.block_hist:
-            rows = hist_rows(run_id, batch.block_hist, new_steps)
-            if rows:
-                session.execute(insert(_table(BlockHistogram)), rows)
-        stat_steps, with_stats = new_steps, new_stats
-        if not has_stats.all():  # statistics only for the steps that carried them: no placeholder rows
-            stat_steps = new_steps[has_stats]
-            with_stats = {name: m[has_stats] for name, m in new_stats.items()}
-        if len(stat_steps):
-            quality = batch.quality_present
-            if quality is not None:  # the quality columns' rows for the steps that carried them only
-                quality = quality[keep][has_stats]
-            rows = step_stat_rows(run_id, stat_steps, with_stats, quality_steps=quality)
-            session.execute(insert(_table(StepStat)), rows)
-        last_before = run.last_step
-        last = int(new_steps[-1])
-        # the rollups follow the run's last step (blocks are written once the run is past them)
-        update_rollups(
-            session, run_id, stat_steps, with_stats, fp8_max, last_before, max(last, last_before or last)
-        )
-        # and so do the block histograms' coarse sums
-        update_histogram_sums(
-            session,
-            run_id,
-            len(fp8_max),
-            batch.block_hist,
-            new_steps,
-            last_before,
-            max(last, last_before or last),
-        )
-        if run.last_step is None or last >= run.last_step:
-            run.last_step = last
-            loss = new_scalars[-1].get("loss")
-            if loss is not None:
-                run.last_loss = encode_float(loss)
-        first = int(new_steps[0])
-        if run.first_step is None or first < run.first_step:
-            run.first_step = first
-        run.steps_stored += len(new_steps)
-        if names is not None:
-            run.scalar_names = sorted(names)
-        if run.status == "crashed":  # closed by the server as abandoned, and its client is back
-            run.status = "running"
-    events = [{"run_id": run_id, "created_at": now, **ev} for ev in batch.events]
-    if events:
-        # the ids let the stream name each event as lists do (a big one is then fetched whole by its id)
-        table = _table(EventRow)
-        ids = session.scalars(insert(table).returning(table.c.id, sort_by_parameter_order=True), events)
-        events = [{**ev, "id": event_id} for ev, event_id in zip(events, ids, strict=True)]
-    run.last_telemetry_at = now
-    run.updated_at = now
-    changed = command_ops.apply_acks(session, run, batch.acks)
-    if (
-        run.last_step is not None
-    ):  # a remediation policy's commands checked against the loss since (policies.py)
-        check_actions(session, run=run, last_step=run.last_step, now=now)
-    session.add(
-        IngestBatch(run_id=run_id, idempotency_key=batch.idempotency_key, stored_steps=len(new_steps))
-    )
-    commands, fresh = command_ops.deliver_pending(session, run)
-    changed = changed + fresh
-    new_batch = StepBatch(
-        steps=new_steps,
-        scalars=columns,
-        stats=new_stats,
-        present=present,
-        has_stats=None if has_stats.all() else has_stats,
-    )
-    return StoreResult(False, new_batch, commands, changed, events, run.steps_stored)
+    return names
+
+
+def _store_steps(
+    session: Session, run: Run, batch: DecodedBatch, new: _NewSteps, fp8_max: np.ndarray
+) -> None:
+    """Insert the new steps' rows (steps, block histograms, statistics) and bring the rollups and the
+    histograms' coarse sums up to the run's last step (blocks are written once the run is past them)."""
+    run_id = run.id
+    step_rows = []
+    for s, sc in zip(new.steps.tolist(), new.scalars, strict=True):
+        loss = sc.get("loss")
+        finite_loss = loss if loss is not None and np.isfinite(loss) else None
+        encoded = {k: encode_float(v) for k, v in sc.items()}
+        step_rows.append({"run_id": run_id, "step": s, "loss": finite_loss, "scalars": encoded})
+    session.execute(insert(_table(StepRow)), step_rows)
+    if batch.block_hist:
+        rows = hist_rows(run_id, batch.block_hist, new.steps)
+        if rows:
+            session.execute(insert(_table(BlockHistogram)), rows)
+    stat_steps, with_stats = _store_stat_rows(session, run_id, new, batch.quality_present)
+    last_before = run.last_step
+    last = int(new.steps[-1])
+    upto = max(last, last_before or last)
+    update_rollups(session, run_id, stat_steps, with_stats, fp8_max, last_before, upto)
+    update_histogram_sums(session, run_id, len(fp8_max), batch.block_hist, new.steps, last_before, upto)
+
+
+def _store_stat_rows(
+    session: Session, run_id: int, new: _NewSteps, quality_present: np.ndarray | None
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Insert the statistics rows of the new steps that carried statistics (no placeholder rows for the
+    others; the quality columns' rows only for the steps that carried them); those steps and their
+    statistics, which the rollups take next."""
+    stat_steps, with_stats = new.steps, new.stats
+    if not new.has_stats.all():
+        stat_steps = new.steps[new.has_stats]
+        with_stats = {name: m[new.has_stats] for name, m in new.stats.items()}
+    if len(stat_steps):
+        quality = quality_present[new.keep][new.has_stats] if quality_present is not None else None
+        rows = step_stat_rows(run_id, stat_steps, with_stats, quality_steps=quality)
+        session.execute(insert(_table(StepStat)), rows)
+    return stat_steps, with_stats
+
+
+def _advance_run(run: Run, new: _NewSteps, names: set[str] | None) -> None:
+    """The run's own record of its steps: first and last step (and the loss at the last), the count, its
+    scalar names; a run the server closed as abandoned is running again, since its client is back."""
+    last = int(new.steps[-1])
+    if run.last_step is None or last >= run.last_step:
+        run.last_step = last
+        loss = new.scalars[-1].get("loss")
+        if loss is not None:
+            run.last_loss = encode_float(loss)
+    first = int(new.steps[0])
+    if run.first_step is None or first < run.first_step:
+        run.first_step = first
+    run.steps_stored += len(new.steps)
+    if names is not None:
+        run.scalar_names = sorted(names)
+    if run.status == "crashed":
+        run.status = "running"
+
+
+def _insert_events(
+    session: Session, run_id: int, now: datetime, events: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Store the client events and return them as stored, with their ids: the stream names each event as
+    lists do (a big one is then fetched whole by its id)."""
+    rows = [{"run_id": run_id, "created_at": now, **ev} for ev in events]
+    if not rows:
+        return rows
+    table = _table(EventRow)
+    ids = session.scalars(insert(table).returning(table.c.id, sort_by_parameter_order=True), rows)
+    return [{**ev, "id": event_id} for ev, event_id in zip(rows, ids, strict=True)]

@@ -164,16 +164,26 @@ def propose(
 
 
 def _layer_recipe(run: Run, layer: str) -> dict[str, Any]:
-    """The layer's recipe in force; ``scaling`` from the run's recipe type unless a command changed it."""
+    """The layer's recipe in force (its ``scaling`` the run's recipe type unless a command changed it)."""
     eff = effective_recipe(run)
-    recipe = dict(eff["layers"].get(layer, eff["model"]))
-    overrides = run.recipe_overrides or {}
-    changed = "scaling" in overrides.get("model", {}) or "scaling" in overrides.get("layers", {}).get(
-        layer, {}
-    )
-    if not changed:
-        recipe["scaling"] = (run.recipe or {}).get("type", recipe.get("scaling"))
+    recipe: dict[str, Any] = eff["layers"].get(layer, eff["model"])
     return recipe
+
+
+def _already_asked(session: Session, run_id: int, proposal: Proposal, recipe: dict[str, Any]) -> bool:
+    """The change is in force for the layer already, or an action of the run proposes or queues the same
+    change for it and has not been applied yet: a second report of the same fault (the job replays each
+    bundle it writes) asks for nothing new."""
+    if all(recipe.get(key) == value for key, value in proposal.changes.items()):
+        return True
+    waiting = session.scalars(
+        select(PolicyAction).where(
+            PolicyAction.run_id == run_id,
+            PolicyAction.target == proposal.target,
+            PolicyAction.state.in_(("proposed", "queued")),
+        )
+    )
+    return any(action.changes == proposal.changes for action in waiting)
 
 
 def _queued_last_hour(session: Session, run_id: int, now: datetime) -> int:
@@ -202,8 +212,9 @@ def on_replay(
     found = first_culprit(report, layers)
     if found is None:
         return []
-    proposal = propose(report, layers, _layer_recipe(run, found[1]), {k for _, k in alerts}, root_kind)
-    if proposal is None:
+    recipe = _layer_recipe(run, found[1])
+    proposal = propose(report, layers, recipe, {k for _, k in alerts}, root_kind)
+    if proposal is None or _already_asked(session, run.id, proposal, recipe):
         return []
     action = PolicyAction(
         run_id=run.id,

@@ -17,6 +17,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from monitor_server.storage.models import Incident, ReplayRequest
+from monitor_server.storage.schemas import ReplayRequestPublic, attributes
 
 #: the states of a request that is still open (a second request for its incident returns it)
 OPEN = ("pending", "running")
@@ -25,19 +26,8 @@ MAX_LISTED = 200
 
 
 def request_public(row: ReplayRequest) -> dict[str, Any]:
-    """The API's view of a request (`ReplayRequestPublic`)."""
-    return {
-        "id": row.id,
-        "run_id": row.run_id,
-        "incident_id": row.incident_id,
-        "bundle": row.bundle,
-        "state": row.state,
-        "requested_by": row.requested_by,
-        "claimed_by": row.claimed_by,
-        "detail": row.detail,
-        "created_at": row.created_at,
-        "updated_at": row.updated_at,
-    }
+    """A request as the stream carries it: `ReplayRequestPublic`'s fields, in its order."""
+    return attributes(row, ReplayRequestPublic.model_fields)
 
 
 def open_request(session: Session, *, incident_id: int) -> ReplayRequest | None:

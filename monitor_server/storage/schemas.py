@@ -164,13 +164,13 @@ class RunPublic(PublicModel):
     host: str
     status: str
     num_tensors: int
-    created_at: datetime
-    updated_at: datetime
+    created_at: UtcDatetime
+    updated_at: UtcDatetime
     first_step: int | None
     last_step: int | None
     last_loss: WireFloat | None
     steps_stored: int
-    last_telemetry_at: datetime | None
+    last_telemetry_at: UtcDatetime | None
     open_alerts: int
     open_incidents: int = 0
     tags: list[str] = Field(default_factory=list)

@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from monitor_server.services import export, export_tables, ingest
+from monitor_server.services import export, export_tables, ingest_columns
 from tests.support.server import API, STATS, batch_body, col, create_run, make_tensors, random_stats
 
 
@@ -328,7 +328,7 @@ def test_an_all_nan_tensor_has_amax_nan_not_zero(client, monkeypatch, fmt):
     heat = client.get(f"{API}/runs/{run['id']}/heatmap", params={"metric": "amax"}).json()
     assert heat["bucket_width"] == 1 and all(row[2:] == ["NaN", "NaN"] for row in heat["values"])
     # a run stored before the service stored it so (0 in its rows) is exported with NaN as well
-    monkeypatch.setattr(ingest, "stored_amax", lambda amax, numel, nonfinite: amax)
+    monkeypatch.setattr(ingest_columns, "stored_amax", lambda amax, numel, nonfinite: amax)
     old = create_run(client, 2)
     assert client.post(f"{API}/runs/{old['id']}/telemetry", json=body).status_code == 200
     stored = client.get(f"{API}/runs/{old['id']}/heatmap", params={"metric": "amax"}).json()

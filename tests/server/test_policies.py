@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from monitor_server.services.policies import SQNR_FLOOR_DB, RemediationConfig, propose
+from monitor_server.services.policies import SQNR_FLOOR_DB, RemediationConfig, _layer_recipe, propose
+from monitor_server.storage.models import Run
 from tests.server.test_incident_replay import LAYER, T, incident_with_bundles, report
 from tests.support.server import API, post_batch, quiet_stats
 
@@ -79,10 +80,45 @@ def test_the_check_waits_for_its_steps(client):
 def test_actions_per_hour_are_capped(client):
     rid, iid = incident_with_bundles(client, **remediation("act", max_actions_per_hour=1))
     _replay(client, rid, iid)
-    _replay(client, rid, iid)  # a second report on the incident: the policy would act again
+    other = "blocks.0.mlp.fc"  # a second report, on another layer: the policy would act again
+    _replay(client, rid, iid, report(culprits=[f"{other}.input"]))
     second, first = _actions(client, rid)
     assert first["state"] == "queued" and second["state"] == "capped" and second["command_id"] is None
+    assert second["target"] == other
     assert len(client.get(f"{API}/runs/{rid}/commands").json()) == 1
+
+
+def test_a_second_report_of_the_same_fault_asks_for_nothing_new(client):
+    """The job replays every bundle it writes: a second report naming the same layer neither queues the
+    change again while the first is on its way, nor once it is in force."""
+    rid, iid = incident_with_bundles(client, **remediation("act", max_actions_per_hour=10))
+    _replay(client, rid, iid)
+    _replay(client, rid, iid)  # the first command not applied yet
+    (action,) = _actions(client, rid)
+    _ack_and_train(client, rid, action["command_id"], applied=12, before=2.0, after=1.9)
+    assert _actions(client, rid)[0]["state"] == "kept"
+    _replay(client, rid, iid)  # FP8 is off for the layer already
+    assert len(_actions(client, rid)) == 1 and len(client.get(f"{API}/runs/{rid}/commands").json()) == 1
+    fine = report()  # but a different change for another layer is asked for
+    fine["configs"][0]["sqnr_db"]["blocks.0.mlp.fc"] = 31.0
+    _replay(client, rid, iid, {**fine, "culprits": ["blocks.0.mlp.fc.input"]})
+    assert [a["target"] for a in _actions(client, rid)] == ["blocks.0.mlp.fc", LAYER]
+
+
+def test_a_current_scaled_run_gets_a_margin_not_current_scaling(client):
+    """The run registers its recipe as ``{"type": "current"}``: the scaling in force is current (the run's
+    effective recipe says so), so a saturation under it asks for one more bit of margin."""
+    rid, _ = incident_with_bundles(client, recipe={"type": "current", "margin": 0})
+    assert client.get(f"{API}/runs/{rid}").json()["effective_recipe"]["model"]["scaling"] == "current"
+    recipe = _layer_recipe(Run(recipe={"type": "current", "margin": 0}), LAYER)
+    fine = report()
+    fine["configs"][0]["sqnr_db"][LAYER] = 31.0  # a scale problem, not precision
+    proposal = propose(fine, LAYERS, recipe, {"overflow_burst"}, "overflow_burst")
+    assert (proposal.rule, proposal.changes) == ("stale_scale", {"margin": 1})
+    delayed = _layer_recipe(Run(recipe={"type": "delayed"}), LAYER)  # what the default scaling gets
+    assert propose(fine, LAYERS, delayed, {"overflow_burst"}, "overflow_burst").changes == {
+        "scaling": "current"
+    }
 
 
 def test_propose_waits_for_a_person_to_apply(client):

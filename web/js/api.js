@@ -2,6 +2,8 @@
 // the caller's scopes, and server-sent events read through fetch (EventSource cannot send the
 // Authorization header, and a token in the URL would end up in logs).
 
+import { noteStreams } from "./hooks.js";
+
 // fp8_protocol.api.API_PREFIX (tests/protocol/test_client_events.py keeps the two equal)
 const API = "/api/v1";
 const TOKEN_KEY = "fp8scope.token";
@@ -142,7 +144,7 @@ const openStreams = new Set();
 function streamState(path, open) {
   if (open) openStreams.add(path);
   else openStreams.delete(path);
-  if (window.fp8scope) window.fp8scope.streams = [...openStreams];
+  noteStreams(openStreams);
   const indicator = document.getElementById("live-indicator");
   if (indicator) indicator.className = openStreams.size ? "live on" : "live off";
 }

@@ -7,15 +7,7 @@ import { el, plotly, replace } from "./dom.js";
 import { mountCompare } from "./compare.js";
 import { mountRun } from "./run.js";
 import { mountRuns } from "./runs.js";
-
-// instrumentation read by the browser tests and bench/dashboard.py
-// drawn: plotly has drawn a plot with its data; painted: its pixels (canvas first frame or plotly) are on screen.
-// preview: the run page paints a canvas first frame before plotly.js loads (?paint=plotly: today's path, which
-// waits for plotly.js; bench/dashboard.py measures both).
-window.fp8scope = {
-  drawn: {}, painted: {}, stepSeen: {}, errors: [],
-  preview: new URLSearchParams(location.search).get("paint") !== "plotly",
-};
+import { noteError, previewWanted } from "./hooks.js";
 
 const app = document.getElementById("app");
 let current = null; // {destroy()} of the mounted view
@@ -46,7 +38,7 @@ async function show() {
   try {
     current = await view(app, args);
   } catch (err) {
-    window.fp8scope.errors.push(String(err));
+    noteError(err);
     if (err instanceof ApiError && err.status === 401) {
       replace(app, el("p", { class: "muted" }, "This server needs an access token (see the dialog)."));
       return;
@@ -120,7 +112,7 @@ async function boot() {
   // the server wants a token they answer 401 and the token dialog opens
   const who = whoami();
   // the run page starts loading plotly.js itself, once its first frame is painted
-  if (!(window.fp8scope.preview && route().view === mountRun)) plotly().catch((err) => window.fp8scope.errors.push(String(err)));
+  if (!(previewWanted() && route().view === mountRun)) plotly().catch(noteError);
   show();
   try {
     await who;
@@ -131,6 +123,6 @@ async function boot() {
   if (!auth.principal) openTokenDialog("");
 }
 
-window.addEventListener("error", (ev) => window.fp8scope.errors.push(String(ev.message)));
-window.addEventListener("unhandledrejection", (ev) => window.fp8scope.errors.push(String(ev.reason)));
+window.addEventListener("error", (ev) => noteError(ev.message));
+window.addEventListener("unhandledrejection", (ev) => noteError(ev.reason));
 boot();

@@ -5,6 +5,7 @@
 
 import { api, num, qs } from "./api.js";
 import { el, fmt, plotly, plotlyText, replace } from "./dom.js";
+import { noteDrawn, noteQuery } from "./hooks.js";
 
 export class BlockHistPanel {
   /** `container`: the panel (hidden until the run has block statistics); `store`: the page's RunStore. */
@@ -66,7 +67,7 @@ export class BlockHistPanel {
       this.error.textContent = `Could not load the block histogram: ${err.message}`;
       return;
     }
-    window.fp8scope.blockHistQuery = query;
+    noteQuery("blockHistQuery", query);
     if (!h.counts.length) {
       this.info.textContent = "no block histograms for this tensor";
       replace(this.plot);
@@ -88,7 +89,7 @@ export class BlockHistPanel {
       yaxis: { title: { text: "log2 scale_inv" }, dtick: Math.max(1, Math.ceil(exponents.length / 12)) },
     };
     await (await plotly()).react(this.plot, [trace], layout, { displaylogo: false, responsive: true });
-    window.fp8scope.drawn.blockhist ??= performance.now();
+    noteDrawn("blockhist", { first: true });
     this.info.title = `exponents 2^${fmt(exponents[0])} to 2^${fmt(exponents[exponents.length - 1])}`;
   }
 }

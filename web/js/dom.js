@@ -1,6 +1,8 @@
 // DOM helpers. Every piece of user-controlled text (run, layer and tensor names, messages, event details)
 // reaches the page through textContent or attribute setters, never through innerHTML.
 
+import { noteMark } from "./hooks.js";
+
 /** Create an element: el("td", {class: "x", title: "..."}, "text", childNode, ...). */
 export function el(tag, attrs = {}, ...children) {
   const node = document.createElement(tag);
@@ -156,7 +158,7 @@ export function plotly() {
       const script = document.createElement("script");
       script.src = "/static/vendor/plotly.min.js";
       script.onload = () => {
-        mark("plotly-ready");
+        noteMark("plotly-ready");
         resolve(window.Plotly);
       };
       script.onerror = () => reject(new Error("plotly.js could not be loaded"));
@@ -164,10 +166,4 @@ export function plotly() {
     }));
   }
   return plotlyLoading;
-}
-
-/** Note the time (ms since navigation) of a first occurrence, for the benchmark's breakdown. */
-export function mark(name) {
-  const marks = (window.fp8scope.marks ||= {});
-  if (!(name in marks)) marks[name] = performance.now();
 }

@@ -6,6 +6,7 @@
 import { api, num } from "./api.js";
 import { configText, configValue } from "./config.js";
 import { COLOURS, el, fmt, plotly, plotlyText, replace, throttle } from "./dom.js";
+import { noteDrawn } from "./hooks.js";
 
 /** the most runs whose curves a group view reads */
 export const MAX_GROUP_RUNS = 200;
@@ -130,7 +131,7 @@ export function mountGroups(container) {
     const layout = { height: 340, margin: { l: 60, r: 20, t: 10, b: 40 }, legend: { orientation: "h", y: 1.12 },
       xaxis: { title: { text: "step" } }, yaxis: { title: { text: "loss" }, tickformat: "~g" } };
     await Plotly.react(plot, traces, layout, { displaylogo: false, responsive: true });
-    if (mine === generation) window.fp8scope.drawn.groups = performance.now();
+    if (mine === generation) noteDrawn("groups");
   }
 
   const later = throttle((key, runs) => draw(key, runs).catch((err) => {

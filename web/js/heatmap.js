@@ -5,195 +5,66 @@
 // One request per drawing (the metric and the non-finite counts together), one of only the hovered layer's
 // rows for its tooltip, and on a live run only the buckets after those held.
 
-import { apiBinary, qs } from "./api.js";
-import { el, fmt, mark, plotly, plotlyText, replace } from "./dom.js";
-import { heatmapPreview } from "./preview.js";
+import { el, fmt, plotly, plotlyText } from "./dom.js";
+import { METRICS, ROLE_ORDER, SATURATED_BELOW, SPECIAL, aggregate, cellColour, colourRange, fetchHeatmap, mergeTail } from "./heatmapdata.js";
+import { drawStepAxis, markerSize, rowHeight, scrollRoom } from "./heatmaplayout.js";
+import { noteMark, noteQuery } from "./hooks.js";
+import { heatmapPreview, paintFirstFrame } from "./preview.js";
 import { changeLines, changeMarkers } from "./recipe.js";
 
-// the quantization-quality scales, as plotly colour scales so that the canvas first frame draws the same
-// colours: ColorBrewer RdYlGn (SQNR: low, the bad end, is red) and YlOrRd (the others: high is bad)
-const RED_YELLOW_GREEN = [[0, "#a50026"], [0.25, "#f46d43"], [0.5, "#fee08b"], [0.75, "#66bd63"], [1, "#006837"]];
-const YELLOW_ORANGE_RED = [[0, "#ffffcc"], [0.25, "#fed976"], [0.5, "#fd8d3c"], [0.75, "#e31a1c"], [1, "#800026"]];
-
-/** Each heatmap metric: label, the server's bucket aggregation, colour scale and bar title, and the unit
- * its raw values are shown in (hover). */
-export const METRICS = {
-  amax: { label: "amax (log2)", agg: "max", colorscale: "Viridis", colorbar: "log2 amax", unit: "" },
-  scale: { label: "scale (log2)", agg: "max", colorscale: "Cividis", colorbar: "log2 scale", unit: "" },
-  overflow: { label: "overflow (count)", agg: "sum", colorscale: "Reds", colorbar: "log10(1+count)", unit: "" },
-  underflow: { label: "underflow (count)", agg: "sum", colorscale: "Blues", colorbar: "log10(1+count)", unit: "" },
-  nonfinite: { label: "non-finite (count)", agg: "sum", colorscale: "Purples", colorbar: "log10(1+count)", unit: "" },
-  // the colours span at least -1 to 4 binades: current scaling's headrooms are all 0 up to float rounding,
-  // which a range fitted to the data spread over the whole scale as a random pattern (±80 nano-binades)
-  headroom: { label: "headroom log2(FP8_MAX/(amax·scale))", agg: "min", colorscale: "YlGnBu", colorbar: "headroom (binades)", unit: " binades", span: [-1, 4] },
-  sqnr: { label: "SQNR (dB, worst of bucket)", agg: "min", colorscale: RED_YELLOW_GREEN, colorbar: "SQNR (dB)", unit: " dB" },
-  subnormal: { label: "subnormal (% of values, max)", agg: "max", colorscale: YELLOW_ORANGE_RED, colorbar: "% subnormal", unit: "" },
-  dynamic_range: { label: "dynamic range log2(amax/min|x|) (binades, max)", agg: "max", colorscale: YELLOW_ORANGE_RED, colorbar: "binades", unit: " binades" },
-  outlier_ratio: { label: "outlier ratio amax/RMS (log10, max)", agg: "max", colorscale: YELLOW_ORANGE_RED, colorbar: "log10(amax/RMS)", unit: "× RMS" },
-  // block-scaled tensors (MXFP8, FP8 block scaling): shares of the tensor's blocks, and the worst block's range
-  block_at_limit: { label: "blocks with the scale at a limit (% of blocks, max)", agg: "max", colorscale: YELLOW_ORANGE_RED, colorbar: "% of blocks", unit: "" },
-  block_overflow: { label: "blocks that saturated (% of blocks, max)", agg: "max", colorscale: YELLOW_ORANGE_RED, colorbar: "% of blocks", unit: "" },
-  block_underflow: { label: "blocks that flushed to zero (% of blocks, max)", agg: "max", colorscale: YELLOW_ORANGE_RED, colorbar: "% of blocks", unit: "" },
-  block_range: { label: "worst block's range log2(max/min|x|) (binades, max)", agg: "max", colorscale: YELLOW_ORANGE_RED, colorbar: "binades", unit: " binades" },
-};
-export const ROLE_ORDER = { input: 0, weight: 1, grad_output: 2 };
-/** overlay categories: code -> [legend name, colour] */
-export const SPECIAL = {
-  1: ["NaN", "#ff00ff"],
-  2: ["+Inf", "#111111"],
-  3: ["-Inf", "#00bcd4"],
-  4: ["saturated (values lost at the FP8 max)", "#ff7f00"],
-  // a cell whose tensor had NaN/Inf elements (the nonfinite count), whatever the metric shows there: an amax
-  // ignores NaN, so a tensor with a few has a normal one (a tensor gone all NaN has none: stored as NaN)
-  5: ["non-finite elements", "#ff00ff", "square-open"],
-};
-/** Per FP8 format, the headroom below which values were lost to saturation: log2(FP8 max / the value where a
- * scaled element stops rounding to the max: 464 in e4m3, 61440 in e5m2). Between it and 0, amax·scale rounds
- * to the max and nothing is lost (delayed scaling with margin 0 sits there whenever the amax repeats its
- * history maximum): the service's saturation states say the same (`at_max` is not saturation). */
-export const SATURATED_BELOW = { e4m3: Math.log2(448 / 464), e5m2: Math.log2(57344 / 61440) };
 const HOVER_METRICS = ["amax", "scale", "overflow", "underflow", "nonfinite"];
 const MARGIN = { l: 230, r: 20, t: 10, b: 40 };
 const COLORBAR_PX = 90; // the colour bar sits right of the cells
 const MAX_MARKERS = 20000; // beyond this many non-finite cells, an overlay heatmap draws them
 
-/** Fetch `GET /runs/{id}/heatmap/packed` and unpack it (layout: fp8_protocol/packed.py; `params.metrics`
- * several metrics of the same buckets, `params.tensors` or `params.layer` only some rows): the first metric's
- * view (`unpackHeatmap`), each metric's in `byMetric`. */
-export async function fetchHeatmap(runId, params) {
-  return unpackHeatmap(await apiBinary(`/runs/${runId}/heatmap/packed${qs(params)}`));
+/** The x positions of data `d`'s buckets: they are aligned to multiples of the width, a regular grid, which
+ * plotly draws an order of magnitude faster than bricks of irregular widths (the clipped first and last
+ * buckets are drawn full width). */
+function bucketGrid(d) {
+  const w = d.bucket_width;
+  const firstBucket = d.C ? Math.floor(d.bucket_start[0] / w) : 0;
+  const x0 = firstBucket * w;
+  return { C: d.C, w, firstBucket, x0, centre: (c) => x0 + (c + 0.5) * w };
 }
 
-/** The views of a packed heatmap answer, one per metric over the same buffer: the JSON header's fields plus
- * T (rows: the answer's `tensors`), C, `vals` (Float64Array of the metric's T x C block, row-major, NaN/Inf
- * native), `emptyCol` (1 where a bucket holds no stored step of the metric), `bucket_steps` (the metric's)
- * and `rowOf` (tensor index -> row, -1 for a tensor not in the answer). Returns the first metric's view
- * with `byMetric` (metric -> view). */
-export function unpackHeatmap(buffer) {
-  const n = new DataView(buffer).getUint32(0, true);
-  const head = JSON.parse(new TextDecoder().decode(new Uint8Array(buffer, 4, n)));
-  const offset = 4 + n + ((8 - ((4 + n) % 8)) % 8);
-  const T = head.tensors.length;
-  const C = head.cols;
-  const rowOf = new Int32Array(T ? Math.max(...head.tensors.map((t) => t.index)) + 1 : 0).fill(-1);
-  head.tensors.forEach((t, r) => {
-    rowOf[t.index] = r;
-  });
-  const byMetric = {};
-  head.metrics.forEach((metric, k) => {
-    byMetric[metric] = {
-      ...head, metric, aggregation: head.aggregations[k], bucket_steps: head.metric_steps[k], T, C, rowOf,
-      vals: new Float64Array(buffer, offset + k * T * C * 8, T * C),
-      emptyCol: Uint8Array.from(head.metric_steps[k], (s) => (s === 0 ? 1 : 0)),
-    };
-  });
-  for (const view of Object.values(byMetric)) view.byMetric = byMetric;
-  return byMetric[head.metrics[0]];
-}
-
-/** View `held` (`unpackHeatmap`) with the buckets of `tail` (an answer to `after_step`, same layout and rows)
- * in place of those it held from the first of them on, and after them. */
-export function mergeTail(held, tail) {
-  const w = held.bucket_width;
-  const from = tail.C ? Math.floor(tail.bucket_start[0] / w) : Infinity;
-  let keep = held.bucket_start.findIndex((s) => Math.floor(s / w) >= from);
-  if (keep < 0) keep = held.C;
-  const C = keep + tail.C;
-  const vals = new Float64Array(held.T * C);
-  for (let r = 0; r < held.T; r++) {
-    vals.set(held.vals.subarray(r * held.C, r * held.C + keep), r * C);
-    vals.set(tail.vals.subarray(r * tail.C, (r + 1) * tail.C), r * C + keep);
+/** The traces of the cells drawn in their own colours (non-finite, saturated): few, so one square marker
+ * each, drawn above the colours and listed in the legend; a pathological run with very many falls back to
+ * a second (regular) heatmap. */
+function specialTraces({ specials, nSpecial, R, grid, headroom, size }) {
+  const { C, w, x0 } = grid;
+  const traces = [];
+  const codes = Object.keys(SPECIAL).map(Number)
+    .filter((code) => (code !== 4 || headroom) && (code !== 5 || specials.get(5).length));
+  if (nSpecial > MAX_MARKERS) {
+    const special = Array.from({ length: R }, () => new Array(C).fill(null));
+    for (const [code, cells] of specials) for (const [r, c] of cells) special[r][c] = code;
+    const scale = [];
+    codes.forEach((code, i) => scale.push([i / codes.length, SPECIAL[code][1]], [(i + 1) / codes.length, SPECIAL[code][1]]));
+    traces.push({
+      type: "heatmap", name: "non-finite", x0: x0 + w / 2, dx: w, y0: 0, dy: 1, z: special.map((row) => row.map((v) => (v === null ? null : codes.indexOf(v) + 1))),
+      colorscale: scale, zmin: 0.5, zmax: codes.length + 0.5, showscale: false, hoverinfo: "none", zsmooth: false,
+    });
   }
-  const join = (key) => [...held[key].slice(0, keep), ...tail[key]];
-  const emptyCol = new Uint8Array(C);
-  emptyCol.set(held.emptyCol.subarray(0, keep));
-  emptyCol.set(tail.emptyCol, keep);
-  return {
-    ...held, C, vals, emptyCol, cols: C, after_step: null,
-    bucket_start: join("bucket_start"), bucket_end: join("bucket_end"), bucket_steps: join("bucket_steps"),
-  };
-}
-
-/** Side in pixels of the square marking a non-finite cell, for rows `rowH` pixels high. */
-const markerSize = (rowH) => Math.max(6, Math.min(14, rowH + 2));
-
-/** The height in pixels scroll box `box` shows of what it holds (its max-height less its borders); Infinity
- * where it has no max-height. */
-export function scrollRoom(box) {
-  const style = getComputedStyle(box);
-  const max = parseFloat(style.maxHeight);
-  if (!Number.isFinite(max)) return Infinity;
-  return max - parseFloat(style.borderTopWidth) - parseFloat(style.borderBottomWidth);
-}
-
-/** Row height in pixels of a heatmap of `R` rows, `margins` pixels of plot above and below them, in a scroll
- * box `room` pixels high: about 640 px of rows (18 px each at most, 3 at least), fewer where that is what
- * fits the box, so that a plot that can fit shows whole, its step axis and last row included, with no
- * scrolling and no axis strip over its bottom rows (a 48-tensor run on a laptop screen). */
-export function rowHeight(R, room, margins) {
-  const fit = Math.min(640, room - margins);
-  return Math.max(3, Math.min(18, Math.floor(fit / Math.max(1, R))));
-}
-
-/** Copy plot `gd`'s step ticks into `strip`, a bar stuck to the bottom of the scroll box `box` that holds
- * both (`.heatmap-axis`: with hundreds of rows the plot's own axis is scrolled out of sight), at the same
- * horizontal positions; the strip is hidden while the whole plot fits in the box (its own axis is then in
- * sight: two would show). Call after every redraw of `gd`. */
-export function drawStepAxis(strip, gd, box) {
-  const ax = gd._fullLayout && gd._fullLayout.xaxis;
-  if (!ax || !ax._vals) return;
-  strip.hidden = gd.getBoundingClientRect().height <= scrollRoom(box);
-  if (strip.hidden) return;
-  const ticks = ax._vals.map((t) => {
-    const x = ax._offset + ax.l2p(t.x);
-    return el("span", { class: "tick", style: `left: ${x.toFixed(1)}px` }, t.text.replace(/<[^>]*>/g, ""));
-  });
-  replace(strip, ...ticks, el("span", { class: "axis-title", style: `left: ${(ax._offset + ax._length / 2).toFixed(0)}px` }, "step"));
-}
-
-/** Aggregate cells the way the server's buckets do (NaN propagates). */
-function aggregate(how, values) {
-  let out = how === "sum" ? 0 : how === "max" ? -Infinity : Infinity;
-  for (const v of values) {
-    if (Number.isNaN(v)) return NaN;
-    if (how === "sum") out += v;
-    else if (how === "max") out = Math.max(out, v);
-    else out = Math.min(out, v);
+  for (const code of codes) {
+    const cells = nSpecial > MAX_MARKERS ? [] : specials.get(code);
+    const [name, colour, symbol] = SPECIAL[code];
+    traces.push({
+      type: "scatter", mode: "markers", name, showlegend: true, hoverinfo: "none", cliponaxis: true,
+      x: cells.length ? cells.map(([, c]) => grid.centre(c)) : [null], y: cells.length ? cells.map(([r]) => r) : [null],
+      customdata: cells, marker: symbol
+        ? { symbol, size, color: colour, line: { width: 2, color: colour } }
+        : { symbol: "square", size, color: colour, line: { width: 0 } },
+    });
   }
-  return out;
+  return traces;
 }
 
-/** [zmin, zmax] of the colours of `z` for `metric`: the data's own range, widened to the metric's `span`
- * where it has one; undefined (plotly fits the data) otherwise. */
-export function colourRange(metric, z) {
-  const span = METRICS[metric].span;
-  if (!span) return undefined;
-  let [lo, hi] = span;
-  for (const row of z) {
-    for (const v of row) {
-      if (v === null) continue;
-      if (v < lo) lo = v;
-      if (v > hi) hi = v;
-    }
-  }
-  return [lo, hi];
-}
-
-/** (colour value or null, overlay code or null) of a raw cell value for `metric`. */
-export function cellColour(metric, v, isEmpty) {
-  if (isEmpty) return [null, null];
-  // an amax of 0 (a tensor of zeros) has nothing to saturate: no colour, not the "+Inf" of a value gone
-  // infinite
-  if (metric === "headroom" && v === Infinity) return [null, null];
-  if (Number.isNaN(v)) return [null, 1];
-  if (v === Infinity) return [null, 2];
-  if (v === -Infinity) return [null, 3];
-  if (metric === "amax" || metric === "scale") return [v > 0 ? Math.log2(v) : null, null];
-  if (metric === "headroom") return [v, null]; // saturation is per tensor and format (Heatmap.saturated)
-  if (metric === "sqnr" || metric === "dynamic_range" || metric === "block_range") return [v, null];
-  if (metric === "subnormal" || metric.startsWith("block_")) return [100 * v, null];
-  if (metric === "outlier_ratio") return [v > 0 ? Math.log10(v) : null, null];
-  return [Math.log10(1 + Math.max(0, v)), null];
+/** The line beside the controls: rows, buckets, and which kinds of special cells are present. */
+function infoText(R, { C, w }, specials) {
+  const present = new Set([...specials].filter(([, cells]) => cells.length).map(([code]) => code));
+  return `${R} rows × ${C} buckets of ${w} step${w === 1 ? "" : "s"}` +
+    (present.has(1) ? " · NaN present" : "") + (present.has(2) || present.has(3) ? " · Inf present" : "") +
+    (present.has(5) ? " · non-finite elements present" : "");
 }
 
 export class Heatmap {
@@ -288,19 +159,14 @@ export class Heatmap {
     const [from, to] = this.range || [null, null];
     const query = { metrics: this.drawnMetrics().join(","), from, to, max_cols: Math.round(this.plotWidth()) };
     // for tests and benchmarks: the request of the drawn metric's cells alone (`GET /runs/{id}/heatmap`)
-    window.fp8scope.heatmapQuery = { metric: this.metric, from, to, max_cols: query.max_cols };
+    noteQuery("heatmapQuery", { metric: this.metric, from, to, max_cols: query.max_cols });
     const data = await fetchHeatmap(this.runId, query);
-    mark("heatmap-data");
+    noteMark("heatmap-data");
     if (seq !== this.seq || this.dead) return; // a newer request superseded this one
     this.query = query;
     this.take(data.byMetric);
-    if (this.firstPaint && !this.plotted) {
-      // the first frame now; plotly.js is held back until it is painted
-      const painted = this.firstPaint;
-      this.firstPaint = null;
-      this.paintPreview();
-      painted(Boolean(this.previewCanvas));
-    }
+    // the first frame now; plotly.js is held back until it is painted
+    if (!this.plotted) this.firstPaint = paintFirstFrame(this.firstPaint, () => this.paintPreview());
     await this.render();
   }
 
@@ -446,9 +312,10 @@ export class Heatmap {
     return { rowH, height, labels };
   }
 
-  /** The first frame on a canvas, before plotly.js has loaded; removed once plotly has drawn. */
+  /** The first frame on a canvas, before plotly.js has loaded; removed once plotly has drawn. Returns the
+   * canvas (null when none is painted). */
   paintPreview() {
-    if (!this.data || this.plotted || this.dead) return;
+    if (!this.data || this.plotted || this.dead) return this.previewCanvas;
     const { rows, z, specials } = this.matrix();
     const cells = [];
     for (const [code, list] of specials) for (const [r, c] of list) cells.push([r, c, SPECIAL[code][1]]);
@@ -461,6 +328,7 @@ export class Heatmap {
     if (this.previewCanvas) this.previewCanvas.replaceWith(canvas);
     else this.scroller.prepend(canvas);
     this.previewCanvas = canvas;
+    return canvas;
   }
 
   async render() {
@@ -470,83 +338,62 @@ export class Heatmap {
     if (!this.data || this.dead) return;
     const { rows, z, specials, nSpecial } = this.matrix();
     this.rows = rows;
-    const R = rows.length;
-    const C = d.C;
-    // buckets are aligned to multiples of the width: a regular grid, which plotly draws an order of magnitude
-    // faster than bricks of irregular widths (the clipped first and last buckets are drawn full width)
-    const w = d.bucket_width;
-    const firstBucket = C ? Math.floor(d.bucket_start[0] / w) : 0;
-    const x0 = firstBucket * w;
-    const centre = (c) => x0 + (c + 0.5) * w;
+    const grid = bucketGrid(d);
     const { rowH, height, labels } = this.geometry(rows);
-    const tickvals = labels.map(([i]) => i);
-    const ticktext = labels.map(([, label]) => plotlyText(label));
     const m = METRICS[this.metric];
     const range = colourRange(this.metric, z);
     const traces = [
       {
-        type: "heatmap", name: "values", x0: x0 + w / 2, dx: w, y0: 0, dy: 1, z, colorscale: m.colorscale, hoverinfo: "none",
+        type: "heatmap", name: "values", x0: grid.x0 + grid.w / 2, dx: grid.w, y0: 0, dy: 1, z, colorscale: m.colorscale, hoverinfo: "none",
         ...(range ? { zmin: range[0], zmax: range[1] } : {}),
         colorbar: { title: { text: m.colorbar, side: "right" }, thickness: 12, len: Math.min(1, 400 / height), y: 1, yanchor: "top" },
         zsmooth: false,
       },
+      ...specialTraces({ specials, nSpecial, R: rows.length, grid, headroom: this.metric === "headroom", size: markerSize(rowH) }),
     ];
-    // non-finite (and saturated) cells: few, so one square marker each, drawn above the colours and listed
-    // in the legend; a pathological run with very many falls back to a second (regular) heatmap
-    const codes = Object.keys(SPECIAL).map(Number)
-      .filter((code) => (code !== 4 || this.metric === "headroom") && (code !== 5 || specials.get(5).length));
-    if (nSpecial > MAX_MARKERS) {
-      const special = z.map(() => new Array(C).fill(null));
-      for (const [code, cells] of specials) for (const [r, c] of cells) special[r][c] = code;
-      const scale = [];
-      codes.forEach((code, i) => scale.push([i / codes.length, SPECIAL[code][1]], [(i + 1) / codes.length, SPECIAL[code][1]]));
-      traces.push({
-        type: "heatmap", name: "non-finite", x0: x0 + w / 2, dx: w, y0: 0, dy: 1, z: special.map((row) => row.map((v) => (v === null ? null : codes.indexOf(v) + 1))),
-        colorscale: scale, zmin: 0.5, zmax: codes.length + 0.5, showscale: false, hoverinfo: "none", zsmooth: false,
-      });
-    }
-    const size = markerSize(rowH);
-    for (const code of codes) {
-      const cells = nSpecial > MAX_MARKERS ? [] : specials.get(code);
-      traces.push({
-        type: "scatter", mode: "markers", name: SPECIAL[code][0], showlegend: true, hoverinfo: "none", cliponaxis: true,
-        x: cells.length ? cells.map(([, c]) => centre(c)) : [null], y: cells.length ? cells.map(([r]) => r) : [null],
-        customdata: cells, marker: SPECIAL[code][2]
-          ? { symbol: SPECIAL[code][2], size, color: SPECIAL[code][1], line: { width: 2, color: SPECIAL[code][1] } }
-          : { symbol: "square", size, color: SPECIAL[code][1], line: { width: 0 } },
-      });
-    }
     const changes = this.changes || [];
     if (changes.length) {
       // each change named where its line meets the top row (the lines themselves are shapes: no hover)
       traces.push(changeMarkers(changes, changes.map(() => -0.5), { name: "recipe changes", cliponaxis: false }));
     }
-    const shapes = changeLines(changes);
-    const annotations = [];
-    if (this.marker && C) {
-      const r = rows.findIndex((row) => row.indices.includes(this.marker.tensorIndex));
-      const c = Math.floor(this.marker.step / w) - firstBucket;
-      if (r >= 0 && c >= 0 && c < C) {
-        shapes.push({ type: "rect", x0: x0 + c * w, x1: x0 + (c + 1) * w, y0: r - 0.5, y1: r + 0.5, line: { color: "#000", width: 3 } });
-        annotations.push({ x: centre(c), y: r, text: plotlyText(this.marker.label), showarrow: true, arrowhead: 2, ax: 60, ay: -30, bgcolor: "#fff", bordercolor: "#000" });
-      }
-    }
     const layout = {
       height,
       margin: MARGIN,
       xaxis: { title: { text: "step" }, range: this.range ? [this.range[0], this.range[1] + 1] : undefined, autorange: !this.range, zeroline: false },
-      yaxis: { tickvals, ticktext, range: [R - 0.5, -0.5], fixedrange: true, zeroline: false, tickfont: { size: Math.min(11, Math.max(7, rowH)) } },
+      yaxis: {
+        tickvals: labels.map(([i]) => i), ticktext: labels.map(([, label]) => plotlyText(label)), range: [rows.length - 0.5, -0.5],
+        fixedrange: true, zeroline: false, tickfont: { size: Math.min(11, Math.max(7, rowH)) },
+      },
       legend: { orientation: "h", x: 0, y: 1, yanchor: "bottom" },
       dragmode: "zoom",
-      shapes,
-      annotations,
+      ...this.outlines(rows, grid, changes),
     };
-    const present = new Set([...specials].filter(([, cells]) => cells.length).map(([code]) => code));
-    this.info.textContent = `${R} rows × ${C} buckets of ${w} step${w === 1 ? "" : "s"}` +
-      (present.has(1) ? " · NaN present" : "") + (present.has(2) || present.has(3) ? " · Inf present" : "") +
-      (present.has(5) ? " · non-finite elements present" : "");
+    this.info.textContent = infoText(rows.length, grid, specials);
     if (this.dead) return;
-    mark("heatmap-traces");
+    noteMark("heatmap-traces");
+    await this.plotTraces(Plotly, traces, layout);
+  }
+
+  /** The shapes and annotations over the cells: a line at each recipe change, and the marked cell
+   * (`setMarker`) outlined with its label. */
+  outlines(rows, grid, changes) {
+    const shapes = changeLines(changes);
+    const annotations = [];
+    if (this.marker && grid.C) {
+      const { x0, w } = grid;
+      const r = rows.findIndex((row) => row.indices.includes(this.marker.tensorIndex));
+      const c = Math.floor(this.marker.step / w) - grid.firstBucket;
+      if (r >= 0 && c >= 0 && c < grid.C) {
+        shapes.push({ type: "rect", x0: x0 + c * w, x1: x0 + (c + 1) * w, y0: r - 0.5, y1: r + 0.5, line: { color: "#000", width: 3 } });
+        annotations.push({ x: grid.centre(c), y: r, text: plotlyText(this.marker.label), showarrow: true, arrowhead: 2, ax: 60, ay: -30, bgcolor: "#fff", bordercolor: "#000" });
+      }
+    }
+    return { shapes, annotations };
+  }
+
+  /** The first drawing (which hands over from the canvas first frame and binds the plot's events), or a
+   * redraw in place. */
+  async plotTraces(Plotly, traces, layout) {
     if (!this.plotted) {
       this.inflight = Plotly.newPlot(this.plot, traces, layout, { displaylogo: false, responsive: true, modeBarButtonsToRemove: ["lasso2d", "select2d"] });
       await this.inflight;

@@ -155,3 +155,12 @@ export function curvesPreview({ width, height, margin, lines }) {
 export function afterPaint(fn) {
   requestAnimationFrame(() => setTimeout(fn, 0));
 }
+
+/** Paint a plot's first frame once, from its first data, before plotly.js is used (the heatmap's and the
+ * curves' one path): `paint()` draws it and returns the canvas it put on screen (null: none), and `done`
+ * (the page's first-frame callback; null when the page wants none) is told whether there is one. Returns
+ * the callback's new value, null: it is spent. */
+export function paintFirstFrame(done, paint) {
+  if (done) done(Boolean(paint()));
+  return null;
+}

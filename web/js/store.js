@@ -1,20 +1,20 @@
-// The run page's shared state: the run, its tensors, events, alerts and recipe commands, each with the error of its last failed
-// request; panels subscribe to the keys they render from and are notified on every change, so no panel
-// keeps a private copy (as TodoMVC's store). The tensor list is fetched once per page (or taken from the
-// heatmap's header, which carries it) and shared by the recipe editor and the block histogram; a
-// drill-down's answer names its layer's tensors itself.
+// The pages' shared state: each view creates a store, its panels subscribe to the keys they render from
+// and are notified on every change, so no panel keeps a private copy. The run page's holds the run, its
+// tensors, events, alerts and recipe commands, each with the error of its last failed request. The tensor
+// list is fetched once per page (or taken from the heatmap's header, which carries it) and shared by the
+// recipe editor and the block histogram; a drill-down's answer names its layer's tensors itself.
 
 import { api } from "./api.js";
 
 const byStepThenId = (a, b) => a.step - b.step || a.id - b.id;
 
-export class RunStore {
-  constructor(runId) {
-    this.runId = runId;
-    this.state = { run: null, tensors: null, events: [], alerts: [], commands: new Map() };
+/** A page's state: named values, each with the error of its last failed request, and the functions to call
+ * when one changes. Every view creates one; its panels render from it. */
+export class Store {
+  constructor(state = {}) {
+    this.state = { ...state };
     this.errors = {}; // key -> the Error of its last failed request (cleared by the next set)
     this.listeners = new Map(); // key -> Set of fn(value, store)
-    this.tensorsRequest = null;
   }
 
   get(key) {
@@ -50,6 +50,15 @@ export class RunStore {
 
   notify(key) {
     for (const fn of this.listeners.get(key) || []) fn(this.state[key], this);
+  }
+}
+
+/** The run page's store, with the requests that fill it. */
+export class RunStore extends Store {
+  constructor(runId) {
+    super({ run: null, tensors: null, events: [], alerts: [], commands: new Map() });
+    this.runId = runId;
+    this.tensorsRequest = null;
   }
 
   /** The run's tensors, fetched at most once (a failed request is retried on the next call). */

@@ -28,7 +28,7 @@ def list_alerts(
     """The run's alerts, newest first (most recently updated first), optionally filtered by state and kind."""
     meta = ctx.run_meta.get(session, run_id)
     alerts = run_alerts(session, run_id=run_id, state=state, kind=kind, limit=limit)
-    return [AlertPublic(**alert_public(a, meta)) for a in alerts]
+    return [AlertPublic.model_validate(alert_public(a, meta)) for a in alerts]
 
 
 @router.post("/{run_id}/alerts/{alert_id}/ack", response_model=AlertPublic)
@@ -47,4 +47,4 @@ def ack_alert(run_id: RunId, alert_id: AlertId, ctx: CtxDep, principal: ControlD
     ctx.broker.publish(run_id, "alert", public)
     if incident_out is not None:
         ctx.broker.publish(run_id, "incident", incident_out)
-    return AlertPublic(**public)
+    return AlertPublic.model_validate(public)

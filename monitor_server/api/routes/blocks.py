@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, Response, status
@@ -27,7 +26,7 @@ def _tensor(meta: RunMeta, tensor: str) -> TensorSpec:
         found = next((t for t in meta.tensors if t.name == tensor), None)
     if found is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"run {meta.run_id} has no tensor {tensor!r}")
-    return TensorSpec(**asdict(found))
+    return TensorSpec.model_validate(found, from_attributes=True)
 
 
 @router.get("/{run_id}/block-histogram", response_model=BlockHistogramPublic)

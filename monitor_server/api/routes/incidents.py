@@ -4,32 +4,27 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Path, Query, status
+from fastapi import APIRouter, Query
 
 from monitor_server.api.context import AppContext
 from monitor_server.api.deps import (
     AlertStateQ,
     ControlDep,
     CtxDep,
+    IncidentId,
     ReadDep,
     ReadRunDep,
     RunId,
     SessionDep,
+    incident_or_404,
     run_or_404,
 )
 from monitor_server.services.alert_records import alert_public
-from monitor_server.services.incidents import (
-    acknowledge,
-    incident_alerts,
-    incident_of_run,
-    incidents_by_id,
-    run_incidents,
-)
+from monitor_server.services.incidents import acknowledge, incident_alerts, incidents_by_id, run_incidents
 from monitor_server.storage.models import utcnow
-from monitor_server.storage.schemas import AckAllResult, AlertPublic, IncidentDetail, IncidentPublic
+from monitor_server.storage.schemas import AckAllResult, IncidentDetail, IncidentPublic
 
 router = APIRouter(prefix="/runs", tags=["incidents"])
-IncidentId = Annotated[int, Path(ge=1, le=2**31 - 1, description="incident id")]
 
 
 @router.get("/{run_id}/incidents", response_model=list[IncidentPublic])
@@ -44,7 +39,7 @@ def list_incidents(
     """The run's incidents, newest first; each lists its alerts root cause first."""
     found = run_incidents(session, run_id=run_id, state=state, limit=limit)
     incidents = ctx.detection.incidents_public(session, run_id, found)
-    return [IncidentPublic(**incident) for incident in incidents]
+    return [IncidentPublic.model_validate(incident) for incident in incidents]
 
 
 @router.get("/{run_id}/incidents/{incident_id}", response_model=IncidentDetail)
@@ -52,13 +47,11 @@ def get_incident(
     run_id: RunId, incident_id: IncidentId, ctx: CtxDep, session: SessionDep, _principal: ReadDep
 ) -> IncidentDetail:
     """One incident, with its alerts in full (evidence included) as ``alerts_full``, root cause first."""
-    incident = incident_of_run(session, run_id=run_id, incident_id=incident_id)
-    if incident is None:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"incident {incident_id} not found in run {run_id}")
+    incident = incident_or_404(session, run_id, incident_id)
     public = ctx.detection.incidents_public(session, run_id, [incident])[0]
     meta = ctx.run_meta.get(session, run_id)
     alerts = incident_alerts(session, incident_id=incident_id, order=ctx.detection.tensor_order(meta))
-    return IncidentDetail(**public, alerts_full=[AlertPublic(**alert_public(a, meta)) for a in alerts])
+    return IncidentDetail.model_validate({**public, "alerts_full": [alert_public(a, meta) for a in alerts]})
 
 
 def _ack(
@@ -78,7 +71,8 @@ def _ack(
         ctx.broker.publish(run_id, "alert", public)
     for public in incidents_out:
         ctx.broker.publish(run_id, "incident", public)
-    return [IncidentPublic(**i) for i in incidents_out], [i["id"] for i in incidents_out], len(alerts_out)
+    public = [IncidentPublic.model_validate(i) for i in incidents_out]
+    return public, [i.id for i in public], len(alerts_out)
 
 
 @router.post("/{run_id}/incidents/ack", response_model=AckAllResult)
@@ -94,9 +88,6 @@ def ack_incident(
 ) -> IncidentPublic:
     """Acknowledge an incident and its open alerts (idempotent). Later findings open a new incident."""
     with ctx.db.read_session() as session:
-        if incident_of_run(session, run_id=run_id, incident_id=incident_id) is None:
-            raise HTTPException(
-                status.HTTP_404_NOT_FOUND, f"incident {incident_id} not found in run {run_id}"
-            )
+        incident_or_404(session, run_id, incident_id)
     incidents, _, _ = _ack(ctx, run_id, [incident_id], principal.name)
     return incidents[0]

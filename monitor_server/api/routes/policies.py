@@ -4,15 +4,23 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Path, Query, status
+from fastapi import APIRouter, HTTPException, Query, status
 
-from monitor_server.api.deps import ControlDep, CtxDep, ReadDep, RunDep, RunId, SessionDep, run_or_404
+from monitor_server.api.deps import (
+    ActionId,
+    ControlDep,
+    CtxDep,
+    ReadDep,
+    RunDep,
+    RunId,
+    SessionDep,
+    run_or_404,
+)
 from monitor_server.services.commands import CommandError, command_public
 from monitor_server.services.policies import action_of_run, apply_proposal, run_actions
 from monitor_server.storage.schemas import PolicyActionPublic
 
 router = APIRouter(prefix="/runs", tags=["commands"])
-ActionId = Annotated[int, Path(ge=1, le=2**31 - 1, description="policy action id")]
 
 
 @router.get("/{run_id}/policy-actions", response_model=list[PolicyActionPublic])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, Response, status
@@ -38,7 +37,7 @@ router = APIRouter(prefix="/runs", tags=["queries"])
 @router.get("/{run_id}/tensors", response_model=list[TensorSpec])
 def list_tensors(run_id: RunId, meta: RunMetaDep, _principal: ReadDep) -> list[TensorSpec]:
     """The run's quantized tensors, by index."""
-    return [TensorSpec(**asdict(t)) for t in meta.tensors]
+    return [TensorSpec.model_validate(t, from_attributes=True) for t in meta.tensors]
 
 
 @router.get("/{run_id}/series", response_model=SeriesPublic)
@@ -102,7 +101,7 @@ def list_events(
     included, is `GET /runs/{id}/events/{event_id}`."""
     check_order(from_, to)
     found = run_events(session, run_id=run_id, kind=kind, lo=from_, hi=to, limit=limit)
-    events = [EventPublic(**event) for event in found]
+    events = [EventPublic.model_validate(event) for event in found]
     return json_response(events)
 
 

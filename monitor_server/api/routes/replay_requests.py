@@ -3,19 +3,29 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Path, Query, Response, status
+from fastapi import APIRouter, HTTPException, Query, Response, status
+from sqlalchemy.orm import Session
 
-from monitor_server.api.deps import ControlDep, CtxDep, ReadDep, RunDep, RunId, SessionDep, run_or_404
+from monitor_server.api.deps import (
+    ControlDep,
+    CtxDep,
+    IncidentId,
+    ReadDep,
+    RequestId,
+    RunDep,
+    RunId,
+    SessionDep,
+    incident_or_404,
+    run_or_404,
+)
 from monitor_server.services import replay_requests as requests
-from monitor_server.services.incidents import incident_of_run
-from monitor_server.storage.models import utcnow
+from monitor_server.storage.models import ReplayRequest, utcnow
 from monitor_server.storage.schemas import ReplayRequestCreate, ReplayRequestFinish, ReplayRequestPublic
 
 router = APIRouter(tags=["incidents"])
-IncidentId = Annotated[int, Path(ge=1, le=2**31 - 1, description="incident id")]
-RequestId = Annotated[int, Path(ge=1, le=2**31 - 1, description="replay request id")]
 
 
 @router.post(
@@ -40,9 +50,7 @@ def request_replay(
     (default: the newest). The report is stored on the incident as ``fp8-train replay`` stores it."""
     with ctx.db.run_lock(run_id), ctx.db.write() as session:
         run_or_404(session, run_id)
-        incident = incident_of_run(session, run_id=run_id, incident_id=incident_id)
-        if incident is None:
-            raise HTTPException(404, f"incident {incident_id} not found in run {run_id}")
+        incident = incident_or_404(session, run_id, incident_id)
         bundles = ctx.detection.incidents_public(session, run_id, [incident])[0]["bundles"]
         if not bundles:
             raise HTTPException(409, f"incident {incident_id} lists no bundle: the job captured none for it")
@@ -66,7 +74,7 @@ def list_run_requests(
 ) -> list[ReplayRequestPublic]:
     """The run's replay requests, oldest first (the incident page shows each incident's newest)."""
     rows = requests.list_requests(session, run_id=run_id)
-    return [ReplayRequestPublic(**requests.request_public(r)) for r in rows]
+    return [ReplayRequestPublic.model_validate(r, from_attributes=True) for r in rows]
 
 
 @router.get("/replay-requests", response_model=list[ReplayRequestPublic])
@@ -79,7 +87,7 @@ def list_all_requests(
 ) -> list[ReplayRequestPublic]:
     """Every run's replay requests, oldest first, at most 200: a worker asks for ``state=pending``."""
     rows = requests.list_requests(session, state=state)
-    return [ReplayRequestPublic(**requests.request_public(r)) for r in rows]
+    return [ReplayRequestPublic.model_validate(r, from_attributes=True) for r in rows]
 
 
 def _request_or_404(ctx: CtxDep, request_id: int) -> int:
@@ -91,6 +99,22 @@ def _request_or_404(ctx: CtxDep, request_id: int) -> int:
         return row.run_id
 
 
+def _change_request(
+    ctx: CtxDep, request_id: int, change: Callable[[Session, ReplayRequest], None]
+) -> ReplayRequestPublic:
+    """Apply `change` to request `request_id` under its run's lock (the worker's claim and finish: `change`
+    raises to refuse), then show the request changed on the run's stream; 404 when there is none."""
+    run_id = _request_or_404(ctx, request_id)
+    with ctx.db.run_lock(run_id), ctx.db.write() as session:
+        row = requests.get_request(session, request_id=request_id)
+        if row is None:
+            raise HTTPException(404, f"replay request {request_id} not found")
+        change(session, row)
+        public = requests.request_public(row)
+    ctx.broker.publish(run_id, "replay_request", public)
+    return ReplayRequestPublic.model_validate(public)
+
+
 @router.post(
     "/replay-requests/{request_id}/claim",
     response_model=ReplayRequestPublic,
@@ -98,16 +122,12 @@ def _request_or_404(ctx: CtxDep, request_id: int) -> int:
 )
 def claim_request(request_id: RequestId, ctx: CtxDep, principal: ControlDep) -> ReplayRequestPublic:
     """Take a pending request for the calling worker: `running` from now, and no other worker gets it."""
-    run_id = _request_or_404(ctx, request_id)
-    with ctx.db.run_lock(run_id), ctx.db.write() as session:
-        row = requests.get_request(session, request_id=request_id)
-        if row is None:
-            raise HTTPException(404, f"replay request {request_id} not found")
+
+    def claim(session: Session, row: ReplayRequest) -> None:
         if not requests.claim(session, row=row, by=principal.name, now=utcnow()):
             raise HTTPException(409, f"replay request {request_id} is {row.state}, not pending")
-        public = requests.request_public(row)
-    ctx.broker.publish(run_id, "replay_request", public)
-    return ReplayRequestPublic.model_validate(public)
+
+    return _change_request(ctx, request_id, claim)
 
 
 @router.post(
@@ -119,14 +139,10 @@ def finish_request(
     request_id: RequestId, body: ReplayRequestFinish, ctx: CtxDep, _principal: ControlDep
 ) -> ReplayRequestPublic:
     """Say how a claimed request ended: `done` (the replay stored its report) or `failed` (with why)."""
-    run_id = _request_or_404(ctx, request_id)
-    with ctx.db.run_lock(run_id), ctx.db.write() as session:
-        row = requests.get_request(session, request_id=request_id)
-        if row is None:
-            raise HTTPException(404, f"replay request {request_id} not found")
+
+    def finish(session: Session, row: ReplayRequest) -> None:
         if row.state != "running":
             raise HTTPException(409, f"replay request {request_id} is {row.state}, not running")
         requests.finish(session, row=row, state=body.state, detail=body.detail, now=utcnow())
-        public = requests.request_public(row)
-    ctx.broker.publish(run_id, "replay_request", public)
-    return ReplayRequestPublic.model_validate(public)
+
+    return _change_request(ctx, request_id, finish)

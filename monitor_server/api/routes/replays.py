@@ -2,29 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from fastapi import APIRouter, HTTPException, status
 
-from fastapi import APIRouter, HTTPException, Path, status
-from sqlalchemy.orm import Session
-
-from monitor_server.api.deps import CtxDep, ReadDep, RunId, RunWriteDep, SessionDep, run_or_404
+from monitor_server.api.deps import (
+    CtxDep,
+    IncidentId,
+    ReadDep,
+    RunId,
+    RunWriteDep,
+    SessionDep,
+    incident_or_404,
+    run_or_404,
+)
 from monitor_server.core.security import check_owner
 from monitor_server.services.commands import command_public
-from monitor_server.services.incidents import incident_of_run
 from monitor_server.services.policies import on_replay
 from monitor_server.services.replays import get_replay, replay_public, store_replay
-from monitor_server.storage.models import Incident, utcnow
+from monitor_server.storage.models import utcnow
 from monitor_server.storage.schemas import ReplayPublic, ReplayReport
 
 router = APIRouter(prefix="/runs", tags=["incidents"])
-IncidentId = Annotated[int, Path(ge=1, le=2**31 - 1, description="incident id")]
-
-
-def _incident_or_404(session: Session, run_id: int, incident_id: int) -> Incident:
-    incident = incident_of_run(session, run_id=run_id, incident_id=incident_id)
-    if incident is None:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"incident {incident_id} not found in run {run_id}")
-    return incident
 
 
 @router.put("/{run_id}/incidents/{incident_id}/replay", response_model=ReplayPublic)
@@ -40,10 +37,10 @@ def put_incident_replay(
     with ctx.db.run_lock(run_id), ctx.db.write() as session:
         run = run_or_404(session, run_id)
         check_owner(principal, run.owner, run_id)
-        incident = _incident_or_404(session, run_id, incident_id)
+        incident = incident_or_404(session, run_id, incident_id)
         now = utcnow()
         row = store_replay(session, incident=incident, report=report, who=principal.name, now=now)
-        result = ReplayPublic(**replay_public(row))
+        result = ReplayPublic.model_validate(replay_public(row))
         incident_out = ctx.detection.incidents_public(session, run_id, [incident])[0]
         meta = ctx.run_meta.get(session, run_id)
         layers = set(meta.layers) if meta else set()
@@ -68,8 +65,8 @@ def get_incident_replay(
 ) -> ReplayPublic:
     """The stored replay of the incident: verdict, reason, culprits (most likely first), the evidence per
     configuration (losses, fault, output SQNRs against high precision). 404 when it has none."""
-    _incident_or_404(session, run_id, incident_id)
+    incident_or_404(session, run_id, incident_id)
     row = get_replay(session, incident_id)
     if row is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"incident {incident_id} has no replay yet")
-    return ReplayPublic(**replay_public(row))
+    return ReplayPublic.model_validate(replay_public(row))

@@ -36,7 +36,7 @@ from monitor_server.services.run_admin import (
     tags_of,
 )
 from monitor_server.storage import run_sort
-from monitor_server.storage.models import Run, as_utc, utcnow
+from monitor_server.storage.models import Run, utcnow
 from monitor_server.storage.schemas import MAX_ID, RunCreate, RunPublic, RunStatus, RunUpdate, Tag, attributes
 
 router = APIRouter(prefix="/runs", tags=["runs"])
@@ -52,10 +52,13 @@ RUN_COLUMNS = (
     "host",
     "status",
     "num_tensors",
+    "created_at",
+    "updated_at",
     "first_step",
     "last_step",
     "last_loss",
     "steps_stored",
+    "last_telemetry_at",
     "notes",
 )
 
@@ -101,20 +104,12 @@ def run_public(
     config_keys: list[str] | None = None,
 ) -> RunPublic:
     """A run as the API returns it; with `config_keys` (a list), only those keys of its config."""
-    columns = attributes(run, RUN_COLUMNS)
+    stored = attributes(run, RUN_COLUMNS)
     if config_keys is not None:
-        columns["config"] = config_subset(run.config, config_keys)
-    return RunPublic(
-        **columns,
-        effective_recipe=effective_recipe(run),
-        created_at=as_utc(run.created_at),
-        updated_at=as_utc(run.updated_at),
-        last_telemetry_at=as_utc(run.last_telemetry_at),
-        open_alerts=open_alerts,
-        open_incidents=open_incidents,
-        tags=list(tags or ()),
-        scalar_names=list(run.scalar_names or ()),
-    )
+        stored["config"] = config_subset(run.config, config_keys)
+    counted = {"open_alerts": open_alerts, "open_incidents": open_incidents, "tags": list(tags or ())}
+    derived = {"effective_recipe": effective_recipe(run), "scalar_names": list(run.scalar_names or ())}
+    return RunPublic.model_validate({**stored, **counted, **derived})
 
 
 def _existing_run(ctx: AppContext, body: RunCreate) -> RunPublic | None:

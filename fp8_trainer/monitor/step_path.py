@@ -1,0 +1,34 @@
+"""What a step path is wired to, whether the job has one rank (``single_rank.py``) or several
+(``multi_rank.py``): both take a step's statistics from the same reader, its commands from the same inbox,
+and hand the results to the same reporter and sender. ``Monitor`` builds these parts once and gives them to
+the path the job needs.
+"""
+
+from __future__ import annotations
+
+from .control import CommandInbox
+from .notices import Notices
+
+__all__ = ["StepPath"]
+
+
+class StepPath:
+    """The parts every step path uses; subclasses add ``step``, ``close`` and ``unapplied``.
+
+    Args:
+        reader: the statistics reader (``StatsReader`` or one with its interface), None for a run without
+            FP8 layers.
+        inbox: the commands from the service.
+        apply: ``(commands, step) -> acks`` (``control.commands_applier``).
+        report: ``(step, host statistics or None, scalars holder)`` (``StepReporter.report``).
+        sender: where the acks go; None on a rank that does not report.
+        notices: the run's ``Notices``.
+    """
+
+    def __init__(self, reader, inbox: CommandInbox, apply, report, sender, notices: Notices):
+        self._reader = reader
+        self._inbox = inbox
+        self._apply = apply
+        self._report = report
+        self._sender = sender
+        self._notices = notices
