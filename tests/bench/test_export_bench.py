@@ -1,15 +1,9 @@
 """bench/export.py on a run of 510 tensors x 2,000 steps: the export streams, so the server's peak memory
 grows by far less than the file it sends (the whole long table would be 66 MB in Arrow, 93 MB as CSV)."""
 
-import sys
-
 import pytest
 
-from tests.support import ROOT
-
-sys.path.insert(0, str(ROOT / "bench"))
-
-import export as export_bench
+from bench import export as export_bench  # not bench/ on sys.path: its kernels.py would shadow a package
 
 
 @pytest.mark.slow
