@@ -8,13 +8,13 @@ and the run's `recipe_overrides` follow the change. A rollback is a new command 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from monitor_server.storage.models import Command, Run, as_utc, utcnow
-from monitor_server.storage.schemas import CommandCreate, CommandPublic, attributes
+from monitor_server.storage.schemas import CommandCreate, CommandPublic, Scaling, attributes
 
 #: Transformer Engine DelayedScaling defaults, used for fields the run's base recipe does not state
 RECIPE_DEFAULTS: dict[str, Any] = {
@@ -27,7 +27,7 @@ RECIPE_DEFAULTS: dict[str, Any] = {
 }
 MODEL_TARGET = "model"
 #: the recipe kinds a job registers as ``type`` that are also a ``scaling`` (the runtime's four)
-SCALINGS = ("delayed", "current", "mxfp8", "block")
+SCALINGS: tuple[str, ...] = get_args(Scaling)
 
 
 class CommandError(Exception):

@@ -172,8 +172,8 @@ def _layer_recipe(run: Run, layer: str) -> dict[str, Any]:
 
 def _already_asked(session: Session, run_id: int, proposal: Proposal, recipe: dict[str, Any]) -> bool:
     """The change is in force for the layer already, or an action of the run proposes or queues the same
-    change for it and has not been applied yet: a second report of the same fault (the job replays each
-    bundle it writes) asks for nothing new."""
+    change for it (not applied yet, or applied and not checked yet): a second report of the same fault (the
+    job replays each bundle it writes) asks for nothing new."""
     if all(recipe.get(key) == value for key, value in proposal.changes.items()):
         return True
     waiting = session.scalars(

@@ -259,6 +259,11 @@ class TelemetryBatch(BaseModel):
     acks: list[AckIn] = Field(default_factory=list)
 
 
+#: a recipe's scaling: per tensor (delayed, current) or block scaling (mxfp8: 1x32 blocks with E8M0 scales;
+#: block: FP8 block scaling, 1x128 / 128x128 float32 scales); a job registers its recipe's as ``type``
+Scaling = Literal["delayed", "current", "mxfp8", "block"]
+
+
 class RecipeChanges(BaseModel):
     """The recipe fields a command may change (at least one)."""
 
@@ -268,9 +273,7 @@ class RecipeChanges(BaseModel):
     amax_history_len: int | None = Field(default=None, ge=1, le=1 << 20)
     amax_compute_algo: Literal["max", "most_recent"] | None = None
     interval: int | None = Field(default=None, ge=1, le=1 << 30)
-    #: per-tensor (delayed, current) or block scaling (mxfp8: 1x32 blocks with E8M0 scales; block: FP8 block
-    #: scaling, 1x128 / 128x128 float32 scales)
-    scaling: Literal["delayed", "current", "mxfp8", "block"] | None = None
+    scaling: Scaling | None = None
     fp8_enabled: StrictBool | None = None
 
     @model_validator(mode="after")
