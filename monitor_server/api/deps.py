@@ -150,6 +150,18 @@ def get_readable_run(_principal: ReadDep, run: RunDep) -> Run:
 ReadRunDep = Annotated[Run, Depends(get_readable_run)]
 
 
+def get_readable_incident(
+    _principal: ReadDep, run_id: RunId, incident_id: IncidentId, session: SessionDep
+) -> Incident:
+    """The incident the path names, in the run it names, for a caller holding the read scope: 401/403 first,
+    then 404 (`incident_or_404`)."""
+    return incident_or_404(session, run_id, incident_id)
+
+
+#: the incident the path names, read by a caller with the read scope
+ReadIncidentDep = Annotated[Incident, Depends(get_readable_incident)]
+
+
 def get_run_meta_or_404(run: RunDep, ctx: CtxDep, session: SessionDep) -> RunMeta:
     """The run's cached meta (its tensors), 404 when it has none."""
     meta = ctx.run_meta.get(session, run.id)

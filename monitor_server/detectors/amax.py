@@ -106,10 +106,7 @@ class AmaxDivergenceDetector(Detector, key="divergence", order=50):
                 f"margin {m:g} + tolerance {tol:g}, for {r} steps"
             )
             evidence = {
-                "amax": amax[s, t],
-                "log2_amax": log2_amax[s, t],
-                "window_mean_log2_amax": mean[s, t],
-                "growth_log2": growth[s, t],
+                **f.at(amax=amax, log2_amax=log2_amax, window_mean_log2_amax=mean, growth_log2=growth),
                 "window": window[t],
                 "margin": m,
                 "tolerance_log2": tol,
@@ -184,8 +181,7 @@ class ScaleCollapseDetector(Detector, key="scale_collapse", order=30):
                     f"(more than 2^{cfg.scale_drop_log2:g})"
                 )
             evidence = {
-                "scale": scale[s, t],
-                "window_max_scale": ref[s, t],
+                **f.at(scale=scale, window_max_scale=ref),
                 "drop_log2": drop,
                 "drop_threshold_log2": cfg.scale_drop_log2,
                 "scale_min": cfg.scale_min,

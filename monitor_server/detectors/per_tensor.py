@@ -38,6 +38,11 @@ class Firing:
     step: int
     name: str
 
+    def at(self, **columns: np.ndarray) -> dict[str, Any]:
+        """Each (S, T) column's value at this firing's row and tensor, under its keyword: the evidence's
+        values of the step that fired."""
+        return {name: values[self.s, self.t] for name, values in columns.items()}
+
     def finding(self, kind: str, severity: str, message: str, evidence: dict[str, Any]) -> Finding:
         """The finding of this firing; its episode began `run` - 1 steps before it."""
         return Finding(

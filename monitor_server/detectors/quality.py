@@ -136,9 +136,7 @@ class SqnrDropDetector(Detector, key="sqnr_drop", order=55):
                 f"than {cfg.sqnr_drop_db:g} dB, for {f.run} steps"
             )
             evidence = {
-                "sqnr_db": sqnr[s, t],
-                "level_db": level[s, t],
-                "drop_db": drop[s, t],
+                **f.at(sqnr_db=sqnr, level_db=level, drop_db=drop),
                 "threshold_db": cfg.sqnr_drop_db,
                 "level_steps": count[s, t],
                 "consecutive_steps": f.run,

@@ -67,20 +67,33 @@ class Tail(Stateful):
         return {"steps": ext_steps[lo : p + 1], "values": ext_values[lo : p + 1, t]}
 
 
+@dataclass(eq=False)
 class CountShareDetector(Detector):
     """Base of the detectors that watch what share of a tensor's elements one count column counts
-    (`column` / numel): `observe` hands both columns, and where the tensors are watched, to `process`."""
+    (``frac = column / numel``), in episodes per tensor: `observe` takes the share, adds it to the evidence
+    tail and hands it, both columns and where the tensors are watched, to `process`."""
 
+    run: np.ndarray = array_state(np.int64)  # (T,) length of the open episode
+    fired: np.ndarray = array_state(bool)  # (T,) fired in the open episode
+    tail: Tail = nested_state()  # the shares, for evidence
     column: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        n = len(self.tensors)
+        self.run = np.zeros(n, dtype=np.int64)
+        self.fired = np.zeros(n, dtype=bool)
+        self.tail = Tail(n)
 
     def observe(self, view: BatchView) -> list[Finding]:
         count, numel = view.stats.get(self.column), view.stats.get("numel")
         if count is None or numel is None:
             return []
-        return self.process(view.steps, count, numel, view.watched)
+        frac = fraction(count, numel)
+        self.tail.push(view.steps, frac)
+        return self.process(view.steps, count, numel, frac, view.watched)
 
-    def process(self, steps, count, numel, enabled) -> list[Finding]:
-        """The findings of (S, T) counts of `numel` elements where `enabled`."""
+    def process(self, steps, count, numel, frac, enabled) -> list[Finding]:
+        """The findings of (S, T) counts of `numel` elements, their share `frac`, where `enabled`."""
         raise NotImplementedError
 
 
@@ -93,24 +106,17 @@ class OverflowBurstDetector(CountShareDetector, key="overflow", order=40):
     later jumps fires once more, as critical.
     """
 
-    run: np.ndarray = array_state(np.int64)  # (T,) length of the open episode
-    fired: np.ndarray = array_state(bool)  # (T,) fired in the open episode
     fired_critical: np.ndarray = array_state(bool)  # (T,) fired as critical in the open episode
-    tail: Tail = nested_state()  # overflow fractions, for evidence
     column: ClassVar[str] = "overflow"
 
     def __post_init__(self) -> None:
-        cfg, n = self.config, len(self.tensors)
-        self.jump_frac = by_role(self.tensors, cfg.overflow_jump_frac, cfg.overflow_jump_frac_grad)
-        self.run = np.zeros(n, dtype=np.int64)
-        self.fired = np.zeros(n, dtype=bool)
-        self.fired_critical = np.zeros(n, dtype=bool)
-        self.tail = Tail(n)
-
-    def process(self, steps, overflow, numel, enabled) -> list[Finding]:
+        super().__post_init__()
         cfg = self.config
-        frac = fraction(overflow, numel)
-        self.tail.push(steps, frac)
+        self.jump_frac = by_role(self.tensors, cfg.overflow_jump_frac, cfg.overflow_jump_frac_grad)
+        self.fired_critical = np.zeros(len(self.tensors), dtype=bool)
+
+    def process(self, steps, overflow, numel, frac, enabled) -> list[Finding]:
+        cfg = self.config
         mask = enabled & (frac > cfg.overflow_frac)
         jump = frac >= self.jump_frac
         cols, run, (fire, escalate) = advance(
@@ -131,9 +137,7 @@ class OverflowBurstDetector(CountShareDetector, key="overflow", order=40):
                 f"({frac[s, t]:.3%} now)"
             )
             evidence = {
-                "overflow": overflow[s, t],
-                "numel": numel[s, t],
-                "fraction": frac[s, t],
+                **f.at(overflow=overflow, numel=numel, fraction=frac),
                 "consecutive_steps": f.run,
                 "threshold": cfg.overflow_frac,
                 "jump_threshold": self.jump_frac[t],
@@ -154,22 +158,15 @@ class UnderflowExcessDetector(CountShareDetector, key="underflow", order=60):
     separate, higher threshold for them.
     """
 
-    run: np.ndarray = array_state(np.int64)  # (T,) length of the open episode
-    fired: np.ndarray = array_state(bool)  # (T,) fired in the open episode
-    tail: Tail = nested_state()  # underflow fractions, for evidence
     column: ClassVar[str] = "underflow"
 
     def __post_init__(self) -> None:
-        cfg, n = self.config, len(self.tensors)
-        self.threshold = by_role(self.tensors, cfg.underflow_frac, cfg.underflow_frac_grad)
-        self.run = np.zeros(n, dtype=np.int64)
-        self.fired = np.zeros(n, dtype=bool)
-        self.tail = Tail(n)
-
-    def process(self, steps, underflow, numel, enabled) -> list[Finding]:
+        super().__post_init__()
         cfg = self.config
-        frac = fraction(underflow, numel)
-        self.tail.push(steps, frac)
+        self.threshold = by_role(self.tensors, cfg.underflow_frac, cfg.underflow_frac_grad)
+
+    def process(self, steps, underflow, numel, frac, enabled) -> list[Finding]:
+        cfg = self.config
         mask = enabled & (frac > self.threshold)
         cols, run, (fire,) = advance(
             mask, self.run, [self.fired], lambda run, c: [run >= cfg.underflow_consecutive]
@@ -182,9 +179,7 @@ class UnderflowExcessDetector(CountShareDetector, key="underflow", order=60):
                 f"zero, above {self.threshold[t]:.2%} for {f.run} consecutive steps"
             )
             evidence = {
-                "underflow": underflow[s, t],
-                "numel": numel[s, t],
-                "fraction": frac[s, t],
+                **f.at(underflow=underflow, numel=numel, fraction=frac),
                 "consecutive_steps": f.run,
                 "threshold": self.threshold[t],
                 "fraction_tail": self.tail.get(s, t),

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, HTTPException, Query, status
 
-from monitor_server.api.deps import ControlDep, CtxDep, ReadDep, RunDep, RunId, SessionDep
+from monitor_server.api.deps import ControlDep, CtxDep, ReadRunDep, RunId, SessionDep
 from monitor_server.services.commands import (
     CommandError,
     create_command,
@@ -42,9 +42,8 @@ def post_command(run_id: RunId, body: CommandCreate, ctx: CtxDep, principal: Con
 @router.get("/{run_id}/commands", response_model=list[CommandPublic])
 def list_commands(
     run_id: RunId,
-    _run: RunDep,
+    _run: ReadRunDep,
     session: SessionDep,
-    _principal: ReadDep,
     state: Annotated[Literal["pending", "delivered", "applied", "rejected"] | None, Query()] = None,
 ) -> list[CommandPublic]:
     """The run's commands, newest first."""

@@ -10,7 +10,7 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
-from monitor_server.api.deps import CtxDep, FromQ, ReadDep, RunDep, RunId, SessionDep, ToQ, check_order
+from monitor_server.api.deps import CtxDep, FromQ, ReadRunDep, RunId, SessionDep, ToQ, check_order
 from monitor_server.services import export
 
 router = APIRouter(prefix="/runs", tags=["export"])
@@ -69,10 +69,9 @@ def export_slot(request: Request, limit: int) -> ExportSlot:
 def export_run(
     request: Request,
     run_id: RunId,
-    _run: RunDep,
+    _run: ReadRunDep,
     ctx: CtxDep,
     session: SessionDep,
-    _principal: ReadDep,
     format_: Annotated[Literal["csv", "parquet"], Query(alias="format", description="file format")] = "csv",
     table: Annotated[
         Literal["stats", "scalars", "events", "alerts", "replays"],

@@ -12,7 +12,7 @@ from monitor_server.api.deps import (
     ControlDep,
     CtxDep,
     IncidentId,
-    ReadDep,
+    ReadIncidentDep,
     ReadRunDep,
     RunId,
     SessionDep,
@@ -43,14 +43,11 @@ def list_incidents(
 
 
 @router.get("/{run_id}/incidents/{incident_id}", response_model=IncidentDetail)
-def get_incident(
-    run_id: RunId, incident_id: IncidentId, ctx: CtxDep, session: SessionDep, _principal: ReadDep
-) -> IncidentDetail:
+def get_incident(incident: ReadIncidentDep, ctx: CtxDep, session: SessionDep) -> IncidentDetail:
     """One incident, with its alerts in full (evidence included) as ``alerts_full``, root cause first."""
-    incident = incident_or_404(session, run_id, incident_id)
-    public = ctx.detection.incidents_public(session, run_id, [incident])[0]
-    meta = ctx.run_meta.get(session, run_id)
-    alerts = incident_alerts(session, incident_id=incident_id, order=ctx.detection.tensor_order(meta))
+    public = ctx.detection.incidents_public(session, incident.run_id, [incident])[0]
+    meta = ctx.run_meta.get(session, incident.run_id)
+    alerts = incident_alerts(session, incident_id=incident.id, order=ctx.detection.tensor_order(meta))
     return IncidentDetail.model_validate({**public, "alerts_full": [alert_public(a, meta) for a in alerts]})
 
 

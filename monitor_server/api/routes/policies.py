@@ -6,16 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, status
 
-from monitor_server.api.deps import (
-    ActionId,
-    ControlDep,
-    CtxDep,
-    ReadDep,
-    RunDep,
-    RunId,
-    SessionDep,
-    run_or_404,
-)
+from monitor_server.api.deps import ActionId, ControlDep, CtxDep, ReadRunDep, RunId, SessionDep, run_or_404
 from monitor_server.services.commands import CommandError, command_public
 from monitor_server.services.policies import action_of_run, apply_proposal, run_actions
 from monitor_server.storage.schemas import PolicyActionPublic
@@ -26,9 +17,8 @@ router = APIRouter(prefix="/runs", tags=["commands"])
 @router.get("/{run_id}/policy-actions", response_model=list[PolicyActionPublic])
 def list_policy_actions(
     run_id: RunId,
-    _run: RunDep,
+    _run: ReadRunDep,
     session: SessionDep,
-    _principal: ReadDep,
     incident_id: Annotated[int | None, Query(ge=1, le=2**31 - 1, description="only this incident's")] = None,
 ) -> list[PolicyActionPublic]:
     """The run's policy actions, newest first: the rule, the change, its state and the loss check."""

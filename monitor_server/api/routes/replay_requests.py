@@ -13,9 +13,8 @@ from monitor_server.api.deps import (
     ControlDep,
     CtxDep,
     IncidentId,
-    ReadDep,
+    ReadRunDep,
     RequestId,
-    RunDep,
     RunId,
     SessionDep,
     incident_or_404,
@@ -69,9 +68,7 @@ def request_replay(
 
 
 @router.get("/runs/{run_id}/replay-requests", response_model=list[ReplayRequestPublic])
-def list_run_requests(
-    run_id: RunId, _run: RunDep, session: SessionDep, _principal: ReadDep
-) -> list[ReplayRequestPublic]:
+def list_run_requests(run_id: RunId, _run: ReadRunDep, session: SessionDep) -> list[ReplayRequestPublic]:
     """The run's replay requests, oldest first (the incident page shows each incident's newest)."""
     rows = requests.list_requests(session, run_id=run_id)
     return [ReplayRequestPublic.model_validate(r, from_attributes=True) for r in rows]

@@ -7,7 +7,7 @@ from fastapi import APIRouter, HTTPException, status
 from monitor_server.api.deps import (
     CtxDep,
     IncidentId,
-    ReadDep,
+    ReadIncidentDep,
     RunId,
     RunWriteDep,
     SessionDep,
@@ -60,13 +60,10 @@ def put_incident_replay(
     response_model=ReplayPublic,
     responses={404: {"description": "no such incident, or it has not been replayed"}},
 )
-def get_incident_replay(
-    run_id: RunId, incident_id: IncidentId, session: SessionDep, _principal: ReadDep
-) -> ReplayPublic:
+def get_incident_replay(incident: ReadIncidentDep, session: SessionDep) -> ReplayPublic:
     """The stored replay of the incident: verdict, reason, culprits (most likely first), the evidence per
     configuration (losses, fault, output SQNRs against high precision). 404 when it has none."""
-    incident_or_404(session, run_id, incident_id)
-    row = get_replay(session, incident_id)
+    row = get_replay(session, incident.id)
     if row is None:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"incident {incident_id} has no replay yet")
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"incident {incident.id} has no replay yet")
     return ReplayPublic.model_validate(replay_public(row))

@@ -16,7 +16,7 @@ from monitor_server.api.deps import (
     ControlDep,
     CtxDep,
     ReadDep,
-    RunDep,
+    ReadRunDep,
     RunId,
     RunWriteDep,
     SessionDep,
@@ -248,7 +248,7 @@ def list_runs(
 
 
 @router.get("/{run_id}", response_model=RunPublic)
-def get_run(run_id: RunId, run: RunDep, session: SessionDep, _principal: ReadDep) -> RunPublic:
+def get_run(run_id: RunId, run: ReadRunDep, session: SessionDep) -> RunPublic:
     """One run, including its effective recipe (base recipe + applied overrides)."""
     return _public(session, run)
 
