@@ -1,6 +1,7 @@
 // The run's incidents panel: one entry per incident (alerts that share a cause), newest first, each
 // expandable to its alerts root cause first, with acknowledge per incident, per alert and for all at once.
-// It also keeps the run's alerts for the curves' markers and the post-mortem (one store for both).
+// It renders the page store's incidents and alerts (the store reads them, one request each, and takes the
+// live ones; the curves' markers, the post-mortem and the layers' ranking render from the same).
 // Under each incident's title: its replay, verdict first (replay.js).
 
 import { api, auth } from "./api.js";
@@ -12,22 +13,17 @@ export const SEVERITY_KIND = { critical: "bad", warning: "warn", info: "info", o
 export class IncidentsPanel {
   /**
    * @param container the panel element
-   * @param runId the run
-   * @param onChange called with the alerts (full, newest first) after every change
+   * @param store the page's RunStore: its `incidents` and `alerts` are what this renders
    * @param focus an incident id to open and scroll to (from #/runs/<id>?incident=<id>), or null
-   * @param onIncidents called with (incidents, null) after every change once they have loaded, or with
-   *   (null, error) while the first load has failed (the verdict)
    */
-  constructor(container, runId, { onChange, focus = null, onIncidents = () => {} }) {
-    this.runId = runId;
+  constructor(container, store, { focus = null } = {}) {
+    this.runId = store.runId;
+    this.store = store;
     this.container = container;
-    this.onChange = onChange;
-    this.onIncidents = onIncidents;
     this.focus = focus === null || focus === undefined ? null : Number(focus);
-    this.alerts = new Map(); // id -> alert (as GET /alerts gives it)
-    this.incidents = new Map(); // id -> incident (as GET /incidents gives it)
+    this.alerts = new Map(); // id -> the store's alert (fresher than an incident's copy of it)
     this.expanded = new Set(this.focus === null ? [] : [this.focus]);
-    this.replays = new ReplayViews(runId, () => this.fill());
+    this.replays = new ReplayViews(this.runId, () => this.fill());
     this.ackAll = el("button", { type: "button", id: "ack-all", class: "small" }, "Acknowledge all");
     this.ackAll.addEventListener("click", () => this.acknowledgeAll());
     this.summary = el("span", { class: "muted", id: "incidents-summary" });
@@ -36,20 +32,10 @@ export class IncidentsPanel {
     container.append(el("div", { class: "incidents-bar" }, this.summary, el("span", { class: "spacer" }), this.ackAll), this.note, this.list);
   }
 
+  /** Re-read the incidents and alerts into the store (which draws this again), then bring the incident in
+   * focus into view. */
   async load() {
-    try {
-      const [incidents, alerts] = await Promise.all([
-        api(`/runs/${this.runId}/incidents?limit=200`),
-        api(`/runs/${this.runId}/alerts?limit=500`),
-      ]);
-      this.incidents = new Map(incidents.map((i) => [i.id, i]));
-      this.alerts = new Map(alerts.map((a) => [a.id, a]));
-      this.loadError = null;
-      this.loaded = true;
-    } catch (err) {
-      this.loadError = err; // shown in the list; what was loaded before (and live alerts) stay
-    }
-    this.fill();
+    await this.store.loadAlerts();
     if (this.focus !== null) {
       const item = this.list.querySelector(`li.incident[data-incident-id='${this.focus}']`);
       if (item) item.scrollIntoView({ block: "center" });
@@ -69,20 +55,6 @@ export class IncidentsPanel {
     (item || this.container).scrollIntoView({ block: "start" });
   }
 
-  upsertAlert(alert) {
-    this.alerts.set(alert.id, alert);
-    this.fill();
-  }
-
-  upsertIncident(incident) {
-    this.incidents.set(incident.id, incident);
-    this.fill();
-  }
-
-  all() {
-    return [...this.alerts.values()];
-  }
-
   async acknowledgeAll() {
     this.ackAll.disabled = true;
     try {
@@ -100,25 +72,26 @@ export class IncidentsPanel {
     return full ? full.state : summary.state;
   }
 
+  /** Draw the store's incidents (open first, newest first) and alerts. */
   fill() {
     const reason = auth.readOnlyReason();
     this.note.textContent = reason ? `Acknowledging is disabled (${reason}).` : "";
-    const incidents = [...this.incidents.values()].sort((a, b) => (a.state === b.state ? b.id - a.id : a.state === "open" ? -1 : 1));
-    // alerts stored before incidents existed stand on their own
-    const orphans = this.all().filter((a) => a.incident_id === null || a.incident_id === undefined).sort((a, b) => b.id - a.id);
+    const incidents = this.store.get("incidents") || [];
+    const alerts = this.store.get("alerts") || [];
+    this.alerts = new Map(alerts.map((a) => [a.id, a]));
+    const loadError = this.store.error("incidents");
+    // alerts stored before incidents existed stand on their own (the store's alerts are newest first)
+    const orphans = alerts.filter((a) => a.incident_id === null || a.incident_id === undefined);
     const open = incidents.filter((i) => i.state === "open").length + orphans.filter((a) => a.state === "open").length;
     this.summary.textContent = incidents.length || orphans.length ? `${open} open, ${incidents.length + orphans.length} in all` : "";
     this.ackAll.disabled = Boolean(reason) || open === 0;
     this.ackAll.title = reason || (open ? "acknowledge every open incident and alert of this run" : "nothing open");
-    const failed = this.loadError ? el("li", { class: "error", id: "incidents-error" }, `Could not load the incidents: ${this.loadError.message}`) : null;
+    const failed = loadError ? el("li", { class: "error", id: "incidents-error" }, `Could not load the incidents: ${loadError.message}`) : null;
     if (!incidents.length && !orphans.length) {
       replace(this.list, failed || el("li", { class: "muted" }, "No incidents."));
     } else {
       replace(this.list, failed, incidents.map((i) => this.incidentItem(i, reason)), orphans.map((a) => el("li", { class: "incident orphan" }, el("ul", { class: "alerts" }, this.alertItem(a, reason, false)))));
     }
-    this.onChange(this.all().sort((a, b) => b.id - a.id));
-    if (this.loaded) this.onIncidents(incidents, null);
-    else if (this.loadError) this.onIncidents(null, this.loadError);
   }
 
   incidentItem(i, reason) {
@@ -126,7 +99,7 @@ export class IncidentsPanel {
     ack.addEventListener("click", async () => {
       ack.disabled = true;
       try {
-        this.upsertIncident(await api(`/runs/${this.runId}/incidents/${i.id}/ack`, { method: "POST" }));
+        this.store.upsertIncident(await api(`/runs/${this.runId}/incidents/${i.id}/ack`, { method: "POST" }));
         await this.load(); // its alerts changed too
       } catch (err) {
         ack.disabled = false;
@@ -157,7 +130,7 @@ export class IncidentsPanel {
     ack.addEventListener("click", async () => {
       ack.disabled = true;
       try {
-        this.upsertAlert(await api(`/runs/${this.runId}/alerts/${a.id}/ack`, { method: "POST" }));
+        this.store.upsertAlert(await api(`/runs/${this.runId}/alerts/${a.id}/ack`, { method: "POST" }));
       } catch (err) {
         ack.disabled = false;
         ack.title = err.message;

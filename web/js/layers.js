@@ -2,14 +2,14 @@
 // counted at once (a layer never shows healthier than its own open alerts), SQNR and block range columns,
 // the reasons folded into one line; a click on a layer opens its drill-down.
 
-import { api, num } from "./api.js";
+import { num } from "./api.js";
 import { badge, el, fmt, replace } from "./dom.js";
 import { SEVERITY_KIND } from "./incidents.js";
 
 const SEVERITY_RANK = { ok: 0, info: 1, warning: 2, critical: 3 };
 
-/** The diverging-layers table; clicking a layer opens its drill-down. The ranking is its own request; the
- * alerts it counts are the page store's. */
+/** The diverging-layers table; clicking a layer opens its drill-down. The ranking (which the block
+ * histogram reads too) and the alerts it counts are the page store's. */
 export class Layers {
   constructor(container, store, onPick) {
     this.runId = store.runId;
@@ -31,16 +31,6 @@ export class Layers {
     );
   }
 
-  async load() {
-    try {
-      this.layers = await api(`/runs/${this.runId}/layers`);
-      this.error = null;
-    } catch (err) {
-      this.error = err; // the last ranking stays, under the error
-    }
-    this.fill();
-  }
-
   /** The engine's ranking, with every open alert counted at once: a layer never shows healthier than its
    * own open alerts while the ranking is being refreshed (the alerts and the table share one store). */
   merged() {
@@ -50,7 +40,7 @@ export class Layers {
       const worst = byLayer.get(a.layer);
       if (!worst || SEVERITY_RANK[a.severity] > SEVERITY_RANK[worst.severity]) byLayer.set(a.layer, a);
     }
-    const layers = (this.layers || []).map((l) => {
+    const layers = (this.store.get("layers") || []).map((l) => {
       const a = byLayer.get(l.layer);
       if (!a || SEVERITY_RANK[a.severity] <= SEVERITY_RANK[l.severity]) return l;
       return { ...l, severity: a.severity, reasons: [`${a.kind}: ${a.message}`, ...(l.reasons || [])] };
@@ -58,14 +48,16 @@ export class Layers {
     return layers.sort((x, y) => SEVERITY_RANK[y.severity] - SEVERITY_RANK[x.severity]);
   }
 
+  /** Draw the store's ranking; a failed request shows its error above the last ranking loaded. */
   fill() {
+    const error = this.store.error("layers");
     const layers = this.merged();
     const shown = this.showAll ? layers : layers.slice(0, 25);
     this.more.hidden = layers.length <= 25;
     this.more.textContent = this.showAll ? "Show the 25 worst" : `Show all ${layers.length} layers`;
     replace(
       this.body,
-      this.error ? errorRow(5, "layers-error", `Could not load the layers: ${this.error.message}`) : null,
+      error ? errorRow(5, "layers-error", `Could not load the layers: ${error.message}`) : null,
       shown.map((l) =>
         el(
           "tr",

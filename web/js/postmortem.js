@@ -77,21 +77,13 @@ export class PostMortem {
     this.drawnSpikes = "";
   }
 
-  /** The run's nonfinite alerts (each names the run's first non-finite value in its evidence); fetched
-   * apart from the alerts panel's list, which a flood of other alerts could push them out of. */
-  async loadNonfinite() {
-    try {
-      this.nonfinite = await api(`/runs/${this.runId}/alerts?kind=nonfinite&limit=50`);
-    } catch (err) {
-      console.warn("nonfinite alerts", err);
-    }
-  }
-
-  /** Re-derive the post-mortem from the run, its alerts and its client events. */
-  update(run, alerts, events) {
+  /** Re-derive the post-mortem from the run, its alerts, its client events and the nonfinite alerts a full
+   * alert list may have left out (the page's store reads them apart then: each names the run's first
+   * non-finite value in its evidence). */
+  update(run, alerts, events, nonfinite = []) {
     if (!run) return;
     this.run = run;
-    const byId = new Map((this.nonfinite || []).map((a) => [a.id, a]));
+    const byId = new Map((nonfinite || []).map((a) => [a.id, a]));
     for (const a of alerts) if (a.kind === "nonfinite") byId.set(a.id, a);
     const first = firstNonfinite([...byId.values()], events, this.heatmap.data && this.heatmap.data.tensors);
     const spikes = new Map();

@@ -86,32 +86,37 @@ function buildPanels(container, page, store, { incident, metric, timing }) {
   page.heatmap = new Heatmap(nodes.heat, { runId, metric, onDrawn: timing.onDrawn, firstPaint: timing.firstPaint("heatmap") });
   page.layers = new Layers(nodes.layers, store, (layer) => openDrillDown(nodes.drill, runId, layer));
   page.post = new PostMortem(nodes.post, runId, page.heatmap);
-  page.alerts = new IncidentsPanel(nodes.alerts, runId, {
-    focus: incident,
-    onChange: (list) => store.set("alerts", list),
-    onIncidents: (list, err) => page.verdict.setIncidents(list, err),
-  });
+  page.alerts = new IncidentsPanel(nodes.alerts, store, { focus: incident });
   page.recipe = new RecipeEditor(nodes.recipe, runId, store);
   page.blockHist = new BlockHistPanel(nodes.block, runId, store);
   // the events feed the curves' markers and evaluation curve: a failed request says so under the curves
   page.eventsError = el("p", { class: "error", id: "events-error", hidden: true });
   nodes.curves.append(page.eventsError);
   // the layers table says whether the run sends block statistics (and which tensor has the widest blocks)
-  page.loadLayers = () => page.layers.load().then(() => page.blockHist.update(page.layers.layers)).catch((err) => console.warn("block histogram", err));
+  page.loadLayers = () => store.loadLayers().then(() => page.blockHist.update(store.get("layers"))).catch((err) => console.warn("block histogram", err));
   return page;
 }
 
 /** What each change of the store redraws. Until the first loads are done (`gate.ready`) only the header,
  * the verdict and the events' error follow the run; the panels are filled in order by `firstLoad`. */
 function wireStore(store, page, gate) {
-  const { curves, post, layers, heatmap, recipe, config, scalars } = page;
-  // the alerts (kept by the incidents panel, which loads them and takes the live ones) as markers on the
-  // curves, in the post-mortem, and counted at once in the layers' ranking
+  const { curves, post, layers, heatmap, recipe, config, scalars, alerts, verdict } = page;
+  // the incidents and alerts (loaded and kept live by the store) in the incidents panel and the verdict
+  store.subscribe(["incidents", "alerts"], () => alerts.fill());
+  store.subscribe("incidents", (list, s) => {
+    if (s.incidentsLoaded) verdict.setIncidents(list, null);
+    else if (s.error("incidents")) verdict.setIncidents(null, s.error("incidents"));
+  });
+  // the layers' ranking (its block statistics also show the block histogram, once loaded: `loadLayers`)
+  store.subscribe("layers", () => layers.fill());
+  // the alerts as markers on the curves, in the post-mortem, and counted at once in the layers' ranking
   store.subscribe("alerts", (list, s) => {
     curves.setMarkers(list, s.get("events"));
-    post.update(s.get("run"), list, s.get("events"));
+    post.update(s.get("run"), list, s.get("events"), s.get("nonfinite"));
     layers.fill();
   });
+  // the nonfinite alerts a full alert list may have left out, for the post-mortem's first non-finite value
+  store.subscribe("nonfinite", (nonfinite, s) => post.update(s.get("run"), s.get("alerts"), s.get("events"), nonfinite));
   // where each applied recipe change took effect, on the curves and the heatmap (loaded, posted, streamed)
   store.subscribe("commands", (commands) => {
     const changes = appliedChanges(commands);
@@ -126,7 +131,7 @@ function wireStore(store, page, gate) {
     recipe.setRun(run);
     config.fill(run);
     scalars.setSources(run, store.get("events"));
-    post.update(run, store.get("alerts"), store.get("events"));
+    post.update(run, store.get("alerts"), store.get("events"), store.get("nonfinite"));
   });
   // the events feed the curves' markers and evaluation curve, the scalars picker and the post-mortem: a
   // failed request says so under the curves (the rest still draws, without them)
@@ -135,7 +140,7 @@ function wireStore(store, page, gate) {
     page.eventsError.hidden = !failed;
     page.eventsError.textContent = failed ? `Could not load the run's events (markers, evaluations): ${failed.message}` : "";
     if (!gate.ready) return;
-    post.update(s.get("run"), s.get("alerts"), events);
+    post.update(s.get("run"), s.get("alerts"), events, s.get("nonfinite"));
     curves.setMarkers(s.get("alerts"), events);
     scalars.setSources(s.get("run"), events);
   });
@@ -168,7 +173,7 @@ function liveRefresh(store, page) {
  * plots are in, the panels' data in order. Returns the run; a run that cannot be read throws (after the
  * plots are stopped and `onAuth` dropped). */
 async function firstLoad(store, page, timing, runRequest, onAuth) {
-  const { heatmap, curves, post, alerts, scalars, recipe, config } = page;
+  const { heatmap, curves, alerts, scalars, recipe, config } = page;
   const heatLoad = heatmap.load().then(() => timing.loaded("heatmap"));
   const curvesLoad = curves.load().then(() => timing.loaded("curves"));
   // when the run itself cannot be read (e.g. 401) these fail too; that failure is reported once, below.
@@ -191,7 +196,7 @@ async function firstLoad(store, page, timing, runRequest, onAuth) {
   if (heatmap.data && !store.get("tensors")) store.set("tensors", heatmap.data.tensors);
   config.fill(run);
   await Promise.all([
-    Promise.all([store.loadEvents(), post.loadNonfinite()]).then(() => {
+    store.loadEvents().then(() => {
       scalars.setSources(store.get("run"), store.get("events"));
       return Promise.all([alerts.load(), scalars.load()]);
     }),
@@ -222,12 +227,12 @@ function followRun(store, page, refresh) {
       refresh.layers();
     },
     alert(a) {
-      alerts.upsertAlert(a);
+      store.upsertAlert(a);
       refresh.layers();
       refresh.run();
     },
     incident(i) {
-      alerts.upsertIncident(i);
+      store.upsertIncident(i);
       refresh.run();
     },
     replay_request(r) {

@@ -1,12 +1,20 @@
 // The pages' shared state: each view creates a store, its panels subscribe to the keys they render from
 // and are notified on every change, so no panel keeps a private copy. The run page's holds the run, its
-// tensors, events, alerts and recipe commands, each with the error of its last failed request. The tensor
-// list is fetched once per page (or taken from the heatmap's header, which carries it) and shared by the
-// recipe editor and the block histogram; a drill-down's answer names its layer's tensors itself.
+// tensors, events, incidents, alerts, layer ranking and recipe commands, each with the error of its last
+// failed request. The tensor list is fetched once per page (or taken from the heatmap's header, which
+// carries it) and shared by the recipe editor and the block histogram; a drill-down's answer names its
+// layer's tensors itself. The incidents and alerts are read together, one request each per refresh, and
+// serve the incidents panel, the verdict, the curves' markers, the post-mortem and the layers' table; the
+// layer ranking serves that table and the block histogram.
 
 import { api } from "./api.js";
 
 const byStepThenId = (a, b) => a.step - b.step || a.id - b.id;
+const newestFirst = (a, b) => b.id - a.id;
+/** Open incidents before acknowledged ones, newest first within each. */
+const openThenNewest = (a, b) => (a.state === b.state ? b.id - a.id : a.state === "open" ? -1 : 1);
+const ALERTS_LIMIT = 500; // the alerts a refresh reads (newest first)
+const INCIDENTS_LIMIT = 200;
 
 /** A page's state: named values, each with the error of its last failed request, and the functions to call
  * when one changes. Every view creates one; its panels render from it. */
@@ -48,6 +56,20 @@ export class Store {
     };
   }
 
+  /** Set several keys at once: a function subscribed to more than one of them is called once. */
+  setAll(values) {
+    Object.assign(this.state, values);
+    const called = new Set();
+    for (const key of Object.keys(values)) {
+      delete this.errors[key];
+      for (const fn of this.listeners.get(key) || []) {
+        if (called.has(fn)) continue;
+        called.add(fn);
+        fn(this.state[key], this);
+      }
+    }
+  }
+
   notify(key) {
     for (const fn of this.listeners.get(key) || []) fn(this.state[key], this);
   }
@@ -56,9 +78,13 @@ export class Store {
 /** The run page's store, with the requests that fill it. */
 export class RunStore extends Store {
   constructor(runId) {
-    super({ run: null, tensors: null, events: [], alerts: [], commands: new Map() });
+    // incidents: null until their first load; nonfinite: the nonfinite alerts a full alert list may have
+    // left out (read only when the list came back full)
+    super({ run: null, tensors: null, events: [], incidents: null, alerts: [], nonfinite: [], layers: null, commands: new Map() });
     this.runId = runId;
     this.tensorsRequest = null;
+    this.incidentsLoaded = false; // a load of the incidents has succeeded (live ones alone do not count)
+    this.nonfiniteLoaded = false;
   }
 
   /** The run's tensors, fetched at most once (a failed request is retried on the next call). */
@@ -105,6 +131,60 @@ export class RunStore extends Store {
       this.set("events", streamed.length ? [...loaded, ...streamed].sort(byStepThenId) : loaded);
     } catch (err) {
       this.fail("events", err);
+    }
+  }
+
+  /** The run's incidents (open first, newest first) and alerts (newest first), one request each; a failure
+   * is recorded under `incidents` (the panel and the verdict show it), not thrown, and what was loaded before
+   * (and live alerts) stays. When the alert list comes back full, a flood of other alerts may have pushed the
+   * nonfinite ones (which name the run's first non-finite value) out of it: those are read once apart. */
+  async loadAlerts() {
+    let incidents;
+    let alerts;
+    try {
+      [incidents, alerts] = await Promise.all([
+        api(`/runs/${this.runId}/incidents?limit=${INCIDENTS_LIMIT}`),
+        api(`/runs/${this.runId}/alerts?limit=${ALERTS_LIMIT}`),
+      ]);
+    } catch (err) {
+      this.fail("incidents", err);
+      return;
+    }
+    this.incidentsLoaded = true;
+    this.setAll({ incidents: incidents.sort(openThenNewest), alerts: alerts.sort(newestFirst) });
+    if (alerts.length >= ALERTS_LIMIT && !this.nonfiniteLoaded) await this.loadNonfinite();
+  }
+
+  async loadNonfinite() {
+    try {
+      this.set("nonfinite", await api(`/runs/${this.runId}/alerts?kind=nonfinite&limit=50`));
+      this.nonfiniteLoaded = true;
+    } catch (err) {
+      console.warn("nonfinite alerts", err);
+    }
+  }
+
+  /** An alert from an acknowledgement's answer or the stream, in place of its older copy. */
+  upsertAlert(alert) {
+    const alerts = (this.state.alerts || []).filter((a) => a.id !== alert.id);
+    this.set("alerts", [...alerts, alert].sort(newestFirst));
+  }
+
+  /** An incident from an acknowledgement's answer or the stream, in place of its older copy. A failed first
+   * load stays reported (the list may still lack older incidents). */
+  upsertIncident(incident) {
+    const incidents = (this.state.incidents || []).filter((i) => i.id !== incident.id);
+    this.state.incidents = [...incidents, incident].sort(openThenNewest);
+    this.notify("incidents");
+  }
+
+  /** The service's ranking of the run's layers (GET /runs/{id}/layers: the layers table and the block
+   * histogram); a failure is recorded (the last ranking stays, under the error), not thrown. */
+  async loadLayers() {
+    try {
+      this.set("layers", await api(`/runs/${this.runId}/layers`));
+    } catch (err) {
+      this.fail("layers", err);
     }
   }
 
