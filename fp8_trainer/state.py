@@ -157,6 +157,8 @@ class FP8State:
         self.weight_cache = WeightCache()
         # one [statistics of the FP8 steps closed since the reader last took them, how many] per reader
         self._inboxes: list[list] = []
+        # steps to run again that the readers have had already (fp8_trainer.rewind): not handed out twice
+        self.reruns = 0
         # the quality statistics (sum_sq, err_sq, subnormal, min_abs) in the same quantize pass; off only
         # to measure what they cost (set_quality_stats, bench/quality_overhead.py)
         self.quality_stats = True
@@ -484,6 +486,10 @@ class FP8State:
         self._deliver(self._with_block(self.last_stats.clone(), self.last_block_stats))  # with a block: cat
 
     def _deliver(self, stats: torch.Tensor) -> None:
+        if self.reruns:  # a step run again (fp8_trainer.rewind): its readers had its first run
+            self.reruns -= 1
+            self.steps += 1
+            return
         for box in self._inboxes:
             # a reader that did not take the last step (a step per micro-batch) gets both, merged
             box[0] = stats if box[0] is None else merge_step_stats(box[0], stats)

@@ -40,6 +40,8 @@ STOP_GRACE_S = 5.0
 INCIDENT_WAIT_S = 120.0
 #: exit code of a child whose bundle no incident lists
 NO_INCIDENT = 3
+#: seconds a job that waits for a replay (``run_now``: ``--remediation act``) gives it before stopping it
+FOREGROUND_WAIT_S = 900.0
 
 
 @dataclass
@@ -91,6 +93,25 @@ class AutoReplay:
         if self.queue and monitor.run_id is not None:  # the run is registered: the child can name it
             self._start(self.queue.popleft(), int(monitor.run_id))
 
+    def run_now(self, step: int, bundle: str | Path, monitor, timeout: float = FOREGROUND_WAIT_S) -> int:
+        """Replay ``bundle`` (written at ``step``) in a child and wait for it, at most ``timeout`` seconds
+        (then it is stopped); its exit code (``-1``: not started or stopped). For a job that pauses at its
+        incident (``fp8_trainer.app.retry``); the run must be registered (``monitor.run_id``)."""
+        job, beside = _Pending(str(bundle), step), self.running
+        self._start(job, int(monitor.run_id))
+        self.running = beside  # this one is waited for here, not polled after each step
+        if job.proc is None:
+            return -1
+        try:
+            code = job.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._stop(job)
+            self.say(f"fp8-train: auto replay of {job.bundle} stopped after {timeout:.0f} s (log {job.log})")
+            self.finished.append((job.bundle, -1))
+            return -1
+        self._ended(job, code, step, monitor)
+        return code
+
     def _start(self, job: _Pending, run_id: int) -> None:
         job.log = Path(job.bundle + ".replay.log")
         cmd = [sys.executable, "-m", "fp8_trainer.app.auto_replay", job.bundle, "--monitor-url", self.url]
@@ -130,12 +151,7 @@ class AutoReplay:
             if code is not None:
                 self._ended(job, code, step, monitor)
             else:
-                job.proc.terminate()
-                try:
-                    job.proc.wait(STOP_GRACE_S)
-                except subprocess.TimeoutExpired:
-                    job.proc.kill()
-                    job.proc.wait()
+                self._stop(job)
                 self.say(f"fp8-train: auto replay of {job.bundle} stopped: the job ended first")
                 self.queue.appendleft(job)
         self.running = None
@@ -147,6 +163,16 @@ class AutoReplay:
                 "it)"
             )
         self.queue.clear()
+
+    @staticmethod
+    def _stop(job: _Pending) -> None:
+        """SIGTERM, then SIGKILL after ``STOP_GRACE_S``."""
+        job.proc.terminate()
+        try:
+            job.proc.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            job.proc.kill()
+            job.proc.wait()
 
 
 def _last_line(path: Path) -> str:

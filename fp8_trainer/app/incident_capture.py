@@ -18,8 +18,9 @@ and the step's grad_output overflow fractions with it, in one copy):
   ``grad_overflow_frac`` of the elements saturated in the step (the step's own statistics, ``overflow /
   numel``), a tensor that was below the bar the step before. A saturated E5M2 gradient need not move the
   loss (the layer's gradients come out too small for a step), so the loss triggers would not see it. The
-  bundle records the tensor (``LAYER.grad_output``), the fraction and the bar; the replay then judges the
-  layer's gradients (``fp8_trainer.app.replay_judge``).
+  bundle records the tensor (``LAYER.grad_output``), the fraction and the bar, and the loss's score as for a
+  spike; the replay then judges the layer's gradients, or the loss where it is FP8's
+  (``fp8_trainer.app.replay_judge.judge_for``).
 
 A bundle (``incident-step<S>.pt``, ``torch.save``, loads with ``weights_only=True``) holds the older of the
 two snapshots, the steps since it up to and including the failing one, and the run's configuration. Bundles
@@ -50,6 +51,7 @@ from torch import nn
 from fp8_protocol.loss_spike import MAD_TO_SIGMA, LossSpikeParams, LossSpikeRule
 from fp8_protocol.stats import NUMEL, OVERFLOW
 
+from ..rewind import scaling_state
 from .torch_file import read_torch_file
 
 __all__ = ["BUNDLE_VERSION", "CaptureConfig", "IncidentCapture", "default_directory", "load_bundle"]
@@ -113,8 +115,19 @@ class IncidentCapture:
     """The job's side of incident replay (module docstring). The loop calls ``begin`` before a step's first
     forward, wraps its batch source with ``batches``, and calls ``end`` after the step's backward."""
 
-    def __init__(self, config: CaptureConfig, model: nn.Module, optimizer, run_config: dict[str, Any]):
+    def __init__(
+        self,
+        config: CaptureConfig,
+        model: nn.Module,
+        optimizer,
+        run_config: dict[str, Any],
+        rerun: bool = False,
+    ):
         self.config = config
+        # rerun: keep what each step began from (the RNG, the FP8 scaling state), so that a step can run
+        # again before its update (fp8_trainer.app.retry); a copy of the amax history a step, no host sync
+        self.rerun = rerun
+        self.step_start: tuple[dict[str, Any], Any] | None = None  # (RNG state, ScalingState or None)
         self.model, self.optimizer = model, optimizer
         self.run_config = dict(run_config)
         self.rule = LossSpikeRule(config.spike)
@@ -146,6 +159,8 @@ class IncidentCapture:
         self.snapshots[-1].steps.append(self._current)
         state = self._fp8_state()
         self._fp8_steps = state.steps if state is not None else 0
+        if self.rerun:
+            self.step_start = (_rng_state(), scaling_state(state) if state is not None else None)
 
     def _fp8_state(self):
         return getattr(self.model, "_fp8_state", None)  # None: the model does not train in FP8
@@ -194,6 +209,16 @@ class IncidentCapture:
 
         return draw
 
+    def recorded_batches(self, device: torch.device):
+        """The step's own micro-batches again, on ``device``: ``micro -> (x, y)``, for a run again."""
+        kept = self._current["batches"]
+        return lambda micro: (kept[micro][0].to(device), kept[micro][1].to(device))
+
+    def ran_again(self, loss: float) -> None:
+        """The step ran again (``fp8_trainer.app.retry``): its record keeps the loss it went on with. A
+        later bundle whose window holds it replays it under the recipe its snapshot had."""
+        self._current.update(loss=loss, first_loss=self._current.get("loss"), ran_again=True)
+
     def end(self, step: int, loss: torch.Tensor) -> Path | None:
         """The step's backward is done (``loss`` its mean loss): write a bundle if it is an incident; its
         path, or None."""
@@ -211,7 +236,7 @@ class IncidentCapture:
                 trigger = {"kind": "loss_spike", "loss": value}
         grad = self._grad_trigger(fractions)
         if trigger is None and grad is not None:
-            return self._write(step, {**grad, "loss": value})
+            trigger = {**grad, "loss": value}  # with the loss's score: the replay judges the loss if FP8's
         if trigger is None:
             return None
         # what the loss was expected to be (the spike rule's baseline), for the replay's verdict

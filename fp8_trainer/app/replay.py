@@ -286,12 +286,11 @@ def _replay(bundle: dict[str, Any], bundle_path, dev: torch.device, bisect: bool
         )
         return jsonable(report)
     window = _Window(bundle, dev)
-    judge = judge_for(trigger)
     configs = report["configs"]
     hp = window.run(fp8=False)
     original = trigger["loss"]
     if window.recipe is None:
-        configs.append(judge.entry("run", [], hp, None))
+        configs.append(judge_for(trigger).entry("run", [], hp, None))
         report["bitwise"] = _same(hp["losses"][-1], original)
         if configs[0]["fault"]:
             report.update(verdict="not-fp8", reason="the run did not train in FP8")
@@ -300,6 +299,7 @@ def _replay(bundle: dict[str, Any], bundle_path, dev: torch.device, bisect: bool
         return jsonable(report)
 
     fp8 = window.run(fp8=True)
+    judge = judge_for(trigger, fp8, hp)  # the reason says which: "loss ..." or "...'s gradients ..."
     configs.append(judge.entry("fp8", [], fp8, hp))
     configs.append(judge.entry("high-precision", window.layers, hp, hp))
     report["bitwise"] = _same(fp8["losses"][-1], original)

@@ -5,8 +5,9 @@ failing step's loss at or above a bar (``verdict_bar``: halfway from the loss th
 run's, at least 3 of its sigmas above the expected loss; for a non-finite original the rule's own spike
 bar). The bisection tightens the bar to halfway between the high-precision and the FP8 loss.
 
-``GradJudge`` (a ``grad_overflow`` bundle, ``fp8_trainer.app.incident_capture``): the fault is in the trigger
-layer's parameter gradients of the failing step, not in its loss. A configuration has it when
+``GradJudge`` (a ``grad_overflow`` bundle, ``fp8_trainer.app.incident_capture``, whose loss is not FP8's:
+``judge_for``): the fault is in the trigger layer's parameter gradients of the failing step, not in its
+loss. A configuration has it when
 
 * a loss of the window is non-finite, or
 * those gradients are far from the high-precision run's: their SQNR against it (the worst of the layer's
@@ -157,11 +158,22 @@ def verdict_bar(trigger: dict[str, Any]) -> float | None:
     return expected + trigger["z_threshold"] * sigma
 
 
-def judge_for(trigger: dict[str, Any]) -> LossJudge | GradJudge:
-    """The judge of a bundle's trigger: its gradients for a ``grad_overflow``, else its loss."""
-    if trigger.get("kind") == "grad_overflow":
-        return GradJudge(trigger["tensor"].rsplit(".", 1)[0])
-    return LossJudge(verdict_bar(trigger))
+def judge_for(trigger: dict[str, Any], fp8=None, hp=None) -> LossJudge | GradJudge:
+    """The judge of a bundle's trigger: its loss; for a ``grad_overflow``, its layer's gradients, unless the
+    step's loss moved too and the replays ``fp8`` and ``hp`` (the window in the run's recipe and in high
+    precision) say the loss is FP8's: its FP8 replay at or above the verdict bar, its high-precision one
+    below. Then the loss judges, as for a spike (a saturated gradient that the loss rule scored just under
+    its bar, the capture's gradient trigger writing the step's bundle), and the bisection names the casts
+    whose return to high precision brings the loss back."""
+    loss = LossJudge(verdict_bar(trigger))
+    if trigger.get("kind") != "grad_overflow":
+        return loss
+    grad = GradJudge(trigger["tensor"].rsplit(".", 1)[0])
+    if loss.bar is None or fp8 is None or hp is None:
+        return grad
+    if loss.entry("fp8", [], fp8, None)["fault"] and not loss.entry("high-precision", [], hp, None)["fault"]:
+        return loss
+    return grad
 
 
 def layer_norm(model: torch.nn.Module, layer: str) -> float:

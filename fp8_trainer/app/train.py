@@ -20,8 +20,6 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -35,10 +33,11 @@ from ..stats import read_newest, step_stats
 from .auto_replay import AutoReplay
 from .build import Prepared, build, dist_env, run_config, step_lr
 from .checkpoint import checkpoint_path, save_checkpoint, save_sharded
-from .data import Corpus
 from .inject import Injector, parse_injection
 from .progress import NoMonitor, Progress
 from .report import health_table
+from .retry import at_incident
+from .run import Run, TrainResult
 from .train_config import TrainConfig
 from .train_graph import GraphedTraining
 from .train_step import (
@@ -52,50 +51,6 @@ from .train_step import (
 )
 
 __all__ = ["Run", "TrainResult", "train"]
-
-
-@dataclass
-class TrainResult:
-    """The outcome of ``train`` on this rank."""
-
-    losses: list[float]  # training loss of every step this run made (this rank's data)
-    val_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, loss); rank 0 only
-    model: nn.Module | None = None  # the trained model, unwrapped from DDP
-    step: int = 0  # optimizer steps completed, counting those of a resumed checkpoint
-    status: str = "finished"  # or "interrupted" (Ctrl-C), "halted" (--halt-on-nonfinite)
-
-
-@dataclass
-class Run:
-    """One ``train`` call on this rank: what its loop's parts share instead of long argument lists."""
-
-    a: TrainConfig
-    corpus: Corpus
-    recipe: Any  # the FP8 recipe; None for fp32 / bf16
-    model: nn.Module  # the model itself: checkpoints, statistics, evaluation
-    net: nn.Module  # what the step runs: the model, in DDP and / or compiled
-    opt: torch.optim.Optimizer
-    device: torch.device
-    world: int
-    lead: bool  # rank 0: prints, saves, keeps the validation losses
-    start: int  # the step a resumed run starts after (0: a fresh run)
-    config: dict[str, Any]  # the flags as the checkpoints and the monitor keep them (run_config)
-    injector: Injector
-    val_batches: list[tuple[torch.Tensor, torch.Tensor]]
-    tokens_per_step: int
-    progress: Progress
-    result: TrainResult
-    losses: torch.Tensor  # one slot per step: no allocation per step, one host copy at the end
-    capture: Any = None  # --capture-dir: the incident capture (app.incident_capture)
-    replays: AutoReplay | None = None  # --remediation: each bundle replayed in a child
-    graphed: GraphedTraining | None = None  # --cuda-graph: the whole optimizer step, replayed
-    monitor: Any = None  # the Monitor (or NoMonitor), once open
-    on_step: Callable[[int, nn.Module, dict[str, Any]], None] | None = None
-    dumped: list[torch.Tensor] = field(default_factory=list)  # --stats-dump: every step's statistics
-    shown_url: bool = False  # the dashboard's address was printed
-
-    def say(self, line: str) -> None:
-        self.progress.say(line)
 
 
 def train(a: TrainConfig, prepared: Prepared | None = None, *, on_step=None, out=print) -> TrainResult:
@@ -159,7 +114,7 @@ def _loop(run: Run) -> None:
         lr = _begin_step(run, step)
         # ----- forward and backward (--cuda-graph: the whole optimizer step, replayed) -----
         step_loss, grad_norm = _forward_backward(run, lr)
-        _end_faults(run, step, step_loss)
+        step_loss = _end_faults(run, step, lr, step_loss)  # --remediation act: maybe the step ran again
         if a.halt_on_nonfinite and nonfinite(step_loss, run.world):  # before the update: a host sync
             _halt(run, step, step_loss, lr)
             break
@@ -271,28 +226,35 @@ def _forward_backward(run: Run, lr: float) -> tuple[torch.Tensor, torch.Tensor |
     return forward_backward(run.a, run.net, batch, run.recipe, run.device, run.world), None
 
 
-def _end_faults(run: Run, step: int, step_loss: torch.Tensor) -> None:
-    """The step's faults end; a bundle the capture wrote is announced and queued for replay."""
+def _end_faults(run: Run, step: int, lr: float, step_loss: torch.Tensor) -> torch.Tensor:
+    """The step's faults end; a bundle the capture wrote is announced and replayed: beside training, or
+    with ``--remediation act`` at once, the step then maybe run again (``app.retry``). The step's loss."""
     run.injector.end(step)
     bundle = run.capture.end(step, step_loss) if run.capture is not None else None
     if bundle is not None:
         run.say(f"fp8-train: step {step}: incident bundle {bundle} (fp8-train replay {bundle})")
-        run.monitor.event(INCIDENT_BUNDLE_EVENT, step, path=str(bundle))
+        if run.replays is not None and run.a.remediation == "act":
+            step_loss, bundle = at_incident(run, step, lr, step_loss, bundle), None
+        else:
+            run.monitor.event(INCIDENT_BUNDLE_EVENT, step, path=str(bundle))
     if run.replays is not None:  # starts a queued replay, reports an ended one: never waits
         run.replays.after_step(step, bundle, run.monitor)
+    return step_loss
 
 
 def _halt(run: Run, step: int, step_loss: torch.Tensor, lr: float) -> None:
     """``--halt-on-nonfinite``: the run stops before this step's update."""
     run.result.status = "halted"
     run.say(f"fp8-train: halted: non-finite loss at step {step}; the weights are those of step {step - 1}")
-    run.monitor.step(step, loss=step_loss, lr=lr)  # the service sees the non-finite loss
+    if run.reported != step:
+        run.monitor.step(step, loss=step_loss, lr=lr)  # the service sees the non-finite loss
     run.opt.zero_grad(set_to_none=True)
 
 
 def _report_step(run: Run, step: int, info: dict[str, Any], tokens_per_s: float) -> None:
     """The step to the monitor, the losses, ``--stats-dump`` and ``on_step``."""
-    run.monitor.step(step, **info, tokens_per_s=tokens_per_s)
+    if run.reported != step:
+        run.monitor.step(step, **info, tokens_per_s=tokens_per_s)
     if not run.shown_url and run.monitor.dashboard_url is not None:  # registered (in the background)
         run.shown_url = True
         run.say(f"fp8-train: dashboard {run.monitor.dashboard_url}")
@@ -345,7 +307,7 @@ def _make_capture(a: TrainConfig, model, opt, config, world: int, say):
     if a.capture_dir is None:
         say(f"fp8-train: incident capture into {directory} (with a monitor; --no-capture: off)")
     cfg = CaptureConfig(directory, every=a.capture_every, max_bytes=int(a.capture_max_mb * 2**20))
-    return IncidentCapture(cfg, model, opt, config)
+    return IncidentCapture(cfg, model, opt, config, rerun=a.remediation == "act")
 
 
 def _make_monitor(a, model, recipe, config, rank: int, world: int):

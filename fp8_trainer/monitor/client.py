@@ -37,6 +37,7 @@ detection and events (``events.py``, ``detect.py``), the wire (``sender.py``), a
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from dataclasses import fields
 from pathlib import Path
@@ -386,6 +387,42 @@ class Monitor:
             self._notices.once(
                 "event-error", "fp8scope monitor: event() failed; the event is left out", exc=True
             )
+
+    # ----- a job that pauses between two steps (fp8-train --remediation act) -----
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Report every step so far now (their statistics read at once: a host synchronisation) and send
+        them, and the events queued, without waiting for ``flush_interval``; wait until they have gone out
+        (answered, with the commands of the answer in the inbox, or spooled), at most ``timeout`` seconds.
+        For a job about to pause, not for every step. True when they went out in time; False on a job of
+        several ranks (whose steps are reported together), after ``close`` or when the monitor is down.
+        Never raises because of the monitor."""
+        if self.sender is None or self._closed or not isinstance(self._steps, SingleRankSteps):
+            return False
+        try:
+            self._steps.flush()
+            done = threading.Event()
+            self.sender.put_flush(done)
+            deadline = time.monotonic() + timeout
+            while not done.wait(0.1):  # a sender thread that died would never set it
+                if self.sender.failed or not self.sender.is_alive() or time.monotonic() > deadline:
+                    return False
+            return True
+        except Exception:  # the monitor must never take training down
+            self._notices.once("flush-error", "fp8scope monitor: flush() failed", exc=True)
+            return False
+
+    def waiting_commands(self) -> list[dict[str, Any]]:
+        """The recipe commands from the service waiting for the next step boundary."""
+        return self.inbox.peek()
+
+    def apply_commands_now(self, first_step: int) -> list[dict[str, Any]]:
+        """Apply the waiting commands now, between two steps, so that optimizer step ``first_step`` is the
+        first to run under them (a step run again: ``fp8_trainer.app.retry``); their acks, sent with the
+        next telemetry. One process only: ``[]`` on a job of several ranks, whose ranks apply commands
+        together in ``step``."""
+        if self._closed or not isinstance(self._steps, SingleRankSteps):
+            return []
+        return self._steps.apply_waiting(first_step)
 
     def close(self, status: str = "finished") -> None:
         """Report the last step, flush (within ``close_timeout``), set the run's status (``finished``,

@@ -37,6 +37,11 @@ class CommandInbox:
                     self._seen.add(c.get("id"))
                     self._items.append(c)
 
+    def peek(self) -> list[dict[str, Any]]:
+        """The waiting commands, left waiting."""
+        with self._lock:
+            return list(self._items)
+
     def take(self) -> list[dict[str, Any]]:
         if not self._items:  # unlocked peek: the common case costs nothing
             return []

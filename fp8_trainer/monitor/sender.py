@@ -175,6 +175,8 @@ class Sender(threading.Thread):
         self._events: list[dict[str, Any]] = []
         self._acks: list[dict[str, Any]] = []
         self._first_at = 0.0
+        self._send_now = False  # put_flush: what is queued goes out at once, not after flush_interval
+        self._flushed: list[threading.Event] = []  # put_flush's, set once what came before it went out
         self._outbox: deque[Outgoing] = deque()
         self._seq = 0
         self._next_probe = 0.0
@@ -200,6 +202,13 @@ class Sender(threading.Thread):
     def put_ack(self, ack: dict[str, Any]) -> None:
         if not self.failed:
             self.inbox.put(("ack", ack))
+
+    def put_flush(self, done: threading.Event) -> None:
+        """Send what is queued so far at once, not after ``flush_interval`` (a batch, if only an empty one,
+        whose answer brings the waiting commands), and set ``done`` once it has gone out (answered, the
+        commands of the answer handed on, or spooled)."""
+        if not self.failed:
+            self.inbox.put(("flush", done))
 
     def finish(self, status: str) -> None:
         self.inbox.put(("finish", status))
@@ -389,6 +398,9 @@ class Sender(threading.Thread):
             elif kind == "ack":
                 self._acks.append(item)
                 urgent = True
+            elif kind == "flush":
+                self._send_now = urgent = True
+                self._flushed.append(item)
             elif kind == "finish":
                 self.final_status = item
                 self._stop_at = time.monotonic() + self.cfg.close_timeout
@@ -431,9 +443,15 @@ class Sender(threading.Thread):
             urgent = self._take(self.cfg.flush_interval / 2 if busy else min(1.0, self.cfg.alerts_refresh))
             finishing = self.final_status is not None
             age = time.monotonic() - self._first_at
-            if self._events or self._acks or (self._steps and (finishing or age >= self.cfg.flush_interval)):
+            due = finishing or self._send_now or age >= self.cfg.flush_interval
+            asked = self._flushed and not self.spooling  # a flush with nothing queued: the answer's commands
+            if self._events or self._acks or (self._steps and due) or asked:
+                self._send_now = False
                 self._make_batch(urgent)
             self._deliver()
+            for done in self._flushed:  # the outbox is empty: what came before each flush went out
+                done.set()
+            self._flushed.clear()
             if finishing:
                 self._finish()
                 return

@@ -33,10 +33,7 @@ class SingleRankSteps(StepPath):
         self._waiting: deque[tuple[int, Any, bool]] = deque()
 
     def step(self, step: int, holder) -> None:
-        commands = self._inbox.take()
-        if commands:
-            for ack in self._apply(commands, step):
-                self._sender.put_ack(ack)
+        self.apply_waiting(step + 1)
         if self._reader is None:
             prev, self._prev = self._prev, (step, holder)
             if prev is not None:
@@ -52,6 +49,11 @@ class SingleRankSteps(StepPath):
 
     def close(self) -> None:
         """Report every step still waiting (the last copy waited for)."""
+        self.flush()
+
+    def flush(self) -> None:
+        """Report every step still waiting, the copy in flight waited for: a host synchronisation, for a job
+        that pauses (the end of a run, an incident replayed before its step's update), not every step."""
         if self._prev is not None:
             self._report(self._prev[0], None, self._prev[1])
             self._prev = None

@@ -13,7 +13,8 @@ __all__ = ["StepPath"]
 
 
 class StepPath:
-    """The parts every step path uses; subclasses add ``step``, ``close`` and ``unapplied``.
+    """The parts every step path uses; subclasses add ``step``, ``close`` and ``unapplied``, and a path that
+    can report its steps before the next one (one rank's) ``flush``.
 
     Args:
         reader: the statistics reader (``StatsReader`` or one with its interface), None for a run without
@@ -32,3 +33,13 @@ class StepPath:
         self._report = report
         self._sender = sender
         self._notices = notices
+
+    def apply_waiting(self, first_step: int) -> list[dict]:
+        """Apply the commands waiting in the inbox so that optimizer step ``first_step`` is the first to run
+        under them (their acks say so); the acks, also handed to the sender."""
+        commands = self._inbox.take()
+        acks = self._apply(commands, first_step - 1) if commands else []
+        if self._sender is not None:
+            for ack in acks:
+                self._sender.put_ack(ack)
+        return acks

@@ -1,8 +1,9 @@
-"""The job replays its own bundles (``fp8_trainer/app/auto_replay.py``): with ``--remediation act`` a real
-tiny run with an FP8 saturation, reporting to a real `fp8-monitor serve`, replays its step-40 bundle in a
-child process, the report lands on the incident, the service's policy queues its command, the job applies it,
-and the check decides, without anyone running `fp8-train replay`. A failing child is reported and training
-goes on; a child still running when the job ends is stopped."""
+"""The job replays its own bundles (``fp8_trainer/app/auto_replay.py``, ``fp8_trainer/app/retry.py``): with
+``--remediation act`` a real tiny run with an FP8 saturation, reporting to a real `fp8-monitor serve`, pauses
+at its step-40 incident, replays the bundle in a child process, the report lands on the incident, the
+service's policy queues its command, and the job runs step 40 again under it before the update, without
+anyone running `fp8-train replay`. A failing child is reported and training goes on; a child still running
+when the job ends is stopped."""
 
 import subprocess
 import sys
@@ -14,69 +15,63 @@ import pytest
 from fp8_trainer.app import cli
 from fp8_trainer.app.auto_replay import AutoReplay, find_incident
 from fp8_trainer.app.train import train
+from fp8_trainer.monitor.read import Reader
 from tests.support.polling import wait_for
 from tests.support.server import API, create_run, running_server
 from tests.trainer.test_replay import FLAGS, STEP
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LAYER = "blocks.3.mlp.fc2"
-HOLD = 60  # the step at which the test holds the job until the policy has acted (a slow job's long step)
+AFTER = 25  # steps after the fault: the policy's check (20 steps) decides within them
 
 
 @pytest.mark.slow
-def test_the_policy_acts_on_a_running_job_by_itself(tmp_path):
+def test_the_job_runs_its_failing_step_again_under_the_policys_change(tmp_path):
     data = tmp_path / "count.txt"
     data.write_text(" ".join(str(i) for i in range(20000)))
     with running_server(f"sqlite:///{tmp_path / 'monitor.db'}") as server:
         api = server.url + API
-        argv = ["--steps", str(HOLD + 40), *FLAGS, "--data", str(data), "--capture-dir", str(tmp_path)]
+        argv = ["--steps", str(STEP + AFTER), *FLAGS, "--data", str(data), "--capture-dir", str(tmp_path)]
         argv += ["--inject", f"saturate:{LAYER}@{STEP}", "--monitor-url", server.url, "--run-name", "auto"]
         a, prepared = cli.prepare([*argv, "--remediation", "act"])
         lines: list[str] = []
-
-        def actions():
-            (run,) = httpx.get(f"{api}/runs").json()
-            return httpx.get(f"{api}/runs/{run['id']}/policy-actions").json()
-
-        def delivered():
-            (run,) = httpx.get(f"{api}/runs").json()
-            commands = httpx.get(f"{api}/runs/{run['id']}/commands").json()
-            return any(c["state"] in ("delivered", "applied") for c in commands)
-
-        def hold(step, model, info):  # the replay runs beside the job; here the job waits for its outcome
-            if step == HOLD + 1:
-                # the command reaches the job in a telemetry answer: once it has, the job applies it at the
-                # next step, however many steps a flush interval holds on this machine
-                wait_for(delivered, timeout=120, what="the policy's command delivered to the job")
-                return
-            if step != HOLD:
-                return
-            try:  # at a low priority the replay takes a few seconds on an idle machine, minutes on a busy one
-                wait_for(actions, timeout=600, what="the policy's action on the auto-replayed incident")
-            except AssertionError as e:
-                logs = {p.name: p.read_text() for p in tmp_path.glob("*.replay.log")}
-                raise AssertionError(f"{e}\n{lines[-8:]}\n{logs}") from None
-
-        result = train(a, prepared, on_step=hold, out=lines.append)
-        assert result.status == "finished" and result.step == HOLD + 40
+        result = train(a, prepared, out=lines.append)
+        assert result.status == "finished" and result.step == STEP + AFTER
         (run,) = httpx.get(f"{api}/runs").json()
-        (action,) = actions()
+        rid = run["id"]
+        # the policy acted on the replayed incident while the job waited at step 40
+        (action,) = wait_for(lambda: httpx.get(f"{api}/runs/{rid}/policy-actions").json(), what="the action")
         assert action["rule"] == "low_sqnr" and action["target"] == LAYER  # SQNR -38 dB: E4M3 lacks it
-        assert action["state"] in ("kept", "rolled_back")  # checked 20 steps after it was applied
-        commands = {c["id"]: c for c in httpx.get(f"{api}/runs/{run['id']}/commands").json()}
+        commands = {c["id"]: c for c in httpx.get(f"{api}/runs/{rid}/commands").json()}
         command = commands[action["command_id"]]
-        assert command["created_by"] == "policy:low_sqnr" and command["state"] == "applied"
-        assert command["applied_step"] > STEP and command["changes"] == {"fp8_enabled": False}
-        if action["state"] == "rolled_back":
-            assert commands[action["rollback_id"]]["created_by"] == "policy:rollback"
-        (incident,) = [i for i in httpx.get(f"{api}/runs/{run['id']}/incidents").json() if i["bundles"]]
+        assert command["created_by"] == "policy:low_sqnr" and command["changes"] == {"fp8_enabled": False}
+        # step 40 itself, run again, is the first under the change: the fault never reached the weights
+        assert command["state"] == "applied" and command["applied_step"] == STEP
+        assert action["state"] in ("kept", "rolled_back")  # checked 20 steps after step 40
+        (incident,) = [i for i in httpx.get(f"{api}/runs/{rid}/incidents").json() if i["bundles"]]
         assert incident["replay_verdict"] == "fp8-caused" and incident["id"] == action["incident_id"]
         bundle = tmp_path / f"incident-step{STEP}.pt"
         assert incident["bundles"] == [str(bundle)]
+        assert f"fp8-train: step {STEP}: paused while {bundle} is replayed (--remediation act)" in lines
         done = [ln for ln in lines if ln.startswith(f"fp8-train: auto replay of {bundle}: ")]
         assert done == [f"fp8-train: auto replay of {bundle}: fp8-caused (first culprit {LAYER}.input), "
                         f"stored on incident {incident['id']}"]  # fmt: skip
-        assert "stored on incident" in (tmp_path / f"incident-step{STEP}.pt.replay.log").read_text()
+        (again,) = [ln for ln in lines if ln.startswith(f"fp8-train: step {STEP} ran again")]
+        assert again.startswith(f"fp8-train: step {STEP} ran again under command(s) {command['id']}: loss ")
+        # the service keeps the step as it first ran (the spike its incident reports); the event has both
+        # losses, and the job trained on from the run again, whose loss is back near the steps before it
+        events = httpx.get(f"{api}/runs/{rid}/events", params={"limit": 1000}).json()
+        (retried,) = [e for e in events if (e.get("details") or {}).get("name") == "step_retried"]
+        details = retried["details"]
+        assert retried["step"] == STEP and details["commands"] == [command["id"]]
+        with Reader(server.url) as reader:
+            steps, stored = reader.series(rid, "loss")
+        first = float(stored[list(steps).index(STEP)])
+        assert details["first_loss"] == pytest.approx(first, rel=1e-6)
+        assert details["loss"] == pytest.approx(result.losses[STEP - 1], rel=1e-6)
+        before = sorted(result.losses[STEP - 6 : STEP - 1])[2]  # the median of the 5 steps before
+        ran_again = result.losses[STEP - 1]
+        assert first > 2 * before and ran_again < 1.2 * before, (first, result.losses[STEP - 5 :])
 
 
 class _Events:

@@ -11,7 +11,7 @@ from fp8_trainer.app import cli
 from fp8_trainer.app.incident_capture import CaptureConfig, load_bundle
 from fp8_trainer.app.inject import Injection, parse_injection
 from fp8_trainer.app.replay import replay
-from fp8_trainer.app.replay_judge import GRAD_BLOWUP, GRAD_FAULT_DB
+from fp8_trainer.app.replay_judge import GRAD_BLOWUP, GRAD_FAULT_DB, GradJudge, LossJudge, judge_for
 from fp8_trainer.app.train import train
 from tests.trainer.test_replay import FLAGS, STEP
 
@@ -43,11 +43,12 @@ def test_a_saturated_gradient_is_captured_by_its_statistics_and_is_fp8_caused(ru
     trigger = load_bundle(bundles[0])["trigger"]
     assert trigger["kind"] == "grad_overflow" and trigger["tensor"] == f"{LAYER}.grad_output"
     assert trigger["fraction"] > 0.99 and trigger["bar"] == CaptureConfig(".").grad_overflow_frac
-    assert trigger["loss"] == result.losses[STEP - 1] and "expected" not in trigger  # not a loss trigger
+    # the loss's score rides along (not a spike): the replay judges the loss only where it is FP8's
+    assert trigger["loss"] == result.losses[STEP - 1] and trigger["z"] < trigger["z_threshold"]
 
     report = replay(bundles[0])
     assert report["verdict"] == "fp8-caused", report["reason"]
-    assert report["culprits"][0] == f"{LAYER}.grad_output"
+    assert report["culprits"][0] == f"{LAYER}.grad_output" and f"{LAYER}'s gradients" in report["reason"]
     configs = {c["name"]: c for c in report["configs"]}
     fp8, hp = configs["fp8"], configs["high-precision"]
     assert report["bitwise"] and fp8["loss"] == result.losses[STEP - 1]
@@ -83,3 +84,21 @@ def test_a_gradient_blow_up_in_any_precision_is_not_fp8(run):
 def test_a_clean_run_with_capture_writes_no_bundle(run, recipe):
     result, bundles = run("--recipe", recipe, steps=2 * STEP)
     assert bundles == [] and all(math.isfinite(v) for v in result.losses)
+
+
+def test_a_saturated_gradient_whose_loss_is_fp8s_is_judged_by_its_loss():
+    """A grad_overflow bundle whose step's loss also rose, though under the spike rule's bar (lowprec's on
+    some CPUs: z 5.7): judged by the loss when the FP8 replay has the loss fault and high precision has
+    not, so the bisection names the casts; by the gradients when the loss moved in both or in neither."""
+    trigger = {"kind": "grad_overflow", "tensor": f"{LAYER}.grad_output", "loss": 4.71, "expected": 2.2}
+    trigger.update(sigma=0.44, z=5.7, z_threshold=6.0)  # the verdict bar: 2.2 + max(1.255, 1.32) = 3.52
+
+    def window(last):
+        return {"losses": [2.3, 2.25, last]}
+
+    judge = judge_for(trigger, window(4.71), window(2.2))
+    assert isinstance(judge, LossJudge) and judge.bar == pytest.approx(3.52)
+    assert isinstance(judge_for(trigger, window(4.71), window(4.6)), GradJudge)  # in high precision too
+    assert isinstance(judge_for(trigger, window(2.3), window(2.2)), GradJudge)  # gradspike: no loss moved
+    assert isinstance(judge_for({**trigger, "expected": None}, window(4.71), window(2.2)), GradJudge)
+    assert isinstance(judge_for(trigger), GradJudge)  # no replay to tell yet
