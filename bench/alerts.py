@@ -7,7 +7,10 @@ two gloo ranks, or `fp8_trainer.Monitor` around a small model in this process) s
 and current scaling, gradient accumulation with and without ``step_boundary=False``, two ranks, an
 MoE-style expert that skips steps, a frozen weight, activation checkpointing, the first 50 steps of
 warm-up. Faults: a NaN in one layer's input, a weight scaled x1e4, learning-rate spikes x100 and x1000, a
-slow activation drift that ends in saturation.
+slow activation drift that ends in saturation. The healthy `fp8-train` runs act on their incidents
+(``--remediation act``): a healthy run must not get a remediation policy action either (counted from
+``GET /runs/{id}/policy-actions``; measured ``--quick --only
+delayed,current,grad-accum,checkpointing,warm-up-50,two-ranks``: 0 actions on 6 runs, 182 s).
 
     python bench/alerts.py            # 3 seeds, 120 steps of 16 x 64 tokens (30-35 min on 2 cores)
     python bench/alerts.py --quick    # 1 seed, 60 steps of 8 x 64 tokens (3-5 min)
@@ -217,20 +220,22 @@ def scenarios(quick: bool, seeds: list[int]) -> list[Scenario]:
     out: list[Scenario] = []
     for seed in seeds:
         s = ["--seed", str(seed), "--steps", str(steps)]
+        # the healthy fp8-train runs act on their incidents: a replay of one must not lead to a policy action
+        h = [*s, "--remediation", "act"]
         healthy = [
-            ("delayed", "fp8-train (delayed, history 16)", fp8_train(s, quick)),
-            ("current", "fp8-train --recipe current", fp8_train([*s, "--recipe", "current"], quick)),
+            ("delayed", "fp8-train (delayed, history 16)", fp8_train(h, quick)),
+            ("current", "fp8-train --recipe current", fp8_train([*h, "--recipe", "current"], quick)),
             (
                 "grad-accum",
                 "fp8-train --grad-accum 4 (step_boundary=False)",
-                fp8_train([*s, "--grad-accum", "4"], quick),
+                fp8_train([*h, "--grad-accum", "4"], quick),
             ),
             (
                 "grad-accum-te",
                 "Monitor loop, 4 micro-batches each its own fp8_autocast step",
                 monitor_loop("accum_te", steps, seed),
             ),
-            ("two-ranks", "torchrun --nproc-per-node 2 (gloo) fp8-train", fp8_train(s, quick, ranks=2)),
+            ("two-ranks", "torchrun --nproc-per-node 2 (gloo) fp8-train", fp8_train(h, quick, ranks=2)),
             (
                 "moe-skips",
                 "Monitor loop, an expert that runs every third step",
@@ -244,12 +249,12 @@ def scenarios(quick: bool, seeds: list[int]) -> list[Scenario]:
             (
                 "checkpointing",
                 "fp8-train --activation-checkpointing non-reentrant",
-                fp8_train([*s, "--activation-checkpointing", "non-reentrant"], quick),
+                fp8_train([*h, "--activation-checkpointing", "non-reentrant"], quick),
             ),
             (
                 "warm-up-50",
                 "fp8-train --steps 50 --warmup-steps 50",
-                fp8_train(["--seed", str(seed), "--steps", "50", "--warmup-steps", "50"], quick),
+                fp8_train(["--seed", str(seed), "--steps", "50", "--warmup-steps", "50", *h[4:]], quick),
             ),
         ]
         for name, how, run in healthy:
@@ -300,9 +305,10 @@ def get(client: httpx.Client, path: str, **params: Any) -> Any:
 
 
 def evaluate(
-    sc: Scenario, run: dict, alerts: list[dict], incidents: list[dict], posts: int
+    sc: Scenario, run: dict, alerts: list[dict], incidents: list[dict], posts: int, actions: int = 0
 ) -> dict[str, Any]:
-    """One run's verdict (see the module docstring for what counts as true and false)."""
+    """One run's verdict (see the module docstring for what counts as true and false); ``actions``: the
+    run's remediation policy actions (a healthy run must have none)."""
     alarms = sorted((i for i in incidents if i["severity"] in ALARM), key=lambda i: i["id"])
     loud = [a for a in alerts if a["severity"] in ALARM]
     row: dict[str, Any] = {
@@ -320,8 +326,10 @@ def evaluate(
             for i in alarms
         ],
     }
+    row["policy_actions"] = actions
     if sc.group == "healthy":
-        row.update(true_alarms=0, false_alarms=len(alarms), ok=not alarms and not loud and posts == 0)
+        ok = not alarms and not loud and posts == 0 and actions == 0
+        row.update(true_alarms=0, false_alarms=len(alarms), ok=ok)
         return row
     e = sc.expect
     match = [
@@ -395,8 +403,9 @@ def run_all(quick: bool, seeds: list[int], only: str | None) -> dict[str, Any]:
                     run,
                     get(client, f"/runs/{run['id']}/alerts", limit=5000),
                     get(client, f"/runs/{run['id']}/incidents", limit=1000),
+                    len(get(client, f"/runs/{run['id']}/policy-actions")),
                 )
-            notified = sum(1 for _, _, incs in data.values() for i in incs if i["notified_at"])
+            notified = sum(1 for _, _, incs, _ in data.values() for i in incs if i["notified_at"])
             # each notified incident's message is due a second after it opened (rate limit: 60 s per run)
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and len(receiver.texts()) < min(notified, len(data)):
@@ -405,9 +414,9 @@ def run_all(quick: bool, seeds: list[int], only: str | None) -> dict[str, Any]:
         server.stop()  # a clean stop delivers messages still held by the per-run rate limit
     texts = receiver.texts()
     rows = []
-    for name, (run, alerts, incidents) in data.items():
+    for name, (run, alerts, incidents, actions) in data.items():
         posts = sum(1 for t in texts if f" in run {name}" in t or f"incidents in run {name}:" in t)
-        row = evaluate(names[name], run, alerts, incidents, posts)
+        row = evaluate(names[name], run, alerts, incidents, posts, actions)
         names[name].results.append(row)
         rows.append(row)
     return {
@@ -428,7 +437,10 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     posts = sum(r["webhook_posts"] for r in faults)
     return {
         "healthy_runs": len(healthy),
-        "healthy_runs_with_alarms": sum(1 for r in healthy if not r["ok"]),
+        "healthy_runs_with_alarms": sum(
+            1 for r in healthy if r["false_alarms"] or r["alerts"] or r["webhook_posts"]
+        ),
+        "healthy_policy_actions": sum(r["policy_actions"] for r in healthy),
         "false_alarms": false,
         "faults": len(faults),
         "faults_found": found,
@@ -461,6 +473,7 @@ def print_table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> None:
     print(
         f"healthy runs: {s['healthy_runs']}, with a warning/critical alarm: {s['healthy_runs_with_alarms']}"
     )
+    print(f"policy actions on the healthy runs (fp8-train --remediation act): {s['healthy_policy_actions']}")
     print(f"faults: {s['faults']}, found: {s['faults_found']}, root cause named right: {s['roots_right']}")
     print(
         f"precision {s['precision']:.3f}  recall {s['recall']:.3f}  "

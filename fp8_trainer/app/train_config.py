@@ -205,14 +205,16 @@ class TrainConfig:
     tags: tuple[str, ...] = flag(
         (), MONITOR, name="--tag", metavar="TAG", help="a tag of the run in the monitor; repeatable"
     )
-    # "propose": a recipe change on the incident for a person to apply; "act": the change queued
+    # "propose": a recipe change on the incident for a person to apply; "act": the job waits for the replay
+    # and runs the failing step again under the change (app.retry)
     remediation: str = flag(
         "off",
         MONITOR,
         choices=("off", "propose", "act"),
-        help="when a replay finds an incident FP8's fault, the monitor proposes a recipe change "
-        "for the culprit layer (propose) or queues it and rolls it back if the loss gets "
-        "worse (act); default %(default)s",
+        help="each incident bundle is replayed by the job; when the replay finds the incident FP8's "
+        "fault, the monitor proposes a recipe change for the culprit layer (propose: the job trains on) "
+        "or queues it (act: the job waits at the failing step, runs it again under the change, and the "
+        "change is rolled back if the loss gets worse); default %(default)s",
     )
     token: str | None = flag(
         None,

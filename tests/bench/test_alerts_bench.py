@@ -43,3 +43,4 @@ def test_alerts_bench_quick_subset(tmp_path):
     assert drift["root_ok"] and drift["alarms"] == 1 and drift["webhook_posts"] == 1, drift
     s = data["summary"]
     assert s["all_ok"] and s["false_alarms"] == 0 and s["faults_found"] == s["faults"] == 2
+    assert s["healthy_policy_actions"] == 0 and all(r["policy_actions"] == 0 for r in rows.values())
