@@ -29,7 +29,10 @@ earlier spike opened within the incident window).
 Prints a row per run and per fault kind (verdict counts, culprit named first), and the goal line; writes
 bench/results/replay_verdicts.json.
 
-Measured (``python bench/replay_verdicts.py``, 3 seeds, 429 s on a 2-core machine shared with other work):
+Measured (``python bench/replay_verdicts.py``, 3 seeds, 429 s on a 2-core machine shared with other work;
+again, the same counts, in 248 s on another machine, where lowprec's seed-0 step 40 is written by the
+gradient trigger (its loss scores z 5.7 there, under the spike rule's 6) and judged by its loss, which the
+replay finds FP8's: ``replay_judge.judge_for``):
 
     saturate   verdicts: fp8-caused 3; right 3/3; culprit first 3/3   (blocks.3.mlp.fc2.input)
     jump       verdicts: fp8-caused 3; right 3/3; culprit first 3/3   (blocks.3.mlp.fc2.input)
