@@ -220,8 +220,7 @@ def scenarios(quick: bool, seeds: list[int]) -> list[Scenario]:
     out: list[Scenario] = []
     for seed in seeds:
         s = ["--seed", str(seed), "--steps", str(steps)]
-        # the healthy fp8-train runs act on their incidents: a replay of one must not lead to a policy action
-        h = [*s, "--remediation", "act"]
+        h = [*s, "--remediation", "act"]  # healthy runs act on their incidents: a policy must not act on them
         healthy = [
             ("delayed", "fp8-train (delayed, history 16)", fp8_train(h, quick)),
             ("current", "fp8-train --recipe current", fp8_train([*h, "--recipe", "current"], quick)),
