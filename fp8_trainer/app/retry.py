@@ -19,8 +19,8 @@ The service keeps step S as it first ran (the fault is what its incident reports
 ``step_retried`` with both losses, and the training goes on from the run again (its loss is the step's in
 ``TrainResult.losses``). Without a policy's command the step goes on as it first ran. The pause is the
 replay's time (about ten seconds for the tiny preset on a CPU), the price of not taking the update with the
-fault in it; ``--remediation propose`` never pauses. A monitor that does not take step S in time (down,
-not registered) leaves the bundle to be replayed beside training, as under ``propose``.
+fault in it; ``--remediation propose`` never pauses. A monitor that does not take step S in time (down:
+spooling; not registered) leaves the bundle to be replayed beside training, as under ``propose``.
 """
 
 from __future__ import annotations
@@ -48,10 +48,9 @@ def at_incident(run: Run, step: int, lr: float, step_loss: torch.Tensor, bundle:
     monitor.step(step, loss=step_loss, lr=lr)
     run.reported = step
     monitor.event(INCIDENT_BUNDLE_EVENT, step, path=str(bundle))
-    if not monitor.flush() or monitor.run_id is None:
-        run.say(
-            f"fp8-train: step {step}: the monitor did not take the step in time; {bundle} is replayed beside"
-        )
+    if not monitor.flush() or monitor.run_id is None or monitor.spooling:
+        late = "the monitor did not take the step in time"
+        run.say(f"fp8-train: step {step}: {late}; {bundle} is replayed beside training (as under propose)")
         run.replays.after_step(step, bundle, monitor)
         return step_loss
     run.say(f"fp8-train: step {step}: paused while {bundle} is replayed (--remediation act)")

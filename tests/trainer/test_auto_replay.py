@@ -74,6 +74,26 @@ def test_the_job_runs_its_failing_step_again_under_the_policys_change(tmp_path):
         assert first > 2 * before and ran_again < 1.2 * before, (first, result.losses[STEP - 5 :])
 
 
+def test_with_the_monitor_down_the_job_does_not_pause(tmp_path, monkeypatch):
+    """Nothing listens at the monitor's address (the run never registers): the job spools, writes its bundle,
+    and trains on without waiting for a replay that could not store its report (the bundle is left to be
+    replayed beside training)."""
+    monkeypatch.chdir(tmp_path)  # the spool file lands here
+    data = tmp_path / "count.txt"
+    data.write_text(" ".join(str(i) for i in range(20000)))
+    argv = ["--steps", str(STEP + 2), *FLAGS, "--data", str(data), "--capture-dir", str(tmp_path)]
+    argv += ["--inject", f"saturate:{LAYER}@{STEP}", "--monitor-url", "http://127.0.0.1:9"]
+    a, prepared = cli.prepare([*argv, "--remediation", "act"])
+    lines: list[str] = []
+    result = train(a, prepared, out=lines.append)
+    assert result.status == "finished" and result.step == STEP + 2
+    bundle = tmp_path / f"incident-step{STEP}.pt"
+    assert bundle.is_file() and not any("paused while" in line for line in lines)
+    late = f"fp8-train: step {STEP}: the monitor did not take the step in time; {bundle} is replayed beside"
+    assert f"{late} training (as under propose)" in lines
+    assert not any("ran again" in line for line in lines)
+
+
 class _Events:
     """Stands in for the job's monitor: a registered run id, and the events the job would send."""
 
