@@ -54,7 +54,14 @@ from fp8_protocol.stats import NUMEL, OVERFLOW
 from ..rewind import scaling_state
 from .torch_file import read_torch_file
 
-__all__ = ["BUNDLE_VERSION", "CaptureConfig", "IncidentCapture", "default_directory", "load_bundle"]
+__all__ = [
+    "BUNDLE_VERSION",
+    "CaptureConfig",
+    "IncidentCapture",
+    "default_directory",
+    "load_bundle",
+    "step_batches",
+]
 
 BUNDLE_VERSION = 1
 
@@ -211,8 +218,7 @@ class IncidentCapture:
 
     def recorded_batches(self, device: torch.device):
         """The step's own micro-batches again, on ``device``: ``micro -> (x, y)``, for a run again."""
-        kept = self._current["batches"]
-        return lambda micro: (kept[micro][0].to(device), kept[micro][1].to(device))
+        return step_batches(self._current, device)
 
     def ran_again(self, loss: float) -> None:
         """The step ran again (``fp8_trainer.app.retry``): its record keeps the loss it went on with. A
@@ -283,6 +289,12 @@ class IncidentCapture:
         os.replace(tmp, path)
         self.written.append(path)
         return path
+
+
+def step_batches(record: dict[str, Any], device: torch.device):
+    """A step record's micro-batches (a bundle's ``steps`` entry, or the step in progress), ``micro -> (x,
+    y)`` on ``device``: the step's batch source when it runs again or is replayed."""
+    return lambda micro: tuple(t.to(device) for t in record["batches"][micro])
 
 
 def default_directory(save: str | None, run_name: str) -> str:

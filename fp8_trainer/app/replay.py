@@ -56,7 +56,7 @@ from ..convert import convert_to_fp8, get_fp8_state, set_layer_recipe
 from ..formats import ROLES
 from ..linear import Linear
 from .build import make_optimizer, make_recipe
-from .incident_capture import load_bundle
+from .incident_capture import load_bundle, step_batches
 from .inject import Injection, Injector
 from .model import GPT, fp8_filter, preset_config
 from .replay_judge import GradJudge, LossJudge, judge_for, layer_norm
@@ -135,7 +135,7 @@ class _Window:
                 layer_ref = self._hp_gradients(model, record, list(hp_casts or ()))
             # after the faults' hooks: each layer's output as the model goes on with it
             hooks = _output_hooks(model, self.layers, outputs) if last else []
-            loss = forward_backward(self.a, model, _source(record, self.device), recipe, self.device, 1)
+            loss = forward_backward(self.a, model, step_batches(record, self.device), recipe, self.device, 1)
             injector.end(record["step"])
             for h in hooks:
                 h.remove()
@@ -169,7 +169,7 @@ class _Window:
         devices = [self.device] if self.device.type == "cuda" else []
         try:
             with torch.random.fork_rng(devices=devices):
-                forward_backward(self.a, model, _source(record, self.device), None, self.device, 1)
+                forward_backward(self.a, model, step_batches(record, self.device), None, self.device, 1)
         finally:
             for mod, forward in zip(mods, forwards, strict=True):
                 mod.forward = forward
@@ -181,11 +181,6 @@ class _Window:
         }
         model.zero_grad(set_to_none=True)
         return {n: g for n, g in ref.items() if n.startswith(prefix)}
-
-
-def _source(record: dict[str, Any], device: torch.device):
-    """The step's recorded micro-batches, ``micro -> (x, y)`` on ``device``."""
-    return lambda micro: tuple(t.to(device) for t in record["batches"][micro])
 
 
 class _Substitute(torch.autograd.Function):
