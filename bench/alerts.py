@@ -44,7 +44,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import seeded_parser, seeds_of, write_json  # noqa: E402
+from bench.common import Cases, seeded_args, seeded_parser, write_json  # noqa: E402
 from tests.support.server import ServerProcess  # noqa: E402  (the tests' `fp8-monitor serve` launcher)
 
 API = "/api/v1"
@@ -369,7 +369,7 @@ def evaluate(
     return row
 
 
-def run_all(quick: bool, seeds: list[int], only: str | None) -> dict[str, Any]:
+def run_all(quick: bool, seeds: list[int], names: list[str]) -> dict[str, Any]:
     receiver = Receiver()
     work = Path(tempfile.mkdtemp(prefix="fp8scope-bench-alerts-"))
     env = {"FP8SCOPE_WEBHOOK_SETTLE_SECONDS": "1", "FP8SCOPE_WEBHOOK_MIN_INTERVAL_SECONDS": "60"}
@@ -382,8 +382,7 @@ def run_all(quick: bool, seeds: list[int], only: str | None) -> dict[str, Any]:
         log_path=work / "server.log",
         env=env,
     ).start()
-    wanted = None if only is None else only.split(",")
-    todo = [sc for sc in scenarios(quick, seeds) if wanted is None or sc.name.split("/")[0] in wanted]
+    todo = [sc for sc in scenarios(quick, seeds) if sc.name.split("/")[0] in names]
     names: dict[str, Scenario] = {}
     started = time.monotonic()
     try:
@@ -482,21 +481,13 @@ def print_table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    p = seeded_parser(
-        __doc__,
-        "alerts.json",
-        small="--quick",
-        small_help="one seed, shorter runs, smaller batches",
-        seeds_help="seeds per scenario (default 3; --quick: 1)",
-        only_help="comma-separated scenario names (e.g. 'lr-x100,drift'); default: all",
-    )
-    args = p.parse_args()
-    seeds = seeds_of(args, args.quick)
-    n_seeds = len(seeds)
-    result = run_all(args.quick, seeds, args.only)
+    cases = Cases("scenario", tuple(dict.fromkeys(sc.name.split("/")[0] for sc in scenarios(False, [0]))))
+    p = seeded_parser(__doc__, "alerts.json", ("--quick", "one seed, shorter runs, smaller batches"), cases)
+    args, seeds, names = seeded_args(p, cases)
+    result = run_all(args.small, seeds, names)
     summary = summarise(result["rows"])
     print_table(result["rows"], summary)
-    out = {"quick": args.quick, "seeds": n_seeds, "summary": summary, **result}
+    out = {"quick": args.small, "seeds": len(seeds), "summary": summary, **result}
     write_json(args.out, out)
     print(f"wrote {args.out} ({result['seconds']:.0f} s)")
 

@@ -13,6 +13,7 @@ import json
 import os
 import platform
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -95,35 +96,52 @@ def layer_meta(args: argparse.Namespace) -> dict[str, Any]:
     return {k: vars(args)[k] for k in LAYER_OPTIONS}
 
 
-def seeded_parser(
-    doc: str, results: str, *, small: str, small_help: str, seeds_help: str, only_help: str
-) -> argparse.ArgumentParser:
-    """The options of a benchmark of seeded training runs per case (fault or scenario): its small mode
-    (the flag `small`), the seeds per case (`seeds_of`), some cases only (`--only`) and `--out`
-    (bench/results/`results` by default); the first line of `doc` is its description."""
+@dataclass(frozen=True)
+class Cases:
+    """The cases of a seeded benchmark (its faults or scenarios): `what` one is called, all it `known`s,
+    those it runs by default (`default`, all when None) and in its small mode (`small`, `default`'s when
+    None)."""
+
+    what: str
+    known: tuple[str, ...]
+    default: tuple[str, ...] | None = None
+    small: tuple[str, ...] | None = None
+
+    def chosen(self, small: bool) -> tuple[str, ...]:
+        default = self.default or self.known
+        return (self.small or default) if small else default
+
+
+def seeded_parser(doc: str, results: str, small: tuple[str, str], cases: Cases) -> argparse.ArgumentParser:
+    """The options of a benchmark of seeded training runs per case: its small mode (`small`: the flag and
+    what it does; ``args.small``), the seeds per case (`--seeds`), some cases only (`--only`) and `--out`
+    (bench/results/`results` by default); the first line of `doc` is its description. Read the command line
+    with `seeded_args`."""
+    flag, small_help = small
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
-    p.add_argument(small, action="store_true", help=small_help)
-    p.add_argument("--seeds", type=int, default=None, help=seeds_help)
-    p.add_argument("--only", help=only_help)
+    p.add_argument(flag, dest="small", action="store_true", help=small_help)
+    p.add_argument("--seeds", type=int, default=None, help=f"seeds per {cases.what} (default 3; {flag}: 1)")
+    default, in_small = (
+        ",".join(c) if c != cases.known else "all" for c in (cases.chosen(False), cases.chosen(True))
+    )
+    p.add_argument("--only", help=f"comma-separated {cases.what}s (default {default}; {flag}: {in_small})")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / results)
     return p
 
 
-def seeds_of(args: argparse.Namespace, small: bool) -> list[int]:
-    """The seeds each case runs with: `--seeds` of them, by default 3 (1 in the small mode)."""
-    return list(range(args.seeds or (1 if small else 3)))
-
-
-def cases_of(
-    parser: argparse.ArgumentParser, only: str | None, default: Iterable[str], known: Iterable[str], what: str
-) -> list[str]:
-    """The cases `--only` names (comma-separated), or `default`; a name not in `known` ends the run with a
-    usage error that lists them (`what`: the cases' name there)."""
-    cases = only.split(",") if only else list(default)
-    unknown = [c for c in cases if c not in known]
+def seeded_args(
+    parser: argparse.ArgumentParser, cases: Cases
+) -> tuple[argparse.Namespace, list[int], list[str]]:
+    """The command line of a `seeded_parser`: the options, the seeds each case runs with (`--seeds` of
+    them, by default 3, 1 in the small mode) and the cases `--only` names (comma-separated; default
+    `cases.chosen`). A case not in `cases.known` ends the run with a usage error that lists them."""
+    args = parser.parse_args()
+    seeds = list(range(args.seeds or (1 if args.small else 3)))
+    chosen = args.only.split(",") if args.only else list(cases.chosen(args.small))
+    unknown = [c for c in chosen if c not in cases.known]
     if unknown:
-        parser.error(f"--only: unknown {what} {unknown}; choose from {list(known)}")
-    return cases
+        parser.error(f"--only: unknown {cases.what}s {unknown}; choose from {list(cases.known)}")
+    return args, seeds, chosen
 
 
 def print_load_average() -> None:

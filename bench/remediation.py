@@ -66,7 +66,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import cases_of, seeded_parser, seeds_of, write_json  # noqa: E402
+from bench.common import Cases, seeded_args, seeded_parser, write_json  # noqa: E402
 from bench.replay_verdicts import LAYER, TRAIN, counting_corpus  # noqa: E402  (the same runs' settings)
 from fp8_trainer.monitor.read import Reader  # noqa: E402
 from tests.support.server import ServerProcess  # noqa: E402  (the tests' `fp8-monitor serve` launcher)
@@ -85,8 +85,9 @@ FAULTS = {
     "lowprec": f"lowprec:{LAYER}@{STEP}",
     "gradspike": f"gradspike:{LAYER}@{STEP}",  # a statistics fault: no loss moved
 }
-DEFAULT = ("saturate", "jump", "lowprec", "gradspike")
-SMOKE = ("lowprec",)
+CASES = Cases(
+    "fault", tuple(FAULTS), default=("saturate", "jump", "lowprec", "gradspike"), small=("lowprec",)
+)
 #: over replay_verdicts' settings: a learning rate that decays (cosine from 5e-4 to 5e-5 over the run), so
 #: that a run and its twin end where the training converged, not at a point of a constant-rate wander. Its
 #: floor, a healthy FP8 run against its float32 twin: +0.06% to +0.46% for seeds 0-2 (the mean of the last
@@ -286,26 +287,17 @@ def print_table(rows: list[dict[str, Any]], s: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    p = seeded_parser(
-        __doc__,
-        "remediation.json",
-        small="--smoke",
-        small_help="one seed, lowprec (act and twin)",
-        seeds_help="seeds (default 3; --smoke: 1)",
-        only_help=f"comma-separated faults (default {','.join(DEFAULT)})",
-    )
+    p = seeded_parser(__doc__, "remediation.json", ("--smoke", "one seed, lowprec (act and twin)"), CASES)
     p.add_argument(
         "--steps", type=int, default=None, help=f"steps per run (default {STEPS}; --smoke {SMOKE_STEPS})"
     )
-    args = p.parse_args()
-    seeds = seeds_of(args, args.smoke)
-    kinds = cases_of(p, args.only, SMOKE if args.smoke else DEFAULT, FAULTS, "faults")
-    steps = args.steps or (SMOKE_STEPS if args.smoke else STEPS)
+    args, seeds, kinds = seeded_args(p, CASES)
+    steps = args.steps or (SMOKE_STEPS if args.small else STEPS)
     work = Path(tempfile.mkdtemp(prefix="fp8scope-bench-remediation-"))
     corpus = counting_corpus(work / "count.txt")
-    modes = ("act", "twin") if args.smoke else ("act", "off", "twin")
+    modes = ("act", "twin") if args.small else ("act", "off", "twin")
     plan = [(k, seed, mode) for seed in seeds for k in kinds for mode in modes]
-    plan += [] if args.smoke else [("healthy", seed, "healthy") for seed in seeds]
+    plan += [] if args.small else [("healthy", seed, "healthy") for seed in seeds]
     started = time.monotonic()
     server = ServerProcess(f"sqlite:///{work / 'remediation.db'}", log_path=work / "server.log").start()
     rows = []
@@ -327,7 +319,7 @@ def main() -> None:
     share = s["act_within"] / s["act_runs"] if s["act_runs"] else 0.0
     goals = {"within_twin": {"value": share, "target": GOAL_WITHIN, "met": share >= GOAL_WITHIN}}
     seconds = time.monotonic() - started
-    meta = {"smoke": args.smoke, "seeds": len(seeds), "kinds": kinds, "step": STEP, "steps": steps}
+    meta = {"smoke": args.small, "seeds": len(seeds), "kinds": kinds, "step": STEP, "steps": steps}
     out = {
         "meta": {**meta, "last": LAST, "seconds": seconds},
         "rows": rows,

@@ -66,7 +66,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import cases_of, seeded_parser, seeds_of, write_json  # noqa: E402
+from bench.common import Cases, seeded_args, seeded_parser, write_json  # noqa: E402
 from tests.support.server import ServerProcess  # noqa: E402  (the tests' `fp8-monitor serve` launcher)
 
 API = "/api/v1"
@@ -93,7 +93,7 @@ FAULTS: dict[str, tuple[str, int, str, str | None]] = {
     "lr-spike": (f"lr-spike@{STEP - 1}x1000", STEP + 1, "not-fp8", None),
     "nan": (f"nan:blocks.2.attn.qkv@{STEP}", STEP + 1, "not-fp8", None),
 }
-SMOKE = ("saturate", "lr-spike")
+CASES = Cases("fault kind", tuple(FAULTS), small=("saturate", "lr-spike"))
 #: fault kind -> the alert (kind, tensor) the incident its bundle lands on must hold. A gradspike moves no
 #: loss: its incident is that of the service's own overflow alert on the saturated gradient (the root, or
 #: an alert joined to an incident a run's own earlier spike opened within the incident window).
@@ -249,17 +249,8 @@ def print_table(rows: list[dict[str, Any]], s: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    p = seeded_parser(
-        __doc__,
-        "replay_verdicts.json",
-        small="--smoke",
-        small_help="one seed, two faults (saturate, lr-spike)",
-        seeds_help="seeds per fault (default 3; --smoke: 1)",
-        only_help="comma-separated fault kinds (default: all; --smoke: saturate,lr-spike)",
-    )
-    args = p.parse_args()
-    seeds = seeds_of(args, args.smoke)
-    kinds = cases_of(p, args.only, SMOKE if args.smoke else FAULTS, FAULTS, "fault kinds")
+    p = seeded_parser(__doc__, "replay_verdicts.json", ("--smoke", "one seed, two faults"), CASES)
+    args, seeds, kinds = seeded_args(p, CASES)
     work = Path(tempfile.mkdtemp(prefix="fp8scope-bench-replay-"))
     corpus = counting_corpus(work / "count.txt")
     started = time.monotonic()
@@ -281,7 +272,7 @@ def main() -> None:
     goals = {"verdict_right": {"value": share, "target": 0.95, "met": share >= 0.95}}
     seconds = time.monotonic() - started
     out = {
-        "meta": {"smoke": args.smoke, "seeds": len(seeds), "kinds": kinds, "step": STEP, "seconds": seconds},
+        "meta": {"smoke": args.small, "seeds": len(seeds), "kinds": kinds, "step": STEP, "seconds": seconds},
         "rows": rows,
         **s,
         "goals": goals,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from .torch_file import read_torch_file
 __all__ = [
     "CHECKPOINT_VERSION",
     "CheckpointError",
+    "TrainingState",
     "check_compatible",
     "check_layout",
     "load_checkpoint",
@@ -52,26 +54,29 @@ def checkpoint_path(template: str, step: int) -> Path:
     return Path(template.replace("{step}", str(step)))
 
 
-def save_checkpoint(
-    path: str | Path,
-    *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    step: int,
-    config: dict[str, Any],
-    data_rng: list[torch.Tensor],
-) -> Path:
-    """Write a checkpoint of the state after ``step`` optimizer steps (atomically); return its path.
+@dataclass(frozen=True)
+class TrainingState:
+    """What a checkpoint saves: the state after ``step`` optimizer steps.
 
-    Args:
+    Attributes:
         config: the settings a resume must agree with (preset, vocabulary, recipe, ...), JSON-able.
         data_rng: the data-stream generator state of every rank, indexed by rank.
     """
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    step: int
+    config: dict[str, Any]
+    data_rng: list[torch.Tensor]
+
+
+def save_checkpoint(path: str | Path, saved: TrainingState) -> Path:
+    """Write a checkpoint of ``saved`` into the file ``path`` (atomically); return its path."""
     path = Path(path)
     state = {
-        **_meta(step, config, data_rng),
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
+        **_meta(saved),
+        "model": saved.model.state_dict(),
+        "optimizer": saved.optimizer.state_dict(),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -80,11 +85,11 @@ def save_checkpoint(
     return path
 
 
-def _meta(step: int, config: dict[str, Any], data_rng: list[torch.Tensor]) -> dict[str, Any]:
-    rng: dict[str, Any] = {"torch": torch.get_rng_state(), "data": list(data_rng)}
+def _meta(saved: TrainingState) -> dict[str, Any]:
+    rng: dict[str, Any] = {"torch": torch.get_rng_state(), "data": list(saved.data_rng)}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["cuda"] = torch.cuda.get_rng_state_all()
-    return {"version": CHECKPOINT_VERSION, "step": step, "config": dict(config), "rng": rng}
+    return {"version": CHECKPOINT_VERSION, "step": saved.step, "config": dict(saved.config), "rng": rng}
 
 
 def _plain_shards(state: dict[str, Any]) -> dict[str, Any]:
@@ -109,21 +114,12 @@ def _plain_shards(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def save_sharded(
-    path: str | Path,
-    *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    step: int,
-    config: dict[str, Any],
-    data_rng: list[torch.Tensor],
-) -> Path:
-    """Write a sharded checkpoint of an FSDP2 model (a collective: every rank calls it) into the directory
-    ``path``, replacing an older one only once the new one is complete; return ``path``.
+def save_sharded(path: str | Path, saved: TrainingState) -> Path:
+    """Write a sharded checkpoint of ``saved``, an FSDP2 model's (a collective: every rank calls it), into
+    the directory ``path``, replacing an older one only once the new one is complete; return ``path``.
 
     Every rank writes its shards with ``torch.distributed.checkpoint``; rank 0 writes the ``fp8-train.pt``
-    beside them (``data_rng``: every rank's data-stream state, indexed by rank). The ranks must share the
-    file system at ``path``.
+    beside them. The ranks must share the file system at ``path``.
     """
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -136,10 +132,10 @@ def save_sharded(
         shutil.rmtree(tmp, ignore_errors=True)  # the remains of a save that crashed
         tmp.mkdir(parents=True)
     dist.barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(saved.model, saved.optimizer)
     dcp.save({"model": _plain_shards(model_state), "optimizer": optim_state}, checkpoint_id=tmp)
     if lead:
-        torch.save(_meta(step, config, data_rng), tmp / SHARDED_META)
+        torch.save(_meta(saved), tmp / SHARDED_META)
         old = path.with_name(path.name + ".old")
         if path.exists():
             shutil.rmtree(old, ignore_errors=True)

@@ -32,7 +32,7 @@ from fp8_protocol.replay import INCIDENT_BUNDLE_EVENT
 from ..stats import read_newest, step_stats
 from .auto_replay import AutoReplay
 from .build import Prepared, build, dist_env, run_config, step_lr
-from .checkpoint import checkpoint_path, save_checkpoint, save_sharded
+from .checkpoint import TrainingState, checkpoint_path, save_checkpoint, save_sharded
 from .inject import Injector, parse_injection
 from .progress import NoMonitor, Progress
 from .report import health_table
@@ -367,14 +367,14 @@ def _save(run: Run, step: int) -> None:
         states = [None] * run.world
         dist.all_gather_object(states, generator.get_state())
     states = states[:: a.tp]  # one stream per tensor-parallel group, which all its ranks train
-    parts = {"model": run.model, "optimizer": run.opt, "step": step, "config": run.config, "data_rng": states}
+    saved = TrainingState(model=run.model, optimizer=run.opt, step=step, config=run.config, data_rng=states)
     if sharded(a):
         path = checkpoint_path(a.save, step)
-        save_sharded(path, **parts)
+        save_sharded(path, saved)
         run.say(f"step {step:5d}  saved {path} (sharded)")
     elif run.lead:
         path = checkpoint_path(a.save, step)
-        save_checkpoint(path, **parts)
+        save_checkpoint(path, saved)
         run.say(f"step {step:5d}  saved {path}")
 
 

@@ -67,6 +67,7 @@ from .run_info import wanted as started_wanted
 from .scalars import capture as capture_scalars
 from .sender import Sender, SenderConfig
 from .single_rank import SingleRankSteps
+from .step_path import StepParts
 
 __all__ = ["Monitor", "MonitorRefused"]
 
@@ -278,19 +279,19 @@ class Monitor:
 
     def _make_steps(self, distributed: bool) -> SingleRankSteps | MultiRankSteps:
         """The step path: this rank's alone, or one rank's of a distributed job (rank 0 reports)."""
-        parts = (
-            self._reader,
-            self.inbox,
-            commands_applier(self.model, self.recipe, self._caller),
-            self._reporter.report,
-            self.sender,
-            self._notices,
+        parts = StepParts(
+            reader=self._reader,
+            inbox=self.inbox,
+            apply=commands_applier(self.model, self.recipe, self._caller),
+            report=self._reporter.report,
+            sender=self.sender,
+            notices=self._notices,
         )
         if not distributed:
-            return SingleRankSteps(*parts)
+            return SingleRankSteps(parts)
         return MultiRankSteps(
             RankSync(self.n_tensors),
-            *parts,
+            parts,
             model=self.model,
             recipe=self.recipe,
             n_tensors=self.n_tensors,

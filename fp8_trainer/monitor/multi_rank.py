@@ -24,8 +24,6 @@ from torch import nn
 from fp8_protocol.client_events import RANK_AMAX_EVENT, rank_amax_details
 from fp8_protocol.stats import AMAX, BASE_COLUMNS, STAT_COLUMNS
 
-from .control import CommandInbox
-from .notices import Notices
 from .ranks import (
     DATA_LEAD,
     HAS_BLOCK,
@@ -36,7 +34,7 @@ from .ranks import (
     reduce_rank_block,
     reduce_rank_stats,
 )
-from .step_path import StepPath
+from .step_path import StepParts, StepPath
 
 __all__ = ["MultiRankSteps"]
 
@@ -46,8 +44,8 @@ class MultiRankSteps(StepPath):
 
     Args:
         ranks: this rank's gather pipeline.
-        reader, inbox, apply, report, sender, notices: as ``StepPath``'s; only rank 0 hears commands in
-            its inbox, reports, and has a sender (None on the other ranks).
+        parts: the ``StepParts``; only rank 0 hears commands in its inbox, reports, and has a sender (None
+            on the other ranks).
         model: the model (a run without FP8 still gathers on its device).
         recipe: the run's recipe (None: a step without statistics on any rank is no news).
         n_tensors: rows of a statistics block.
@@ -59,12 +57,7 @@ class MultiRankSteps(StepPath):
     def __init__(
         self,
         ranks: RankSync,
-        reader,
-        inbox: CommandInbox,
-        apply,
-        report,
-        sender,
-        notices: Notices,
+        parts: StepParts,
         *,
         model: nn.Module,
         recipe,
@@ -72,7 +65,7 @@ class MultiRankSteps(StepPath):
         rank_sample_interval: int,
         copies: np.ndarray | None = None,
     ):
-        super().__init__(reader, inbox, apply, report, sender, notices)
+        super().__init__(parts)
         self._ranks = ranks
         self.rank = ranks.rank
         self._model = model

@@ -14,19 +14,17 @@ from typing import Any
 
 import torch
 
-from .control import CommandInbox
-from .notices import Notices
-from .step_path import StepPath
+from .step_path import StepParts, StepPath
 
 __all__ = ["SingleRankSteps"]
 
 
 class SingleRankSteps(StepPath):
     """Steps of a one-rank job, from ``Monitor.step`` to the reporter, in order (module docstring); the
-    arguments are ``StepPath``'s."""
+    parts are ``StepParts``."""
 
-    def __init__(self, reader, inbox: CommandInbox, apply, report, sender, notices: Notices):
-        super().__init__(reader, inbox, apply, report, sender, notices)
+    def __init__(self, parts: StepParts):
+        super().__init__(parts)
         self._prev: tuple[int, Any] | None = None  # (step, scalars) of a run without FP8 layers, one late
         # (step, scalars, FP8 ran) in step order, waiting for the host copy of their statistics: a step
         # whose copy is in flight holds back the later ones, so the service gets every step, in order

@@ -6,17 +6,18 @@ the path the job needs.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 from .control import CommandInbox
 from .notices import Notices
 
-__all__ = ["StepPath"]
+__all__ = ["StepParts", "StepPath"]
 
 
-class StepPath:
-    """The parts every step path uses; subclasses add ``step``, ``close`` and ``unapplied``, and a path that
-    can report its steps before the next one (one rank's) ``flush``.
+class StepParts(NamedTuple):
+    """The parts every step path is wired to.
 
-    Args:
+    Fields:
         reader: the statistics reader (``StatsReader`` or one with its interface), None for a run without
             FP8 layers.
         inbox: the commands from the service.
@@ -26,13 +27,20 @@ class StepPath:
         notices: the run's ``Notices``.
     """
 
-    def __init__(self, reader, inbox: CommandInbox, apply, report, sender, notices: Notices):
-        self._reader = reader
-        self._inbox = inbox
-        self._apply = apply
-        self._report = report
-        self._sender = sender
-        self._notices = notices
+    reader: Any
+    inbox: CommandInbox
+    apply: Any
+    report: Any
+    sender: Any
+    notices: Notices
+
+
+class StepPath:
+    """What every step path does with its ``StepParts``; subclasses add ``step``, ``close`` and
+    ``unapplied``, and a path that can report its steps before the next one (one rank's) ``flush``."""
+
+    def __init__(self, parts: StepParts):
+        self._reader, self._inbox, self._apply, self._report, self._sender, self._notices = parts
 
     def apply_waiting(self, first_step: int) -> list[dict]:
         """Apply the commands waiting in the inbox so that optimizer step ``first_step`` is the first to run

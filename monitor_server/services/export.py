@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -179,21 +180,26 @@ def exported_columns(sessions: SessionFactory, run_id: int, lo: int, hi: int) ->
     return columns
 
 
-def _stat_chunks(
-    sessions: SessionFactory,
-    meta: RunMeta,
-    columns: tuple[str, ...],
-    lo: int,
-    hi: int,
-    per_chunk: int | None = None,
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """(steps (S,), statistics (S, len(columns), T) in `columns` order) for the steps in [lo, hi] that
+@dataclass(frozen=True)
+class StatsRange:
+    """What a statistics export reads: the statistics `columns` of the run `meta`'s steps [lo, hi]."""
+
+    sessions: SessionFactory
+    meta: RunMeta
+    columns: tuple[str, ...]
+    lo: int
+    hi: int
+
+
+def _stat_chunks(read: StatsRange, per_chunk: int | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(steps (S,), statistics (S, len(columns), T) in `columns` order) for the steps of `read` that
     hold statistics, about `per_chunk` steps (default: about CHUNK_CELLS (step, tensor) pairs) at a time;
     NaN for a column that a step did not store (a group it did not carry).
 
     Steps with scalars only (no FP8 layer ran) have no `StepStat` rows and so are not in any chunk. The
     values of a chunk come from one SELECT, so a batch stored meanwhile is in it whole or not at all.
     """
+    sessions, meta, columns, lo, hi = read.sessions, read.meta, read.columns, read.lo, read.hi
     T, n_stats = meta.num_tensors, len(columns)
     per_chunk = per_chunk or _chunk_steps(T)
     ids = [STAT_IDS[name] for name in columns]
@@ -278,15 +284,9 @@ def stats_wide_schema(meta: RunMeta, columns: tuple[str, ...], integer_counts: b
     return pa.schema([("step", pa.int64()), *cols])
 
 
-def stats_long(
-    sessions: SessionFactory,
-    meta: RunMeta,
-    columns: tuple[str, ...],
-    lo: int,
-    hi: int,
-    integer_counts: bool = False,
-) -> Iterator[pa.Table]:
+def stats_long(read: StatsRange, integer_counts: bool = False) -> Iterator[pa.Table]:
     """The long statistics table in chunks: rows step-major, tensors in index order within a step."""
+    meta, columns = read.meta, read.columns
     schema = stats_long_schema(columns, integer_counts)
     T = meta.num_tensors
     layers = list(meta.layers)
@@ -294,7 +294,7 @@ def stats_long(
     tensor_dict = pa.array([t.name for t in meta.tensors], pa.string())
     layer_idx = np.array([layers.index(t.layer) for t in meta.tensors], dtype=np.int32)
     role_idx = np.array([roles.index(t.role) for t in meta.tensors], dtype=np.int32)
-    for steps, cube in _stat_chunks(sessions, meta, columns, lo, hi):
+    for steps, cube in _stat_chunks(read):
         S = len(steps)
         tensor_of_row = np.tile(np.arange(T, dtype=np.int32), S)  # (S*T,) row = step-major
         arrays = [
@@ -309,13 +309,7 @@ def stats_long(
 
 
 def stats_wide(
-    sessions: SessionFactory,
-    meta: RunMeta,
-    columns: tuple[str, ...],
-    lo: int,
-    hi: int,
-    row_groups: int | None = None,
-    integer_counts: bool = False,
+    read: StatsRange, row_groups: int | None = None, integer_counts: bool = False
 ) -> Iterator[pa.Table]:
     """The wide statistics table in chunks: one row per step (the counts int64 with `integer_counts`).
 
@@ -324,18 +318,19 @@ def stats_wide(
     of a 100,000-step run would hold 2 GB of it. Fewer, larger chunks trade that for a larger chunk, which
     is filled from reads of the usual size so that it is held once.
     """
-    schema = stats_wide_schema(meta, columns, integer_counts)
-    n_cols = meta.num_tensors * len(columns)
+    meta = read.meta
+    schema = stats_wide_schema(meta, read.columns, integer_counts)
+    n_cols = meta.num_tensors * len(read.columns)
     per_read = _chunk_steps(meta.num_tensors)
     per_table = per_read
     if row_groups:
-        want = -(-_count_stat_steps(sessions, meta.run_id, lo, hi) // row_groups)
+        want = -(-_count_stat_steps(read.sessions, meta.run_id, read.lo, read.hi) // row_groups)
         per_table = max(1, -(-want // per_read)) * per_read  # whole reads per table
     # (T * statistics, steps): each output column is one contiguous row, so Arrow takes it without a copy;
     # rows are tensor-major, statistic-minor like the schema
     steps_parts: list[np.ndarray] = []
     block, filled = np.empty((n_cols, per_table)), 0
-    for steps, cube in _stat_chunks(sessions, meta, columns, lo, hi, per_read):
+    for steps, cube in _stat_chunks(read, per_read):
         n = len(steps)
         if filled + n > block.shape[1] and filled:  # a read that does not fit (a batch landed meanwhile)
             yield _wide_table(schema, steps_parts, block[:, :filled])
@@ -432,16 +427,16 @@ def export(
     """
     ints = fmt == "parquet"  # counts as integers where the format has types
     expected = stored_rows(sessions, meta, table, layout, lo, hi)
+    if table == "stats":
+        read = StatsRange(sessions, meta, exported_columns(sessions, meta.run_id, lo, hi), lo, hi)
     if table == "stats" and layout == "wide":
         groups = WIDE_PARQUET_ROW_GROUPS if fmt == "parquet" else None
-        columns = exported_columns(sessions, meta.run_id, lo, hi)
-        check_width(meta, columns, fmt)
-        schema = stats_wide_schema(meta, columns, ints)
-        tables = stats_wide(sessions, meta, columns, lo, hi, groups, ints)
+        check_width(meta, read.columns, fmt)
+        schema = stats_wide_schema(meta, read.columns, ints)
+        tables = stats_wide(read, groups, ints)
     elif table == "stats":
-        columns = exported_columns(sessions, meta.run_id, lo, hi)
-        schema = stats_long_schema(columns, ints)
-        tables = stats_long(sessions, meta, columns, lo, hi, ints)
+        schema = stats_long_schema(read.columns, ints)
+        tables = stats_long(read, ints)
     elif table == "scalars":
         names = scalar_names(sessions, meta.run_id, lo, hi)
         schema, tables = scalars_schema(names), scalars_table(sessions, meta.run_id, names, lo, hi)

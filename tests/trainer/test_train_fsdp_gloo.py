@@ -39,7 +39,7 @@ import pytest
 import torch
 
 from fp8_trainer.app.build import run_config
-from fp8_trainer.app.checkpoint import load_checkpoint, save_checkpoint
+from fp8_trainer.app.checkpoint import TrainingState, load_checkpoint, save_checkpoint
 from fp8_trainer.app.cli import prepare
 from fp8_trainer.app.train_config import TrainConfig
 
@@ -192,7 +192,7 @@ def test_checkpoint_layout_must_suit_the_run(runs, tmp_path, capsys):
     model = torch.nn.Linear(2, 2)  # a checkpoint file with --fsdp
     config = run_config(TrainConfig(), 256)
     opt = torch.optim.SGD(model.parameters())
-    save_checkpoint(tmp_path / "ck.pt", model=model, optimizer=opt, step=1, config=config, data_rng=[])
+    save_checkpoint(tmp_path / "ck.pt", TrainingState(model, opt, step=1, config=config, data_rng=[]))
     with pytest.raises(SystemExit):
         prepare(["--fsdp", "--steps", "8", "--resume", str(tmp_path / "ck.pt")])
     assert "--fsdp and --tp resume from a sharded checkpoint directory" in capsys.readouterr().err
