@@ -78,7 +78,12 @@ def train(a: TrainConfig, prepared: Prepared | None = None, *, on_step=None, out
     try:
         run = _setup(a, prepared, rank, world, device, out)
         run.on_step = on_step
-        return _train(run, rank)
+        result = _train(run, rank)
+        if own_group and world > 1:
+            # every rank past its last collective before any tears the group down: a gloo group destroyed
+            # while a peer is still finishing could leave destroy_process_group waiting for good
+            dist.barrier()
+        return result
     finally:
         if own_group:
             dist.destroy_process_group()
