@@ -86,7 +86,7 @@ def test_full_queue_drops_the_oldest(hook, caplog):
     started = time.perf_counter()
     for step in (2, 3, 4, 5):
         notifier.submit({**ALERT, "step": step})
-    assert time.perf_counter() - started < 0.05
+    assert time.perf_counter() - started < 1.0  # a submit waiting on the hanging webhook would never end
     assert notifier.stats["dropped"] == 2 and notifier.stats["queued"] == 2
     assert sum("dropping the oldest" in r.getMessage() for r in caplog.records) == 2
     hook.release.set()
