@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up (if needed) and run the whole test suite: lint, then pytest. Extra arguments go to pytest.
+# Set up (if needed) and run the whole test suite: lint, then pytest on two workers. Extra arguments go to
+# pytest.
 # PostgreSQL-backed tests use FP8SCOPE_TEST_PG_URL (default: the local server at 127.0.0.1:5432, database
 # "test"); set FP8SCOPE_REQUIRE_PG=1 to make a missing server a failure instead of a skip (CI does).
 set -euo pipefail
@@ -14,4 +15,6 @@ fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy  # the files and strictness of pyproject.toml's [tool.mypy]
-exec .venv/bin/python -m pytest "$@"
+# two workers (pytest-xdist), a test module on one worker so that its module fixtures are built once; set
+# FP8SCOPE_TEST_WORKERS=0 for one process (a debugger, say)
+exec .venv/bin/python -m pytest -n "${FP8SCOPE_TEST_WORKERS:-2}" --dist loadscope "$@"
