@@ -15,6 +15,7 @@ fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy  # the files and strictness of pyproject.toml's [tool.mypy]
-# two workers (pytest-xdist), a test module on one worker so that its module fixtures are built once; set
+# two workers (pytest-xdist), a test module on one worker so that its module fixtures are built once, the
+# modules in collection order (the interpreter runs' readers last: tests/conftest.py); set
 # FP8SCOPE_TEST_WORKERS=0 for one process (a debugger, say)
-exec .venv/bin/python -m pytest -n "${FP8SCOPE_TEST_WORKERS:-2}" --dist loadscope "$@"
+exec .venv/bin/python -m pytest -n "${FP8SCOPE_TEST_WORKERS:-2}" --dist loadscope --no-loadscope-reorder "$@"

@@ -1,7 +1,8 @@
 """The block-scaled quantize kernel (``triton.block_quantize``) against ``quantize_blocks`` and the statistics
 of ``fp8_trainer.block_linear``, one case per recipe, input dtype and FP8 format; shared by the CPU test
 (``TRITON_INTERPRET=1``, in a subprocess: ``python -m tests.kernels.block_cases --json OUT`` from the
-repository root) and the GPU test (compiled, in-process), both in ``test_triton_block_quantize.py``.
+repository root; ``test_block_interpreted.py``) and the GPU test (compiled, in-process;
+``test_triton_block_quantize.py``).
 
 Exact: the FP8 bits (the kernel rounds arithmetically before its cast, so the interpreter's float8 cast
 cannot differ), ``scale_inv``'s bits, and every column of the statistics row and block row the kernel

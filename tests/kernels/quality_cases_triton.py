@@ -1,7 +1,7 @@
-"""Run by ``test_quality_stats.py`` with TRITON_INTERPRET=1, as ``python -m tests.kernels.quality_cases_triton
-OUT`` from the repository root: the Triton quantize kernels' quality columns against the first-principles
-float64 computation and the reference, for the same hand-built tensors. Writes the names of the cases
-checked (JSON) to OUT; any mismatch raises."""
+"""Run for ``test_quality_interpreted.py`` with TRITON_INTERPRET=1, as
+``python -m tests.kernels.quality_cases_triton OUT`` from the repository root: the Triton quantize kernels'
+quality columns against the first-principles float64 computation and the reference, for the same
+hand-built tensors. Writes the names of the cases checked (JSON) to OUT; any mismatch raises."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from fp8_kernels import new_stats, quantize_current_reference, quantize_with_stats_reference, triton_available
+from fp8_kernels import new_stats, quantize_current_reference, quantize_with_stats_reference
 from fp8_protocol.stats import (
     ERR_SQ,
     MIN_ABS,
@@ -21,7 +21,6 @@ from fp8_protocol.stats import (
     subnormal_fraction,
 )
 from tests.kernels.quality_reference import quality_first_principles
-from tests.support import interpreter
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 NAN, INF = float("nan"), float("inf")
@@ -138,12 +137,3 @@ def test_base_row_skips_quality_and_current_scaling_has_it():
         quantize_with_stats_reference(x, torch.tensor(4.0), E4M3, torch.zeros(8, dtype=torch.float64))
     q, scale, row = quantize_current_reference(x, E5M2)
     _check(row, x, scale.item(), E5M2, RTOL)
-
-
-@pytest.mark.slow
-@pytest.mark.interpreter("quality_cases")
-@pytest.mark.skipif(not triton_available(), reason="triton is not installed (pip install '.[dev]')")
-def test_triton_interpreted_matches_first_principles():
-    done = interpreter.results("quality_cases")
-    # every case, both formats, the 1-D and 2-D kernels, delayed and current scaling, accumulation
-    assert len(done) >= 2 * len(_cases()) * 3, done

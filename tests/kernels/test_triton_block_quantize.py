@@ -1,5 +1,5 @@
 """The block-scaled quantize kernel (``triton.block_quantize``): its cases (``block_cases.py``) under
-``TRITON_INTERPRET=1`` on the CPU, in a subprocess as ``test_triton_interpreter.py`` does; its sm_90 PTX
+``TRITON_INTERPRET=1`` on the CPU (``test_block_interpreted.py``); its sm_90 PTX
 (compiled here, no GPU: ``test_ptx.py``'s machinery) reading and writing 16-byte vectors; and on a CUDA GPU
 the same cases compiled (among them the block-scaled Linear's quantize and statistics through the dispatch
 against the reference path)."""
@@ -13,35 +13,12 @@ from fp8_kernels import triton_available
 from fp8_kernels.triton import cross_build
 from tests.kernels import block_cases
 from tests.kernels.test_ptx import _global, _per_thread, _ptx, record, sm90  # noqa: F401 (fixtures)
-from tests.support import interpreter
 from tests.support.gpu import FP8_GPU
 
 needs_triton = pytest.mark.skipif(
     not triton_available(), reason="triton is not installed (pip install .[dev])"
 )
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-
-
-# ----- the interpreter on the CPU -----
-@pytest.fixture(scope="module")
-def results() -> dict:
-    return interpreter.results("block_cases")
-
-
-@needs_triton
-@pytest.mark.interpreter("block_cases")
-@pytest.mark.parametrize("case", block_cases.case_names())
-def test_block_case_interpreted(case, results):
-    assert case in results, f"{case}: not run by the interpreter runner"
-    if results[case]["error"]:
-        pytest.fail(f"{case} (interpreted):\n{results[case]['error']}", pytrace=False)
-
-
-@needs_triton
-@pytest.mark.interpreter("block_cases")
-def test_runner_ran_every_case(results):
-    assert sorted(results) == sorted(block_cases.case_names())
-    assert len(results) == 4 * 3 * 2 + 5  # recipes x input dtypes x FP8 formats, and five more cases
 
 
 # ----- sm_90 PTX, compiled on the CPU -----

@@ -3,25 +3,20 @@
 The interpreter is chosen when triton is imported and holds for the whole process, so the cases run in one
 subprocess with the variable set (started in the background when collection ends: tests.support.interpreter);
 this process (and any GPU test in it) keeps the compiled path. Each case is one parametrised test here,
-failing with the case's own traceback.
+failing with the case's own traceback. A module of readers only (see ``tests/conftest.py``); the runner's
+own checks are ``test_interpreter_runner.py``'s.
 """
-
-import os
-import subprocess
-import sys
 
 import pytest
 
 from fp8_kernels import triton_available
 from tests.kernels import kernel_cases
-from tests.support import ROOT, interpreter
+from tests.support import interpreter
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not triton_available(), reason="triton is not installed (pip install '.[dev]')"),
 ]
-
-RUNNER = [sys.executable, "-m", interpreter.RUNS["kernel_cases"][0]]  # run from ROOT
 
 
 @pytest.fixture(scope="module")
@@ -52,24 +47,3 @@ def test_the_runs_started_when_collection_ended(request):
     items = request.session.items
     readers = [i for i, item in enumerate(items) if item.get_closest_marker("interpreter")]
     assert readers == list(range(len(items) - len(readers), len(items)))
-
-
-def test_interpreter_did_not_leak_into_this_process():
-    assert os.environ.get("TRITON_INTERPRET") != "1"
-    if "triton" in sys.modules:
-        from triton import knobs
-
-        assert not knobs.runtime.interpret
-
-
-def test_runner_refuses_to_run_compiled(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [*RUNNER, "--json", str(tmp_path / "r.json"), "--only", "quantize-fp32-e4m3-17"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 2 and "TRITON_INTERPRET=1" in proc.stderr

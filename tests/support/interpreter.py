@@ -40,11 +40,13 @@ RUNS: dict[str, list[str]] = {
     "quality_cases": ["tests.kernels.quality_cases_triton", "{out}"],
 }
 #: the test modules that read each run: the xdist controller, which sees node ids only, starts a run when
-#: one of them is collected (tests/conftest.py refuses a reader module missing here)
+#: one of them is collected. tests/conftest.py refuses a reader module missing here, and one that holds
+#: any test but readers: xdist (--dist loadscope) schedules a module whole, where its first test stands, so
+#: only a module of readers alone is scheduled last.
 READERS: dict[str, tuple[str, ...]] = {
     "kernel_cases": ("tests/kernels/test_triton_interpreter.py",),
-    "block_cases": ("tests/kernels/test_triton_block_quantize.py",),
-    "quality_cases": ("tests/kernels/test_quality_stats.py",),
+    "block_cases": ("tests/kernels/test_block_interpreted.py",),
+    "quality_cases": ("tests/kernels/test_quality_interpreted.py",),
 }
 #: how long one run may take, from its own start (the slowest, kernel_cases, takes minutes of one core)
 RUN_TIMEOUT_S = 1800
