@@ -26,12 +26,12 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tests.support import ROOT
+from tests.support.polling import wait_until
 
 #: each run's module under tests/kernels and the arguments it takes ({out}: the JSON it writes)
 RUNS: dict[str, list[str]] = {
@@ -191,11 +191,9 @@ def results(name: str) -> dict:
 
 def _shared_outcome(path: Path) -> Outcome:
     """The outcome the controller's run leaves at `path`, once it is there (polled: another process)."""
-    deadline = time.monotonic() + RUN_TIMEOUT_S * len(RUNS)
-    while not path.exists():
-        if time.monotonic() > deadline:
-            return Outcome(-1, "", f"no outcome at {path} after {RUN_TIMEOUT_S * len(RUNS)} s", path)
-        time.sleep(0.5)
+    limit = RUN_TIMEOUT_S * len(RUNS)
+    if not wait_until(path.exists, timeout=limit, interval=0.5):
+        return Outcome(-1, "", f"no outcome at {path} after {limit} s", path)
     return Outcome.read(path)
 
 
