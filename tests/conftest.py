@@ -42,11 +42,6 @@ def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
     interpreter.start_shared(interpreter.needed(ids))
 
 
-def module_of(item: pytest.Item) -> str:
-    """The test's module, as its node id names it (``tests/kernels/test_x.py``)."""
-    return item.nodeid.split("::", 1)[0]
-
-
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     readers, others, runs = [], [], []
@@ -56,13 +51,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             others.append(item)
             continue
         readers.append(item)
-        module = module_of(item)
+        module = interpreter.module_of(item.nodeid)
         for run in marker.args:
             if module not in interpreter.READERS.get(run, ()):
                 raise pytest.UsageError(f"{module} reads the interpreter run {run!r}: list it in READERS")
             if run not in runs:
                 runs.append(run)
-    mixed = sorted({module_of(i) for i in readers} & {module_of(i) for i in others})
+    mixed = sorted(
+        {interpreter.module_of(i.nodeid) for i in readers} & {interpreter.module_of(i.nodeid) for i in others}
+    )
     if mixed:  # xdist schedules a module whole, where its first test stands: readers alone go last
         raise pytest.UsageError(f"{mixed}: a module that reads interpreter runs holds readers only")
     if not runs or config.option.collectonly or not triton_available():

@@ -94,7 +94,6 @@ _lock = threading.Lock()
 
 def start(names: list[str]) -> None:
     """Start the named runs that this session has not started, in this order, one at a time, on one thread."""
-    global _folder
     unknown = sorted(set(names) - set(RUNS))
     if unknown:
         raise ValueError(f"unknown interpreter runs {unknown}; known: {sorted(RUNS)}")
@@ -116,9 +115,14 @@ def folder() -> Path:
         return _folder
 
 
+def module_of(node_id: str) -> str:
+    """The test module a node id names (``tests/kernels/test_x.py``), as `READERS` lists it."""
+    return node_id.split("::", 1)[0]
+
+
 def needed(node_ids: Iterable[str]) -> list[str]:
     """The runs (in `RUNS` order) that the collected `node_ids` read, by their modules (`READERS`)."""
-    modules = {node_id.split("::", 1)[0] for node_id in node_ids}
+    modules = {module_of(node_id) for node_id in node_ids}
     return [name for name in RUNS if modules.intersection(READERS[name])]
 
 
