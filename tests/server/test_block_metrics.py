@@ -19,6 +19,7 @@ from monitor_server.storage.models import BlockHistogram, StepStat
 from monitor_server.storage.retention import compaction_cut
 from monitor_server.storage.rollups import COMPACT_BLOCK
 from monitor_server.storage.stat_rows import STAT_IDS
+from tests.support.http import loopback
 from tests.support.polling import wait_for
 from tests.support.server import API, ServerProcess, col, create_run, decode
 
@@ -166,7 +167,9 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 
 def get(served: dict, path: str, **params) -> dict | list:
-    r = httpx.get(f"{served['server'].url}{API}/runs/{served['run']['id']}{path}", params=params, timeout=60)
+    r = loopback.get(
+        f"{served['server'].url}{API}/runs/{served['run']['id']}{path}", params=params, timeout=60
+    )
     assert r.status_code == 200, r.text
     return r.json()
 

@@ -8,10 +8,10 @@ import os
 import subprocess
 import sys
 
-import httpx
 import pytest
 
 from monitor_server.core.config import Settings
+from tests.support.http import loopback
 from tests.support.server import free_port, running_server
 
 
@@ -61,7 +61,7 @@ def test_bad_detector_flag_stops_the_start(tmp_path):
 def test_valid_detector_settings_start(tmp_path):
     env = {"FP8SCOPE_DETECTORS": '{"loss_z_threshold": 5, "loss_z_critical": 9}'}
     with running_server(f"sqlite:///{tmp_path / 'ok.db'}", env=env) as srv:
-        assert httpx.get(srv.url + "/healthz").status_code == 200
+        assert loopback.get(srv.url + "/healthz").status_code == 200
 
 
 def test_settings_refuse_a_typo_in_process():

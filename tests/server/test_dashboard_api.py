@@ -9,11 +9,11 @@ import time
 import tomllib
 from fnmatch import fnmatch
 
-import httpx
 import numpy as np
 
 from monitor_server.infra.web import plotly_js, web_root
 from tests.support import ROOT
+from tests.support.http import loopback
 from tests.support.server import API, batch_body, random_stats, run_body, running_server
 
 TOKENS = ["dash:read:dash-secret-1", "ops:read+control:ops-secret-1"]
@@ -82,7 +82,7 @@ def test_package_data_ships_every_dashboard_file():
 
 def _collect(url: str, events: list, stop: threading.Event) -> None:
     """Read `GET /stream` into `events` as (name, data) until `stop` is set."""
-    with httpx.stream("GET", url, timeout=10) as resp:
+    with loopback.stream("GET", url, timeout=10) as resp:
         assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
         name = None
         for line in resp.iter_lines():
@@ -107,7 +107,7 @@ def _wait_for(events: list, predicate, timeout: float = 30.0):
 def test_all_runs_stream(tmp_path):
     env = {"FP8SCOPE_SSE_KEEPALIVE_SECONDS": "0.5"}
     with running_server(f"sqlite:///{tmp_path / 'all.db'}", log_path=tmp_path / "s.log", env=env) as server:
-        old = httpx.post(f"{server.url}{API}/runs", json=run_body(1, name="old")).json()["id"]
+        old = loopback.post(f"{server.url}{API}/runs", json=run_body(1, name="old")).json()["id"]
         events: list = []
         stop = threading.Event()
         reader = threading.Thread(
@@ -116,7 +116,7 @@ def test_all_runs_stream(tmp_path):
         reader.start()
         _wait_for(events, lambda e: e[0] == "subscribed")  # the stream's first event: nothing is missed now
         t0 = time.monotonic()
-        new = httpx.post(f"{server.url}{API}/runs", json=run_body(1, name="new")).json()["id"]
+        new = loopback.post(f"{server.url}{API}/runs", json=run_body(1, name="new")).json()["id"]
         created = _wait_for(events, lambda e: e[0] == "run" and e[1]["run_id"] == new)
         assert created[1]["status"] == "running" and created[1]["created"] is True
         assert time.monotonic() - t0 < 10.0  # at once, not at the next poll (generous for a loaded machine)
@@ -124,20 +124,20 @@ def test_all_runs_stream(tmp_path):
         stats = random_stats(np.random.default_rng(0), 2, 3)
         stats["nonfinite"][1, 0] = 2
         body = batch_body("k", [7, 8], stats, losses=[2.5, 2.25])
-        assert httpx.post(f"{server.url}{API}/runs/{old}/telemetry", json=body).status_code == 200
+        assert loopback.post(f"{server.url}{API}/runs/{old}/telemetry", json=body).status_code == 200
         step = _wait_for(events, lambda e: e[0] == "step" and e[1]["step"] == 8)
         assert step[1]["run_id"] == old and step[1]["loss"] == 2.25
         alert = _wait_for(events, lambda e: e[0] == "alert")
         assert alert[1]["run_id"] == old and alert[1]["kind"] == "nonfinite"
-        assert httpx.patch(f"{server.url}{API}/runs/{new}", json={"status": "finished"}).status_code == 200
+        assert loopback.patch(f"{server.url}{API}/runs/{new}", json={"status": "finished"}).status_code == 200
         status = _wait_for(events, lambda e: e[0] == "run" and e[1].get("status") == "finished")
         assert status[1]["run_id"] == new
         # the run pre-dating the connection was not announced as new; commands stay on the run stream
         assert not [e for e in events if e[0] == "run" and e[1]["run_id"] == old]
-        httpx.post(f"{server.url}{API}/runs/{old}/commands", json={"changes": {"margin": 1}})
+        loopback.post(f"{server.url}{API}/runs/{old}/commands", json={"changes": {"margin": 1}})
         # a later event that does reach this stream: one subscriber gets its events in order, so a command
         # event would have come before it
-        assert httpx.patch(f"{server.url}{API}/runs/{old}", json={"status": "crashed"}).status_code == 200
+        assert loopback.patch(f"{server.url}{API}/runs/{old}", json={"status": "crashed"}).status_code == 200
         _wait_for(events, lambda e: e[0] == "run" and e[1].get("status") == "crashed")
         assert not [e for e in events if e[0] == "command"]
         stop.set()

@@ -13,6 +13,7 @@ from sqlalchemy import select
 
 from monitor_server.services.alerting import CHECKPOINT_VERSION_KEY
 from monitor_server.storage.models import Run
+from tests.support.http import loopback
 from tests.support.server import API, ServerProcess, batch_body, create_run, random_stats
 
 T = 9  # three layers
@@ -97,13 +98,13 @@ def test_state_is_written_every_few_batches(client):
 
 
 def _layers(port: int, run_id: int) -> dict[str, dict]:
-    r = httpx.get(f"http://127.0.0.1:{port}{API}/runs/{run_id}/layers", timeout=30)
+    r = loopback.get(f"http://127.0.0.1:{port}{API}/runs/{run_id}/layers", timeout=30)
     assert r.status_code == 200, r.text
     return {layer["layer"]: layer for layer in r.json()}
 
 
 def _alerts(port: int, run_id: int) -> list[tuple]:
-    r = httpx.get(f"http://127.0.0.1:{port}{API}/runs/{run_id}/alerts", timeout=30)
+    r = loopback.get(f"http://127.0.0.1:{port}{API}/runs/{run_id}/alerts", timeout=30)
     assert r.status_code == 200, r.text
     return sorted((a["kind"], a["tensor_index"], a["first_step"], a["count"]) for a in r.json())
 

@@ -11,6 +11,7 @@ from monitor_server.core.db import Database
 from monitor_server.services import export, export_tables
 from monitor_server.storage import retention
 from monitor_server.storage.run_meta import RunMetaCache
+from tests.support.http import loopback
 from tests.support.server import (
     API,
     batch_body,
@@ -36,7 +37,7 @@ def _fill(url: str, run_id: int) -> None:
 
 def test_a_run_deleted_during_its_download_leaves_the_client_an_incomplete_transfer(db_url, tmp_path):
     with running_server(db_url, log_path=tmp_path / "server.log") as server:
-        run_id = httpx.post(f"{server.url}{API}/runs", json=run_body(LAYERS)).json()["id"]
+        run_id = loopback.post(f"{server.url}{API}/runs", json=run_body(LAYERS)).json()["id"]
         _fill(server.url, run_id)
         with (
             slow_reader() as client,
@@ -47,7 +48,7 @@ def test_a_run_deleted_during_its_download_leaves_the_client_an_incomplete_trans
             assert response.status_code == 200
             pieces = response.iter_raw()
             received = len(next(pieces))
-            assert httpx.delete(f"{server.url}{API}/runs/{run_id}", timeout=60).status_code == 204
+            assert loopback.delete(f"{server.url}{API}/runs/{run_id}", timeout=60).status_code == 204
             with pytest.raises(httpx.RemoteProtocolError, match="incomplete"):
                 for piece in pieces:
                     received += len(piece)

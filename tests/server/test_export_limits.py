@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 from fp8_trainer.monitor.read import Reader
 from monitor_server.services import export_tables
 from tests.server.test_export_cut_off import LAYERS, _fill
+from tests.support.http import loopback
 from tests.support.polling import wait_for
 from tests.support.server import (
     API,
@@ -93,7 +94,7 @@ def test_scalars_export_in_chunks_of_bounded_cells(client, monkeypatch):
 def test_exports_over_the_concurrency_bound_get_429_until_one_ends(db_url, tmp_path):
     env = {"FP8SCOPE_EXPORT_CONCURRENCY": "1"}
     with running_server(db_url, log_path=tmp_path / "server.log", env=env) as server:
-        run_id = httpx.post(f"{server.url}{API}/runs", json=run_body(LAYERS)).json()["id"]
+        run_id = loopback.post(f"{server.url}{API}/runs", json=run_body(LAYERS)).json()["id"]
         _fill(server.url, run_id)
         url = f"{server.url}{API}/runs/{run_id}/export"
         # CSV: tens of MB, more than the server's send buffer and this reader's 64 KiB receive buffer
@@ -107,20 +108,20 @@ def test_exports_over_the_concurrency_bound_get_429_until_one_ends(db_url, tmp_p
             # client's stream ends with it), and the server then gives the slot back at any moment
             pieces = first.iter_raw()
             next(pieces)
-            second = httpx.get(url, params={"table": "scalars"}, timeout=60)
+            second = loopback.get(url, params={"table": "scalars"}, timeout=60)
             assert second.status_code == 429 and second.headers["retry-after"] == "5"
             assert "export_concurrency" in second.json()["detail"]
             # a refusal is said as such while the slots are taken (it holds none)
-            wide = httpx.post(f"{server.url}{API}/runs", json=run_body(171), timeout=60).json()["id"]
+            wide = loopback.post(f"{server.url}{API}/runs", json=run_body(171), timeout=60).json()["id"]
             body = batch_body("one", [0], quiet_stats(1, 513), encoding="float32")
             assert (
-                httpx.post(f"{server.url}{API}/runs/{wide}/telemetry", json=body, timeout=60).status_code
+                loopback.post(f"{server.url}{API}/runs/{wide}/telemetry", json=body, timeout=60).status_code
                 == 200
             )
             too_wide = {"format": "parquet", "layout": "wide"}
             assert (
-                httpx.get(f"{server.url}{API}/runs/{wide}/export", params=too_wide, timeout=60).status_code
+                loopback.get(f"{server.url}{API}/runs/{wide}/export", params=too_wide, timeout=60).status_code
                 == 422
             )
         # the first reader went away: its slot comes back
-        wait_for(lambda: httpx.get(url, params={"table": "events"}, timeout=60).status_code == 200, 30)
+        wait_for(lambda: loopback.get(url, params={"table": "events"}, timeout=60).status_code == 200, 30)

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import re
 
-import httpx
-
+from tests.support.http import loopback
 from tests.support.server import running_server
 
 
@@ -19,7 +18,7 @@ def _frozen(metrics_text: str) -> float:
 
 def test_served_process_freezes_its_startup_heap(tmp_path):
     with running_server(f"sqlite:///{tmp_path / 'm.db'}", log_path=tmp_path / "server.log") as srv:
-        frozen = _frozen(httpx.get(f"{srv.url}/metrics", timeout=10).text)
+        frozen = _frozen(loopback.get(f"{srv.url}/metrics", timeout=10).text)
     # the app, SQLAlchemy, pydantic and the rest of the imported code: far more than a few objects
     assert frozen > 50_000
 

@@ -15,6 +15,7 @@ import orjson
 import pytest
 
 from monitor_server.infra.events import EventBroker
+from tests.support.http import loopback
 from tests.support.polling import wait_until
 from tests.support.server import API, ServerProcess, create_run
 
@@ -124,22 +125,24 @@ def server(tmp_path_factory) -> Iterator[ServerProcess]:
 def test_a_token_holds_a_bounded_number_of_streams(server):
     ops = {"Authorization": "Bearer ops-secret-1"}
     other = {"Authorization": "Bearer other-secret-1"}
-    rid = httpx.post(f"{server.url}{API}/runs", json={"name": "s", "tensors": []}, headers=ops).json()["id"]
+    rid = loopback.post(f"{server.url}{API}/runs", json={"name": "s", "tensors": []}, headers=ops).json()[
+        "id"
+    ]
     timeout = httpx.Timeout(10, read=30)
     with ExitStack() as stack:
         for path in (f"/runs/{rid}/stream", "/stream"):
             r = stack.enter_context(
-                httpx.stream("GET", server.url + API + path, headers=ops, timeout=timeout)
+                loopback.stream("GET", server.url + API + path, headers=ops, timeout=timeout)
             )
             assert r.status_code == 200
-        third = httpx.get(f"{server.url}{API}/runs/{rid}/stream", headers=ops, timeout=timeout)
+        third = loopback.get(f"{server.url}{API}/runs/{rid}/stream", headers=ops, timeout=timeout)
         assert third.status_code == 429 and "sse_streams_per_token" in third.json()["detail"]
         assert third.headers["retry-after"]
-        with httpx.stream("GET", f"{server.url}{API}/stream", headers=other, timeout=timeout) as mine:
+        with loopback.stream("GET", f"{server.url}{API}/stream", headers=other, timeout=timeout) as mine:
             assert mine.status_code == 200  # another token's streams are its own
 
     def reopened() -> bool:  # closed streams are given back once the server has seen them go
-        with httpx.stream("GET", f"{server.url}{API}/stream", headers=ops, timeout=timeout) as again:
+        with loopback.stream("GET", f"{server.url}{API}/stream", headers=ops, timeout=timeout) as again:
             return again.status_code == 200
 
     assert wait_until(reopened, timeout=15)

@@ -6,8 +6,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 
-import httpx
-
+from tests.support.http import loopback
 from tests.support.server import API, ServerProcess, run_body
 
 
@@ -35,8 +34,8 @@ def test_two_servers_start_together_on_a_fresh_database(db_url, tmp_path):
             t.join()
         try:
             assert not errors, errors
-            rid = httpx.post(f"{servers[0].url}{API}/runs", json=run_body(1)).json()["id"]
-            assert httpx.get(f"{servers[1].url}{API}/runs/{rid}").status_code == 200
+            rid = loopback.post(f"{servers[0].url}{API}/runs", json=run_body(1)).json()["id"]
+            assert loopback.get(f"{servers[1].url}{API}/runs/{rid}").status_code == 200
         finally:
             for s in servers:
                 s.stop()
@@ -50,7 +49,7 @@ def test_another_process_on_the_sqlite_file_leaves_the_servers_log_alone(tmp_pat
     itself for the file's only user, miss the server's recent writes and checkpoint the log away under it."""
     db = tmp_path / "shared.db"
     with ServerProcess(f"sqlite:///{db}", log_path=tmp_path / "server.log") as server:
-        rid = httpx.post(f"{server.url}{API}/runs", json=run_body(1)).json()["id"]
+        rid = loopback.post(f"{server.url}{API}/runs", json=run_body(1)).json()["id"]
         other = sqlite3.connect(db)
         try:
             assert other.execute("SELECT id FROM runs").fetchall() == [(rid,)]
@@ -58,7 +57,7 @@ def test_another_process_on_the_sqlite_file_leaves_the_servers_log_alone(tmp_pat
             other.close()
         # the server still has the log open: the other process did not take itself for the last user
         assert db.with_name("shared.db-wal").exists()
-        r = httpx.post(f"{server.url}{API}/runs", json=run_body(1))
+        r = loopback.post(f"{server.url}{API}/runs", json=run_body(1))
         assert r.status_code == 201, (r.text, server.log_text())
     with ServerProcess(f"sqlite:///{db}", log_path=tmp_path / "server.log") as server:  # all of it kept
-        assert [run["id"] for run in httpx.get(f"{server.url}{API}/runs").json()] == [rid + 1, rid]
+        assert [run["id"] for run in loopback.get(f"{server.url}{API}/runs").json()] == [rid + 1, rid]

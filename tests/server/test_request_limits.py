@@ -13,6 +13,7 @@ import httpx
 import orjson
 import pytest
 
+from tests.support.http import loopback
 from tests.support.server import API, raw_exchange, run_body, running_server
 
 TOKENS = "trainer:ingest:trainer-secret-1,ops:read+control:ops-secret-1"
@@ -30,7 +31,7 @@ def server(tmp_path_factory):
         "FP8SCOPE_BODY_TIMEOUT_SECONDS": "1",
     }
     with running_server(f"sqlite:///{where / 'm.db'}", env=env, log_path=where / "server.log") as srv:
-        rid = httpx.post(f"{srv.url}{API}/runs", json=run_body(1), headers=TRAINER).json()["id"]
+        rid = loopback.post(f"{srv.url}{API}/runs", json=run_body(1), headers=TRAINER).json()["id"]
         srv.run_id = rid  # type: ignore[attr-defined]
         yield srv
 
@@ -87,7 +88,7 @@ def test_each_route_has_its_own_body_limit(server):
         assert headers["content-type"] == "application/json"
         assert orjson.loads(body)["detail"] == f"request body of {size} bytes exceeds the limit of {limit}"
     # a telemetry batch far larger than a registration is still fine
-    assert httpx.get(f"{server.url}{API}/runs", headers=OPS).json()[0]["id"] == rid
+    assert loopback.get(f"{server.url}{API}/runs", headers=OPS).json()[0]["id"] == rid
 
 
 def test_streamed_body_over_the_route_limit(make_client):
@@ -135,4 +136,4 @@ def test_slow_clients_get_408(server):
     status, _, body = raw_exchange(server.port, head("PATCH", url, 20, "Authorization: Bearer ops-secret-1"))
     assert status == 408 and "(body_timeout_seconds)" in orjson.loads(body)["detail"]
     assert time.monotonic() - t0 < 14  # each waited about one second, not forever
-    assert httpx.get(f"{server.url}{API}/runs/{server.run_id}", headers=OPS).json()["status"] == "running"
+    assert loopback.get(f"{server.url}{API}/runs/{server.run_id}", headers=OPS).json()["status"] == "running"

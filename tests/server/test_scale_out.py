@@ -25,6 +25,7 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from tests.support import polling
+from tests.support.http import loopback
 from tests.support.server import API, ServerProcess, batch_body, fresh_pg_database, run_body
 
 PG_URL = os.environ.get("FP8SCOPE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
@@ -152,7 +153,7 @@ def calm_stats(steps: int, tensors: int) -> dict[str, np.ndarray]:
 
 def post_run(server: ServerProcess, name: str) -> int:
     """Register a run through `server`; returns its id."""
-    r = httpx.post(f"{server.url}{API}/runs", json=run_body(N_LAYERS, name=name), timeout=30)
+    r = loopback.post(f"{server.url}{API}/runs", json=run_body(N_LAYERS, name=name), timeout=30)
     assert r.status_code == 201, r.text
     return r.json()["id"]
 
@@ -173,13 +174,13 @@ def nan_batches(nan_from: int, batches: int) -> list[dict[str, Any]]:
 
 
 def alerts_of(server: ServerProcess, run_id: int) -> list[dict[str, Any]]:
-    r = httpx.get(f"{server.url}{API}/runs/{run_id}/alerts", timeout=30)
+    r = loopback.get(f"{server.url}{API}/runs/{run_id}/alerts", timeout=30)
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def incidents_of(server: ServerProcess, run_id: int) -> list[dict[str, Any]]:
-    r = httpx.get(f"{server.url}{API}/runs/{run_id}/incidents", timeout=30)
+    r = loopback.get(f"{server.url}{API}/runs/{run_id}/incidents", timeout=30)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -202,7 +203,7 @@ def test_detectors_across_instances_match_one_instance(shared_instances, receive
     single = post_run(a, "single")
     for i, body in enumerate(bodies):
         for server, run_id in (((a, b)[i % 2], alternating), (a, single)):
-            r = httpx.post(f"{server.url}{API}/runs/{run_id}/telemetry", json=body, timeout=30)
+            r = loopback.post(f"{server.url}{API}/runs/{run_id}/telemetry", json=body, timeout=30)
             assert r.status_code == 200, r.text
 
     reference = alerts_of(a, single)
@@ -226,7 +227,7 @@ def test_stall_check_fires_once_across_instances(instances, pg_url: str, tmp_pat
     for i in range(30):
         run_id = post_run(first, f"quiet-{i}")
         body = batch_body("only", [0], calm_stats(1, 3 * N_LAYERS), losses=[2.0])
-        r = httpx.post(f"{first.url}{API}/runs/{run_id}/telemetry", json=body, timeout=30)
+        r = loopback.post(f"{first.url}{API}/runs/{run_id}/telemetry", json=body, timeout=30)
         assert r.status_code == 200, r.text
         run_ids.append(run_id)
     first.stop()
@@ -304,7 +305,7 @@ class Stream:
 
     def _read(self) -> None:
         try:
-            with httpx.stream("GET", self.url, timeout=httpx.Timeout(30, read=None)) as resp:
+            with loopback.stream("GET", self.url, timeout=httpx.Timeout(30, read=None)) as resp:
                 name = None
                 for line in resp.iter_lines():
                     if self._stop.is_set():
@@ -335,7 +336,7 @@ class Stream:
 
 def post_steps(server: ServerProcess, run_id: int, steps: list[int], key: str) -> None:
     body = batch_body(key, steps, calm_stats(len(steps), 3 * N_LAYERS), losses=[2.0] * len(steps))
-    r = httpx.post(f"{server.url}{API}/runs/{run_id}/telemetry", json=body, timeout=30)
+    r = loopback.post(f"{server.url}{API}/runs/{run_id}/telemetry", json=body, timeout=30)
     assert r.status_code == 200, r.text
 
 
@@ -369,7 +370,7 @@ def test_large_events_travel_by_reference(instances):
     """An incident of hundreds of tensors is over NOTIFY's 8000 bytes: the other instance reads it back."""
     a, b = instances(2)
     layers = 100
-    r = httpx.post(f"{a.url}{API}/runs", json=run_body(layers, name="wide"), timeout=30)
+    r = loopback.post(f"{a.url}{API}/runs", json=run_body(layers, name="wide"), timeout=30)
     assert r.status_code == 201, r.text
     run_id = r.json()["id"]
     on_a, on_b = Stream(a, run_id), Stream(b, run_id)
@@ -377,7 +378,7 @@ def test_large_events_travel_by_reference(instances):
     stats["amax"][1, :] = np.nan
     stats["nonfinite"][1, :] = 5.0
     body = batch_body("wide-0", [0, 1], stats, losses=[2.0, 2.0])
-    assert httpx.post(f"{a.url}{API}/runs/{run_id}/telemetry", json=body, timeout=30).status_code == 200
+    assert loopback.post(f"{a.url}{API}/runs/{run_id}/telemetry", json=body, timeout=30).status_code == 200
     wait_for(lambda: on_a.of("incident") and on_a.of("alert"), what="the incident on A's stream")
     wait_for(lambda: on_b.of("incident") and on_b.of("alert"), what="the incident on B's stream")
     assert max(on_b.sizes) > 8000  # what B got could not have travelled in a notification

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import httpx
 import numpy as np
 import pytest
 import schemathesis
@@ -15,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
+from tests.support.http import loopback
 from tests.support.server import API, ServerProcess, batch_body, random_stats, run_body
 
 pytestmark = pytest.mark.slow
@@ -31,13 +31,13 @@ def api_server(
     else:
         db_url = request.getfixturevalue("new_pg_schema")()
     server = ServerProcess(db_url, log_path=tmp / "server.log").start()
-    rid = httpx.post(f"{server.url}{API}/runs", json=run_body(2)).json()["id"]
+    rid = loopback.post(f"{server.url}{API}/runs", json=run_body(2)).json()["id"]
     stats = random_stats(np.random.default_rng(0), 30, 6)
     stats["nonfinite"][10, 2] = 1
-    httpx.post(
+    loopback.post(
         f"{server.url}{API}/runs/{rid}/telemetry", json=batch_body("a", range(30), stats, losses=[2.0] * 30)
     )
-    httpx.post(f"{server.url}{API}/runs/{rid}/commands", json={"changes": {"margin": 1}})
+    loopback.post(f"{server.url}{API}/runs/{rid}/commands", json={"changes": {"margin": 1}})
     yield server
     server.stop()
 

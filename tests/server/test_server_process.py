@@ -13,6 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
+from tests.support.http import loopback
 from tests.support.server import API, batch_body, decode, random_stats, run_body, running_server
 
 pytestmark = pytest.mark.slow
@@ -27,7 +28,7 @@ def test_sixteen_concurrent_writers_lose_nothing(db_url, tmp_path):
     run takes `run_batches_in_flight` (4) batches at once; a writer beyond them gets 429 with Retry-After,
     as a training client does, and sends the same batch again after it (nothing of a 429 is stored)."""
     with running_server(db_url, log_path=tmp_path / "server.log") as srv:
-        rid = httpx.post(f"{srv.url}{API}/runs", json=run_body(4)).json()["id"]  # T = 12
+        rid = loopback.post(f"{srv.url}{API}/runs", json=run_body(4)).json()["id"]  # T = 12
         T = 12
         statuses: dict[int, int] = {}
         sent_steps: list[set[int]] = [set() for _ in range(WRITERS)]
@@ -83,11 +84,11 @@ def test_sixteen_concurrent_writers_lose_nothing(db_url, tmp_path):
         assert set(statuses) <= {200, 429} and statuses[200] > 0, statuses  # no 5xx, no other refusal
         expected_steps = set().union(*sent_steps)
         assert len(expected_steps) > WRITERS * 5 * STEPS_PER_BATCH  # it really ran concurrently for a while
-        run = httpx.get(f"{srv.url}{API}/runs/{rid}").json()
+        run = loopback.get(f"{srv.url}{API}/runs/{rid}").json()
         assert run["steps_stored"] == len(expected_steps)
         assert run["last_step"] == max(expected_steps)
         # the rollups saw every step exactly once: one bucket summing the whole run
-        hm = httpx.get(
+        hm = loopback.get(
             f"{srv.url}{API}/runs/{rid}/heatmap", params={"metric": "underflow", "max_cols": 1}
         ).json()
         assert sum(hm["bucket_steps"]) == len(expected_steps)
@@ -99,21 +100,24 @@ def test_restart_keeps_data(db_url, tmp_path):
     """Kill -9 the server, start a new one on the same database: runs, steps, commands, keys survive."""
     stats = random_stats(np.random.default_rng(5), 20, 6)
     with running_server(db_url, log_path=tmp_path / "a.log") as srv:
-        rid = httpx.post(f"{srv.url}{API}/runs", json=run_body(2)).json()["id"]
+        rid = loopback.post(f"{srv.url}{API}/runs", json=run_body(2)).json()["id"]
         body = batch_body("before", range(20), stats, "float64", losses=np.linspace(3, 2, 20))
-        assert httpx.post(f"{srv.url}{API}/runs/{rid}/telemetry", json=body).json()["stored_steps"] == 20
-        cmd = httpx.post(f"{srv.url}{API}/runs/{rid}/commands", json={"changes": {"margin": 3}}).json()
-        delivered = httpx.post(f"{srv.url}{API}/runs/{rid}/telemetry", json=batch_body("deliver", [], stats))
+        assert loopback.post(f"{srv.url}{API}/runs/{rid}/telemetry", json=body).json()["stored_steps"] == 20
+        cmd = loopback.post(f"{srv.url}{API}/runs/{rid}/commands", json={"changes": {"margin": 3}}).json()
+        delivered = loopback.post(
+            f"{srv.url}{API}/runs/{rid}/telemetry", json=batch_body("deliver", [], stats)
+        )
         assert [c["id"] for c in delivered.json()["commands"]] == [cmd["id"]]
-        heatmap_before = httpx.get(f"{srv.url}{API}/runs/{rid}/heatmap", params={"max_cols": 7}).json()
+        heatmap_before = loopback.get(f"{srv.url}{API}/runs/{rid}/heatmap", params={"max_cols": 7}).json()
         srv.stop(signal.SIGKILL)
     with running_server(db_url, log_path=tmp_path / "b.log") as srv:
-        run = httpx.get(f"{srv.url}{API}/runs/{rid}").json()
+        run = loopback.get(f"{srv.url}{API}/runs/{rid}").json()
         assert run["steps_stored"] == 20 and run["last_step"] == 19 and run["last_loss"] == 2.0
         assert (
-            httpx.get(f"{srv.url}{API}/runs/{rid}/heatmap", params={"max_cols": 7}).json() == heatmap_before
+            loopback.get(f"{srv.url}{API}/runs/{rid}/heatmap", params={"max_cols": 7}).json()
+            == heatmap_before
         )
-        again = httpx.post(f"{srv.url}{API}/runs/{rid}/telemetry", json=body).json()
+        again = loopback.post(f"{srv.url}{API}/runs/{rid}/telemetry", json=body).json()
         assert again["duplicate"] and again["stored_steps"] == 0
         ack = batch_body(
             "after",
@@ -121,8 +125,8 @@ def test_restart_keeps_data(db_url, tmp_path):
             {k: v[:1] for k, v in stats.items()},
             acks=[{"command_id": cmd["id"], "state": "applied", "step": 20}],
         )
-        assert httpx.post(f"{srv.url}{API}/runs/{rid}/telemetry", json=ack).json()["stored_steps"] == 1
-        run = httpx.get(f"{srv.url}{API}/runs/{rid}").json()
+        assert loopback.post(f"{srv.url}{API}/runs/{rid}/telemetry", json=ack).json()["stored_steps"] == 1
+        run = loopback.get(f"{srv.url}{API}/runs/{rid}").json()
         assert run["effective_recipe"]["model"]["margin"] == 3 and run["steps_stored"] == 21
 
 
@@ -163,10 +167,10 @@ def test_sse_step_event_keepalive_and_clean_shutdown(tmp_path):
     db_url = f"sqlite:///{tmp_path / 'sse.db'}"
     env = {"FP8SCOPE_SSE_KEEPALIVE_SECONDS": "0.3"}
     with running_server(db_url, log_path=tmp_path / "sse.log", env=env) as server:
-        rid = httpx.post(f"{server.url}{API}/runs", json=run_body(1)).json()["id"]
+        rid = loopback.post(f"{server.url}{API}/runs", json=run_body(1)).json()["id"]
         stats = random_stats(np.random.default_rng(0), 1, 3)
         stats["amax"][0, 2] = 123.0
-        with httpx.stream("GET", f"{server.url}{API}/runs/{rid}/stream", timeout=10) as resp:
+        with loopback.stream("GET", f"{server.url}{API}/runs/{rid}/stream", timeout=10) as resp:
             assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
             lines = resp.iter_lines()
             # the stream says it is subscribed, then, with nothing to send, keeps the connection alive
@@ -175,7 +179,7 @@ def test_sse_step_event_keepalive_and_clean_shutdown(tmp_path):
             assert _read_comment(lines, "keep-alive", timeout=30)
             spike = {"kind": "loss_spike", "step": 41, "details": {"z": 9.5}}
             body = batch_body("s", [41], stats, losses=[1.5], events=[spike])
-            assert httpx.post(f"{server.url}{API}/runs/{rid}/telemetry", json=body).status_code == 200
+            assert loopback.post(f"{server.url}{API}/runs/{rid}/telemetry", json=body).status_code == 200
             events, comments = _read_events(lines, "event", timeout=30)
             step = [e for e in events if e[0] == "step"]
             assert step and '"step":41' in step[0][1] and '"max_amax":123.0' in step[0][1]
@@ -184,7 +188,7 @@ def test_sse_step_event_keepalive_and_clean_shutdown(tmp_path):
             # shows it: under its stored id, which reads the event whole
             light = {**spike, "details_bytes": len(json.dumps(spike["details"], separators=(",", ":")))}
             (streamed,) = [json.loads(d) for n, d in events if n == "event"]
-            (listed,) = httpx.get(f"{server.url}{API}/runs/{rid}/events").json()
+            (listed,) = loopback.get(f"{server.url}{API}/runs/{rid}/events").json()
             assert streamed == {
                 **light,
                 "details_complete": True,
@@ -193,10 +197,10 @@ def test_sse_step_event_keepalive_and_clean_shutdown(tmp_path):
                 "created_at": streamed["created_at"],
             }
             assert _instant(streamed["created_at"]) == _instant(listed["created_at"])
-            whole = httpx.get(f"{server.url}{API}/runs/{rid}/events/{streamed['id']}").json()
+            whole = loopback.get(f"{server.url}{API}/runs/{rid}/events/{streamed['id']}").json()
             assert whole["details"] == spike["details"] and whole["step"] == 41
             # a command shows up as a `command` event
-            httpx.post(f"{server.url}{API}/runs/{rid}/commands", json={"changes": {"margin": 1}})
+            loopback.post(f"{server.url}{API}/runs/{rid}/commands", json={"changes": {"margin": 1}})
             events, _ = _read_events(lines, "command", timeout=30)
             assert any(name == "command" and '"state":"pending"' in data for name, data in events)
 

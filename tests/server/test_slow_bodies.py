@@ -12,13 +12,13 @@ import socket
 import threading
 import time
 
-import httpx
 import orjson
 import pytest
 import uvicorn
 
 from monitor_server.core.config import Settings
 from monitor_server.infra.guard import RequestGuard
+from tests.support.http import loopback
 from tests.support.polling import wait_until
 from tests.support.server import API, ServerProcess, free_port, run_body
 
@@ -32,7 +32,7 @@ def server(tmp_path_factory):
         "FP8SCOPE_BODY_RATE_GRACE_SECONDS": "1",
     }
     with ServerProcess(f"sqlite:///{where / 'm.db'}", log_path=where / "s.log", env=env) as srv:
-        srv.run_id = httpx.post(f"{srv.url}{API}/runs", json=run_body(1), timeout=30).json()["id"]
+        srv.run_id = loopback.post(f"{srv.url}{API}/runs", json=run_body(1), timeout=30).json()["id"]
         yield srv
 
 
@@ -116,7 +116,7 @@ def test_a_trickled_body_is_refused_below_the_minimum_rate(server):
     assert seconds < 6
     # the rest of the body is never read: the server closes the connection instead of keeping it open
     assert closed, "the connection stayed open after the 408"
-    run = httpx.get(f"{server.url}{API}/runs/{server.run_id}", timeout=30).json()
+    run = loopback.get(f"{server.url}{API}/runs/{server.run_id}", timeout=30).json()
     assert run["steps_stored"] == 0
 
 
@@ -145,14 +145,14 @@ def test_the_default_rate_refuses_a_trickle_of_1000_bytes_every_5_s_within_5_s(t
     """The defaults (1 KiB/s after 2 s): a body sending 1,000 bytes every 5 s is refused before its second
     piece, about 3 s in (grace + what its first 1,000 bytes bought), not after the next piece."""
     with ServerProcess(f"sqlite:///{tmp_path / 'd.db'}", log_path=tmp_path / "s.log") as srv:
-        run_id = httpx.post(f"{srv.url}{API}/runs", json=run_body(1), timeout=30).json()["id"]
+        run_id = loopback.post(f"{srv.url}{API}/runs", json=run_body(1), timeout=30).json()["id"]
         path = f"{API}/runs/{run_id}/telemetry"
         status, seconds, sent, body, closed = trickle(srv.port, path, 1_000_000, b" " * 1000, 5.0, give_up=20)
         assert status == 408 and "(body_min_bytes_per_second)" in orjson.loads(body)["detail"]
         assert sent == 1000, f"answered only after {sent} bytes"
         assert 2.0 <= seconds < 4.5
         assert closed
-        assert httpx.get(f"{srv.url}{API}/runs/{run_id}", timeout=30).json()["steps_stored"] == 0
+        assert loopback.get(f"{srv.url}{API}/runs/{run_id}", timeout=30).json()["steps_stored"] == 0
 
 
 class GuardedEcho:
@@ -202,7 +202,7 @@ def test_time_the_server_spends_before_reading_does_not_count_against_the_client
     read (200), not refused as slow: the clock runs while the server waits for the client, not before."""
     with GuardedEcho(busy_s=1.5, body_rate_grace_seconds=0.5, body_min_bytes_per_second=1000) as echo:
         body = b'{"pad":"' + b"x" * 3000 + b'"}'
-        r = httpx.post(
+        r = loopback.post(
             f"http://127.0.0.1:{echo.port}/anything",
             content=body,
             headers={"Content-Type": "application/json"},

@@ -14,9 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
+from tests.support.http import loopback
 from tests.support.server import API, ServerProcess, pg_database_or_skip, run_body
 
 #: events of ~4 KB (just under the size a list carries whole): more than the server's socket buffers (at
@@ -73,12 +73,12 @@ class SlowReader:
 
 def post_events(server: ServerProcess, run_id: int, events: list[dict]) -> None:
     body = {"idempotency_key": f"burst-{len(events)}", "events": events}
-    r = httpx.post(f"{server.url}{API}/runs/{run_id}/telemetry", json=body, timeout=120)
+    r = loopback.post(f"{server.url}{API}/runs/{run_id}/telemetry", json=body, timeout=120)
     assert r.status_code == 200, r.text
 
 
 def stored_ids(server: ServerProcess, run_id: int) -> list[int]:
-    r = httpx.get(f"{server.url}{API}/runs/{run_id}/events", params={"limit": 5000}, timeout=60)
+    r = loopback.get(f"{server.url}{API}/runs/{run_id}/events", params={"limit": 5000}, timeout=60)
     return [e["id"] for e in r.json()]
 
 
@@ -103,7 +103,7 @@ def writer_and_reader(request: pytest.FixtureRequest, tmp_path: Path) -> Iterato
 
 def test_a_burst_of_events_reaches_the_reader_or_tells_it(writer_and_reader):
     writer, reader_on = writer_and_reader
-    run_id = httpx.post(f"{writer.url}{API}/runs", json=run_body(1), timeout=30).json()["id"]
+    run_id = loopback.post(f"{writer.url}{API}/runs", json=run_body(1), timeout=30).json()["id"]
     reader = SlowReader(reader_on, run_id)
     try:
         events = [{"kind": "custom", "step": i, "details": {"i": i, "note": NOTE}} for i in range(BURST)]
@@ -136,7 +136,7 @@ def test_client_events_too_large_to_notify_reach_the_other_instance(tmp_path):
         ServerProcess(url, log_path=tmp_path / "a.log", env=ENV) as a,
         ServerProcess(url, log_path=tmp_path / "b.log", env=ENV) as b,
     ):
-        run_id = httpx.post(f"{a.url}{API}/runs", json=run_body(1), timeout=30).json()["id"]
+        run_id = loopback.post(f"{a.url}{API}/runs", json=run_body(1), timeout=30).json()["id"]
         reader = SlowReader(b, run_id)
         try:
             details = {f"field_{'k' * 100}_{j}": "v" * 400 for j in range(40)}
@@ -201,7 +201,7 @@ def test_a_burst_goes_out_in_few_writes(tmp_path):
     the queue joined, up to 64 KiB a write), not one write per event: each write is a turn of the event
     loop that every other request waits for."""
     with ServerProcess(f"sqlite:///{tmp_path / 'm.db'}", log_path=tmp_path / "s.log", env=ENV) as server:
-        run_id = httpx.post(f"{server.url}{API}/runs", json=run_body(1), timeout=30).json()["id"]
+        run_id = loopback.post(f"{server.url}{API}/runs", json=run_body(1), timeout=30).json()["id"]
         reader = ChunkCounter(server, run_id)
         try:
             n = 300

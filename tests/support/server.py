@@ -20,6 +20,8 @@ import httpx
 import numpy as np
 from sqlalchemy import create_engine, make_url, text
 
+from tests.support.http import loopback
+
 STATS = ("amax", "scale", "overflow", "underflow", "nonfinite", "numel")
 API = "/api/v1"
 #: the PostgreSQL server of the tests (a database on it is created per session, see tests/server/conftest.py)
@@ -210,7 +212,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}; log: {self.log_text()}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/healthz", timeout=1.0).status_code == 200:
+                if loopback.get(self.url + "/healthz", timeout=1.0).status_code == 200:
                     return self
             time.sleep(0.1)
         self.stop()

@@ -3,12 +3,12 @@ integrations/): a small FP8 GPT and its training loop, and reading back what the
 
 from __future__ import annotations
 
-import httpx
 import numpy as np
 import torch
 
 from fp8_trainer import DelayedScaling, convert_to_fp8, fp8_autocast, step_stats
 from fp8_trainer.app.model import GPT, GPTConfig, fp8_filter
+from tests.support.http import loopback
 from tests.support.server import API, decode
 
 HEATMAP_METRICS = ("amax", "scale", "overflow", "underflow", "nonfinite")
@@ -47,7 +47,7 @@ def train(model, recipe, monitor, steps: int, start: int = 1, seed: int = 0, hoo
 
 
 def get(url: str, path: str, **params):
-    r = httpx.get(f"{url}{API}{path}", params=params, timeout=10)
+    r = loopback.get(f"{url}{API}{path}", params=params, timeout=10)
     assert r.status_code == 200, r.text
     return r.json()
 

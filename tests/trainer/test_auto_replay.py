@@ -16,6 +16,7 @@ from fp8_trainer.app import cli
 from fp8_trainer.app.auto_replay import AutoReplay, find_incident
 from fp8_trainer.app.train import train
 from fp8_trainer.monitor.read import Reader
+from tests.support.http import loopback
 from tests.support.polling import wait_for
 from tests.support.server import API, create_run, running_server
 from tests.trainer.test_replay import FLAGS, STEP
@@ -37,18 +38,20 @@ def test_the_job_runs_its_failing_step_again_under_the_policys_change(tmp_path):
         lines: list[str] = []
         result = train(a, prepared, out=lines.append)
         assert result.status == "finished" and result.step == STEP + AFTER
-        (run,) = httpx.get(f"{api}/runs").json()
+        (run,) = loopback.get(f"{api}/runs").json()
         rid = run["id"]
         # the policy acted on the replayed incident while the job waited at step 40
-        (action,) = wait_for(lambda: httpx.get(f"{api}/runs/{rid}/policy-actions").json(), what="the action")
+        (action,) = wait_for(
+            lambda: loopback.get(f"{api}/runs/{rid}/policy-actions").json(), what="the action"
+        )
         assert action["rule"] == "low_sqnr" and action["target"] == LAYER  # SQNR -38 dB: E4M3 lacks it
-        commands = {c["id"]: c for c in httpx.get(f"{api}/runs/{rid}/commands").json()}
+        commands = {c["id"]: c for c in loopback.get(f"{api}/runs/{rid}/commands").json()}
         command = commands[action["command_id"]]
         assert command["created_by"] == "policy:low_sqnr" and command["changes"] == {"fp8_enabled": False}
         # step 40 itself, run again, is the first under the change: the fault never reached the weights
         assert command["state"] == "applied" and command["applied_step"] == STEP
         assert action["state"] in ("kept", "rolled_back")  # checked 20 steps after step 40
-        (incident,) = [i for i in httpx.get(f"{api}/runs/{rid}/incidents").json() if i["bundles"]]
+        (incident,) = [i for i in loopback.get(f"{api}/runs/{rid}/incidents").json() if i["bundles"]]
         assert incident["replay_verdict"] == "fp8-caused" and incident["id"] == action["incident_id"]
         bundle = tmp_path / f"incident-step{STEP}.pt"
         assert incident["bundles"] == [str(bundle)]
@@ -60,7 +63,7 @@ def test_the_job_runs_its_failing_step_again_under_the_policys_change(tmp_path):
         assert again.startswith(f"fp8-train: step {STEP} ran again under command(s) {command['id']}: loss ")
         # the service keeps the step as it first ran (the spike its incident reports); the event has both
         # losses, and the job trained on from the run again, whose loss is back near the steps before it
-        events = httpx.get(f"{api}/runs/{rid}/events", params={"limit": 1000}).json()
+        events = loopback.get(f"{api}/runs/{rid}/events", params={"limit": 1000}).json()
         (retried,) = [e for e in events if (e.get("details") or {}).get("name") == "step_retried"]
         details = retried["details"]
         assert retried["step"] == STEP and details["commands"] == [command["id"]]

@@ -5,7 +5,6 @@ the incident; ``--no-capture`` turns it off; where capture cannot run (several r
 
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
@@ -13,6 +12,7 @@ from fp8_trainer.app import cli
 from fp8_trainer.app.incident_capture import default_directory
 from fp8_trainer.app.train import _make_capture
 from fp8_trainer.app.train_config import TrainConfig
+from tests.support.http import loopback
 from tests.support.polling import wait_for
 from tests.support.server import API, running_server
 from tests.trainer.test_replay import FLAGS, STEP
@@ -36,10 +36,10 @@ def test_a_monitored_run_captures_by_default_and_no_capture_turns_it_off(tmp_pat
         (bundle,) = (work / "incidents" / "auto_1").glob("incident-step*.pt")
         assert bundle.name == f"incident-step{STEP}.pt"
         api = server.url + API
-        (run,) = httpx.get(f"{api}/runs").json()
+        (run,) = loopback.get(f"{api}/runs").json()
 
         def listed():
-            found = [i for i in httpx.get(f"{api}/runs/{run['id']}/incidents").json() if i["bundles"]]
+            found = [i for i in loopback.get(f"{api}/runs/{run['id']}/incidents").json() if i["bundles"]]
             return found[0]["bundles"] if found else None
 
         assert wait_for(listed, timeout=30, what="the incident listing the bundle") == [

@@ -10,6 +10,8 @@ from importlib.metadata import requires
 
 from packaging.requirements import Requirement
 
+from tests.support.http import loopback
+
 SERVER_ONLY = {"fastapi", "uvicorn", "sqlalchemy", "alembic", "psycopg", "pydantic", "pydantic-settings",
                "prometheus-client", "plotly"}  # fmt: skip
 
@@ -89,8 +91,6 @@ def _client_only_venv(tmp_path):
 def test_the_client_install_uploads_a_spool_to_the_url_in_the_environment(tmp_path):
     import os
 
-    import httpx
-
     from fp8_trainer import Monitor
     from tests.support.server import free_port, running_server
     from tests.trainer.monitor_utils import FAST, tiny_model, train
@@ -113,7 +113,7 @@ def test_the_client_install_uploads_a_spool_to_the_url_in_the_environment(tmp_pa
                               capture_output=True, text=True)  # fmt: skip
         assert done.returncode == 0, done.stderr
         assert "5 new steps stored" in done.stdout
-        (run,) = httpx.get(f"{server.url}/api/v1/runs").json()
+        (run,) = loopback.get(f"{server.url}/api/v1/runs").json()
         assert run["name"] == "offline" and run["steps_stored"] == 5
     serve = subprocess.run([str(env_dir / "bin" / "fp8-monitor"), "serve"], capture_output=True, text=True)
     assert serve.returncode == 2 and "Traceback" not in serve.stderr

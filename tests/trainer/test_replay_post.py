@@ -5,13 +5,13 @@ BUNDLE --monitor-url ... --run-id ... --incident ...` stores the report there, r
 import json
 import typing
 
-import httpx
 import pytest
 
 from fp8_trainer.app import cli
 from fp8_trainer.app.replay import VERDICTS, post_report
 from monitor_server.infra.replay_worker import ReplayWorker
 from monitor_server.storage.schemas import ReplayVerdict
+from tests.support.http import loopback
 from tests.support.polling import wait_for
 from tests.support.server import API, running_server
 from tests.trainer.test_replay import FLAGS, STEP
@@ -29,16 +29,16 @@ def test_a_replay_of_a_real_bundle_is_stored_on_its_incident(tmp_path, capsys):
         assert cli.main(argv) == 0
         (bundle,) = tmp_path.glob("incident-step*.pt")
         api = server.url + API
-        (run,) = httpx.get(f"{api}/runs").json()
+        (run,) = loopback.get(f"{api}/runs").json()
 
         def incident_with_bundle():
-            found = [i for i in httpx.get(f"{api}/runs/{run['id']}/incidents").json() if i["bundles"]]
+            found = [i for i in loopback.get(f"{api}/runs/{run['id']}/incidents").json() if i["bundles"]]
             return found[0] if found else None
 
         incident = wait_for(incident_with_bundle, timeout=30, what="an incident listing the bundle")
         assert incident["bundles"] == [str(bundle)] and incident["replay_verdict"] is None
         url = f"{api}/runs/{run['id']}/incidents/{incident['id']}/replay"
-        assert httpx.get(url).status_code == 404
+        assert loopback.get(url).status_code == 404
 
         capsys.readouterr()
         out = tmp_path / "report.json"
@@ -48,12 +48,12 @@ def test_a_replay_of_a_real_bundle_is_stored_on_its_incident(tmp_path, capsys):
         report = json.loads(out.read_text())
         assert report["verdict"] == "fp8-caused", report["reason"]
 
-        stored = httpx.get(url).json()
+        stored = loopback.get(url).json()
         assert {k: stored[k] for k in report} == report  # as sent: the evidence, NaN spelled, SQNRs
         fp8 = stored["configs"][0]
         assert fp8["name"] == "fp8" and fp8["sqnr_db"][LAYER] < 0
         assert stored["culprits"][0] == f"{LAYER}.input" and len(stored["configs"]) > 16  # bisected
-        incident = httpx.get(f"{api}/runs/{run['id']}/incidents/{incident['id']}").json()
+        incident = loopback.get(f"{api}/runs/{run['id']}/incidents/{incident['id']}").json()
         assert incident["replay_verdict"] == "fp8-caused"
 
         # the function, and a refusal named: an incident the run does not have
@@ -77,10 +77,10 @@ def test_a_saturated_gradient_lands_on_its_overflow_alert_and_its_gradient_verdi
         assert cli.main(argv) == 0
         (bundle,) = tmp_path.glob("incident-step*.pt")
         api = server.url + API
-        (run,) = httpx.get(f"{api}/runs").json()
+        (run,) = loopback.get(f"{api}/runs").json()
 
         def incident_with_bundle():
-            found = [i for i in httpx.get(f"{api}/runs/{run['id']}/incidents").json() if i["bundles"]]
+            found = [i for i in loopback.get(f"{api}/runs/{run['id']}/incidents").json() if i["bundles"]]
             return found[0] if found else None
 
         incident = wait_for(incident_with_bundle, timeout=30, what="an incident listing the bundle")
@@ -89,7 +89,7 @@ def test_a_saturated_gradient_lands_on_its_overflow_alert_and_its_gradient_verdi
         assert incident["first_step"] <= STEP <= incident["last_step"]
 
         # asked for on the incident page, run by a replay worker (`fp8-monitor replay-worker`)
-        asked = httpx.post(f"{api}/runs/{run['id']}/incidents/{incident['id']}/replay-requests", json={})
+        asked = loopback.post(f"{api}/runs/{run['id']}/incidents/{incident['id']}/replay-requests", json={})
         assert asked.status_code == 201 and asked.json()["bundle"] == str(bundle)
         said: list[str] = []
         worker = ReplayWorker(server.url, None, say=said.append)
@@ -99,7 +99,7 @@ def test_a_saturated_gradient_lands_on_its_overflow_alert_and_its_gradient_verdi
             assert worker.run_once() is None  # nothing else pending
         finally:
             worker.close()
-        stored = httpx.get(f"{api}/runs/{run['id']}/incidents/{incident['id']}/replay").json()
+        stored = loopback.get(f"{api}/runs/{run['id']}/incidents/{incident['id']}/replay").json()
         assert stored["verdict"] == "fp8-caused" and stored["trigger"]["kind"] == "grad_overflow"
         assert stored["bundle"] == str(bundle) and stored["culprits"][0] == f"{LAYER}.grad_output"
         fp8, hp = stored["configs"][:2]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
 import numpy as np
 
+from tests.support.http import loopback
 from tests.support.server import API, batch_body, make_tensors
 
 
@@ -19,7 +19,7 @@ def create_run(url: str, name: str, n_layers: int = 4, tensors: list | None = No
         "tensors": tensors or make_tensors(n_layers),
         **extra,
     }
-    r = httpx.post(f"{url}{API}/runs", json=body, timeout=30)
+    r = loopback.post(f"{url}{API}/runs", json=body, timeout=30)
     assert r.status_code == 201, r.text
     return r.json()
 
@@ -56,6 +56,6 @@ def post_steps(
     body = batch_body(key, range(first, first + n), stats, encoding="float64", losses=losses, **extra)
     for step in body["steps"]:
         step["scalars"]["grad_norm"] = 1.0
-    r = httpx.post(f"{url}{API}/runs/{run_id}/telemetry", json=body, timeout=60)
+    r = loopback.post(f"{url}{API}/runs/{run_id}/telemetry", json=body, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()

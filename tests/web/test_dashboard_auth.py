@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import httpx
 import numpy as np
 import pytest
 
+from tests.support.http import loopback
 from tests.support.server import API, ServerProcess, batch_body, make_tensors
 from tests.web.browser import wait_drawn, wait_stream
 from tests.web.dashboard_data import smooth_stats
@@ -34,13 +34,15 @@ def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
 def make_run(url: str) -> int:
     """A run with a non-finite step (so there is an alert to acknowledge), posted by the trainer token."""
     headers = {"Authorization": f"Bearer {TRAINER}"}
-    r = httpx.post(f"{url}{API}/runs", json={"name": "guarded", "tensors": make_tensors(2)}, headers=headers)
+    r = loopback.post(
+        f"{url}{API}/runs", json={"name": "guarded", "tensors": make_tensors(2)}, headers=headers
+    )
     assert r.status_code == 201, r.text
     rid = r.json()["id"]
     stats = smooth_stats(30, 6)
     stats["nonfinite"][20, 1] = 1
     body = batch_body("a", range(30), stats, encoding="float64", losses=np.full(30, 2.0))
-    assert httpx.post(f"{url}{API}/runs/{rid}/telemetry", json=body, headers=headers).status_code == 200
+    assert loopback.post(f"{url}{API}/runs/{rid}/telemetry", json=body, headers=headers).status_code == 200
     return rid
 
 
@@ -79,7 +81,7 @@ def test_read_only_without_control_scope(auth_server, page):
     # reads include the live stream (sent with the token in a header)
     wait_stream(page, f"/runs/{rid}/stream")
     body = batch_body("b", [30], smooth_stats(1, 6), encoding="float64", losses=[1.5])
-    httpx.post(
+    loopback.post(
         f"{auth_server.url}{API}/runs/{rid}/telemetry",
         json=body,
         headers={"Authorization": f"Bearer {TRAINER}"},
@@ -105,7 +107,7 @@ def test_read_only_without_control_scope(auth_server, page):
     wait_drawn(page, "heatmap", "curves")
     page.wait_for_selector("#incidents-list li.incident button.ack-incident:not([disabled])").click()
     page.wait_for_selector("#incidents-list li.incident[data-state='acknowledged']")
-    alerts = httpx.get(
+    alerts = loopback.get(
         f"{auth_server.url}{API}/runs/{rid}/alerts", headers={"Authorization": f"Bearer {OPS}"}
     ).json()
     assert alerts[0]["state"] == "acknowledged" and alerts[0]["acknowledged_by"] == "ops"

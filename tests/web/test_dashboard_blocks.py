@@ -5,11 +5,11 @@ table's block range column, and the recipe editor offering and sending block sca
 
 from __future__ import annotations
 
-import httpx
 import numpy as np
 import pytest
 
 from fp8_protocol.stats import BASE_COLUMNS, BLOCK_COLUMNS, BLOCK_HIST_BINS
+from tests.support.http import loopback
 from tests.support.server import API, col
 from tests.web.browser import no_page_errors, open_run
 from tests.web.dashboard_data import create_run, smooth_stats
@@ -65,7 +65,7 @@ def post_block_steps(url: str, run_id: int, first: int, stats: dict, hists: list
         }
         for i in range(n)
     ]
-    r = httpx.post(
+    r = loopback.post(
         f"{url}{API}/runs/{run_id}/telemetry",
         json={"idempotency_key": f"from{first}", "steps": steps},
         timeout=60,
@@ -99,7 +99,7 @@ def check_drawn(page, server, run_id: int, hists: list[list], tensor: int) -> No
     """The drawn heatmap is the API's answer for the page's query, and that is the posted counts."""
     query = page.evaluate("window.fp8scope.blockHistQuery")
     assert query["tensor"] == tensor
-    api = httpx.get(f"{server.url}{API}/runs/{run_id}/block-histogram", params=query).json()
+    api = loopback.get(f"{server.url}{API}/runs/{run_id}/block-histogram", params=query).json()
     sums = sent_sums(hists, tensor, api["bucket_start"], api["bucket_end"])
     nz = np.flatnonzero(sums.any(axis=0))
     drawn = page.evaluate(DRAWN)
@@ -139,7 +139,7 @@ def test_block_histogram_heatmap_metrics_and_layers_column(server, page):
             "t => document.getElementById('heatmap').data[0].colorbar.title.text === t", arg=title
         )
         query = {k: v for k, v in page.evaluate("window.fp8scope.heatmapQuery").items() if v is not None}
-        api = httpx.get(f"{server.url}{API}/runs/{rid}/heatmap", params=query).json()
+        api = loopback.get(f"{server.url}{API}/runs/{rid}/heatmap", params=query).json()
         assert api["metric"] == metric and api["aggregation"] == "max"
         z = np.array(page.evaluate("document.getElementById('heatmap').data[0].z"), dtype=np.float64)
         np.testing.assert_allclose(z, colour_of(np.array(api["values"], dtype=np.float64)), rtol=1e-12)
@@ -210,8 +210,8 @@ def test_a_padded_mxfp8_run_shows_its_zero_blocks_apart_from_the_blocks_at_a_lim
                 loss = model(x.requires_grad_()).square().mean()
             loss.backward()
             mon.step(step, loss=loss.detach())
-    run = next(r for r in httpx.get(f"{server.url}{API}/runs").json() if r["name"] == "mxfp8-padded")
-    answer = httpx.get(f"{server.url}{API}/runs/{run['id']}/layers").json()
+    run = next(r for r in loopback.get(f"{server.url}{API}/runs").json() if r["name"] == "mxfp8-padded")
+    answer = loopback.get(f"{server.url}{API}/runs/{run['id']}/layers").json()
     layers = {layer["layer"]: layer for layer in answer}
     first = {t["name"]: t for t in layers["0"]["tensors"]}
     assert first["0.input"]["block_zero"] == 0.5 and first["0.input"]["block_at_limit"] == 0
@@ -241,7 +241,7 @@ def test_recipe_editor_sends_block_scaling(server, page):
         page.click("#recipe-submit")
     assert sent.value.post_data_json == {"target": "blocks.2.mlp.fc", "changes": {"scaling": "mxfp8"}}
     page.wait_for_selector("#commands-table tr[data-command-id]")
-    (cmd,) = httpx.get(f"{server.url}{API}/runs/{rid}/commands").json()
+    (cmd,) = loopback.get(f"{server.url}{API}/runs/{rid}/commands").json()
     assert cmd["changes"] == {"scaling": "mxfp8"} and cmd["state"] == "pending"
     # the job applies it: the recipe in force lists the layer on block scaling
     body = {
@@ -249,7 +249,7 @@ def test_recipe_editor_sends_block_scaling(server, page):
         "steps": [{"step": STEPS, "scalars": {"loss": 2.0}}],
         "acks": [{"command_id": cmd["id"], "state": "applied", "step": STEPS}],
     }
-    assert httpx.post(f"{server.url}{API}/runs/{rid}/telemetry", json=body).status_code == 200
+    assert loopback.post(f"{server.url}{API}/runs/{rid}/telemetry", json=body).status_code == 200
     page.wait_for_selector("#recipe-effective tr[data-target='blocks.2.mlp.fc']")
     cells = page.eval_on_selector_all(
         "#recipe-effective tr[data-target='blocks.2.mlp.fc'] td", "tds => tds.map(td => td.textContent)"

@@ -4,10 +4,10 @@ that ends before it starts is refused in the menu."""
 
 from __future__ import annotations
 
-import httpx
 import numpy as np
 import pytest
 
+from tests.support.http import loopback
 from tests.support.server import API
 from tests.web.browser import no_page_errors, open_run, wait_drawn
 from tests.web.dashboard_data import create_run, post_steps, smooth_stats
@@ -40,17 +40,17 @@ def test_each_table_downloads_as_the_api_exports_it(server, page):
     name, body = fetch_download(page, 0, "csv", "10", "19")
     assert name == f"run-{rid}-stats.csv"
     query = {"table": "stats", "format": "csv", "layout": "long", "from": 10, "to": 19}
-    assert body == httpx.get(f"{server.url}{API}/runs/{rid}/export", params=query).content
+    assert body == loopback.get(f"{server.url}{API}/runs/{rid}/export", params=query).content
     assert len(body.decode().strip().splitlines()) == 1 + 10 * 6  # a header, then 10 steps x 6 tensors
 
     name, body = fetch_download(page, 1, "parquet")
     assert name == f"run-{rid}-stats.parquet" and body[:4] == b"PAR1"
     query = {"table": "stats", "format": "parquet", "layout": "wide"}
-    assert body == httpx.get(f"{server.url}{API}/runs/{rid}/export", params=query).content
+    assert body == loopback.get(f"{server.url}{API}/runs/{rid}/export", params=query).content
 
     name, body = fetch_download(page, 2, "csv")
     assert name == f"run-{rid}-scalars.csv"
-    assert body == httpx.get(f"{server.url}{API}/runs/{rid}/export", params={"table": "scalars"}).content
+    assert body == loopback.get(f"{server.url}{API}/runs/{rid}/export", params={"table": "scalars"}).content
     # a range that ends before it starts is said in the menu; nothing is requested
     requests = []
     page.on("request", lambda r: requests.append(r.url) if "/export" in r.url else None)
@@ -72,7 +72,7 @@ def test_with_a_token(auth_server, page):  # noqa: F811
     assert name == f"run-{rid}-stats.csv"
     headers = {"Authorization": f"Bearer {VIEWER}"}
     query = {"table": "stats", "format": "csv", "layout": "long", "from": 0, "to": 9}
-    expected = httpx.get(f"{auth_server.url}{API}/runs/{rid}/export", params=query, headers=headers)
+    expected = loopback.get(f"{auth_server.url}{API}/runs/{rid}/export", params=query, headers=headers)
     assert expected.status_code == 200 and body == expected.content
     assert len(body.decode().strip().splitlines()) == 1 + 10 * 6
     # the page's first requests were refused (401) until the token was entered: no error check here

@@ -3,10 +3,10 @@ their own colour, zoom refetching finer buckets, collapsing and filtering; and t
 
 from __future__ import annotations
 
-import httpx
 import numpy as np
 import pytest
 
+from tests.support.http import loopback
 from tests.support.server import API
 from tests.web.browser import no_page_errors, open_run
 from tests.web.dashboard_data import create_run, post_steps, smooth_stats
@@ -62,7 +62,7 @@ def test_heatmap_tensors_buckets_nan_zoom(server, page):
     query = page.evaluate("window.fp8scope.heatmapQuery")
     width = page.evaluate("() => Number(document.querySelector('#heatmap .nsewdrag').getAttribute('width'))")
     assert query["metric"] == "amax" and 0.9 * width <= query["max_cols"] <= width
-    api = httpx.get(
+    api = loopback.get(
         f"{server.url}{API}/runs/{run['id']}/heatmap", params={"max_cols": query["max_cols"]}
     ).json()
     assert state["cols"] == len(api["bucket_start"]) and state["cols"] > 100

@@ -4,9 +4,9 @@ incident; acknowledging one incident or all of them acknowledges their alerts.""
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
+from tests.support.http import loopback
 from tests.support.server import API
 from tests.web.browser import no_page_errors, open_run, wait_drawn
 from tests.web.dashboard_data import create_run, post_steps, smooth_stats
@@ -75,17 +75,17 @@ def test_one_entry_per_incident_root_cause_first(server, page):
         ".every(li => li.dataset.state === 'acknowledged')"
     )
     assert page.is_disabled("#ack-all")
-    alerts = httpx.get(f"{server.url}{API}/runs/{rid}/alerts").json()
+    alerts = loopback.get(f"{server.url}{API}/runs/{rid}/alerts").json()
     assert len(alerts) == 13 and {a["state"] for a in alerts} == {"acknowledged"}
     assert next(a for a in alerts if str(a["id"]) == root_alert)["acknowledged_by"] == "anonymous"
-    incidents = httpx.get(f"{server.url}{API}/runs/{rid}/incidents").json()
+    incidents = loopback.get(f"{server.url}{API}/runs/{rid}/incidents").json()
     assert {i["state"] for i in incidents} == {"acknowledged"}
     no_page_errors(page)
 
 
 def test_the_webhook_link_opens_its_incident_and_acknowledging_it_acks_its_alerts(server, page):
     rid = nan_run(server.url)
-    incident = httpx.get(f"{server.url}{API}/runs/{rid}/incidents").json()[0]
+    incident = loopback.get(f"{server.url}{API}/runs/{rid}/incidents").json()[0]
     page.goto(f"{server.url}/#/runs/{rid}?incident={incident['id']}")
     wait_drawn(page, "heatmap", "curves")
     item = f"#incidents-list li[data-incident-id='{incident['id']}']"
@@ -94,7 +94,7 @@ def test_the_webhook_link_opens_its_incident_and_acknowledging_it_acks_its_alert
     page.wait_for_selector(f"{item}[data-state='acknowledged'] li.alert.root[data-state='acknowledged']")
     states = page.eval_on_selector_all(f"{item} li.alert", "lis => lis.map(li => li.dataset.state)")
     assert len(states) == 12 and set(states) == {"acknowledged"}
-    stored = httpx.get(f"{server.url}{API}/runs/{rid}/alerts", params={"state": "open"}).json()
+    stored = loopback.get(f"{server.url}{API}/runs/{rid}/alerts", params={"state": "open"}).json()
     assert stored == []
     no_page_errors(page)
 

@@ -3,9 +3,9 @@ comparison's step ticks above the table under them, and every column of the reci
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
+from tests.support.http import loopback
 from tests.support.server import API
 from tests.web.browser import VIEWPORT, no_page_errors, open_run
 from tests.web.dashboard_data import create_run, post_steps, smooth_stats
@@ -129,7 +129,7 @@ def test_every_column_of_the_recipe_in_force_shows_at_1280_px(server, page):
     rid = run["id"]
     post_steps(server.url, rid, "a", 0, smooth_stats(5, 6))
     # a layer's override too: a second row, with a layer's name and the longest value
-    r = httpx.post(
+    r = loopback.post(
         f"{server.url}{API}/runs/{rid}/commands",
         json={
             "target": "blocks.1.mlp.fc",

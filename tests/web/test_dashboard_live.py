@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import time
 
-import httpx
 import numpy as np
 import pytest
 
+from tests.support.http import loopback
 from tests.support.server import API
 from tests.web.browser import no_page_errors, open_run, wait_stream
 from tests.web.dashboard_data import create_run, post_steps, smooth_stats
@@ -54,7 +54,7 @@ def test_header_counts_follow_the_stream_and_never_step_back(server, page):
 
     page.route(lambda url: url.split("?")[0].endswith(f"{API}/runs/{rid}"), hold)
     # a rename makes the page re-read the run; the answer is taken while the run has 50 steps
-    assert httpx.patch(f"{server.url}{API}/runs/{rid}", json={"name": "live-counts-2"}).status_code == 200
+    assert loopback.patch(f"{server.url}{API}/runs/{rid}", json={"name": "live-counts-2"}).status_code == 200
     deadline = time.monotonic() + 10
     while not held and time.monotonic() < deadline:
         page.wait_for_timeout(50)  # lets Playwright dispatch the route handler
@@ -110,7 +110,7 @@ def test_incident_appears_and_is_acknowledged(server, page):
 
     page.click(f"#incidents-list li[data-incident-id='{incident_id}'] button.ack-incident")
     page.wait_for_selector(f"#incidents-list li[data-incident-id='{incident_id}'][data-state='acknowledged']")
-    stored = httpx.get(f"{server.url}{API}/runs/{run['id']}/alerts").json()
+    stored = loopback.get(f"{server.url}{API}/runs/{run['id']}/alerts").json()
     assert [(a["state"], a["acknowledged_by"]) for a in stored] == [("acknowledged", "anonymous")]
     assert page.is_disabled(f"#incidents-list li[data-incident-id='{incident_id}'] button.ack-incident")
     no_page_errors(page)

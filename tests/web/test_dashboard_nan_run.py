@@ -8,9 +8,9 @@ import os
 import subprocess
 import sys
 
-import httpx
 import pytest
 
+from tests.support.http import loopback
 from tests.support.server import API
 from tests.web.browser import no_page_errors, open_run
 from tests.web.dashboard_data import create_run, post_steps, smooth_stats
@@ -30,7 +30,7 @@ def train(url: str, name: str, tmp_path, *extra: str, steps: int = STEPS) -> int
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    runs = httpx.get(f"{url}{API}/runs", params={"q": name}).json()
+    runs = loopback.get(f"{url}{API}/runs", params={"q": name}).json()
     return next(r["id"] for r in runs if r["name"] == name)
 
 
@@ -148,7 +148,7 @@ def test_a_real_nan_run_on_the_run_page_the_drill_down_and_the_comparison(server
         arg=SATURATED,
     )
     saturated = marks(page, "heatmap", SATURATED)
-    overflow = httpx.get(
+    overflow = loopback.get(
         f"{server.url}{API}/runs/{twin}/heatmap", params={"metric": "overflow", "max_cols": 2000}
     ).json()
     assert overflow["bucket_width"] == 1

@@ -4,10 +4,10 @@ comparison of two runs (loss overlay, log2 amax difference)."""
 
 from __future__ import annotations
 
-import httpx
 import numpy as np
 import pytest
 
+from tests.support.http import loopback
 from tests.support.server import API
 from tests.web.browser import no_page_errors, open_run
 from tests.web.dashboard_data import create_run, post_steps, smooth_stats
@@ -47,7 +47,9 @@ def test_postmortem_and_comparison(server, page):
     losses[190] = np.inf
     post_steps(server.url, run["id"], "a", 0, stats, losses=losses, events=events)
     post_steps(server.url, twin["id"], "a", 0, twin_stats, losses=losses + 0.5)
-    assert httpx.patch(f"{server.url}{API}/runs/{run['id']}", json={"status": "crashed"}).status_code == 200
+    assert (
+        loopback.patch(f"{server.url}{API}/runs/{run['id']}", json={"status": "crashed"}).status_code == 200
+    )
 
     open_run(page, server.url, run["id"], stream=False)
     # the first non-finite value, named, and outlined on the heatmap

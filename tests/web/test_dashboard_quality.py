@@ -5,11 +5,11 @@ blank for a run without the quality statistics."""
 
 from __future__ import annotations
 
-import httpx
 import numpy as np
 import pytest
 
 from fp8_protocol.stats import BASE_COLUMNS, QUALITY_COLUMNS
+from tests.support.http import loopback
 from tests.support.server import API, col
 from tests.web.browser import PlotlyGate, no_page_errors, wait_drawn
 from tests.web.dashboard_data import create_run, smooth_stats
@@ -47,7 +47,7 @@ def post_run(server, name: str, stats: dict[str, np.ndarray], quality: bool) -> 
         }
         for s in range(STEPS)
     ]
-    r = httpx.post(
+    r = loopback.post(
         f"{server.url}{API}/runs/{run['id']}/telemetry",
         json={"idempotency_key": "all", "steps": steps},
         timeout=60,
@@ -107,7 +107,7 @@ def test_sqnr_heatmap_hover_first_frame_and_layers_column(server, page):
     query = page.evaluate("window.fp8scope.heatmapQuery")
     assert query["metric"] == "sqnr"
     params = {k: v for k, v in query.items() if v is not None}
-    api = httpx.get(f"{server.url}{API}/runs/{run['id']}/heatmap", params=params).json()
+    api = loopback.get(f"{server.url}{API}/runs/{run['id']}/heatmap", params=params).json()
     assert api["aggregation"] == "min" and api["bucket_width"] == 1
     drawn = page.evaluate(
         """() => { const gd = document.getElementById('heatmap'); const t = gd.data[0];
@@ -171,7 +171,7 @@ def test_sqnr_heatmap_hover_first_frame_and_layers_column(server, page):
             "t => document.getElementById('heatmap').data[0].colorbar.title.text === t", arg=title
         )
         query = {k: v for k, v in page.evaluate("window.fp8scope.heatmapQuery").items() if v is not None}
-        api = httpx.get(f"{server.url}{API}/runs/{run['id']}/heatmap", params=query).json()
+        api = loopback.get(f"{server.url}{API}/runs/{run['id']}/heatmap", params=query).json()
         assert api["metric"] == metric and api["aggregation"] == "max"
         z = np.array(page.evaluate("document.getElementById('heatmap').data[0].z"), dtype=np.float64)
         np.testing.assert_allclose(z, colour_of(np.array(api["values"], dtype=np.float64)), rtol=1e-12)

@@ -7,10 +7,10 @@ import os
 import subprocess
 import sys
 
-import httpx
 import numpy as np
 import pytest
 
+from tests.support.http import loopback
 from tests.support.polling import wait_for
 from tests.support.server import API
 from tests.web.browser import no_page_errors, open_run
@@ -32,7 +32,7 @@ def train(url: str, name: str, lr: str, tmp_path) -> None:
 def test_real_runs_in_the_list_the_run_page_and_the_comparison(server, page, tmp_path):
     train(server.url, "real-lr1e-3", "1e-3", tmp_path)
     train(server.url, "real-lr3e-3", "3e-3", tmp_path)
-    runs = {r["name"]: r for r in httpx.get(f"{server.url}{API}/runs", params={"tag": "real-pair"}).json()}
+    runs = {r["name"]: r for r in loopback.get(f"{server.url}{API}/runs", params={"tag": "real-pair"}).json()}
     assert set(runs) == {"real-lr1e-3", "real-lr3e-3"}
 
     # the list, filtered by the tag, with the learning rate as a column
@@ -113,16 +113,16 @@ def test_a_margin_pushed_into_a_real_run_is_marked_where_its_scale_drop_is(serve
     )
     try:
         run = wait_for(
-            lambda: next((r for r in httpx.get(f"{server.url}{API}/runs").json()
+            lambda: next((r for r in loopback.get(f"{server.url}{API}/runs").json()
                           if r["name"] == "pushed" and (r["last_step"] or 0) >= 3), None),
             what="the run's first steps",
         )  # fmt: skip
-        sent = httpx.post(f"{server.url}{API}/runs/{run['id']}/commands", json={"changes": {"margin": 3}})
+        sent = loopback.post(f"{server.url}{API}/runs/{run['id']}/commands", json={"changes": {"margin": 3}})
         assert sent.status_code == 201, sent.text
     finally:
         out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:]
-    (cmd_row,) = httpx.get(f"{server.url}{API}/runs/{run['id']}/commands").json()
+    (cmd_row,) = loopback.get(f"{server.url}{API}/runs/{run['id']}/commands").json()
     step = cmd_row["applied_step"]
     assert cmd_row["state"] == "applied" and 3 < step < steps, cmd_row
 

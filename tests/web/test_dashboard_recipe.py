@@ -3,9 +3,9 @@ state follows the training job's delivery and acknowledgement live, and applied 
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
+from tests.support.http import loopback
 from tests.support.server import API
 from tests.web.browser import no_page_errors, open_run
 from tests.web.dashboard_data import create_run, post_steps, smooth_stats
@@ -35,7 +35,7 @@ def test_recipe_change_round_trip(server, page):
     page.select_option("#recipe-algo", "most_recent")
     page.click("#recipe-submit")
     page.wait_for_selector("#commands-table tr[data-command-id]")
-    commands = httpx.get(f"{server.url}{API}/runs/{rid}/commands").json()
+    commands = loopback.get(f"{server.url}{API}/runs/{rid}/commands").json()
     assert len(commands) == 1
     cmd = commands[0]
     assert cmd["kind"] == "recipe_change" and cmd["target"] == "blocks.1.mlp.fc"
@@ -77,7 +77,7 @@ def test_recipe_change_round_trip(server, page):
     page.wait_for_function(
         "() => document.querySelectorAll('#commands-table tr[data-command-id]').length === 2"
     )
-    latest = httpx.get(f"{server.url}{API}/runs/{rid}/commands").json()[0]
+    latest = loopback.get(f"{server.url}{API}/runs/{rid}/commands").json()[0]
     assert latest["kind"] == "rollback" and latest["rollback_of"] == cmd["id"]
     assert latest["changes"] == {"margin": 0, "fp8_enabled": True, "amax_compute_algo": "max"}
 
@@ -102,7 +102,7 @@ def test_recipe_change_round_trip(server, page):
     page.fill("#recipe-interval", "0")
     page.click("#recipe-submit")
     assert "interval" in page.text_content("#recipe-error")
-    assert len(httpx.get(f"{server.url}{API}/runs/{rid}/commands").json()) == 2
+    assert len(loopback.get(f"{server.url}{API}/runs/{rid}/commands").json()) == 2
     no_page_errors(page)
 
 
@@ -115,9 +115,9 @@ def test_a_run_that_ends_closes_the_form_and_its_pending_command_live(server, pa
     page.fill("#recipe-margin", "1")
     page.click("#recipe-submit")
     page.wait_for_selector("#commands-table tr[data-command-id]")
-    (cmd,) = httpx.get(f"{server.url}{API}/runs/{rid}/commands").json()
+    (cmd,) = loopback.get(f"{server.url}{API}/runs/{rid}/commands").json()
 
-    r = httpx.patch(f"{server.url}{API}/runs/{rid}", json={"status": "finished"})
+    r = loopback.patch(f"{server.url}{API}/runs/{rid}", json={"status": "finished"})
     assert r.status_code == 200, r.text
     page.wait_for_function(STATE_IS, arg=[cmd["id"], "rejected"], timeout=5000)
     assert state_cell(page, cmd["id"]) == "rejected: the run ended (finished) before the job applied it"
@@ -191,12 +191,12 @@ def test_an_applied_change_is_marked_where_it_took_effect(server, page):
     rid = run["id"]
     post_steps(server.url, rid, "a", 0, smooth_stats(60, 6))
     open_run(page, server.url, rid)
-    applied = httpx.post(f"{server.url}{API}/runs/{rid}/commands", json={"changes": {"margin": 2}}).json()
-    refused = httpx.post(
+    applied = loopback.post(f"{server.url}{API}/runs/{rid}/commands", json={"changes": {"margin": 2}}).json()
+    refused = loopback.post(
         f"{server.url}{API}/runs/{rid}/commands",
         json={"target": "blocks.0.mlp.fc", "changes": {"interval": 3}},
     ).json()
-    httpx.post(f"{server.url}{API}/runs/{rid}/commands", json={"changes": {"margin": 1}})  # stays pending
+    loopback.post(f"{server.url}{API}/runs/{rid}/commands", json={"changes": {"margin": 1}})  # stays pending
     post_steps(server.url, rid, "b", 60, smooth_stats(1, 6))  # delivers them
     acks = [
         {"command_id": applied["id"], "state": "applied", "step": 61},
@@ -226,7 +226,7 @@ def test_compare_shows_the_changes_applied_to_each_run(server, page):
     plain = create_run(server.url, "untouched", 2)
     for run in (changed, plain):
         post_steps(server.url, run["id"], "a", 0, smooth_stats(30, 6))
-    cmd = httpx.post(
+    cmd = loopback.post(
         f"{server.url}{API}/runs/{changed['id']}/commands", json={"changes": {"margin": 2}}
     ).json()
     post_steps(server.url, changed["id"], "b", 30, smooth_stats(1, 6))

@@ -3,10 +3,10 @@ comparison of up to 8 runs with any scalar overlaid and the config diff."""
 
 from __future__ import annotations
 
-import httpx
 import numpy as np
 import pytest
 
+from tests.support.http import loopback
 from tests.support.server import API, batch_body
 from tests.web.browser import no_page_errors, wait_stream
 from tests.web.dashboard_data import create_run, smooth_stats
@@ -36,7 +36,7 @@ def test_search_filter_tags_columns_rename_delete(server, page):
     ]:
         run = create_run(server.url, name, 1, config={"lr": lr, "model": {"n_layer": layers}}, tags=tags)
         ids[name] = run["id"]
-    httpx.patch(f"{server.url}{API}/runs/{ids['beta']}", json={"status": "finished"})
+    loopback.patch(f"{server.url}{API}/runs/{ids['beta']}", json={"status": "finished"})
     page.goto(f"{server.url}/#/?tag=t-list")  # a filtered list can be linked to (the server is shared)
     page.wait_for_selector("#runs-table tbody tr")
     wait_stream(page, "/stream")
@@ -83,13 +83,13 @@ def test_search_filter_tags_columns_rename_delete(server, page):
     page.wait_for_function(
         f"() => document.querySelector(\"{row} td.tags-cell\").textContent === 'bestfinal'"
     )
-    got = httpx.get(f"{server.url}{API}/runs/{ids['alpha-large']}").json()
+    got = loopback.get(f"{server.url}{API}/runs/{ids['alpha-large']}").json()
     assert got["name"] == "alpha-xl" and got["tags"] == ["best", "final"]
     gone = f"#runs-table tr[data-run-id='{ids['beta']}']"
     page.probe.answers.append("")
     page.click(f"{gone} button.run-delete")
     page.wait_for_selector(gone, state="detached")
-    assert httpx.get(f"{server.url}{API}/runs/{ids['beta']}").status_code == 404
+    assert loopback.get(f"{server.url}{API}/runs/{ids['beta']}").status_code == 404
     no_page_errors(page)
 
 
@@ -119,7 +119,7 @@ def test_compare_four_runs_scalars_config_and_any_pair(server, page):
         body = batch_body(f"k{i}", range(30), stats, encoding="float64", losses=np.full(30, 2.0 + i))
         for step in body["steps"]:
             step["scalars"]["accuracy"] = 0.1 * i
-        assert httpx.post(f"{server.url}{API}/runs/{rid}/telemetry", json=body).status_code == 200
+        assert loopback.post(f"{server.url}{API}/runs/{rid}/telemetry", json=body).status_code == 200
         runs.append(run)
     page.goto(f"{server.url}/#/")
     page.wait_for_selector("#runs-table tbody tr")

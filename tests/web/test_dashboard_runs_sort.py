@@ -8,13 +8,13 @@ from __future__ import annotations
 import re
 from datetime import timedelta
 
-import httpx
 import numpy as np
 import pytest
 from sqlalchemy import create_engine
 from sqlalchemy.orm import Session
 
 from monitor_server.storage.models import Run, utcnow
+from tests.support.http import loopback
 from tests.support.server import API, ServerProcess, make_tensors
 from tests.web.browser import no_page_errors, open_run, wait_stream
 from tests.web.dashboard_data import create_run, post_steps, smooth_stats
@@ -71,7 +71,7 @@ def test_a_header_click_sorts_the_list_by_the_service_and_a_link_keeps_it(server
     for name, rid in ids.items():
         created = page.locator(f"tr[data-run-id='{rid}'] td.created")
         assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d", created.text_content()), name
-        stored = httpx.get(f"{server.url}{API}/runs/{rid}").json()["created_at"]
+        stored = loopback.get(f"{server.url}{API}/runs/{rid}").json()["created_at"]
         assert created.get_attribute("title") == stored
     heads = page.eval_on_selector_all("#runs-table thead th", "ths => ths.map(th => th.textContent)")
     assert heads[4:7] == ["Created", "Duration ▲", "Last step"]
@@ -145,7 +145,7 @@ def test_notes_written_on_the_run_page_show_in_the_runs_list(server, page):
     page.click("#run-notes-edit")
     page.fill("#run-notes-input", notes[:40])
     # the header redraws (here: a rename from elsewhere); what is being typed stays, with the focus
-    assert httpx.patch(f"{server.url}{API}/runs/{rid}", json={"name": "noted-run-2"}).status_code == 200
+    assert loopback.patch(f"{server.url}{API}/runs/{rid}", json={"name": "noted-run-2"}).status_code == 200
     page.wait_for_function("() => document.getElementById('run-name').textContent === 'noted-run-2'")
     assert page.input_value("#run-notes-input") == notes[:40]
     assert page.evaluate("document.activeElement.id") == "run-notes-input"
@@ -153,7 +153,7 @@ def test_notes_written_on_the_run_page_show_in_the_runs_list(server, page):
     page.click("#run-notes-save")
     page.wait_for_selector("#run-notes-input", state="hidden")
     assert page.text_content("#run-notes-text") == notes  # as typed: text, never markup
-    assert httpx.get(f"{server.url}{API}/runs/{rid}").json()["notes"] == notes
+    assert loopback.get(f"{server.url}{API}/runs/{rid}").json()["notes"] == notes
 
     page.goto(f"{server.url}/#/?tag={tag}")
     page.reload()
@@ -171,9 +171,10 @@ def test_notes_are_read_only_without_the_control_scope(page, tmp_path):
     with ServerProcess(f"sqlite:///{tmp_path / 'ro.db'}", env={"FP8SCOPE_TOKENS": tokens}) as srv:
         job = {"Authorization": "Bearer job-secret"}
         body = {"name": "ro-run", "tensors": make_tensors(1)}
-        rid = httpx.post(f"{srv.url}{API}/runs", json=body, headers=job).json()["id"]
+        rid = loopback.post(f"{srv.url}{API}/runs", json=body, headers=job).json()["id"]
         assert (
-            httpx.patch(f"{srv.url}{API}/runs/{rid}", json={"notes": "kept"}, headers=job).status_code == 200
+            loopback.patch(f"{srv.url}{API}/runs/{rid}", json={"notes": "kept"}, headers=job).status_code
+            == 200
         )
         page.goto(f"{srv.url}/#/runs/{rid}")
         enter_token(page, "view-secret")

@@ -4,10 +4,10 @@ layers table that agrees with the alerts."""
 
 from __future__ import annotations
 
-import httpx
 import numpy as np
 import pytest
 
+from tests.support.http import loopback
 from tests.support.server import API
 from tests.web.browser import no_page_errors, open_run
 from tests.web.dashboard_data import create_run, post_steps, smooth_stats
@@ -30,7 +30,7 @@ def _post(server, rid, key, first, n, extra_scalars, seed=0):
         step["scalars"].update(
             {"grad_norm": 1.0 + 0.01 * (first + i), **{k: f(first + i) for k, f in extra_scalars.items()}}
         )
-    r = httpx.post(f"{server.url}{API}/runs/{rid}/telemetry", json=body, timeout=30)
+    r = loopback.post(f"{server.url}{API}/runs/{rid}/telemetry", json=body, timeout=30)
     assert r.status_code == 200, r.text
 
 
@@ -39,7 +39,7 @@ def _event(server, rid, key, step, name, **details):
         "idempotency_key": key,
         "events": [{"kind": "custom", "step": step, "details": {"name": name, **details}}],
     }
-    assert httpx.post(f"{server.url}{API}/runs/{rid}/telemetry", json=body, timeout=30).status_code == 200
+    assert loopback.post(f"{server.url}{API}/runs/{rid}/telemetry", json=body, timeout=30).status_code == 200
 
 
 def traces(page, plot: str) -> dict:
@@ -134,7 +134,7 @@ def test_any_scalar_charted_live_with_events_config_and_tags(server, page):
     page.fill("#run-tags", "sweep-1 best")
     page.click("#run-save")
     page.wait_for_function("() => document.getElementById('run-name').textContent === 'tracked-renamed'")
-    got = httpx.get(f"{server.url}{API}/runs/{rid}").json()
+    got = loopback.get(f"{server.url}{API}/runs/{rid}").json()
     assert got["name"] == "tracked-renamed" and got["tags"] == ["best", "sweep-1"]
     assert page.eval_on_selector_all("#run-tags-list .tag", "ts => ts.map(t => t.textContent)") == [
         "best",
@@ -146,7 +146,7 @@ def test_any_scalar_charted_live_with_events_config_and_tags(server, page):
         "() => document.getElementById('run-edit-error').textContent.startsWith('not saved')"
     )
     assert '"bad!tag" is not a tag' in page.text_content("#run-edit-error")
-    assert httpx.get(f"{server.url}{API}/runs/{rid}").json()["tags"] == ["best", "sweep-1"]
+    assert loopback.get(f"{server.url}{API}/runs/{rid}").json()["tags"] == ["best", "sweep-1"]
     no_page_errors(page)
 
 
@@ -156,7 +156,7 @@ def test_layers_table_agrees_with_an_alert_before_the_ranking_catches_up(server,
     post_steps(server.url, rid, "quiet", 0, smooth_stats(40, 6))
     # the engine's ranking as the page fetched it before the fault: every layer healthy (a stale answer,
     # as it was during the refresh delay)
-    stale = httpx.get(f"{server.url}{API}/runs/{rid}/layers").json()
+    stale = loopback.get(f"{server.url}{API}/runs/{rid}/layers").json()
     assert {layer["severity"] for layer in stale} == {"ok"}
     page.route(f"**/api/v1/runs/{rid}/layers", lambda route: route.fulfill(json=stale))
     open_run(page, server.url, rid)

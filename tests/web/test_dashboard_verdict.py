@@ -9,10 +9,10 @@ import os
 import subprocess
 import sys
 
-import httpx
 import numpy as np
 import pytest
 
+from tests.support.http import loopback
 from tests.support.server import API, batch_body
 from tests.web.browser import VIEWPORT, no_page_errors, open_run, wait_drawn
 from tests.web.dashboard_data import create_run, smooth_stats
@@ -45,7 +45,7 @@ def demo_run(server, tmp_path_factory) -> int:
     cwd = tmp_path_factory.mktemp("demo")
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    runs = httpx.get(f"{server.url}{API}/runs", params={"q": "verdict-demo"}).json()
+    runs = loopback.get(f"{server.url}{API}/runs", params={"q": "verdict-demo"}).json()
     return next(r["id"] for r in runs if r["name"] == "verdict-demo")
 
 
@@ -64,10 +64,10 @@ def test_the_demo_run_says_what_went_wrong_under_its_header(server, page, demo_r
     # the learning-rate spike's incident, the step after it: its loss spike is one of its alerts (the root
     # cause is the first by tensor order, so a tensor that saturated in the same step comes before it)
     assert any("step 221" in t for t in items), items
-    alerts = httpx.get(f"{server.url}{API}/runs/{demo_run}/alerts").json()
+    alerts = loopback.get(f"{server.url}{API}/runs/{demo_run}/alerts").json()
     spikes = [a for a in alerts if a["kind"] == "loss_spike"]
     assert spikes and spikes[0]["first_step"] == 221, alerts
-    incidents = httpx.get(f"{server.url}{API}/runs/{demo_run}/incidents").json()
+    incidents = loopback.get(f"{server.url}{API}/runs/{demo_run}/incidents").json()
     assert any(i["id"] == spikes[0]["incident_id"] and i["first_step"] == 221 for i in incidents), incidents
     # the header's status stays a green "finished": the loss ended finite
     assert page.text_content(".run-head .badge.ok") == "finished"
@@ -131,8 +131,8 @@ def _run_without_grad_norm(url: str, steps: int = 60) -> int:
     stats = smooth_stats(steps, 6)
     losses = 3.0 * np.exp(-np.arange(steps) / 20) + 0.1 * np.sin(np.arange(steps))
     body = batch_body("a", range(steps), stats, encoding="float64", losses=losses)
-    assert httpx.post(f"{url}{API}/runs/{run['id']}/telemetry", json=body, timeout=60).status_code == 200
-    assert httpx.patch(f"{url}{API}/runs/{run['id']}", json={"status": "finished"}).status_code == 200
+    assert loopback.post(f"{url}{API}/runs/{run['id']}/telemetry", json=body, timeout=60).status_code == 200
+    assert loopback.patch(f"{url}{API}/runs/{run['id']}", json={"status": "finished"}).status_code == 200
     return run["id"], losses
 
 

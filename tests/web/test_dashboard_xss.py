@@ -3,10 +3,10 @@ shown as written in every view, and nothing in them runs."""
 
 from __future__ import annotations
 
-import httpx
 import numpy as np
 import pytest
 
+from tests.support.http import loopback
 from tests.support.server import API, tensors_named
 from tests.web.browser import no_page_errors, open_run
 from tests.web.dashboard_data import create_run, post_steps, smooth_stats
@@ -44,7 +44,9 @@ def test_markup_in_names_stays_inert(server, page):
     ]
     post_steps(server.url, rid, "a", 0, stats, events=events)
     post_steps(server.url, other["id"], "a", 0, smooth_stats(80, 6, factor=2.0))
-    r = httpx.post(f"{server.url}{API}/runs/{rid}/commands", json={"target": IMG, "changes": {"margin": 1}})
+    r = loopback.post(
+        f"{server.url}{API}/runs/{rid}/commands", json={"target": IMG, "changes": {"margin": 1}}
+    )
     assert r.status_code == 201, r.text
 
     # runs list

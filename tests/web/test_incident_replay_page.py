@@ -5,9 +5,9 @@ download menu has the replays."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
+from tests.support.http import loopback
 from tests.support.server import API
 from tests.web.browser import no_page_errors, open_run
 from tests.web.dashboard_data import create_run, post_steps, smooth_stats
@@ -48,7 +48,7 @@ def test_the_incident_shows_its_replay_verdict_first_then_the_culprit(server, pa
     stats["overflow"][40, 3] = 2048  # blocks.1's input saturates at step 40
     bundle = {"kind": "custom", "step": 40, "details": {"name": "incident_bundle", "path": BUNDLE}}
     post_steps(server.url, rid, "a", 0, stats, events=[bundle])
-    (incident,) = httpx.get(f"{server.url}{API}/runs/{rid}/incidents").json()
+    (incident,) = loopback.get(f"{server.url}{API}/runs/{rid}/incidents").json()
     assert incident["bundles"] == [BUNDLE]
 
     open_run(page, server.url, rid)
@@ -58,7 +58,7 @@ def test_the_incident_shows_its_replay_verdict_first_then_the_culprit(server, pa
     assert page.text_content(f"{item} .replay-bundle code") == BUNDLE
     assert f"--run-id {rid} --incident {incident['id']}" in page.text_content(f"{item} .replay-hint")
 
-    r = httpx.put(f"{server.url}{API}/runs/{rid}/incidents/{incident['id']}/replay", json=report())
+    r = loopback.put(f"{server.url}{API}/runs/{rid}/incidents/{incident['id']}/replay", json=report())
     assert r.status_code == 200, r.text
     # live: the incident's event carries the verdict, the page reads the report
     page.wait_for_selector(f"{item} .incident-replay[data-verdict='fp8-caused'] tr.replay-culprit")
@@ -80,7 +80,7 @@ def test_the_incident_shows_its_replay_verdict_first_then_the_culprit(server, pa
     name, body = fetch_download(page, 5, "csv")
     assert name == f"run-{rid}-replays.csv"
     query = {"table": "replays", "format": "csv"}
-    assert body == httpx.get(f"{server.url}{API}/runs/{rid}/export", params=query).content
+    assert body == loopback.get(f"{server.url}{API}/runs/{rid}/export", params=query).content
     assert "fp8-caused" in body.decode()
     no_page_errors(page)
 
@@ -93,8 +93,8 @@ def test_a_proposed_remediation_is_applied_with_one_click(server, page):
     stats = smooth_stats(60, 12)
     stats["overflow"][40, 3] = 2048
     post_steps(server.url, rid, "a", 0, stats)
-    (incident,) = httpx.get(f"{server.url}{API}/runs/{rid}/incidents").json()
-    r = httpx.put(f"{server.url}{API}/runs/{rid}/incidents/{incident['id']}/replay", json=report())
+    (incident,) = loopback.get(f"{server.url}{API}/runs/{rid}/incidents").json()
+    r = loopback.put(f"{server.url}{API}/runs/{rid}/incidents/{incident['id']}/replay", json=report())
     assert r.status_code == 200, r.text
 
     open_run(page, server.url, rid)
@@ -102,13 +102,13 @@ def test_a_proposed_remediation_is_applied_with_one_click(server, page):
     page.wait_for_selector(f"{action}[data-state='proposed']")
     assert page.get_attribute(action, "data-rule") == "low_sqnr"
     assert page.text_content(f"{action} code") == LAYER and "fp8_enabled → false" in page.text_content(action)
-    assert httpx.get(f"{server.url}{API}/runs/{rid}/commands").json() == []
+    assert loopback.get(f"{server.url}{API}/runs/{rid}/commands").json() == []
     page.click(f"{action} button.policy-apply")
     page.wait_for_selector(f"{action}[data-state='queued']")
     assert page.query_selector(f"{action} button.policy-apply") is None
-    (command,) = httpx.get(f"{server.url}{API}/runs/{rid}/commands").json()
+    (command,) = loopback.get(f"{server.url}{API}/runs/{rid}/commands").json()
     assert (command["target"], command["changes"]) == (LAYER, {"fp8_enabled": False})
-    (stored,) = httpx.get(f"{server.url}{API}/runs/{rid}/policy-actions").json()
+    (stored,) = loopback.get(f"{server.url}{API}/runs/{rid}/policy-actions").json()
     assert stored["state"] == "queued" and stored["command_id"] == command["id"]
     no_page_errors(page)
 
@@ -122,7 +122,7 @@ def test_the_replay_button_asks_a_worker_and_shows_how_it_goes(server, page):
     stats["overflow"][40, 3] = 2048
     bundle = {"kind": "custom", "step": 40, "details": {"name": "incident_bundle", "path": BUNDLE}}
     post_steps(server.url, rid, "a", 0, stats, events=[bundle])
-    (incident,) = httpx.get(f"{server.url}{API}/runs/{rid}/incidents").json()
+    (incident,) = loopback.get(f"{server.url}{API}/runs/{rid}/incidents").json()
 
     open_run(page, server.url, rid)
     line = f"#incidents-list li[data-incident-id='{incident['id']}'] .replay-request-line"
@@ -131,14 +131,16 @@ def test_the_replay_button_asks_a_worker_and_shows_how_it_goes(server, page):
     page.wait_for_selector(f"{line}[data-state='pending']")
     assert "waiting for a replay worker" in page.text_content(f"{line} .replay-request-state")
     assert page.is_disabled(f"{line} button.replay-request")
-    (asked,) = httpx.get(f"{server.url}{API}/runs/{rid}/replay-requests").json()
+    (asked,) = loopback.get(f"{server.url}{API}/runs/{rid}/replay-requests").json()
     assert (asked["incident_id"], asked["bundle"], asked["state"]) == (incident["id"], BUNDLE, "pending")
 
     # a worker takes it and fails it: both show live
-    assert httpx.post(f"{server.url}{API}/replay-requests/{asked['id']}/claim").status_code == 200
+    assert loopback.post(f"{server.url}{API}/replay-requests/{asked['id']}/claim").status_code == 200
     page.wait_for_selector(f"{line}[data-state='running']")
     why = {"state": "failed", "detail": "bundle not found on the replay worker's machine: <i>x</i>"}
-    assert httpx.post(f"{server.url}{API}/replay-requests/{asked['id']}/finish", json=why).status_code == 200
+    assert (
+        loopback.post(f"{server.url}{API}/replay-requests/{asked['id']}/finish", json=why).status_code == 200
+    )
     page.wait_for_selector(f"{line}[data-state='failed']")
     assert page.text_content(f"{line} .replay-request-state").strip() == f"the replay failed: {why['detail']}"
     assert page.text_content(f"{line} button.replay-request") == "Replay again"

@@ -12,6 +12,7 @@ import pytest
 
 from fp8_trainer import Monitor
 from fp8_trainer.monitor import MonitorRefused
+from tests.support.http import loopback
 from tests.support.polling import wait_until
 from tests.support.server import running_server
 from tests.trainer.monitor_utils import FAST, tiny_model
@@ -28,9 +29,8 @@ def server(tmp_path_factory):
 
 
 def _get(server, path):
-    import httpx
 
-    r = httpx.get(f"{server.url}/api/v1{path}", headers={"Authorization": f"Bearer {READ}"}, timeout=10)
+    r = loopback.get(f"{server.url}/api/v1{path}", headers={"Authorization": f"Bearer {READ}"}, timeout=10)
     assert r.status_code == 200, r.text
     return r.json()
 

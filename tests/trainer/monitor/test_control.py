@@ -6,19 +6,19 @@ from __future__ import annotations
 
 import time
 
-import httpx
 import torch
 
 from fp8_trainer import Monitor, get_layer_recipes
 from fp8_trainer.app.model import GPT, GPTConfig
 from fp8_trainer.monitor.control import apply_commands
+from tests.support.http import loopback
 from tests.support.polling import wait_until
 from tests.support.server import API
 from tests.trainer.monitor_utils import FAST, get, tiny_model, train
 
 
 def post_command(url, run_id, body):
-    r = httpx.post(f"{url}{API}/runs/{run_id}/commands", json=body, timeout=10)
+    r = loopback.post(f"{url}{API}/runs/{run_id}/commands", json=body, timeout=10)
     assert r.status_code == 201, r.text
     return r.json()
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 
-import httpx
 import numpy as np
 import pytest
 import torch
@@ -14,6 +13,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 from fp8_trainer import Monitor, fp8_autocast, get_layer_recipes, step_stats
+from tests.support.http import loopback
 from tests.support.polling import wait_until
 from tests.support.server import API, free_port, running_server
 from tests.trainer.gloo import gloo_group, per_rank_stats, rank_step, spawn_ranks
@@ -71,7 +71,7 @@ def test_two_ranks_report_reduced_stats_rank_amax_and_apply_commands_together(tm
         )
         assert wait_until(lambda: get(server.url, "/runs"), timeout=60)
         run_id = get(server.url, "/runs")[0]["id"]
-        posted = httpx.post(
+        posted = loopback.post(
             f"{server.url}{API}/runs/{run_id}/commands", json={"target": LAYER, "changes": {"margin": 2}}
         )
         assert posted.status_code == 201, posted.text

@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 import sys
 
-import httpx
 import numpy as np
 import pytest
 import torch
@@ -16,6 +15,7 @@ from fp8_protocol.stats import stored_amax
 from fp8_trainer import Monitor, tensor_table
 from fp8_trainer.monitor.read import Reader, ReadError
 from tests.support import ROOT
+from tests.support.http import loopback
 from tests.support.server import pg_database_or_skip, running_server
 from tests.trainer.monitor_utils import FAST, tiny_model, train
 
@@ -220,7 +220,7 @@ def test_run_without_statistics(tmp_path, fmt):
     """A baseline run (no FP8 tensors) and a run with nothing stored read as empty arrays, not errors."""
     with running_server(f"sqlite:///{tmp_path / 'empty.db'}") as srv, Reader(srv.url, format=fmt) as reader:
         body = {"name": "bf16", "config": {}, "recipe": {}, "tensors": []}
-        run_id = httpx.post(f"{srv.url}/api/v1/runs", json=body, timeout=10).json()["id"]
+        run_id = loopback.post(f"{srv.url}/api/v1/runs", json=body, timeout=10).json()["id"]
         stats = reader.stats(run_id)
         assert stats["steps"].shape == (0,) and stats["amax"].shape == (0, 0)
         assert [a.size for a in reader.series(run_id, "loss")] == [0, 0]

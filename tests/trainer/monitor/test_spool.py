@@ -8,13 +8,13 @@ import signal
 import threading
 import time
 
-import httpx
 import orjson
 import pytest
 
 from fp8_trainer import Monitor
 from fp8_trainer.monitor.spool import SpoolWriter, read_spool
 from monitor_server import cli
+from tests.support.http import loopback
 from tests.support.polling import wait_until
 from tests.support.server import API, ServerProcess, free_port, running_server
 from tests.trainer.monitor_utils import FAST, assert_stored_equal, get, tiny_model, train
@@ -132,7 +132,7 @@ def test_service_killed_mid_run_and_at_the_end_every_step_stored_once(tmp_path, 
         # 3. part of the spool delivered by hand first: the upload still stores nothing twice
         server.start()
         for body in contents.batches[: len(contents.batches) // 2]:
-            r = httpx.post(
+            r = loopback.post(
                 f"{server.url}{API}/runs/{run_id}/telemetry",
                 content=orjson.dumps(body),
                 headers={"Content-Type": "application/json"},  # the open server requires it
