@@ -115,9 +115,10 @@ def run_backend(
     """Every attack the arguments ask for against one backend's pair of servers: their rows."""
     with servers(db_url, open_db_url, tmp) as (srv, opn):
         bench = Bench(backend, srv, opn, args.smoke)
-        if not args.round_two_only:
-            run_round_one(bench)
-        run_round_two(bench, args.only)
+        with bench.http:
+            if not args.round_two_only:
+                run_round_one(bench)
+            run_round_two(bench, args.only)
         return bench.rows
 
 

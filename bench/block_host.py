@@ -57,7 +57,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import layer_meta, layer_parser, write_report  # noqa: E402
+from bench.common import Column, layer_meta, layer_parser, table, write_report  # noqa: E402
 from fp8_kernels.triton.cross_build import NO_LAUNCH, LaunchCounter  # noqa: E402
 from fp8_trainer.recipe import DelayedScaling, Float8BlockScaling, MXFP8BlockScaling  # noqa: E402
 
@@ -263,15 +263,14 @@ def main(argv: list[str] | None = None) -> int:
         args.layers, args.steps, args.rounds = 1, 2, 1
     torch.set_num_threads(1)
     rows = measure(args.layers, args.tokens, args.features, args.steps, args.rounds)
-    head = (
-        f"{'layer':18} {'launches':>9} {'kernels':>8} {'host reads':>11} {'host us':>9}  (per Linear fwd+bwd)"
-    )
-    lines = [head]
-    for r in rows:
-        lines.append(
-            f"{r['layer']:18} {r['launches_per_layer']:9.1f} {r['kernel_launches_per_layer']:8.1f} "
-            f"{r['host_reads_per_layer']:11.1f} {r['host_us_per_layer']:9.1f}"
-        )
+    columns = [
+        Column("layer", "layer", 18),
+        Column("launches", "launches_per_layer", 9, ".1f"),
+        Column("kernels", "kernel_launches_per_layer", 8, ".1f"),
+        Column("host reads", "host_reads_per_layer", 11, ".1f"),
+        Column("host us", "host_us_per_layer", 9, ".1f"),
+    ]
+    lines = table(rows, columns, "(per Linear fwd+bwd)")
     lines.append(
         "host us: the Python and dispatch of every op, plus the CPU arithmetic of the ops that run for real "
         "(the eager-stats rows compute their statistics over every element here, which a GPU does on the "

@@ -12,7 +12,7 @@ import argparse
 import json
 import os
 import platform
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,6 +49,36 @@ def torch_meta() -> dict[str, str]:
     import torch
 
     return {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine()}
+
+
+@dataclass(frozen=True)
+class Column:
+    """A column of a printed table: its `heading`, the `value` of a row it shows (the row's key, or a function
+    of the row), its `width` and its format spec (`fmt`, e.g. ``".1f"``; text when empty). Text is aligned
+    left and numbers right unless `align` says otherwise."""
+
+    heading: str
+    value: str | Callable[[dict], object]
+    width: int
+    fmt: str = ""
+    align: str = ""
+
+    def cell(self, row: dict) -> str:
+        value = self.value(row) if callable(self.value) else row[self.value]
+        return format(value, f"{self._align}{self.width}{self.fmt}")
+
+    def head(self) -> str:
+        return format(self.heading, f"{self._align}{self.width}")
+
+    @property
+    def _align(self) -> str:
+        return self.align or (">" if self.fmt else "<")
+
+
+def table(rows: Iterable[dict], columns: Sequence[Column], note: str = "") -> list[str]:
+    """The lines of a table of `rows`: the headings (with `note` after them), then a line per row."""
+    head = " ".join(c.head() for c in columns) + (f"  {note}" if note else "")
+    return [head] + [" ".join(c.cell(r) for c in columns) for r in rows]
 
 
 def write_report(path: Path, heading: str, lines: list[str], rows: list[dict], meta: dict[str, Any]) -> int:

@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import layer_meta, layer_parser, write_report  # noqa: E402
+from bench.common import Column, layer_meta, layer_parser, table, write_report  # noqa: E402
 from fp8_kernels.triton.cross_build import NO_LAUNCH, LaunchCounter  # noqa: E402
 
 GOALS = {"fp8scope delayed": 2.0, "fp8scope current": 2.5}
@@ -302,13 +302,14 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     rows = measure(kinds, args.layers, args.tokens, args.features, args.steps, args.rounds)
-    lines = [f"{'per layer, fwd+bwd':22} {'host us':>8} {'x nn.Linear':>11} {'launches':>9} {'goal':>6}"]
-    for r in rows:
-        goal = f"<= {r['goal_ratio']}" if r["goal_ratio"] else ""
-        lines.append(
-            f"{r['config']:22} {r['host_us_per_layer']:8.1f} {r['ratio_to_nn_linear']:11.2f} "
-            f"{r['launches_per_layer']:9.2f} {goal:>6}"
-        )
+    columns = [
+        Column("per layer, fwd+bwd", "config", 22),
+        Column("host us", "host_us_per_layer", 8, ".1f"),
+        Column("x nn.Linear", "ratio_to_nn_linear", 11, ".2f"),
+        Column("launches", "launches_per_layer", 9, ".2f"),
+        Column("goal", lambda r: f"<= {r['goal_ratio']}" if r["goal_ratio"] else "", 6, align=">"),
+    ]
+    lines = table(rows, columns)
     heading = (
         f"GPU path emulated on the CPU: {args.layers} layers of {args.features}x{args.features}, "
         f"{args.tokens} tokens, bf16; median of {args.rounds} rounds of {args.steps} steps"

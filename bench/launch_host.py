@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import write_report  # noqa: E402
+from bench.common import Column, table, write_report  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 
@@ -165,16 +165,16 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--shape: MxN, e.g. 512x1024")
     rows = measure(shape, args.calls, args.rounds)
 
-    cols = f"{'planned':>9} {'rebuilt':>9} {'prepared':>9} {'floor':>7} {'saved':>7}"
-    head = f"{'launcher':40} {cols}  (us per call, host)"
-    lines = [head]
-    for r in rows:
-        us = r["us_per_call"]
-        cells = (
-            f"{us['planned']:9.1f} {us['rebuilt']:9.1f} {us['prepared']:9.1f} {us['floor']:7.1f} "
-            f"{r['saved_us']:7.1f}"
-        )
-        lines.append(f"{r['launcher']:40} {cells}")
+    def us(launcher: str, width: int) -> Column:
+        return Column(launcher, lambda r: r["us_per_call"][launcher], width, ".1f")
+
+    columns = [
+        Column("launcher", "launcher", 40),
+        *(us(name, 9) for name in ("planned", "rebuilt", "prepared")),
+        us("floor", 7),
+        Column("saved", "saved_us", 7, ".1f"),
+    ]
+    lines = table(rows, columns, "(us per call, host)")
     heading = f"bf16 {shape[0]}x{shape[1]}, kernels recorded (no device), median of {args.rounds} rounds"
     meta = {"smoke": args.smoke, "shape": list(shape), "calls": args.calls, "rounds": args.rounds}
     return write_report(args.out, heading, lines, rows, meta)

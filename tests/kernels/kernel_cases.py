@@ -242,13 +242,15 @@ def _amax_keeps_scale(device: torch.device) -> None:
 
 @case("quantize-many-blocks-per-program")
 def _many_blocks(device: torch.device) -> None:
-    # every program walks tens of blocks, each element position collecting overflows, underflows and
-    # non-finite elements in its packed per-slot counters (8 bits apart, at most LANE per block)
-    from fp8_kernels.triton.launch import block_1d, grid_cap
+    # every program walks the most blocks it may (MAX_BLOCKS_PER_PROGRAM, the last one partial), each element
+    # position collecting overflows, underflows and non-finite elements in its packed per-slot counters
+    # (8 bits apart, at most LANE per block): the fullest the counters get
+    from fp8_kernels.triton.launch import MAX_BLOCKS_PER_PROGRAM, block_1d, cdiv, grid_cap, persistent_grid
     from fp8_kernels.triton.quantize import launch_quantize
 
     block, _ = block_1d(device)
-    n = 40 * block * grid_cap(device) + 5
+    n = MAX_BLOCKS_PER_PROGRAM * block * grid_cap(device) - 5
+    assert cdiv(cdiv(n, block), persistent_grid(cdiv(n, block), device)) == MAX_BLOCKS_PER_PROGRAM
     pattern = torch.tensor([1e6, 1e-30, NAN, -INF, 1.0, -2e5, 0.0])
     x = pattern.repeat(n // len(pattern) + 1)[:n].to(device)
     for transpose, shape in ((False, (n,)), (True, (n // 97, 97))):
