@@ -42,6 +42,11 @@ def test_command_applied_at_step_boundary_acked_and_rolled_back(server, tmp_path
             train(model, recipe, mon, 1, start=step)  # ends with mon.step(step): commands apply there
             now = get_layer_recipes(model)[layer]["margin"]
             if rollback is None and now == 3:
+                # the ack travels on the monitor's thread, and the service rolls back an applied command
+                # only (409 while it is "delivered"): wait for the ack, as a user would see it applied
+                assert wait_until(
+                    lambda: command(server.url, mon.run_id, change["id"])["state"] == "applied"
+                ), "the change's ack never reached the service"
                 rollback = post_command(server.url, mon.run_id, {"rollback": change["id"]})
             if rollback is not None and now == 0:
                 break
