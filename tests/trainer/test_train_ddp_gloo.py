@@ -12,7 +12,8 @@ from fp8_trainer.app.checkpoint import load_checkpoint
 # Each rank runs the real fp8-train flags and loop, then dumps its own final state (only rank 0 saves
 # checkpoints, so the comparison needs this).
 WORKER = """
-import sys, torch
+import faulthandler, sys, torch
+faulthandler.dump_traceback_later(90, file=sys.stderr)  # a rank still running at 90 s shows where it waits
 from fp8_trainer import get_fp8_state, step_stats
 from fp8_trainer.app import cli
 from fp8_trainer.app.build import dist_env
@@ -43,9 +44,15 @@ def test_two_ranks_end_identical(tmp_path):
     flags += ["--save", str(tmp_path / "ck.pt"), "--inject", "overflow:blocks.0.mlp.fc@3"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    r = subprocess.run(
-        [*cmd, str(script), str(tmp_path), *flags], capture_output=True, text=True, timeout=120, env=env
-    )
+    try:
+        r = subprocess.run(
+            [*cmd, str(script), str(tmp_path), *flags], capture_output=True, text=True, timeout=120, env=env
+        )
+    except subprocess.TimeoutExpired as e:  # a hang seen twice in full runs, never alone: show where
+        out, err = (
+            x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr)
+        )
+        pytest.fail(f"the 2-rank run did not end in 120 s\n{out[-3000:]}\n{err[-12000:]}")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
     ranks = [torch.load(tmp_path / f"rank{k}.pt", weights_only=True) for k in range(2)]
