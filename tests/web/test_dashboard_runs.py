@@ -3,6 +3,8 @@ comparison of up to 8 runs with any scalar overlaid and the config diff."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -90,6 +92,47 @@ def test_search_filter_tags_columns_rename_delete(server, page):
     page.click(f"{gone} button.run-delete")
     page.wait_for_selector(gone, state="detached")
     assert loopback.get(f"{server.url}{API}/runs/{ids['beta']}").status_code == 404
+    no_page_errors(page)
+
+
+def test_a_list_answer_older_than_a_rename_does_not_undo_it(server, page):
+    """A list read in flight while a run is renamed (another run appeared meanwhile) answers with the old
+    name; it lands after the rename and after the row's re-read, and the row keeps the new name."""
+    run = create_run(server.url, "held-a", 1, tags=["t-held"])
+    page.goto(f"{server.url}/#/?tag=t-held")
+    wait_stream(page, "/stream")
+    wait_names(page, ["held-a"])
+
+    held = []  # (route, the service's answer read before the rename)
+
+    def hold(route):
+        held.append((route, route.fetch()))
+
+    def a_list_read(url):
+        return f"{API}/runs?" in url
+
+    def the_row_reread(response):
+        return response.url.endswith(f"{API}/runs/{run['id']}") and response.request.method == "GET"
+
+    page.route(a_list_read, hold)
+    create_run(server.url, "held-b", 1, tags=["t-held"])  # the stream's "run created" reloads the list
+    deadline = time.monotonic() + 15
+    while not held:  # the route handler runs while Playwright is called
+        assert time.monotonic() < deadline, "the list was not read again after a run was created"
+        page.wait_for_timeout(20)
+
+    row = f"#runs-table tr[data-run-id='{run['id']}']"
+    page.probe.answers.append("held-renamed")
+    with page.expect_response(the_row_reread):  # the stream's "run changed" re-reads the row, after the PATCH
+        page.click(f"{row} button.run-rename")
+    page.wait_for_selector(f"{row} td.name a >> text='held-renamed'")
+
+    for route, answer in held:
+        route.fulfill(response=answer)
+    page.unroute(a_list_read)
+    # the old answer is placed (it brings the new run) and the renamed row keeps its name
+    page.wait_for_selector("#runs-table tbody tr td.name a >> text=held-b")
+    assert names_shown(page) == ["held-b", "held-renamed"]
     no_page_errors(page)
 
 

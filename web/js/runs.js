@@ -71,6 +71,7 @@ class RunsPage {
     );
     this.groups = mountGroups(groupsHost);
     this.refreshers = new Map(); // run id -> its throttled re-read
+    this.listRead = 0; // the number of the latest list read started (see RunsTable.startRead)
     this.reload = throttle(() => this.load().catch((err) => {
       this.table.error.textContent = `could not list runs: ${failure(err)}`;
     }), 300);
@@ -130,6 +131,8 @@ class RunsPage {
 
   /** The first `shown` pages again (filters changed, or a run appeared). */
   async load() {
+    const read = this.table.startRead();
+    this.listRead = read;
     const runs = [];
     let cursor = null;
     for (let p = 0; p < this.shown; p++) {
@@ -138,24 +141,27 @@ class RunsPage {
       cursor = page.next;
       if (!cursor) break;
     }
+    if (read < this.listRead) return; // a later list read answers (or has answered) instead
     this.next = cursor;
     this.table.error.textContent = "";
-    this.place(runs, false);
+    this.place(runs, false, read);
   }
 
   async loadMore() {
     try {
+      const read = this.table.startRead();
       const page = await api(this.query(this.next), { page: true });
+      if (read < this.listRead) return; // the list was read again meanwhile: this page may not follow it
       this.next = page.next;
       this.shown += 1;
-      this.place(page.data, true);
+      this.place(page.data, true, read);
     } catch (err) {
       this.table.error.textContent = `loading more runs failed: ${failure(err)}`;
     }
   }
 
-  place(runs, append) {
-    this.table.place(runs, append);
+  place(runs, append, read) {
+    this.table.place(runs, append, read);
     this.more.hidden = !this.next;
     this.table.empty.textContent = this.filtering() ? "No run matches these filters." : "No runs yet. Start a training job with --monitor-url.";
     this.regroup();
@@ -207,8 +213,8 @@ class RunsPage {
         const row = this.table.rows.get(id);
         if (!row) return this.reload();
         try {
-          row.run = await api(`/runs/${id}`);
-          this.table.fill(row);
+          const read = this.table.startRead();
+          this.table.update(row, await api(`/runs/${id}`), read);
         } catch (err) {
           if (err.status === 404) this.reload(); // deleted meanwhile
           else console.warn("run", err);
@@ -243,7 +249,7 @@ class RunsPage {
         alert: (d) => this.refreshOne(d.run_id),
         incident: (d) => this.refreshOne(d.run_id),
         run: (d) => {
-          if (d.deleted) this.table.remove(d.run_id);
+          if (d.deleted) this.table.remove(d.run_id, this.table.startRead());
           else if (!this.table.rows.has(d.run_id) || d.created) this.reload();
           else this.refreshOne(d.run_id);
         },

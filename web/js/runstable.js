@@ -25,7 +25,11 @@ export class RunsTable {
   constructor(store, on) {
     this.store = store;
     this.on = on;
-    this.rows = new Map(); // run id -> {run, tr, cells, check, notes, actions, refreshSpark}
+    this.rows = new Map(); // run id -> {run, read, tr, cells, check, notes, actions, refreshSpark}
+    // Reads of runs are numbered as they start: a row shows the answer of the latest read that started, so
+    // a list read still in flight when a run was renamed does not put the old name back when it lands.
+    this.reads = 0;
+    this.deleted = new Map(); // run id -> the first read that cannot have seen it (a list older keeps it out)
     this.picked = new Set();
     this.tbody = el("tbody");
     this.thead = el("thead");
@@ -112,10 +116,11 @@ export class RunsTable {
     const r = row.run;
     this.error.textContent = "";
     try {
+      let change;
       if (what === "rename") {
         const name = window.prompt(`New name of run #${r.id}`, r.name);
         if (name === null || !name.trim() || name.trim() === r.name) return;
-        row.run = await api(`/runs/${r.id}`, { method: "PATCH", body: { name: name.trim() } });
+        change = { name: name.trim() };
       } else if (what === "tags") {
         const text = window.prompt(`Tags of run #${r.id} (space-separated)`, (r.tags || []).join(" "));
         if (text === null) return;
@@ -124,22 +129,41 @@ export class RunsTable {
           this.error.textContent = parsed.error;
           return;
         }
-        row.run = await api(`/runs/${r.id}`, { method: "PATCH", body: { tags: parsed.tags } });
+        change = { tags: parsed.tags };
       } else if (what === "delete") {
         if (!window.confirm(`Delete run #${r.id} "${r.name}" and all its telemetry? This cannot be undone.`)) return;
+        const read = this.startRead();
         await api(`/runs/${r.id}`, { method: "DELETE" });
         this.picked.delete(r.id);
-        this.remove(r.id);
+        this.remove(r.id, read);
         return;
       }
-      this.fill(row);
+      const read = this.startRead();
+      this.update(row, await api(`/runs/${r.id}`, { method: "PATCH", body: change }), read);
     } catch (err) {
       this.error.textContent = `${what} failed: ${failure(err)}`;
     }
   }
 
-  /** Take run `id`'s row out of the table (deleted). */
-  remove(id) {
+  /** The number of a read of runs about to start (for `update`, `place` and `remove`). */
+  startRead() {
+    return ++this.reads;
+  }
+
+  /** Row `row` shows `run`, the answer of read number `read`, unless a read that started later has
+   * answered already (then the row has newer facts); says whether it did. */
+  update(row, run, read) {
+    if (read < row.read) return false;
+    row.run = run;
+    row.read = read;
+    this.fill(row);
+    return true;
+  }
+
+  /** Take run `id`'s row out of the table: deleted, as read `read` knows (a list read that started before
+   * it does not bring the row back). */
+  remove(id, read) {
+    this.deleted.set(id, read);
     const row = this.rows.get(id);
     if (!row) return;
     row.tr.remove();
@@ -147,7 +171,7 @@ export class RunsTable {
     this.empty.hidden = this.rows.size > 0;
   }
 
-  addRow(run) {
+  addRow(run, read) {
     const check = el("input", { type: "checkbox", title: `pick for comparison (up to ${MAX_COMPARE})`, onchange: (ev) => this.pick(run.id, ev.target.checked) });
     const notes = el("div", { class: "run-notes-short" });
     const cells = {
@@ -162,7 +186,7 @@ export class RunsTable {
       spark: el("td", { class: "spark" }),
       seen: el("td", { class: "muted" }),
     };
-    const row = { run, cells, check, notes };
+    const row = { run, read, cells, check, notes };
     const action = (what, label, help) => el("button", { type: "button", class: `small run-${what}`, dataset: { help }, onclick: () => this.act(row, what) }, label);
     row.actions = [action("rename", "Rename", "rename this run"), action("tags", "Tags", "edit this run's tags"), action("delete", "Delete", "delete this run and its telemetry")];
     row.tr = el("tr", { dataset: { runId: run.id } }, el("td", {}, check), cells.name, cells.status, cells.tags, cells.created, cells.duration, cells.step, cells.loss, cells.alerts, cells.spark, cells.seen, el("td", { class: "actions" }, row.actions));
@@ -183,20 +207,20 @@ export class RunsTable {
     }
   }
 
-  /** Show `runs` in the order given (after the rows shown, with `append`): known runs' rows are refilled
-   * (their sparkline re-read when they stepped), new ones added, and rows of runs not listed dropped. */
-  place(runs, append) {
+  /** Show `runs`, the answer of list read number `read`, in the order given (after the rows shown, with
+   * `append`): known runs' rows are refilled (their sparkline re-read when they stepped) unless a later read
+   * answered for them, new ones added, and rows of runs not listed dropped. */
+  place(runs, append, read) {
     const order = append ? [...this.tbody.children] : [];
     const keep = new Set(append ? this.rows.keys() : []);
     for (const run of runs) {
+      if (read < (this.deleted.get(run.id) ?? 0)) continue;
       let row = this.rows.get(run.id);
       if (row) {
         const moved = row.run.last_step !== run.last_step;
-        row.run = run;
-        this.fill(row);
-        if (moved) row.refreshSpark();
+        if (this.update(row, run, read) && moved) row.refreshSpark();
       } else {
-        row = this.addRow(run);
+        row = this.addRow(run, read);
       }
       keep.add(run.id);
       order.push(row.tr);
