@@ -74,7 +74,7 @@ def attack_ids_never_reused(bench: Bench, tmp: Path) -> None:
         404,
         lambda: _late_batch(url, old, "late"),
     )
-    env = {"FP8SCOPE_TOKENS": TOKENS}
+    env = {"FP8SCOPE_TOKENS": TOKENS, "FP8SCOPE_CLOSE_AFTER_SECONDS": "0"}  # as the first (abuse.py)
     with ServerProcess(bench.server.db_url, log_path=tmp / "second.log", env=env).start(60) as second:
         # the second instance caches the old run's meta as it takes its first batch
         old, new = _deleted_then_registered(url, second.url, "cached elsewhere")

@@ -31,15 +31,21 @@ pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
 
 # The fused LayerNorm / GELU / softmax of a compiled graph may round a last float32 bit differently from the
 # eager kernels, and an FP8 rounding downstream can turn that bit into one FP8 step of one element. In the
-# library test the first steps' amaxes agree to float32 ulps (measured: at most 3e-6 relative in the first
-# three steps). The losses differ more: fp8-train's first loss by 1.4e-5 (measured), and after an update more
-# again, since AdamW's first update moves every weight by +-lr whatever its gradient's size, so a near-zero
-# gradient whose sign such a flip changes moves its weight by 2 lr (measured: 2.7e-4 in fp8-train's second
-# step at lr 1e-3). Once the weights differ, a gradient's largest element may move by up to one FP8 step
-# (measured: 1.2% in the fourth step).
+# library test the first steps' amaxes agree to float32 ulps (measured on one machine: at most 3e-6
+# relative in the first three steps). The losses differ more: fp8-train's first loss by 1.4e-5 (measured),
+# and after an update more again, since AdamW's first update moves every weight by +-lr whatever its
+# gradient's size, so a near-zero gradient whose sign such a flip changes moves its weight by 2 lr
+# (measured: 2.7e-4 in fp8-train's second step at lr 1e-3). Once the weights differ, a gradient's largest
+# element may move by up to one FP8 step (measured: 1.2% in the fourth step).
+#
+# Current scaling takes each tensor's scale from its own amax in the same step, so the ulp by which a
+# compiled step's amax may differ moves that step's scale, and with it the FP8 rounding of the elements
+# lying next to a rounding boundary: its first update may already differ. Measured on another machine: step
+# 0's 24 amaxes within 1.7e-7, one of step 1's off by 0.2% (0.0023973 against 0.0024025). Delayed
+# scaling quantizes step 0 with the history's scales, the same in both models: its steps 0 and 1 agree.
 LOSS_RTOL = 2e-3
 AMAX_RTOL = 1e-5  # the first EXACT_STEPS steps
-EXACT_STEPS = 2
+EXACT_STEPS = 2  # delayed scaling; current scaling: 1 (above)
 E5M2_STEP = 0.25  # later steps: an E5M2 value's relative spacing is at most 2^-2
 AMAX, SCALE, NONFINITE, NUMEL = 0, 1, 4, 5  # fp8_protocol.stats.STAT_COLUMNS
 
@@ -147,7 +153,7 @@ def test_inductor_compiles_once_and_trains_as_eager(dynamo, recipe_cls):
         model, torch.compile(model, fullgraph=True), 4, recipe,
         after_step=lambda s: graphs_after.append(_graphs()),
     )  # fmt: skip
-    _same_training(eager, compiled)
+    _same_training(eager, compiled, exact_steps=1 if recipe_cls is CurrentScaling else EXACT_STEPS)
     assert graphs_after == [1] * 4, graphs_after
     assert not _break_reasons()
 
