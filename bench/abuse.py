@@ -81,6 +81,7 @@ from bench.abuse_harness import (  # noqa: E402  (the parts of this benchmark)
     HEADER,
     HEADER_TIMEOUT_S,
     INGEST_LATENCY,
+    KEEP_IDLE_RUNS,
     PG_URL,
     TOKENS,
     Bench,
@@ -95,10 +96,11 @@ from tests.support.server import ServerProcess, fresh_pg_database  # noqa: E402 
 def servers(db_url: str, open_db_url: str, tmp: Path) -> Iterator[tuple[ServerProcess, ServerProcess]]:
     """A server with the bench's tokens and one without any (the open-server attacks), both with the short
     read timeout the slow-client attacks wait for."""
-    env = {"FP8SCOPE_HEADER_TIMEOUT_SECONDS": str(HEADER_TIMEOUT_S), "FP8SCOPE_SSE_KEEPALIVE_SECONDS": "1"}
-    # the upkeep would close the bench's idle runs as crashed once the stall period (300 s) has passed, which
-    # a slow machine's bench outlasts: an attack's "stored" comparison would see the server's own change
-    env["FP8SCOPE_CLOSE_AFTER_SECONDS"] = "0"
+    env = {
+        "FP8SCOPE_HEADER_TIMEOUT_SECONDS": str(HEADER_TIMEOUT_S),
+        "FP8SCOPE_SSE_KEEPALIVE_SECONDS": "1",
+        **KEEP_IDLE_RUNS,
+    }
     guarded = ServerProcess(
         db_url, log_path=tmp / "guarded.log", env={**env, "FP8SCOPE_TOKENS": TOKENS}
     ).start(60)

@@ -22,6 +22,7 @@ from bench.abuse_exports import attack_export_cut_off, attack_export_memory
 from bench.abuse_harness import (
     API,
     JSON_TRAINER,
+    KEEP_IDLE_RUNS,
     MIB,
     OPS,
     ROUND_TWO_GOAL_S,
@@ -74,7 +75,7 @@ def attack_ids_never_reused(bench: Bench, tmp: Path) -> None:
         404,
         lambda: _late_batch(url, old, "late"),
     )
-    env = {"FP8SCOPE_TOKENS": TOKENS, "FP8SCOPE_CLOSE_AFTER_SECONDS": "0"}  # as the first (abuse.py)
+    env = {"FP8SCOPE_TOKENS": TOKENS, **KEEP_IDLE_RUNS}
     with ServerProcess(bench.server.db_url, log_path=tmp / "second.log", env=env).start(60) as second:
         # the second instance caches the old run's meta as it takes its first batch
         old, new = _deleted_then_registered(url, second.url, "cached elsewhere")
