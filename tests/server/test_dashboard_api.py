@@ -129,9 +129,11 @@ def test_all_runs_stream(tmp_path):
         assert step[1]["run_id"] == old and step[1]["loss"] == 2.25
         alert = _wait_for(events, lambda e: e[0] == "alert")
         assert alert[1]["run_id"] == old and alert[1]["kind"] == "nonfinite"
-        assert loopback.patch(f"{server.url}{API}/runs/{new}", json={"status": "finished"}).status_code == 200
+        change = {"status": "finished", "tags": ["b", "a"]}
+        assert loopback.patch(f"{server.url}{API}/runs/{new}", json=change).status_code == 200
         status = _wait_for(events, lambda e: e[0] == "run" and e[1].get("status") == "finished")
-        assert status[1]["run_id"] == new
+        # a change names what a page shows of the run: its name and tags as stored
+        assert status[1]["run_id"] == new and status[1]["name"] == "new" and status[1]["tags"] == ["a", "b"]
         # the run pre-dating the connection was not announced as new; commands stay on the run stream
         assert not [e for e in events if e[0] == "run" and e[1]["run_id"] == old]
         loopback.post(f"{server.url}{API}/runs/{old}/commands", json={"changes": {"margin": 1}})

@@ -4,6 +4,8 @@ layers table that agrees with the alerts."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -173,4 +175,64 @@ def test_layers_table_agrees_with_an_alert_before_the_ranking_catches_up(server,
         "#layers-table tbody tr", "r => [r.cells[0].textContent, r.cells[1].textContent]"
     )
     assert first == ["blocks.1.mlp.fc", "critical"]  # worst first
+    no_page_errors(page)
+
+
+#: counts, per URL, the JSON answers the page has read (the page's code runs on after the count, in the
+#: same task: a condition on the count waits until an answer has been handled)
+COUNT_JSON_READS = """
+window.jsonReads = {};
+const json = Response.prototype.json;
+Response.prototype.json = function () {
+  const url = new URL(this.url).pathname;
+  return json.call(this).then((v) => {
+    window.jsonReads[url] = (window.jsonReads[url] || 0) + 1;
+    return v;
+  });
+};
+"""
+
+
+def test_a_run_read_older_than_a_save_does_not_undo_it(server, page):
+    """A read of the run in flight while the user saves a new name and tags (the stream announced a change
+    by someone else) lands after the save and after the page's next read: the header keeps what was saved."""
+    rid = create_run(server.url, "before", 2, tags=["old"])["id"]
+    path = f"{API}/runs/{rid}"
+    page.add_init_script(COUNT_JSON_READS)
+    open_run(page, server.url, rid)
+    reads = "p => window.jsonReads[p] || 0"
+    page.wait_for_function(f"p => ({reads})(p) >= 2", arg=path)  # the first load, the stream's opening
+
+    held = []  # (route, the service's answer at the time)
+
+    def hold_first(route):
+        if held:
+            route.continue_()
+        else:
+            held.append((route, route.fetch()))
+
+    def a_run_read(url):
+        return url.endswith(path)
+
+    page.route(a_run_read, hold_first)
+    # someone else retags the run: the stream's "run" event has the page read it again
+    assert loopback.patch(f"{server.url}{path}", json={"tags": ["other"]}).status_code == 200
+    deadline = time.monotonic() + 15
+    while not held:  # the route handler runs while Playwright is called
+        assert time.monotonic() < deadline, "the run was not read again after someone else changed it"
+        page.wait_for_timeout(20)
+
+    page.fill("#run-rename", "after")
+    page.fill("#run-tags", "saved")
+    page.click("#run-save")
+    # the save's answer, then the read its own "run" event started, are in
+    page.wait_for_function(f"p => ({reads})(p) >= 4", arg=path)
+    assert page.text_content("#run-name") == "after"
+    before = page.evaluate(reads, path)
+    route, answer = held[0]
+    route.fulfill(response=answer)
+    page.wait_for_function(f"([p, n]) => ({reads})(p) > n", arg=[path, before])
+    assert page.text_content("#run-name") == "after"
+    assert page.eval_on_selector_all("#run-tags-list .tag", "ts => ts.map(t => t.textContent)") == ["saved"]
+    page.unroute(a_run_read)
     no_page_errors(page)

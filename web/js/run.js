@@ -82,7 +82,7 @@ function buildPanels(container, page, store, { incident, metric, timing }) {
   page.curves = new Curves(nodes.curves, runId, timing.onDrawn, timing.firstPaint("curves"),
     (loss) => page.verdict.setLoss(loss.steps, loss.values));
   page.scalars = new Scalars(nodes.scalars, runId);
-  page.config = new ConfigPanel(nodes.config, runId, (run) => store.set("run", run));
+  page.config = new ConfigPanel(nodes.config, runId, (run) => store.setRun(run));
   page.heatmap = new Heatmap(nodes.heat, { runId, metric, onDrawn: timing.onDrawn, firstPaint: timing.firstPaint("heatmap") });
   page.layers = new Layers(nodes.layers, store, (layer) => openDrillDown(nodes.drill, runId, layer));
   page.post = new PostMortem(nodes.post, runId, page.heatmap);
@@ -247,7 +247,7 @@ function followRun(store, page, refresh) {
       refresh.curves();
     },
     run(d) {
-      store.set("run", { ...store.get("run"), ...(d.status ? { status: d.status } : {}), ...(d.name ? { name: d.name } : {}) });
+      store.setRun({ ...store.get("run"), ...(d.status ? { status: d.status } : {}), ...(d.name ? { name: d.name } : {}), ...(d.tags ? { tags: d.tags } : {}) });
       refresh.run(); // tags, scalar names
     },
   };

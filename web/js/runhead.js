@@ -48,7 +48,7 @@ export class RunHeader {
       this.downloads,
     );
     // run notes (web/js/notes.js): shown and edited under the verdict, the editor kept across its redraws
-    mountNotes(this.notesHost, r, (run) => this.store.set("run", run));
+    mountNotes(this.notesHost, r, (run) => this.store.setRun(run));
   }
 
   /** A live step `d` from the stream: the run's last step, loss and steps stored follow it (in the store's

@@ -83,6 +83,7 @@ export class RunStore extends Store {
     super({ run: null, tensors: null, events: [], incidents: null, alerts: [], nonfinite: [], layers: null, commands: new Map() });
     this.runId = runId;
     this.tensorsRequest = null;
+    this.runReads = 0; // reads of the run and changes to it, numbered as they start (see loadRun)
     this.incidentsLoaded = false; // a load of the incidents has succeeded (live ones alone do not count)
     this.nonfiniteLoaded = false;
   }
@@ -104,11 +105,22 @@ export class RunStore extends Store {
     return this.tensorsRequest;
   }
 
-  /** GET /runs/{id}; failures are recorded and rethrown. An answer older than the steps the stream has
-   * brought meanwhile keeps their last step, loss and count (the header does not step back). */
+  /** The run as a change the page made or was told of (a save's answer, the stream's "run" event): a read of
+   * the run that started before it no longer replaces it. */
+  setRun(run) {
+    this.runReads += 1;
+    this.set("run", run);
+  }
+
+  /** GET /runs/{id}; failures are recorded and rethrown; resolves to the page's run. Reads are numbered as
+   * they start: an answer that a later read or a change (`setRun`) overtook is dropped (a read in flight
+   * during a rename put the old name and tags back). An answer older than the steps the stream has brought
+   * meanwhile keeps their last step, loss and count (the header does not step back). */
   async loadRun() {
+    const read = ++this.runReads;
     try {
       const run = await api(`/runs/${this.runId}`);
+      if (read !== this.runReads) return this.state.run;
       const known = this.state.run;
       if (known && known.id === run.id && known.last_step !== null && !(run.last_step >= known.last_step)) {
         Object.assign(run, { last_step: known.last_step, last_loss: known.last_loss, steps_stored: known.steps_stored });

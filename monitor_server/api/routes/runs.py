@@ -264,7 +264,8 @@ def update_run(run_id: RunId, body: RunUpdate, ctx: CtxDep, principal: RunWriteD
         ended = run_admin.update_run(session, run, body=body, now=utcnow())
         ended_public = [command_public(c) for c in ended]
         result = _public(session, run)
-    ctx.broker.publish(run_id, "run", {"id": run_id, "status": result.status, "name": result.name})
+    changed = {"id": run_id, "status": result.status, "name": result.name, "tags": result.tags}
+    ctx.broker.publish(run_id, "run", changed)
     for command in ended_public:
         ctx.broker.publish(run_id, "command", command)
     if body.status is not None and body.status != "running":  # a finished run's caches go now
