@@ -44,6 +44,36 @@ def open_run(page: Any, url: str, run_id: int | str, *, stream: bool = True) -> 
         wait_stream(page, f"/runs/{run_id}/stream")
 
 
+#: counts, per path, the JSON answers the page has read; the page's code that awaited one runs on in the same
+#: task as the count, so a condition on the count waits until an answer has been handled
+_COUNT_JSON_READS = """
+window.jsonReads = {};
+const json = Response.prototype.json;
+Response.prototype.json = function () {
+  const path = new URL(this.url).pathname;
+  return json.call(this).then((v) => {
+    window.jsonReads[path] = (window.jsonReads[path] || 0) + 1;
+    return v;
+  });
+};
+"""
+
+
+def count_json_reads(page: Any) -> None:
+    """From the page's next load on, count the JSON answers it reads, per path (`json_reads`)."""
+    page.add_init_script(_COUNT_JSON_READS)
+
+
+def json_reads(page: Any, path: str) -> int:
+    """How many JSON answers from `path` (e.g. "/api/v1/runs/3") the page has read and handled."""
+    return int(page.evaluate("p => window.jsonReads[p] || 0", path))
+
+
+def wait_json_reads(page: Any, path: str, n: int, timeout: float = 15_000) -> None:
+    """Wait until the page has read and handled `n` JSON answers from `path`."""
+    page.wait_for_function("([p, n]) => (window.jsonReads[p] || 0) >= n", arg=[path, n], timeout=timeout)
+
+
 def no_page_errors(page: Any) -> None:
     """Assert the page raised nothing (console errors for failed fetches of a 401 excepted by callers)."""
     assert not page.probe.errors, page.probe.errors

@@ -4,11 +4,20 @@ incident; acknowledging one incident or all of them acknowledges their alerts.""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.support.http import loopback
 from tests.support.server import API
-from tests.web.browser import no_page_errors, open_run, wait_drawn
+from tests.web.browser import (
+    count_json_reads,
+    json_reads,
+    no_page_errors,
+    open_run,
+    wait_drawn,
+    wait_json_reads,
+)
 from tests.web.dashboard_data import create_run, post_steps, smooth_stats
 
 pytestmark = pytest.mark.slow  # a real browser and server: several seconds each
@@ -105,4 +114,52 @@ def test_runs_list_counts_incidents(server, page):
     cell = f"#runs-table tr[data-run-id='{rid}'] td.alerts"
     page.wait_for_selector(cell)
     assert page.text_content(cell) == "1" and page.get_attribute(cell, "title") == "12 open alerts"
+    no_page_errors(page)
+
+
+def test_a_read_answered_after_a_later_acknowledgement_does_not_undo_it(server, page):
+    """Two incidents acknowledged one after the other: the re-read after the first is answered after the
+    second was shown acknowledged (it read the second still open). Both stay acknowledged."""
+    rid = nan_run(server.url)
+    later = smooth_stats(3, 3 * N_LAYERS)
+    later["overflow"][1, 4] = 0.5 * 4096  # a second incident: blocks.1's weight saturates at step 201
+    post_steps(server.url, rid, "b", 200, later)
+    path = f"{API}/runs/{rid}/incidents"
+    count_json_reads(page)
+    open_run(page, server.url, rid)
+    page.wait_for_function("() => document.querySelectorAll('#incidents-list li.incident').length === 2")
+    second, first = incident_ids(page)
+
+    held = []  # (route, the service's answer at the time)
+
+    def hold_first(route):
+        if held:
+            route.continue_()
+        else:
+            held.append((route, route.fetch()))
+
+    def an_incidents_read(url):
+        return f"{path}?" in url
+
+    page.route(an_incidents_read, hold_first)
+    page.click(f"#incidents-list li[data-incident-id='{first}'] button.ack-incident")
+    deadline = time.monotonic() + 15
+    while not held:  # the route handler runs while Playwright is called
+        assert time.monotonic() < deadline, "the incidents were not read again after an acknowledgement"
+        page.wait_for_timeout(20)
+    page.click(f"#incidents-list li[data-incident-id='{second}'] button.ack-incident")
+    both = (
+        "() => [...document.querySelectorAll('#incidents-list li.incident')]"
+        ".every(li => li.dataset.state === 'acknowledged')"
+    )
+    page.wait_for_function(both)
+    before = json_reads(page, path)
+    route, answer = held[0]
+    route.fulfill(response=answer)  # read before the second acknowledgement: the second incident open
+    wait_json_reads(page, path, before + 1)
+    assert page.evaluate(both)
+    states = page.eval_on_selector_all("#incidents-list li.alert", "lis => lis.map(li => li.dataset.state)")
+    assert len(states) == 13 and set(states) == {"acknowledged"}
+    assert page.is_disabled("#ack-all")
+    page.unroute(an_incidents_read)
     no_page_errors(page)

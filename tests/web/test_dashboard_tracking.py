@@ -11,7 +11,7 @@ import pytest
 
 from tests.support.http import loopback
 from tests.support.server import API
-from tests.web.browser import no_page_errors, open_run
+from tests.web.browser import count_json_reads, json_reads, no_page_errors, open_run, wait_json_reads
 from tests.web.dashboard_data import create_run, post_steps, smooth_stats
 
 pytestmark = pytest.mark.slow  # a real browser and server: several seconds each
@@ -178,30 +178,14 @@ def test_layers_table_agrees_with_an_alert_before_the_ranking_catches_up(server,
     no_page_errors(page)
 
 
-#: counts, per URL, the JSON answers the page has read (the page's code runs on after the count, in the
-#: same task: a condition on the count waits until an answer has been handled)
-COUNT_JSON_READS = """
-window.jsonReads = {};
-const json = Response.prototype.json;
-Response.prototype.json = function () {
-  const url = new URL(this.url).pathname;
-  return json.call(this).then((v) => {
-    window.jsonReads[url] = (window.jsonReads[url] || 0) + 1;
-    return v;
-  });
-};
-"""
-
-
 def test_a_run_read_older_than_a_save_does_not_undo_it(server, page):
     """A read of the run in flight while the user saves a new name and tags (the stream announced a change
     by someone else) lands after the save and after the page's next read: the header keeps what was saved."""
     rid = create_run(server.url, "before", 2, tags=["old"])["id"]
     path = f"{API}/runs/{rid}"
-    page.add_init_script(COUNT_JSON_READS)
+    count_json_reads(page)
     open_run(page, server.url, rid)
-    reads = "p => window.jsonReads[p] || 0"
-    page.wait_for_function(f"p => ({reads})(p) >= 2", arg=path)  # the first load, the stream's opening
+    wait_json_reads(page, path, 2)  # the first load, the stream's opening
 
     held = []  # (route, the service's answer at the time)
 
@@ -226,12 +210,12 @@ def test_a_run_read_older_than_a_save_does_not_undo_it(server, page):
     page.fill("#run-tags", "saved")
     page.click("#run-save")
     # the save's answer, then the read its own "run" event started, are in
-    page.wait_for_function(f"p => ({reads})(p) >= 4", arg=path)
+    wait_json_reads(page, path, 4)
     assert page.text_content("#run-name") == "after"
-    before = page.evaluate(reads, path)
+    before = json_reads(page, path)
     route, answer = held[0]
     route.fulfill(response=answer)
-    page.wait_for_function(f"([p, n]) => ({reads})(p) > n", arg=[path, before])
+    wait_json_reads(page, path, before + 1)
     assert page.text_content("#run-name") == "after"
     assert page.eval_on_selector_all("#run-tags-list .tag", "ts => ts.map(t => t.textContent)") == ["saved"]
     page.unroute(a_run_read)

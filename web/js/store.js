@@ -16,6 +16,16 @@ const openThenNewest = (a, b) => (a.state === b.state ? b.id - a.id : a.state ==
 const ALERTS_LIMIT = 500; // the alerts a refresh reads (newest first)
 const INCIDENTS_LIMIT = 200;
 
+/** A list `read` from the service merged with the copies the page holds (`known`): a known copy updated later
+ * than the read's (`updated_at`) is kept, as is one the read does not list (it came after the read). */
+function newerCopies(read, known) {
+  const knownById = new Map(known.map((x) => [x.id, x]));
+  const newer = (k, x) => k !== undefined && Date.parse(k.updated_at) > Date.parse(x.updated_at);
+  const merged = read.map((x) => (newer(knownById.get(x.id), x) ? knownById.get(x.id) : x));
+  const listed = new Set(read.map((x) => x.id));
+  return merged.concat(known.filter((k) => !listed.has(k.id)));
+}
+
 /** A page's state: named values, each with the error of its last failed request, and the functions to call
  * when one changes. Every view creates one; its panels render from it. */
 export class Store {
@@ -163,7 +173,12 @@ export class RunStore extends Store {
       return;
     }
     this.incidentsLoaded = true;
-    this.setAll({ incidents: incidents.sort(openThenNewest), alerts: alerts.sort(newestFirst) });
+    // a read is not the last word: an acknowledgement's answer or the stream may have brought a later copy
+    // meanwhile (two quick acknowledgements: the first one's read answered after the second was shown)
+    this.setAll({
+      incidents: newerCopies(incidents, this.state.incidents || []).sort(openThenNewest),
+      alerts: newerCopies(alerts, this.state.alerts || []).sort(newestFirst),
+    });
     if (alerts.length >= ALERTS_LIMIT && !this.nonfiniteLoaded) await this.loadNonfinite();
   }
 
