@@ -3,6 +3,7 @@ the tests wait for on a page."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 CHROMIUM = "/usr/bin/chromium"
@@ -72,6 +73,35 @@ def json_reads(page: Any, path: str) -> int:
 def wait_json_reads(page: Any, path: str, n: int, timeout: float = 15_000) -> None:
     """Wait until the page has read and handled `n` JSON answers from `path`."""
     page.wait_for_function("([p, n]) => (window.jsonReads[p] || 0) >= n", arg=[path, n], timeout=timeout)
+
+
+class FirstReadHeld:
+    """Holds the page's first request whose URL `matches`: the service answers it at once (what it held at
+    that moment) and the page gets that answer only at `release()`; later requests go through."""
+
+    def __init__(self, page: Any, matches: Any):
+        self.page, self.matches = page, matches
+        self.held: list[tuple[Any, Any]] = []  # (route, the service's answer)
+        page.route(matches, self._route)
+
+    def _route(self, route: Any) -> None:
+        if self.held:
+            route.continue_()
+        else:
+            self.held.append((route, route.fetch()))
+
+    def wait(self, what: str, timeout_s: float = 15.0) -> None:
+        """Wait until a request is held (`what`: the failure's message)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.held:  # the route handler runs while Playwright is called
+            assert time.monotonic() < deadline, what
+            self.page.wait_for_timeout(20)
+
+    def release(self) -> None:
+        """Hand the held answer to the page; stop holding."""
+        route, answer = self.held[0]
+        route.fulfill(response=answer)
+        self.page.unroute(self.matches)
 
 
 def no_page_errors(page: Any) -> None:

@@ -4,13 +4,12 @@ incident; acknowledging one incident or all of them acknowledges their alerts.""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from tests.support.http import loopback
 from tests.support.server import API
 from tests.web.browser import (
+    FirstReadHeld,
     count_json_reads,
     json_reads,
     no_page_errors,
@@ -130,23 +129,9 @@ def test_a_read_answered_after_a_later_acknowledgement_does_not_undo_it(server, 
     page.wait_for_function("() => document.querySelectorAll('#incidents-list li.incident').length === 2")
     second, first = incident_ids(page)
 
-    held = []  # (route, the service's answer at the time)
-
-    def hold_first(route):
-        if held:
-            route.continue_()
-        else:
-            held.append((route, route.fetch()))
-
-    def an_incidents_read(url):
-        return f"{path}?" in url
-
-    page.route(an_incidents_read, hold_first)
+    held = FirstReadHeld(page, lambda url: f"{path}?" in url)
     page.click(f"#incidents-list li[data-incident-id='{first}'] button.ack-incident")
-    deadline = time.monotonic() + 15
-    while not held:  # the route handler runs while Playwright is called
-        assert time.monotonic() < deadline, "the incidents were not read again after an acknowledgement"
-        page.wait_for_timeout(20)
+    held.wait("the incidents were not read again after an acknowledgement")
     page.click(f"#incidents-list li[data-incident-id='{second}'] button.ack-incident")
     both = (
         "() => [...document.querySelectorAll('#incidents-list li.incident')]"
@@ -154,12 +139,10 @@ def test_a_read_answered_after_a_later_acknowledgement_does_not_undo_it(server, 
     )
     page.wait_for_function(both)
     before = json_reads(page, path)
-    route, answer = held[0]
-    route.fulfill(response=answer)  # read before the second acknowledgement: the second incident open
+    held.release()  # read before the second acknowledgement: the second incident open
     wait_json_reads(page, path, before + 1)
     assert page.evaluate(both)
     states = page.eval_on_selector_all("#incidents-list li.alert", "lis => lis.map(li => li.dataset.state)")
     assert len(states) == 13 and set(states) == {"acknowledged"}
     assert page.is_disabled("#ack-all")
-    page.unroute(an_incidents_read)
     no_page_errors(page)

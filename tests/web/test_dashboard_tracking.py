@@ -4,14 +4,19 @@ layers table that agrees with the alerts."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
 from tests.support.http import loopback
 from tests.support.server import API
-from tests.web.browser import count_json_reads, json_reads, no_page_errors, open_run, wait_json_reads
+from tests.web.browser import (
+    FirstReadHeld,
+    count_json_reads,
+    json_reads,
+    no_page_errors,
+    open_run,
+    wait_json_reads,
+)
 from tests.web.dashboard_data import create_run, post_steps, smooth_stats
 
 pytestmark = pytest.mark.slow  # a real browser and server: several seconds each
@@ -187,24 +192,10 @@ def test_a_run_read_older_than_a_save_does_not_undo_it(server, page):
     open_run(page, server.url, rid)
     wait_json_reads(page, path, 2)  # the first load, the stream's opening
 
-    held = []  # (route, the service's answer at the time)
-
-    def hold_first(route):
-        if held:
-            route.continue_()
-        else:
-            held.append((route, route.fetch()))
-
-    def a_run_read(url):
-        return url.endswith(path)
-
-    page.route(a_run_read, hold_first)
+    held = FirstReadHeld(page, lambda url: url.endswith(path))
     # someone else retags the run: the stream's "run" event has the page read it again
     assert loopback.patch(f"{server.url}{path}", json={"tags": ["other"]}).status_code == 200
-    deadline = time.monotonic() + 15
-    while not held:  # the route handler runs while Playwright is called
-        assert time.monotonic() < deadline, "the run was not read again after someone else changed it"
-        page.wait_for_timeout(20)
+    held.wait("the run was not read again after someone else changed it")
 
     page.fill("#run-rename", "after")
     page.fill("#run-tags", "saved")
@@ -213,10 +204,8 @@ def test_a_run_read_older_than_a_save_does_not_undo_it(server, page):
     wait_json_reads(page, path, 4)
     assert page.text_content("#run-name") == "after"
     before = json_reads(page, path)
-    route, answer = held[0]
-    route.fulfill(response=answer)
+    held.release()
     wait_json_reads(page, path, before + 1)
     assert page.text_content("#run-name") == "after"
     assert page.eval_on_selector_all("#run-tags-list .tag", "ts => ts.map(t => t.textContent)") == ["saved"]
-    page.unroute(a_run_read)
     no_page_errors(page)
